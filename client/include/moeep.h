@@ -1,0 +1,145 @@
+/* libmoeep: the client side of moeep, expert-parallel communication for
+ * Mixture-of-Experts inference.
+ *
+ * Conventions: every function that can fail returns 0 (or a count) on
+ * success and a negative errno value on failure; output parameters are named
+ * ret_* and are written only on success. Objects are opaque. A client handle
+ * is not thread-safe: use it from one thread at a time (two clients in one
+ * process are independent). The text of the last error of a handle is
+ * available from moeep_client_error() / moeep_ep_error().
+ */
+#ifndef MOEEP_H
+#define MOEEP_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define MOEEP_UNIQUE_ID_BYTES 128
+#define MOEEP_MAX_RANKS 8
+#define MOEEP_CONTROL_PAGE_SIZE 4096
+#define MOEEP_CONTROL_PAGE_MAGIC 0x4c525443u /* "CTRL" */
+
+/* ------------------------------------------------------------------ control plane */
+
+struct moeep_client;
+
+/* Opaque bytes naming a job and holding its secret. Rank 0 gets it from
+ * moeep_job_create() and broadcasts it (e.g. with torch.distributed); never
+ * log it. */
+struct moeep_unique_id {
+        unsigned char bytes[MOEEP_UNIQUE_ID_BYTES];
+};
+
+enum moeep_region_kind {
+        MOEEP_REGION_CUMEM_FD = 1, /* cuMemExportToShareableHandle(POSIX_FILE_DESCRIPTOR) */
+        MOEEP_REGION_DMABUF = 2,   /* cuMemGetHandleForAddressRange(DMA_BUF_FD) */
+        MOEEP_REGION_MEMFD = 3,    /* memfd_create(), host memory */
+};
+
+/* A region another rank registered. `fd` belongs to the caller once
+ * returned; moeep_regions_free() closes the fds still >= 0. */
+struct moeep_region {
+        int rank;
+        uint32_t tag;
+        enum moeep_region_kind kind;
+        uint64_t size;
+        uint64_t id;
+        int fd;
+};
+
+enum moeep_event_type {
+        MOEEP_EVENT_PEER_LOST = 1, /* a rank of our job died; the job is aborted */
+        MOEEP_EVENT_SHUTDOWN = 2,  /* the daemon is going away */
+};
+
+struct moeep_event {
+        enum moeep_event_type type;
+        uint64_t job_id;
+        int rank;         /* the lost rank, for MOEEP_EVENT_PEER_LOST */
+        char reason[128];
+};
+
+/* Layout of the job's control page, a sealed memfd the daemon shares with
+ * every rank at join (read-only for clients). Kernels poll `abort` inside
+ * every spin-wait (the page is cudaHostRegister'ed by the data plane). */
+struct moeep_control_page {
+        uint32_t magic;     /* MOEEP_CONTROL_PAGE_MAGIC */
+        uint32_t version;   /* 1 */
+        uint32_t abort;     /* 0 while the job is healthy; set to 1 by the daemon */
+        int32_t lost_rank;  /* the first rank lost, -1 while none */
+        uint64_t job_id;
+};
+
+/* Connects to moeepd and says Hello. `socket_path` NULL means $MOEEP_SOCKET,
+ * or /run/moeep/moeepd.sock when that is unset. -ENOENT / -ECONNREFUSED when
+ * no daemon listens there, -EPROTONOSUPPORT on a protocol major mismatch. */
+int moeep_connect(const char *socket_path, struct moeep_client **ret_client);
+
+/* Closes the connection (leaving the job implicitly) and frees everything,
+ * including mapped control pages. Accepts NULL. */
+void moeep_client_free(struct moeep_client *client);
+
+/* Text of the last error on this handle ("" when none). Valid until the
+ * next call on the handle. */
+const char *moeep_client_error(const struct moeep_client *client);
+
+/* The socket, for callers that want to poll for events. */
+int moeep_client_fd(const struct moeep_client *client);
+
+/* Creates a job of `world_size` ranks (1..MOEEP_MAX_RANKS) named `name`
+ * (1..64 printable bytes). The caller still joins it as a rank. */
+int moeep_job_create(struct moeep_client *client, const char *name, int world_size,
+                     struct moeep_unique_id *ret_id);
+
+/* Joins the job as `rank`. `gpu_uuid` may be NULL. On success the control
+ * page is mapped (moeep_job_control_page()). Errors: -EACCES wrong secret,
+ * -ENOENT no such job, -ERANGE rank out of range, -EEXIST rank taken,
+ * -EINVAL world size mismatch or bad argument, -EISCONN already in a job. */
+int moeep_job_join(struct moeep_client *client, const struct moeep_unique_id *id, int rank,
+                   int world_size, const char *gpu_uuid);
+
+/* Leaves the job; our regions go away at the daemon. */
+int moeep_job_leave(struct moeep_client *client);
+
+/* Blocks until every rank of the job entered the barrier. -ENOTCONN when a
+ * rank was lost (moeep_client_error() names it). */
+int moeep_job_barrier(struct moeep_client *client);
+
+/* This session's job, rank and world size; -ENOTCONN when not in a job. */
+int moeep_job_info(const struct moeep_client *client, uint64_t *ret_job_id, int *ret_rank,
+                   int *ret_world_size);
+
+/* The job's control page (NULL when not in a job). */
+const volatile struct moeep_control_page *moeep_job_control_page(const struct moeep_client *client);
+
+/* Registers a memory region with the job. `fd` stays owned by the caller
+ * (the daemon keeps its own duplicate). */
+int moeep_region_register(struct moeep_client *client, int fd, enum moeep_region_kind kind,
+                          uint64_t size, uint32_t tag, uint64_t *ret_region_id);
+
+/* Fetches the regions of `rank` (or of every other rank when rank == -1)
+ * with tag `tag` (or every tag when tag == -1). The caller owns the array
+ * and its fds; free with moeep_regions_free(). */
+int moeep_regions_fetch(struct moeep_client *client, int rank, int64_t tag,
+                        struct moeep_region **ret_regions, size_t *ret_count);
+
+/* Closes the fds still >= 0 and frees the array. Accepts NULL. */
+void moeep_regions_free(struct moeep_region *regions, size_t count);
+
+/* Returns 1 with the next queued or arriving event, 0 when none is pending
+ * (it does not block), or -errno (-ECONNRESET when the daemon is gone). */
+int moeep_event_next(struct moeep_client *client, struct moeep_event *ret_event);
+
+/* ------------------------------------------------------------------ data plane
+ *
+ * Declared in moeep_ep.h (needs the CUDA runtime headers for cudaStream_t). */
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

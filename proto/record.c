@@ -1,0 +1,275 @@
+/* Record framing shared by moeepd and libmoeep; see record.h. */
+#include <errno.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "record.h"
+
+int moeep_record_type_known(uint16_t type) {
+        switch (type) {
+        case MOEEP__V1__REQUEST__BODY_HELLO:
+        case MOEEP__V1__REQUEST__BODY_JOB_CREATE:
+        case MOEEP__V1__REQUEST__BODY_JOB_JOIN:
+        case MOEEP__V1__REQUEST__BODY_JOB_LEAVE:
+        case MOEEP__V1__REQUEST__BODY_BARRIER:
+        case MOEEP__V1__REQUEST__BODY_REGION_REGISTER:
+        case MOEEP__V1__REQUEST__BODY_REGIONS_FETCH:
+        case MOEEP__V1__REQUEST__BODY_STATUS_GET:
+        case MOEEP__V1__REQUEST__BODY_JOBS_LIST:
+        case MOEEP__V1__REQUEST__BODY_CLIENTS_LIST:
+        case MOEEP__V1__RESPONSE__BODY_ERROR:
+        case MOEEP__V1__RESPONSE__BODY_WELCOME:
+        case MOEEP__V1__RESPONSE__BODY_JOB_CREATED:
+        case MOEEP__V1__RESPONSE__BODY_JOB_JOINED:
+        case MOEEP__V1__RESPONSE__BODY_OK:
+        case MOEEP__V1__RESPONSE__BODY_REGION_REGISTERED:
+        case MOEEP__V1__RESPONSE__BODY_REGIONS:
+        case MOEEP__V1__RESPONSE__BODY_STATUS:
+        case MOEEP__V1__RESPONSE__BODY_JOBS:
+        case MOEEP__V1__RESPONSE__BODY_CLIENTS:
+        case MOEEP__V1__EVENT__BODY_PEER_LOST:
+        case MOEEP__V1__EVENT__BODY_SHUTDOWN:
+                return 1;
+        default:
+                return 0;
+        }
+}
+
+int moeep_record_fds_expected(uint16_t type) {
+        switch (type) {
+        case MOEEP__V1__REQUEST__BODY_REGION_REGISTER:
+        case MOEEP__V1__RESPONSE__BODY_JOB_JOINED:
+                return 1;
+        case MOEEP__V1__RESPONSE__BODY_REGIONS:
+                return -1;
+        default:
+                return 0;
+        }
+}
+
+int moeep_record_encode(uint8_t *buf, uint16_t type, uint64_t request_id, const ProtobufCMessage *msg,
+                        size_t nfds) {
+        size_t len = protobuf_c_message_get_packed_size(msg);
+        struct moeep_record_header hdr = {
+                .magic = MOEEP_RECORD_MAGIC,
+                .major = MOEEP_PROTOCOL_MAJOR,
+                .type = type,
+                .nfds = (uint16_t)nfds,
+                .length = (uint32_t)len,
+                .request_id = request_id,
+        };
+
+        if (len > MOEEP_RECORD_MAX - sizeof(hdr) || nfds > MOEEP_RECORD_MAX_FDS)
+                return -EMSGSIZE;
+        memcpy(buf, &hdr, sizeof(hdr));
+        protobuf_c_message_pack(msg, buf + sizeof(hdr));
+        return (int)(sizeof(hdr) + len);
+}
+
+int moeep_record_send_raw(int sock, const uint8_t *buf, size_t len, const int *fds, size_t nfds) {
+        union {
+                char buf[CMSG_SPACE(sizeof(int) * MOEEP_RECORD_MAX_FDS)];
+                struct cmsghdr align;
+        } control;
+        struct iovec iov = { .iov_base = (void *)buf, .iov_len = len };
+        struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1 };
+        ssize_t n;
+
+        if (nfds > MOEEP_RECORD_MAX_FDS)
+                return -EMSGSIZE;
+        if (nfds > 0) {
+                struct cmsghdr *c;
+
+                memset(&control, 0, sizeof(control));
+                mh.msg_control = control.buf;
+                mh.msg_controllen = CMSG_SPACE(sizeof(int) * nfds);
+                c = CMSG_FIRSTHDR(&mh);
+                c->cmsg_level = SOL_SOCKET;
+                c->cmsg_type = SCM_RIGHTS;
+                c->cmsg_len = CMSG_LEN(sizeof(int) * nfds);
+                memcpy(CMSG_DATA(c), fds, sizeof(int) * nfds);
+        }
+        do
+                n = sendmsg(sock, &mh, MSG_NOSIGNAL);
+        while (n < 0 && errno == EINTR);
+        if (n < 0)
+                return errno == EWOULDBLOCK ? -EAGAIN : -errno;
+        if ((size_t)n != len)
+                return -EIO; /* SOCK_SEQPACKET sends whole records or nothing */
+        return 0;
+}
+
+int moeep_record_send(int sock, uint16_t type, uint64_t request_id, const ProtobufCMessage *msg,
+                      const int *fds, size_t nfds) {
+        static _Thread_local uint8_t buf[MOEEP_RECORD_MAX];
+        int len = moeep_record_encode(buf, type, request_id, msg, nfds);
+
+        if (len < 0)
+                return len;
+        return moeep_record_send_raw(sock, buf, (size_t)len, fds, nfds);
+}
+
+static void close_fds(int *fds, size_t n) {
+        for (size_t i = 0; i < n; i++)
+                if (fds[i] >= 0) {
+                        close(fds[i]);
+                        fds[i] = -1;
+                }
+}
+
+void moeep_record_release(struct moeep_record *rec) {
+        if (!rec)
+                return;
+        close_fds(rec->fds, rec->nfds);
+        rec->nfds = 0;
+}
+
+/* Collects every descriptor of every SCM_RIGHTS message in `mh` into rec,
+ * closing the ones that do not fit. Returns -EBADMSG when some did not fit or
+ * a control message of another kind arrived. */
+static int collect_fds(struct msghdr *mh, struct moeep_record *rec) {
+        int r = 0;
+
+        for (struct cmsghdr *c = CMSG_FIRSTHDR(mh); c; c = CMSG_NXTHDR(mh, c)) {
+                size_t n;
+                int *data;
+
+                if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) {
+                        r = -EBADMSG;
+                        continue;
+                }
+                n = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+                data = (int *)CMSG_DATA(c);
+                for (size_t i = 0; i < n; i++) {
+                        int fd;
+
+                        memcpy(&fd, data + i, sizeof(fd));
+                        if (rec->nfds < MOEEP_RECORD_MAX_FDS)
+                                rec->fds[rec->nfds++] = fd;
+                        else {
+                                close(fd);
+                                r = -EBADMSG;
+                        }
+                }
+        }
+        return r;
+}
+
+int moeep_record_recv(int sock, struct moeep_record *rec, const char **ret_why) {
+        union {
+                char buf[CMSG_SPACE(sizeof(int) * MOEEP_RECORD_MAX_FDS)];
+                struct cmsghdr align;
+        } control;
+        struct iovec iov = { .iov_base = rec->buf, .iov_len = sizeof(rec->buf) };
+        struct msghdr mh = {
+                .msg_iov = &iov,
+                .msg_iovlen = 1,
+                .msg_control = control.buf,
+                .msg_controllen = sizeof(control.buf),
+        };
+        const char *why = NULL;
+        int expected, r;
+        ssize_t n;
+
+        rec->nfds = 0;
+        rec->payload = NULL;
+        do
+                n = recvmsg(sock, &mh, MSG_CMSG_CLOEXEC);
+        while (n < 0 && errno == EINTR);
+        if (n < 0)
+                return errno == EWOULDBLOCK ? -EAGAIN : -errno;
+        if (n == 0)
+                return -ECONNRESET;
+
+        r = collect_fds(&mh, rec);
+        if (r < 0 || (mh.msg_flags & MSG_CTRUNC)) {
+                why = "too many file descriptors or a foreign control message";
+                goto fail;
+        }
+        if (mh.msg_flags & MSG_TRUNC) {
+                why = "record longer than 64 KiB";
+                goto fail;
+        }
+        if ((size_t)n < sizeof(rec->hdr)) {
+                why = "record shorter than its header";
+                goto fail;
+        }
+        memcpy(&rec->hdr, rec->buf, sizeof(rec->hdr));
+        if (rec->hdr.magic != MOEEP_RECORD_MAGIC) {
+                why = "bad magic";
+                goto fail;
+        }
+        if (rec->hdr.major != MOEEP_PROTOCOL_MAJOR) {
+                why = "protocol major version differs";
+                moeep_record_release(rec);
+                if (ret_why)
+                        *ret_why = why;
+                return -EPROTONOSUPPORT;
+        }
+        if (rec->hdr.length != (size_t)n - sizeof(rec->hdr) || rec->hdr.reserved != 0) {
+                why = "length field does not match the record";
+                goto fail;
+        }
+        if (rec->hdr.nfds != rec->nfds) {
+                why = "descriptor count differs from the header";
+                goto fail;
+        }
+        if (!moeep_record_type_known(rec->hdr.type)) {
+                why = "unknown record type";
+                goto fail;
+        }
+        expected = moeep_record_fds_expected(rec->hdr.type);
+        if ((expected >= 0 && rec->nfds != (size_t)expected)) {
+                why = rec->nfds ? "descriptors on a record type that may not carry them"
+                                : "record type needs descriptors but carries none";
+                goto fail;
+        }
+        rec->payload = rec->buf + sizeof(rec->hdr);
+        return 0;
+
+fail:
+        moeep_record_release(rec);
+        if (ret_why)
+                *ret_why = why;
+        return -EBADMSG;
+}
+
+Moeep__V1__Request *moeep_record_decode_request(const struct moeep_record *rec) {
+        Moeep__V1__Request *m;
+
+        if (rec->hdr.type < MOEEP_TYPE_REQUEST_MIN || rec->hdr.type > MOEEP_TYPE_REQUEST_MAX)
+                return NULL;
+        m = moeep__v1__request__unpack(NULL, rec->hdr.length, rec->payload);
+        if (m && (unsigned)m->body_case != rec->hdr.type) {
+                moeep__v1__request__free_unpacked(m, NULL);
+                return NULL;
+        }
+        return m;
+}
+
+Moeep__V1__Response *moeep_record_decode_response(const struct moeep_record *rec) {
+        Moeep__V1__Response *m;
+
+        if (rec->hdr.type < MOEEP_TYPE_RESPONSE_MIN || rec->hdr.type > MOEEP_TYPE_RESPONSE_MAX)
+                return NULL;
+        m = moeep__v1__response__unpack(NULL, rec->hdr.length, rec->payload);
+        if (m && (unsigned)m->body_case != rec->hdr.type) {
+                moeep__v1__response__free_unpacked(m, NULL);
+                return NULL;
+        }
+        return m;
+}
+
+Moeep__V1__Event *moeep_record_decode_event(const struct moeep_record *rec) {
+        Moeep__V1__Event *m;
+
+        if (rec->hdr.type < MOEEP_TYPE_EVENT_MIN || rec->hdr.type > MOEEP_TYPE_EVENT_MAX)
+                return NULL;
+        m = moeep__v1__event__unpack(NULL, rec->hdr.length, rec->payload);
+        if (m && (unsigned)m->body_case != rec->hdr.type) {
+                moeep__v1__event__free_unpacked(m, NULL);
+                return NULL;
+        }
+        return m;
+}
