@@ -1,0 +1,77 @@
+/* Internal interface of libmoeep's control plane, shared by the library's
+ * other parts (the data plane), moeepctl and the client tests. Nothing here
+ * is exported from libmoeep.so (see libmoeep.map). */
+#ifndef MOEEP_CLIENT_INTERNAL_H
+#define MOEEP_CLIENT_INTERNAL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "moeep.h"
+#include "record.h"
+
+/* Events kept for moeep_event_next(); when the queue is full the oldest is
+ * dropped and counted (moeep_client_events_dropped()). */
+#define MOEEP_CLIENT_EVENT_QUEUE 64
+
+/* How long moeep_connect() waits for the daemon's Welcome before giving up,
+ * so that a socket nobody serves does not hang the caller. */
+#define MOEEP_CLIENT_HELLO_TIMEOUT_MS 10000
+
+/* Like moeep_connect(), but on failure copies the error text (which names
+ * the socket path and, when the daemon refused us, its message) into
+ * `errbuf` when that is not NULL. moeepctl uses it to explain failures. */
+int moeep_client_connect(const char *socket_path, struct moeep_client **ret_client, char *errbuf,
+                         size_t errlen);
+
+/* Sends `req` (its body case is the record type) with `fds` attached (they
+ * stay owned by the caller) and waits for the Response carrying the same
+ * request id; Events that arrive meanwhile are queued. The Response must be
+ * of body case `expect`: an Error response becomes the matching -errno
+ * (moeep_error_code_to_errno()) with the daemon's text as the handle's
+ * error, anything else is -EPROTO. On success *ret_resp is the decoded
+ * Response (free it with moeep__v1__response__free_unpacked(resp, NULL)) and
+ * the descriptors that came with it are left in the handle: see
+ * moeep_client_reply_fds().
+ *
+ * When the daemon closes the connection the call fails with -ECONNRESET, and
+ * so does every later call on the handle. */
+int moeep_client_call(struct moeep_client *client, const Moeep__V1__Request *req,
+                      Moeep__V1__Response__BodyCase expect, const int *fds, size_t nfds,
+                      Moeep__V1__Response **ret_resp);
+
+/* The descriptors received with the last successful moeep_client_call().
+ * The handle owns them: a caller that keeps one sets its slot to -1; the
+ * others are closed by the next call or by moeep_client_free(). */
+int *moeep_client_reply_fds(struct moeep_client *client, size_t *ret_nfds);
+
+/* Limits how long one call waits for the daemon's answer (SO_RCVTIMEO);
+ * 0 waits for ever, which is the default, since a barrier legitimately
+ * waits as long as the slowest rank. A call that times out fails with
+ * -ETIMEDOUT and leaves the handle unusable (its answer may still come). */
+int moeep_client_set_timeout(struct moeep_client *client, unsigned timeout_ms);
+
+/* Sets the handle's error text and returns `r` (a -errno), so that error
+ * paths read `return moeep_client_error_set(c, -EINVAL, "...", ...);`. */
+int moeep_client_error_set(struct moeep_client *client, int r, const char *fmt, ...)
+        __attribute__((format(printf, 3, 4)));
+
+/* Events dropped because the queue was full. */
+uint64_t moeep_client_events_dropped(const struct moeep_client *client);
+
+/* The socket path the handle connected to (after the $MOEEP_SOCKET /
+ * default resolution). */
+const char *moeep_client_socket_path(const struct moeep_client *client);
+
+/* Daemon's version string and the session id from Welcome. */
+const char *moeep_client_daemon_version(const struct moeep_client *client);
+uint64_t moeep_client_session_id(const struct moeep_client *client);
+
+/* Maps a daemon ErrorCode to a negative errno value; unknown codes (a newer
+ * daemon may add some) map to -EIO. */
+int moeep_error_code_to_errno(int code);
+
+/* Name of a daemon ErrorCode ("ERROR_RANK_TAKEN"), or "ERROR_UNKNOWN". */
+const char *moeep_error_code_to_string(int code);
+
+#endif

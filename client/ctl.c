@@ -1,0 +1,127 @@
+/* moeepctl: look at a running moeepd. One small file per subcommand; this
+ * one parses the global options, connects and dispatches. */
+#include <errno.h>
+#include <getopt.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ctl.h"
+#include "moeep-config.h"
+
+/* How long moeepctl waits for any answer: a stuck daemon must not hang an
+ * operator's shell. */
+#define CTL_TIMEOUT_MS 10000
+
+static const struct ctl_subcommand subcommands[] = {
+        { "status", "daemon version, protocol, uptime, pid, sessions and jobs", ctl_status },
+        { "jobs", "jobs: id, name, world size, joined ranks, state, owner", ctl_jobs },
+        { "clients", "sessions: pid, uid, job, rank, GPU, state, name, regions", ctl_clients },
+};
+
+static void usage(FILE *f) {
+        fprintf(f,
+                "Usage: moeepctl [--socket PATH] [--json] [COMMAND]\n"
+                "\n"
+                "Shows the state of moeepd, the moeep node daemon.\n"
+                "\n"
+                "Commands (default: status):\n");
+        for (size_t i = 0; i < sizeof(subcommands) / sizeof(subcommands[0]); i++)
+                fprintf(f, "  %-9s %s\n", subcommands[i].name, subcommands[i].summary);
+        fprintf(f,
+                "\n"
+                "Options:\n"
+                "  -s, --socket PATH  daemon socket (default: $MOEEP_SOCKET, else %s)\n"
+                "  -j, --json         machine-readable output\n"
+                "  -h, --help         show this help\n"
+                "  -V, --version      show the version\n"
+                "\n"
+                "Exit status: 0 on success, 1 when the daemon cannot be reached or refuses, 2 on a usage error.\n",
+                MOEEP_DEFAULT_SOCKET);
+}
+
+int ctl_query(struct ctl *ctl, const Moeep__V1__Request *req, Moeep__V1__Response__BodyCase expect,
+              Moeep__V1__Response **ret_resp) {
+        int r = moeep_client_call(ctl->client, req, expect, NULL, 0, ret_resp);
+
+        if (r < 0)
+                fprintf(stderr, "moeepctl: %s\n", moeep_client_error(ctl->client));
+        return r;
+}
+
+/* Why a connection failed, in an operator's words. */
+static const char *connect_hint(int r) {
+        switch (-r) {
+        case ENOENT:
+        case ECONNREFUSED:
+                return " (is moeepd running?)";
+        case EACCES:
+                return " (is your user in the moeep group?)";
+        default:
+                return "";
+        }
+}
+
+int main(int argc, char **argv) {
+        static const struct option options[] = {
+                { "socket", required_argument, NULL, 's' },
+                { "json", no_argument, NULL, 'j' },
+                { "help", no_argument, NULL, 'h' },
+                { "version", no_argument, NULL, 'V' },
+                {},
+        };
+        const struct ctl_subcommand *sub = NULL;
+        struct ctl ctl = { 0 };
+        const char *socket_path = NULL, *name = "status";
+        char err[512];
+        int c, r;
+
+        while ((c = getopt_long(argc, argv, "s:jhV", options, NULL)) >= 0)
+                switch (c) {
+                case 's':
+                        socket_path = optarg;
+                        break;
+                case 'j':
+                        ctl.json = true;
+                        break;
+                case 'h':
+                        usage(stdout);
+                        return 0;
+                case 'V':
+                        printf("moeepctl %s (protocol %d.%d)\n", MOEEP_VERSION, MOEEP_PROTOCOL_MAJOR,
+                               MOEEP_PROTOCOL_MINOR);
+                        return 0;
+                default:
+                        usage(stderr);
+                        return 2;
+                }
+        if (optind < argc)
+                name = argv[optind++];
+        if (optind < argc) {
+                fprintf(stderr, "moeepctl: unexpected argument '%s' after '%s'\n", argv[optind], name);
+                return 2;
+        }
+        if (strcmp(name, "help") == 0) {
+                usage(stdout);
+                return 0;
+        }
+        for (size_t i = 0; i < sizeof(subcommands) / sizeof(subcommands[0]); i++)
+                if (strcmp(name, subcommands[i].name) == 0)
+                        sub = &subcommands[i];
+        if (!sub) {
+                fprintf(stderr, "moeepctl: unknown command '%s' (try moeepctl --help)\n", name);
+                return 2;
+        }
+
+        r = moeep_client_connect(socket_path, &ctl.client, err, sizeof(err));
+        if (r < 0) {
+                fprintf(stderr, "moeepctl: %s%s\n", err, connect_hint(r));
+                return 1;
+        }
+        r = moeep_client_set_timeout(ctl.client, CTL_TIMEOUT_MS);
+        if (r < 0)
+                fprintf(stderr, "moeepctl: %s (going on without a timeout)\n", moeep_client_error(ctl.client));
+        r = sub->run(&ctl);
+        moeep_client_free(ctl.client);
+        return r;
+}

@@ -1,0 +1,160 @@
+/* libmoeep data plane: expert-parallel dispatch and combine over NVLink.
+ *
+ * An endpoint (struct moeep_ep) is one rank's attachment to the job's NVLink
+ * buffers: it allocates its own buffer with cuMemCreate, registers the POSIX
+ * fd with moeepd, receives the peers' fds through the daemon and maps them.
+ * Kernels run on the caller's stream; the daemon is not on the data path.
+ *
+ * Every rank of the job must make the same sequence of collective calls
+ * (moeep_ep_create, moeep_dispatch, moeep_combine, moeep_ep_destroy).
+ * An endpoint is used from one thread and one stream at a time.
+ *
+ * Supported shapes (checked; anything else is -EINVAL, never a wrong answer):
+ *   ranks 1..8; hidden a multiple of 256 in 256..16384 (e.g. 2048, 4096,
+ *   5120, 7168); top-k 1..9; experts 1..512 and divisible by the ranks;
+ *   0..max_tokens_per_rank tokens per call (max 65536).
+ */
+#ifndef MOEEP_EP_H
+#define MOEEP_EP_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cuda_runtime_api.h>
+
+#include "moeep.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define MOEEP_DEFAULT_NUM_SMS 24
+#define MOEEP_DEFAULT_TIMEOUT_MS 10000
+
+struct moeep_ep;
+struct moeep_ep_handle;
+
+enum moeep_dtype {
+        MOEEP_DTYPE_BF16 = 1,
+        MOEEP_DTYPE_FP8_E4M3 = 2, /* with one float scale per 128 channels */
+};
+
+enum moeep_index_type {
+        MOEEP_INDEX_INT64 = 1,
+        MOEEP_INDEX_INT32 = 2,
+};
+
+struct moeep_ep_config {
+        int max_tokens_per_rank; /* tokens one rank may dispatch per call */
+        int hidden;              /* channels per token */
+        int num_experts;         /* experts of the layer, over all ranks */
+        int max_topk;            /* largest top-k a call will use */
+        int num_sms;             /* blocks of dispatch/combine; 0 = MOEEP_DEFAULT_NUM_SMS */
+        int timeout_ms;          /* bound of every device wait; 0 = MOEEP_DEFAULT_TIMEOUT_MS */
+};
+
+/* Attaches to the job `client` joined (collective over the job's ranks) on
+ * the current CUDA device. */
+int moeep_ep_create(struct moeep_client *client, const struct moeep_ep_config *config,
+                    struct moeep_ep **ret_ep);
+
+/* Unmaps and frees everything (synchronises the device). Accepts NULL. */
+void moeep_ep_destroy(struct moeep_ep *ep);
+
+/* Text of the last error on this endpoint ("" when none). */
+const char *moeep_ep_error(const struct moeep_ep *ep);
+
+/* Bytes of this rank's NVLink buffer (the same on every rank). */
+size_t moeep_ep_buffer_bytes(const struct moeep_ep *ep);
+
+int moeep_ep_rank(const struct moeep_ep *ep);
+int moeep_ep_num_ranks(const struct moeep_ep *ep);
+
+/* Changes the number of SMs (blocks) used by dispatch and combine; must be
+ * the same on every rank. */
+int moeep_ep_set_num_sms(struct moeep_ep *ep, int num_sms);
+
+/* Waits for the device and reports a failure of an earlier device wait
+ * (-ETIMEDOUT, or -ENOTCONN when the job was aborted); 0 when healthy. */
+int moeep_ep_check(struct moeep_ep *ep);
+
+/* Layout of a routing, as DeepEP's get_dispatch_layout: from topk_idx
+ * [num_tokens][num_topk] (-1 = masked) computes num_tokens_per_rank [ranks],
+ * num_tokens_per_expert [experts] and is_token_in_rank [num_tokens][ranks]
+ * (0/1 bytes). All device pointers; every output is fully written. */
+int moeep_get_dispatch_layout(struct moeep_ep *ep, const void *topk_idx, enum moeep_index_type idx_type,
+                              int num_tokens, int num_topk, int *num_tokens_per_rank,
+                              int *num_tokens_per_expert, uint8_t *is_token_in_rank, cudaStream_t stream);
+
+struct moeep_dispatch_args {
+        const void *x;                  /* [num_tokens][hidden], bf16 or fp8 e4m3 */
+        enum moeep_dtype x_type;
+        const float *x_scales;          /* fp8 only: [num_tokens][hidden / 128] */
+        int num_tokens;
+        /* Routing: is_token_in_rank [num_tokens][ranks] (0/1 bytes) when not
+         * NULL, else the ranks of the top-k experts. Ignored with a handle. */
+        const uint8_t *is_token_in_rank;
+        const void *topk_idx;           /* [num_tokens][num_topk], -1 = masked; optional */
+        enum moeep_index_type topk_idx_type;
+        const float *topk_weights;      /* [num_tokens][num_topk]; optional, only with topk_idx */
+        int num_topk;
+        int expert_alignment;           /* per-expert counts rounded up to this; 0 or 1 = exact */
+        /* > 0: no host synchronisation at all (graph capturable); the caller
+         * sizes for this many received tokens (at most ranks * max_tokens,
+         * which is what the buffer holds) and reads the real count from
+         * num_recv_tokens_dev. 0: the host waits for the count. */
+        int num_worst_tokens;
+        /* Non-NULL: reuse the routing of an earlier dispatch with the same
+         * topk (cached mode): no layout, no count exchange. */
+        struct moeep_ep_handle *handle;
+};
+
+/* Outputs of a dispatch. The device arrays live in this rank's NVLink
+ * buffer: they are valid until the next dispatch on this endpoint. */
+struct moeep_dispatch_result {
+        void *recv_x;                    /* [num_recv][hidden], ordered by source rank then token */
+        float *recv_x_scales;            /* fp8: [num_recv][hidden / 128]; else NULL */
+        void *recv_topk_idx;             /* [num_recv][num_topk] local expert ids (-1 elsewhere); NULL without topk */
+        float *recv_topk_weights;        /* [num_recv][num_topk], 0 for experts elsewhere; NULL without topk */
+        const int *recv_src_info;        /* [num_recv]: (source rank << 24) | source token */
+        int num_recv_tokens;             /* -1 with num_worst_tokens */
+        const int *num_recv_tokens_dev;  /* device int */
+        /* Received tokens per local expert (aligned): host copy (NULL with
+         * num_worst_tokens) and device array, both [num_local_experts];
+         * owned by the handle. */
+        const int *num_recv_tokens_per_expert;
+        const int *num_recv_tokens_per_expert_dev;
+        int num_local_experts;
+        /* The routing, for combine and cached dispatch. A new handle unless
+         * one was passed in; free with moeep_ep_handle_free(). */
+        struct moeep_ep_handle *handle;
+};
+
+int moeep_dispatch(struct moeep_ep *ep, const struct moeep_dispatch_args *args,
+                   struct moeep_dispatch_result *ret_result, cudaStream_t stream);
+
+struct moeep_combine_args {
+        const void *x;               /* bf16 [num_recv][hidden]: one row per received row, same order */
+        const float *topk_weights;   /* optional [num_recv][num_topk] */
+        int num_topk;
+        struct moeep_ep_handle *handle;
+        void *out;                   /* bf16 [num_tokens][hidden] of the dispatch */
+        float *out_topk_weights;     /* optional [num_tokens][num_topk]: sum over ranks */
+};
+
+/* Sends the rows back and sums every token's contributions into out. */
+int moeep_combine(struct moeep_ep *ep, const struct moeep_combine_args *args, cudaStream_t stream);
+
+/* Number of tokens the handle's dispatch sent from this rank. */
+int moeep_ep_handle_num_tokens(const struct moeep_ep_handle *handle);
+
+/* Returns the handle to its endpoint. Kernels already queued on the
+ * endpoint's stream may still use it. Accepts NULL. */
+void moeep_ep_handle_free(struct moeep_ep_handle *handle);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
