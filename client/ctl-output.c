@@ -80,15 +80,36 @@ void ctl_json_string(FILE *f, const char *s) {
         fputc('"', f);
 }
 
-/* Human form of a daemon-supplied string: control bytes become '?', so that
- * a client name cannot move the operator's cursor. */
+/* Human form of a daemon-supplied string: control bytes and invalid UTF-8
+ * become '?', so that a client name cannot move the operator's cursor. */
 static void human_string(FILE *f, const char *s) {
+        const unsigned char *p = (const unsigned char *)s;
+
         if (!s || !s[0]) {
                 fputc('-', f);
                 return;
         }
+        while (*p) {
+                size_t n = utf8_sequence_length(p);
+
+                if (n == 0 || (n == 1 && (*p < 0x20 || *p == 0x7f))) {
+                        fputc('?', f);
+                        p++;
+                } else {
+                        fwrite(p, 1, n, f);
+                        p += n;
+                }
+        }
+}
+
+/* Columns a cell takes on a terminal: one per character (cells hold valid
+ * UTF-8 only; wide characters are rare enough in names to ignore). */
+static size_t display_width(const char *s) {
+        size_t w = 0;
+
         for (const unsigned char *p = (const unsigned char *)s; *p; p++)
-                fputc(*p < 0x20 || *p == 0x7f ? '?' : *p, f);
+                w += (*p & 0xc0) != 0x80;
+        return w;
 }
 
 static void human_duration(FILE *f, uint64_t ms) {
@@ -198,10 +219,10 @@ int ctl_table_add(struct ctl_table *t, const struct ctl_value *row) {
 
 /* Widest cell of column c, header included. */
 static size_t column_width(const struct ctl_table *t, size_t c) {
-        size_t width = strlen(t->columns[c].header);
+        size_t width = display_width(t->columns[c].header);
 
         for (size_t r = 0; r < t->nrows; r++) {
-                size_t w = strlen(t->human[r * t->ncolumns + c]);
+                size_t w = display_width(t->human[r * t->ncolumns + c]);
 
                 if (w > width)
                         width = w;
@@ -233,7 +254,7 @@ void ctl_table_print_list(const struct ctl_table *t, bool json, FILE *f) {
                         if (c + 1 == t->ncolumns)
                                 fprintf(f, "%s\n", cell);
                         else
-                                fprintf(f, "%-*s  ", (int)column_width(t, c), cell);
+                                fprintf(f, "%s%*s", cell, (int)(column_width(t, c) - display_width(cell) + 2), "");
                 }
 }
 

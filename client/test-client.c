@@ -174,6 +174,55 @@ static void fake_barrier(int sock, uint64_t id, int my_rank) {
         fake_ok(sock, id);
 }
 
+/* Listings with strings that test moeepctl's escaping: quotes, a control
+ * character, valid UTF-8 and an invalid byte. */
+static void fake_jobs(int sock, uint64_t id) {
+        static uint32_t ranks[] = { 0, 1 };
+        Moeep__V1__JobInfo j = MOEEP__V1__JOB_INFO__INIT, *jp = &j;
+        Moeep__V1__Jobs jobs = MOEEP__V1__JOBS__INIT;
+        Moeep__V1__Response resp = MOEEP__V1__RESPONSE__INIT;
+
+        j.job_id = FAKE_JOB_ID;
+        j.name = (char *)"say \"hi\"\\\x01 \xc3\xa9\xff";
+        j.world_size = 2;
+        j.joined_ranks = ranks;
+        j.n_joined_ranks = 2;
+        j.state = (char *)"ready";
+        j.owner_uid = 1000;
+        jobs.jobs = &jp;
+        jobs.n_jobs = 1;
+        resp.body_case = MOEEP__V1__RESPONSE__BODY_JOBS;
+        resp.jobs = &jobs;
+        fake_send(sock, id, &resp, NULL, 0);
+}
+
+static void fake_clients(int sock, uint64_t id) {
+        Moeep__V1__ClientInfo c[2] = { MOEEP__V1__CLIENT_INFO__INIT, MOEEP__V1__CLIENT_INFO__INIT };
+        Moeep__V1__ClientInfo *cp[2] = { &c[0], &c[1] };
+        Moeep__V1__Clients clients = MOEEP__V1__CLIENTS__INIT;
+        Moeep__V1__Response resp = MOEEP__V1__RESPONSE__INIT;
+
+        c[0].session_id = 1;
+        c[0].pid = 4242;
+        c[0].uid = 1000;
+        c[0].job_id = FAKE_JOB_ID;
+        c[0].rank = 0;
+        c[0].gpu_uuid = (char *)"GPU-00000000-0000-0000-0000-000000000000";
+        c[0].state = (char *)"ready";
+        c[0].name = (char *)"libmoeep/0.1.0";
+        c[0].regions = 2;
+        c[1].session_id = 2;
+        c[1].pid = 4343;
+        c[1].rank = -1;
+        c[1].state = (char *)"ready";
+        c[1].name = (char *)"moeepctl";
+        clients.clients = cp;
+        clients.n_clients = 2;
+        resp.body_case = MOEEP__V1__RESPONSE__BODY_CLIENTS;
+        resp.clients = &clients;
+        fake_send(sock, id, &resp, NULL, 0);
+}
+
 /* Answers one request; returns -1 to close the connection. */
 static int fake_handle(int sock, const struct moeep_record *rec, int *my_rank) {
         Moeep__V1__Request *req = moeep_record_decode_request(rec);
@@ -254,7 +303,11 @@ static int fake_handle(int sock, const struct moeep_record *rec, int *my_rank) {
                 break;
         }
         case MOEEP__V1__REQUEST__BODY_JOBS_LIST:
+                fake_jobs(sock, id);
+                break;
         case MOEEP__V1__REQUEST__BODY_CLIENTS_LIST:
+                fake_clients(sock, id);
+                break;
         case MOEEP__V1__REQUEST__BODY__NOT_SET:
         case _MOEEP__V1__REQUEST__BODY__CASE_IS_INT_SIZE:
                 fake_error(sock, id, MOEEP__V1__ERROR_CODE__ERROR_INTERNAL, "the fake does not do that");
@@ -518,8 +571,15 @@ static void test_job(const char *path) {
         moeep_client_free(x);
 }
 
-int main(void) {
+int main(int argc, char **argv) {
         char dir[] = "/tmp/moeep-test-client-XXXXXX", path[108];
+
+        /* test-client --serve PATH: only the fake daemon, for test-ctl.sh. */
+        if (argc == 3 && strcmp(argv[1], "--serve") == 0) {
+                fake_start(argv[2]);
+                for (;;)
+                        pause();
+        }
 
         test_no_daemon();
         test_null_handle();
