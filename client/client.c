@@ -24,12 +24,13 @@
 
 #define JOB_NAME_MAX 64
 #define GPU_UUID_MAX 64
+#define CLOSED_TEXT "moeepd closed the connection (daemon stopped or restarted?)"
 
 struct moeep_client {
-        int sock;                /* owns; the connection to moeepd */
-        char *socket_path;       /* owns */
+        int sock;          /* owns; the connection to moeepd */
+        char *socket_path; /* owns */
         uint64_t last_request_id;
-        int broken;              /* 0, or the -errno every later call fails with */
+        int broken; /* 0, or the -errno every later call fails with */
 
         /* From Welcome. */
         uint64_t session_id;
@@ -147,13 +148,22 @@ static int client_break(struct moeep_client *c, int r) {
         return r;
 }
 
+/* Sets the error text and marks the connection unusable; returns r. */
+__attribute__((format(printf, 3, 4))) static int client_fail(struct moeep_client *c, int r, const char *fmt,
+                                                             ...) {
+        va_list ap;
+
+        va_start(ap, fmt);
+        vsnprintf(c->error, sizeof(c->error), fmt, ap);
+        va_end(ap);
+        return client_break(c, r);
+}
+
 static int client_check_usable(struct moeep_client *c) {
         if (!c->broken)
                 return 0;
         if (c->broken == -ECONNRESET)
-                return moeep_client_error_set(
-                        c, -ECONNRESET,
-                        "moeepd closed the connection (daemon stopped or restarted?); connect again");
+                return moeep_client_error_set(c, -ECONNRESET, "%s; connect again", CLOSED_TEXT);
         /* Keep the text of the failure that broke the handle. */
         return c->broken;
 }
@@ -184,9 +194,8 @@ static int client_queue_event(struct moeep_client *c) {
         const char *reason = "";
 
         if (!m)
-                return client_break(c, moeep_client_error_set(c, -EPROTO,
-                                                              "moeepd sent an undecodable event of type %u",
-                                                              c->rec->hdr.type));
+                return client_fail(c, -EPROTO, "moeepd sent an undecodable event of type %u",
+                                   c->rec->hdr.type);
         switch (m->body_case) {
         case MOEEP__V1__EVENT__BODY_PEER_LOST:
                 ev.type = MOEEP_EVENT_PEER_LOST;
@@ -204,7 +213,7 @@ static int client_queue_event(struct moeep_client *c) {
                 /* moeep_record_decode_event() already matched the body case
                  * against a known header type, so this cannot happen. */
                 moeep__v1__event__free_unpacked(m, NULL);
-                return client_break(c, moeep_client_error_set(c, -EPROTO, "moeepd sent an empty event"));
+                return client_fail(c, -EPROTO, "moeepd sent an empty event");
         }
         snprintf(ev.reason, sizeof(ev.reason), "%s", reason ? reason : "");
         moeep__v1__event__free_unpacked(m, NULL);
@@ -221,31 +230,24 @@ static int client_recv_one(struct moeep_client *c) {
         moeep_record_release(c->rec);
         r = moeep_record_recv(c->sock, c->rec, &why);
         if (r == -ECONNRESET)
-                return client_break(c, moeep_client_error_set(
-                                               c, -ECONNRESET,
-                                               "moeepd closed the connection (daemon stopped or restarted?)"));
+                return client_fail(c, -ECONNRESET, CLOSED_TEXT);
         if (r == -EAGAIN)
-                return client_break(c, moeep_client_error_set(c, -ETIMEDOUT,
-                                                              "moeepd at %s did not answer in time",
-                                                              c->socket_path));
+                return client_fail(c, -ETIMEDOUT, "moeepd at %s did not answer in time", c->socket_path);
         if (r == -EPROTONOSUPPORT)
-                return client_break(c, moeep_client_error_set(
-                                               c, r, "moeepd at %s speaks another protocol major (ours is %d)",
-                                               c->socket_path, MOEEP_PROTOCOL_MAJOR));
+                return client_fail(c, r, "moeepd at %s speaks another protocol major (ours is %d)",
+                                   c->socket_path, MOEEP_PROTOCOL_MAJOR);
         if (r == -EBADMSG)
-                return client_break(c, moeep_client_error_set(c, -EPROTO, "moeepd sent a bad record: %s",
-                                                              why ? why : "unknown reason"));
+                return client_fail(c, -EPROTO, "moeepd sent a bad record: %s", why ? why : "unknown reason");
         if (r < 0)
-                return client_break(c, moeep_client_error_set(c, r, "cannot receive from moeepd at %s: %s",
-                                                              c->socket_path, strerror(-r)));
+                return client_fail(c, r, "cannot receive from moeepd at %s: %s", c->socket_path,
+                                   strerror(-r));
         if (c->rec->hdr.type >= MOEEP_TYPE_EVENT_MIN && c->rec->hdr.type <= MOEEP_TYPE_EVENT_MAX) {
                 r = client_queue_event(c);
                 return r < 0 ? r : 0;
         }
         if (c->rec->hdr.type >= MOEEP_TYPE_RESPONSE_MIN && c->rec->hdr.type <= MOEEP_TYPE_RESPONSE_MAX)
                 return 1;
-        return client_break(c, moeep_client_error_set(c, -EPROTO, "moeepd sent a record of request type %u",
-                                                      c->rec->hdr.type));
+        return client_fail(c, -EPROTO, "moeepd sent a record of request type %u", c->rec->hdr.type);
 }
 
 /* Turns an Error response into -errno and the handle's error text. */
@@ -274,9 +276,7 @@ int moeep_client_call(struct moeep_client *c, const Moeep__V1__Request *req,
         id = ++c->last_request_id;
         r = moeep_record_send(c->sock, (uint16_t)req->body_case, id, &req->base, fds, nfds);
         if (r == -EPIPE || r == -ECONNRESET)
-                return client_break(c, moeep_client_error_set(
-                                               c, -ECONNRESET,
-                                               "moeepd closed the connection (daemon stopped or restarted?)"));
+                return client_fail(c, -ECONNRESET, CLOSED_TEXT);
         if (r < 0)
                 return moeep_client_error_set(c, r, "cannot send request of type %d to moeepd at %s: %s",
                                               (int)req->body_case, c->socket_path, strerror(-r));
@@ -289,19 +289,16 @@ int moeep_client_call(struct moeep_client *c, const Moeep__V1__Request *req,
                         continue;
                 resp = moeep_record_decode_response(c->rec);
                 if (!resp)
-                        return client_break(c, moeep_client_error_set(
-                                                       c, -EPROTO, "moeepd sent an undecodable response of type %u",
-                                                       c->rec->hdr.type));
+                        return client_fail(c, -EPROTO, "moeepd sent an undecodable response of type %u",
+                                           c->rec->hdr.type);
                 /* The daemon echoes our id; an Error with id 0 is about the
                  * session as a whole (it could not read our header). */
                 if (c->rec->hdr.request_id != id &&
                     !(c->rec->hdr.request_id == 0 && resp->body_case == MOEEP__V1__RESPONSE__BODY_ERROR)) {
-                        moeep_client_error_set(c, -EPROTO,
-                                               "moeepd answered request id %llu while we wait for %llu",
-                                               (unsigned long long)c->rec->hdr.request_id,
-                                               (unsigned long long)id);
                         moeep__v1__response__free_unpacked(resp, NULL);
-                        return client_break(c, -EPROTO);
+                        return client_fail(
+                                c, -EPROTO, "moeepd answered request id %llu while we wait for %llu",
+                                (unsigned long long)c->rec->hdr.request_id, (unsigned long long)id);
                 }
                 break;
         }
@@ -313,9 +310,8 @@ int moeep_client_call(struct moeep_client *c, const Moeep__V1__Request *req,
                 goto fail;
         }
         if (resp->body_case != expect) {
-                r = client_break(c, moeep_client_error_set(c, -EPROTO,
-                                                           "moeepd answered request type %d with type %d, expected %d",
-                                                           (int)req->body_case, (int)resp->body_case, (int)expect));
+                r = client_fail(c, -EPROTO, "moeepd answered request type %d with type %d, expected %d",
+                                (int)req->body_case, (int)resp->body_case, (int)expect);
                 goto fail;
         }
         *ret_resp = resp;
@@ -414,15 +410,15 @@ static int client_hello(struct moeep_client *c) {
                 return r;
         w = resp->welcome;
         if (w->major != MOEEP_PROTOCOL_MAJOR) {
-                r = moeep_client_error_set(c, -EPROTONOSUPPORT,
-                                           "moeepd at %s speaks protocol %u.%u, this libmoeep speaks %d.%d",
-                                           c->socket_path, w->major, w->minor, MOEEP_PROTOCOL_MAJOR,
-                                           MOEEP_PROTOCOL_MINOR);
+                r = moeep_client_error_set(
+                        c, -EPROTONOSUPPORT, "moeepd at %s speaks protocol %u.%u, this libmoeep speaks %d.%d",
+                        c->socket_path, w->major, w->minor, MOEEP_PROTOCOL_MAJOR, MOEEP_PROTOCOL_MINOR);
                 goto out;
         }
         c->session_id = w->session_id;
         c->features = w->features;
-        snprintf(c->daemon_version, sizeof(c->daemon_version), "%s", w->daemon_version ? w->daemon_version : "");
+        snprintf(c->daemon_version, sizeof(c->daemon_version), "%s",
+                 w->daemon_version ? w->daemon_version : "");
         r = set_rcvtimeo(c->sock, 0);
         if (r < 0)
                 moeep_client_error_set(c, r, "cannot clear the receive timeout on the socket to %s: %s",
@@ -504,7 +500,8 @@ static bool name_valid(const char *name) {
         return true;
 }
 
-int moeep_job_create(struct moeep_client *c, const char *name, int world_size, struct moeep_unique_id *ret_id) {
+int moeep_job_create(struct moeep_client *c, const char *name, int world_size,
+                     struct moeep_unique_id *ret_id) {
         Moeep__V1__JobCreate jc = MOEEP__V1__JOB_CREATE__INIT;
         Moeep__V1__Request req = MOEEP__V1__REQUEST__INIT;
         Moeep__V1__Response *resp;
@@ -514,11 +511,12 @@ int moeep_job_create(struct moeep_client *c, const char *name, int world_size, s
         if (!c)
                 return -EINVAL;
         if (!name || !ret_id)
-                return moeep_client_error_set(c, -EINVAL, "job create: %s is NULL", !name ? "name" : "ret_id");
+                return moeep_client_error_set(c, -EINVAL, "job create: %s is NULL",
+                                              !name ? "name" : "ret_id");
         if (!name_valid(name))
                 return moeep_client_error_set(c, -EINVAL,
-                                              "job name '%.80s' is invalid (1..%d printable ASCII bytes)", name,
-                                              JOB_NAME_MAX);
+                                              "job name '%.80s' is invalid (1..%d printable ASCII bytes)",
+                                              name, JOB_NAME_MAX);
         if (world_size < 1 || world_size > MOEEP_MAX_RANKS)
                 return moeep_client_error_set(c, -EINVAL, "world size %d is out of range (1..%d)", world_size,
                                               MOEEP_MAX_RANKS);
@@ -532,7 +530,8 @@ int moeep_job_create(struct moeep_client *c, const char *name, int world_size, s
                 return r;
         uid = &resp->job_created->unique_id;
         if (uid->len == 0 || uid->len > MOEEP_UNIQUE_ID_BYTES) {
-                r = moeep_client_error_set(c, -EPROTO, "moeepd returned a unique id of %zu bytes (expected 1..%d)",
+                r = moeep_client_error_set(c, -EPROTO,
+                                           "moeepd returned a unique id of %zu bytes (expected 1..%d)",
                                            uid->len, MOEEP_UNIQUE_ID_BYTES);
                 goto out;
         }
@@ -551,9 +550,11 @@ static int control_page_map(struct moeep_client *c, int fd, struct moeep_control
         struct stat st;
 
         if (fstat(fd, &st) < 0)
-                return moeep_client_error_set(c, -errno, "cannot stat the job's control page (fd %d): %m", fd);
+                return moeep_client_error_set(c, -errno, "cannot stat the job's control page (fd %d): %m",
+                                              fd);
         if (st.st_size < MOEEP_CONTROL_PAGE_SIZE)
-                return moeep_client_error_set(c, -EPROTO, "moeepd sent a control page of %lld bytes (expected %d)",
+                return moeep_client_error_set(c, -EPROTO,
+                                              "moeepd sent a control page of %lld bytes (expected %d)",
                                               (long long)st.st_size, MOEEP_CONTROL_PAGE_SIZE);
         page = mmap(NULL, MOEEP_CONTROL_PAGE_SIZE, PROT_READ, MAP_SHARED, fd, 0);
         if (page == MAP_FAILED)
@@ -562,8 +563,9 @@ static int control_page_map(struct moeep_client *c, int fd, struct moeep_control
                 uint32_t magic = page->magic;
 
                 munmap(page, MOEEP_CONTROL_PAGE_SIZE);
-                return moeep_client_error_set(c, -EPROTO, "job control page has magic 0x%08x (expected 0x%08x)",
-                                              magic, MOEEP_CONTROL_PAGE_MAGIC);
+                return moeep_client_error_set(c, -EPROTO,
+                                              "job control page has magic 0x%08x (expected 0x%08x)", magic,
+                                              MOEEP_CONTROL_PAGE_MAGIC);
         }
         *ret_page = page;
         return 0;
@@ -607,10 +609,11 @@ int moeep_job_join(struct moeep_client *c, const struct moeep_unique_id *id, int
                 return moeep_client_error_set(c, -EINVAL, "world size %d is out of range (1..%d)", world_size,
                                               MOEEP_MAX_RANKS);
         if (rank < 0 || rank >= world_size)
-                return moeep_client_error_set(c, -ERANGE, "rank %d is out of range (0..%d)", rank, world_size - 1);
+                return moeep_client_error_set(c, -ERANGE, "rank %d is out of range (0..%d)", rank,
+                                              world_size - 1);
         if (gpu_uuid && strlen(gpu_uuid) > GPU_UUID_MAX)
-                return moeep_client_error_set(c, -EINVAL, "GPU UUID '%.80s' is longer than %d bytes", gpu_uuid,
-                                              GPU_UUID_MAX);
+                return moeep_client_error_set(c, -EINVAL, "GPU UUID '%.80s' is longer than %d bytes",
+                                              gpu_uuid, GPU_UUID_MAX);
         if (c->control_page)
                 return moeep_client_error_set(c, -EISCONN, "this session already joined job %llu as rank %d",
                                               (unsigned long long)c->job_id, c->rank);
@@ -728,8 +731,8 @@ static Moeep__V1__RegionKind region_kind_to_proto(enum moeep_region_kind kind) {
         return MOEEP__V1__REGION_KIND__REGION_KIND_UNSPECIFIED;
 }
 
-int moeep_region_register(struct moeep_client *c, int fd, enum moeep_region_kind kind, uint64_t size, uint32_t tag,
-                          uint64_t *ret_region_id) {
+int moeep_region_register(struct moeep_client *c, int fd, enum moeep_region_kind kind, uint64_t size,
+                          uint32_t tag, uint64_t *ret_region_id) {
         Moeep__V1__RegionRegister rr = MOEEP__V1__REGION_REGISTER__INIT;
         Moeep__V1__Request req = MOEEP__V1__REQUEST__INIT;
         Moeep__V1__Response *resp;
@@ -893,11 +896,10 @@ int moeep_event_next(struct moeep_client *c, struct moeep_event *ret_event) {
                             c->rec->hdr.request_id == 0)
                                 client_break(c, client_error_from_response(c, resp->error));
                         else
-                                client_break(c, moeep_client_error_set(c, -EPROTO,
-                                                                       "moeepd sent an unasked response "
-                                                                       "(type %u, request id %llu)",
-                                                                       c->rec->hdr.type,
-                                                                       (unsigned long long)c->rec->hdr.request_id));
+                                client_fail(c, -EPROTO,
+                                            "moeepd sent an unasked response "
+                                            "(type %u, request id %llu)",
+                                            c->rec->hdr.type, (unsigned long long)c->rec->hdr.request_id);
                         if (resp)
                                 moeep__v1__response__free_unpacked(resp, NULL);
                         moeep_record_release(c->rec);

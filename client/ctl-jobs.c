@@ -4,12 +4,9 @@
 #include "ctl.h"
 
 static const struct ctl_column columns[] = {
-        { "ID", "job_id", CTL_UINT },
-        { "NAME", "name", CTL_STRING },
-        { "WORLD", "world_size", CTL_UINT },
-        { "JOINED", "joined_ranks", CTL_RANKS },
-        { "STATE", "state", CTL_STRING },
-        { "OWNER", "owner_uid", CTL_UINT },
+        { "ID", "job_id", CTL_UINT },        { "NAME", "name", CTL_STRING },
+        { "WORLD", "world_size", CTL_UINT }, { "JOINED", "joined_ranks", CTL_RANKS },
+        { "STATE", "state", CTL_STRING },    { "OWNER", "owner_uid", CTL_UINT },
 };
 
 int ctl_jobs(struct ctl *ctl) {

@@ -249,12 +249,14 @@ void ctl_table_print_list(const struct ctl_table *t, bool json, FILE *f) {
         /* Row 0 is the header line. */
         for (size_t r = 0; r <= t->nrows; r++)
                 for (size_t c = 0; c < t->ncolumns; c++) {
-                        const char *cell = r == 0 ? t->columns[c].header : t->human[(r - 1) * t->ncolumns + c];
+                        const char *cell =
+                                r == 0 ? t->columns[c].header : t->human[(r - 1) * t->ncolumns + c];
 
                         if (c + 1 == t->ncolumns)
                                 fprintf(f, "%s\n", cell);
                         else
-                                fprintf(f, "%s%*s", cell, (int)(column_width(t, c) - display_width(cell) + 2), "");
+                                fprintf(f, "%s%*s", cell, (int)(column_width(t, c) - display_width(cell) + 2),
+                                        "");
                 }
 }
 

@@ -20,12 +20,11 @@ static const struct ctl_subcommand subcommands[] = {
 };
 
 static void usage(FILE *f) {
-        fprintf(f,
-                "Usage: moeepctl [--socket PATH] [--json] [COMMAND]\n"
-                "\n"
-                "Shows the state of moeepd, the moeep node daemon.\n"
-                "\n"
-                "Commands (default: status):\n");
+        fprintf(f, "Usage: moeepctl [--socket PATH] [--json] [COMMAND]\n"
+                   "\n"
+                   "Shows the state of moeepd, the moeep node daemon.\n"
+                   "\n"
+                   "Commands (default: status):\n");
         for (size_t i = 0; i < sizeof(subcommands) / sizeof(subcommands[0]); i++)
                 fprintf(f, "  %-9s %s\n", subcommands[i].name, subcommands[i].summary);
         fprintf(f,
@@ -36,7 +35,8 @@ static void usage(FILE *f) {
                 "  -h, --help         show this help\n"
                 "  -V, --version      show the version\n"
                 "\n"
-                "Exit status: 0 on success, 1 when the daemon cannot be reached or refuses, 2 on a usage error.\n",
+                "Exit status: 0 on success, 1 when the daemon cannot be reached or refuses, 2 on a usage "
+                "error.\n",
                 MOEEP_DEFAULT_SOCKET);
 }
 
@@ -120,7 +120,8 @@ int main(int argc, char **argv) {
         }
         r = moeep_client_set_timeout(ctl.client, CTL_TIMEOUT_MS);
         if (r < 0)
-                fprintf(stderr, "moeepctl: %s (going on without a timeout)\n", moeep_client_error(ctl.client));
+                fprintf(stderr, "moeepctl: %s (going on without a timeout)\n",
+                        moeep_client_error(ctl.client));
         r = sub->run(&ctl);
         moeep_client_free(ctl.client);
         return r;

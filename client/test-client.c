@@ -17,22 +17,22 @@
 
 static int failures;
 
-#define CHECK(cond)                                                                             \
-        do {                                                                                    \
-                if (!(cond)) {                                                                  \
-                        fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #cond); \
-                        failures++;                                                             \
-                }                                                                               \
-        } while (0)
-
-#define CHECK_ERR(expr, err)                                                                     \
+#define CHECK(cond)                                                                              \
         do {                                                                                     \
-                int r_ = (expr);                                                                 \
-                if (r_ != (err)) {                                                               \
-                        fprintf(stderr, "%s:%d: %s returned %d (%s), expected %d (%s)\n", __FILE__, \
-                                __LINE__, #expr, r_, strerror(-r_), err, strerror(-(err)));      \
+                if (!(cond)) {                                                                   \
+                        fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #cond); \
                         failures++;                                                              \
                 }                                                                                \
+        } while (0)
+
+#define CHECK_ERR(expr, err)                                                                        \
+        do {                                                                                        \
+                int r_ = (expr);                                                                    \
+                if (r_ != (err)) {                                                                  \
+                        fprintf(stderr, "%s:%d: %s returned %d (%s), expected %d (%s)\n", __FILE__, \
+                                __LINE__, #expr, r_, strerror(-r_), err, strerror(-(err)));         \
+                        failures++;                                                                 \
+                }                                                                                   \
         } while (0)
 
 /* ---------------------------------------------------------------- fake moeepd */
@@ -102,7 +102,8 @@ static void fake_join(int sock, uint64_t id, const Moeep__V1__JobJoin *jj, int *
 
         /* The client sends the id zero-padded to 128 bytes. */
         if (jj->unique_id.len != MOEEP_UNIQUE_ID_BYTES || memcmp(jj->unique_id.data, FAKE_SECRET, n) != 0) {
-                fake_error(sock, id, MOEEP__V1__ERROR_CODE__ERROR_BAD_SECRET, "unique id does not match job 7");
+                fake_error(sock, id, MOEEP__V1__ERROR_CODE__ERROR_BAD_SECRET,
+                           "unique id does not match job 7");
                 return;
         }
         for (size_t i = n; i < jj->unique_id.len; i++)
@@ -438,7 +439,8 @@ static void test_error_mapping(void) {
 
         for (size_t i = 0; i < sizeof(map) / sizeof(map[0]); i++)
                 CHECK_ERR(moeep_error_code_to_errno(map[i].code), map[i].err);
-        CHECK(strcmp(moeep_error_code_to_string(MOEEP__V1__ERROR_CODE__ERROR_RANK_TAKEN), "ERROR_RANK_TAKEN") == 0);
+        CHECK(strcmp(moeep_error_code_to_string(MOEEP__V1__ERROR_CODE__ERROR_RANK_TAKEN),
+                     "ERROR_RANK_TAKEN") == 0);
         CHECK(strcmp(moeep_error_code_to_string(12345), "ERROR_UNKNOWN") == 0);
 }
 
@@ -532,7 +534,8 @@ static void test_job(const char *path) {
         CHECK_ERR(moeep_regions_fetch(a, -1, -1, &regions, &n), 0);
         CHECK(n == 1);
         if (n == 1) {
-                CHECK(regions[0].rank == 1 && regions[0].kind == MOEEP_REGION_MEMFD && regions[0].size == 4096);
+                CHECK(regions[0].rank == 1 && regions[0].kind == MOEEP_REGION_MEMFD &&
+                      regions[0].size == 4096);
                 CHECK(pread(regions[0].fd, buf, sizeof(buf), 0) > 0 && strcmp(buf, "rank1") == 0);
                 CHECK((fcntl(regions[0].fd, F_GETFD) & FD_CLOEXEC) != 0);
         }

@@ -1,0 +1,544 @@
+/* Data plane endpoint: NVLink buffers brokered by moeepd, and the normal
+ * mode dispatch/combine entry points. See include/moeep_ep.h. */
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/queue.h>
+#include <unistd.h>
+
+#include "cumem.h"
+#include "kernels.h"
+#include "moeep_ep.h"
+
+#define NVL_REGION_TAG 0   /* tag of the NVLink buffer among a rank's regions */
+#define MAX_TOKENS_LIMIT 65536
+
+struct moeep_ep_handle {
+        struct moeep_ep *ep;             /* not owning */
+        struct moeep_route route;        /* arrays inside dev_mem */
+        void *dev_mem;                   /* owning: cudaMalloc */
+        int *expert_counts_host;         /* owning: [local experts] */
+        int num_recv;                    /* -1 when only the device knows it */
+        int num_topk;
+        SLIST_ENTRY(moeep_ep_handle) free_entry;
+};
+
+struct moeep_ep {
+        struct moeep_client *client;     /* not owning */
+        const struct cumem_api *cu;
+        struct moeep_ctx ctx;            /* passed to every kernel by value */
+        struct cumem_mapping own;        /* our buffer */
+        struct cumem_mapping peer_maps[MOEEP_KERNEL_MAX_RANKS];
+        struct moeep_notify_host *host;  /* owning: cudaHostAlloc, mapped */
+        cudaEvent_t notify_done;
+        int device;
+        bool control_page_registered;
+        void *control_page;              /* not owning: the client's mapping */
+        SLIST_HEAD(, moeep_ep_handle) free_handles;
+        char error[512];
+};
+
+static int ep_fail(struct moeep_ep *ep, int r, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static int ep_fail(struct moeep_ep *ep, int r, const char *fmt, ...) {
+        va_list ap;
+
+        va_start(ap, fmt);
+        vsnprintf(ep->error, sizeof(ep->error), fmt, ap);
+        va_end(ap);
+        return r;
+}
+
+#define CUDA_TRY(ep, call)                                                                                 \
+        do {                                                                                               \
+                cudaError_t e_ = (call);                                                                   \
+                if (e_ != cudaSuccess)                                                                     \
+                        return ep_fail((ep), -EIO, "%s: %s", #call, cudaGetErrorString(e_));               \
+        } while (0)
+
+static int launch_result(struct moeep_ep *ep, const char *what, int r) {
+        if (r == 0)
+                return 0;
+        return ep_fail(ep, -EIO, "%s: kernel launch failed: %s", what, cudaGetErrorString((cudaError_t)r));
+}
+
+const char *moeep_ep_error(const struct moeep_ep *ep) {
+        return ep ? ep->error : "no endpoint";
+}
+
+size_t moeep_ep_buffer_bytes(const struct moeep_ep *ep) {
+        return ep ? ep->own.size : 0;
+}
+
+int moeep_ep_rank(const struct moeep_ep *ep) {
+        return ep ? ep->ctx.rank : -EINVAL;
+}
+
+int moeep_ep_num_ranks(const struct moeep_ep *ep) {
+        return ep ? ep->ctx.ranks : -EINVAL;
+}
+
+static int config_check(struct moeep_ep *ep, const struct moeep_ep_config *c, int ranks) {
+        if (c->max_tokens_per_rank < 1 || c->max_tokens_per_rank > MAX_TOKENS_LIMIT)
+                return ep_fail(ep, -EINVAL, "max_tokens_per_rank %d is outside 1..%d", c->max_tokens_per_rank,
+                               MAX_TOKENS_LIMIT);
+        if (c->hidden < 256 || c->hidden > 16384 || c->hidden % 256)
+                return ep_fail(ep, -EINVAL, "hidden %d is not a multiple of 256 in 256..16384", c->hidden);
+        if (c->num_experts < 1 || c->num_experts > MOEEP_KERNEL_MAX_EXPERTS || c->num_experts % ranks)
+                return ep_fail(ep, -EINVAL, "num_experts %d must be in 1..%d and divisible by the %d ranks",
+                               c->num_experts, MOEEP_KERNEL_MAX_EXPERTS, ranks);
+        if (c->max_topk < 1 || c->max_topk > MOEEP_KERNEL_MAX_TOPK)
+                return ep_fail(ep, -EINVAL, "max_topk %d is outside 1..%d", c->max_topk, MOEEP_KERNEL_MAX_TOPK);
+        if (c->num_sms < 0 || c->num_sms > 1024)
+                return ep_fail(ep, -EINVAL, "num_sms %d is outside 0..1024", c->num_sms);
+        if (c->timeout_ms < 0)
+                return ep_fail(ep, -EINVAL, "timeout_ms %d is negative", c->timeout_ms);
+        return 0;
+}
+
+/* Maps every other rank's NVLink buffer, as brokered by the daemon. */
+static int map_peers(struct moeep_ep *ep) {
+        struct moeep_region *regions = NULL;
+        size_t n = 0;
+        int r;
+
+        r = moeep_regions_fetch(ep->client, -1, NVL_REGION_TAG, &regions, &n);
+        if (r < 0)
+                return ep_fail(ep, r, "fetching the peers' NVLink buffers: %s", moeep_client_error(ep->client));
+        if (n != (size_t)ep->ctx.ranks - 1) {
+                r = ep_fail(ep, -EPROTO, "daemon returned %zu peer buffers, expected %d", n, ep->ctx.ranks - 1);
+                goto out;
+        }
+        for (size_t i = 0; i < n; i++) {
+                const struct moeep_region *g = &regions[i];
+                CUresult cr;
+
+                if (g->rank < 0 || g->rank >= ep->ctx.ranks || g->rank == ep->ctx.rank ||
+                    ep->peer_maps[g->rank].ptr || g->kind != MOEEP_REGION_CUMEM_FD ||
+                    g->size != ep->own.size) {
+                        r = ep_fail(ep, -EPROTO,
+                                    "peer buffer %zu (rank %d, kind %d, %llu bytes) does not match ours (%zu bytes)",
+                                    i, g->rank, (int)g->kind, (unsigned long long)g->size, ep->own.size);
+                        goto out;
+                }
+                cr = cumem_import(ep->cu, g->fd, g->size, ep->device, &ep->peer_maps[g->rank]);
+                if (cr != CUDA_SUCCESS) {
+                        r = ep_fail(ep, -EIO, "mapping rank %d's buffer: %s", g->rank, cumem_strerror(ep->cu, cr));
+                        goto out;
+                }
+                ep->ctx.peers[g->rank] = (char *)(uintptr_t)ep->peer_maps[g->rank].ptr;
+        }
+        r = 0;
+out:
+        moeep_regions_free(regions, n);
+        return r;
+}
+
+/* Lets kernels watch the job's abort word through a mapped host pointer.
+ * Optional: without it device waits end by their timeout only. */
+static void map_control_page(struct moeep_ep *ep) {
+        const volatile struct moeep_control_page *page = moeep_job_control_page(ep->client);
+        void *dev = NULL;
+
+        if (!page)
+                return;
+        if (cudaHostRegister((void *)page, MOEEP_CONTROL_PAGE_SIZE,
+                             cudaHostRegisterMapped | cudaHostRegisterReadOnly) != cudaSuccess) {
+                (void)cudaGetLastError();
+                return;
+        }
+        ep->control_page_registered = true;
+        ep->control_page = (void *)page;
+        if (cudaHostGetDevicePointer(&dev, (void *)page, 0) != cudaSuccess) {
+                (void)cudaGetLastError();
+                return;
+        }
+        ep->ctx.abort_word = (const volatile uint32_t *)((char *)dev + offsetof(struct moeep_control_page, abort));
+}
+
+static int ep_attach(struct moeep_ep *ep, const struct moeep_ep_config *c) {
+        const char *why = NULL;
+        uint64_t region_id;
+        int fd = -1, r;
+        CUresult cr;
+
+        r = cumem_api_get(&ep->cu, &why);
+        if (r < 0)
+                return ep_fail(ep, r, "CUDA driver unavailable: %s", why);
+        CUDA_TRY(ep, cudaGetDevice(&ep->device));
+        CUDA_TRY(ep, cudaFree(NULL)); /* creates the primary context the driver calls use */
+
+        moeep_buffer_layout_compute(&ep->ctx.layout, ep->ctx.ranks, c->max_tokens_per_rank, c->hidden, c->max_topk);
+        cr = cumem_alloc_exportable(ep->cu, ep->device, ep->ctx.layout.total, &ep->own, &fd);
+        if (cr != CUDA_SUCCESS)
+                return ep_fail(ep, -ENOMEM, "allocating the %zu-byte NVLink buffer on device %d: %s",
+                               ep->ctx.layout.total, ep->device, cumem_strerror(ep->cu, cr));
+        ep->ctx.peers[ep->ctx.rank] = (char *)(uintptr_t)ep->own.ptr;
+        /* Flags must be zero before any peer can see the buffer. */
+        CUDA_TRY(ep, cudaMemset(ep->ctx.peers[ep->ctx.rank] + ep->ctx.layout.sync, 0, sizeof(struct moeep_sync)));
+        CUDA_TRY(ep, cudaDeviceSynchronize());
+
+        r = moeep_region_register(ep->client, fd, MOEEP_REGION_CUMEM_FD, ep->own.size, NVL_REGION_TAG, &region_id);
+        close(fd);
+        if (r < 0)
+                return ep_fail(ep, r, "registering the NVLink buffer: %s", moeep_client_error(ep->client));
+        r = moeep_job_barrier(ep->client);
+        if (r < 0)
+                return ep_fail(ep, r, "barrier after registering: %s", moeep_client_error(ep->client));
+        r = map_peers(ep);
+        if (r < 0)
+                return r;
+
+        CUDA_TRY(ep, cudaMalloc((void **)&ep->ctx.state, sizeof(struct moeep_local_state)));
+        CUDA_TRY(ep, cudaMemset(ep->ctx.state, 0, sizeof(struct moeep_local_state)));
+        CUDA_TRY(ep, cudaHostAlloc((void **)&ep->host, sizeof(*ep->host), cudaHostAllocMapped));
+        CUDA_TRY(ep, cudaEventCreateWithFlags(&ep->notify_done, cudaEventDisableTiming));
+        map_control_page(ep);
+        CUDA_TRY(ep, cudaDeviceSynchronize());
+
+        /* Nobody may start a collective before every rank mapped every buffer. */
+        r = moeep_job_barrier(ep->client);
+        if (r < 0)
+                return ep_fail(ep, r, "barrier after mapping: %s", moeep_client_error(ep->client));
+        return 0;
+}
+
+static void ep_free(struct moeep_ep *ep) {
+        struct moeep_ep_handle *h;
+
+        if (!ep)
+                return;
+        if (ep->cu)
+                cudaDeviceSynchronize();
+        while ((h = SLIST_FIRST(&ep->free_handles))) {
+                SLIST_REMOVE_HEAD(&ep->free_handles, free_entry);
+                cudaFree(h->dev_mem);
+                free(h->expert_counts_host);
+                free(h);
+        }
+        if (ep->notify_done)
+                cudaEventDestroy(ep->notify_done);
+        if (ep->host)
+                cudaFreeHost(ep->host);
+        if (ep->ctx.state)
+                cudaFree(ep->ctx.state);
+        if (ep->control_page_registered)
+                cudaHostUnregister(ep->control_page);
+        if (ep->cu) {
+                for (int i = 0; i < MOEEP_KERNEL_MAX_RANKS; i++)
+                        cumem_mapping_release(ep->cu, &ep->peer_maps[i]);
+                cumem_mapping_release(ep->cu, &ep->own);
+        }
+        free(ep);
+}
+
+int moeep_ep_create(struct moeep_client *client, const struct moeep_ep_config *config,
+                    struct moeep_ep **ret_ep) {
+        struct moeep_ep *ep;
+        uint64_t job_id;
+        int rank, ranks, r;
+
+        if (!client || !config || !ret_ep)
+                return -EINVAL;
+        r = moeep_job_info(client, &job_id, &rank, &ranks);
+        if (r < 0)
+                return r;
+        ep = calloc(1, sizeof(*ep));
+        if (!ep)
+                return -ENOMEM;
+        SLIST_INIT(&ep->free_handles);
+        ep->client = client;
+        r = config_check(ep, config, ranks);
+        if (r < 0)
+                goto fail;
+        ep->ctx.rank = rank;
+        ep->ctx.ranks = ranks;
+        ep->ctx.num_experts = config->num_experts;
+        ep->ctx.hidden = config->hidden;
+        ep->ctx.max_tokens = config->max_tokens_per_rank;
+        ep->ctx.max_topk = config->max_topk;
+        ep->ctx.num_sms = config->num_sms ? config->num_sms : MOEEP_DEFAULT_NUM_SMS;
+        ep->ctx.timeout_ns = (uint64_t)(config->timeout_ms ? config->timeout_ms : MOEEP_DEFAULT_TIMEOUT_MS) * 1000000;
+        r = ep_attach(ep, config);
+        if (r < 0)
+                goto fail;
+        *ret_ep = ep;
+        return 0;
+fail:
+        /* The error text dies with the endpoint; leave it on stderr once. */
+        fprintf(stderr, "moeep: rank %d: %s\n", rank, ep->error);
+        ep_free(ep);
+        return r;
+}
+
+void moeep_ep_destroy(struct moeep_ep *ep) {
+        ep_free(ep);
+}
+
+int moeep_ep_set_num_sms(struct moeep_ep *ep, int num_sms) {
+        if (!ep)
+                return -EINVAL;
+        if (num_sms < 1 || num_sms > 1024)
+                return ep_fail(ep, -EINVAL, "num_sms %d is outside 1..1024", num_sms);
+        ep->ctx.num_sms = num_sms;
+        return 0;
+}
+
+static int state_error(struct moeep_ep *ep, uint32_t err, int peer) {
+        switch ((enum moeep_kernel_error)err) {
+        case MOEEP_KERR_NONE:
+                return 0;
+        case MOEEP_KERR_TIMEOUT:
+                return ep_fail(ep, -ETIMEDOUT, "rank %d: waited more than %llu ms for rank %d", ep->ctx.rank,
+                               (unsigned long long)(ep->ctx.timeout_ns / 1000000), peer);
+        case MOEEP_KERR_ABORT:
+                return ep_fail(ep, -ENOTCONN, "rank %d: job aborted by moeepd (rank %d lost)", ep->ctx.rank,
+                               ep->control_page ? ((const volatile struct moeep_control_page *)ep->control_page)->lost_rank
+                                                : peer);
+        }
+        return ep_fail(ep, -EIO, "rank %d: device error code %u", ep->ctx.rank, err);
+}
+
+int moeep_ep_check(struct moeep_ep *ep) {
+        struct moeep_local_state s;
+
+        if (!ep)
+                return -EINVAL;
+        CUDA_TRY(ep, cudaDeviceSynchronize());
+        CUDA_TRY(ep, cudaMemcpy(&s, ep->ctx.state, sizeof(s), cudaMemcpyDeviceToHost));
+        return state_error(ep, s.error, s.error_rank);
+}
+
+static int check_index_type(struct moeep_ep *ep, enum moeep_index_type t) {
+        switch (t) {
+        case MOEEP_INDEX_INT64:
+        case MOEEP_INDEX_INT32:
+                return 0;
+        }
+        return ep_fail(ep, -EINVAL, "topk index type %d is neither MOEEP_INDEX_INT64 nor MOEEP_INDEX_INT32", (int)t);
+}
+
+static int check_tokens(struct moeep_ep *ep, int num_tokens, int num_topk, bool need_topk) {
+        if (num_tokens < 0 || num_tokens > ep->ctx.max_tokens)
+                return ep_fail(ep, -EINVAL, "num_tokens %d is outside 0..%d (max_tokens_per_rank)", num_tokens,
+                               ep->ctx.max_tokens);
+        if (need_topk && (num_topk < 1 || num_topk > ep->ctx.max_topk))
+                return ep_fail(ep, -EINVAL, "num_topk %d is outside 1..%d (max_topk)", num_topk, ep->ctx.max_topk);
+        return 0;
+}
+
+int moeep_get_dispatch_layout(struct moeep_ep *ep, const void *topk_idx, enum moeep_index_type idx_type,
+                              int num_tokens, int num_topk, int *num_tokens_per_rank,
+                              int *num_tokens_per_expert, uint8_t *is_token_in_rank, cudaStream_t stream) {
+        int r;
+
+        if (!ep)
+                return -EINVAL;
+        if ((r = check_index_type(ep, idx_type)) < 0 || (r = check_tokens(ep, num_tokens, num_topk, true)) < 0)
+                return r;
+        if ((num_tokens > 0 && (!topk_idx || !is_token_in_rank)) || !num_tokens_per_rank || !num_tokens_per_expert)
+                return ep_fail(ep, -EINVAL, "get_dispatch_layout: a required pointer is NULL");
+        return launch_result(ep, "layout",
+                             moeep_launch_layout(topk_idx, idx_type == MOEEP_INDEX_INT64, num_tokens, num_topk,
+                                                 ep->ctx.num_experts, ep->ctx.ranks, num_tokens_per_rank,
+                                                 num_tokens_per_expert, is_token_in_rank, stream));
+}
+
+/* A handle from the free list, or a new one sized for the endpoint. */
+static int handle_get(struct moeep_ep *ep, struct moeep_ep_handle **ret) {
+        struct moeep_ep_handle *h = SLIST_FIRST(&ep->free_handles);
+        int R = ep->ctx.ranks, T = ep->ctx.max_tokens, L = ep->ctx.num_experts / R;
+        size_t n_send = (size_t)T * R, n_recv = (size_t)T * R;
+        char *p;
+
+        if (h) {
+                SLIST_REMOVE_HEAD(&ep->free_handles, free_entry);
+                *ret = h;
+                return 0;
+        }
+        h = calloc(1, sizeof(*h));
+        if (!h)
+                return ep_fail(ep, -ENOMEM, "out of memory for a dispatch handle");
+        h->expert_counts_host = calloc((size_t)L, sizeof(int));
+        if (!h->expert_counts_host || cudaMalloc(&h->dev_mem, (n_send + n_recv + R + 1 + L + 1) * sizeof(int32_t)) != cudaSuccess) {
+                (void)cudaGetLastError();
+                free(h->expert_counts_host);
+                free(h);
+                return ep_fail(ep, -ENOMEM, "out of device memory for a dispatch handle");
+        }
+        h->ep = ep;
+        p = h->dev_mem;
+        h->route.send_pos = (int32_t *)p;
+        p += n_send * sizeof(int32_t);
+        h->route.recv_src = (int32_t *)p;
+        p += n_recv * sizeof(int32_t);
+        h->route.rank_prefix = (int32_t *)p;
+        p += (size_t)(R + 1) * sizeof(int32_t);
+        h->route.expert_counts = (int32_t *)p;
+        p += (size_t)L * sizeof(int32_t);
+        h->route.num_recv = (int32_t *)p;
+        *ret = h;
+        return 0;
+}
+
+void moeep_ep_handle_free(struct moeep_ep_handle *h) {
+        if (!h)
+                return;
+        SLIST_INSERT_HEAD(&h->ep->free_handles, h, free_entry);
+}
+
+int moeep_ep_handle_num_tokens(const struct moeep_ep_handle *h) {
+        return h ? h->route.num_tokens : -EINVAL;
+}
+
+static int dispatch_check(struct moeep_ep *ep, const struct moeep_dispatch_args *a) {
+        int r;
+
+        switch (a->x_type) {
+        case MOEEP_DTYPE_BF16:
+        case MOEEP_DTYPE_FP8_E4M3:
+                break;
+        default:
+                return ep_fail(ep, -EINVAL, "x_type %d is neither BF16 nor FP8_E4M3", (int)a->x_type);
+        }
+        if (a->handle && a->handle->ep != ep)
+                return ep_fail(ep, -EINVAL, "the handle belongs to another endpoint");
+        if (a->handle && a->num_tokens != a->handle->route.num_tokens)
+                return ep_fail(ep, -EINVAL, "num_tokens %d differs from the handle's %d", a->num_tokens,
+                               a->handle->route.num_tokens);
+        if ((r = check_tokens(ep, a->num_tokens, a->num_topk, a->topk_idx != NULL)) < 0)
+                return r;
+        if (a->topk_idx && (r = check_index_type(ep, a->topk_idx_type)) < 0)
+                return r;
+        if (a->num_tokens > 0 && !a->x)
+                return ep_fail(ep, -EINVAL, "x is NULL with %d tokens", a->num_tokens);
+        if (a->x_type == MOEEP_DTYPE_FP8_E4M3 && a->num_tokens > 0 && !a->x_scales)
+                return ep_fail(ep, -EINVAL, "FP8 dispatch needs x_scales");
+        if (a->x_type == MOEEP_DTYPE_BF16 && a->x_scales)
+                return ep_fail(ep, -EINVAL, "x_scales given for BF16 x");
+        if (a->topk_weights && !a->topk_idx)
+                return ep_fail(ep, -EINVAL, "topk_weights given without topk_idx");
+        if (!a->handle && !a->is_token_in_rank && !a->topk_idx && a->num_tokens > 0)
+                return ep_fail(ep, -EINVAL, "no routing: give is_token_in_rank, topk_idx or a handle");
+        if (a->expert_alignment < 0 || a->expert_alignment > 4096)
+                return ep_fail(ep, -EINVAL, "expert_alignment %d is outside 0..4096", a->expert_alignment);
+        if (a->num_worst_tokens < 0 || a->num_worst_tokens > ep->ctx.ranks * ep->ctx.max_tokens)
+                return ep_fail(ep, -EINVAL, "num_worst_tokens %d is outside 0..%d", a->num_worst_tokens,
+                               ep->ctx.ranks * ep->ctx.max_tokens);
+        if (a->handle && a->handle->num_topk != (a->topk_idx ? a->num_topk : 0))
+                return ep_fail(ep, -EINVAL, "num_topk %d differs from the handle's %d", a->topk_idx ? a->num_topk : 0,
+                               a->handle->num_topk);
+        return 0;
+}
+
+int moeep_dispatch(struct moeep_ep *ep, const struct moeep_dispatch_args *a, struct moeep_dispatch_result *ret,
+                   cudaStream_t stream) {
+        struct moeep_ep_handle *h;
+        bool fresh = false;
+        char *own;
+        int r;
+
+        if (!ep)
+                return -EINVAL;
+        if (!a || !ret)
+                return ep_fail(ep, -EINVAL, "dispatch: args or result is NULL");
+        if ((r = dispatch_check(ep, a)) < 0)
+                return r;
+        int idx64 = a->topk_idx && a->topk_idx_type == MOEEP_INDEX_INT64;
+
+        if (a->handle) {
+                h = a->handle;
+                r = launch_result(ep, "barrier",
+                                  moeep_launch_notify(&ep->ctx, NULL, NULL, 1, 0, 0, 0, NULL, NULL, stream));
+                if (r < 0)
+                        return r;
+        } else {
+                if ((r = handle_get(ep, &h)) < 0)
+                        return r;
+                fresh = true;
+                h->route.num_tokens = a->num_tokens;
+                h->num_topk = a->topk_idx ? a->num_topk : 0;
+                r = launch_result(ep, "notify",
+                                  moeep_launch_notify(&ep->ctx, a->is_token_in_rank, a->topk_idx, idx64, a->num_tokens,
+                                                      a->num_topk, a->expert_alignment, &h->route,
+                                                      a->num_worst_tokens ? NULL : ep->host, stream));
+                if (r < 0)
+                        goto fail;
+                h->num_recv = -1;
+                if (!a->num_worst_tokens) {
+                        struct moeep_local_state s;
+
+                        if (cudaEventRecord(ep->notify_done, stream) != cudaSuccess ||
+                            cudaEventSynchronize(ep->notify_done) != cudaSuccess ||
+                            cudaMemcpy(&s, ep->ctx.state, sizeof(s), cudaMemcpyDeviceToHost) != cudaSuccess) {
+                                r = ep_fail(ep, -EIO, "waiting for the count exchange: %s",
+                                            cudaGetErrorString(cudaGetLastError()));
+                                goto fail;
+                        }
+                        if ((r = state_error(ep, s.error, s.error_rank)) < 0)
+                                goto fail;
+                        h->num_recv = ep->host->num_recv;
+                        memcpy(h->expert_counts_host, ep->host->expert_counts,
+                               sizeof(int) * (size_t)(ep->ctx.num_experts / ep->ctx.ranks));
+                }
+        }
+
+        struct moeep_dispatch_launch l = {
+                .x = a->x,
+                .elem_size = a->x_type == MOEEP_DTYPE_BF16 ? 2 : 1,
+                .x_scales = a->x_scales,
+                .topk_idx = a->topk_idx,
+                .idx_is_int64 = idx64,
+                .topk_weights = a->topk_weights,
+                .num_topk = a->topk_idx ? a->num_topk : 0,
+        };
+        r = launch_result(ep, "dispatch", moeep_launch_dispatch(&ep->ctx, &l, &h->route, stream));
+        if (r < 0)
+                goto fail;
+
+        own = ep->ctx.peers[ep->ctx.rank];
+        *ret = (struct moeep_dispatch_result){
+                .recv_x = own + ep->ctx.layout.recv_x,
+                .recv_x_scales = a->x_type == MOEEP_DTYPE_FP8_E4M3 ? (float *)(own + ep->ctx.layout.recv_scales) : NULL,
+                .recv_topk_idx = a->topk_idx ? own + ep->ctx.layout.recv_topk_idx : NULL,
+                .recv_topk_weights = a->topk_idx ? (float *)(own + ep->ctx.layout.recv_topk_weights) : NULL,
+                .recv_src_info = h->route.recv_src,
+                .num_recv_tokens = h->num_recv,
+                .num_recv_tokens_dev = h->route.num_recv,
+                .num_recv_tokens_per_expert = h->num_recv >= 0 ? h->expert_counts_host : NULL,
+                .num_recv_tokens_per_expert_dev = h->route.expert_counts,
+                .num_local_experts = ep->ctx.num_experts / ep->ctx.ranks,
+                .handle = h,
+        };
+        return 0;
+fail:
+        if (fresh)
+                moeep_ep_handle_free(h);
+        return r;
+}
+
+int moeep_combine(struct moeep_ep *ep, const struct moeep_combine_args *a, cudaStream_t stream) {
+        int r;
+
+        if (!ep)
+                return -EINVAL;
+        if (!a || !a->handle)
+                return ep_fail(ep, -EINVAL, "combine needs a dispatch handle");
+        if (a->handle->ep != ep)
+                return ep_fail(ep, -EINVAL, "the handle belongs to another endpoint");
+        if (a->handle->num_recv != 0 && !a->x)
+                return ep_fail(ep, -EINVAL, "combine: x is NULL");
+        if (a->handle->route.num_tokens > 0 && !a->out)
+                return ep_fail(ep, -EINVAL, "combine: out is NULL");
+        if ((a->topk_weights || a->out_topk_weights) && (a->num_topk < 1 || a->num_topk > ep->ctx.max_topk))
+                return ep_fail(ep, -EINVAL, "combine: num_topk %d is outside 1..%d", a->num_topk, ep->ctx.max_topk);
+        if (a->out_topk_weights && !a->topk_weights)
+                return ep_fail(ep, -EINVAL, "combine: out_topk_weights needs topk_weights");
+        r = launch_result(ep, "barrier", moeep_launch_notify(&ep->ctx, NULL, NULL, 1, 0, 0, 0, NULL, NULL, stream));
+        if (r < 0)
+                return r;
+        return launch_result(ep, "combine",
+                             moeep_launch_combine(&ep->ctx, a->x, a->topk_weights, a->topk_weights ? a->num_topk : 0,
+                                                  &a->handle->route, a->out, a->out_topk_weights, stream));
+}
