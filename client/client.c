@@ -500,6 +500,13 @@ static bool name_valid(const char *name) {
         return true;
 }
 
+static int check_world_size(struct moeep_client *c, int world_size) {
+        if (world_size < 1 || world_size > MOEEP_MAX_RANKS)
+                return moeep_client_error_set(c, -EINVAL, "world size %d is out of range (1..%d)", world_size,
+                                              MOEEP_MAX_RANKS);
+        return 0;
+}
+
 int moeep_job_create(struct moeep_client *c, const char *name, int world_size,
                      struct moeep_unique_id *ret_id) {
         Moeep__V1__JobCreate jc = MOEEP__V1__JOB_CREATE__INIT;
@@ -517,9 +524,9 @@ int moeep_job_create(struct moeep_client *c, const char *name, int world_size,
                 return moeep_client_error_set(c, -EINVAL,
                                               "job name '%.80s' is invalid (1..%d printable ASCII bytes)",
                                               name, JOB_NAME_MAX);
-        if (world_size < 1 || world_size > MOEEP_MAX_RANKS)
-                return moeep_client_error_set(c, -EINVAL, "world size %d is out of range (1..%d)", world_size,
-                                              MOEEP_MAX_RANKS);
+        r = check_world_size(c, world_size);
+        if (r < 0)
+                return r;
 
         jc.name = (char *)name;
         jc.world_size = (uint32_t)world_size;
@@ -605,9 +612,9 @@ int moeep_job_join(struct moeep_client *c, const struct moeep_unique_id *id, int
                 return -EINVAL;
         if (!id)
                 return moeep_client_error_set(c, -EINVAL, "job join: unique id is NULL");
-        if (world_size < 1 || world_size > MOEEP_MAX_RANKS)
-                return moeep_client_error_set(c, -EINVAL, "world size %d is out of range (1..%d)", world_size,
-                                              MOEEP_MAX_RANKS);
+        r = check_world_size(c, world_size);
+        if (r < 0)
+                return r;
         if (rank < 0 || rank >= world_size)
                 return moeep_client_error_set(c, -ERANGE, "rank %d is out of range (0..%d)", rank,
                                               world_size - 1);

@@ -34,11 +34,5 @@ int ctl_jobs(struct ctl *ctl) {
                                               { .u = j->owner_uid },
                                       });
         }
-        if (r < 0)
-                fprintf(stderr, "moeepctl: out of memory formatting %zu jobs\n", resp->jobs->n_jobs);
-        else
-                ctl_table_print_list(&t, ctl->json, stdout);
-        ctl_table_done(&t);
-        moeep__v1__response__free_unpacked(resp, NULL);
-        return r < 0 ? 1 : 0;
+        return ctl_table_finish(&t, r, ctl->json, false, resp);
 }

@@ -296,3 +296,15 @@ void ctl_table_done(struct ctl_table *t) {
         t->human = t->json = NULL;
         t->nrows = 0;
 }
+
+int ctl_table_finish(struct ctl_table *t, int r, bool json, bool object, Moeep__V1__Response *resp) {
+        if (r < 0)
+                fprintf(stderr, "moeepctl: out of memory formatting %zu rows of output\n", t->nrows + 1);
+        else if (object)
+                ctl_table_print_object(t, json, stdout);
+        else
+                ctl_table_print_list(t, json, stdout);
+        ctl_table_done(t);
+        moeep__v1__response__free_unpacked(resp, NULL);
+        return r < 0 ? 1 : 0;
+}

@@ -39,11 +39,5 @@ int ctl_status(struct ctl *ctl) {
                                       { .u = s->sessions },
                                       { .u = s->jobs },
                               });
-        if (r < 0)
-                fprintf(stderr, "moeepctl: out of memory formatting the status\n");
-        else
-                ctl_table_print_object(&t, ctl->json, stdout);
-        ctl_table_done(&t);
-        moeep__v1__response__free_unpacked(resp, NULL);
-        return r < 0 ? 1 : 0;
+        return ctl_table_finish(&t, r, ctl->json, true, resp);
 }

@@ -79,6 +79,10 @@ void ctl_table_print_list(const struct ctl_table *t, bool json, FILE *f);
 void ctl_table_print_object(const struct ctl_table *t, bool json, FILE *f);
 /* Frees the cells. Accepts a table that was only initialised. */
 void ctl_table_done(struct ctl_table *t);
+/* Ends a subcommand: unless `r` (the last ctl_table_add()) failed, prints
+ * the table to stdout (as a list, or as one object when `object`); frees
+ * the table and `resp`. Returns the exit status. */
+int ctl_table_finish(struct ctl_table *t, int r, bool json, bool object, Moeep__V1__Response *resp);
 
 /* Writes `s` as a JSON string literal (quoted; control characters, quotes,
  * backslashes escaped; invalid UTF-8 replaced by U+FFFD). */

@@ -23,14 +23,14 @@ static void api_load(void) {
                 api_status = -ENOENT;
                 return;
         }
-#define SYM(field, name)                                                                                   \
-        do {                                                                                               \
-                *(void **)&api.field = dlsym(lib, name);                                                   \
-                if (!api.field) {                                                                          \
-                        snprintf(api_error, sizeof(api_error), "libcuda.so.1 lacks %s", name);             \
-                        api_status = -ENOSYS;                                                              \
-                        return;                                                                            \
-                }                                                                                          \
+#define SYM(field, name)                                                                       \
+        do {                                                                                   \
+                *(void **)&api.field = dlsym(lib, name);                                       \
+                if (!api.field) {                                                              \
+                        snprintf(api_error, sizeof(api_error), "libcuda.so.1 lacks %s", name); \
+                        api_status = -ENOSYS;                                                  \
+                        return;                                                                \
+                }                                                                              \
         } while (0)
         SYM(get_error_string, "cuGetErrorString");
         SYM(device_get, "cuDeviceGet");

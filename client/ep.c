@@ -12,30 +12,30 @@
 #include "kernels.h"
 #include "moeep_ep.h"
 
-#define NVL_REGION_TAG 0   /* tag of the NVLink buffer among a rank's regions */
+#define NVL_REGION_TAG 0 /* tag of the NVLink buffer among a rank's regions */
 #define MAX_TOKENS_LIMIT 65536
 
 struct moeep_ep_handle {
-        struct moeep_ep *ep;             /* not owning */
-        struct moeep_route route;        /* arrays inside dev_mem */
-        void *dev_mem;                   /* owning: cudaMalloc */
-        int *expert_counts_host;         /* owning: [local experts] */
-        int num_recv;                    /* -1 when only the device knows it */
+        struct moeep_ep *ep;      /* not owning */
+        struct moeep_route route; /* arrays inside dev_mem */
+        void *dev_mem;            /* owning: cudaMalloc */
+        int *expert_counts_host;  /* owning: [local experts] */
+        int num_recv;             /* -1 when only the device knows it */
         int num_topk;
         SLIST_ENTRY(moeep_ep_handle) free_entry;
 };
 
 struct moeep_ep {
-        struct moeep_client *client;     /* not owning */
+        struct moeep_client *client; /* not owning */
         const struct cumem_api *cu;
-        struct moeep_ctx ctx;            /* passed to every kernel by value */
-        struct cumem_mapping own;        /* our buffer */
+        struct moeep_ctx ctx;     /* passed to every kernel by value */
+        struct cumem_mapping own; /* our buffer */
         struct cumem_mapping peer_maps[MOEEP_KERNEL_MAX_RANKS];
-        struct moeep_notify_host *host;  /* owning: cudaHostAlloc, mapped */
+        struct moeep_notify_host *host; /* owning: cudaHostAlloc, mapped */
         cudaEvent_t notify_done;
         int device;
         bool control_page_registered;
-        void *control_page;              /* not owning: the client's mapping */
+        void *control_page; /* not owning: the client's mapping */
         SLIST_HEAD(, moeep_ep_handle) free_handles;
         char error[512];
 };
@@ -50,11 +50,11 @@ static int ep_fail(struct moeep_ep *ep, int r, const char *fmt, ...) {
         return r;
 }
 
-#define CUDA_TRY(ep, call)                                                                                 \
-        do {                                                                                               \
-                cudaError_t e_ = (call);                                                                   \
-                if (e_ != cudaSuccess)                                                                     \
-                        return ep_fail((ep), -EIO, "%s: %s", #call, cudaGetErrorString(e_));               \
+#define CUDA_TRY(ep, call)                                                                   \
+        do {                                                                                 \
+                cudaError_t e_ = (call);                                                     \
+                if (e_ != cudaSuccess)                                                       \
+                        return ep_fail((ep), -EIO, "%s: %s", #call, cudaGetErrorString(e_)); \
         } while (0)
 
 static int launch_result(struct moeep_ep *ep, const char *what, int r) {
@@ -89,7 +89,8 @@ static int config_check(struct moeep_ep *ep, const struct moeep_ep_config *c, in
                 return ep_fail(ep, -EINVAL, "num_experts %d must be in 1..%d and divisible by the %d ranks",
                                c->num_experts, MOEEP_KERNEL_MAX_EXPERTS, ranks);
         if (c->max_topk < 1 || c->max_topk > MOEEP_KERNEL_MAX_TOPK)
-                return ep_fail(ep, -EINVAL, "max_topk %d is outside 1..%d", c->max_topk, MOEEP_KERNEL_MAX_TOPK);
+                return ep_fail(ep, -EINVAL, "max_topk %d is outside 1..%d", c->max_topk,
+                               MOEEP_KERNEL_MAX_TOPK);
         if (c->num_sms < 0 || c->num_sms > 1024)
                 return ep_fail(ep, -EINVAL, "num_sms %d is outside 0..1024", c->num_sms);
         if (c->timeout_ms < 0)
@@ -105,9 +106,11 @@ static int map_peers(struct moeep_ep *ep) {
 
         r = moeep_regions_fetch(ep->client, -1, NVL_REGION_TAG, &regions, &n);
         if (r < 0)
-                return ep_fail(ep, r, "fetching the peers' NVLink buffers: %s", moeep_client_error(ep->client));
+                return ep_fail(ep, r, "fetching the peers' NVLink buffers: %s",
+                               moeep_client_error(ep->client));
         if (n != (size_t)ep->ctx.ranks - 1) {
-                r = ep_fail(ep, -EPROTO, "daemon returned %zu peer buffers, expected %d", n, ep->ctx.ranks - 1);
+                r = ep_fail(ep, -EPROTO, "daemon returned %zu peer buffers, expected %d", n,
+                            ep->ctx.ranks - 1);
                 goto out;
         }
         for (size_t i = 0; i < n; i++) {
@@ -118,13 +121,15 @@ static int map_peers(struct moeep_ep *ep) {
                     ep->peer_maps[g->rank].ptr || g->kind != MOEEP_REGION_CUMEM_FD ||
                     g->size != ep->own.size) {
                         r = ep_fail(ep, -EPROTO,
-                                    "peer buffer %zu (rank %d, kind %d, %llu bytes) does not match ours (%zu bytes)",
+                                    "peer buffer %zu (rank %d, kind %d, %llu bytes) does not match ours (%zu "
+                                    "bytes)",
                                     i, g->rank, (int)g->kind, (unsigned long long)g->size, ep->own.size);
                         goto out;
                 }
                 cr = cumem_import(ep->cu, g->fd, g->size, ep->device, &ep->peer_maps[g->rank]);
                 if (cr != CUDA_SUCCESS) {
-                        r = ep_fail(ep, -EIO, "mapping rank %d's buffer: %s", g->rank, cumem_strerror(ep->cu, cr));
+                        r = ep_fail(ep, -EIO, "mapping rank %d's buffer: %s", g->rank,
+                                    cumem_strerror(ep->cu, cr));
                         goto out;
                 }
                 ep->ctx.peers[g->rank] = (char *)(uintptr_t)ep->peer_maps[g->rank].ptr;
@@ -154,7 +159,8 @@ static void map_control_page(struct moeep_ep *ep) {
                 (void)cudaGetLastError();
                 return;
         }
-        ep->ctx.abort_word = (const volatile uint32_t *)((char *)dev + offsetof(struct moeep_control_page, abort));
+        ep->ctx.abort_word =
+                (const volatile uint32_t *)((char *)dev + offsetof(struct moeep_control_page, abort));
 }
 
 static int ep_attach(struct moeep_ep *ep, const struct moeep_ep_config *c) {
@@ -169,17 +175,20 @@ static int ep_attach(struct moeep_ep *ep, const struct moeep_ep_config *c) {
         CUDA_TRY(ep, cudaGetDevice(&ep->device));
         CUDA_TRY(ep, cudaFree(NULL)); /* creates the primary context the driver calls use */
 
-        moeep_buffer_layout_compute(&ep->ctx.layout, ep->ctx.ranks, c->max_tokens_per_rank, c->hidden, c->max_topk);
+        moeep_buffer_layout_compute(&ep->ctx.layout, ep->ctx.ranks, c->max_tokens_per_rank, c->hidden,
+                                    c->max_topk);
         cr = cumem_alloc_exportable(ep->cu, ep->device, ep->ctx.layout.total, &ep->own, &fd);
         if (cr != CUDA_SUCCESS)
                 return ep_fail(ep, -ENOMEM, "allocating the %zu-byte NVLink buffer on device %d: %s",
                                ep->ctx.layout.total, ep->device, cumem_strerror(ep->cu, cr));
         ep->ctx.peers[ep->ctx.rank] = (char *)(uintptr_t)ep->own.ptr;
         /* Flags must be zero before any peer can see the buffer. */
-        CUDA_TRY(ep, cudaMemset(ep->ctx.peers[ep->ctx.rank] + ep->ctx.layout.sync, 0, sizeof(struct moeep_sync)));
+        CUDA_TRY(ep,
+                 cudaMemset(ep->ctx.peers[ep->ctx.rank] + ep->ctx.layout.sync, 0, sizeof(struct moeep_sync)));
         CUDA_TRY(ep, cudaDeviceSynchronize());
 
-        r = moeep_region_register(ep->client, fd, MOEEP_REGION_CUMEM_FD, ep->own.size, NVL_REGION_TAG, &region_id);
+        r = moeep_region_register(ep->client, fd, MOEEP_REGION_CUMEM_FD, ep->own.size, NVL_REGION_TAG,
+                                  &region_id);
         close(fd);
         if (r < 0)
                 return ep_fail(ep, r, "registering the NVLink buffer: %s", moeep_client_error(ep->client));
@@ -259,7 +268,8 @@ int moeep_ep_create(struct moeep_client *client, const struct moeep_ep_config *c
         ep->ctx.max_tokens = config->max_tokens_per_rank;
         ep->ctx.max_topk = config->max_topk;
         ep->ctx.num_sms = config->num_sms ? config->num_sms : MOEEP_DEFAULT_NUM_SMS;
-        ep->ctx.timeout_ns = (uint64_t)(config->timeout_ms ? config->timeout_ms : MOEEP_DEFAULT_TIMEOUT_MS) * 1000000;
+        ep->ctx.timeout_ns =
+                (uint64_t)(config->timeout_ms ? config->timeout_ms : MOEEP_DEFAULT_TIMEOUT_MS) * 1000000;
         r = ep_attach(ep, config);
         if (r < 0)
                 goto fail;
@@ -293,9 +303,11 @@ static int state_error(struct moeep_ep *ep, uint32_t err, int peer) {
                 return ep_fail(ep, -ETIMEDOUT, "rank %d: waited more than %llu ms for rank %d", ep->ctx.rank,
                                (unsigned long long)(ep->ctx.timeout_ns / 1000000), peer);
         case MOEEP_KERR_ABORT:
-                return ep_fail(ep, -ENOTCONN, "rank %d: job aborted by moeepd (rank %d lost)", ep->ctx.rank,
-                               ep->control_page ? ((const volatile struct moeep_control_page *)ep->control_page)->lost_rank
-                                                : peer);
+                return ep_fail(
+                        ep, -ENOTCONN, "rank %d: job aborted by moeepd (rank %d lost)", ep->ctx.rank,
+                        ep->control_page
+                                ? ((const volatile struct moeep_control_page *)ep->control_page)->lost_rank
+                                : peer);
         }
         return ep_fail(ep, -EIO, "rank %d: device error code %u", ep->ctx.rank, err);
 }
@@ -316,15 +328,17 @@ static int check_index_type(struct moeep_ep *ep, enum moeep_index_type t) {
         case MOEEP_INDEX_INT32:
                 return 0;
         }
-        return ep_fail(ep, -EINVAL, "topk index type %d is neither MOEEP_INDEX_INT64 nor MOEEP_INDEX_INT32", (int)t);
+        return ep_fail(ep, -EINVAL, "topk index type %d is neither MOEEP_INDEX_INT64 nor MOEEP_INDEX_INT32",
+                       (int)t);
 }
 
 static int check_tokens(struct moeep_ep *ep, int num_tokens, int num_topk, bool need_topk) {
         if (num_tokens < 0 || num_tokens > ep->ctx.max_tokens)
-                return ep_fail(ep, -EINVAL, "num_tokens %d is outside 0..%d (max_tokens_per_rank)", num_tokens,
-                               ep->ctx.max_tokens);
+                return ep_fail(ep, -EINVAL, "num_tokens %d is outside 0..%d (max_tokens_per_rank)",
+                               num_tokens, ep->ctx.max_tokens);
         if (need_topk && (num_topk < 1 || num_topk > ep->ctx.max_topk))
-                return ep_fail(ep, -EINVAL, "num_topk %d is outside 1..%d (max_topk)", num_topk, ep->ctx.max_topk);
+                return ep_fail(ep, -EINVAL, "num_topk %d is outside 1..%d (max_topk)", num_topk,
+                               ep->ctx.max_topk);
         return 0;
 }
 
@@ -335,14 +349,17 @@ int moeep_get_dispatch_layout(struct moeep_ep *ep, const void *topk_idx, enum mo
 
         if (!ep)
                 return -EINVAL;
-        if ((r = check_index_type(ep, idx_type)) < 0 || (r = check_tokens(ep, num_tokens, num_topk, true)) < 0)
+        if ((r = check_index_type(ep, idx_type)) < 0 ||
+            (r = check_tokens(ep, num_tokens, num_topk, true)) < 0)
                 return r;
-        if ((num_tokens > 0 && (!topk_idx || !is_token_in_rank)) || !num_tokens_per_rank || !num_tokens_per_expert)
+        if ((num_tokens > 0 && (!topk_idx || !is_token_in_rank)) || !num_tokens_per_rank ||
+            !num_tokens_per_expert)
                 return ep_fail(ep, -EINVAL, "get_dispatch_layout: a required pointer is NULL");
         return launch_result(ep, "layout",
-                             moeep_launch_layout(topk_idx, idx_type == MOEEP_INDEX_INT64, num_tokens, num_topk,
-                                                 ep->ctx.num_experts, ep->ctx.ranks, num_tokens_per_rank,
-                                                 num_tokens_per_expert, is_token_in_rank, stream));
+                             moeep_launch_layout(topk_idx, idx_type == MOEEP_INDEX_INT64, num_tokens,
+                                                 num_topk, ep->ctx.num_experts, ep->ctx.ranks,
+                                                 num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank,
+                                                 stream));
 }
 
 /* A handle from the free list, or a new one sized for the endpoint. */
@@ -361,7 +378,8 @@ static int handle_get(struct moeep_ep *ep, struct moeep_ep_handle **ret) {
         if (!h)
                 return ep_fail(ep, -ENOMEM, "out of memory for a dispatch handle");
         h->expert_counts_host = calloc((size_t)L, sizeof(int));
-        if (!h->expert_counts_host || cudaMalloc(&h->dev_mem, (n_send + n_recv + R + 1 + L + 1) * sizeof(int32_t)) != cudaSuccess) {
+        if (!h->expert_counts_host ||
+            cudaMalloc(&h->dev_mem, (n_send + n_recv + R + 1 + L + 1) * sizeof(int32_t)) != cudaSuccess) {
                 (void)cudaGetLastError();
                 free(h->expert_counts_host);
                 free(h);
@@ -427,13 +445,13 @@ static int dispatch_check(struct moeep_ep *ep, const struct moeep_dispatch_args 
                 return ep_fail(ep, -EINVAL, "num_worst_tokens %d is outside 0..%d", a->num_worst_tokens,
                                ep->ctx.ranks * ep->ctx.max_tokens);
         if (a->handle && a->handle->num_topk != (a->topk_idx ? a->num_topk : 0))
-                return ep_fail(ep, -EINVAL, "num_topk %d differs from the handle's %d", a->topk_idx ? a->num_topk : 0,
-                               a->handle->num_topk);
+                return ep_fail(ep, -EINVAL, "num_topk %d differs from the handle's %d",
+                               a->topk_idx ? a->num_topk : 0, a->handle->num_topk);
         return 0;
 }
 
-int moeep_dispatch(struct moeep_ep *ep, const struct moeep_dispatch_args *a, struct moeep_dispatch_result *ret,
-                   cudaStream_t stream) {
+int moeep_dispatch(struct moeep_ep *ep, const struct moeep_dispatch_args *a,
+                   struct moeep_dispatch_result *ret, cudaStream_t stream) {
         struct moeep_ep_handle *h;
         bool fresh = false;
         char *own;
@@ -460,9 +478,10 @@ int moeep_dispatch(struct moeep_ep *ep, const struct moeep_dispatch_args *a, str
                 h->route.num_tokens = a->num_tokens;
                 h->num_topk = a->topk_idx ? a->num_topk : 0;
                 r = launch_result(ep, "notify",
-                                  moeep_launch_notify(&ep->ctx, a->is_token_in_rank, a->topk_idx, idx64, a->num_tokens,
-                                                      a->num_topk, a->expert_alignment, &h->route,
-                                                      a->num_worst_tokens ? NULL : ep->host, stream));
+                                  moeep_launch_notify(&ep->ctx, a->is_token_in_rank, a->topk_idx, idx64,
+                                                      a->num_tokens, a->num_topk, a->expert_alignment,
+                                                      &h->route, a->num_worst_tokens ? NULL : ep->host,
+                                                      stream));
                 if (r < 0)
                         goto fail;
                 h->num_recv = -1;
@@ -500,7 +519,9 @@ int moeep_dispatch(struct moeep_ep *ep, const struct moeep_dispatch_args *a, str
         own = ep->ctx.peers[ep->ctx.rank];
         *ret = (struct moeep_dispatch_result){
                 .recv_x = own + ep->ctx.layout.recv_x,
-                .recv_x_scales = a->x_type == MOEEP_DTYPE_FP8_E4M3 ? (float *)(own + ep->ctx.layout.recv_scales) : NULL,
+                .recv_x_scales = a->x_type == MOEEP_DTYPE_FP8_E4M3
+                                         ? (float *)(own + ep->ctx.layout.recv_scales)
+                                         : NULL,
                 .recv_topk_idx = a->topk_idx ? own + ep->ctx.layout.recv_topk_idx : NULL,
                 .recv_topk_weights = a->topk_idx ? (float *)(own + ep->ctx.layout.recv_topk_weights) : NULL,
                 .recv_src_info = h->route.recv_src,
@@ -532,13 +553,16 @@ int moeep_combine(struct moeep_ep *ep, const struct moeep_combine_args *a, cudaS
         if (a->handle->route.num_tokens > 0 && !a->out)
                 return ep_fail(ep, -EINVAL, "combine: out is NULL");
         if ((a->topk_weights || a->out_topk_weights) && (a->num_topk < 1 || a->num_topk > ep->ctx.max_topk))
-                return ep_fail(ep, -EINVAL, "combine: num_topk %d is outside 1..%d", a->num_topk, ep->ctx.max_topk);
+                return ep_fail(ep, -EINVAL, "combine: num_topk %d is outside 1..%d", a->num_topk,
+                               ep->ctx.max_topk);
         if (a->out_topk_weights && !a->topk_weights)
                 return ep_fail(ep, -EINVAL, "combine: out_topk_weights needs topk_weights");
-        r = launch_result(ep, "barrier", moeep_launch_notify(&ep->ctx, NULL, NULL, 1, 0, 0, 0, NULL, NULL, stream));
+        r = launch_result(ep, "barrier",
+                          moeep_launch_notify(&ep->ctx, NULL, NULL, 1, 0, 0, 0, NULL, NULL, stream));
         if (r < 0)
                 return r;
         return launch_result(ep, "combine",
-                             moeep_launch_combine(&ep->ctx, a->x, a->topk_weights, a->topk_weights ? a->num_topk : 0,
-                                                  &a->handle->route, a->out, a->out_topk_weights, stream));
+                             moeep_launch_combine(&ep->ctx, a->x, a->topk_weights,
+                                                  a->topk_weights ? a->num_topk : 0, &a->handle->route,
+                                                  a->out, a->out_topk_weights, stream));
 }
