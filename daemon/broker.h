@@ -1,0 +1,65 @@
+/* The handle broker: memory regions (fds) that job members register, and
+ * handing them to the other members of the same job, never anyone else. */
+#ifndef MOEEPD_BROKER_H
+#define MOEEPD_BROKER_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/queue.h>
+#include <sys/types.h>
+
+#include "job.h"
+#include "moeep.pb-c.h"
+
+struct config;
+
+struct region {
+        uint64_t id;                /* daemon-wide unique, never reused */
+        struct job_member *owner;   /* not owning; the region lives in owner->regions */
+        uid_t uid;                  /* charged against the uid's caps */
+        uint32_t tag;
+        Moeep__V1__RegionKind kind;
+        uint64_t size;
+        int fd;                     /* owns */
+        TAILQ_ENTRY(region) entry;
+};
+
+/* What one uid holds, for max_region_bytes_per_uid and max_fds_per_uid. */
+struct uid_usage {
+        uid_t uid;
+        uint64_t bytes;
+        uint32_t fds;
+        LIST_ENTRY(uid_usage) entry;
+};
+
+struct broker {
+        const struct config *config; /* not owning; caps are read at each call */
+        uint64_t next_id;
+        uint32_t nregions;           /* all live regions */
+        LIST_HEAD(, uid_usage) usage; /* owns; entries exist while a uid holds regions */
+};
+
+int broker_new(const struct config *config, struct broker **ret_broker);
+/* Every region must be gone (members drop theirs). Accepts NULL. */
+void broker_free(struct broker *b);
+
+/* Registers `fd` as a region of member `m` (uid `uid`). Takes `fd` only on
+ * success. Errors: -EINVAL unknown kind, size 0, or a memfd/dma-buf smaller
+ * than `size`; -EBADF an fd that is not of a kind we can check (a memfd that
+ * is no regular file); -EDQUOT a cap; -EPIPE the job is aborted; -ENOMEM. */
+int broker_register(struct broker *b, struct job_member *m, uid_t uid, Moeep__V1__RegionKind kind, uint64_t size,
+                    uint32_t tag, int fd, uint64_t *ret_id, char *errmsg);
+
+/* Closes every region of `m`. */
+void broker_drop_member(struct broker *b, struct job_member *m);
+
+/* Collects the regions member `m` may receive: of rank `rank` (any rank of
+ * the job, its own included) or, for -1, of every other rank; with tag `tag`
+ * or, for -1, any tag. Order: rank ascending, then registration order.
+ * Returns 0 with a malloc'ed array of at most `max` borrowed pointers
+ * (NULL when none), -ERANGE for a rank outside the job, -EINVAL for a bad
+ * tag, -E2BIG when more than `max` match, -ENOMEM. */
+int broker_fetch(const struct job_member *m, int32_t rank, int64_t tag, size_t max, struct region ***ret_regions,
+                 size_t *ret_count, char *errmsg);
+
+#endif

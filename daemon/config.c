@@ -1,0 +1,250 @@
+/* moeepd configuration; see config.h. */
+#include <errno.h>
+#include <ini.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/un.h>
+
+#include "config.h"
+#include "log.h"
+#include "moeep-config.h"
+
+/* The defaults, in the file's own syntax, so that one parser fills in both
+ * and `moeepd` runs with no file at all. */
+static const char default_config[] =
+        "socket = " MOEEP_DEFAULT_SOCKET "\n"
+        "socket_mode = 0660\n"
+        "socket_group =\n"
+        "admin_group = moeep-admin\n"
+        "log_level = info\n"
+        "max_sessions = 1024\n"
+        "max_sessions_per_uid = 64\n"
+        "max_jobs_per_uid = 16\n"
+        "max_regions_per_session = 8\n"
+        "max_region_bytes_per_uid = 1T\n"
+        "max_fds_per_uid = 512\n";
+
+enum key_type { KEY_PATH, KEY_MODE, KEY_GROUP, KEY_LEVEL, KEY_U32, KEY_BYTES };
+
+/* Every key, its type, where it lives, its range and whether SIGHUP applies
+ * it. One table so that parsing, validation and reload agree. */
+static const struct key {
+        const char *name;
+        enum key_type type;
+        size_t offset;
+        uint64_t min, max;
+        bool reloadable;
+} keys[] = {
+        { "socket", KEY_PATH, offsetof(struct config, socket), 0, 0, false },
+        { "socket_mode", KEY_MODE, offsetof(struct config, socket_mode), 0, 0777, false },
+        { "socket_group", KEY_GROUP, offsetof(struct config, socket_group), 0, 0, false },
+        { "admin_group", KEY_GROUP, offsetof(struct config, admin_group), 0, 0, true },
+        { "log_level", KEY_LEVEL, offsetof(struct config, log_level), 0, 0, true },
+        { "max_sessions", KEY_U32, offsetof(struct config, max_sessions), 1, 65536, true },
+        { "max_sessions_per_uid", KEY_U32, offsetof(struct config, max_sessions_per_uid), 1, 65536, true },
+        { "max_jobs_per_uid", KEY_U32, offsetof(struct config, max_jobs_per_uid), 1, 4096, true },
+        /* A Regions record carries at most MOEEP_RECORD_MAX_FDS (64) fds. */
+        { "max_regions_per_session", KEY_U32, offsetof(struct config, max_regions_per_session), 1, 64, true },
+        { "max_region_bytes_per_uid", KEY_BYTES, offsetof(struct config, max_region_bytes_per_uid), 1,
+          UINT64_MAX, true },
+        { "max_fds_per_uid", KEY_U32, offsetof(struct config, max_fds_per_uid), 1, 65536, true },
+};
+
+static const struct key *key_find(const char *name) {
+        for (size_t i = 0; i < sizeof(keys) / sizeof(keys[0]); i++)
+                if (strcmp(keys[i].name, name) == 0)
+                        return &keys[i];
+        return NULL;
+}
+
+bool config_key_reloadable(const char *name) {
+        const struct key *k = key_find(name);
+
+        return k && k->reloadable;
+}
+
+/* Parses a whole unsigned number in `base`, with an optional K/M/G/T
+ * (powers of 1024) suffix when `suffixes` is set. */
+static int parse_u64(const char *s, int base, bool suffixes, uint64_t *ret) {
+        unsigned long long v;
+        unsigned shift = 0;
+        char *end;
+
+        if (!s || s[0] < '0' || s[0] > '9')
+                return -EINVAL;
+        errno = 0;
+        v = strtoull(s, &end, base);
+        if (errno != 0)
+                return -EINVAL;
+        if (suffixes && *end) {
+                switch (*end) {
+                case 'K': shift = 10; break;
+                case 'M': shift = 20; break;
+                case 'G': shift = 30; break;
+                case 'T': shift = 40; break;
+                default: return -EINVAL; /* a character, not one of our enums */
+                }
+                end++;
+        }
+        if (*end)
+                return -EINVAL;
+        if (shift && v > (UINT64_MAX >> shift))
+                return -EINVAL;
+        *ret = (uint64_t)v << shift;
+        return 0;
+}
+
+static int set_string(char **field, const char *value) {
+        char *copy = strdup(value);
+
+        if (!copy)
+                return -ENOMEM;
+        free(*field);
+        *field = copy;
+        return 0;
+}
+
+int config_set(struct config *c, const char *name, const char *value, char *errmsg) {
+        const struct key *k = key_find(name);
+        void *field;
+        uint64_t v;
+        int level;
+
+        if (!k)
+                return errmsg_set(errmsg, -ENOENT, "unknown configuration key '%s'", name);
+        field = (char *)c + k->offset;
+        switch (k->type) {
+        case KEY_PATH:
+                if (value[0] != '/' || strlen(value) >= sizeof(((struct sockaddr_un *)0)->sun_path))
+                        return errmsg_set(errmsg, -EINVAL, "%s '%s': need an absolute path shorter than %zu bytes",
+                                          name, value, sizeof(((struct sockaddr_un *)0)->sun_path));
+                return set_string(field, value) < 0 ? errmsg_set(errmsg, -ENOMEM, "%s: out of memory", name) : 0;
+        case KEY_GROUP:
+                if (strlen(value) > 64 || strpbrk(value, ": \t"))
+                        return errmsg_set(errmsg, -EINVAL, "%s '%s': not a group name", name, value);
+                return set_string(field, value) < 0 ? errmsg_set(errmsg, -ENOMEM, "%s: out of memory", name) : 0;
+        case KEY_LEVEL:
+                if (log_level_from_string(value, &level) < 0)
+                        return errmsg_set(errmsg, -EINVAL,
+                                          "%s '%s': need err, warning, notice, info or debug", name, value);
+                *(int *)field = level;
+                return 0;
+        case KEY_MODE:
+                if (parse_u64(value, 8, false, &v) < 0 || v > k->max)
+                        return errmsg_set(errmsg, -EINVAL, "%s '%s': need an octal mode up to 0777", name, value);
+                *(mode_t *)field = (mode_t)v;
+                return 0;
+        case KEY_U32:
+                if (parse_u64(value, 10, false, &v) < 0 || v < k->min || v > k->max)
+                        return errmsg_set(errmsg, -EINVAL, "%s '%s': need a number from %" PRIu64 " to %" PRIu64,
+                                          name, value, k->min, k->max);
+                *(uint32_t *)field = (uint32_t)v;
+                return 0;
+        case KEY_BYTES:
+                if (parse_u64(value, 10, true, &v) < 0 || v < k->min)
+                        return errmsg_set(errmsg, -EINVAL, "%s '%s': need a byte count >= 1 (suffixes K, M, G, T)",
+                                          name, value);
+                *(uint64_t *)field = v;
+                return 0;
+        }
+        return errmsg_set(errmsg, -EINVAL, "%s: key of unknown type %d", name, (int)k->type);
+}
+
+struct load_state {
+        struct config *config;
+        const char *path;
+        int line;
+        int r;                  /* first error */
+        char *errmsg;
+};
+
+/* inih calls this once per key; returning 0 makes ini_parse() report the
+ * line. Only the first error is kept. */
+static int load_handler(void *user, const char *section, const char *name, const char *value) {
+        struct load_state *st = user;
+        char why[ERRMSG_MAX];
+        int r;
+
+        if (st->r < 0)
+                return 0;
+        if (section[0] && strcmp(section, "moeepd") != 0) {
+                st->r = errmsg_set(st->errmsg, -EINVAL, "%s: unknown section [%s] (key %s = '%s')", st->path,
+                                   section, name, value);
+                return 0;
+        }
+        r = config_set(st->config, name, value, why);
+        if (r < 0) {
+                st->r = r == -ENOMEM ? r : -EINVAL;
+                errmsg_set(st->errmsg, st->r, "%s: %s", st->path, why);
+                return 0;
+        }
+        return 1;
+}
+
+static int load_finish(struct load_state *st, int lineno) {
+        char why[ERRMSG_MAX];
+
+        if (lineno == -1) {
+                int e = errno ? errno : EIO;
+
+                return errmsg_set(st->errmsg, -e, "%s: cannot read: %s", st->path, strerror(e));
+        }
+        if (lineno == -2)
+                return errmsg_set(st->errmsg, -ENOMEM, "%s: out of memory", st->path);
+        if (st->r < 0) {
+                /* Prefix the line number, which inih knows only now. */
+                snprintf(why, sizeof(why), "%s", st->errmsg ? st->errmsg : "");
+                return errmsg_set(st->errmsg, st->r, "line %d: %s", lineno, why);
+        }
+        if (lineno > 0)
+                return errmsg_set(st->errmsg, -EINVAL, "%s: line %d: syntax error (need 'key = value')", st->path,
+                                  lineno);
+        return 0;
+}
+
+int config_load(struct config *c, const char *path, char *errmsg) {
+        struct load_state st = { .config = c, .path = path, .errmsg = errmsg };
+
+        return load_finish(&st, ini_parse(path, load_handler, &st));
+}
+
+int config_init(struct config *c) {
+        struct load_state st = { .config = c, .path = "(embedded defaults)" };
+
+        memset(c, 0, sizeof(*c));
+        if (load_finish(&st, ini_parse_string(default_config, load_handler, &st)) < 0) {
+                config_done(c);
+                return -ENOMEM; /* the defaults are valid, so only memory can fail */
+        }
+        return 0;
+}
+
+void config_done(struct config *c) {
+        if (!c)
+                return;
+        free(c->socket);
+        free(c->socket_group);
+        free(c->admin_group);
+        c->socket = c->socket_group = c->admin_group = NULL;
+}
+
+int config_apply_reloadable(struct config *to, const struct config *from) {
+        char *admin = strdup(from->admin_group);
+
+        if (!admin)
+                return -ENOMEM;
+        free(to->admin_group);
+        to->admin_group = admin;
+        to->log_level = from->log_level;
+        to->max_sessions = from->max_sessions;
+        to->max_sessions_per_uid = from->max_sessions_per_uid;
+        to->max_jobs_per_uid = from->max_jobs_per_uid;
+        to->max_regions_per_session = from->max_regions_per_session;
+        to->max_region_bytes_per_uid = from->max_region_bytes_per_uid;
+        to->max_fds_per_uid = from->max_fds_per_uid;
+        return 0;
+}

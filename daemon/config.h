@@ -1,0 +1,50 @@
+/* moeepd configuration: an INI file (inih) over embedded defaults, then
+ * command-line overrides. Every value is validated; errors name the key and
+ * the value. */
+#ifndef MOEEPD_CONFIG_H
+#define MOEEPD_CONFIG_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+struct config {
+        char *socket;                      /* owns; listening socket path when self-bound */
+        mode_t socket_mode;                /* chmod of a self-bound socket (octal in the file) */
+        char *socket_group;                /* owns; chgrp of a self-bound socket, "" = leave it */
+        char *admin_group;                 /* owns; members see every job and client, "" = none */
+        int log_level;                     /* LOG_ERR..LOG_DEBUG */
+        uint32_t max_sessions;             /* connected sessions, all uids */
+        uint32_t max_sessions_per_uid;     /* connected sessions of one uid */
+        uint32_t max_jobs_per_uid;         /* live jobs created by one uid */
+        uint32_t max_regions_per_session;  /* regions one job member may register */
+        uint64_t max_region_bytes_per_uid; /* sum of registered region sizes of one uid */
+        uint32_t max_fds_per_uid;          /* region descriptors the daemon holds for one uid */
+};
+
+/* Fills `c` with the embedded defaults. Returns 0 or -ENOMEM. Free with
+ * config_done(). */
+int config_init(struct config *c);
+
+/* Frees what `c` owns. Accepts a zeroed struct. */
+void config_done(struct config *c);
+
+/* Sets one key from its text form. Returns 0, -ENOENT for an unknown key,
+ * -EINVAL for a bad value or -ENOMEM, with errmsg naming key and value. */
+int config_set(struct config *c, const char *key, const char *value, char *errmsg);
+
+/* Reads an INI file into `c` (keys outside any section or in [moeepd]).
+ * On error `c` may be partly updated: load into a scratch copy. Returns 0,
+ * -errno when the file cannot be read, or -EINVAL naming file, line, key
+ * and value. */
+int config_load(struct config *c, const char *path, char *errmsg);
+
+/* Whether key `key` takes effect on SIGHUP (the socket keys need a
+ * restart). */
+bool config_key_reloadable(const char *key);
+
+/* Copies every reloadable key from `from` into `to`; returns -ENOMEM
+ * leaving `to` unchanged. */
+int config_apply_reloadable(struct config *to, const struct config *from);
+
+#endif

@@ -1,0 +1,398 @@
+/* Jobs: membership, barrier, control page; see job.h. */
+#include <assert.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/random.h>
+#include <unistd.h>
+
+#include "config.h"
+#include "job.h"
+#include "log.h"
+
+const char *job_state_to_string(enum job_state s) {
+        switch (s) {
+        case JOB_FORMING:
+                return "forming";
+        case JOB_READY:
+                return "ready";
+        case JOB_ABORTED:
+                return "aborted";
+        }
+        return "unknown";
+}
+
+int jobs_new(const struct config *config, const struct job_callbacks *cb, struct jobs **ret_jobs) {
+        struct jobs *jobs = calloc(1, sizeof(*jobs));
+
+        if (!jobs)
+                return -ENOMEM;
+        TAILQ_INIT(&jobs->list);
+        jobs->next_id = 1;
+        jobs->config = config;
+        jobs->cb = cb;
+        *ret_jobs = jobs;
+        return 0;
+}
+
+static void job_free(struct job *job) {
+        if (!job)
+                return;
+        if (job->control)
+                munmap(job->control, MOEEP_CONTROL_PAGE_SIZE);
+        if (job->control_fd >= 0)
+                close(job->control_fd);
+        if (job->control_ro_fd >= 0)
+                close(job->control_ro_fd);
+        explicit_bzero(job->secret, sizeof(job->secret));
+        free(job);
+}
+
+static void job_unref(struct job *job) {
+        assert(job->references > 0);
+        if (--job->references > 0)
+                return;
+        assert(job->njoined == 0);
+        TAILQ_REMOVE(&job->jobs->list, job, entry);
+        job->jobs->count--;
+        log_info("job %" PRIu64 " '%s' freed", job->id, job->name);
+        job_free(job);
+}
+
+void jobs_free(struct jobs *jobs) {
+        struct job *job;
+
+        if (!jobs)
+                return;
+        while ((job = TAILQ_FIRST(&jobs->list))) {
+                TAILQ_REMOVE(&jobs->list, job, entry);
+                job_free(job);
+        }
+        free(jobs);
+}
+
+/* Creates the control page: a memfd the daemon keeps mapped writable and
+ * seals so that it can neither change size nor be mapped writable again
+ * (F_SEAL_FUTURE_WRITE, Linux 5.1+). Clients get a read-only reopening of
+ * it where /proc allows, so even on older kernels they cannot map it
+ * PROT_WRITE; only the daemon writes the abort word. */
+static int control_page_create(struct job *job, char *errmsg) {
+        char name[64], path[64];
+        int seals = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL;
+        void *p;
+
+        snprintf(name, sizeof(name), "moeep-job-%" PRIu64, job->id);
+        job->control_fd = memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING);
+        if (job->control_fd < 0)
+                return errmsg_set(errmsg, -errno, "job %" PRIu64 ": memfd_create of the control page: %s", job->id,
+                                  strerror(errno));
+        if (ftruncate(job->control_fd, MOEEP_CONTROL_PAGE_SIZE) < 0)
+                return errmsg_set(errmsg, -errno, "job %" PRIu64 ": sizing the control page to %d bytes: %s",
+                                  job->id, MOEEP_CONTROL_PAGE_SIZE, strerror(errno));
+        p = mmap(NULL, MOEEP_CONTROL_PAGE_SIZE, PROT_READ | PROT_WRITE, MAP_SHARED, job->control_fd, 0);
+        if (p == MAP_FAILED)
+                return errmsg_set(errmsg, -errno, "job %" PRIu64 ": mapping the control page: %s", job->id,
+                                  strerror(errno));
+        job->control = p;
+        job->control->magic = MOEEP_CONTROL_PAGE_MAGIC;
+        job->control->version = 1;
+        job->control->abort = 0;
+        job->control->lost_rank = -1;
+        job->control->job_id = job->id;
+#ifdef F_SEAL_FUTURE_WRITE
+        if (fcntl(job->control_fd, F_ADD_SEALS, seals | F_SEAL_FUTURE_WRITE) == 0)
+                seals = 0;
+#endif
+        if (seals && fcntl(job->control_fd, F_ADD_SEALS, seals) < 0)
+                return errmsg_set(errmsg, -errno, "job %" PRIu64 ": sealing the control page: %s", job->id,
+                                  strerror(errno));
+        snprintf(path, sizeof(path), "/proc/self/fd/%d", job->control_fd);
+        job->control_ro_fd = open(path, O_RDONLY | O_CLOEXEC);
+        if (job->control_ro_fd < 0)
+                log_debug("job %" PRIu64 ": no read-only reopening of the control page (%s): %s", job->id, path,
+                          strerror(errno));
+        return 0;
+}
+
+static bool name_valid(const char *name) {
+        size_t n = strlen(name);
+
+        if (n < 1 || n > JOB_NAME_MAX)
+                return false;
+        for (size_t i = 0; i < n; i++)
+                if (name[i] < 0x20 || name[i] > 0x7e)
+                        return false;
+        return true;
+}
+
+int jobs_create(struct jobs *jobs, const char *name, uint32_t world_size, uid_t uid, void *creator,
+                struct job **ret_job, char *errmsg) {
+        struct job *job;
+        uint32_t have;
+        ssize_t n;
+        int r;
+
+        if (!name_valid(name))
+                return errmsg_set(errmsg, -EINVAL, "job name of %zu bytes: need 1 to %d printable ASCII bytes",
+                                  strlen(name), JOB_NAME_MAX);
+        if (world_size < 1 || world_size > MOEEP_MAX_RANKS)
+                return errmsg_set(errmsg, -EINVAL, "world size %" PRIu32 ": need 1 to %d", world_size,
+                                  MOEEP_MAX_RANKS);
+        have = jobs_count_uid(jobs, uid);
+        if (have >= jobs->config->max_jobs_per_uid)
+                return errmsg_set(errmsg, -EDQUOT, "uid %u already has %" PRIu32 " jobs (max_jobs_per_uid = %" PRIu32 ")",
+                                  (unsigned)uid, have, jobs->config->max_jobs_per_uid);
+
+        job = calloc(1, sizeof(*job));
+        if (!job)
+                return errmsg_set(errmsg, -ENOMEM, "job '%s': out of memory", name);
+        job->control_fd = job->control_ro_fd = -1;
+        job->id = jobs->next_id;
+        snprintf(job->name, sizeof(job->name), "%s", name);
+        job->world_size = world_size;
+        job->owner_uid = uid;
+        job->state = JOB_FORMING;
+        job->lost_rank = -1;
+        job->creator = creator;
+        job->references = 1;
+        job->jobs = jobs;
+        /* getrandom() without flags blocks only before the pool is
+         * initialised at boot; 32 bytes never come back short. */
+        n = getrandom(job->secret, sizeof(job->secret), 0);
+        if (n != (ssize_t)sizeof(job->secret)) {
+                r = errmsg_set(errmsg, n < 0 ? -errno : -EIO, "job '%s': getrandom for the secret: %s", name,
+                               n < 0 ? strerror(errno) : "short read");
+                goto fail;
+        }
+        r = control_page_create(job, errmsg);
+        if (r < 0)
+                goto fail;
+
+        jobs->next_id++;
+        TAILQ_INSERT_TAIL(&jobs->list, job, entry);
+        jobs->count++;
+        *ret_job = job;
+        return 0;
+
+fail:
+        job_free(job);
+        return r;
+}
+
+void job_unique_id(const struct job *job, uint8_t buf[static JOB_UNIQUE_ID_BYTES]) {
+        buf[0] = JOB_UNIQUE_ID_VERSION;
+        for (int i = 0; i < 8; i++)
+                buf[1 + i] = (uint8_t)(job->id >> (8 * i));
+        memcpy(buf + 9, job->secret, JOB_SECRET_BYTES);
+}
+
+int job_control_fd(const struct job *job) {
+        return job->control_ro_fd >= 0 ? job->control_ro_fd : job->control_fd;
+}
+
+/* Compares secrets in time independent of where they differ, so that a
+ * guesser learns nothing from how long a refusal takes. */
+static bool secret_equal(const uint8_t *a, const uint8_t *b) {
+        volatile uint8_t diff = 0;
+
+        for (size_t i = 0; i < JOB_SECRET_BYTES; i++)
+                diff |= a[i] ^ b[i];
+        return diff == 0;
+}
+
+static struct job *jobs_find(const struct jobs *jobs, uint64_t id) {
+        struct job *job;
+
+        TAILQ_FOREACH(job, &jobs->list, entry)
+                if (job->id == id)
+                        return job;
+        return NULL;
+}
+
+static bool owner_in_a_job(const struct jobs *jobs, const void *owner) {
+        const struct job *job;
+
+        TAILQ_FOREACH(job, &jobs->list, entry)
+                for (uint32_t r = 0; r < job->world_size; r++)
+                        if (job->ranks[r] && job->ranks[r]->owner == owner)
+                                return true;
+        return false;
+}
+
+static bool uuid_valid(const char *s) {
+        size_t n = strlen(s);
+
+        if (n > JOB_GPU_UUID_MAX)
+                return false;
+        for (size_t i = 0; i < n; i++)
+                if (s[i] < 0x21 || s[i] > 0x7e)
+                        return false;
+        return true;
+}
+
+int jobs_join(struct jobs *jobs, const uint8_t *unique_id, size_t len, uint32_t rank, uint32_t world_size,
+              const char *gpu_uuid, void *owner, struct job_member **ret_member, char *errmsg) {
+        struct job_member *m;
+        struct job *job;
+        uint64_t id = 0;
+
+        if (len < JOB_UNIQUE_ID_BYTES || len > MOEEP_UNIQUE_ID_BYTES || unique_id[0] != JOB_UNIQUE_ID_VERSION)
+                return errmsg_set(errmsg, -EINVAL,
+                                  "unique id of %zu bytes, version %u: need %d to %d bytes of version %d", len,
+                                  len ? unique_id[0] : 0, JOB_UNIQUE_ID_BYTES, MOEEP_UNIQUE_ID_BYTES,
+                                  JOB_UNIQUE_ID_VERSION);
+        if (!gpu_uuid)
+                gpu_uuid = "";
+        if (!uuid_valid(gpu_uuid))
+                return errmsg_set(errmsg, -EINVAL, "gpu uuid of %zu bytes: need up to %d printable bytes",
+                                  strlen(gpu_uuid), JOB_GPU_UUID_MAX);
+        for (int i = 0; i < 8; i++)
+                id |= (uint64_t)unique_id[1 + i] << (8 * i);
+        job = jobs_find(jobs, id);
+        if (!job)
+                return errmsg_set(errmsg, -ENOENT, "job %" PRIu64 ": no such job", id);
+        if (!secret_equal(job->secret, unique_id + 9))
+                return errmsg_set(errmsg, -EACCES, "job %" PRIu64 ": the unique id's secret does not match", id);
+        if (owner_in_a_job(jobs, owner))
+                return errmsg_set(errmsg, -EISCONN, "job %" PRIu64 ": the session already belongs to a job", id);
+        if (job->state == JOB_ABORTED)
+                return errmsg_set(errmsg, -EPIPE, "job %" PRIu64 " is aborted: rank %" PRId32 " was lost", id,
+                                  job->lost_rank);
+        if (world_size != job->world_size)
+                return errmsg_set(errmsg, -EDOM, "job %" PRIu64 ": world size %" PRIu32 " differs from the job's %" PRIu32,
+                                  id, world_size, job->world_size);
+        if (rank >= job->world_size)
+                return errmsg_set(errmsg, -ERANGE, "job %" PRIu64 ": rank %" PRIu32 " is out of range 0..%" PRIu32, id,
+                                  rank, job->world_size - 1);
+        if (job->ranks[rank])
+                return errmsg_set(errmsg, -EEXIST, "job %" PRIu64 ": rank %" PRIu32 " is already taken", id, rank);
+
+        m = calloc(1, sizeof(*m));
+        if (!m)
+                return errmsg_set(errmsg, -ENOMEM, "job %" PRIu64 ": out of memory", id);
+        m->job = job;
+        m->rank = rank;
+        snprintf(m->gpu_uuid, sizeof(m->gpu_uuid), "%s", gpu_uuid);
+        m->owner = owner;
+        TAILQ_INIT(&m->regions);
+        job->references++;
+        job->ranks[rank] = m;
+        job->njoined++;
+        if (job->njoined == job->world_size)
+                job->state = JOB_READY;
+        *ret_member = m;
+        return 0;
+}
+
+/* Takes `m` out of its job and frees it; returns the job, still referenced
+ * by `m`'s reference, which the caller drops once done notifying. */
+static struct job *member_remove(struct job_member *m) {
+        struct job *job = m->job;
+
+        assert(TAILQ_EMPTY(&m->regions));
+        assert(job->ranks[m->rank] == m);
+        if (m->in_barrier)
+                job->barrier_arrived--;
+        job->ranks[m->rank] = NULL;
+        job->njoined--;
+        free(m);
+        return job;
+}
+
+void job_member_leave(struct job_member *m) {
+        const struct job_callbacks *cb = m->job->jobs->cb;
+        bool waited = m->in_barrier;
+        uint64_t request_id = m->barrier_request_id;
+        void *owner = m->owner;
+        struct job *job = member_remove(m);
+
+        if (job->state == JOB_READY)
+                job->state = JOB_FORMING;
+        if (waited)
+                cb->barrier_done(owner, job, request_id, -ECANCELED);
+        job_unref(job);
+}
+
+void job_member_lost(struct job_member *m, const char *reason) {
+        const struct job_callbacks *cb = m->job->jobs->cb;
+        uint32_t rank = m->rank;
+        struct job *job = member_remove(m);
+
+        if (job->state != JOB_ABORTED) {
+                job->state = JOB_ABORTED;
+                job->lost_rank = (int32_t)rank;
+                /* Kernels poll `abort` and then read lost_rank: publish the
+                 * rank first. */
+                job->control->lost_rank = (int32_t)rank;
+                __atomic_store_n(&job->control->abort, 1, __ATOMIC_RELEASE);
+                log_notice("job %" PRIu64 " '%s' aborted: rank %" PRIu32 " lost (%s)", job->id, job->name, rank,
+                           reason);
+        }
+        for (uint32_t r = 0; r < job->world_size; r++) {
+                struct job_member *peer = job->ranks[r];
+
+                if (!peer)
+                        continue;
+                cb->peer_lost(peer->owner, job, rank, reason);
+                if (peer->in_barrier) {
+                        peer->in_barrier = false;
+                        job->barrier_arrived--;
+                        cb->barrier_done(peer->owner, job, peer->barrier_request_id, -EPIPE);
+                }
+        }
+        job_unref(job);
+}
+
+int job_barrier(struct job_member *m, uint64_t request_id, char *errmsg) {
+        struct job *job = m->job;
+
+        if (job->state == JOB_ABORTED)
+                return errmsg_set(errmsg, -EPIPE, "job %" PRIu64 " is aborted: rank %" PRId32 " was lost", job->id,
+                                  job->lost_rank);
+        if (m->in_barrier)
+                return errmsg_set(errmsg, -EALREADY, "job %" PRIu64 " rank %" PRIu32 ": already waiting in barrier %" PRIu64,
+                                  job->id, m->rank, job->barrier_generation);
+        m->in_barrier = true;
+        m->barrier_request_id = request_id;
+        job->barrier_arrived++;
+        if (job->barrier_arrived < job->world_size)
+                return 0;
+
+        /* Every rank is here (which implies every rank joined): release
+         * them all, the caller included. */
+        job->barrier_generation++;
+        job->barrier_arrived = 0;
+        for (uint32_t r = 0; r < job->world_size; r++) {
+                struct job_member *peer = job->ranks[r];
+
+                assert(peer && peer->in_barrier);
+                peer->in_barrier = false;
+                job->jobs->cb->barrier_done(peer->owner, job, peer->barrier_request_id, 0);
+        }
+        return 0;
+}
+
+void jobs_creator_gone(struct jobs *jobs, void *creator) {
+        struct job *job, *next;
+
+        for (job = TAILQ_FIRST(&jobs->list); job; job = next) {
+                next = TAILQ_NEXT(job, entry);
+                if (job->creator != creator)
+                        continue;
+                job->creator = NULL;
+                job_unref(job);
+        }
+}
+
+uint32_t jobs_count_uid(const struct jobs *jobs, uid_t uid) {
+        const struct job *job;
+        uint32_t n = 0;
+
+        TAILQ_FOREACH(job, &jobs->list, entry)
+                n += job->owner_uid == uid;
+        return n;
+}

@@ -1,0 +1,148 @@
+/* Jobs: the ranks of one EP group, their membership, barrier and control
+ * page. job.c knows nothing about sockets: a member's owner is an opaque
+ * pointer (a session in moeepd, anything in the unit tests) and everything
+ * the job must tell its members goes through struct job_callbacks. */
+#ifndef MOEEPD_JOB_H
+#define MOEEPD_JOB_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/queue.h>
+#include <sys/types.h>
+
+#include "moeep.h"
+
+struct config;
+struct region;
+
+#define JOB_NAME_MAX 64
+#define JOB_GPU_UUID_MAX 64
+#define JOB_SECRET_BYTES 32
+
+/* Unique id layout (opaque to clients): byte 0 the format version
+ * (JOB_UNIQUE_ID_VERSION), bytes 1..8 the job id (little-endian u64),
+ * bytes 9..40 the secret. JobCreated carries these JOB_UNIQUE_ID_BYTES
+ * bytes; JobJoin accepts them followed by up to MOEEP_UNIQUE_ID_BYTES in all
+ * (clients may send their zero-padded 128-byte copy). The bytes after the
+ * secret are reserved for the creating daemon's node address (later, for
+ * jobs that span nodes) and are ignored today. */
+#define JOB_UNIQUE_ID_VERSION 1
+#define JOB_UNIQUE_ID_BYTES (1 + 8 + JOB_SECRET_BYTES)
+
+enum job_state {
+        JOB_FORMING, /* fewer than world_size ranks joined */
+        JOB_READY,   /* every rank joined */
+        JOB_ABORTED, /* a member was lost; final */
+};
+
+const char *job_state_to_string(enum job_state s);
+
+struct job;
+
+/* How a job talks to its members' owners. Called synchronously from inside
+ * job_*() calls, so they must only queue work (never free a member or call
+ * back into job.c). */
+struct job_callbacks {
+        /* A barrier the member entered with `request_id` finished: error 0
+         * when every rank arrived, -EPIPE when a rank was lost (the job is
+         * aborted; job->lost_rank names it), -ECANCELED when the member left
+         * the job while waiting. */
+        void (*barrier_done)(void *owner, const struct job *job, uint64_t request_id, int error);
+        /* Rank `rank` of the member's job was lost; the job is aborted. */
+        void (*peer_lost)(void *owner, const struct job *job, uint32_t rank, const char *reason);
+};
+
+TAILQ_HEAD(region_list, region);
+
+struct job_member {
+        struct job *job;            /* holds a reference */
+        uint32_t rank;
+        char gpu_uuid[JOB_GPU_UUID_MAX + 1];
+        void *owner;                /* not owning; handed to the callbacks */
+        bool in_barrier;            /* waiting; barrier_request_id is held back */
+        uint64_t barrier_request_id;
+        struct region_list regions; /* owns; filled by broker.c, empty when the member goes */
+        uint32_t nregions;
+};
+
+struct job {
+        uint64_t id;                /* public, daemon-wide unique, never reused */
+        char name[JOB_NAME_MAX + 1];
+        uint32_t world_size;
+        uid_t owner_uid;            /* uid of the creator, counted against max_jobs_per_uid */
+        enum job_state state;
+        int32_t lost_rank;          /* first rank lost, -1 while none */
+        uint8_t secret[JOB_SECRET_BYTES]; /* never logged or shown */
+        struct job_member *ranks[MOEEP_MAX_RANKS]; /* owns the members; NULL = not joined */
+        uint32_t njoined;
+        uint64_t barrier_generation; /* completed barriers */
+        uint32_t barrier_arrived;    /* members waiting in the current generation */
+        int control_fd;              /* owns; the sealed memfd */
+        int control_ro_fd;           /* owns; read-only reopening sent to clients, or -1 */
+        struct moeep_control_page *control; /* owns a MAP_SHARED writable mapping */
+        void *creator;               /* not owning; holds a reference until jobs_creator_gone() */
+        unsigned references;         /* creator + one per member */
+        struct jobs *jobs;           /* not owning; the registry */
+        TAILQ_ENTRY(job) entry;
+};
+
+TAILQ_HEAD(job_list, job);
+
+/* The daemon's set of jobs. */
+struct jobs {
+        struct job_list list;
+        uint32_t count;
+        uint64_t next_id;
+        const struct config *config;     /* not owning; caps are read at each call */
+        const struct job_callbacks *cb;  /* not owning */
+};
+
+/* Returns 0 or -ENOMEM. */
+int jobs_new(const struct config *config, const struct job_callbacks *cb, struct jobs **ret_jobs);
+/* Frees every job; members must be gone. Accepts NULL. */
+void jobs_free(struct jobs *jobs);
+
+/* Creates a job in state forming, with one reference held by `creator`.
+ * Returns 0, -EINVAL (name or world size), -EDQUOT (max_jobs_per_uid), or
+ * -errno from memfd/getrandom. */
+int jobs_create(struct jobs *jobs, const char *name, uint32_t world_size, uid_t uid, void *creator,
+                struct job **ret_job, char *errmsg);
+
+/* Writes the job's unique id (JOB_UNIQUE_ID_BYTES) into `buf`. */
+void job_unique_id(const struct job *job, uint8_t buf[static JOB_UNIQUE_ID_BYTES]);
+
+/* The fd to send with JobJoined: read-only when the daemon could reopen it. */
+int job_control_fd(const struct job *job);
+
+/* Joins the job named by `unique_id` as `rank`. Errors, in order of
+ * checking: -EINVAL malformed id or gpu_uuid, -ENOENT no such job, -EACCES
+ * bad secret, -EISCONN `owner` already belongs to a job, -EPIPE the job is
+ * aborted, -EDOM world size mismatch, -ERANGE rank out of range, -EEXIST
+ * rank taken, -ENOMEM. */
+int jobs_join(struct jobs *jobs, const uint8_t *unique_id, size_t len, uint32_t rank, uint32_t world_size,
+              const char *gpu_uuid, void *owner, struct job_member **ret_member, char *errmsg);
+
+/* Orderly leave: the rank becomes free again (a forming job stays forming,
+ * a ready job goes back to forming); frees `m`. Its regions must be gone. */
+void job_member_leave(struct job_member *m);
+
+/* The member's owner died or misbehaved: the job is aborted (control page
+ * abort word set, lost_rank recorded), every other member gets peer_lost and
+ * every waiting one barrier_done(-EPIPE); frees `m`. */
+void job_member_lost(struct job_member *m, const char *reason);
+
+/* Enters the barrier of the current generation. Returns 0 when the reply is
+ * held back (barrier_done comes later, or already came synchronously when
+ * this member was the last to arrive), -EPIPE when the job is aborted,
+ * -EALREADY when the member already waits. */
+int job_barrier(struct job_member *m, uint64_t request_id, char *errmsg);
+
+/* `creator` goes away: drops the creator reference of every job it created
+ * (freeing the ones without members). */
+void jobs_creator_gone(struct jobs *jobs, void *creator);
+
+/* Number of live jobs created by `uid`. */
+uint32_t jobs_count_uid(const struct jobs *jobs, uid_t uid);
+
+#endif

@@ -1,0 +1,81 @@
+/* moeepd: the moeep node daemon. Parses the command line and runs the
+ * daemon object; everything else lives in moeepd_lib so tests link it. */
+#include <getopt.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "daemon.h"
+#include "log.h"
+#include "moeep-config.h"
+#include "record.h"
+
+static void usage(FILE *f) {
+        fprintf(f,
+                "Usage: moeepd [OPTIONS]\n"
+                "The moeep node daemon: brokers GPU memory handles between the ranks of\n"
+                "expert-parallel jobs over a Unix socket.\n"
+                "\n"
+                "  -s, --socket PATH       listen on PATH (default %s); ignored under socket activation\n"
+                "  -f, --foreground        accepted for compatibility: moeepd never forks\n"
+                "  -c, --config FILE       read FILE (INI) over the embedded defaults; SIGHUP re-reads it\n"
+                "  -l, --log-level LEVEL   err, warning, notice, info or debug (overrides the file)\n"
+                "  -h, --help              show this help\n"
+                "  -V, --version           show the version\n",
+                MOEEP_DEFAULT_SOCKET);
+}
+
+int main(int argc, char **argv) {
+        static const struct option longopts[] = {
+                { "socket", required_argument, NULL, 's' },
+                { "foreground", no_argument, NULL, 'f' },
+                { "config", required_argument, NULL, 'c' },
+                { "log-level", required_argument, NULL, 'l' },
+                { "help", no_argument, NULL, 'h' },
+                { "version", no_argument, NULL, 'V' },
+                {},
+        };
+        struct daemon_options options = { 0 };
+        struct daemon d;
+        int c, level, r;
+
+        while ((c = getopt_long(argc, argv, "s:fc:l:hV", longopts, NULL)) != -1)
+                switch (c) {
+                case 's':
+                        options.socket = optarg;
+                        break;
+                case 'f':
+                        break;
+                case 'c':
+                        options.config_path = optarg;
+                        break;
+                case 'l':
+                        if (log_level_from_string(optarg, &level) < 0)
+                                fatal("--log-level '%s': need err, warning, notice, info or debug", optarg);
+                        options.log_level = optarg;
+                        break;
+                case 'h':
+                        usage(stdout);
+                        return EXIT_SUCCESS;
+                case 'V':
+                        printf("moeepd %s (protocol %d.%d)\n", MOEEP_VERSION, MOEEP_PROTOCOL_MAJOR,
+                               MOEEP_PROTOCOL_MINOR);
+                        return EXIT_SUCCESS;
+                default:
+                        usage(stderr);
+                        return EXIT_FAILURE;
+                }
+        if (optind < argc) {
+                fprintf(stderr, "moeepd: unexpected argument '%s'\n", argv[optind]);
+                usage(stderr);
+                return EXIT_FAILURE;
+        }
+
+        r = daemon_init(&d, &options);
+        if (r < 0) {
+                daemon_done(&d);
+                return EXIT_FAILURE;
+        }
+        r = daemon_run(&d);
+        daemon_done(&d);
+        return r < 0 ? EXIT_FAILURE : EXIT_SUCCESS;
+}

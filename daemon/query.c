@@ -1,0 +1,196 @@
+/* Status, job and client listings; see query.h. */
+#include <errno.h>
+#include <grp.h>
+#include <inttypes.h>
+#include <pwd.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "daemon.h"
+#include "job.h"
+#include "log.h"
+#include "moeep-config.h"
+#include "query.h"
+#include "record.h"
+#include "session.h"
+
+/* The peer's groups from the group database, for kernels without
+ * SO_PEERGROUPS. Weaker: it misses groups granted only to the process (a
+ * container's), which is the safe direction. */
+static bool uid_in_group_db(uid_t uid, gid_t gid) {
+        char buf[4096];
+        struct passwd pw, *pwr = NULL;
+        gid_t groups[256];
+        int n = 256;
+
+        if (getpwuid_r(uid, &pw, buf, sizeof(buf), &pwr) != 0 || !pwr)
+                return false;
+        if (getgrouplist(pw.pw_name, pw.pw_gid, groups, &n) < 0)
+                n = 256; /* truncated list: check what we have */
+        for (int i = 0; i < n; i++)
+                if (groups[i] == gid)
+                        return true;
+        return false;
+}
+
+bool query_is_admin(const struct session *s) {
+        const char *name = s->daemon->config.admin_group;
+        struct group gr, *grr = NULL;
+        char buf[4096];
+
+        if (s->cred.uid == 0 || s->cred.uid == geteuid())
+                return true;
+        if (!name || !name[0] || getgrnam_r(name, &gr, buf, sizeof(buf), &grr) != 0 || !grr)
+                return false;
+        if (s->cred.gid == gr.gr_gid)
+                return true;
+        if (!s->groups)
+                return uid_in_group_db(s->cred.uid, gr.gr_gid);
+        for (size_t i = 0; i < s->ngroups; i++)
+                if (s->groups[i] == gr.gr_gid)
+                        return true;
+        return false;
+}
+
+/* Whether `viewer` may see session `other`. */
+static bool session_visible(const struct session *viewer, bool admin, const struct session *other) {
+        if (other->state == SESSION_CLOSED)
+                return false;
+        if (admin || other == viewer)
+                return true;
+        return viewer->member && other->member && viewer->member->job == other->member->job;
+}
+
+static bool job_visible(const struct session *viewer, bool admin, const struct job *job) {
+        return admin || (viewer->member && viewer->member->job == job);
+}
+
+/* Drops trailing entries until the response fits in one record; the
+ * listing is then partial (Status still counts everything visible). */
+static void response_fit(struct session *s, Moeep__V1__Response *resp, size_t *n, const char *what) {
+        size_t before = *n;
+
+        while (*n > 0 && protobuf_c_message_get_packed_size(&resp->base) + sizeof(struct moeep_record_header) >
+                                 MOEEP_RECORD_MAX)
+                *n = *n * 3 / 4;
+        if (*n != before)
+                log_warn("session %" PRIu64 ": %s listing cut from %zu to %zu entries to fit one record", s->id, what,
+                         before, *n);
+}
+
+int query_status(struct session *s, uint64_t request_id, char *errmsg) {
+        const struct daemon *d = s->daemon;
+        bool admin = query_is_admin(s);
+        Moeep__V1__Status st = MOEEP__V1__STATUS__INIT;
+        Moeep__V1__Response resp = MOEEP__V1__RESPONSE__INIT;
+        const struct session *o;
+        const struct job *job;
+
+        TAILQ_FOREACH(o, &d->sessions, entry)
+                st.sessions += session_visible(s, admin, o);
+        TAILQ_FOREACH(job, &d->jobs->list, entry)
+                st.jobs += job_visible(s, admin, job);
+        st.daemon_version = (char *)MOEEP_VERSION;
+        st.major = MOEEP_PROTOCOL_MAJOR;
+        st.minor = MOEEP_PROTOCOL_MINOR;
+        st.uptime_ms = daemon_uptime_ms(d);
+        st.pid = (uint32_t)getpid();
+        resp.body_case = MOEEP__V1__RESPONSE__BODY_STATUS;
+        resp.status = &st;
+        return session_send(s, MOEEP__V1__RESPONSE__BODY_STATUS, request_id, &resp.base, NULL, 0);
+}
+
+int query_jobs(struct session *s, uint64_t request_id, char *errmsg) {
+        const struct daemon *d = s->daemon;
+        bool admin = query_is_admin(s);
+        Moeep__V1__Jobs jobs = MOEEP__V1__JOBS__INIT;
+        Moeep__V1__Response resp = MOEEP__V1__RESPONSE__INIT;
+        Moeep__V1__JobInfo *infos = NULL, **ptrs = NULL;
+        uint32_t *ranks = NULL;
+        struct job *job;
+        size_t n = 0;
+        int r;
+
+        infos = calloc(d->jobs->count + 1, sizeof(*infos));
+        ptrs = calloc(d->jobs->count + 1, sizeof(*ptrs));
+        ranks = calloc((d->jobs->count + 1) * MOEEP_MAX_RANKS, sizeof(*ranks));
+        if (!infos || !ptrs || !ranks) {
+                r = errmsg_set(errmsg, -ENOMEM, "JobsList of %" PRIu32 " jobs: out of memory", d->jobs->count);
+                goto out;
+        }
+        TAILQ_FOREACH(job, &d->jobs->list, entry) {
+                Moeep__V1__JobInfo *ji = &infos[n];
+
+                if (!job_visible(s, admin, job))
+                        continue;
+                moeep__v1__job_info__init(ji);
+                ji->job_id = job->id;
+                ji->name = job->name;
+                ji->world_size = job->world_size;
+                ji->joined_ranks = &ranks[n * MOEEP_MAX_RANKS];
+                for (uint32_t rank = 0; rank < job->world_size; rank++)
+                        if (job->ranks[rank])
+                                ji->joined_ranks[ji->n_joined_ranks++] = rank;
+                ji->state = (char *)job_state_to_string(job->state);
+                ji->owner_uid = (uint32_t)job->owner_uid;
+                ptrs[n++] = ji;
+        }
+        jobs.jobs = ptrs;
+        resp.body_case = MOEEP__V1__RESPONSE__BODY_JOBS;
+        resp.jobs = &jobs;
+        jobs.n_jobs = n;
+        response_fit(s, &resp, &jobs.n_jobs, "job");
+        r = session_send(s, MOEEP__V1__RESPONSE__BODY_JOBS, request_id, &resp.base, NULL, 0);
+out:
+        free(infos);
+        free(ptrs);
+        free(ranks);
+        return r;
+}
+
+int query_clients(struct session *s, uint64_t request_id, char *errmsg) {
+        const struct daemon *d = s->daemon;
+        bool admin = query_is_admin(s);
+        Moeep__V1__Clients clients = MOEEP__V1__CLIENTS__INIT;
+        Moeep__V1__Response resp = MOEEP__V1__RESPONSE__INIT;
+        Moeep__V1__ClientInfo *infos = NULL, **ptrs = NULL;
+        struct session *o;
+        size_t n = 0;
+        int r;
+
+        infos = calloc(d->nsessions + 1, sizeof(*infos));
+        ptrs = calloc(d->nsessions + 1, sizeof(*ptrs));
+        if (!infos || !ptrs) {
+                r = errmsg_set(errmsg, -ENOMEM, "ClientsList of %" PRIu32 " sessions: out of memory", d->nsessions);
+                goto out;
+        }
+        TAILQ_FOREACH(o, &d->sessions, entry) {
+                Moeep__V1__ClientInfo *ci = &infos[n];
+
+                if (!session_visible(s, admin, o))
+                        continue;
+                moeep__v1__client_info__init(ci);
+                ci->session_id = o->id;
+                ci->pid = (uint32_t)o->cred.pid;
+                ci->uid = (uint32_t)o->cred.uid;
+                ci->gid = (uint32_t)o->cred.gid;
+                ci->job_id = o->member ? o->member->job->id : 0;
+                ci->rank = o->member ? (int32_t)o->member->rank : -1;
+                ci->gpu_uuid = o->member ? o->member->gpu_uuid : (char *)"";
+                ci->state = (char *)session_state_to_string(o->state);
+                ci->name = o->name;
+                ci->regions = o->member ? o->member->nregions : 0;
+                ptrs[n++] = ci;
+        }
+        clients.clients = ptrs;
+        resp.body_case = MOEEP__V1__RESPONSE__BODY_CLIENTS;
+        resp.clients = &clients;
+        clients.n_clients = n;
+        response_fit(s, &resp, &clients.n_clients, "client");
+        r = session_send(s, MOEEP__V1__RESPONSE__BODY_CLIENTS, request_id, &resp.base, NULL, 0);
+out:
+        free(infos);
+        free(ptrs);
+        return r;
+}

@@ -1,0 +1,94 @@
+/* Sessions: one per client connection. A session owns its socket, its
+ * read event, and a queue of encoded records (with duplicated fds) waiting
+ * to be written; write interest is armed only while that queue is not
+ * empty. Every way a session ends goes through session_fail(). Sessions are
+ * refcounted and freed from the loop (daemon->ev_reap), never inside one of
+ * their own callbacks. */
+#ifndef MOEEPD_SESSION_H
+#define MOEEPD_SESSION_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <sys/queue.h>
+#include <sys/socket.h>
+#include <sys/types.h>
+
+#include <protobuf-c/protobuf-c.h>
+
+#include "daemon.h"
+#include "job.h"
+
+enum session_state {
+        SESSION_NEW,    /* connected; the first request must be Hello */
+        SESSION_HELLO,  /* welcomed; not a job member */
+        SESSION_READY,  /* a member of a job */
+        SESSION_CLOSED, /* failed or ending: reads nothing, flushes its output, then dies */
+};
+
+const char *session_state_to_string(enum session_state s);
+
+struct session_out; /* one queued record */
+TAILQ_HEAD(session_out_list, session_out);
+
+#define SESSION_NAME_MAX 64
+
+struct session {
+        uint64_t id;                  /* daemon-wide unique */
+        struct daemon *daemon;        /* not owning */
+        int fd;                       /* owns; -1 once dead */
+        enum session_state state;
+        unsigned references;          /* the daemon's list holds one until death */
+        struct ucred cred;            /* SO_PEERCRED at accept */
+        gid_t *groups;                /* owns; SO_PEERGROUPS at accept (supplementary groups) */
+        size_t ngroups;
+        char name[SESSION_NAME_MAX + 1]; /* Hello.client_name, sanitised */
+        uint64_t features;            /* agreed in Welcome */
+        struct job_member *member;    /* owns the membership; NULL unless READY */
+        struct event *ev_read;        /* owns */
+        struct event *ev_write;       /* owns; pending only while `out` is not empty */
+        struct event *ev_linger;      /* owns; bounds how long a CLOSED session flushes */
+        struct session_out_list out;  /* owns */
+        uint32_t out_count;
+        size_t out_bytes;
+        const char *broken;           /* static; set when output overflowed, acted on from the loop */
+        TAILQ_ENTRY(session) entry;
+};
+
+/* Accepts the connection `fd` (owned from now on, closed on error). */
+int session_new(struct daemon *d, int fd, struct session **ret_session);
+
+/* Queues a record for `s` with duplicates of `fds` (the caller keeps its
+ * own). Returns 0, or -ENOBUFS when the peer does not read (the session is
+ * then failed from the loop), -EMSGSIZE, -EMFILE or -ENOMEM. */
+int session_send(struct session *s, uint16_t type, uint64_t request_id, const ProtobufCMessage *msg,
+                 const int *fds, size_t nfds);
+
+/* Queues Response.error. */
+int session_send_error(struct session *s, uint64_t request_id, int code, const char *message);
+
+/* The one way a session ends: logs `why` once, queues Error(`code`) when
+ * `code` is not 0, stops reading, leaves its job as a lost rank, and closes
+ * once the output is flushed (or after a short linger). Safe to call twice. */
+void session_fail(struct session *s, int code, uint64_t request_id, const char *fmt, ...)
+        __attribute__((format(printf, 4, 5)));
+
+/* Closes the socket now, dropping unsent output, and moves the session to
+ * the dead list. Call session_fail() first so that it leaves its job. */
+void session_close_now(struct session *s);
+
+/* Drops a reference; the session is freed from the loop once dead and
+ * unreferenced. */
+void session_ref(struct session *s);
+void session_unref(struct session *s);
+
+/* Frees every dead, unreferenced session (daemon->ev_reap calls it). */
+void sessions_reap(struct daemon *d);
+
+/* Ends every session at shutdown: queues Shutdown, flushes what the socket
+ * takes now, closes. */
+void sessions_shutdown(struct daemon *d, const char *reason);
+
+/* The callbacks jobs use to reach sessions. */
+extern const struct job_callbacks session_job_callbacks;
+
+#endif
