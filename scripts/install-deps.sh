@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Installs what building and testing moeep needs on Debian 12, and nothing
+# when it is all there already (apt-get update runs only if something is
+# missing). CUDA is optional: when /usr/local/cuda/bin/nvcc exists, callers
+# that source this file get it on PATH; meson's -Dcuda=auto does the rest.
+#
+# Usage: scripts/install-deps.sh        (or: source scripts/install-deps.sh)
+# Sourcing it changes no shell options of the caller.
+
+moeep_packages=(
+        meson ninja-build pkg-config gcc
+        libevent-dev libprotobuf-c-dev protobuf-c-compiler
+        libsystemd-dev libfabric-dev libibverbs-dev libinih-dev libcmocka-dev
+        systemd python3
+)
+
+moeep_missing_packages() {
+        local p status
+        for p in "${moeep_packages[@]}"; do
+                status=$(dpkg-query -W -f='${db:Status-Status}' "$p" 2>/dev/null || true)
+                [[ $status == installed ]] || printf '%s\n' "$p"
+        done
+}
+
+moeep_install_deps() {
+        local missing sudo=()
+
+        if ! command -v dpkg-query >/dev/null; then
+                echo "install-deps: not a Debian system; install by hand: ${moeep_packages[*]}" >&2
+                return 1
+        fi
+        mapfile -t missing < <(moeep_missing_packages)
+        if [[ ${#missing[@]} -gt 0 ]]; then
+                [[ $(id -u) -eq 0 ]] || sudo=(sudo)
+                echo "install-deps: installing ${missing[*]}"
+                "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update -qq || return 1
+                "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive \
+                        apt-get install -y -qq --no-install-recommends "${missing[@]}" || return 1
+        fi
+        if [[ -x /usr/local/cuda/bin/nvcc && :$PATH: != *:/usr/local/cuda/bin:* ]]; then
+                export PATH=/usr/local/cuda/bin:$PATH
+        fi
+}
+
+if [[ ${BASH_SOURCE[0]} == "$0" ]]; then
+        set -euo pipefail
+        moeep_install_deps
+else
+        moeep_install_deps || return
+fi

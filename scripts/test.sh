@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# THE test command: installs what is missing, then builds and runs every test
+# suite twice: as shipped (build-test, CUDA if nvcc is there; GPU tests skip
+# without a GPU) and under ASan+UBSan (build-asan, no CUDA). Ends with exactly
+# one line "N passed, N failed, N skipped" summing both runs, and exits
+# non-zero when a build or a test failed.
+#
+# Usage: scripts/test.sh [extra `meson test` arguments, e.g. --suite e2e]
+set -uo pipefail
+
+cd "$(dirname "$0")/.."
+source scripts/install-deps.sh || { echo "0 passed, 1 failed, 0 skipped"; exit 1; }
+
+passed=0 failed=0 skipped=0
+
+# Configures $1 with the remaining options, reusing an existing build dir.
+configure() {
+        local dir=$1
+        shift
+        if [[ -f $dir/build.ninja ]]; then
+                meson setup --reconfigure "$dir" "$@" || meson setup --wipe "$dir" "$@"
+        else
+                rm -rf "$dir"
+                meson setup "$dir" "$@"
+        fi
+}
+
+# Adds the results in $1/meson-logs/testlog.json to the counters.
+count_results() {
+        local counts
+        counts=$(python3 - "$1/meson-logs/testlog.json" <<'PY'
+import json, sys
+ok = bad = skip = 0
+try:
+    lines = open(sys.argv[1]).read().splitlines()
+except OSError:
+    lines = []
+for line in lines:
+    if not line.strip():
+        continue
+    result = json.loads(line).get("result")
+    if result in ("OK", "EXPECTEDFAIL"):
+        ok += 1
+    elif result == "SKIP":
+        skip += 1
+    else:  # FAIL, TIMEOUT, ERROR, UNEXPECTEDPASS, and anything new
+        bad += 1
+print(ok, bad, skip)
+PY
+        ) || counts="0 1 0"
+        read -r p f s <<<"$counts"
+        passed=$((passed + p)) failed=$((failed + f)) skipped=$((skipped + s))
+}
+
+# Builds $1 with options $3.. and runs its tests; $2 names the run.
+run_suite() {
+        local dir=$1 name=$2
+        shift 2
+        echo "=== $name: configure $dir"
+        if ! configure "$dir" "$@"; then
+                echo "=== $name: configure FAILED"
+                failed=$((failed + 1))
+                return
+        fi
+        echo "=== $name: compile"
+        if ! meson compile -C "$dir"; then
+                echo "=== $name: build FAILED"
+                failed=$((failed + 1))
+                return
+        fi
+        echo "=== $name: test"
+        rm -f "$dir/meson-logs/testlog.json"
+        meson test -C "$dir" --print-errorlogs "${test_args[@]}" || echo "=== $name: some tests FAILED"
+        count_results "$dir"
+}
+
+test_args=("$@")
+run_suite build-test "default build" -Dcuda=auto -Dtests=true
+# Sanitizer runs are slower; give every test three times its timeout.
+test_args=(--timeout-multiplier 3 "$@")
+run_suite build-asan "ASan+UBSan build" -Dcuda=disabled -Dtests=true \
+        -Db_sanitize=address,undefined -Dbuildtype=debug
+
+echo "$passed passed, $failed failed, $skipped skipped"
+[[ $failed -eq 0 ]]
