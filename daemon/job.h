@@ -11,6 +11,7 @@
 #include <sys/queue.h>
 #include <sys/types.h>
 
+#include "log.h" /* ERRMSG_MAX */
 #include "moeep.h"
 
 struct config;

@@ -1,0 +1,183 @@
+/* Configuration parsing (daemon/config.c): defaults, good and bad files,
+ * messages that name key and value, and what SIGHUP may change. */
+#include <errno.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <syslog.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "config.h"
+#include "log.h"
+#include "moeep-config.h"
+
+/* Writes `text` to a fresh temporary file; returns its path (static). */
+static const char *write_file(const char *text) {
+        static char path[64];
+        FILE *f;
+        int fd;
+
+        snprintf(path, sizeof(path), "/tmp/moeep-unit-config-XXXXXX");
+        fd = mkstemp(path);
+        assert_true(fd >= 0);
+        f = fdopen(fd, "w");
+        assert_non_null(f);
+        fputs(text, f);
+        fclose(f);
+        return path;
+}
+
+/* Loads `text` into a default configuration; returns the result and
+ * leaves the message in errmsg. */
+static int load(struct config *c, const char *text, char *errmsg) {
+        const char *path = write_file(text);
+        int r;
+
+        assert_int_equal(config_init(c), 0);
+        errmsg[0] = '\0';
+        r = config_load(c, path, errmsg);
+        unlink(path);
+        return r;
+}
+
+static void test_defaults(void **state) {
+        struct config c;
+
+        assert_int_equal(config_init(&c), 0);
+        assert_string_equal(c.socket, MOEEP_DEFAULT_SOCKET);
+        assert_int_equal(c.socket_mode, 0660);
+        assert_string_equal(c.socket_group, "");
+        assert_string_equal(c.admin_group, "moeep-admin");
+        assert_int_equal(c.log_level, LOG_INFO);
+        assert_int_equal(c.max_regions_per_session, 8);
+        assert_int_equal(c.max_region_bytes_per_uid, 1ull << 40);
+        assert_true(c.max_sessions > 0 && c.max_sessions_per_uid > 0 && c.max_jobs_per_uid > 0 && c.max_fds_per_uid > 0);
+        config_done(&c);
+        config_done(&c); /* idempotent */
+}
+
+static void test_good_file(void **state) {
+        struct config c;
+        char errmsg[ERRMSG_MAX];
+
+        assert_int_equal(load(&c,
+                              "# a comment\n"
+                              "[moeepd]\n"
+                              "socket = /tmp/moeep-test.sock\n"
+                              "socket_mode = 0600\n"
+                              "socket_group = users\n"
+                              "admin_group = wheel\n"
+                              "log_level = debug\n"
+                              "max_sessions = 10\n"
+                              "max_sessions_per_uid = 5\n"
+                              "max_jobs_per_uid = 3\n"
+                              "max_regions_per_session = 4\n"
+                              "max_region_bytes_per_uid = 2G\n"
+                              "max_fds_per_uid = 16\n",
+                              errmsg),
+                         0);
+        assert_string_equal(c.socket, "/tmp/moeep-test.sock");
+        assert_int_equal(c.socket_mode, 0600);
+        assert_string_equal(c.socket_group, "users");
+        assert_string_equal(c.admin_group, "wheel");
+        assert_int_equal(c.log_level, LOG_DEBUG);
+        assert_int_equal(c.max_sessions, 10);
+        assert_int_equal(c.max_sessions_per_uid, 5);
+        assert_int_equal(c.max_jobs_per_uid, 3);
+        assert_int_equal(c.max_regions_per_session, 4);
+        assert_int_equal(c.max_region_bytes_per_uid, 2ull << 30);
+        assert_int_equal(c.max_fds_per_uid, 16);
+        config_done(&c);
+}
+
+/* Each bad file fails with -EINVAL and a message holding every `needles`. */
+static void expect_bad(const char *text, const char *needle1, const char *needle2) {
+        struct config c;
+        char errmsg[ERRMSG_MAX];
+
+        assert_int_equal(load(&c, text, errmsg), -EINVAL);
+        if (!strstr(errmsg, needle1) || (needle2 && !strstr(errmsg, needle2)))
+                fail_msg("message '%s' lacks '%s' / '%s'", errmsg, needle1, needle2 ? needle2 : "");
+        config_done(&c);
+}
+
+static void test_bad_files(void **state) {
+        expect_bad("max_sessions = 0\n", "max_sessions", "'0'");
+        expect_bad("max_sessions = 12abc\n", "max_sessions", "12abc");
+        expect_bad("max_sessions = -1\n", "max_sessions", "-1");
+        expect_bad("max_regions_per_session = 65\n", "max_regions_per_session", "65");
+        expect_bad("socket_mode = 999\n", "socket_mode", "999");
+        expect_bad("socket_mode = 01777\n", "socket_mode", "01777");
+        expect_bad("socket = relative.sock\n", "socket", "relative.sock");
+        expect_bad("log_level = loud\n", "log_level", "loud");
+        expect_bad("max_region_bytes_per_uid = 5X\n", "max_region_bytes_per_uid", "5X");
+        expect_bad("max_region_bytes_per_uid = 99999999999T\n", "max_region_bytes_per_uid", "99999999999T");
+        expect_bad("admin_group = a:b\n", "admin_group", "a:b");
+        expect_bad("no_such_key = 1\n", "no_such_key", NULL);
+        expect_bad("[other]\nmax_sessions = 1\n", "[other]", NULL);
+        expect_bad("max_sessions = 1\nthis line is wrong\n", "line 2", NULL);
+        expect_bad("max_sessions = 1\n\nmax_jobs_per_uid = 0\n", "line 3", "max_jobs_per_uid");
+}
+
+static void test_missing_file(void **state) {
+        struct config c;
+        char errmsg[ERRMSG_MAX];
+
+        assert_int_equal(config_init(&c), 0);
+        assert_int_equal(config_load(&c, "/nonexistent/moeepd.conf", errmsg), -ENOENT);
+        assert_non_null(strstr(errmsg, "/nonexistent/moeepd.conf"));
+        config_done(&c);
+}
+
+static void test_set_and_reload(void **state) {
+        struct config live, fresh;
+        char errmsg[ERRMSG_MAX];
+
+        assert_int_equal(config_init(&live), 0);
+        assert_int_equal(config_init(&fresh), 0);
+        assert_int_equal(config_set(&fresh, "socket", "/tmp/other.sock", errmsg), 0);
+        assert_int_equal(config_set(&fresh, "log_level", "warn", errmsg), 0);
+        assert_int_equal(config_set(&fresh, "log_level", "3", errmsg), 0);
+        assert_int_equal(config_set(&fresh, "max_jobs_per_uid", "2", errmsg), 0);
+        assert_int_equal(config_set(&fresh, "admin_group", "", errmsg), 0);
+        assert_int_equal(config_set(&fresh, "bogus", "1", errmsg), -ENOENT);
+        assert_int_equal(config_apply_reloadable(&live, &fresh), 0);
+        assert_string_equal(live.socket, MOEEP_DEFAULT_SOCKET); /* needs a restart */
+        assert_int_equal(live.log_level, LOG_ERR);
+        assert_int_equal(live.max_jobs_per_uid, 2);
+        assert_string_equal(live.admin_group, "");
+        assert_false(config_key_reloadable("socket"));
+        assert_false(config_key_reloadable("socket_mode"));
+        assert_true(config_key_reloadable("log_level"));
+        assert_true(config_key_reloadable("max_fds_per_uid"));
+        config_done(&live);
+        config_done(&fresh);
+}
+
+static void test_log_levels(void **state) {
+        int level;
+
+        assert_int_equal(log_level_from_string("notice", &level), 0);
+        assert_int_equal(level, LOG_NOTICE);
+        assert_int_equal(log_level_from_string("7", &level), 0);
+        assert_int_equal(level, LOG_DEBUG);
+        assert_int_equal(log_level_from_string("8", &level), -EINVAL);
+        assert_int_equal(log_level_from_string("", &level), -EINVAL);
+        assert_string_equal(log_level_to_string(LOG_WARNING), "warning");
+}
+
+int main(void) {
+        const struct CMUnitTest tests[] = {
+                cmocka_unit_test(test_defaults),     cmocka_unit_test(test_good_file),
+                cmocka_unit_test(test_bad_files),    cmocka_unit_test(test_missing_file),
+                cmocka_unit_test(test_set_and_reload), cmocka_unit_test(test_log_levels),
+        };
+
+        return cmocka_run_group_tests(tests, NULL, NULL);
+}

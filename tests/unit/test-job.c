@@ -1,0 +1,353 @@
+/* The job state machine (daemon/job.c) driven directly: members are plain
+ * tokens and the callbacks record what the job told them. */
+#include <errno.h>
+#include <fcntl.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "config.h"
+#include "job.h"
+#include "unit.h"
+
+/* One owner per would-be rank; the callbacks write into them. */
+struct owner {
+        int barrier_done;      /* times barrier_done was called */
+        int barrier_error;     /* its last error */
+        uint64_t barrier_rid;  /* its last request id */
+        int peer_lost;         /* times peer_lost was called */
+        uint32_t lost_rank;
+};
+
+static void cb_barrier_done(void *owner, const struct job *job, uint64_t request_id, int error) {
+        struct owner *o = owner;
+
+        o->barrier_done++;
+        o->barrier_error = error;
+        o->barrier_rid = request_id;
+}
+
+static void cb_peer_lost(void *owner, const struct job *job, uint32_t rank, const char *reason) {
+        struct owner *o = owner;
+
+        o->peer_lost++;
+        o->lost_rank = rank;
+}
+
+static const struct job_callbacks callbacks = { cb_barrier_done, cb_peer_lost };
+
+struct fixture {
+        struct config config;
+        struct jobs *jobs;
+        struct owner owners[MOEEP_MAX_RANKS + 2];
+        int creator;
+        int fds_before;
+};
+
+static int setup(void **state) {
+        struct fixture *f = calloc(1, sizeof(*f));
+
+        if (!f)
+                return -1;
+        f->fds_before = unit_count_fds();
+        if (config_init(&f->config) < 0 || jobs_new(&f->config, &callbacks, &f->jobs) < 0)
+                return -1;
+        *state = f;
+        return 0;
+}
+
+static int teardown(void **state) {
+        struct fixture *f = *state;
+
+        jobs_free(f->jobs);
+        config_done(&f->config);
+        assert_int_equal(unit_count_fds(), f->fds_before);
+        free(f);
+        return 0;
+}
+
+static struct job *create(struct fixture *f, uint32_t world, uint8_t uid[static JOB_UNIQUE_ID_BYTES]) {
+        char errmsg[ERRMSG_MAX];
+        struct job *job = NULL;
+
+        assert_int_equal(jobs_create(f->jobs, "unit job", world, 1000, &f->creator, &job, errmsg), 0);
+        job_unique_id(job, uid);
+        return job;
+}
+
+static int join(struct fixture *f, const uint8_t *uid, uint32_t rank, uint32_t world, int owner,
+                struct job_member **ret) {
+        char errmsg[ERRMSG_MAX] = "";
+        struct job_member *m = NULL;
+        int r = jobs_join(f->jobs, uid, JOB_UNIQUE_ID_BYTES, rank, world, "GPU-0", &f->owners[owner], &m, errmsg);
+
+        if (r < 0)
+                assert_true(errmsg[0]); /* every refusal explains itself */
+        if (r == 0 && ret)
+                *ret = m;
+        return r;
+}
+
+static void test_create_validation(void **state) {
+        struct fixture *f = *state;
+        char errmsg[ERRMSG_MAX], long_name[JOB_NAME_MAX + 2];
+        struct job *job;
+
+        memset(long_name, 'x', sizeof(long_name) - 1);
+        long_name[sizeof(long_name) - 1] = '\0';
+        assert_int_equal(jobs_create(f->jobs, "", 2, 1000, f, &job, errmsg), -EINVAL);
+        assert_int_equal(jobs_create(f->jobs, long_name, 2, 1000, f, &job, errmsg), -EINVAL);
+        assert_int_equal(jobs_create(f->jobs, "bad\nname", 2, 1000, f, &job, errmsg), -EINVAL);
+        assert_int_equal(jobs_create(f->jobs, "ok", 0, 1000, f, &job, errmsg), -EINVAL);
+        assert_int_equal(jobs_create(f->jobs, "ok", MOEEP_MAX_RANKS + 1, 1000, f, &job, errmsg), -EINVAL);
+        assert_non_null(strstr(errmsg, "9")); /* names the value */
+        long_name[JOB_NAME_MAX] = '\0';
+        assert_int_equal(jobs_create(f->jobs, long_name, MOEEP_MAX_RANKS, 1000, f, &job, errmsg), 0);
+        assert_int_equal(f->jobs->count, 1);
+}
+
+static void test_create_cap(void **state) {
+        struct fixture *f = *state;
+        char errmsg[ERRMSG_MAX];
+        struct job *job;
+
+        f->config.max_jobs_per_uid = 2;
+        assert_int_equal(jobs_create(f->jobs, "a", 1, 1000, f, &job, errmsg), 0);
+        assert_int_equal(jobs_create(f->jobs, "b", 1, 1000, f, &job, errmsg), 0);
+        assert_int_equal(jobs_create(f->jobs, "c", 1, 1000, f, &job, errmsg), -EDQUOT);
+        assert_non_null(strstr(errmsg, "max_jobs_per_uid"));
+        assert_int_equal(jobs_create(f->jobs, "c", 1, 1001, f, &job, errmsg), 0); /* another uid */
+        assert_int_equal(jobs_count_uid(f->jobs, 1000), 2);
+}
+
+static void test_unique_id_and_control_page(void **state) {
+        struct fixture *f = *state;
+        uint8_t uid[JOB_UNIQUE_ID_BYTES];
+        struct job *job = create(f, 4, uid);
+        const struct moeep_control_page *page;
+        int fd = job_control_fd(job), seals;
+
+        assert_int_equal(uid[0], JOB_UNIQUE_ID_VERSION);
+        assert_int_equal(uid[1], (uint8_t)job->id);
+        assert_memory_equal(uid + 9, job->secret, JOB_SECRET_BYTES);
+
+        assert_int_equal(lseek(fd, 0, SEEK_END), MOEEP_CONTROL_PAGE_SIZE);
+        seals = fcntl(job->control_fd, F_GET_SEALS);
+        assert_true(seals & F_SEAL_SHRINK);
+        assert_true(seals & F_SEAL_GROW);
+        assert_true(seals & F_SEAL_SEAL);
+        /* Clients can map it only read-only. */
+        assert_true(mmap(NULL, MOEEP_CONTROL_PAGE_SIZE, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) == MAP_FAILED);
+        page = mmap(NULL, MOEEP_CONTROL_PAGE_SIZE, PROT_READ, MAP_SHARED, fd, 0);
+        assert_true(page != MAP_FAILED);
+        assert_int_equal(page->magic, MOEEP_CONTROL_PAGE_MAGIC);
+        assert_int_equal(page->version, 1);
+        assert_int_equal(page->abort, 0);
+        assert_int_equal(page->lost_rank, -1);
+        assert_int_equal(page->job_id, job->id);
+        munmap((void *)page, MOEEP_CONTROL_PAGE_SIZE);
+}
+
+static void test_join_errors(void **state) {
+        struct fixture *f = *state;
+        uint8_t uid[JOB_UNIQUE_ID_BYTES], bad[JOB_UNIQUE_ID_BYTES];
+        uint8_t padded[MOEEP_UNIQUE_ID_BYTES] = { 0 };
+        struct job *job = create(f, 2, uid);
+        struct job_member *m0, *m1;
+        char errmsg[ERRMSG_MAX];
+
+        /* Malformed ids. */
+        assert_int_equal(jobs_join(f->jobs, uid, JOB_UNIQUE_ID_BYTES - 1, 0, 2, NULL, &f->owners[0], &m0, errmsg),
+                         -EINVAL);
+        memcpy(bad, uid, sizeof(bad));
+        bad[0] = 9;
+        assert_int_equal(join(f, bad, 0, 2, 0, NULL), -EINVAL);
+        /* No such job. */
+        memcpy(bad, uid, sizeof(bad));
+        bad[1] ^= 0x40;
+        assert_int_equal(join(f, bad, 0, 2, 0, NULL), -ENOENT);
+        /* Wrong secret: every byte of it counts. */
+        for (int i = 9; i < JOB_UNIQUE_ID_BYTES; i += 7) {
+                memcpy(bad, uid, sizeof(bad));
+                bad[i] ^= 1;
+                assert_int_equal(join(f, bad, 0, 2, 0, NULL), -EACCES);
+        }
+        assert_int_equal(join(f, uid, 0, 3, 0, NULL), -EDOM);
+        assert_int_equal(join(f, uid, 2, 2, 0, NULL), -ERANGE);
+        assert_int_equal(join(f, uid, UINT32_MAX, 2, 0, NULL), -ERANGE);
+        /* A bad GPU uuid. */
+        assert_int_equal(jobs_join(f->jobs, uid, sizeof(uid), 0, 2, "GPU 0", &f->owners[0], &m0, errmsg), -EINVAL);
+
+        assert_int_equal(join(f, uid, 0, 2, 0, &m0), 0);
+        assert_int_equal(job->state, JOB_FORMING);
+        assert_int_equal(join(f, uid, 0, 2, 1, NULL), -EEXIST);
+        assert_int_equal(join(f, uid, 1, 2, 0, NULL), -EISCONN); /* owner 0 is already in */
+        /* The client's zero-padded 128-byte copy is accepted too. */
+        memcpy(padded, uid, sizeof(uid));
+        assert_int_equal(jobs_join(f->jobs, padded, sizeof(padded), 1, 2, "", &f->owners[1], &m1, errmsg), 0);
+        assert_int_equal(job->state, JOB_READY);
+        assert_int_equal(job->njoined, 2);
+        job_member_leave(m0);
+        job_member_leave(m1);
+}
+
+static void test_leave_and_rejoin(void **state) {
+        struct fixture *f = *state;
+        uint8_t uid[JOB_UNIQUE_ID_BYTES];
+        struct job *job = create(f, 2, uid);
+        struct job_member *m0, *m1;
+
+        assert_int_equal(join(f, uid, 0, 2, 0, &m0), 0);
+        assert_int_equal(join(f, uid, 1, 2, 1, &m1), 0);
+        assert_int_equal(job->state, JOB_READY);
+        job_member_leave(m1);
+        assert_int_equal(job->state, JOB_FORMING);
+        assert_int_equal(f->owners[0].peer_lost, 0); /* an orderly leave is no loss */
+        assert_int_equal(join(f, uid, 1, 2, 2, &m1), 0);
+        assert_int_equal(job->state, JOB_READY);
+        job_member_leave(m0);
+        job_member_leave(m1);
+        assert_int_equal(f->jobs->count, 1); /* the creator still holds it */
+        jobs_creator_gone(f->jobs, &f->creator);
+        assert_int_equal(f->jobs->count, 0);
+}
+
+static void test_barrier_generations(void **state) {
+        struct fixture *f = *state;
+        uint8_t uid[JOB_UNIQUE_ID_BYTES];
+        struct job *job = create(f, 3, uid);
+        struct job_member *m[3];
+        char errmsg[ERRMSG_MAX];
+
+        for (int r = 0; r < 3; r++)
+                assert_int_equal(join(f, uid, (uint32_t)r, 3, r, &m[r]), 0);
+        for (uint64_t gen = 0; gen < 3; gen++) {
+                assert_int_equal(job_barrier(m[2], 100 + gen, errmsg), 0);
+                assert_int_equal(job_barrier(m[2], 100 + gen, errmsg), -EALREADY);
+                assert_int_equal(job_barrier(m[0], 200 + gen, errmsg), 0);
+                assert_int_equal(f->owners[0].barrier_done, (int)gen); /* held back */
+                assert_int_equal(job->barrier_generation, gen);
+                assert_int_equal(job_barrier(m[1], 300 + gen, errmsg), 0);
+                assert_int_equal(job->barrier_generation, gen + 1);
+                for (int r = 0; r < 3; r++) {
+                        assert_int_equal(f->owners[r].barrier_done, (int)gen + 1);
+                        assert_int_equal(f->owners[r].barrier_error, 0);
+                        assert_false(m[r]->in_barrier);
+                }
+                assert_int_equal(f->owners[0].barrier_rid, 200 + gen); /* each gets its own request id */
+                assert_int_equal(f->owners[2].barrier_rid, 100 + gen);
+        }
+        for (int r = 0; r < 3; r++)
+                job_member_leave(m[r]);
+        jobs_creator_gone(f->jobs, &f->creator);
+}
+
+static void test_barrier_waits_for_missing_ranks(void **state) {
+        struct fixture *f = *state;
+        uint8_t uid[JOB_UNIQUE_ID_BYTES];
+        struct job_member *m0, *m1;
+        char errmsg[ERRMSG_MAX];
+
+        create(f, 2, uid);
+        assert_int_equal(join(f, uid, 0, 2, 0, &m0), 0);
+        assert_int_equal(job_barrier(m0, 1, errmsg), 0);
+        assert_int_equal(f->owners[0].barrier_done, 0);
+        assert_int_equal(join(f, uid, 1, 2, 1, &m1), 0);
+        assert_int_equal(f->owners[0].barrier_done, 0);
+        /* A member that leaves while waiting gets its barrier cancelled. */
+        job_member_leave(m0);
+        assert_int_equal(f->owners[0].barrier_done, 1);
+        assert_int_equal(f->owners[0].barrier_error, -ECANCELED);
+        assert_int_equal(join(f, uid, 0, 2, 0, &m0), 0);
+        assert_int_equal(job_barrier(m1, 2, errmsg), 0);
+        assert_int_equal(job_barrier(m0, 3, errmsg), 0);
+        assert_int_equal(f->owners[1].barrier_done, 1);
+        assert_int_equal(f->owners[1].barrier_error, 0);
+        job_member_leave(m0);
+        job_member_leave(m1);
+}
+
+static void test_abort_on_member_loss(void **state) {
+        struct fixture *f = *state;
+        uint8_t uid[JOB_UNIQUE_ID_BYTES];
+        struct job *job = create(f, 3, uid);
+        const struct moeep_control_page *page;
+        struct job_member *m[3];
+        char errmsg[ERRMSG_MAX];
+
+        page = mmap(NULL, MOEEP_CONTROL_PAGE_SIZE, PROT_READ, MAP_SHARED, job_control_fd(job), 0);
+        assert_true(page != MAP_FAILED);
+        for (int r = 0; r < 3; r++)
+                assert_int_equal(join(f, uid, (uint32_t)r, 3, r, &m[r]), 0);
+        assert_int_equal(job_barrier(m[0], 7, errmsg), 0);
+
+        job_member_lost(m[1], "test: socket closed");
+        assert_int_equal(job->state, JOB_ABORTED);
+        assert_int_equal(job->lost_rank, 1);
+        assert_int_equal(page->abort, 1);
+        assert_int_equal(page->lost_rank, 1);
+        /* The others are told; the waiter's barrier fails. */
+        assert_int_equal(f->owners[0].peer_lost, 1);
+        assert_int_equal(f->owners[0].lost_rank, 1);
+        assert_int_equal(f->owners[2].peer_lost, 1);
+        assert_int_equal(f->owners[1].peer_lost, 0);
+        assert_int_equal(f->owners[0].barrier_done, 1);
+        assert_int_equal(f->owners[0].barrier_error, -EPIPE);
+        assert_int_equal(f->owners[0].barrier_rid, 7);
+        assert_int_equal(f->owners[2].barrier_done, 0);
+        /* Aborted is final. */
+        assert_int_equal(job_barrier(m[2], 8, errmsg), -EPIPE);
+        assert_int_equal(join(f, uid, 1, 3, 1, NULL), -EPIPE);
+        /* A second loss keeps the first lost rank. */
+        job_member_lost(m[2], "test: killed");
+        assert_int_equal(page->lost_rank, 1);
+        assert_int_equal(f->owners[0].peer_lost, 2);
+        assert_int_equal(f->owners[0].lost_rank, 2);
+
+        /* Freed once the last member and the creator are gone. */
+        jobs_creator_gone(f->jobs, &f->creator);
+        assert_int_equal(f->jobs->count, 1);
+        job_member_leave(m[0]);
+        assert_int_equal(f->jobs->count, 0);
+        munmap((void *)page, MOEEP_CONTROL_PAGE_SIZE);
+}
+
+static void test_creator_gone_frees_empty_jobs(void **state) {
+        struct fixture *f = *state;
+        uint8_t uid[JOB_UNIQUE_ID_BYTES];
+        struct job_member *m;
+        int other_creator;
+        struct job *job;
+        char errmsg[ERRMSG_MAX];
+
+        create(f, 2, uid);
+        create(f, 2, uid); /* the second one gets a member */
+        assert_int_equal(jobs_create(f->jobs, "other", 1, 1000, &other_creator, &job, errmsg), 0);
+        assert_int_equal(join(f, uid, 0, 2, 0, &m), 0);
+        jobs_creator_gone(f->jobs, &f->creator);
+        assert_int_equal(f->jobs->count, 2); /* the joined one and the other creator's */
+        job_member_lost(m, "test");
+        assert_int_equal(f->jobs->count, 1);
+        jobs_creator_gone(f->jobs, &other_creator);
+        assert_int_equal(f->jobs->count, 0);
+}
+
+int main(void) {
+#define T(f) cmocka_unit_test_setup_teardown(f, setup, teardown)
+        const struct CMUnitTest tests[] = {
+                T(test_create_validation),       T(test_create_cap),
+                T(test_unique_id_and_control_page), T(test_join_errors),
+                T(test_leave_and_rejoin),        T(test_barrier_generations),
+                T(test_barrier_waits_for_missing_ranks), T(test_abort_on_member_loss),
+                T(test_creator_gone_frees_empty_jobs),
+        };
+
+        return cmocka_run_group_tests(tests, NULL, NULL);
+}
