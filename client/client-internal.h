@@ -18,18 +18,21 @@
  * so that a socket nobody serves does not hang the caller. */
 #define MOEEP_CLIENT_HELLO_TIMEOUT_MS 10000
 
-/* Like moeep_connect(), but on failure copies the error text (which names
- * the socket path and, when the daemon refused us, its message) into
- * `errbuf` when that is not NULL. moeepctl uses it to explain failures. */
-int moeep_client_connect(const char *socket_path, struct moeep_client **ret_client, char *errbuf,
-                         size_t errlen);
+/* Like moeep_connect(), but says Hello as `client_name` (NULL:
+ * "libmoeep/VERSION"; moeepctl clients shows it) and on failure copies the
+ * error text (which names the socket path and, when the daemon refused us,
+ * its message) into `errbuf` when that is not NULL. moeepctl uses it to
+ * explain failures. */
+int moeep_client_connect(const char *socket_path, const char *client_name, struct moeep_client **ret_client,
+                         char *errbuf, size_t errlen);
 
 /* Sends `req` (its body case is the record type) with `fds` attached (they
  * stay owned by the caller) and waits for the Response carrying the same
  * request id; Events that arrive meanwhile are queued. The Response must be
  * of body case `expect`: an Error response becomes the matching -errno
  * (moeep_error_code_to_errno()) with the daemon's text as the handle's
- * error, anything else is -EPROTO. On success *ret_resp is the decoded
+ * error, anything else is -EPROTO. On success the handle's error text is
+ * cleared and *ret_resp is the decoded
  * Response (free it with moeep__v1__response__free_unpacked(resp, NULL)) and
  * the descriptors that came with it are left in the handle: see
  * moeep_client_reply_fds().

@@ -314,6 +314,7 @@ int moeep_client_call(struct moeep_client *c, const Moeep__V1__Request *req,
                                 (int)req->body_case, (int)resp->body_case, (int)expect);
                 goto fail;
         }
+        c->error[0] = '\0'; /* the handle's error is that of the last call */
         *ret_resp = resp;
         return 0;
 
@@ -386,7 +387,7 @@ static const char *resolve_socket_path(const char *socket_path) {
         return MOEEP_DEFAULT_SOCKET;
 }
 
-static int client_hello(struct moeep_client *c) {
+static int client_hello(struct moeep_client *c, const char *client_name) {
         Moeep__V1__Hello hello = MOEEP__V1__HELLO__INIT;
         Moeep__V1__Request req = MOEEP__V1__REQUEST__INIT;
         Moeep__V1__Response *resp;
@@ -397,7 +398,7 @@ static int client_hello(struct moeep_client *c) {
         hello.minor = MOEEP_PROTOCOL_MINOR;
         hello.features = MOEEP__V1__FEATURE__FEATURE_REGIONS | MOEEP__V1__FEATURE__FEATURE_CONTROL_PAGE;
         hello.pid = (uint32_t)getpid();
-        hello.client_name = (char *)"libmoeep/" MOEEP_VERSION;
+        hello.client_name = (char *)(client_name ? client_name : "libmoeep/" MOEEP_VERSION);
         req.body_case = MOEEP__V1__REQUEST__BODY_HELLO;
         req.hello = &hello;
 
@@ -428,8 +429,8 @@ out:
         return r;
 }
 
-int moeep_client_connect(const char *socket_path, struct moeep_client **ret_client, char *errbuf,
-                         size_t errlen) {
+int moeep_client_connect(const char *socket_path, const char *client_name, struct moeep_client **ret_client,
+                         char *errbuf, size_t errlen) {
         struct sockaddr_un sa = { .sun_family = AF_UNIX };
         struct moeep_client *c;
         const char *path;
@@ -471,10 +472,9 @@ int moeep_client_connect(const char *socket_path, struct moeep_client **ret_clie
                 r = moeep_client_error_set(c, -errno, "cannot connect to moeepd at %s: %m", path);
                 goto fail;
         }
-        r = client_hello(c);
+        r = client_hello(c, client_name);
         if (r < 0)
                 goto fail;
-        moeep_client_error_set(c, 0, "%s", "");
         *ret_client = c;
         return 0;
 
@@ -486,7 +486,7 @@ fail:
 }
 
 int moeep_connect(const char *socket_path, struct moeep_client **ret_client) {
-        return moeep_client_connect(socket_path, ret_client, NULL, 0);
+        return moeep_client_connect(socket_path, NULL, ret_client, NULL, 0);
 }
 
 static bool name_valid(const char *name) {

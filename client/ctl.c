@@ -113,7 +113,7 @@ int main(int argc, char **argv) {
                 return 2;
         }
 
-        r = moeep_client_connect(socket_path, &ctl.client, err, sizeof(err));
+        r = moeep_client_connect(socket_path, "moeepctl/" MOEEP_VERSION, &ctl.client, err, sizeof(err));
         if (r < 0) {
                 fprintf(stderr, "moeepctl: %s%s\n", err, connect_hint(r));
                 return 1;

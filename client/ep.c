@@ -410,16 +410,40 @@ int moeep_ep_handle_num_tokens(const struct moeep_ep_handle *h) {
         return h ? h->route.num_tokens : -EINVAL;
 }
 
+static int check_dtype(struct moeep_ep *ep, enum moeep_dtype t) {
+        switch (t) {
+        case MOEEP_DTYPE_BF16:
+        case MOEEP_DTYPE_FP8_E4M3:
+                return 0;
+        }
+        return ep_fail(ep, -EINVAL, "x_type %d is neither MOEEP_DTYPE_BF16 nor MOEEP_DTYPE_FP8_E4M3", (int)t);
+}
+
+int moeep_ep_max_recv_tokens(const struct moeep_ep *ep) {
+        return ep ? ep->ctx.ranks * ep->ctx.max_tokens : -EINVAL;
+}
+
+int moeep_ep_recv_buffers(const struct moeep_ep *ep, struct moeep_dispatch_result *ret) {
+        char *own;
+
+        if (!ep || !ret)
+                return -EINVAL;
+        own = ep->ctx.peers[ep->ctx.rank];
+        *ret = (struct moeep_dispatch_result){
+                .recv_x = own + ep->ctx.layout.recv_x,
+                .recv_x_scales = (float *)(own + ep->ctx.layout.recv_scales),
+                .recv_topk_idx = own + ep->ctx.layout.recv_topk_idx,
+                .recv_topk_weights = (float *)(own + ep->ctx.layout.recv_topk_weights),
+                .num_local_experts = ep->ctx.num_experts / ep->ctx.ranks,
+        };
+        return 0;
+}
+
 static int dispatch_check(struct moeep_ep *ep, const struct moeep_dispatch_args *a) {
         int r;
 
-        switch (a->x_type) {
-        case MOEEP_DTYPE_BF16:
-        case MOEEP_DTYPE_FP8_E4M3:
-                break;
-        default:
-                return ep_fail(ep, -EINVAL, "x_type %d is neither BF16 nor FP8_E4M3", (int)a->x_type);
-        }
+        if ((r = check_dtype(ep, a->x_type)) < 0)
+                return r;
         if (a->handle && a->handle->ep != ep)
                 return ep_fail(ep, -EINVAL, "the handle belongs to another endpoint");
         if (a->handle && a->num_tokens != a->handle->route.num_tokens)

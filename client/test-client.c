@@ -371,7 +371,7 @@ static void test_no_daemon(void) {
         struct moeep_client *c = (struct moeep_client *)0x1;
         char err[256], longpath[200];
 
-        CHECK_ERR(moeep_client_connect("/nonexistent/moeepd.sock", &c, err, sizeof(err)), -ENOENT);
+        CHECK_ERR(moeep_client_connect("/nonexistent/moeepd.sock", NULL, &c, err, sizeof(err)), -ENOENT);
         CHECK(c == (struct moeep_client *)0x1); /* ret_* untouched on failure */
         CHECK(strstr(err, "/nonexistent/moeepd.sock") != NULL);
         CHECK(strstr(err, "No such file or directory") != NULL);
@@ -379,13 +379,13 @@ static void test_no_daemon(void) {
         memset(longpath, 'x', sizeof(longpath) - 1);
         longpath[0] = '/';
         longpath[sizeof(longpath) - 1] = '\0';
-        CHECK_ERR(moeep_client_connect(longpath, &c, err, sizeof(err)), -EINVAL);
+        CHECK_ERR(moeep_client_connect(longpath, NULL, &c, err, sizeof(err)), -EINVAL);
         CHECK(strstr(err, "longer than") != NULL);
         CHECK_ERR(moeep_connect("/tmp", NULL), -EINVAL);
 
         /* $MOEEP_SOCKET picks the default path. */
         setenv("MOEEP_SOCKET", "/nonexistent/env.sock", 1);
-        CHECK_ERR(moeep_client_connect(NULL, &c, err, sizeof(err)), -ENOENT);
+        CHECK_ERR(moeep_client_connect(NULL, NULL, &c, err, sizeof(err)), -ENOENT);
         CHECK(strstr(err, "/nonexistent/env.sock") != NULL);
         unsetenv("MOEEP_SOCKET");
 }
@@ -515,6 +515,10 @@ static void test_job(const char *path) {
         CHECK(strcmp(moeep_client_error(x), "moeepd: unique id does not match job 7") == 0);
         CHECK_ERR(moeep_job_join(x, &id, 1, 2, NULL), -EEXIST);
         CHECK(strstr(moeep_client_error(x), "moeepd: rank 1") == moeep_client_error(x));
+        CHECK_ERR(moeep_event_next(x, &ev), 0);
+        CHECK(moeep_client_error(x)[0] != '\0'); /* kept until the next call */
+        CHECK_ERR(moeep_job_create(x, "other", 1, &wrong), 0);
+        CHECK(moeep_client_error(x)[0] == '\0'); /* cleared by a successful call */
 
         CHECK_ERR(moeep_job_info(a, &job_id, &rank, &world), 0);
         CHECK(job_id == FAKE_JOB_ID && rank == 0 && world == 2);

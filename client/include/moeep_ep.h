@@ -143,6 +143,15 @@ struct moeep_combine_args {
         float *out_topk_weights;     /* optional [num_tokens][num_topk]: sum over ranks */
 };
 
+/* The fixed receive area of the endpoint, which every dispatch result
+ * points into, with room for moeep_ep_max_recv_tokens() rows: for callers
+ * that wrap it in their own tensors or poison it before a test. The
+ * num_* fields are 0 and handle is NULL. */
+int moeep_ep_recv_buffers(const struct moeep_ep *ep, struct moeep_dispatch_result *ret_result);
+
+/* ranks * max_tokens_per_rank: the most rows one dispatch can deliver. */
+int moeep_ep_max_recv_tokens(const struct moeep_ep *ep);
+
 /* Sends the rows back and sums every token's contributions into out. */
 int moeep_combine(struct moeep_ep *ep, const struct moeep_combine_args *args, cudaStream_t stream);
 

@@ -1,0 +1,41 @@
+/* Multi-process harness for GPU programs (moeep-bench, the GPU tests): starts
+ * a private moeepd, creates a job and forks one process per rank, each
+ * attached through the daemon exactly as an inference process would be. */
+#ifndef MOEEP_HARNESS_H
+#define MOEEP_HARNESS_H
+
+#include <stddef.h>
+#include <sys/types.h>
+
+#include "moeep.h"
+
+struct harness {
+        char dir[64];              /* private temporary directory */
+        char socket[128];          /* daemon socket in use */
+        pid_t daemon_pid;          /* our moeepd, 0 when attached to a running one */
+        void *shared;              /* MAP_SHARED anonymous memory, seen by every rank */
+        size_t shared_bytes;
+};
+
+/* Called in each rank process after it joined the job and selected GPU
+ * `rank`; returns 0 on success. */
+typedef int (*harness_rank_fn)(struct moeep_client *client, int rank, int ranks, void *shared, void *arg);
+
+/* Starts `moeepd` (path; NULL finds it next to this program in the build
+ * tree) on a private socket, or attaches to `socket` when that is not NULL.
+ * Must run before any CUDA call in this process. */
+int harness_init(struct harness *h, const char *moeepd, const char *socket, size_t shared_bytes);
+
+/* Creates a job of `ranks` ranks and runs fn in one forked process per
+ * rank. Returns the number of ranks that failed (exit code, signal, or a
+ * hang past timeout_s, after which every rank is killed). */
+int harness_run(struct harness *h, int ranks, const char *name, harness_rank_fn fn, void *arg, int timeout_s);
+
+/* Number of CUDA devices, counted in a child process so that this process
+ * stays free of CUDA (fork after CUDA init is not allowed); 0 when none. */
+int harness_gpu_count(void);
+
+/* Stops our daemon and removes the temporary directory. */
+void harness_fini(struct harness *h);
+
+#endif
