@@ -40,6 +40,11 @@ uint64_t daemon_uptime_ms(const struct daemon *d) {
 void daemon_status_changed(struct daemon *d) {
         if (!d->jobs)
                 return;
+        if (d->status_sent && !d->stopping && d->status_sessions == d->nsessions && d->status_jobs == d->jobs->count)
+                return;
+        d->status_sent = true;
+        d->status_sessions = d->nsessions;
+        d->status_jobs = d->jobs->count;
         sd_notifyf(0, "STATUS=%" PRIu32 " sessions, %" PRIu32 " jobs%s", d->nsessions, d->jobs->count,
                    d->stopping ? ", shutting down" : "");
 }

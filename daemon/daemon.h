@@ -42,6 +42,9 @@ struct daemon {
         uint32_t nsessions;           /* length of `sessions` */
         uint64_t next_session_id;
         struct timespec started;      /* CLOCK_MONOTONIC */
+        uint32_t status_sessions;     /* what the last STATUS= said, to send only changes */
+        uint32_t status_jobs;
+        bool status_sent;
         bool stopping;
 };
 

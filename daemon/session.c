@@ -562,23 +562,29 @@ static int session_dispatch(struct session *s, struct moeep_record *rec) {
         Moeep__V1__Request *req;
         int r;
 
-        if (type < MOEEP_TYPE_REQUEST_MIN || type > MOEEP_TYPE_REQUEST_MAX || !handlers[type].fn) {
-                session_fail(s, MOEEP__V1__ERROR_CODE__ERROR_UNKNOWN_TYPE, rid,
-                             "record type %u is not a request the daemon knows", type);
+        /* moeep_record_recv() let only known types through: a response or
+         * event type from a client is a known message in the wrong place. */
+        if (type < MOEEP_TYPE_REQUEST_MIN || type > MOEEP_TYPE_REQUEST_MAX) {
+                session_fail(s, MOEEP__V1__ERROR_CODE__ERROR_BAD_RECORD, rid,
+                             "record type %u is a response or event, not a request", type);
+                return 0;
+        }
+        if (!handlers[type].fn) {
+                session_fail(s, MOEEP__V1__ERROR_CODE__ERROR_UNKNOWN_TYPE, rid, "request type %u is not known", type);
                 return 0;
         }
         h = &handlers[type];
+        if (s->state == SESSION_NEW && type != MOEEP__V1__REQUEST__BODY_HELLO) {
+                session_fail(s, MOEEP__V1__ERROR_CODE__ERROR_NOT_WELCOMED, rid, "%s (request %" PRIu64 ") before Hello",
+                             h->name, rid);
+                return 0;
+        }
         req = moeep_record_decode_request(rec);
         if (!req) {
                 session_fail(s, MOEEP__V1__ERROR_CODE__ERROR_BAD_RECORD, rid,
                              "%s request (type %u) of %" PRIu32 " payload bytes does not decode", h->name, type,
                              rec->hdr.length);
                 return 0;
-        }
-        if (s->state == SESSION_NEW && type != MOEEP__V1__REQUEST__BODY_HELLO) {
-                session_fail(s, MOEEP__V1__ERROR_CODE__ERROR_NOT_WELCOMED, rid, "%s (request %" PRIu64 ") before Hello",
-                             h->name, rid);
-                goto out;
         }
         if (h->needs_job && !s->member)
                 r = errmsg_set(errmsg, -ENOTCONN, "%s: session %" PRIu64 " is not in a job", h->name, s->id);
@@ -591,7 +597,6 @@ static int session_dispatch(struct session *s, struct moeep_record *rec) {
                 if (r == -ENOBUFS || session_send_error(s, rid, error_code_from_errno(r), errmsg) < 0)
                         log_debug("session %" PRIu64 ": could not queue the error for request %" PRIu64, s->id, rid);
         }
-out:
         moeep__v1__request__free_unpacked(req, NULL);
         return s->state != SESSION_CLOSED;
 }
