@@ -139,10 +139,10 @@ done
 # ---------------------------------------------------------------------------
 # HOOK: GPU benchmark. When this machine has GPUs, the data-plane benchmark
 # (moeep-bench, BENCHMARKS.md) runs here against the same daemon, e.g.
-#   "$build/tools/moeep-bench" --socket "$sock" --gpus all
+#   "$build/client/bench/moeep-bench" --socket "$sock"
 # Until it exists, the hook only says whether it would run.
 gpu_benchmark() {
-        local bench=$build/tools/moeep-bench
+        local bench=$build/client/bench/moeep-bench
         if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L >/dev/null 2>&1; then
                 echo "=== GPU benchmark: no GPU on this machine, skipped"
                 return 0

@@ -35,7 +35,7 @@
 
 #include "record.h"
 
-#define REPLY_TIMEOUT_MS 3000 /* for a reply or for the daemon to close */
+#define REPLY_TIMEOUT_MS 3000  /* for a reply or for the daemon to close */
 #define SETTLE_TIMEOUT_MS 3000 /* for the fd count to come back */
 #define TOTAL_TIMEOUT_S 240
 
@@ -307,8 +307,8 @@ static Moeep__V1__Response *recv_response(int fd, int *ret_err) {
 }
 
 static const char *error_code_name(int code) {
-        const ProtobufCEnumValue *v = protobuf_c_enum_descriptor_get_value(&moeep__v1__error_code__descriptor,
-                                                                           code);
+        const ProtobufCEnumValue *v =
+                protobuf_c_enum_descriptor_get_value(&moeep__v1__error_code__descriptor, code);
 
         return v ? v->name : "?";
 }
@@ -531,7 +531,8 @@ static size_t hello_record(uint8_t *buf) {
         h.client_name = "moeep-e2e-badinput";
         req.body_case = MOEEP__V1__REQUEST__BODY_HELLO;
         req.hello = &h;
-        return (size_t)moeep_record_encode(buf, MOEEP__V1__REQUEST__BODY_HELLO, next_request_id++, &req.base, 0);
+        return (size_t)moeep_record_encode(buf, MOEEP__V1__REQUEST__BODY_HELLO, next_request_id++, &req.base,
+                                           0);
 }
 
 static size_t job_create_record(uint8_t *buf, size_t nfds) {
@@ -554,8 +555,9 @@ static void header_patch(uint8_t *buf, void (*patch)(struct moeep_record_header 
         memcpy(buf, &h, sizeof(h));
 }
 
-#define BAD(...) expect_error_then_close(fd, (const int[]){ __VA_ARGS__ }, \
-                                         sizeof((const int[]){ __VA_ARGS__ }) / sizeof(int))
+#define BAD(...)                                                  \
+        expect_error_then_close(fd, (const int[]){ __VA_ARGS__ }, \
+                                sizeof((const int[]){ __VA_ARGS__ }) / sizeof(int))
 
 static uint64_t rng_state = 0x6d6f656570ull;
 static uint8_t rng_byte(void) {
@@ -602,7 +604,8 @@ static int case_truncated(int fd) {
         size_t len = hello_record(buf);
 
         /* The header promises the whole payload; half of it arrives. */
-        if (send_raw(fd, buf, sizeof(struct moeep_record_header) + (len - sizeof(struct moeep_record_header)) / 2,
+        if (send_raw(fd, buf,
+                     sizeof(struct moeep_record_header) + (len - sizeof(struct moeep_record_header)) / 2,
                      NULL, 0) < 0)
                 return -1;
         return BAD(MOEEP__V1__ERROR_CODE__ERROR_BAD_RECORD);
@@ -762,7 +765,8 @@ static int region_register_with(int fd, size_t n) {
         rr.size = 4096;
         req.body_case = MOEEP__V1__REQUEST__BODY_REGION_REGISTER;
         req.region_register = &rr;
-        len = moeep_record_encode(buf, MOEEP__V1__REQUEST__BODY_REGION_REGISTER, next_request_id++, &req.base, 0);
+        len = moeep_record_encode(buf, MOEEP__V1__REQUEST__BODY_REGION_REGISTER, next_request_id++, &req.base,
+                                  0);
         {
                 struct moeep_record_header h;
 
@@ -1090,7 +1094,8 @@ int main(int argc, char **argv) {
                         say("not ok - moeepd did not exit within 15 s of SIGTERM");
                         failed++;
                 } else if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-                        say("not ok - moeepd exited with %s %d after SIGTERM", WIFEXITED(status) ? "status" : "signal",
+                        say("not ok - moeepd exited with %s %d after SIGTERM",
+                            WIFEXITED(status) ? "status" : "signal",
                             WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status));
                         failed++;
                 } else {

@@ -247,7 +247,8 @@ static int region_verify(const struct moeep_region *reg, int world, uint64_t job
         memcpy(&hdr, p, sizeof(hdr));
         if (hdr.magic != REGION_MAGIC || (int)hdr.rank != reg->rank || (int)hdr.world_size != world ||
             hdr.job_id != job_id) {
-                fail_msg("region %" PRIu64 " said to be rank %d's: header magic %#x rank %u world %u job %" PRIu64
+                fail_msg("region %" PRIu64
+                         " said to be rank %d's: header magic %#x rank %u world %u job %" PRIu64
                          ", want magic %#x rank %d world %d job %" PRIu64,
                          reg->id, reg->rank, hdr.magic, hdr.rank, hdr.world_size, hdr.job_id, REGION_MAGIC,
                          reg->rank, world, job_id);
@@ -257,8 +258,8 @@ static int region_verify(const struct moeep_region *reg, int world, uint64_t job
         bad = pattern_check(p + sizeof(hdr), size - sizeof(hdr), hdr.seed, hdr.rank);
         munmap((void *)p, size);
         if (bad != size - sizeof(hdr)) {
-                fail_msg("region %" PRIu64 " of rank %d: contents differ from its pattern at byte %zu", reg->id,
-                         reg->rank, bad + sizeof(hdr));
+                fail_msg("region %" PRIu64 " of rank %d: contents differ from its pattern at byte %zu",
+                         reg->id, reg->rank, bad + sizeof(hdr));
                 return 1;
         }
         return 0;
@@ -410,16 +411,21 @@ enum attempt {
 
 static const char *attempt_to_string(enum attempt a) {
         switch (a) {
-        case ATTEMPT_FETCH_ALL: return "RegionsFetch of every rank before joining";
-        case ATTEMPT_FETCH_RANK: return "RegionsFetch of rank 0 before joining";
-        case ATTEMPT_FORGED_ID: return "JobJoin with a forged unique id";
-        case ATTEMPT_TAKEN_RANK: return "JobJoin as an already joined rank";
-        case ATTEMPT_BAD_RANK: return "JobJoin with a rank out of range";
+        case ATTEMPT_FETCH_ALL:
+                return "RegionsFetch of every rank before joining";
+        case ATTEMPT_FETCH_RANK:
+                return "RegionsFetch of rank 0 before joining";
+        case ATTEMPT_FORGED_ID:
+                return "JobJoin with a forged unique id";
+        case ATTEMPT_TAKEN_RANK:
+                return "JobJoin as an already joined rank";
+        case ATTEMPT_BAD_RANK:
+                return "JobJoin with a rank out of range";
         }
         return "?";
 }
 
-static size_t flip_byte;      /* byte of the unique id ATTEMPT_FORGED_ID changes */
+static size_t flip_byte;         /* byte of the unique id ATTEMPT_FORGED_ID changes */
 static unsigned secret_refusals; /* forged ids refused with -EACCES */
 
 /* One attempt on a fresh connection, so that one refusal (which may close the
@@ -472,7 +478,10 @@ static int outsider_attempt(const struct options *o, const struct moeep_unique_i
 /* A client that is not in the job tries to get at its regions. */
 static int run_outsider(const struct options *o) {
         static const enum attempt attempts[] = {
-                ATTEMPT_FETCH_ALL, ATTEMPT_FETCH_RANK, ATTEMPT_TAKEN_RANK, ATTEMPT_BAD_RANK,
+                ATTEMPT_FETCH_ALL,
+                ATTEMPT_FETCH_RANK,
+                ATTEMPT_TAKEN_RANK,
+                ATTEMPT_BAD_RANK,
         };
         struct moeep_client *c = NULL;
         struct moeep_region *regs = NULL;
@@ -501,7 +510,8 @@ static int run_outsider(const struct options *o) {
                          secret_refusals, sizeof(id.bytes));
                 bad = 1;
         } else {
-                printf("outsider: JobJoin with a forged unique id refused (%u of %zu one-bit forgeries as a bad "
+                printf("outsider: JobJoin with a forged unique id refused (%u of %zu one-bit forgeries as a "
+                       "bad "
                        "secret)\n",
                        secret_refusals, sizeof(id.bytes));
         }
@@ -547,7 +557,8 @@ static int run_outsider(const struct options *o) {
 static void usage(FILE *f) {
         fprintf(f,
                 "usage: moeep-e2e-rank [--socket PATH] --id-file FILE --world N --rank R (--create|--join)\n"
-                "                      [--hold [--ready-file FILE]] [--size BYTES] [--name NAME] [--timeout S]\n"
+                "                      [--hold [--ready-file FILE]] [--size BYTES] [--name NAME] [--timeout "
+                "S]\n"
                 "       moeep-e2e-rank [--socket PATH] --id-file FILE --world N --outsider\n"
                 "\n"
                 "  --create       create the job (as rank R, normally 0) and write its unique id to FILE\n"
@@ -560,34 +571,71 @@ static void usage(FILE *f) {
 
 int main(int argc, char **argv) {
         static const struct option longopts[] = {
-                { "socket", required_argument, NULL, 's' },    { "id-file", required_argument, NULL, 'i' },
-                { "ready-file", required_argument, NULL, 'R' }, { "name", required_argument, NULL, 'n' },
-                { "create", no_argument, NULL, 'c' },          { "join", no_argument, NULL, 'j' },
-                { "outsider", no_argument, NULL, 'o' },        { "rank", required_argument, NULL, 'r' },
-                { "world", required_argument, NULL, 'w' },     { "hold", no_argument, NULL, 'H' },
-                { "timeout", required_argument, NULL, 't' },   { "size", required_argument, NULL, 'z' },
-                { "help", no_argument, NULL, 'h' },            { 0 },
+                { "socket", required_argument, NULL, 's' },
+                { "id-file", required_argument, NULL, 'i' },
+                { "ready-file", required_argument, NULL, 'R' },
+                { "name", required_argument, NULL, 'n' },
+                { "create", no_argument, NULL, 'c' },
+                { "join", no_argument, NULL, 'j' },
+                { "outsider", no_argument, NULL, 'o' },
+                { "rank", required_argument, NULL, 'r' },
+                { "world", required_argument, NULL, 'w' },
+                { "hold", no_argument, NULL, 'H' },
+                { "timeout", required_argument, NULL, 't' },
+                { "size", required_argument, NULL, 'z' },
+                { "help", no_argument, NULL, 'h' },
+                { 0 },
         };
-        struct options o = { .name = "e2e", .rank = -1, .world = -1, .timeout = 60, .size = DEFAULT_REGION_SIZE };
+        struct options o = {
+                .name = "e2e", .rank = -1, .world = -1, .timeout = 60, .size = DEFAULT_REGION_SIZE
+        };
         sigset_t set;
         int opt;
 
         while ((opt = getopt_long(argc, argv, "h", longopts, NULL)) != -1) {
                 switch (opt) {
-                case 's': o.socket = optarg; break;
-                case 'i': o.id_file = optarg; break;
-                case 'R': o.ready_file = optarg; break;
-                case 'n': o.name = optarg; break;
-                case 'c': o.create = 1; break;
-                case 'j': o.join = 1; break;
-                case 'o': o.outsider = 1; break;
-                case 'r': o.rank = atoi(optarg); break;
-                case 'w': o.world = atoi(optarg); break;
-                case 'H': o.hold = 1; break;
-                case 't': o.timeout = (unsigned)atoi(optarg); break;
-                case 'z': o.size = (size_t)strtoull(optarg, NULL, 0); break;
-                case 'h': usage(stdout); return 0;
-                default: usage(stderr); return 2;
+                case 's':
+                        o.socket = optarg;
+                        break;
+                case 'i':
+                        o.id_file = optarg;
+                        break;
+                case 'R':
+                        o.ready_file = optarg;
+                        break;
+                case 'n':
+                        o.name = optarg;
+                        break;
+                case 'c':
+                        o.create = 1;
+                        break;
+                case 'j':
+                        o.join = 1;
+                        break;
+                case 'o':
+                        o.outsider = 1;
+                        break;
+                case 'r':
+                        o.rank = atoi(optarg);
+                        break;
+                case 'w':
+                        o.world = atoi(optarg);
+                        break;
+                case 'H':
+                        o.hold = 1;
+                        break;
+                case 't':
+                        o.timeout = (unsigned)atoi(optarg);
+                        break;
+                case 'z':
+                        o.size = (size_t)strtoull(optarg, NULL, 0);
+                        break;
+                case 'h':
+                        usage(stdout);
+                        return 0;
+                default:
+                        usage(stderr);
+                        return 2;
                 }
         }
         if (optind != argc || !o.id_file || o.world < 1 || o.world > MOEEP_MAX_RANKS ||
