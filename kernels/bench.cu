@@ -1,0 +1,145 @@
+/* Kernels used only by moeep-bench's references: the NVLink floor (plain
+ * stores to every peer at once) and the pack/unpack a user would write
+ * around an NCCL all-to-all. */
+#include <cuda_bf16.h>
+
+#include "kernels.h"
+#include "ptx.cuh"
+
+/* Every rank stores `bytes` into each peer's combine area at the slot of
+ * its rank, reading from its own receive area; blocks are split evenly over
+ * the peers. 16-byte stores, as the data kernels use. */
+__global__ void __launch_bounds__(1024) p2p_put_kernel(struct moeep_ctx ctx, size_t bytes) {
+        const int R = ctx.ranks, peers = R - 1;
+        const int per = max(1, (int)gridDim.x / peers);
+        const int k = blockIdx.x / per, b = blockIdx.x % per;
+        if (k >= peers)
+                return;
+        const int d = (ctx.rank + 1 + k) % R;
+        const size_t n16 = bytes / 16, chunk = (n16 + per - 1) / per;
+        const size_t lo = chunk * b, hi = min(n16, lo + chunk);
+        const int4 *src = (const int4 *)(ctx.peers[ctx.rank] + ctx.layout.recv_x);
+        int4 *dst = (int4 *)(ctx.peers[d] + ctx.layout.comb_x + (size_t)ctx.rank * bytes);
+
+        for (size_t i = lo + threadIdx.x; i < hi; i += blockDim.x)
+                st_na_v4(dst + i, ld_nc_v4(src + i));
+}
+
+extern "C" int moeep_launch_p2p_put(const struct moeep_ctx *ctx, size_t bytes, int blocks, cudaStream_t stream) {
+        if (ctx->ranks < 2)
+                return 0;
+        p2p_put_kernel<<<blocks, 1024, 0, stream>>>(*ctx, bytes);
+        MOEEP_CUDA_LAUNCH_CHECK();
+        return 0;
+}
+
+/* Reference pack, step 1: per destination, the position of every token in
+ * a send buffer grouped by destination (one block; exclusive scan over
+ * tokens as torch.nonzero would give). offsets[d] = first row of d. */
+__global__ void __launch_bounds__(1024) ref_scan_kernel(const uint8_t *in_rank, int T, int R, int32_t *pos,
+                                                        int32_t *counts) {
+        __shared__ int s_run[MOEEP_KERNEL_MAX_RANKS];
+        __shared__ int s_warp[32][MOEEP_KERNEL_MAX_RANKS];
+        const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+
+        if (tid < R)
+                s_run[tid] = 0;
+        __syncthreads();
+        /* Walks the tokens in tiles of 1024, one token per thread. */
+        for (int base = 0; base < T; base += 1024) {
+                int t = base + tid;
+                for (int d = 0; d < R; d++) {
+                        int v = t < T ? in_rank[(size_t)t * R + d] : 0, x = v;
+                        for (int o = 1; o < 32; o *= 2) {
+                                int n = __shfl_up_sync(0xffffffffu, x, o);
+                                if (lane >= o)
+                                        x += n;
+                        }
+                        if (lane == 31)
+                                s_warp[warp][d] = x;
+                        __syncthreads();
+                        int before = s_run[d];
+                        for (int w = 0; w < warp; w++)
+                                before += s_warp[w][d];
+                        if (t < T)
+                                pos[(size_t)t * R + d] = v ? before + x - 1 : -1;
+                        __syncthreads();
+                        if (tid == 0)
+                                for (int w = 0; w < 32; w++)
+                                        s_run[d] += s_warp[w][d];
+                        __syncthreads();
+                }
+        }
+        if (tid < R)
+                counts[tid] = s_run[tid];
+}
+
+/* Step 2: copies token rows to pos + offset of each destination. */
+__global__ void __launch_bounds__(1024) ref_pack_kernel(const int4 *x, int n16, int T, int R, const int32_t *pos,
+                                                        const int32_t *offsets, int4 *sendbuf) {
+        const int lane = threadIdx.x % 32, warps = gridDim.x * 32;
+        for (int t = blockIdx.x * 32 + threadIdx.x / 32; t < T; t += warps)
+                for (int d = 0; d < R; d++) {
+                        int p = pos[(size_t)t * R + d];
+                        if (p < 0)
+                                continue;
+                        int4 *dst = sendbuf + (size_t)(offsets[d] + p) * n16;
+                        for (int i = lane; i < n16; i += 32)
+                                dst[i] = x[(size_t)t * n16 + i];
+                }
+}
+
+/* Combine reference: every token sums the rows the all-to-all brought
+ * back to its send positions (index_add over the destinations). */
+__global__ void __launch_bounds__(1024) ref_unpack_kernel(const int4 *back, int n16, int T, int R, const int32_t *pos,
+                                                          const int32_t *offsets, int4 *out) {
+        const int lane = threadIdx.x % 32, warps = gridDim.x * 32;
+        for (int t = blockIdx.x * 32 + threadIdx.x / 32; t < T; t += warps)
+                for (int i = lane; i < n16; i += 32) {
+                        float acc[8] = {};
+                        for (int d = 0; d < R; d++) {
+                                int p = pos[(size_t)t * R + d];
+                                if (p < 0)
+                                        continue;
+                                int4 v = back[(size_t)(offsets[d] + p) * n16 + i];
+                                const __nv_bfloat162 *h = (const __nv_bfloat162 *)&v;
+                                for (int j = 0; j < 4; j++) {
+                                        float2 f = __bfloat1622float2(h[j]);
+                                        acc[2 * j] += f.x;
+                                        acc[2 * j + 1] += f.y;
+                                }
+                        }
+                        int4 o;
+                        __nv_bfloat162 *h = (__nv_bfloat162 *)&o;
+                        for (int j = 0; j < 4; j++)
+                                h[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
+                        out[(size_t)t * n16 + i] = o;
+                }
+}
+
+extern "C" int moeep_launch_ref_scan(const uint8_t *in_rank, int T, int R, int32_t *pos, int32_t *counts,
+                                     cudaStream_t stream) {
+        ref_scan_kernel<<<1, 1024, 0, stream>>>(in_rank, T, R, pos, counts);
+        MOEEP_CUDA_LAUNCH_CHECK();
+        return 0;
+}
+
+extern "C" int moeep_launch_ref_pack(const void *x, size_t row_bytes, int T, int R, const int32_t *pos,
+                                     const int32_t *offsets, void *sendbuf, int blocks, cudaStream_t stream) {
+        if (T == 0)
+                return 0;
+        ref_pack_kernel<<<blocks, 1024, 0, stream>>>((const int4 *)x, (int)(row_bytes / 16), T, R, pos, offsets,
+                                                     (int4 *)sendbuf);
+        MOEEP_CUDA_LAUNCH_CHECK();
+        return 0;
+}
+
+extern "C" int moeep_launch_ref_unpack(const void *back, int hidden, int T, int R, const int32_t *pos,
+                                       const int32_t *offsets, void *out, int blocks, cudaStream_t stream) {
+        if (T == 0)
+                return 0;
+        ref_unpack_kernel<<<blocks, 1024, 0, stream>>>((const int4 *)back, hidden * 2 / 16, T, R, pos, offsets,
+                                                       (int4 *)out);
+        MOEEP_CUDA_LAUNCH_CHECK();
+        return 0;
+}

@@ -1,0 +1,30 @@
+/* Offsets inside the NVLink buffer; see kernels.h. */
+#include "kernels.h"
+
+static size_t align_up(size_t v, size_t a) {
+        return (v + a - 1) / a * a;
+}
+
+void moeep_buffer_layout_compute(struct moeep_buffer_layout *l, int ranks, int max_tokens, int hidden,
+                                 int max_topk) {
+        size_t rows = (size_t)ranks * (size_t)max_tokens;
+        size_t off = 0;
+
+        /* 4 KiB alignment keeps every array 16-byte aligned for vector
+         * stores and separates the flags from the payload. */
+#define PLACE(field, bytes)                                                                                \
+        do {                                                                                               \
+                l->field = off;                                                                            \
+                off = align_up(off + (bytes), 4096);                                                       \
+        } while (0)
+        PLACE(sync, sizeof(struct moeep_sync));
+        PLACE(recv_x, rows * (size_t)hidden * 2);
+        PLACE(recv_scales, rows * (size_t)(hidden / MOEEP_SCALE_BLOCK) * sizeof(float));
+        PLACE(recv_topk_idx, rows * (size_t)max_topk * sizeof(int64_t));
+        PLACE(recv_topk_weights, rows * (size_t)max_topk * sizeof(float));
+        PLACE(recv_src, rows * sizeof(int32_t));
+        PLACE(comb_x, rows * (size_t)hidden * 2);
+        PLACE(comb_weights, rows * (size_t)max_topk * sizeof(float));
+#undef PLACE
+        l->total = off;
+}

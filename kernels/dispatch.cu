@@ -1,0 +1,130 @@
+/* Normal-mode dispatch: every token is written once to each rank that holds
+ * one of its experts, straight into that rank's receive area at the row the
+ * notify kernel computed (send_pos), so the receiver's recv_x is ordered by
+ * source rank, then source token, with no copy on arrival.
+ *
+ * Buffers: x/scales/topk are the caller's (read-only here); the receive
+ * area of every rank (peers[d] + layout.recv_*) is written by its sources
+ * only at rows reserved for them, and read by its owner after the flags. */
+#include "kernels.h"
+#include "ptx.cuh"
+
+enum { DISPATCH_THREADS = 1024, DISPATCH_UNROLL = 4 };
+
+template <typename Idx>
+__global__ void __launch_bounds__(DISPATCH_THREADS, 1)
+        dispatch_kernel(struct moeep_ctx ctx, struct moeep_dispatch_launch a, int num_tokens,
+                        struct moeep_route route) {
+        __shared__ int s_last;
+        __shared__ int s_prefix[MOEEP_KERNEL_MAX_RANKS + 1];
+        const int tid = threadIdx.x, lane = tid % 32;
+        const int R = ctx.ranks, me = ctx.rank, epr = ctx.num_experts / R;
+        const int warps = gridDim.x * (DISPATCH_THREADS / 32);
+        const int gwarp = blockIdx.x * (DISPATCH_THREADS / 32) + tid / 32;
+        const size_t row_bytes = (size_t)ctx.hidden * a.elem_size;
+        const int n16 = (int)(row_bytes / 16);
+        const int n_scales = ctx.hidden / MOEEP_SCALE_BLOCK;
+        const int K = a.num_topk;
+        const uint64_t seq = ctx.state->seq;
+        const Idx *topk_idx = (const Idx *)a.topk_idx;
+        const bool failed = *(volatile uint32_t *)&ctx.state->error != 0;
+
+        for (int t = gwarp; t < num_tokens && !failed; t += warps) {
+                /* pos[d]: our row in rank d's receive area, -1 when t skips d. */
+                int my_pos = lane < R ? route.send_pos[(size_t)t * R + lane] : -1;
+                int pos[MOEEP_KERNEL_MAX_RANKS];
+#pragma unroll
+                for (int d = 0; d < MOEEP_KERNEL_MAX_RANKS; d++)
+                        pos[d] = __shfl_sync(0xffffffffu, my_pos, d);
+
+                const int4 *src = (const int4 *)((const char *)a.x + (size_t)t * row_bytes);
+                for (int i = lane; i < n16; i += 32 * DISPATCH_UNROLL) {
+                        int4 v[DISPATCH_UNROLL];
+#pragma unroll
+                        for (int u = 0; u < DISPATCH_UNROLL; u++)
+                                if (i + u * 32 < n16)
+                                        v[u] = ld_nc_v4(src + i + u * 32);
+#pragma unroll
+                        for (int d = 0; d < MOEEP_KERNEL_MAX_RANKS; d++) {
+                                if (d >= R || pos[d] < 0)
+                                        continue;
+                                int4 *dst = (int4 *)(ctx.peers[d] + ctx.layout.recv_x + (size_t)pos[d] * row_bytes);
+#pragma unroll
+                                for (int u = 0; u < DISPATCH_UNROLL; u++)
+                                        if (i + u * 32 < n16)
+                                                st_na_v4(dst + i + u * 32, v[u]);
+                        }
+                }
+                if (a.x_scales)
+                        for (int j = lane; j < n_scales; j += 32) {
+                                float s = a.x_scales[(size_t)t * n_scales + j];
+                                for (int d = 0; d < R; d++)
+                                        if (pos[d] >= 0)
+                                                ((float *)(ctx.peers[d] + ctx.layout.recv_scales))
+                                                        [(size_t)pos[d] * n_scales + j] = s;
+                        }
+                if (topk_idx && lane < K) {
+                        int64_t e = (int64_t)topk_idx[(size_t)t * K + lane];
+                        float w = a.topk_weights ? a.topk_weights[(size_t)t * K + lane] : 0.0f;
+                        for (int d = 0; d < R; d++) {
+                                if (pos[d] < 0)
+                                        continue;
+                                /* Expert ids become the destination's local ids; experts
+                                 * elsewhere read -1 with weight 0. */
+                                int64_t local = e >= (int64_t)d * epr && e < (int64_t)(d + 1) * epr ? e - (int64_t)d * epr : -1;
+                                size_t k = (size_t)pos[d] * K + lane;
+                                ((Idx *)(ctx.peers[d] + ctx.layout.recv_topk_idx))[k] = (Idx)local;
+                                ((float *)(ctx.peers[d] + ctx.layout.recv_topk_weights))[k] = local >= 0 ? w : 0.0f;
+                        }
+                }
+                if (lane == 0)
+                        for (int d = 0; d < R; d++)
+                                if (pos[d] >= 0)
+                                        ((int32_t *)(ctx.peers[d] + ctx.layout.recv_src))[pos[d]] = t;
+        }
+
+        /* The last block to finish tells every destination that our rows
+         * landed: each thread's fence orders its own remote stores before the
+         * block counter, whose last increment orders them all before the
+         * flags (fence cumulativity). */
+        __threadfence_system();
+        __syncthreads();
+        if (tid == 0) {
+                s_last = atomicAdd(&ctx.state->blocks_done, 1u) == gridDim.x - 1;
+                __threadfence_system();
+        }
+        __syncthreads();
+        if (!s_last)
+                return;
+        if (tid == 0)
+                ctx.state->blocks_done = 0;
+        if (tid < R)
+                st_release_sys(&sync_of(ctx, tid)->dispatch_flag[me], seq);
+        if (tid < R)
+                wait_flag(ctx, &sync_of(ctx, me)->dispatch_flag[tid], seq, tid);
+        if (tid <= R)
+                s_prefix[tid] = route.rank_prefix[tid];
+        __syncthreads();
+
+        /* Receive metadata for combine: (source rank, source token) per row. */
+        const int32_t *buf_src = (const int32_t *)(ctx.peers[me] + ctx.layout.recv_src);
+        const int num_recv = *route.num_recv;
+        for (int p = tid; p < num_recv; p += DISPATCH_THREADS) {
+                int s = 0;
+                while (s + 1 < R && p >= s_prefix[s + 1])
+                        s++;
+                route.recv_src[p] = (s << 24) | __ldcg(buf_src + p);
+        }
+}
+
+extern "C" int moeep_launch_dispatch(const struct moeep_ctx *ctx, const struct moeep_dispatch_launch *a,
+                                     const struct moeep_route *route, cudaStream_t stream) {
+        if (a->idx_is_int64 || !a->topk_idx)
+                dispatch_kernel<int64_t><<<ctx->num_sms, DISPATCH_THREADS, 0, stream>>>(*ctx, *a, route->num_tokens,
+                                                                                        *route);
+        else
+                dispatch_kernel<int32_t><<<ctx->num_sms, DISPATCH_THREADS, 0, stream>>>(*ctx, *a, route->num_tokens,
+                                                                                        *route);
+        MOEEP_CUDA_LAUNCH_CHECK();
+        return 0;
+}

@@ -1,0 +1,173 @@
+/* Host launchers of moeep's CUDA kernels and the layout of the NVLink buffer
+ * they share. Plain C, included by client/ep.c and by the .cu files.
+ *
+ * Every rank owns one NVLink buffer (cuMemCreate, mapped by every rank of
+ * the job). Peers write into it; its owner reads it. Offsets are the same on
+ * every rank because every rank derives them from the same configuration:
+ *
+ *   [sync area]            flags and counts, struct moeep_sync (zeroed at attach)
+ *   [dispatch receive]     rows from every source rank, ordered by source rank
+ *                          then source token: x, scales, top-k ids, weights,
+ *                          source token index (ranks * max_tokens rows)
+ *   [combine receive]      one row slot per (contributing rank, own token):
+ *                          x [ranks][max_tokens][hidden] bf16, weights
+ *                          [ranks][max_tokens][topk] float
+ */
+#ifndef MOEEP_KERNELS_H
+#define MOEEP_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cuda_runtime_api.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define MOEEP_KERNEL_MAX_RANKS 8
+#define MOEEP_KERNEL_MAX_EXPERTS 512
+#define MOEEP_KERNEL_MAX_TOPK 9
+#define MOEEP_SCALE_BLOCK 128 /* FP8: one float scale per 128 channels */
+
+/* Flags and counts exchanged between ranks; lives at offset 0 of every
+ * NVLink buffer. Written remotely by peers with release stores, read locally
+ * with acquire loads. Every flag holds the sequence number of the last
+ * operation the writing rank reached; sequence numbers grow by one per
+ * collective call and are the same on every rank because every rank makes
+ * the same calls in the same order. */
+struct moeep_sync {
+        uint64_t barrier_flag[MOEEP_KERNEL_MAX_RANKS];  /* [src]: src entered barrier seq */
+        uint64_t dispatch_flag[MOEEP_KERNEL_MAX_RANKS]; /* [src]: src's dispatch rows for seq landed */
+        uint64_t combine_flag[MOEEP_KERNEL_MAX_RANKS];  /* [src]: src's combine rows for seq landed */
+        /* Counts of a dispatch, double-buffered by seq parity so that a fast
+         * peer writing round n+1 cannot overwrite round n before we read it. */
+        int32_t rank_counts[2][MOEEP_KERNEL_MAX_RANKS][MOEEP_KERNEL_MAX_RANKS]; /* [par][src][dst] */
+        int32_t expert_counts[2][MOEEP_KERNEL_MAX_RANKS][MOEEP_KERNEL_MAX_EXPERTS]; /* [par][src][local e] */
+};
+
+/* Per-rank state that only the owning GPU touches (cudaMalloc'ed). */
+struct moeep_local_state {
+        uint64_t seq;          /* last sequence number used; bumped by the barrier kernel */
+        uint32_t blocks_done;  /* last-block detection of the data kernels; back to 0 after each */
+        uint32_t error;        /* MOEEP_KERR_*: first failure of a device wait, sticky */
+        int32_t error_rank;    /* the peer that was waited for */
+        int32_t pad;
+};
+
+enum moeep_kernel_error {
+        MOEEP_KERR_NONE = 0,
+        MOEEP_KERR_TIMEOUT = 1, /* a peer's flag did not arrive within the wait bound */
+        MOEEP_KERR_ABORT = 2,   /* the daemon set the job's abort word */
+};
+
+/* Offsets inside every NVLink buffer, derived from the configuration. */
+struct moeep_buffer_layout {
+        size_t sync;              /* struct moeep_sync */
+        size_t recv_x;            /* [ranks * max_tokens][hidden] bf16 or fp8 */
+        size_t recv_scales;       /* [ranks * max_tokens][hidden / 128] float */
+        size_t recv_topk_idx;     /* [ranks * max_tokens][topk] int64 (or int32) */
+        size_t recv_topk_weights; /* [ranks * max_tokens][topk] float */
+        size_t recv_src;          /* [ranks * max_tokens] int32: source token index */
+        size_t comb_x;            /* [ranks][max_tokens][hidden] bf16 */
+        size_t comb_weights;      /* [ranks][max_tokens][topk] float */
+        size_t total;
+};
+
+void moeep_buffer_layout_compute(struct moeep_buffer_layout *l, int ranks, int max_tokens, int hidden,
+                                 int max_topk);
+
+/* Everything a kernel needs to reach the job: the mapped buffers of every
+ * rank (peers[rank] is our own), passed by value. */
+struct moeep_ctx {
+        char *peers[MOEEP_KERNEL_MAX_RANKS];
+        struct moeep_buffer_layout layout;
+        struct moeep_local_state *state;        /* device memory, ours only */
+        const volatile uint32_t *abort_word;    /* device pointer to the control page's abort, or NULL */
+        int rank;
+        int ranks;
+        int num_experts;
+        int hidden;
+        int max_tokens;
+        int max_topk;
+        int num_sms;
+        uint64_t timeout_ns;                    /* bound of every spin-wait (globaltimer ns) */
+};
+
+/* Routing state of one dispatch, kept for combine and for a cached dispatch.
+ * Device arrays, owned by the handle (see client/ep.c). */
+struct moeep_route {
+        int32_t *send_pos;       /* [num_tokens][ranks]: row in dst's receive area, -1 = not sent */
+        int32_t *recv_src;       /* [ranks * max_tokens]: (src rank << 24) | src token, per received row */
+        int32_t *rank_prefix;    /* [ranks + 1]: first received row of each source rank */
+        int32_t *expert_counts;  /* [local experts]: received tokens per local expert (aligned) */
+        int32_t *num_recv;       /* [1] */
+        int num_tokens;
+};
+
+/* Host-mapped results of the notify kernel, read after an event wait. */
+struct moeep_notify_host {
+        int32_t num_recv;
+        int32_t expert_counts[MOEEP_KERNEL_MAX_EXPERTS];
+};
+
+/* Launchers return 0, or the cudaError_t of a launch that failed. */
+
+/* Layout (DeepEP's get_dispatch_layout): outputs are fully written. */
+int moeep_launch_layout(const void *topk_idx, int idx_is_int64, int num_tokens, int num_topk,
+                        int num_experts, int ranks, int *num_tokens_per_rank, int *num_tokens_per_expert,
+                        uint8_t *is_token_in_rank, cudaStream_t stream);
+
+/* Barrier with every rank (bumps seq). When `route` is not NULL, also
+ * computes the routing of a dispatch: per-token positions from
+ * is_token_in_rank (or topk_idx when is_token_in_rank is NULL), the count
+ * exchange, prefixes and per-expert counts (aligned to `alignment`); copies
+ * num_recv and the counts to `host_out` when it is not NULL. */
+int moeep_launch_notify(const struct moeep_ctx *ctx, const uint8_t *is_token_in_rank, const void *topk_idx,
+                        int idx_is_int64, int num_tokens, int num_topk, int alignment,
+                        const struct moeep_route *route, struct moeep_notify_host *host_out,
+                        cudaStream_t stream);
+
+struct moeep_dispatch_launch {
+        const void *x;             /* [num_tokens][hidden], row bytes = hidden * elem_size */
+        int elem_size;             /* 2 = bf16, 1 = fp8 */
+        const float *x_scales;     /* [num_tokens][hidden / 128] or NULL */
+        const void *topk_idx;      /* [num_tokens][num_topk] or NULL */
+        int idx_is_int64;
+        const float *topk_weights; /* [num_tokens][num_topk] or NULL */
+        int num_topk;
+};
+
+/* Sends every token to the ranks the route says, then waits until every
+ * source rank's rows landed here and copies the receive metadata into the
+ * route. Must follow moeep_launch_notify() on the same stream. */
+int moeep_launch_dispatch(const struct moeep_ctx *ctx, const struct moeep_dispatch_launch *a,
+                          const struct moeep_route *route, cudaStream_t stream);
+
+/* Sends each received row (x: [num_recv][hidden] bf16, weights optional)
+ * back to its source rank, waits for every rank's rows, and reduces them
+ * into out [num_tokens][hidden] (and out_weights [num_tokens][num_topk]). */
+int moeep_launch_combine(const struct moeep_ctx *ctx, const void *x, const float *topk_weights, int num_topk,
+                         const struct moeep_route *route, void *out, float *out_weights,
+                         cudaStream_t stream);
+
+/* Benchmark references (kernels/bench.cu). */
+
+/* NVLink floor: every rank stores `bytes` into every peer at once. */
+int moeep_launch_p2p_put(const struct moeep_ctx *ctx, size_t bytes, int blocks, cudaStream_t stream);
+
+/* What a user would run around an NCCL all-to-all: positions of each token
+ * in a send buffer grouped by destination, the pack, and the sum of the
+ * rows that come back (offsets: device [ranks], first row of each dst). */
+int moeep_launch_ref_scan(const uint8_t *is_token_in_rank, int num_tokens, int ranks, int32_t *pos,
+                          int32_t *counts, cudaStream_t stream);
+int moeep_launch_ref_pack(const void *x, size_t row_bytes, int num_tokens, int ranks, const int32_t *pos,
+                          const int32_t *offsets, void *sendbuf, int blocks, cudaStream_t stream);
+int moeep_launch_ref_unpack(const void *back, int hidden, int num_tokens, int ranks, const int32_t *pos,
+                            const int32_t *offsets, void *out, int blocks, cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,92 @@
+/* Memory-ordering primitives of moeep's kernels. Every cross-GPU flag goes
+ * through these named wrappers so that the ordering each wait relies on is
+ * visible at the call site. */
+#pragma once
+
+#include <stdint.h>
+
+#include "kernels.h"
+
+/* Store `v` so that every store this thread made before (and, through the
+ * preceding fence or barrier, every store it observed) is visible to a
+ * reader on any GPU or the host that acquires the flag. */
+__device__ __forceinline__ void st_release_sys(uint64_t *p, uint64_t v) {
+        asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t *p) {
+        uint64_t v;
+        asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+        return v;
+}
+
+__device__ __forceinline__ uint32_t ld_volatile_u32(const volatile uint32_t *p) {
+        uint32_t v;
+        asm volatile("ld.volatile.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+        return v;
+}
+
+__device__ __forceinline__ void fence_acq_rel_sys(void) {
+        asm volatile("fence.acq_rel.sys;" ::: "memory");
+}
+
+__device__ __forceinline__ uint64_t globaltimer_ns(void) {
+        uint64_t t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        return t;
+}
+
+/* 16-byte global accesses. The loads of payload bypass L1 (read once). */
+__device__ __forceinline__ int4 ld_nc_v4(const int4 *p) {
+        int4 v;
+        asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                     : "l"(p));
+        return v;
+}
+
+__device__ __forceinline__ void st_na_v4(int4 *p, int4 v) {
+        asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y),
+                     "r"(v.z), "r"(v.w)
+                     : "memory");
+}
+
+/* Records the first failure of a device wait in the local state; sticky
+ * until the host clears it. */
+__device__ __forceinline__ void record_error(const struct moeep_ctx &ctx, uint32_t err, int peer) {
+        if (atomicCAS(&ctx.state->error, 0u, err) == 0u)
+                ctx.state->error_rank = peer;
+}
+
+/* Bounded wait until *flag >= want. Gives up when the job's abort word is
+ * set, when another wait of this launch already failed, or after the
+ * timeout; returns false then (the error is recorded). */
+__device__ __forceinline__ bool wait_flag(const struct moeep_ctx &ctx, const uint64_t *flag, uint64_t want,
+                                          int peer) {
+        uint64_t start = globaltimer_ns();
+
+        while (ld_acquire_sys(flag) < want) {
+                if (ctx.abort_word && ld_volatile_u32(ctx.abort_word)) {
+                        record_error(ctx, MOEEP_KERR_ABORT, peer);
+                        return false;
+                }
+                if (*(volatile uint32_t *)&ctx.state->error)
+                        return false;
+                if (globaltimer_ns() - start > ctx.timeout_ns) {
+                        record_error(ctx, MOEEP_KERR_TIMEOUT, peer);
+                        return false;
+                }
+        }
+        return true;
+}
+
+__device__ __forceinline__ struct moeep_sync *sync_of(const struct moeep_ctx &ctx, int rank) {
+        return (struct moeep_sync *)(ctx.peers[rank] + ctx.layout.sync);
+}
+
+#define MOEEP_CUDA_LAUNCH_CHECK()                                                                          \
+        do {                                                                                               \
+                cudaError_t e_ = cudaGetLastError();                                                       \
+                if (e_ != cudaSuccess)                                                                     \
+                        return (int)e_;                                                            \
+        } while (0)
