@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include "cumem.h"
+#include "ep-internal.h"
 #include "kernels.h"
 #include "moeep_ep.h"
 
@@ -476,7 +477,7 @@ static int dispatch_check(struct moeep_ep *ep, const struct moeep_dispatch_args 
 
 int moeep_dispatch(struct moeep_ep *ep, const struct moeep_dispatch_args *a,
                    struct moeep_dispatch_result *ret, cudaStream_t stream) {
-        struct moeep_ep_handle *h;
+        struct moeep_ep_handle *h = NULL;
         bool fresh = false;
         char *own;
         int r;
@@ -589,4 +590,11 @@ int moeep_combine(struct moeep_ep *ep, const struct moeep_combine_args *a, cudaS
                              moeep_launch_combine(&ep->ctx, a->x, a->topk_weights,
                                                   a->topk_weights ? a->num_topk : 0, &a->handle->route,
                                                   a->out, a->out_topk_weights, stream));
+}
+
+int ep_internal_ctx(const struct moeep_ep *ep, struct moeep_ctx *ret) {
+        if (!ep || !ret)
+                return -EINVAL;
+        *ret = ep->ctx;
+        return 0;
 }
