@@ -1,0 +1,612 @@
+/* Normal-mode dispatch/combine against a CPU reference.
+ *
+ * Each rank is its own process attached through a real moeepd (see
+ * client/bench/harness.c). Every case draws fresh random inputs for every
+ * rank from the run's seed; each rank regenerates all ranks' inputs on the
+ * CPU to know exactly what it must receive, poisons its outputs, runs the
+ * GPU path and compares. Exit 77 (skipped) without a GPU.
+ *
+ * Usage: ep_normal_test [--ranks 1,2,4] [--seed N] [--case NAME] [--moeepd PATH] */
+#include <errno.h>
+#include <getopt.h>
+#include <inttypes.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+
+#include <cuda_runtime_api.h>
+
+#include "harness.h"
+#include "moeep_ep.h"
+#include "ref.h"
+
+struct tcase {
+        const char *name;
+        int hidden, experts, topk, max_tokens;
+        bool fp8;        /* dispatch FP8 with scales */
+        bool idx32;      /* int32 top-k indices */
+        bool no_topk;    /* route by is_token_in_rank only, no top-k travels */
+        bool uneven;     /* every expert on rank 0: the others receive nothing */
+        bool zero_rank;  /* rank 1 sends no tokens */
+        bool reuse;      /* second dispatch with the cached handle and new data */
+        bool worst;      /* num_worst_tokens: no host synchronisation */
+        int align;       /* expert_alignment */
+};
+
+#define CASE(n, h, e, k, t, ...) { .name = n, .hidden = h, .experts = e, .topk = k, .max_tokens = t, __VA_ARGS__ }
+static const struct tcase cases[] = {
+        CASE("bf16-h7168-top8-e256", 7168, 256, 8, 256),
+        CASE("fp8-h7168-top8-e256", 7168, 256, 8, 256, .fp8 = true),
+        CASE("bf16-h2048-top1-e64-int32", 2048, 64, 1, 384, .idx32 = true),
+        CASE("bf16-h4096-top9-e288-rank1-empty", 4096, 288, 9, 200, .zero_rank = true),
+        CASE("bf16-h5120-no-topk", 5120, 64, 4, 128, .no_topk = true),
+        CASE("bf16-h2048-uneven", 2048, 32, 4, 256, .uneven = true),
+        CASE("bf16-h7168-handle-reuse", 7168, 256, 8, 128, .reuse = true),
+        CASE("bf16-h4096-worst-case", 4096, 128, 6, 256, .worst = true),
+        CASE("fp8-h2048-align128", 2048, 128, 8, 300, .fp8 = true, .align = 128),
+};
+#define NCASES (int)(sizeof(cases) / sizeof(cases[0]))
+
+struct shared {
+        int result[NCASES][MOEEP_MAX_RANKS]; /* 0 pass, 1 fail, -1 not run */
+        char msg[NCASES][MOEEP_MAX_RANKS][200];
+};
+
+struct params {
+        uint64_t seed;
+        const char *only;
+};
+
+/* One rank's inputs, regenerated identically by every rank. */
+struct input {
+        int T;
+        int64_t *idx;   /* [T][K] */
+        float *w;       /* [T][K] */
+        uint16_t *x;    /* [T][H] bf16 */
+        uint8_t *xq;    /* fp8: [T][H] */
+        float *sc;      /* fp8: [T][H/128] */
+        uint32_t *mask; /* [T]: destination ranks */
+};
+
+static void input_free(struct input *in) {
+        free(in->idx);
+        free(in->w);
+        free(in->x);
+        free(in->xq);
+        free(in->sc);
+        free(in->mask);
+        memset(in, 0, sizeof(*in));
+}
+
+static void gen_input(struct input *in, const struct tcase *tc, int R, uint64_t seed, int ci, int s, int variant) {
+        struct rng r = rng_make(seed, (uint64_t)ci * 64 + (uint64_t)s, 0);
+        struct rng rx = rng_make(seed, (uint64_t)ci * 64 + (uint64_t)s, 1 + (uint64_t)variant);
+        int H = tc->hidden, K = tc->topk, epr = tc->experts / R;
+
+        memset(in, 0, sizeof(*in));
+        in->T = s == 0 ? tc->max_tokens : 1 + (int)(rng_next(&r) % (uint64_t)tc->max_tokens);
+        if (tc->zero_rank && s == 1)
+                in->T = 0;
+        in->idx = calloc((size_t)in->T * K + 1, sizeof(int64_t));
+        in->w = calloc((size_t)in->T * K + 1, sizeof(float));
+        in->mask = calloc((size_t)in->T + 1, sizeof(uint32_t));
+        in->x = calloc((size_t)in->T * H + 1, sizeof(uint16_t));
+        for (int t = 0; t < in->T; t++) {
+                int64_t *row = in->idx + (size_t)t * K;
+                draw_topk(&r, row, K, 0, tc->uneven ? epr : tc->experts, 0.1);
+                for (int k = 0; k < K; k++) {
+                        in->w[(size_t)t * K + k] = (float)rng_unit(&r);
+                        if (row[k] >= 0)
+                                in->mask[t] |= 1u << (row[k] / epr);
+                }
+        }
+        for (size_t i = 0; i < (size_t)in->T * H; i++)
+                in->x[i] = float_to_bf16((float)(rng_unit(&rx) * 8.0 - 4.0));
+        if (tc->fp8) {
+                int nb = H / 128;
+                in->xq = calloc((size_t)in->T * H + 1, 1);
+                in->sc = calloc((size_t)in->T * nb + 1, sizeof(float));
+                for (int t = 0; t < in->T; t++)
+                        for (int b = 0; b < nb; b++) {
+                                const uint16_t *v = in->x + (size_t)t * H + b * 128;
+                                float amax = 0, scale;
+                                for (int j = 0; j < 128; j++)
+                                        amax = fmaxf(amax, fabsf(bf16_to_float(v[j])));
+                                scale = amax > 0 ? amax / 448.0f : 1.0f;
+                                in->sc[(size_t)t * nb + b] = scale;
+                                for (int j = 0; j < 128; j++)
+                                        in->xq[(size_t)t * H + b * 128 + j] = float_to_e4m3(bf16_to_float(v[j]) / scale);
+                        }
+        }
+}
+
+/* Expert output of rank r for a row: a rank-dependent function of the
+ * token's bf16 values, so that combine must sum the right slots. */
+static uint16_t expert_out(uint16_t x, int r) {
+        return float_to_bf16(bf16_to_float(x) * (float)(1 + r) + 0.25f * (float)r);
+}
+
+#define FAIL(...)                                                                                          \
+        do {                                                                                               \
+                snprintf(msg, 200, __VA_ARGS__);                                                           \
+                goto out;                                                                                  \
+        } while (0)
+#define CK(call)                                                                                           \
+        do {                                                                                               \
+                cudaError_t e_ = (call);                                                                   \
+                if (e_ != cudaSuccess)                                                                     \
+                        FAIL("%s: %s", #call, cudaGetErrorString(e_));                                     \
+        } while (0)
+#define MK(call)                                                                                           \
+        do {                                                                                               \
+                int r_ = (call);                                                                           \
+                if (r_ < 0)                                                                                \
+                        FAIL("%s: %s", #call, moeep_ep_error(ep));                                         \
+        } while (0)
+
+static void *dev_upload(const void *src, size_t bytes) {
+        void *d = NULL;
+        if (cudaMalloc(&d, bytes ? bytes : 16) != cudaSuccess)
+                return NULL;
+        if (bytes)
+                cudaMemcpy(d, src, bytes, cudaMemcpyHostToDevice);
+        return d;
+}
+
+/* Checks the receive side of one dispatch against the inputs of all ranks.
+ * check_meta: also the top-k ids/weights, counts and source info. */
+static int verify_dispatch(char *msg, const struct tcase *tc, int me, int R, const struct input *in,
+                           const struct moeep_dispatch_result *res, int num_recv, bool check_meta) {
+        int H = tc->hidden, K = tc->topk, epr = tc->experts / R, nb = H / 128;
+        size_t row_bytes = (size_t)H * (tc->fp8 ? 1 : 2);
+        int expect = 0, bad = 0;
+        uint8_t *rx = NULL;
+        float *rsc = NULL, *rw = NULL;
+        int64_t *ridx = NULL;
+        int *rsrc = NULL, *pe = NULL, *want_pe = calloc((size_t)epr, sizeof(int));
+
+        for (int s = 0; s < R; s++)
+                for (int t = 0; t < in[s].T; t++)
+                        expect += (in[s].mask[t] >> me) & 1;
+        if (num_recv != expect) {
+                snprintf(msg, 200, "received %d tokens, expected %d", num_recv, expect);
+                free(want_pe);
+                return -1;
+        }
+        rx = malloc(row_bytes * (size_t)num_recv + 1);
+        rsrc = malloc(sizeof(int) * (size_t)num_recv + 4);
+        cudaMemcpy(rx, res->recv_x, row_bytes * (size_t)num_recv, cudaMemcpyDeviceToHost);
+        cudaMemcpy(rsrc, res->recv_src_info, sizeof(int) * (size_t)num_recv, cudaMemcpyDeviceToHost);
+        if (tc->fp8) {
+                rsc = malloc(sizeof(float) * (size_t)num_recv * nb + 4);
+                cudaMemcpy(rsc, res->recv_x_scales, sizeof(float) * (size_t)num_recv * nb, cudaMemcpyDeviceToHost);
+        }
+        if (!tc->no_topk && check_meta) {
+                size_t isz = tc->idx32 ? 4 : 8;
+                void *raw = malloc(isz * (size_t)num_recv * K + 8);
+                ridx = malloc(sizeof(int64_t) * (size_t)num_recv * K + 8);
+                rw = malloc(sizeof(float) * (size_t)num_recv * K + 4);
+                pe = malloc(sizeof(int) * (size_t)epr);
+                cudaMemcpy(raw, res->recv_topk_idx, isz * (size_t)num_recv * K, cudaMemcpyDeviceToHost);
+                cudaMemcpy(rw, res->recv_topk_weights, sizeof(float) * (size_t)num_recv * K, cudaMemcpyDeviceToHost);
+                cudaMemcpy(pe, res->num_recv_tokens_per_expert_dev, sizeof(int) * (size_t)epr, cudaMemcpyDeviceToHost);
+                for (size_t i = 0; i < (size_t)num_recv * K; i++)
+                        ridx[i] = tc->idx32 ? ((int32_t *)raw)[i] : ((int64_t *)raw)[i];
+                free(raw);
+        }
+        if (cudaGetLastError() != cudaSuccess) {
+                snprintf(msg, 200, "copying results back failed");
+                bad = 1;
+                goto done;
+        }
+
+        int p = 0;
+        for (int s = 0; s < R && !bad; s++)
+                for (int t = 0; t < in[s].T && !bad; t++) {
+                        if (!((in[s].mask[t] >> me) & 1))
+                                continue;
+                        const void *want = tc->fp8 ? (const void *)(in[s].xq + (size_t)t * H) : (const void *)(in[s].x + (size_t)t * H);
+                        if (memcmp(rx + (size_t)p * row_bytes, want, row_bytes)) {
+                                snprintf(msg, 200, "recv_x row %d (rank %d token %d) differs", p, s, t);
+                                bad = 1;
+                        }
+                        if (rsrc[p] != ((s << 24) | t)) {
+                                snprintf(msg, 200, "row %d source info 0x%x, expected rank %d token %d", p, rsrc[p], s, t);
+                                bad = 1;
+                        }
+                        if (tc->fp8) {
+                                for (int b = 0; b < nb && !bad; b++)
+                                        if (rsc[(size_t)p * nb + b] != in[s].sc[(size_t)t * nb + b]) {
+                                                snprintf(msg, 200, "row %d scale %d differs", p, b);
+                                                bad = 1;
+                                        }
+                                /* Dequantised error bound of e4m3 with a per-128 amax scale:
+                                 * |x - q*scale| <= 2^-4 |x| + 2^-10 scale. */
+                                for (int c = 0; c < H && !bad; c++) {
+                                        float x = bf16_to_float(in[s].x[(size_t)t * H + c]);
+                                        float sc = rsc[(size_t)p * nb + c / 128];
+                                        float d = e4m3_to_float(rx[(size_t)p * row_bytes + c]) * sc;
+                                        if (!(fabsf(d - x) <= 0.0625f * fabsf(x) + sc / 1024.0f)) {
+                                                snprintf(msg, 200, "row %d ch %d dequantised %g vs %g", p, c, d, x);
+                                                bad = 1;
+                                        }
+                                }
+                        }
+                        if (ridx) {
+                                for (int k = 0; k < K && !bad; k++) {
+                                        int64_t e = in[s].idx[(size_t)t * K + k];
+                                        int64_t local = e >= (int64_t)me * epr && e < (int64_t)(me + 1) * epr ? e - me * epr : -1;
+                                        float w = local >= 0 ? in[s].w[(size_t)t * K + k] : 0.0f;
+                                        if (ridx[(size_t)p * K + k] != local || rw[(size_t)p * K + k] != w) {
+                                                snprintf(msg, 200, "row %d topk %d: got (%" PRId64 ", %g) want (%" PRId64 ", %g)", p, k,
+                                                         ridx[(size_t)p * K + k], rw[(size_t)p * K + k], local, w);
+                                                bad = 1;
+                                        }
+                                        if (local >= 0)
+                                                want_pe[local]++;
+                                }
+                        }
+                        p++;
+                }
+        if (!bad && pe)
+                for (int l = 0; l < epr; l++) {
+                        int w = tc->align > 1 ? (want_pe[l] + tc->align - 1) / tc->align * tc->align : want_pe[l];
+                        if (pe[l] != w || (res->num_recv_tokens_per_expert && res->num_recv_tokens_per_expert[l] != w)) {
+                                snprintf(msg, 200, "local expert %d count %d (host %d), expected %d", l, pe[l],
+                                         res->num_recv_tokens_per_expert ? res->num_recv_tokens_per_expert[l] : -1, w);
+                                bad = 1;
+                                break;
+                        }
+                }
+done:
+        free(rx);
+        free(rsrc);
+        free(rsc);
+        free(rw);
+        free(ridx);
+        free(pe);
+        free(want_pe);
+        return bad ? -1 : 0;
+}
+
+/* Runs combine with a rank-dependent expert function and checks my tokens. */
+static int run_combine(char *msg, struct moeep_ep *ep, const struct tcase *tc, int me, int R, const struct input *in,
+                       struct moeep_ep_handle *handle, int num_recv, cudaStream_t st) {
+        int H = tc->hidden, K = tc->topk, epr = tc->experts / R, T = in[me].T, bad = 0;
+        uint16_t *y = malloc(sizeof(uint16_t) * (size_t)num_recv * H + 2), *out = malloc(sizeof(uint16_t) * (size_t)T * H + 2);
+        float *w = malloc(sizeof(float) * (size_t)num_recv * K + 4), *ow = malloc(sizeof(float) * (size_t)T * K + 4);
+        void *d_y = NULL, *d_out = NULL, *d_w = NULL, *d_ow = NULL;
+        bool weights = !tc->no_topk;
+        int p = 0;
+
+        for (int s = 0; s < R; s++)
+                for (int t = 0; t < in[s].T; t++) {
+                        if (!((in[s].mask[t] >> me) & 1))
+                                continue;
+                        for (int c = 0; c < H; c++)
+                                y[(size_t)p * H + c] = expert_out(in[s].x[(size_t)t * H + c], me);
+                        for (int k = 0; k < K; k++) {
+                                int64_t e = in[s].idx[(size_t)t * K + k];
+                                w[(size_t)p * K + k] = e >= (int64_t)me * epr && e < (int64_t)(me + 1) * epr ? in[s].w[(size_t)t * K + k] : 0.0f;
+                        }
+                        p++;
+                }
+        d_y = dev_upload(y, sizeof(uint16_t) * (size_t)num_recv * H);
+        d_w = dev_upload(w, sizeof(float) * (size_t)num_recv * K);
+        d_out = dev_upload(NULL, sizeof(uint16_t) * (size_t)T * H);
+        d_ow = dev_upload(NULL, sizeof(float) * (size_t)T * K);
+        if (!d_y || !d_w || !d_out || !d_ow) {
+                snprintf(msg, 200, "cudaMalloc failed");
+                bad = 1;
+                goto done;
+        }
+        cudaMemset(d_out, 0xff, sizeof(uint16_t) * (size_t)T * H); /* NaN poison */
+        cudaMemset(d_ow, 0xff, sizeof(float) * (size_t)T * K);
+        struct moeep_combine_args ca = {
+                .x = d_y,
+                .topk_weights = weights ? d_w : NULL,
+                .num_topk = K,
+                .handle = handle,
+                .out = d_out,
+                .out_topk_weights = weights ? d_ow : NULL,
+        };
+        if (moeep_combine(ep, &ca, st) < 0) {
+                snprintf(msg, 200, "combine: %s", moeep_ep_error(ep));
+                bad = 1;
+                goto done;
+        }
+        if (cudaStreamSynchronize(st) != cudaSuccess || moeep_ep_check(ep) < 0) {
+                snprintf(msg, 200, "combine failed on the device: %s", moeep_ep_error(ep));
+                bad = 1;
+                goto done;
+        }
+        cudaMemcpy(out, d_out, sizeof(uint16_t) * (size_t)T * H, cudaMemcpyDeviceToHost);
+        cudaMemcpy(ow, d_ow, sizeof(float) * (size_t)T * K, cudaMemcpyDeviceToHost);
+        for (int t = 0; t < T && !bad; t++) {
+                for (int c = 0; c < H && !bad; c++) {
+                        float ref = 0, got = bf16_to_float(out[(size_t)t * H + c]);
+                        for (int r = 0; r < R; r++)
+                                if ((in[me].mask[t] >> r) & 1)
+                                        ref += bf16_to_float(expert_out(in[me].x[(size_t)t * H + c], r));
+                        if (!(fabsf(got - ref) <= fmaxf(fabsf(ref), 1.0f) / 128.0f)) {
+                                snprintf(msg, 200, "combine token %d ch %d: got %g want %g", t, c, got, ref);
+                                bad = 1;
+                        }
+                }
+                for (int k = 0; k < K && weights && !bad; k++) {
+                        float want = in[me].idx[(size_t)t * K + k] >= 0 ? in[me].w[(size_t)t * K + k] : 0.0f;
+                        if (ow[(size_t)t * K + k] != want) {
+                                snprintf(msg, 200, "combined weight t %d k %d: got %g want %g", t, k, ow[(size_t)t * K + k], want);
+                                bad = 1;
+                        }
+                }
+        }
+done:
+        cudaFree(d_y);
+        cudaFree(d_w);
+        cudaFree(d_out);
+        cudaFree(d_ow);
+        free(y);
+        free(out);
+        free(w);
+        free(ow);
+        return bad ? -1 : 0;
+}
+
+/* Poisons the whole receive area, then waits (control plane) until every
+ * rank did, so no peer writes before our poison landed. */
+static int poison_and_sync(struct moeep_ep *ep, struct moeep_client *c, const struct tcase *tc) {
+        struct moeep_dispatch_result area;
+        size_t rows = (size_t)moeep_ep_max_recv_tokens(ep);
+
+        moeep_ep_recv_buffers(ep, &area);
+        cudaMemset(area.recv_x, 0xa5, rows * tc->hidden * 2);
+        cudaMemset(area.recv_x_scales, 0xa5, rows * (tc->hidden / 128) * sizeof(float));
+        cudaMemset(area.recv_topk_idx, 0xa5, rows * tc->topk * sizeof(int64_t));
+        cudaMemset(area.recv_topk_weights, 0xa5, rows * tc->topk * sizeof(float));
+        if (cudaDeviceSynchronize() != cudaSuccess)
+                return -EIO;
+        return moeep_job_barrier(c);
+}
+
+static int run_case(struct moeep_client *c, int me, int R, int ci, uint64_t seed, char *msg) {
+        const struct tcase *tc = &cases[ci];
+        struct moeep_ep_config cfg = {
+                .max_tokens_per_rank = tc->max_tokens,
+                .hidden = tc->hidden,
+                .num_experts = tc->experts,
+                .max_topk = tc->topk,
+                .timeout_ms = 20000,
+        };
+        struct input in[MOEEP_MAX_RANKS] = { 0 };
+        struct moeep_ep *ep = NULL;
+        struct moeep_dispatch_result res;
+        struct moeep_ep_handle *handle = NULL;
+        cudaStream_t st = NULL;
+        void *d_x = NULL, *d_sc = NULL, *d_idx = NULL, *d_w = NULL, *d_in_rank = NULL;
+        int *d_pr = NULL, *d_pe = NULL;
+        uint8_t *d_lin = NULL;
+        int H = tc->hidden, K = tc->topk, E = tc->experts, T, rc = -1, num_recv, r;
+
+        msg[0] = '\0';
+        if ((r = moeep_ep_create(c, &cfg, &ep)) < 0) {
+                snprintf(msg, 200, "moeep_ep_create: %s", strerror(-r));
+                return -1;
+        }
+        for (int s = 0; s < R; s++)
+                gen_input(&in[s], tc, R, seed, ci, s, 0);
+        T = in[me].T;
+        CK(cudaStreamCreate(&st));
+
+        /* My inputs on the device. */
+        d_x = tc->fp8 ? dev_upload(in[me].xq, (size_t)T * H) : dev_upload(in[me].x, (size_t)T * H * 2);
+        d_sc = tc->fp8 ? dev_upload(in[me].sc, sizeof(float) * (size_t)T * (H / 128)) : NULL;
+        if (tc->idx32) {
+                int32_t *i32 = malloc(sizeof(int32_t) * (size_t)T * K + 4);
+                for (size_t i = 0; i < (size_t)T * K; i++)
+                        i32[i] = (int32_t)in[me].idx[i];
+                d_idx = dev_upload(i32, sizeof(int32_t) * (size_t)T * K);
+                free(i32);
+        } else
+                d_idx = dev_upload(in[me].idx, sizeof(int64_t) * (size_t)T * K);
+        d_w = dev_upload(in[me].w, sizeof(float) * (size_t)T * K);
+        if (!d_x || !d_idx || !d_w || (tc->fp8 && !d_sc))
+                FAIL("cudaMalloc of inputs failed");
+
+        /* Layout against the CPU. */
+        CK(cudaMalloc((void **)&d_pr, sizeof(int) * R));
+        CK(cudaMalloc((void **)&d_pe, sizeof(int) * E));
+        CK(cudaMalloc((void **)&d_lin, (size_t)T * R + 1));
+        CK(cudaMemset(d_lin, 0xa5, (size_t)T * R + 1));
+        MK(moeep_get_dispatch_layout(ep, d_idx, tc->idx32 ? MOEEP_INDEX_INT32 : MOEEP_INDEX_INT64, T, K, d_pr, d_pe, d_lin, st));
+        CK(cudaStreamSynchronize(st));
+        {
+                int *pr = malloc(sizeof(int) * R), *pe = malloc(sizeof(int) * E), *wpr = calloc(R, sizeof(int)), *wpe = calloc(E, sizeof(int));
+                uint8_t *lin = malloc((size_t)T * R + 1);
+                int bad = 0;
+                cudaMemcpy(pr, d_pr, sizeof(int) * R, cudaMemcpyDeviceToHost);
+                cudaMemcpy(pe, d_pe, sizeof(int) * E, cudaMemcpyDeviceToHost);
+                cudaMemcpy(lin, d_lin, (size_t)T * R, cudaMemcpyDeviceToHost);
+                for (int t = 0; t < T; t++) {
+                        for (int d = 0; d < R; d++) {
+                                wpr[d] += (in[me].mask[t] >> d) & 1;
+                                bad |= lin[(size_t)t * R + d] != ((in[me].mask[t] >> d) & 1);
+                        }
+                        for (int k = 0; k < K; k++)
+                                if (in[me].idx[(size_t)t * K + k] >= 0)
+                                        wpe[in[me].idx[(size_t)t * K + k]]++;
+                }
+                bad |= memcmp(pr, wpr, sizeof(int) * R) != 0;
+                bad |= memcmp(pe, wpe, sizeof(int) * E) != 0;
+                free(pr);
+                free(pe);
+                free(wpr);
+                free(wpe);
+                free(lin);
+                if (bad)
+                        FAIL("get_dispatch_layout differs from the CPU reference");
+        }
+        if (tc->no_topk)
+                d_in_rank = d_lin;
+
+        /* Dispatch. */
+        if (poison_and_sync(ep, c, tc) < 0)
+                FAIL("poison/barrier failed");
+        struct moeep_dispatch_args a = {
+                .x = d_x,
+                .x_type = tc->fp8 ? MOEEP_DTYPE_FP8_E4M3 : MOEEP_DTYPE_BF16,
+                .x_scales = d_sc,
+                .num_tokens = T,
+                .is_token_in_rank = d_in_rank,
+                .topk_idx = tc->no_topk ? NULL : d_idx,
+                .topk_idx_type = tc->idx32 ? MOEEP_INDEX_INT32 : MOEEP_INDEX_INT64,
+                .topk_weights = tc->no_topk ? NULL : d_w,
+                .num_topk = K,
+                .expert_alignment = tc->align,
+                .num_worst_tokens = tc->worst ? R * tc->max_tokens : 0,
+        };
+        MK(moeep_dispatch(ep, &a, &res, st));
+        handle = res.handle;
+        CK(cudaStreamSynchronize(st));
+        if (moeep_ep_check(ep) < 0)
+                FAIL("dispatch failed on the device: %s", moeep_ep_error(ep));
+        num_recv = res.num_recv_tokens;
+        if (tc->worst) {
+                if (num_recv != -1)
+                        FAIL("worst-case dispatch reported a host count %d", num_recv);
+                CK(cudaMemcpy(&num_recv, res.num_recv_tokens_dev, sizeof(int), cudaMemcpyDeviceToHost));
+        }
+        if (verify_dispatch(msg, tc, me, R, in, &res, num_recv, true) < 0)
+                goto out;
+        if (run_combine(msg, ep, tc, me, R, in, handle, num_recv, st) < 0)
+                goto out;
+
+        if (tc->reuse) {
+                /* Same routing, new payload: the cached handle skips the count
+                 * exchange and must place every row exactly as before. */
+                for (int s = 0; s < R; s++) {
+                        input_free(&in[s]);
+                        gen_input(&in[s], tc, R, seed, ci, s, 1);
+                }
+                CK(cudaMemcpy(d_x, in[me].x, (size_t)T * H * 2, cudaMemcpyHostToDevice));
+                if (poison_and_sync(ep, c, tc) < 0)
+                        FAIL("poison/barrier failed");
+                a.handle = handle;
+                MK(moeep_dispatch(ep, &a, &res, st));
+                CK(cudaStreamSynchronize(st));
+                if (res.handle != handle)
+                        FAIL("cached dispatch returned another handle");
+                if (verify_dispatch(msg, tc, me, R, in, &res, num_recv, true) < 0)
+                        goto out;
+                if (run_combine(msg, ep, tc, me, R, in, handle, num_recv, st) < 0)
+                        goto out;
+        }
+        rc = 0;
+out:
+        if (rc && !msg[0])
+                snprintf(msg, 200, "failed");
+        moeep_ep_handle_free(handle);
+        cudaFree(d_x);
+        cudaFree(d_sc);
+        cudaFree(d_idx);
+        cudaFree(d_w);
+        cudaFree(d_pr);
+        cudaFree(d_pe);
+        cudaFree(d_lin);
+        if (st)
+                cudaStreamDestroy(st);
+        /* Keep the ranks in step even when this one failed. */
+        moeep_job_barrier(c);
+        moeep_ep_destroy(ep);
+        for (int s = 0; s < R; s++)
+                input_free(&in[s]);
+        return rc;
+}
+
+static int rank_fn(struct moeep_client *c, int rank, int ranks, void *shared, void *arg) {
+        struct shared *sh = shared;
+        const struct params *p = arg;
+        int failed = 0;
+
+        for (int ci = 0; ci < NCASES; ci++) {
+                if (p->only && strcmp(p->only, cases[ci].name))
+                        continue;
+                int r = run_case(c, rank, ranks, ci, p->seed, sh->msg[ci][rank]);
+                sh->result[ci][rank] = r ? 1 : 0;
+                failed |= r != 0;
+        }
+        return failed;
+}
+
+int main(int argc, char **argv) {
+        const char *ranks_list = "1,2,4", *moeepd = NULL;
+        struct params p = { 0 };
+        struct harness h;
+        int ngpu, passed = 0, failed = 0, opt;
+        bool have_seed = false;
+        static const struct option lo[] = {
+                { "ranks", required_argument, NULL, 'r' }, { "seed", required_argument, NULL, 's' },
+                { "case", required_argument, NULL, 'c' },  { "moeepd", required_argument, NULL, 'd' },
+                { NULL, 0, NULL, 0 },
+        };
+
+        while ((opt = getopt_long(argc, argv, "", lo, NULL)) != -1) {
+                switch (opt) {
+                case 'r': ranks_list = optarg; break;
+                case 's': p.seed = strtoull(optarg, NULL, 0); have_seed = true; break;
+                case 'c': p.only = optarg; break;
+                case 'd': moeepd = optarg; break;
+                default:
+                        fprintf(stderr, "usage: %s [--ranks 1,2,4] [--seed N] [--case NAME] [--moeepd PATH]\n", argv[0]);
+                        return 2;
+                }
+        }
+        ngpu = harness_gpu_count();
+        if (ngpu < 1) {
+                printf("SKIP: no CUDA device\n");
+                return 77;
+        }
+        if (!have_seed && getrandom(&p.seed, sizeof(p.seed), 0) != sizeof(p.seed))
+                p.seed = 0x5eed;
+        printf("ep_normal_test: seed 0x%" PRIx64 ", %d GPUs\n", p.seed, ngpu);
+        if (harness_init(&h, moeepd, NULL, sizeof(struct shared)) < 0)
+                return 1;
+
+        for (const char *q = ranks_list; *q;) {
+                int R = (int)strtol(q, (char **)&q, 10);
+                struct shared *sh = h.shared;
+                while (*q == ',')
+                        q++;
+                if (R < 1 || R > ngpu) {
+                        printf("SKIP ranks=%d: %d GPUs here\n", R, ngpu);
+                        continue;
+                }
+                memset(sh, 0xff, sizeof(*sh));
+                memset(sh->msg, 0, sizeof(sh->msg));
+                int lost = harness_run(&h, R, "ep-normal-test", rank_fn, &p, 600);
+                for (int ci = 0; ci < NCASES; ci++) {
+                        int bad = 0, ran = 0;
+                        if (p.only && strcmp(p.only, cases[ci].name))
+                                continue;
+                        for (int r = 0; r < R; r++) {
+                                ran += sh->result[ci][r] >= 0;
+                                if (sh->result[ci][r] != 0) {
+                                        bad = 1;
+                                        printf("  rank %d: %s\n", r, sh->result[ci][r] < 0 ? "did not run" : sh->msg[ci][r]);
+                                }
+                        }
+                        printf("%s ranks=%d %s\n", bad ? "FAIL" : "ok  ", R, cases[ci].name);
+                        bad ? failed++ : passed++;
+                        (void)ran;
+                }
+                if (lost)
+                        printf("  (%d rank processes failed)\n", lost);
+                fflush(stdout);
+        }
+        harness_fini(&h);
+        printf("%d passed, %d failed\n", passed, failed);
+        return failed ? 1 : 0;
+}

@@ -1,0 +1,3 @@
+#!/bin/sh
+echo "SKIP: built without CUDA (nvcc not found)"
+exit 77
