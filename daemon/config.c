@@ -172,14 +172,14 @@ static int load_handler(void *user, const char *section, const char *name, const
         if (st->r < 0)
                 return 0;
         if (section[0] && strcmp(section, "moeepd") != 0) {
-                st->r = errmsg_set(st->errmsg, -EINVAL, "%s: unknown section [%s] (key %s = '%s')", st->path,
-                                   section, name, value);
+                st->r = errmsg_set(st->errmsg, -EINVAL, "unknown section [%s] (key %s = '%s')", section, name,
+                                   value);
                 return 0;
         }
         r = config_set(st->config, name, value, why);
         if (r < 0) {
                 st->r = r == -ENOMEM ? r : -EINVAL;
-                errmsg_set(st->errmsg, st->r, "%s: %s", st->path, why);
+                errmsg_set(st->errmsg, st->r, "%s", why);
                 return 0;
         }
         return 1;
@@ -196,13 +196,12 @@ static int load_finish(struct load_state *st, int lineno) {
         if (lineno == -2)
                 return errmsg_set(st->errmsg, -ENOMEM, "%s: out of memory", st->path);
         if (st->r < 0) {
-                /* Prefix the line number, which inih knows only now. */
+                /* Prefix file and line, which inih tells only now. */
                 snprintf(why, sizeof(why), "%s", st->errmsg ? st->errmsg : "");
-                return errmsg_set(st->errmsg, st->r, "line %d: %s", lineno, why);
+                return errmsg_set(st->errmsg, st->r, "%s:%d: %s", st->path, lineno, why);
         }
         if (lineno > 0)
-                return errmsg_set(st->errmsg, -EINVAL, "%s: line %d: syntax error (need 'key = value')", st->path,
-                                  lineno);
+                return errmsg_set(st->errmsg, -EINVAL, "%s:%d: syntax error (need 'key = value')", st->path, lineno);
         return 0;
 }
 

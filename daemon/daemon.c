@@ -38,15 +38,15 @@ uint64_t daemon_uptime_ms(const struct daemon *d) {
 }
 
 void daemon_status_changed(struct daemon *d) {
-        if (!d->jobs)
+        /* While stopping, STOPPING=1 carried the last STATUS=. */
+        if (!d->jobs || d->stopping)
                 return;
-        if (d->status_sent && !d->stopping && d->status_sessions == d->nsessions && d->status_jobs == d->jobs->count)
+        if (d->status_sent && d->status_sessions == d->nsessions && d->status_jobs == d->jobs->count)
                 return;
         d->status_sent = true;
         d->status_sessions = d->nsessions;
         d->status_jobs = d->jobs->count;
-        sd_notifyf(0, "STATUS=%" PRIu32 " sessions, %" PRIu32 " jobs%s", d->nsessions, d->jobs->count,
-                   d->stopping ? ", shutting down" : "");
+        sd_notifyf(0, "STATUS=%" PRIu32 " sessions, %" PRIu32 " jobs", d->nsessions, d->jobs->count);
 }
 
 /* Builds a configuration: embedded defaults, the file, then the command

@@ -66,9 +66,11 @@ static bool job_visible(const struct session *viewer, bool admin, const struct j
         return admin || (viewer->member && viewer->member->job == job);
 }
 
-/* Drops trailing entries until the response fits in one record; the
- * listing is then partial (Status still counts everything visible). */
-static void response_fit(struct session *s, Moeep__V1__Response *resp, size_t *n, const char *what) {
+/* Sends a listing, first dropping trailing entries (`*n` of them) until it
+ * fits in one record; the listing is then partial, which is logged (Status
+ * still counts everything visible). */
+static int query_send_listing(struct session *s, uint64_t request_id, Moeep__V1__Response *resp, size_t *n,
+                              const char *what) {
         size_t before = *n;
 
         while (*n > 0 && protobuf_c_message_get_packed_size(&resp->base) + sizeof(struct moeep_record_header) >
@@ -77,6 +79,7 @@ static void response_fit(struct session *s, Moeep__V1__Response *resp, size_t *n
         if (*n != before)
                 log_warn("session %" PRIu64 ": %s listing cut from %zu to %zu entries to fit one record", s->id, what,
                          before, *n);
+        return session_respond(s, request_id, resp, NULL, 0);
 }
 
 int query_status(struct session *s, uint64_t request_id, char *errmsg) {
@@ -98,7 +101,7 @@ int query_status(struct session *s, uint64_t request_id, char *errmsg) {
         st.pid = (uint32_t)getpid();
         resp.body_case = MOEEP__V1__RESPONSE__BODY_STATUS;
         resp.status = &st;
-        return session_send(s, MOEEP__V1__RESPONSE__BODY_STATUS, request_id, &resp.base, NULL, 0);
+        return session_respond(s, request_id, &resp, NULL, 0);
 }
 
 int query_jobs(struct session *s, uint64_t request_id, char *errmsg) {
@@ -140,8 +143,7 @@ int query_jobs(struct session *s, uint64_t request_id, char *errmsg) {
         resp.body_case = MOEEP__V1__RESPONSE__BODY_JOBS;
         resp.jobs = &jobs;
         jobs.n_jobs = n;
-        response_fit(s, &resp, &jobs.n_jobs, "job");
-        r = session_send(s, MOEEP__V1__RESPONSE__BODY_JOBS, request_id, &resp.base, NULL, 0);
+        r = query_send_listing(s, request_id, &resp, &jobs.n_jobs, "job");
 out:
         free(infos);
         free(ptrs);
@@ -187,8 +189,7 @@ int query_clients(struct session *s, uint64_t request_id, char *errmsg) {
         resp.body_case = MOEEP__V1__RESPONSE__BODY_CLIENTS;
         resp.clients = &clients;
         clients.n_clients = n;
-        response_fit(s, &resp, &clients.n_clients, "client");
-        r = session_send(s, MOEEP__V1__RESPONSE__BODY_CLIENTS, request_id, &resp.base, NULL, 0);
+        r = query_send_listing(s, request_id, &resp, &clients.n_clients, "client");
 out:
         free(infos);
         free(ptrs);

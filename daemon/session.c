@@ -169,7 +169,7 @@ int session_send(struct session *s, uint16_t type, uint64_t request_id, const Pr
         return 0;
 }
 
-static int session_respond(struct session *s, uint64_t request_id, Moeep__V1__Response *resp, const int *fds,
+int session_respond(struct session *s, uint64_t request_id, Moeep__V1__Response *resp, const int *fds,
                            size_t nfds) {
         return session_send(s, (uint16_t)resp->body_case, request_id, &resp->base, fds, nfds);
 }

@@ -17,6 +17,7 @@
 
 #include "daemon.h"
 #include "job.h"
+#include "moeep.pb-c.h"
 
 enum session_state {
         SESSION_NEW,    /* connected; the first request must be Hello */
@@ -62,6 +63,9 @@ int session_new(struct daemon *d, int fd, struct session **ret_session);
  * then failed from the loop), -EMSGSIZE, -EMFILE or -ENOMEM. */
 int session_send(struct session *s, uint16_t type, uint64_t request_id, const ProtobufCMessage *msg,
                  const int *fds, size_t nfds);
+
+/* Queues a Response whose type is its body case. */
+int session_respond(struct session *s, uint64_t request_id, Moeep__V1__Response *resp, const int *fds, size_t nfds);
 
 /* Queues Response.error. */
 int session_send_error(struct session *s, uint64_t request_id, int code, const char *message);

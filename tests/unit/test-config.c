@@ -120,9 +120,9 @@ static void test_bad_files(void **state) {
         expect_bad("max_region_bytes_per_uid = 99999999999T\n", "max_region_bytes_per_uid", "99999999999T");
         expect_bad("admin_group = a:b\n", "admin_group", "a:b");
         expect_bad("no_such_key = 1\n", "no_such_key", NULL);
-        expect_bad("[other]\nmax_sessions = 1\n", "[other]", NULL);
-        expect_bad("max_sessions = 1\nthis line is wrong\n", "line 2", NULL);
-        expect_bad("max_sessions = 1\n\nmax_jobs_per_uid = 0\n", "line 3", "max_jobs_per_uid");
+        expect_bad("[other]\nmax_sessions = 1\n", ":2: unknown section [other]", NULL);
+        expect_bad("max_sessions = 1\nthis line is wrong\n", ":2: syntax", NULL);
+        expect_bad("max_sessions = 1\n\nmax_jobs_per_uid = 0\n", ":3: max_jobs_per_uid", "'0'");
 }
 
 static void test_missing_file(void **state) {
