@@ -21,6 +21,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <spawn.h>
+#include <stddef.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -313,17 +314,12 @@ static const char *error_code_name(int code) {
         return v ? v->name : "?";
 }
 
-/* Sends a request and expects a response of body case `want`; fills the fds
- * that came with it into `ret_fds` (up to `max_fds`, the rest closed). */
-static Moeep__V1__Response *call(int fd, Moeep__V1__Request *req, const int *fds, size_t nfds,
-                                 Moeep__V1__Response__BodyCase want, const char *what) {
+/* Waits for the response to the request just sent; it must be of body case
+ * `want` (the fds that came with it stay in `rec`). */
+static Moeep__V1__Response *await_response(int fd, Moeep__V1__Response__BodyCase want, const char *what) {
         Moeep__V1__Response *resp;
-        int r = send_request(fd, req, fds, nfds);
+        int r;
 
-        if (r < 0) {
-                say("    %s: send: %s", what, strerror(-r));
-                return NULL;
-        }
         resp = recv_response(fd, &r);
         if (!resp) {
                 say("    %s: no response: %s", what, strerror(-r));
@@ -342,10 +338,35 @@ static Moeep__V1__Response *call(int fd, Moeep__V1__Request *req, const int *fds
         return resp;
 }
 
-static int hello(int fd) {
+/* Sends a request and expects a response of body case `want`. */
+static Moeep__V1__Response *call(int fd, Moeep__V1__Request *req, const int *fds, size_t nfds,
+                                 Moeep__V1__Response__BodyCase want, const char *what) {
+        int r = send_request(fd, req, fds, nfds);
+
+        if (r < 0) {
+                say("    %s: send: %s", what, strerror(-r));
+                return NULL;
+        }
+        return await_response(fd, want, what);
+}
+
+/* call() for requests whose reply only has to be of the right kind; drops
+ * the reply and any fds it carried. */
+static int call_done(int fd, Moeep__V1__Request *req, const int *fds, size_t nfds,
+                     Moeep__V1__Response__BodyCase want, const char *what) {
+        Moeep__V1__Response *resp = call(fd, req, fds, nfds, want, what);
+
+        if (!resp)
+                return -1;
+        moeep__v1__response__free_unpacked(resp, NULL);
+        moeep_record_release(&rec);
+        return 0;
+}
+
+/* A valid Hello record in `buf`; returns its length. */
+static size_t hello_record(uint8_t *buf) {
         Moeep__V1__Hello h = MOEEP__V1__HELLO__INIT;
         Moeep__V1__Request req = MOEEP__V1__REQUEST__INIT;
-        Moeep__V1__Response *resp;
 
         h.major = MOEEP_PROTOCOL_MAJOR;
         h.minor = MOEEP_PROTOCOL_MINOR;
@@ -354,7 +375,20 @@ static int hello(int fd) {
         h.client_name = "moeep-e2e-badinput";
         req.body_case = MOEEP__V1__REQUEST__BODY_HELLO;
         req.hello = &h;
-        resp = call(fd, &req, NULL, 0, MOEEP__V1__RESPONSE__BODY_WELCOME, "Hello");
+        return (size_t)moeep_record_encode(buf, MOEEP__V1__REQUEST__BODY_HELLO, next_request_id++, &req.base,
+                                           0);
+}
+
+static int hello(int fd) {
+        uint8_t buf[MOEEP_RECORD_MAX];
+        Moeep__V1__Response *resp;
+        int r = send_raw(fd, buf, hello_record(buf), NULL, 0);
+
+        if (r < 0) {
+                say("    Hello: send: %s", strerror(-r));
+                return -1;
+        }
+        resp = await_response(fd, MOEEP__V1__RESPONSE__BODY_WELCOME, "Hello");
         if (!resp)
                 return -1;
         moeep__v1__response__free_unpacked(resp, NULL);
@@ -390,7 +424,6 @@ static int job_create(int fd, const char *name, uint32_t world, uint8_t *ret_id,
 static int job_join(int fd, const uint8_t *id, size_t id_len, uint32_t rank, uint32_t world) {
         Moeep__V1__JobJoin jj = MOEEP__V1__JOB_JOIN__INIT;
         Moeep__V1__Request req = MOEEP__V1__REQUEST__INIT;
-        Moeep__V1__Response *resp;
 
         jj.unique_id.data = (uint8_t *)id;
         jj.unique_id.len = id_len;
@@ -398,12 +431,7 @@ static int job_join(int fd, const uint8_t *id, size_t id_len, uint32_t rank, uin
         jj.world_size = world;
         req.body_case = MOEEP__V1__REQUEST__BODY_JOB_JOIN;
         req.job_join = &jj;
-        resp = call(fd, &req, NULL, 0, MOEEP__V1__RESPONSE__BODY_JOB_JOINED, "JobJoin");
-        if (!resp)
-                return -1;
-        moeep__v1__response__free_unpacked(resp, NULL);
-        moeep_record_release(&rec); /* the control page */
-        return 0;
+        return call_done(fd, &req, NULL, 0, MOEEP__V1__RESPONSE__BODY_JOB_JOINED, "JobJoin");
 }
 
 static int memfd_of(size_t size) {
@@ -419,8 +447,7 @@ static int memfd_of(size_t size) {
 static int region_register(int fd, size_t size) {
         Moeep__V1__RegionRegister rr = MOEEP__V1__REGION_REGISTER__INIT;
         Moeep__V1__Request req = MOEEP__V1__REQUEST__INIT;
-        Moeep__V1__Response *resp;
-        int mfd = memfd_of(size);
+        int mfd = memfd_of(size), r;
 
         if (mfd < 0)
                 return -1;
@@ -428,26 +455,18 @@ static int region_register(int fd, size_t size) {
         rr.size = size;
         req.body_case = MOEEP__V1__REQUEST__BODY_REGION_REGISTER;
         req.region_register = &rr;
-        resp = call(fd, &req, &mfd, 1, MOEEP__V1__RESPONSE__BODY_REGION_REGISTERED, "RegionRegister");
+        r = call_done(fd, &req, &mfd, 1, MOEEP__V1__RESPONSE__BODY_REGION_REGISTERED, "RegionRegister");
         close(mfd);
-        if (!resp)
-                return -1;
-        moeep__v1__response__free_unpacked(resp, NULL);
-        return 0;
+        return r;
 }
 
 static int job_leave(int fd) {
         Moeep__V1__JobLeave jl = MOEEP__V1__JOB_LEAVE__INIT;
         Moeep__V1__Request req = MOEEP__V1__REQUEST__INIT;
-        Moeep__V1__Response *resp;
 
         req.body_case = MOEEP__V1__REQUEST__BODY_JOB_LEAVE;
         req.job_leave = &jl;
-        resp = call(fd, &req, NULL, 0, MOEEP__V1__RESPONSE__BODY_OK, "JobLeave");
-        if (!resp)
-                return -1;
-        moeep__v1__response__free_unpacked(resp, NULL);
-        return 0;
+        return call_done(fd, &req, NULL, 0, MOEEP__V1__RESPONSE__BODY_OK, "JobLeave");
 }
 
 /* A well-behaved client does a whole round; the daemon must serve it. */
@@ -519,21 +538,6 @@ static int expect_error_then_close(int fd, const int *codes, size_t ncodes) {
 }
 
 /* ------------------------------------------------------------------ cases */
-
-/* A valid Hello record in `buf`; returns its length. */
-static size_t hello_record(uint8_t *buf) {
-        Moeep__V1__Hello h = MOEEP__V1__HELLO__INIT;
-        Moeep__V1__Request req = MOEEP__V1__REQUEST__INIT;
-
-        h.major = MOEEP_PROTOCOL_MAJOR;
-        h.minor = MOEEP_PROTOCOL_MINOR;
-        h.pid = (uint32_t)getpid();
-        h.client_name = "moeep-e2e-badinput";
-        req.body_case = MOEEP__V1__REQUEST__BODY_HELLO;
-        req.hello = &h;
-        return (size_t)moeep_record_encode(buf, MOEEP__V1__REQUEST__BODY_HELLO, next_request_id++, &req.base,
-                                           0);
-}
 
 static size_t job_create_record(uint8_t *buf, size_t nfds) {
         Moeep__V1__JobCreate jc = MOEEP__V1__JOB_CREATE__INIT;
@@ -696,53 +700,48 @@ static int case_type_out_of_range(int fd) {
         return BAD(MOEEP__V1__ERROR_CODE__ERROR_UNKNOWN_TYPE, MOEEP__V1__ERROR_CODE__ERROR_BAD_RECORD);
 }
 
-/* A Hello with a descriptor the header owns up to: Hello may not carry any. */
-static int case_fd_on_hello(int fd) {
-        uint8_t buf[MOEEP_RECORD_MAX];
-        size_t len = hello_record(buf);
-        int mfd = memfd_of(4096), r;
-        struct moeep_record_header h;
+static void set_one_fd(struct moeep_record_header *h) {
+        h->nfds = 1;
+}
 
-        memcpy(&h, buf, sizeof(h));
-        h.nfds = 1;
-        memcpy(buf, &h, sizeof(h));
+/* Sends the record in `buf` with one memfd attached; it must be refused. */
+static int send_with_fd_refused(int fd, const uint8_t *buf, size_t len) {
+        int mfd = memfd_of(4096), r;
+
+        if (mfd < 0)
+                return -1;
         r = send_raw(fd, buf, len, &mfd, 1);
         close(mfd);
         if (r < 0)
                 return -1;
         return BAD(MOEEP__V1__ERROR_CODE__ERROR_BAD_FDS, MOEEP__V1__ERROR_CODE__ERROR_BAD_RECORD);
+}
+
+/* A Hello with a descriptor the header owns up to: Hello may not carry any. */
+static int case_fd_on_hello(int fd) {
+        uint8_t buf[MOEEP_RECORD_MAX];
+        size_t len = hello_record(buf);
+
+        header_patch(buf, set_one_fd);
+        return send_with_fd_refused(fd, buf, len);
 }
 
 /* A descriptor the header does not mention. */
 static int case_undeclared_fd(int fd) {
         uint8_t buf[MOEEP_RECORD_MAX];
-        size_t len;
-        int mfd = memfd_of(4096), r;
 
         if (hello(fd) < 0)
                 return -1;
-        len = job_create_record(buf, 0);
-        r = send_raw(fd, buf, len, &mfd, 1);
-        close(mfd);
-        if (r < 0)
-                return -1;
-        return BAD(MOEEP__V1__ERROR_CODE__ERROR_BAD_FDS, MOEEP__V1__ERROR_CODE__ERROR_BAD_RECORD);
+        return send_with_fd_refused(fd, buf, job_create_record(buf, 0));
 }
 
 /* JobCreate with a declared descriptor: the type may not carry one. */
 static int case_fd_on_job_create(int fd) {
         uint8_t buf[MOEEP_RECORD_MAX];
-        size_t len;
-        int mfd = memfd_of(4096), r;
 
         if (hello(fd) < 0)
                 return -1;
-        len = job_create_record(buf, 1);
-        r = send_raw(fd, buf, len, &mfd, 1);
-        close(mfd);
-        if (r < 0)
-                return -1;
-        return BAD(MOEEP__V1__ERROR_CODE__ERROR_BAD_FDS, MOEEP__V1__ERROR_CODE__ERROR_BAD_RECORD);
+        return send_with_fd_refused(fd, buf, job_create_record(buf, 1));
 }
 
 /* RegionRegister (exactly one fd allowed) with `n` fds, declared. */
@@ -767,13 +766,8 @@ static int region_register_with(int fd, size_t n) {
         req.region_register = &rr;
         len = moeep_record_encode(buf, MOEEP__V1__REQUEST__BODY_REGION_REGISTER, next_request_id++, &req.base,
                                   0);
-        {
-                struct moeep_record_header h;
-
-                memcpy(&h, buf, sizeof(h));
-                h.nfds = (uint16_t)n;
-                memcpy(buf, &h, sizeof(h));
-        }
+        memcpy(buf + offsetof(struct moeep_record_header, nfds), &(uint16_t){ (uint16_t)n },
+               sizeof(uint16_t));
         /* The same memfd n times: the daemon receives n descriptors. */
         fds[0] = memfd_of(4096);
         for (size_t i = 1; i < n; i++)
