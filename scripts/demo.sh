@@ -137,22 +137,23 @@ for p in "${rank_pids[@]}"; do
 done
 
 # ---------------------------------------------------------------------------
-# HOOK: GPU benchmark. When this machine has GPUs, the data-plane benchmark
-# (moeep-bench, BENCHMARKS.md) runs here against the same daemon, e.g.
-#   "$build/client/bench/moeep-bench" --socket "$sock"
-# Until it exists, the hook only says whether it would run.
+# HOOK: GPU benchmark. When this machine has GPUs (and the build has CUDA),
+# moeep-bench (BENCHMARKS.md: moeep vs the NVLink floor vs NCCL, one run)
+# runs here against the same daemon, one rank per GPU (at most 8).
 gpu_benchmark() {
-        local bench=$build/client/bench/moeep-bench
+        local bench=$build/client/bench/moeep-bench ngpus
         if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L >/dev/null 2>&1; then
                 echo "=== GPU benchmark: no GPU on this machine, skipped"
                 return 0
         fi
         if [[ ! -x $bench ]]; then
-                echo "=== GPU benchmark: GPUs present, but moeep-bench is not built yet, skipped"
+                echo "=== GPU benchmark: GPUs present, but moeep-bench was not built (no nvcc?), skipped"
                 return 0
         fi
-        echo "=== GPU benchmark"
-        "$bench" --socket "$sock"
+        ngpus=$(nvidia-smi -L | grep -c '^GPU')
+        ((ngpus > 8)) && ngpus=8
+        echo "=== GPU benchmark: moeep-bench on $ngpus GPUs"
+        "$bench" --ranks "$ngpus" --socket "$sock"
 }
 gpu_benchmark || die "GPU benchmark"
 # ---------------------------------------------------------------------------
