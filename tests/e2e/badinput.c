@@ -45,6 +45,7 @@ extern char **environ;
 static char tmpdir[] = "/tmp/moeep-badinput.XXXXXX";
 static char sock_path[sizeof(tmpdir) + 32];
 static char log_path[sizeof(tmpdir) + 32];
+static int have_tmpdir; /* mkdtemp() succeeded: remove it at exit */
 static pid_t daemon_pid = -1;
 static uint64_t next_request_id = 1;
 /* One receive buffer; the test is single-threaded. */
@@ -61,18 +62,23 @@ static void say(const char *fmt, ...) {
         fflush(stdout);
 }
 
+/* Async-signal-safe: the alarm handler calls it too. */
+static void remove_tmpdir(void) {
+        if (log_path[0])
+                unlink(log_path);
+        if (sock_path[0])
+                unlink(sock_path);
+        if (have_tmpdir)
+                rmdir(tmpdir);
+}
+
 static void cleanup(void) {
         if (daemon_pid > 0) {
                 kill(daemon_pid, SIGKILL);
                 waitpid(daemon_pid, NULL, 0);
                 daemon_pid = -1;
         }
-        if (log_path[0])
-                unlink(log_path);
-        if (sock_path[0])
-                unlink(sock_path);
-        if (tmpdir[sizeof(tmpdir) - 7] != 'X')
-                rmdir(tmpdir);
+        remove_tmpdir();
 }
 
 static void show_log(void) {
@@ -91,8 +97,11 @@ static void on_alarm(int sig) {
 
         (void)sig;
         (void)!write(STDOUT_FILENO, msg, sizeof(msg) - 1);
-        if (daemon_pid > 0)
+        if (daemon_pid > 0) {
                 kill(daemon_pid, SIGKILL);
+                waitpid(daemon_pid, NULL, 0);
+        }
+        remove_tmpdir();
         _exit(1);
 }
 
@@ -1051,6 +1060,7 @@ int main(int argc, char **argv) {
                 perror("mkdtemp");
                 return 1;
         }
+        have_tmpdir = 1;
         atexit(cleanup);
         if (daemon_start(argv[1]) < 0) {
                 show_log();
