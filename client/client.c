@@ -771,6 +771,27 @@ int moeep_region_register(struct moeep_client *c, int fd, enum moeep_region_kind
         return 0;
 }
 
+int moeep_region_release(struct moeep_client *c, uint64_t region_id) {
+        Moeep__V1__RegionRelease rr = MOEEP__V1__REGION_RELEASE__INIT;
+        Moeep__V1__Request req = MOEEP__V1__REQUEST__INIT;
+        Moeep__V1__Response *resp;
+        int r;
+
+        if (!c)
+                return -EINVAL;
+        r = client_require_job(c, "region release");
+        if (r < 0)
+                return r;
+        rr.region_id = region_id;
+        req.body_case = MOEEP__V1__REQUEST__BODY_REGION_RELEASE;
+        req.region_release = &rr;
+        r = moeep_client_call(c, &req, MOEEP__V1__RESPONSE__BODY_OK, NULL, 0, &resp);
+        if (r < 0)
+                return r;
+        moeep__v1__response__free_unpacked(resp, NULL);
+        return 0;
+}
+
 static int region_kind_from_proto(Moeep__V1__RegionKind kind, enum moeep_region_kind *ret_kind) {
         switch (kind) {
         case MOEEP__V1__REGION_KIND__REGION_KIND_CUMEM_FD:

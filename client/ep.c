@@ -14,7 +14,7 @@
 #include "moeep_ep.h"
 
 #define NVL_REGION_TAG 0 /* tag of the NVLink buffer among a rank's regions */
-#define MAX_TOKENS_LIMIT 65536
+
 
 struct moeep_ep_handle {
         struct moeep_ep *ep;      /* not owning */
@@ -35,6 +35,7 @@ struct moeep_ep {
         struct moeep_notify_host *host; /* owning: cudaHostAlloc, mapped */
         cudaEvent_t notify_done;
         int device;
+        uint64_t region_id;              /* our buffer at the broker; 0 = not registered */
         bool control_page_registered;
         void *control_page; /* not owning: the client's mapping */
         SLIST_HEAD(, moeep_ep_handle) free_handles;
@@ -81,9 +82,9 @@ int moeep_ep_num_ranks(const struct moeep_ep *ep) {
 }
 
 static int config_check(struct moeep_ep *ep, const struct moeep_ep_config *c, int ranks) {
-        if (c->max_tokens_per_rank < 1 || c->max_tokens_per_rank > MAX_TOKENS_LIMIT)
+        if (c->max_tokens_per_rank < 1 || c->max_tokens_per_rank > MOEEP_KERNEL_MAX_TOKENS)
                 return ep_fail(ep, -EINVAL, "max_tokens_per_rank %d is outside 1..%d", c->max_tokens_per_rank,
-                               MAX_TOKENS_LIMIT);
+                               MOEEP_KERNEL_MAX_TOKENS);
         if (c->hidden < 256 || c->hidden > 16384 || c->hidden % 256)
                 return ep_fail(ep, -EINVAL, "hidden %d is not a multiple of 256 in 256..16384", c->hidden);
         if (c->num_experts < 1 || c->num_experts > MOEEP_KERNEL_MAX_EXPERTS || c->num_experts % ranks)
@@ -166,7 +167,6 @@ static void map_control_page(struct moeep_ep *ep) {
 
 static int ep_attach(struct moeep_ep *ep, const struct moeep_ep_config *c) {
         const char *why = NULL;
-        uint64_t region_id;
         int fd = -1, r;
         CUresult cr;
 
@@ -189,7 +189,7 @@ static int ep_attach(struct moeep_ep *ep, const struct moeep_ep_config *c) {
         CUDA_TRY(ep, cudaDeviceSynchronize());
 
         r = moeep_region_register(ep->client, fd, MOEEP_REGION_CUMEM_FD, ep->own.size, NVL_REGION_TAG,
-                                  &region_id);
+                                  &ep->region_id);
         close(fd);
         if (r < 0)
                 return ep_fail(ep, r, "registering the NVLink buffer: %s", moeep_client_error(ep->client));
@@ -221,6 +221,9 @@ static void ep_free(struct moeep_ep *ep) {
                 return;
         if (ep->cu)
                 cudaDeviceSynchronize();
+        /* Later endpoints of this job must not be handed our old buffer. */
+        if (ep->region_id)
+                moeep_region_release(ep->client, ep->region_id);
         while ((h = SLIST_FIRST(&ep->free_handles))) {
                 SLIST_REMOVE_HEAD(&ep->free_handles, free_entry);
                 cudaFree(h->dev_mem);
@@ -368,6 +371,7 @@ static int handle_get(struct moeep_ep *ep, struct moeep_ep_handle **ret) {
         struct moeep_ep_handle *h = SLIST_FIRST(&ep->free_handles);
         int R = ep->ctx.ranks, T = ep->ctx.max_tokens, L = ep->ctx.num_experts / R;
         size_t n_send = (size_t)T * R, n_recv = (size_t)T * R;
+        size_t n_chunks = ((size_t)T + MOEEP_COMBINE_CHUNK - 1) / MOEEP_COMBINE_CHUNK;
         char *p;
 
         if (h) {
@@ -380,7 +384,7 @@ static int handle_get(struct moeep_ep *ep, struct moeep_ep_handle **ret) {
                 return ep_fail(ep, -ENOMEM, "out of memory for a dispatch handle");
         h->expert_counts_host = calloc((size_t)L, sizeof(int));
         if (!h->expert_counts_host ||
-            cudaMalloc(&h->dev_mem, (n_send + n_recv + R + 1 + L + 1) * sizeof(int32_t)) != cudaSuccess) {
+            cudaMalloc(&h->dev_mem, (n_send + n_recv + R + 1 + L + 1 + n_chunks) * sizeof(int32_t)) != cudaSuccess) {
                 (void)cudaGetLastError();
                 free(h->expert_counts_host);
                 free(h);
@@ -397,6 +401,8 @@ static int handle_get(struct moeep_ep *ep, struct moeep_ep_handle **ret) {
         h->route.expert_counts = (int32_t *)p;
         p += (size_t)L * sizeof(int32_t);
         h->route.num_recv = (int32_t *)p;
+        p += sizeof(int32_t);
+        h->route.chunk_expect = (int32_t *)p;
         *ret = h;
         return 0;
 }

@@ -290,6 +290,7 @@ static int fake_handle(int sock, const struct moeep_record *rec, int *my_rank) {
                 fake_barrier(sock, id, *my_rank);
                 break;
         case MOEEP__V1__REQUEST__BODY_JOB_LEAVE:
+        case MOEEP__V1__REQUEST__BODY_REGION_RELEASE:
                 fake_ok(sock, id);
                 break;
         case MOEEP__V1__REQUEST__BODY_STATUS_GET: {

@@ -26,6 +26,7 @@ __global__ void __launch_bounds__(1024) p2p_put_kernel(struct moeep_ctx ctx, siz
 }
 
 extern "C" int moeep_launch_p2p_put(const struct moeep_ctx *ctx, size_t bytes, int blocks, cudaStream_t stream) {
+        MOEEP_CUDA_LAUNCH_BEGIN();
         if (ctx->ranks < 2)
                 return 0;
         p2p_put_kernel<<<blocks, 1024, 0, stream>>>(*ctx, bytes);
@@ -119,6 +120,7 @@ __global__ void __launch_bounds__(1024) ref_unpack_kernel(const int4 *back, int 
 
 extern "C" int moeep_launch_ref_scan(const uint8_t *in_rank, int T, int R, int32_t *pos, int32_t *counts,
                                      cudaStream_t stream) {
+        MOEEP_CUDA_LAUNCH_BEGIN();
         ref_scan_kernel<<<1, 1024, 0, stream>>>(in_rank, T, R, pos, counts);
         MOEEP_CUDA_LAUNCH_CHECK();
         return 0;
@@ -126,6 +128,7 @@ extern "C" int moeep_launch_ref_scan(const uint8_t *in_rank, int T, int R, int32
 
 extern "C" int moeep_launch_ref_pack(const void *x, size_t row_bytes, int T, int R, const int32_t *pos,
                                      const int32_t *offsets, void *sendbuf, int blocks, cudaStream_t stream) {
+        MOEEP_CUDA_LAUNCH_BEGIN();
         if (T == 0)
                 return 0;
         ref_pack_kernel<<<blocks, 1024, 0, stream>>>((const int4 *)x, (int)(row_bytes / 16), T, R, pos, offsets,
@@ -136,6 +139,7 @@ extern "C" int moeep_launch_ref_pack(const void *x, size_t row_bytes, int T, int
 
 extern "C" int moeep_launch_ref_unpack(const void *back, int hidden, int T, int R, const int32_t *pos,
                                        const int32_t *offsets, void *out, int blocks, cudaStream_t stream) {
+        MOEEP_CUDA_LAUNCH_BEGIN();
         if (T == 0)
                 return 0;
         ref_unpack_kernel<<<blocks, 1024, 0, stream>>>((const int4 *)back, hidden * 2 / 16, T, R, pos, offsets,

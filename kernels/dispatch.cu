@@ -119,6 +119,7 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1)
 
 extern "C" int moeep_launch_dispatch(const struct moeep_ctx *ctx, const struct moeep_dispatch_launch *a,
                                      const struct moeep_route *route, cudaStream_t stream) {
+        MOEEP_CUDA_LAUNCH_BEGIN();
         if (a->idx_is_int64 || !a->topk_idx)
                 dispatch_kernel<int64_t><<<ctx->num_sms, DISPATCH_THREADS, 0, stream>>>(*ctx, *a, route->num_tokens,
                                                                                         *route);

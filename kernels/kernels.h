@@ -29,6 +29,9 @@ extern "C" {
 #define MOEEP_KERNEL_MAX_EXPERTS 512
 #define MOEEP_KERNEL_MAX_TOPK 9
 #define MOEEP_SCALE_BLOCK 128 /* FP8: one float scale per 128 channels */
+#define MOEEP_KERNEL_MAX_TOKENS 65536
+#define MOEEP_COMBINE_CHUNK 32 /* tokens per combine arrival counter */
+#define MOEEP_COMBINE_CHUNKS (MOEEP_KERNEL_MAX_TOKENS / MOEEP_COMBINE_CHUNK)
 
 /* Flags and counts exchanged between ranks; lives at offset 0 of every
  * NVLink buffer. Written remotely by peers with release stores, read locally
@@ -39,7 +42,11 @@ extern "C" {
 struct moeep_sync {
         uint64_t barrier_flag[MOEEP_KERNEL_MAX_RANKS];  /* [src]: src entered barrier seq */
         uint64_t dispatch_flag[MOEEP_KERNEL_MAX_RANKS]; /* [src]: src's dispatch rows for seq landed */
-        uint64_t combine_flag[MOEEP_KERNEL_MAX_RANKS];  /* [src]: src's combine rows for seq landed */
+        /* Combine arrival counters, one per 32 of our tokens: every row a
+         * rank sends back adds 1 (release) to the counter of the row's token;
+         * our reduce consumes a chunk once its count reaches the number of
+         * rows expected (route.chunk_expect), then zeroes it. */
+        uint32_t comb_chunk[MOEEP_COMBINE_CHUNKS];
         /* Counts of a dispatch, double-buffered by seq parity so that a fast
          * peer writing round n+1 cannot overwrite round n before we read it. */
         int32_t rank_counts[2][MOEEP_KERNEL_MAX_RANKS][MOEEP_KERNEL_MAX_RANKS]; /* [par][src][dst] */
@@ -50,6 +57,7 @@ struct moeep_sync {
 struct moeep_local_state {
         uint64_t seq;          /* last sequence number used; bumped by the barrier kernel */
         uint32_t blocks_done;  /* last-block detection of the data kernels; back to 0 after each */
+        uint32_t claim[MOEEP_KERNEL_MAX_RANKS]; /* combine: rows of each source claimed so far; back to 0 after each */
         uint32_t error;        /* MOEEP_KERR_*: first failure of a device wait, sticky */
         int32_t error_rank;    /* the peer that was waited for */
         int32_t pad;
@@ -102,6 +110,7 @@ struct moeep_route {
         int32_t *rank_prefix;    /* [ranks + 1]: first received row of each source rank */
         int32_t *expert_counts;  /* [local experts]: received tokens per local expert (aligned) */
         int32_t *num_recv;       /* [1] */
+        int32_t *chunk_expect;   /* [ceil(num_tokens / 32)]: rows combine returns per chunk of our tokens */
         int num_tokens;
 };
 

@@ -49,6 +49,7 @@ extern "C" int moeep_launch_layout(const void *topk_idx, int idx_is_int64, int n
                                    int num_experts, int ranks, int *num_tokens_per_rank,
                                    int *num_tokens_per_expert, uint8_t *is_token_in_rank,
                                    cudaStream_t stream) {
+        MOEEP_CUDA_LAUNCH_BEGIN();
         cudaError_t e;
 
         if ((e = cudaMemsetAsync(num_tokens_per_rank, 0, sizeof(int) * ranks, stream)) != cudaSuccess)

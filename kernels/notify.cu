@@ -178,6 +178,15 @@ __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
                 if (v >= 0)
                         route.send_pos[i] = v + s_base[i % R];
         }
+        __syncthreads();
+        /* How many rows combine will bring back per chunk of our tokens. */
+        for (int c = tid; c * MOEEP_COMBINE_CHUNK < num_tokens; c += NOTIFY_THREADS) {
+                int e = 0;
+                for (int t = c * MOEEP_COMBINE_CHUNK; t < min(num_tokens, (c + 1) * MOEEP_COMBINE_CHUNK); t++)
+                        for (int d = 0; d < R; d++)
+                                e += route.send_pos[(size_t)t * R + d] >= 0;
+                route.chunk_expect[c] = e;
+        }
         if (tid == 0)
                 ctx.state->seq = seq;
 }
@@ -186,6 +195,7 @@ extern "C" int moeep_launch_notify(const struct moeep_ctx *ctx, const uint8_t *i
                                    const void *topk_idx, int idx_is_int64, int num_tokens, int num_topk,
                                    int alignment, const struct moeep_route *route,
                                    struct moeep_notify_host *host_out, cudaStream_t stream) {
+        MOEEP_CUDA_LAUNCH_BEGIN();
         struct moeep_route none = {};
         const struct moeep_route &r = route ? *route : none;
 

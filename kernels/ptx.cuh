@@ -20,6 +20,74 @@ __device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t *p) {
         return v;
 }
 
+__device__ __forceinline__ uint32_t ld_acquire_sys_u32(const uint32_t *p) {
+        uint32_t v;
+        asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+        return v;
+}
+
+/* Adds to a (possibly remote) counter after every store this thread made,
+ * or observed, before it. */
+__device__ __forceinline__ void red_release_sys_add(uint32_t *p, uint32_t v) {
+        asm volatile("red.release.sys.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+/* Orders this thread's generic-proxy accesses (e.g. an acquire) before its
+ * later bulk-copy (async proxy) reads of global memory. */
+__device__ __forceinline__ void fence_proxy_async_global(void) {
+        asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
+/* ---- mbarrier and 1-D bulk copies (TMA) into shared memory, sm_90. */
+
+__device__ __forceinline__ uint32_t smem_addr(const void *p) {
+        return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+__device__ __forceinline__ void mbar_init(uint64_t *bar, uint32_t count) {
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+
+/* Makes initialised mbarriers visible to the async proxy (the bulk copies
+ * that complete on them). */
+__device__ __forceinline__ void fence_mbar_init(void) {
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint64_t *bar) {
+        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t *bar, uint32_t bytes) {
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes)
+                     : "memory");
+}
+
+__device__ __forceinline__ bool mbar_try_wait(uint64_t *bar, uint32_t parity) {
+        uint32_t ok;
+        asm volatile("{\n\t.reg .pred p;\n\t"
+                     "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+                     "selp.u32 %0, 1, 0, p;\n\t}"
+                     : "=r"(ok)
+                     : "r"(smem_addr(bar)), "r"(parity)
+                     : "memory");
+        return ok != 0;
+}
+
+__device__ __forceinline__ void mbar_wait(uint64_t *bar, uint32_t parity) {
+        while (!mbar_try_wait(bar, parity))
+                ;
+}
+
+/* Copies `bytes` (multiple of 16, 16-byte aligned ends) from global memory
+ * into shared memory; completion is counted on `bar` as transaction bytes. */
+__device__ __forceinline__ void tma_load_1d(void *smem_dst, const void *src, uint32_t bytes, uint64_t *bar) {
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                             smem_addr(smem_dst)),
+                     "l"(src), "r"(bytes), "r"(smem_addr(bar))
+                     : "memory");
+}
+
 __device__ __forceinline__ uint32_t ld_volatile_u32(const volatile uint32_t *p) {
         uint32_t v;
         asm volatile("ld.volatile.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -83,6 +151,10 @@ __device__ __forceinline__ bool wait_flag(const struct moeep_ctx &ctx, const uin
 __device__ __forceinline__ struct moeep_sync *sync_of(const struct moeep_ctx &ctx, int rank) {
         return (struct moeep_sync *)(ctx.peers[rank] + ctx.layout.sync);
 }
+
+/* Launchers call this before a launch: cudaGetLastError() also returns
+ * errors of earlier runtime calls, which are not ours to report. */
+#define MOEEP_CUDA_LAUNCH_BEGIN() (void)cudaGetLastError()
 
 #define MOEEP_CUDA_LAUNCH_CHECK()                                                                          \
         do {                                                                                               \

@@ -18,6 +18,7 @@ int moeep_record_type_known(uint16_t type) {
         case MOEEP__V1__REQUEST__BODY_STATUS_GET:
         case MOEEP__V1__REQUEST__BODY_JOBS_LIST:
         case MOEEP__V1__REQUEST__BODY_CLIENTS_LIST:
+        case MOEEP__V1__REQUEST__BODY_REGION_RELEASE:
         case MOEEP__V1__RESPONSE__BODY_ERROR:
         case MOEEP__V1__RESPONSE__BODY_WELCOME:
         case MOEEP__V1__RESPONSE__BODY_JOB_CREATED:

@@ -151,8 +151,10 @@ static void *dev_upload(const void *src, size_t bytes) {
         void *d = NULL;
         if (cudaMalloc(&d, bytes ? bytes : 16) != cudaSuccess)
                 return NULL;
-        if (bytes)
-                cudaMemcpy(d, src, bytes, cudaMemcpyHostToDevice);
+        if (src && bytes && cudaMemcpy(d, src, bytes, cudaMemcpyHostToDevice) != cudaSuccess) {
+                cudaFree(d);
+                return NULL;
+        }
         return d;
 }
 
