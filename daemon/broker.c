@@ -147,25 +147,42 @@ int broker_register(struct broker *b, struct job_member *m, uid_t uid, Moeep__V1
         return 0;
 }
 
+/* Unlinks and frees one region, returning its charge to its uid. */
+static void region_free(struct broker *b, struct job_member *m, struct region *reg) {
+        struct uid_usage *u = usage_find(b, reg->uid);
+
+        TAILQ_REMOVE(&m->regions, reg, entry);
+        m->nregions--;
+        b->nregions--;
+        if (u) {
+                u->bytes -= reg->size;
+                if (--u->fds == 0) {
+                        LIST_REMOVE(u, entry);
+                        free(u);
+                }
+        }
+        close(reg->fd);
+        free(reg);
+}
+
+int broker_release(struct broker *b, struct job_member *m, uint64_t id, char *errmsg) {
+        struct region *reg;
+
+        TAILQ_FOREACH(reg, &m->regions, entry)
+                if (reg->id == id) {
+                        log_debug("job %" PRIu64 " rank %" PRIu32 ": region %" PRIu64 " released", m->job->id, m->rank, id);
+                        region_free(b, m, reg);
+                        return 0;
+                }
+        return errmsg_set(errmsg, -ENOENT, "job %" PRIu64 " rank %" PRIu32 ": no region %" PRIu64 " of this session",
+                          m->job->id, m->rank, id);
+}
+
 void broker_drop_member(struct broker *b, struct job_member *m) {
         struct region *reg;
 
-        while ((reg = TAILQ_FIRST(&m->regions))) {
-                struct uid_usage *u = usage_find(b, reg->uid);
-
-                TAILQ_REMOVE(&m->regions, reg, entry);
-                m->nregions--;
-                b->nregions--;
-                if (u) {
-                        u->bytes -= reg->size;
-                        if (--u->fds == 0) {
-                                LIST_REMOVE(u, entry);
-                                free(u);
-                        }
-                }
-                close(reg->fd);
-                free(reg);
-        }
+        while ((reg = TAILQ_FIRST(&m->regions)))
+                region_free(b, m, reg);
 }
 
 int broker_fetch(const struct job_member *m, int32_t rank, int64_t tag, size_t max, struct region ***ret_regions,

@@ -50,6 +50,9 @@ void broker_free(struct broker *b);
 int broker_register(struct broker *b, struct job_member *m, uid_t uid, Moeep__V1__RegionKind kind, uint64_t size,
                     uint32_t tag, int fd, uint64_t *ret_id, char *errmsg);
 
+/* Closes region `id` of member `m`. -ENOENT when `m` owns no such region. */
+int broker_release(struct broker *b, struct job_member *m, uint64_t id, char *errmsg);
+
 /* Closes every region of `m`. */
 void broker_drop_member(struct broker *b, struct job_member *m);
 

@@ -515,6 +515,13 @@ static int handle_regions_fetch(struct session *s, uint64_t rid, const Moeep__V1
         return session_respond(s, rid, &resp, fds, n);
 }
 
+static int handle_region_release(struct session *s, uint64_t rid, const Moeep__V1__Request *req,
+                                 struct moeep_record *rec, char *errmsg) {
+        int r = broker_release(s->daemon->broker, s->member, req->region_release->region_id, errmsg);
+
+        return r < 0 ? r : session_send_ok(s, rid);
+}
+
 static int handle_status_get(struct session *s, uint64_t rid, const Moeep__V1__Request *req,
                              struct moeep_record *rec, char *errmsg) {
         return query_status(s, rid, errmsg);
@@ -550,6 +557,7 @@ static const struct handler {
         [MOEEP__V1__REQUEST__BODY_STATUS_GET] = { "StatusGet", false, handle_status_get },
         [MOEEP__V1__REQUEST__BODY_JOBS_LIST] = { "JobsList", false, handle_jobs_list },
         [MOEEP__V1__REQUEST__BODY_CLIENTS_LIST] = { "ClientsList", false, handle_clients_list },
+        [MOEEP__V1__REQUEST__BODY_REGION_RELEASE] = { "RegionRelease", true, handle_region_release },
 };
 
 /* Handles one received record. Returns 1 to go on reading, 0 when the

@@ -1,0 +1,274 @@
+/* Sessions driven in-process: a real daemon object on a private socket,
+ * its loop pumped by the test between requests. Checks the state machine,
+ * the error paths that close a session, and that the daemon's descriptor
+ * count comes back to where it was. */
+#include <errno.h>
+#include <event2/event.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "broker.h"
+#include "daemon.h"
+#include "job.h"
+#include "record.h"
+#include "session.h"
+#include "unit.h"
+
+struct fixture {
+        struct daemon d;
+        char path[64];
+        int fds_before;
+        struct moeep_record rec;
+};
+
+static void pump(struct fixture *f) {
+        for (int i = 0; i < 20; i++)
+                event_base_loop(f->d.base, EVLOOP_NONBLOCK);
+}
+
+static int setup(void **state) {
+        struct fixture *f = calloc(1, sizeof(*f));
+        struct daemon_options o = { .log_level = "err" };
+
+        if (!f)
+                return -1;
+        snprintf(f->path, sizeof(f->path), "/tmp/moeep-unit-%d.sock", (int)getpid());
+        o.socket = f->path;
+        if (daemon_init(&f->d, &o) < 0)
+                return -1;
+        f->fds_before = unit_count_fds();
+        *state = f;
+        return 0;
+}
+
+static int teardown(void **state) {
+        struct fixture *f = *state;
+
+        pump(f);
+        assert_int_equal(unit_count_fds(), f->fds_before);
+        daemon_done(&f->d);
+        assert_int_equal(access(f->path, F_OK), -1); /* the self-bound socket is gone */
+        free(f);
+        return 0;
+}
+
+static int client(struct fixture *f) {
+        struct sockaddr_un sa = { .sun_family = AF_UNIX };
+        /* Non-blocking, so that "no reply yet" can be checked. */
+        int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+
+        snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", f->path);
+        assert_int_equal(connect(fd, (struct sockaddr *)&sa, sizeof(sa)), 0);
+        pump(f);
+        return fd;
+}
+
+static void request(struct fixture *f, int fd, Moeep__V1__Request *req, uint64_t rid, const int *fds, size_t n) {
+        assert_int_equal(moeep_record_send(fd, (uint16_t)req->body_case, rid, &req->base, fds, n), 0);
+        pump(f);
+}
+
+/* Receives the next record (a response or an event), without blocking. */
+static uint16_t next(struct fixture *f, int fd, uint64_t *ret_rid, int *ret_code) {
+        Moeep__V1__Response *resp;
+
+        moeep_record_release(&f->rec);
+        if (moeep_record_recv(fd, &f->rec, NULL) != 0)
+                return 0;
+        if (ret_rid)
+                *ret_rid = f->rec.hdr.request_id;
+        if (ret_code && f->rec.hdr.type == MOEEP__V1__RESPONSE__BODY_ERROR) {
+                resp = moeep_record_decode_response(&f->rec);
+                assert_non_null(resp);
+                *ret_code = resp->error->code;
+                moeep__v1__response__free_unpacked(resp, NULL);
+        }
+        return f->rec.hdr.type;
+}
+
+static void hello(struct fixture *f, int fd) {
+        Moeep__V1__Hello h = MOEEP__V1__HELLO__INIT;
+        Moeep__V1__Request req = MOEEP__V1__REQUEST__INIT;
+
+        h.major = MOEEP_PROTOCOL_MAJOR;
+        req.body_case = MOEEP__V1__REQUEST__BODY_HELLO;
+        req.hello = &h;
+        request(f, fd, &req, 1, NULL, 0);
+        assert_int_equal(next(f, fd, NULL, NULL), MOEEP__V1__RESPONSE__BODY_WELCOME);
+}
+
+/* Whether the daemon closed the connection (after what it still sent). */
+static bool closed_by_daemon(struct fixture *f, int fd) {
+        char c;
+
+        pump(f);
+        return recv(fd, &c, 1, MSG_DONTWAIT) == 0;
+}
+
+static void test_hello_then_close(void **state) {
+        struct fixture *f = *state;
+        int fd = client(f);
+
+        assert_int_equal(f->d.nsessions, 1);
+        hello(f, fd);
+        close(fd);
+        pump(f);
+        assert_int_equal(f->d.nsessions, 0);
+}
+
+static void test_not_welcomed(void **state) {
+        struct fixture *f = *state;
+        Moeep__V1__JobLeave jl = MOEEP__V1__JOB_LEAVE__INIT;
+        Moeep__V1__Request req = MOEEP__V1__REQUEST__INIT;
+        uint64_t rid = 0;
+        int fd = client(f), code = 0;
+
+        req.body_case = MOEEP__V1__REQUEST__BODY_JOB_LEAVE;
+        req.job_leave = &jl;
+        request(f, fd, &req, 77, NULL, 0);
+        assert_int_equal(next(f, fd, &rid, &code), MOEEP__V1__RESPONSE__BODY_ERROR);
+        assert_int_equal(rid, 77);
+        assert_int_equal(code, MOEEP__V1__ERROR_CODE__ERROR_NOT_WELCOMED);
+        assert_true(closed_by_daemon(f, fd));
+        close(fd);
+}
+
+static void test_fds_on_hello_closes_them(void **state) {
+        struct fixture *f = *state;
+        Moeep__V1__Hello h = MOEEP__V1__HELLO__INIT;
+        Moeep__V1__Request req = MOEEP__V1__REQUEST__INIT;
+        int fd = client(f), code = 0;
+        int fds[3] = { unit_memfd(64, NULL), unit_memfd(64, NULL), unit_memfd(64, NULL) };
+        int daemon_fds;
+
+        h.major = MOEEP_PROTOCOL_MAJOR;
+        req.body_case = MOEEP__V1__REQUEST__BODY_HELLO;
+        req.hello = &h;
+        /* The encoder writes nfds into the header; the record layer refuses
+         * descriptors on Hello. */
+        daemon_fds = unit_count_fds();
+        request(f, fd, &req, 3, fds, 3);
+        assert_int_equal(next(f, fd, NULL, &code), MOEEP__V1__RESPONSE__BODY_ERROR);
+        assert_int_equal(code, MOEEP__V1__ERROR_CODE__ERROR_BAD_FDS);
+        assert_true(closed_by_daemon(f, fd));
+        /* Everything received was closed (our own three are still open). */
+        assert_int_equal(unit_count_fds(), daemon_fds - 1);
+        for (int i = 0; i < 3; i++)
+                close(fds[i]);
+        close(fd);
+}
+
+static void test_job_flow_and_peer_lost(void **state) {
+        struct fixture *f = *state;
+        Moeep__V1__Request req = MOEEP__V1__REQUEST__INIT;
+        Moeep__V1__JobCreate jc = MOEEP__V1__JOB_CREATE__INIT;
+        Moeep__V1__JobJoin jj = MOEEP__V1__JOB_JOIN__INIT;
+        Moeep__V1__Barrier bar = MOEEP__V1__BARRIER__INIT;
+        Moeep__V1__RegionRegister rr = MOEEP__V1__REGION_REGISTER__INIT;
+        Moeep__V1__RegionsFetch rf = MOEEP__V1__REGIONS_FETCH__INIT;
+        Moeep__V1__Response *resp;
+        uint8_t uid[JOB_UNIQUE_ID_BYTES];
+        int a = client(f), b = client(f), code = 0, region;
+        uint64_t rid = 0;
+        char text[16] = "";
+
+        hello(f, a);
+        hello(f, b);
+        jc.name = "session test";
+        jc.world_size = 2;
+        req.body_case = MOEEP__V1__REQUEST__BODY_JOB_CREATE;
+        req.job_create = &jc;
+        request(f, a, &req, 10, NULL, 0);
+        assert_int_equal(next(f, a, NULL, NULL), MOEEP__V1__RESPONSE__BODY_JOB_CREATED);
+        resp = moeep_record_decode_response(&f->rec);
+        assert_int_equal(resp->job_created->unique_id.len, sizeof(uid));
+        memcpy(uid, resp->job_created->unique_id.data, sizeof(uid));
+        moeep__v1__response__free_unpacked(resp, NULL);
+
+        jj.unique_id.data = uid;
+        jj.unique_id.len = sizeof(uid);
+        jj.world_size = 2;
+        req.body_case = MOEEP__V1__REQUEST__BODY_JOB_JOIN;
+        req.job_join = &jj;
+        for (int r = 0; r < 2; r++) {
+                jj.rank = (uint32_t)r;
+                request(f, r ? b : a, &req, 20, NULL, 0);
+                assert_int_equal(next(f, r ? b : a, NULL, NULL), MOEEP__V1__RESPONSE__BODY_JOB_JOINED);
+                assert_int_equal(f->rec.nfds, 1); /* the control page */
+        }
+
+        /* Regions: b registers, a fetches every other rank's. */
+        region = unit_memfd(4096, "from b");
+        rr.kind = MOEEP__V1__REGION_KIND__REGION_KIND_MEMFD;
+        rr.size = 4096;
+        req.body_case = MOEEP__V1__REQUEST__BODY_REGION_REGISTER;
+        req.region_register = &rr;
+        request(f, b, &req, 30, &region, 1);
+        close(region);
+        assert_int_equal(next(f, b, NULL, NULL), MOEEP__V1__RESPONSE__BODY_REGION_REGISTERED);
+        rf.rank = -1;
+        rf.tag = -1;
+        req.body_case = MOEEP__V1__REQUEST__BODY_REGIONS_FETCH;
+        req.regions_fetch = &rf;
+        request(f, a, &req, 31, NULL, 0);
+        assert_int_equal(next(f, a, NULL, NULL), MOEEP__V1__RESPONSE__BODY_REGIONS);
+        assert_int_equal(f->rec.nfds, 1);
+        assert_int_equal(pread(f->rec.fds[0], text, sizeof(text), 0), sizeof(text));
+        assert_string_equal(text, "from b");
+
+        /* The barrier reply is held until both arrived. */
+        req.body_case = MOEEP__V1__REQUEST__BODY_BARRIER;
+        req.barrier = &bar;
+        request(f, a, &req, 40, NULL, 0);
+        assert_int_equal(next(f, a, NULL, NULL), 0);
+        request(f, b, &req, 41, NULL, 0);
+        assert_int_equal(next(f, a, &rid, NULL), MOEEP__V1__RESPONSE__BODY_OK);
+        assert_int_equal(rid, 40);
+        assert_int_equal(next(f, b, &rid, NULL), MOEEP__V1__RESPONSE__BODY_OK);
+        assert_int_equal(rid, 41);
+
+        /* b dies while a waits: PeerLost, then the barrier fails. */
+        request(f, a, &req, 42, NULL, 0);
+        close(b);
+        pump(f);
+        assert_int_equal(next(f, a, NULL, NULL), MOEEP__V1__EVENT__BODY_PEER_LOST);
+        assert_int_equal(next(f, a, &rid, &code), MOEEP__V1__RESPONSE__BODY_ERROR);
+        assert_int_equal(rid, 42);
+        assert_int_equal(code, MOEEP__V1__ERROR_CODE__ERROR_PEER_LOST);
+        moeep_record_release(&f->rec);
+        close(a);
+        pump(f);
+        assert_int_equal(f->d.jobs->count, 0);
+        assert_int_equal(f->d.broker->nregions, 0);
+}
+
+static void test_shutdown_event(void **state) {
+        struct fixture *f = *state;
+        int fd = client(f);
+
+        hello(f, fd);
+        sessions_shutdown(&f->d, "unit test");
+        assert_int_equal(next(f, fd, NULL, NULL), MOEEP__V1__EVENT__BODY_SHUTDOWN);
+        assert_true(closed_by_daemon(f, fd));
+        close(fd);
+}
+
+int main(void) {
+#define T(f) cmocka_unit_test_setup_teardown(f, setup, teardown)
+        const struct CMUnitTest tests[] = {
+                T(test_hello_then_close),      T(test_not_welcomed),  T(test_fds_on_hello_closes_them),
+                T(test_job_flow_and_peer_lost), T(test_shutdown_event),
+        };
+
+        return cmocka_run_group_tests(tests, NULL, NULL);
+}
