@@ -174,7 +174,7 @@ int broker_release(struct broker *b, struct job_member *m, uint64_t id, char *er
                         region_free(b, m, reg);
                         return 0;
                 }
-        return errmsg_set(errmsg, -ENOENT, "job %" PRIu64 " rank %" PRIu32 ": no region %" PRIu64 " of this session",
+        return errmsg_set(errmsg, -EINVAL, "job %" PRIu64 " rank %" PRIu32 ": no region %" PRIu64 " of this session",
                           m->job->id, m->rank, id);
 }
 

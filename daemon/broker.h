@@ -50,7 +50,10 @@ void broker_free(struct broker *b);
 int broker_register(struct broker *b, struct job_member *m, uid_t uid, Moeep__V1__RegionKind kind, uint64_t size,
                     uint32_t tag, int fd, uint64_t *ret_id, char *errmsg);
 
-/* Closes region `id` of member `m`. -ENOENT when `m` owns no such region. */
+/* Closes region `id` of member `m` (RegionRelease); peers that imported it
+ * keep their mappings. -EINVAL (ERROR_INVALID_ARGUMENT) when `m` owns no
+ * such region: ids of other members' regions are refused alike, so release
+ * reveals nothing about them. (-ENOENT would map to ERROR_NO_SUCH_JOB.) */
 int broker_release(struct broker *b, struct job_member *m, uint64_t id, char *errmsg);
 
 /* Closes every region of `m`. */

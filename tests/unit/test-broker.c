@@ -198,6 +198,23 @@ static void test_regions_go_with_owner(void **state) {
         assert_int_equal(n, 0);
 }
 
+static void test_release(void **state) {
+        struct fixture *f = *state;
+        char errmsg[ERRMSG_MAX];
+        int before = unit_count_fds();
+        int fd = unit_memfd(4096, NULL);
+        uint64_t id;
+
+        assert_int_equal(broker_register(f->broker, f->m[0][1], 1000, MEMFD, 64, 0, fd, &id, errmsg), 0);
+        /* Only the owner can release it. */
+        assert_int_equal(broker_release(f->broker, f->m[0][0], id, errmsg), -EINVAL);
+        assert_int_equal(broker_release(f->broker, f->m[1][1], id, errmsg), -EINVAL);
+        assert_int_equal(broker_release(f->broker, f->m[0][1], id, errmsg), 0);
+        assert_int_equal(broker_release(f->broker, f->m[0][1], id, errmsg), -EINVAL);
+        assert_int_equal(f->m[0][1]->nregions, 0);
+        assert_int_equal(unit_count_fds(), before);
+}
+
 static void test_aborted_job_refuses(void **state) {
         struct fixture *f = *state;
 
@@ -210,7 +227,8 @@ int main(void) {
 #define T(f) cmocka_unit_test_setup_teardown(f, setup, teardown)
         const struct CMUnitTest tests[] = {
                 T(test_register_checks),     T(test_caps),        T(test_fetch_stays_in_job),
-                T(test_regions_go_with_owner), T(test_aborted_job_refuses),
+                T(test_regions_go_with_owner), T(test_release),
+                T(test_aborted_job_refuses),
         };
 
         return cmocka_run_group_tests(tests, NULL, NULL);
