@@ -37,7 +37,7 @@ void broker_free(struct broker *b) {
 static struct uid_usage *usage_find(struct broker *b, uid_t uid) {
         struct uid_usage *u;
 
-        LIST_FOREACH(u, &b->usage, entry)
+        LIST_FOREACH (u, &b->usage, entry)
                 if (u->uid == uid)
                         return u;
         return NULL;
@@ -70,15 +70,18 @@ static int region_check_fd(Moeep__V1__RegionKind kind, uint64_t size, int fd, ch
         switch (kind) {
         case MOEEP__V1__REGION_KIND__REGION_KIND_MEMFD:
                 if (!S_ISREG(st.st_mode))
-                        return errmsg_set(errmsg, -EBADF, "memfd region: the fd is not a regular file (mode 0%o)",
+                        return errmsg_set(errmsg, -EBADF,
+                                          "memfd region: the fd is not a regular file (mode 0%o)",
                                           (unsigned)st.st_mode);
                 if ((uint64_t)st.st_size < size)
-                        return errmsg_set(errmsg, -EINVAL, "memfd region of %" PRIu64 " bytes: the fd has only %" PRIu64,
-                                          size, (uint64_t)st.st_size);
+                        return errmsg_set(errmsg, -EINVAL,
+                                          "memfd region of %" PRIu64 " bytes: the fd has only %" PRIu64, size,
+                                          (uint64_t)st.st_size);
                 return 0;
         case MOEEP__V1__REGION_KIND__REGION_KIND_DMABUF:
                 if (st.st_size > 0 && (uint64_t)st.st_size < size)
-                        return errmsg_set(errmsg, -EINVAL, "dma-buf region of %" PRIu64 " bytes: the buffer has only %" PRIu64,
+                        return errmsg_set(errmsg, -EINVAL,
+                                          "dma-buf region of %" PRIu64 " bytes: the buffer has only %" PRIu64,
                                           size, (uint64_t)st.st_size);
                 return 0;
         case MOEEP__V1__REGION_KIND__REGION_KIND_CUMEM_FD:
@@ -90,31 +93,37 @@ static int region_check_fd(Moeep__V1__RegionKind kind, uint64_t size, int fd, ch
         return errmsg_set(errmsg, -EINVAL, "region kind %d is not known", (int)kind);
 }
 
-int broker_register(struct broker *b, struct job_member *m, uid_t uid, Moeep__V1__RegionKind kind, uint64_t size,
-                    uint32_t tag, int fd, uint64_t *ret_id, char *errmsg) {
+int broker_register(struct broker *b, struct job_member *m, uid_t uid, Moeep__V1__RegionKind kind,
+                    uint64_t size, uint32_t tag, int fd, uint64_t *ret_id, char *errmsg) {
         const struct config *c = b->config;
         struct uid_usage *u;
         struct region *reg;
         int r;
 
         if (m->job->state == JOB_ABORTED)
-                return errmsg_set(errmsg, -EPIPE, "job %" PRIu64 " is aborted: rank %" PRId32 " was lost", m->job->id,
-                                  m->job->lost_rank);
+                return errmsg_set(errmsg, -EPIPE, "job %" PRIu64 " is aborted: rank %" PRId32 " was lost",
+                                  m->job->id, m->job->lost_rank);
         if (size == 0)
-                return errmsg_set(errmsg, -EINVAL, "%s region with tag %" PRIu32 ": size 0", kind_to_string(kind), tag);
+                return errmsg_set(errmsg, -EINVAL, "%s region with tag %" PRIu32 ": size 0",
+                                  kind_to_string(kind), tag);
         r = region_check_fd(kind, size, fd, errmsg);
         if (r < 0)
                 return r;
         if (m->nregions >= c->max_regions_per_session)
-                return errmsg_set(errmsg, -EDQUOT, "rank %" PRIu32 " already has %" PRIu32 " regions (max_regions_per_session = %" PRIu32 ")",
+                return errmsg_set(errmsg, -EDQUOT,
+                                  "rank %" PRIu32 " already has %" PRIu32
+                                  " regions (max_regions_per_session = %" PRIu32 ")",
                                   m->rank, m->nregions, c->max_regions_per_session);
         u = usage_find(b, uid);
         if (u && u->fds >= c->max_fds_per_uid)
-                return errmsg_set(errmsg, -EDQUOT, "uid %u already holds %" PRIu32 " region fds (max_fds_per_uid = %" PRIu32 ")",
+                return errmsg_set(errmsg, -EDQUOT,
+                                  "uid %u already holds %" PRIu32 " region fds (max_fds_per_uid = %" PRIu32
+                                  ")",
                                   (unsigned)uid, u->fds, c->max_fds_per_uid);
         if (size > c->max_region_bytes_per_uid || (u && u->bytes > c->max_region_bytes_per_uid - size))
                 return errmsg_set(errmsg, -EDQUOT,
-                                  "region of %" PRIu64 " bytes: uid %u would hold more than max_region_bytes_per_uid = %" PRIu64,
+                                  "region of %" PRIu64
+                                  " bytes: uid %u would hold more than max_region_bytes_per_uid = %" PRIu64,
                                   size, (unsigned)uid, c->max_region_bytes_per_uid);
 
         reg = calloc(1, sizeof(*reg));
@@ -141,7 +150,8 @@ int broker_register(struct broker *b, struct job_member *m, uid_t uid, Moeep__V1
         b->nregions++;
         u->bytes += size;
         u->fds++;
-        log_debug("job %" PRIu64 " rank %" PRIu32 ": region %" PRIu64 " (%s, %" PRIu64 " bytes, tag %" PRIu32 ") registered",
+        log_debug("job %" PRIu64 " rank %" PRIu32 ": region %" PRIu64 " (%s, %" PRIu64 " bytes, tag %" PRIu32
+                  ") registered",
                   m->job->id, m->rank, reg->id, kind_to_string(kind), size, tag);
         *ret_id = reg->id;
         return 0;
@@ -168,13 +178,15 @@ static void region_free(struct broker *b, struct job_member *m, struct region *r
 int broker_release(struct broker *b, struct job_member *m, uint64_t id, char *errmsg) {
         struct region *reg;
 
-        TAILQ_FOREACH(reg, &m->regions, entry)
+        TAILQ_FOREACH (reg, &m->regions, entry)
                 if (reg->id == id) {
-                        log_debug("job %" PRIu64 " rank %" PRIu32 ": region %" PRIu64 " released", m->job->id, m->rank, id);
+                        log_debug("job %" PRIu64 " rank %" PRIu32 ": region %" PRIu64 " released", m->job->id,
+                                  m->rank, id);
                         region_free(b, m, reg);
                         return 0;
                 }
-        return errmsg_set(errmsg, -EINVAL, "job %" PRIu64 " rank %" PRIu32 ": no region %" PRIu64 " of this session",
+        return errmsg_set(errmsg, -EINVAL,
+                          "job %" PRIu64 " rank %" PRIu32 ": no region %" PRIu64 " of this session",
                           m->job->id, m->rank, id);
 }
 
@@ -185,18 +197,20 @@ void broker_drop_member(struct broker *b, struct job_member *m) {
                 region_free(b, m, reg);
 }
 
-int broker_fetch(const struct job_member *m, int32_t rank, int64_t tag, size_t max, struct region ***ret_regions,
-                 size_t *ret_count, char *errmsg) {
+int broker_fetch(const struct job_member *m, int32_t rank, int64_t tag, size_t max,
+                 struct region ***ret_regions, size_t *ret_count, char *errmsg) {
         const struct job *job = m->job;
         struct region **out = NULL;
         struct region *reg;
         size_t n = 0;
 
         if (rank < -1 || rank >= (int32_t)job->world_size)
-                return errmsg_set(errmsg, -ERANGE, "job %" PRIu64 ": rank %" PRId32 " is out of range -1..%" PRIu32,
-                                  job->id, rank, job->world_size - 1);
+                return errmsg_set(errmsg, -ERANGE,
+                                  "job %" PRIu64 ": rank %" PRId32 " is out of range -1..%" PRIu32, job->id,
+                                  rank, job->world_size - 1);
         if (tag < -1 || tag > UINT32_MAX)
-                return errmsg_set(errmsg, -EINVAL, "tag %" PRId64 ": need -1 or 0..%" PRIu32, tag, UINT32_MAX);
+                return errmsg_set(errmsg, -EINVAL, "tag %" PRId64 ": need -1 or 0..%" PRIu32, tag,
+                                  UINT32_MAX);
 
         /* Two passes: count, then collect, so the array is exact. */
         for (int pass = 0; pass < 2; pass++) {
@@ -206,7 +220,7 @@ int broker_fetch(const struct job_member *m, int32_t rank, int64_t tag, size_t m
 
                         if (!peer || (rank == -1 && peer == m) || (rank >= 0 && (uint32_t)rank != r))
                                 continue;
-                        TAILQ_FOREACH(reg, &peer->regions, entry) {
+                        TAILQ_FOREACH (reg, &peer->regions, entry) {
                                 if (tag >= 0 && reg->tag != (uint32_t)tag)
                                         continue;
                                 if (out)
@@ -218,7 +232,8 @@ int broker_fetch(const struct job_member *m, int32_t rank, int64_t tag, size_t m
                         break;
                 if (n > max)
                         return errmsg_set(errmsg, -E2BIG,
-                                          "job %" PRIu64 ": %zu regions match rank %" PRId32 " tag %" PRId64 ", one reply carries at most %zu",
+                                          "job %" PRIu64 ": %zu regions match rank %" PRId32 " tag %" PRId64
+                                          ", one reply carries at most %zu",
                                           job->id, n, rank, tag, max);
                 out = calloc(n, sizeof(*out));
                 if (!out)

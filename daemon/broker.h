@@ -14,13 +14,13 @@
 struct config;
 
 struct region {
-        uint64_t id;                /* daemon-wide unique, never reused */
-        struct job_member *owner;   /* not owning; the region lives in owner->regions */
-        uid_t uid;                  /* charged against the uid's caps */
+        uint64_t id;              /* daemon-wide unique, never reused */
+        struct job_member *owner; /* not owning; the region lives in owner->regions */
+        uid_t uid;                /* charged against the uid's caps */
         uint32_t tag;
         Moeep__V1__RegionKind kind;
         uint64_t size;
-        int fd;                     /* owns */
+        int fd; /* owns */
         TAILQ_ENTRY(region) entry;
 };
 
@@ -35,7 +35,7 @@ struct uid_usage {
 struct broker {
         const struct config *config; /* not owning; caps are read at each call */
         uint64_t next_id;
-        uint32_t nregions;           /* all live regions */
+        uint32_t nregions;            /* all live regions */
         LIST_HEAD(, uid_usage) usage; /* owns; entries exist while a uid holds regions */
 };
 
@@ -47,8 +47,8 @@ void broker_free(struct broker *b);
  * success. Errors: -EINVAL unknown kind, size 0, or a memfd/dma-buf smaller
  * than `size`; -EBADF an fd that is not of a kind we can check (a memfd that
  * is no regular file); -EDQUOT a cap; -EPIPE the job is aborted; -ENOMEM. */
-int broker_register(struct broker *b, struct job_member *m, uid_t uid, Moeep__V1__RegionKind kind, uint64_t size,
-                    uint32_t tag, int fd, uint64_t *ret_id, char *errmsg);
+int broker_register(struct broker *b, struct job_member *m, uid_t uid, Moeep__V1__RegionKind kind,
+                    uint64_t size, uint32_t tag, int fd, uint64_t *ret_id, char *errmsg);
 
 /* Closes region `id` of member `m` (RegionRelease); peers that imported it
  * keep their mappings. -EINVAL (ERROR_INVALID_ARGUMENT) when `m` owns no
@@ -65,7 +65,7 @@ void broker_drop_member(struct broker *b, struct job_member *m);
  * Returns 0 with a malloc'ed array of at most `max` borrowed pointers
  * (NULL when none), -ERANGE for a rank outside the job, -EINVAL for a bad
  * tag, -E2BIG when more than `max` match, -ENOMEM. */
-int broker_fetch(const struct job_member *m, int32_t rank, int64_t tag, size_t max, struct region ***ret_regions,
-                 size_t *ret_count, char *errmsg);
+int broker_fetch(const struct job_member *m, int32_t rank, int64_t tag, size_t max,
+                 struct region ***ret_regions, size_t *ret_count, char *errmsg);
 
 #endif

@@ -15,20 +15,26 @@
 
 /* The defaults, in the file's own syntax, so that one parser fills in both
  * and `moeepd` runs with no file at all. */
-static const char default_config[] =
-        "socket = " MOEEP_DEFAULT_SOCKET "\n"
-        "socket_mode = 0660\n"
-        "socket_group =\n"
-        "admin_group = moeep-admin\n"
-        "log_level = info\n"
-        "max_sessions = 1024\n"
-        "max_sessions_per_uid = 64\n"
-        "max_jobs_per_uid = 16\n"
-        "max_regions_per_session = 8\n"
-        "max_region_bytes_per_uid = 1T\n"
-        "max_fds_per_uid = 512\n";
+static const char default_config[] = "socket = " MOEEP_DEFAULT_SOCKET "\n"
+                                     "socket_mode = 0660\n"
+                                     "socket_group =\n"
+                                     "admin_group = moeep-admin\n"
+                                     "log_level = info\n"
+                                     "max_sessions = 1024\n"
+                                     "max_sessions_per_uid = 64\n"
+                                     "max_jobs_per_uid = 16\n"
+                                     "max_regions_per_session = 8\n"
+                                     "max_region_bytes_per_uid = 1T\n"
+                                     "max_fds_per_uid = 512\n";
 
-enum key_type { KEY_PATH, KEY_MODE, KEY_GROUP, KEY_LEVEL, KEY_U32, KEY_BYTES };
+enum key_type {
+        KEY_PATH,
+        KEY_MODE,
+        KEY_GROUP,
+        KEY_LEVEL,
+        KEY_U32,
+        KEY_BYTES
+};
 
 /* Every key, its type, where it lives, its range and whether SIGHUP applies
  * it. One table so that parsing, validation and reload agree. */
@@ -82,11 +88,20 @@ static int parse_u64(const char *s, int base, bool suffixes, uint64_t *ret) {
                 return -EINVAL;
         if (suffixes && *end) {
                 switch (*end) {
-                case 'K': shift = 10; break;
-                case 'M': shift = 20; break;
-                case 'G': shift = 30; break;
-                case 'T': shift = 40; break;
-                default: return -EINVAL; /* a character, not one of our enums */
+                case 'K':
+                        shift = 10;
+                        break;
+                case 'M':
+                        shift = 20;
+                        break;
+                case 'G':
+                        shift = 30;
+                        break;
+                case 'T':
+                        shift = 40;
+                        break;
+                default:
+                        return -EINVAL; /* a character, not one of our enums */
                 }
                 end++;
         }
@@ -120,13 +135,16 @@ int config_set(struct config *c, const char *name, const char *value, char *errm
         switch (k->type) {
         case KEY_PATH:
                 if (value[0] != '/' || strlen(value) >= sizeof(((struct sockaddr_un *)0)->sun_path))
-                        return errmsg_set(errmsg, -EINVAL, "%s '%s': need an absolute path shorter than %zu bytes",
-                                          name, value, sizeof(((struct sockaddr_un *)0)->sun_path));
-                return set_string(field, value) < 0 ? errmsg_set(errmsg, -ENOMEM, "%s: out of memory", name) : 0;
+                        return errmsg_set(errmsg, -EINVAL,
+                                          "%s '%s': need an absolute path shorter than %zu bytes", name,
+                                          value, sizeof(((struct sockaddr_un *)0)->sun_path));
+                return set_string(field, value) < 0 ? errmsg_set(errmsg, -ENOMEM, "%s: out of memory", name)
+                                                    : 0;
         case KEY_GROUP:
                 if (strlen(value) > 64 || strpbrk(value, ": \t"))
                         return errmsg_set(errmsg, -EINVAL, "%s '%s': not a group name", name, value);
-                return set_string(field, value) < 0 ? errmsg_set(errmsg, -ENOMEM, "%s: out of memory", name) : 0;
+                return set_string(field, value) < 0 ? errmsg_set(errmsg, -ENOMEM, "%s: out of memory", name)
+                                                    : 0;
         case KEY_LEVEL:
                 if (log_level_from_string(value, &level) < 0)
                         return errmsg_set(errmsg, -EINVAL,
@@ -135,19 +153,22 @@ int config_set(struct config *c, const char *name, const char *value, char *errm
                 return 0;
         case KEY_MODE:
                 if (parse_u64(value, 8, false, &v) < 0 || v > k->max)
-                        return errmsg_set(errmsg, -EINVAL, "%s '%s': need an octal mode up to 0777", name, value);
+                        return errmsg_set(errmsg, -EINVAL, "%s '%s': need an octal mode up to 0777", name,
+                                          value);
                 *(mode_t *)field = (mode_t)v;
                 return 0;
         case KEY_U32:
                 if (parse_u64(value, 10, false, &v) < 0 || v < k->min || v > k->max)
-                        return errmsg_set(errmsg, -EINVAL, "%s '%s': need a number from %" PRIu64 " to %" PRIu64,
-                                          name, value, k->min, k->max);
+                        return errmsg_set(errmsg, -EINVAL,
+                                          "%s '%s': need a number from %" PRIu64 " to %" PRIu64, name, value,
+                                          k->min, k->max);
                 *(uint32_t *)field = (uint32_t)v;
                 return 0;
         case KEY_BYTES:
                 if (parse_u64(value, 10, true, &v) < 0 || v < k->min)
-                        return errmsg_set(errmsg, -EINVAL, "%s '%s': need a byte count >= 1 (suffixes K, M, G, T)",
-                                          name, value);
+                        return errmsg_set(errmsg, -EINVAL,
+                                          "%s '%s': need a byte count >= 1 (suffixes K, M, G, T)", name,
+                                          value);
                 *(uint64_t *)field = v;
                 return 0;
         }
@@ -158,7 +179,7 @@ struct load_state {
         struct config *config;
         const char *path;
         int line;
-        int r;                  /* first error */
+        int r; /* first error */
         char *errmsg;
 };
 
@@ -201,7 +222,8 @@ static int load_finish(struct load_state *st, int lineno) {
                 return errmsg_set(st->errmsg, st->r, "%s:%d: %s", st->path, lineno, why);
         }
         if (lineno > 0)
-                return errmsg_set(st->errmsg, -EINVAL, "%s:%d: syntax error (need 'key = value')", st->path, lineno);
+                return errmsg_set(st->errmsg, -EINVAL, "%s:%d: syntax error (need 'key = value')", st->path,
+                                  lineno);
         return 0;
 }
 

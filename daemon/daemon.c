@@ -220,12 +220,14 @@ static void daemon_accept_cb(evutil_socket_t lfd, short what, void *arg) {
                 int r;
 
                 if (fd < 0) {
-                        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR || errno == ECONNABORTED)
+                        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR ||
+                            errno == ECONNABORTED)
                                 return;
                         if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
                                 /* The pending connection stays queued;
                                  * without a pause we would spin on it. */
-                                log_warn("accept: %s: pausing for %d ms", strerror(errno), DAEMON_ACCEPT_PAUSE_MS);
+                                log_warn("accept: %s: pausing for %d ms", strerror(errno),
+                                         DAEMON_ACCEPT_PAUSE_MS);
                                 event_del(d->ev_listen);
                                 evtimer_add(d->ev_accept_resume, &pause);
                                 return;

@@ -25,24 +25,24 @@ struct daemon_options {
 };
 
 struct daemon {
-        struct event_base *base;   /* owns */
+        struct event_base *base; /* owns */
         struct daemon_options options;
-        struct config config;      /* the live configuration */
-        int listen_fd;             /* owns */
-        char *bound_path;          /* owns; the path we bound (unlinked at exit), NULL when socket-activated */
-        struct event *ev_listen;   /* owns */
+        struct config config;    /* the live configuration */
+        int listen_fd;           /* owns */
+        char *bound_path;        /* owns; the path we bound (unlinked at exit), NULL when socket-activated */
+        struct event *ev_listen; /* owns */
         struct event *ev_accept_resume; /* owns; re-enables accepting after EMFILE */
-        struct event *ev_signal[3]; /* owns; SIGTERM, SIGINT, SIGHUP */
-        struct event *ev_watchdog;  /* owns; NULL without WatchdogSec */
-        struct event *ev_reap;      /* owns; frees dead sessions from the loop */
-        struct jobs *jobs;          /* owns */
-        struct broker *broker;      /* owns */
-        struct session_list sessions; /* owns; live sessions, CLOSED ones that still flush included */
-        struct session_list dead;     /* owns; closed sessions waiting to be freed */
-        uint32_t nsessions;           /* length of `sessions` */
+        struct event *ev_signal[3];     /* owns; SIGTERM, SIGINT, SIGHUP */
+        struct event *ev_watchdog;      /* owns; NULL without WatchdogSec */
+        struct event *ev_reap;          /* owns; frees dead sessions from the loop */
+        struct jobs *jobs;              /* owns */
+        struct broker *broker;          /* owns */
+        struct session_list sessions;   /* owns; live sessions, CLOSED ones that still flush included */
+        struct session_list dead;       /* owns; closed sessions waiting to be freed */
+        uint32_t nsessions;             /* length of `sessions` */
         uint64_t next_session_id;
-        struct timespec started;      /* CLOCK_MONOTONIC */
-        uint32_t status_sessions;     /* what the last STATUS= said, to send only changes */
+        struct timespec started;  /* CLOCK_MONOTONIC */
+        uint32_t status_sessions; /* what the last STATUS= said, to send only changes */
         uint32_t status_jobs;
         bool status_sent;
         bool stopping;

@@ -88,8 +88,8 @@ static int control_page_create(struct job *job, char *errmsg) {
         snprintf(name, sizeof(name), "moeep-job-%" PRIu64, job->id);
         job->control_fd = memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING);
         if (job->control_fd < 0)
-                return errmsg_set(errmsg, -errno, "job %" PRIu64 ": memfd_create of the control page: %s", job->id,
-                                  strerror(errno));
+                return errmsg_set(errmsg, -errno, "job %" PRIu64 ": memfd_create of the control page: %s",
+                                  job->id, strerror(errno));
         if (ftruncate(job->control_fd, MOEEP_CONTROL_PAGE_SIZE) < 0)
                 return errmsg_set(errmsg, -errno, "job %" PRIu64 ": sizing the control page to %d bytes: %s",
                                   job->id, MOEEP_CONTROL_PAGE_SIZE, strerror(errno));
@@ -113,8 +113,8 @@ static int control_page_create(struct job *job, char *errmsg) {
         snprintf(path, sizeof(path), "/proc/self/fd/%d", job->control_fd);
         job->control_ro_fd = open(path, O_RDONLY | O_CLOEXEC);
         if (job->control_ro_fd < 0)
-                log_debug("job %" PRIu64 ": no read-only reopening of the control page (%s): %s", job->id, path,
-                          strerror(errno));
+                log_debug("job %" PRIu64 ": no read-only reopening of the control page (%s): %s", job->id,
+                          path, strerror(errno));
         return 0;
 }
 
@@ -137,14 +137,16 @@ int jobs_create(struct jobs *jobs, const char *name, uint32_t world_size, uid_t 
         int r;
 
         if (!name_valid(name))
-                return errmsg_set(errmsg, -EINVAL, "job name of %zu bytes: need 1 to %d printable ASCII bytes",
-                                  strlen(name), JOB_NAME_MAX);
+                return errmsg_set(errmsg, -EINVAL,
+                                  "job name of %zu bytes: need 1 to %d printable ASCII bytes", strlen(name),
+                                  JOB_NAME_MAX);
         if (world_size < 1 || world_size > MOEEP_MAX_RANKS)
                 return errmsg_set(errmsg, -EINVAL, "world size %" PRIu32 ": need 1 to %d", world_size,
                                   MOEEP_MAX_RANKS);
         have = jobs_count_uid(jobs, uid);
         if (have >= jobs->config->max_jobs_per_uid)
-                return errmsg_set(errmsg, -EDQUOT, "uid %u already has %" PRIu32 " jobs (max_jobs_per_uid = %" PRIu32 ")",
+                return errmsg_set(errmsg, -EDQUOT,
+                                  "uid %u already has %" PRIu32 " jobs (max_jobs_per_uid = %" PRIu32 ")",
                                   (unsigned)uid, have, jobs->config->max_jobs_per_uid);
 
         job = calloc(1, sizeof(*job));
@@ -207,7 +209,7 @@ static bool secret_equal(const uint8_t *a, const uint8_t *b) {
 static struct job *jobs_find(const struct jobs *jobs, uint64_t id) {
         struct job *job;
 
-        TAILQ_FOREACH(job, &jobs->list, entry)
+        TAILQ_FOREACH (job, &jobs->list, entry)
                 if (job->id == id)
                         return job;
         return NULL;
@@ -216,7 +218,7 @@ static struct job *jobs_find(const struct jobs *jobs, uint64_t id) {
 static bool owner_in_a_job(const struct jobs *jobs, const void *owner) {
         const struct job *job;
 
-        TAILQ_FOREACH(job, &jobs->list, entry)
+        TAILQ_FOREACH (job, &jobs->list, entry)
                 for (uint32_t r = 0; r < job->world_size; r++)
                         if (job->ranks[r] && job->ranks[r]->owner == owner)
                                 return true;
@@ -242,8 +244,8 @@ int jobs_join(struct jobs *jobs, const uint8_t *unique_id, size_t len, uint32_t 
 
         if (len < JOB_UNIQUE_ID_BYTES || len > MOEEP_UNIQUE_ID_BYTES || unique_id[0] != JOB_UNIQUE_ID_VERSION)
                 return errmsg_set(errmsg, -EINVAL,
-                                  "unique id of %zu bytes, version %u: need %d to %d bytes of version %d", len,
-                                  len ? unique_id[0] : 0, JOB_UNIQUE_ID_BYTES, MOEEP_UNIQUE_ID_BYTES,
+                                  "unique id of %zu bytes, version %u: need %d to %d bytes of version %d",
+                                  len, len ? unique_id[0] : 0, JOB_UNIQUE_ID_BYTES, MOEEP_UNIQUE_ID_BYTES,
                                   JOB_UNIQUE_ID_VERSION);
         if (!gpu_uuid)
                 gpu_uuid = "";
@@ -256,20 +258,25 @@ int jobs_join(struct jobs *jobs, const uint8_t *unique_id, size_t len, uint32_t 
         if (!job)
                 return errmsg_set(errmsg, -ENOENT, "job %" PRIu64 ": no such job", id);
         if (!secret_equal(job->secret, unique_id + 9))
-                return errmsg_set(errmsg, -EACCES, "job %" PRIu64 ": the unique id's secret does not match", id);
+                return errmsg_set(errmsg, -EACCES, "job %" PRIu64 ": the unique id's secret does not match",
+                                  id);
         if (owner_in_a_job(jobs, owner))
-                return errmsg_set(errmsg, -EISCONN, "job %" PRIu64 ": the session already belongs to a job", id);
+                return errmsg_set(errmsg, -EISCONN, "job %" PRIu64 ": the session already belongs to a job",
+                                  id);
         if (job->state == JOB_ABORTED)
                 return errmsg_set(errmsg, -EPIPE, "job %" PRIu64 " is aborted: rank %" PRId32 " was lost", id,
                                   job->lost_rank);
         if (world_size != job->world_size)
-                return errmsg_set(errmsg, -EDOM, "job %" PRIu64 ": world size %" PRIu32 " differs from the job's %" PRIu32,
+                return errmsg_set(errmsg, -EDOM,
+                                  "job %" PRIu64 ": world size %" PRIu32 " differs from the job's %" PRIu32,
                                   id, world_size, job->world_size);
         if (rank >= job->world_size)
-                return errmsg_set(errmsg, -ERANGE, "job %" PRIu64 ": rank %" PRIu32 " is out of range 0..%" PRIu32, id,
-                                  rank, job->world_size - 1);
+                return errmsg_set(errmsg, -ERANGE,
+                                  "job %" PRIu64 ": rank %" PRIu32 " is out of range 0..%" PRIu32, id, rank,
+                                  job->world_size - 1);
         if (job->ranks[rank])
-                return errmsg_set(errmsg, -EEXIST, "job %" PRIu64 ": rank %" PRIu32 " is already taken", id, rank);
+                return errmsg_set(errmsg, -EEXIST, "job %" PRIu64 ": rank %" PRIu32 " is already taken", id,
+                                  rank);
 
         m = calloc(1, sizeof(*m));
         if (!m)
@@ -329,8 +336,8 @@ void job_member_lost(struct job_member *m, const char *reason) {
                  * rank first. */
                 job->control->lost_rank = (int32_t)rank;
                 __atomic_store_n(&job->control->abort, 1, __ATOMIC_RELEASE);
-                log_notice("job %" PRIu64 " '%s' aborted: rank %" PRIu32 " lost (%s)", job->id, job->name, rank,
-                           reason);
+                log_notice("job %" PRIu64 " '%s' aborted: rank %" PRIu32 " lost (%s)", job->id, job->name,
+                           rank, reason);
         }
         for (uint32_t r = 0; r < job->world_size; r++) {
                 struct job_member *peer = job->ranks[r];
@@ -351,10 +358,11 @@ int job_barrier(struct job_member *m, uint64_t request_id, char *errmsg) {
         struct job *job = m->job;
 
         if (job->state == JOB_ABORTED)
-                return errmsg_set(errmsg, -EPIPE, "job %" PRIu64 " is aborted: rank %" PRId32 " was lost", job->id,
-                                  job->lost_rank);
+                return errmsg_set(errmsg, -EPIPE, "job %" PRIu64 " is aborted: rank %" PRId32 " was lost",
+                                  job->id, job->lost_rank);
         if (m->in_barrier)
-                return errmsg_set(errmsg, -EALREADY, "job %" PRIu64 " rank %" PRIu32 ": already waiting in barrier %" PRIu64,
+                return errmsg_set(errmsg, -EALREADY,
+                                  "job %" PRIu64 " rank %" PRIu32 ": already waiting in barrier %" PRIu64,
                                   job->id, m->rank, job->barrier_generation);
         m->in_barrier = true;
         m->barrier_request_id = request_id;
@@ -392,7 +400,7 @@ uint32_t jobs_count_uid(const struct jobs *jobs, uid_t uid) {
         const struct job *job;
         uint32_t n = 0;
 
-        TAILQ_FOREACH(job, &jobs->list, entry)
+        TAILQ_FOREACH (job, &jobs->list, entry)
                 n += job->owner_uid == uid;
         return n;
 }

@@ -57,34 +57,34 @@ struct job_callbacks {
 TAILQ_HEAD(region_list, region);
 
 struct job_member {
-        struct job *job;            /* holds a reference */
+        struct job *job; /* holds a reference */
         uint32_t rank;
         char gpu_uuid[JOB_GPU_UUID_MAX + 1];
-        void *owner;                /* not owning; handed to the callbacks */
-        bool in_barrier;            /* waiting; barrier_request_id is held back */
+        void *owner;     /* not owning; handed to the callbacks */
+        bool in_barrier; /* waiting; barrier_request_id is held back */
         uint64_t barrier_request_id;
         struct region_list regions; /* owns; filled by broker.c, empty when the member goes */
         uint32_t nregions;
 };
 
 struct job {
-        uint64_t id;                /* public, daemon-wide unique, never reused */
+        uint64_t id; /* public, daemon-wide unique, never reused */
         char name[JOB_NAME_MAX + 1];
         uint32_t world_size;
-        uid_t owner_uid;            /* uid of the creator, counted against max_jobs_per_uid */
+        uid_t owner_uid; /* uid of the creator, counted against max_jobs_per_uid */
         enum job_state state;
-        int32_t lost_rank;          /* first rank lost, -1 while none */
-        uint8_t secret[JOB_SECRET_BYTES]; /* never logged or shown */
+        int32_t lost_rank;                         /* first rank lost, -1 while none */
+        uint8_t secret[JOB_SECRET_BYTES];          /* never logged or shown */
         struct job_member *ranks[MOEEP_MAX_RANKS]; /* owns the members; NULL = not joined */
         uint32_t njoined;
-        uint64_t barrier_generation; /* completed barriers */
-        uint32_t barrier_arrived;    /* members waiting in the current generation */
-        int control_fd;              /* owns; the sealed memfd */
-        int control_ro_fd;           /* owns; read-only reopening sent to clients, or -1 */
+        uint64_t barrier_generation;        /* completed barriers */
+        uint32_t barrier_arrived;           /* members waiting in the current generation */
+        int control_fd;                     /* owns; the sealed memfd */
+        int control_ro_fd;                  /* owns; read-only reopening sent to clients, or -1 */
         struct moeep_control_page *control; /* owns a MAP_SHARED writable mapping */
-        void *creator;               /* not owning; holds a reference until jobs_creator_gone() */
-        unsigned references;         /* creator + one per member */
-        struct jobs *jobs;           /* not owning; the registry */
+        void *creator;                      /* not owning; holds a reference until jobs_creator_gone() */
+        unsigned references;                /* creator + one per member */
+        struct jobs *jobs;                  /* not owning; the registry */
         TAILQ_ENTRY(job) entry;
 };
 
@@ -95,8 +95,8 @@ struct jobs {
         struct job_list list;
         uint32_t count;
         uint64_t next_id;
-        const struct config *config;     /* not owning; caps are read at each call */
-        const struct job_callbacks *cb;  /* not owning */
+        const struct config *config;    /* not owning; caps are read at each call */
+        const struct job_callbacks *cb; /* not owning */
 };
 
 /* Returns 0 or -ENOMEM. */

@@ -9,7 +9,7 @@
 static int log_level = LOG_INFO;
 
 static const char *const level_names[] = {
-        [LOG_EMERG] = "emerg", [LOG_ALERT] = "alert", [LOG_CRIT] = "crit",  [LOG_ERR] = "err",
+        [LOG_EMERG] = "emerg",     [LOG_ALERT] = "alert",   [LOG_CRIT] = "crit", [LOG_ERR] = "err",
         [LOG_WARNING] = "warning", [LOG_NOTICE] = "notice", [LOG_INFO] = "info", [LOG_DEBUG] = "debug",
 };
 
@@ -64,12 +64,12 @@ static void vlog(int pri, const char *fmt, va_list ap) {
         errno = saved;
 }
 
-#define LOG_FUNC(name, pri)                  \
-        void name(const char *fmt, ...) {    \
-                va_list ap;                  \
-                va_start(ap, fmt);           \
-                vlog(pri, fmt, ap);          \
-                va_end(ap);                  \
+#define LOG_FUNC(name, pri)               \
+        void name(const char *fmt, ...) { \
+                va_list ap;               \
+                va_start(ap, fmt);        \
+                vlog(pri, fmt, ap);       \
+                va_end(ap);               \
         }
 
 LOG_FUNC(log_err, LOG_ERR)

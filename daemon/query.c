@@ -73,12 +73,13 @@ static int query_send_listing(struct session *s, uint64_t request_id, Moeep__V1_
                               const char *what) {
         size_t before = *n;
 
-        while (*n > 0 && protobuf_c_message_get_packed_size(&resp->base) + sizeof(struct moeep_record_header) >
-                                 MOEEP_RECORD_MAX)
+        while (*n > 0 &&
+               protobuf_c_message_get_packed_size(&resp->base) + sizeof(struct moeep_record_header) >
+                       MOEEP_RECORD_MAX)
                 *n = *n * 3 / 4;
         if (*n != before)
-                log_warn("session %" PRIu64 ": %s listing cut from %zu to %zu entries to fit one record", s->id, what,
-                         before, *n);
+                log_warn("session %" PRIu64 ": %s listing cut from %zu to %zu entries to fit one record",
+                         s->id, what, before, *n);
         return session_respond(s, request_id, resp, NULL, 0);
 }
 
@@ -90,9 +91,9 @@ int query_status(struct session *s, uint64_t request_id, char *errmsg) {
         const struct session *o;
         const struct job *job;
 
-        TAILQ_FOREACH(o, &d->sessions, entry)
+        TAILQ_FOREACH (o, &d->sessions, entry)
                 st.sessions += session_visible(s, admin, o);
-        TAILQ_FOREACH(job, &d->jobs->list, entry)
+        TAILQ_FOREACH (job, &d->jobs->list, entry)
                 st.jobs += job_visible(s, admin, job);
         st.daemon_version = (char *)MOEEP_VERSION;
         st.major = MOEEP_PROTOCOL_MAJOR;
@@ -119,10 +120,11 @@ int query_jobs(struct session *s, uint64_t request_id, char *errmsg) {
         ptrs = calloc(d->jobs->count + 1, sizeof(*ptrs));
         ranks = calloc((d->jobs->count + 1) * MOEEP_MAX_RANKS, sizeof(*ranks));
         if (!infos || !ptrs || !ranks) {
-                r = errmsg_set(errmsg, -ENOMEM, "JobsList of %" PRIu32 " jobs: out of memory", d->jobs->count);
+                r = errmsg_set(errmsg, -ENOMEM, "JobsList of %" PRIu32 " jobs: out of memory",
+                               d->jobs->count);
                 goto out;
         }
-        TAILQ_FOREACH(job, &d->jobs->list, entry) {
+        TAILQ_FOREACH (job, &d->jobs->list, entry) {
                 Moeep__V1__JobInfo *ji = &infos[n];
 
                 if (!job_visible(s, admin, job))
@@ -164,10 +166,11 @@ int query_clients(struct session *s, uint64_t request_id, char *errmsg) {
         infos = calloc(d->nsessions + 1, sizeof(*infos));
         ptrs = calloc(d->nsessions + 1, sizeof(*ptrs));
         if (!infos || !ptrs) {
-                r = errmsg_set(errmsg, -ENOMEM, "ClientsList of %" PRIu32 " sessions: out of memory", d->nsessions);
+                r = errmsg_set(errmsg, -ENOMEM, "ClientsList of %" PRIu32 " sessions: out of memory",
+                               d->nsessions);
                 goto out;
         }
-        TAILQ_FOREACH(o, &d->sessions, entry) {
+        TAILQ_FOREACH (o, &d->sessions, entry) {
                 Moeep__V1__ClientInfo *ci = &infos[n];
 
                 if (!session_visible(s, admin, o))

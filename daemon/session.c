@@ -170,7 +170,7 @@ int session_send(struct session *s, uint16_t type, uint64_t request_id, const Pr
 }
 
 int session_respond(struct session *s, uint64_t request_id, Moeep__V1__Response *resp, const int *fds,
-                           size_t nfds) {
+                    size_t nfds) {
         return session_send(s, (uint16_t)resp->body_case, request_id, &resp->base, fds, nfds);
 }
 
@@ -281,7 +281,8 @@ static int session_flush(struct session *s) {
                         if (s->state == SESSION_CLOSED)
                                 session_close_now(s);
                         else
-                                session_fail(s, 0, 0, "sending a record of %zu bytes: %s", o->len, strerror(-r));
+                                session_fail(s, 0, 0, "sending a record of %zu bytes: %s", o->len,
+                                             strerror(-r));
                         return r;
                 }
                 TAILQ_REMOVE(&s->out, o, entry);
@@ -297,7 +298,8 @@ static int session_flush(struct session *s) {
 
 void session_fail(struct session *s, int code, uint64_t request_id, const char *fmt, ...) {
         char why[ERRMSG_MAX];
-        struct timeval linger = { .tv_sec = SESSION_LINGER_MS / 1000, .tv_usec = (SESSION_LINGER_MS % 1000) * 1000 };
+        struct timeval linger = { .tv_sec = SESSION_LINGER_MS / 1000,
+                                  .tv_usec = (SESSION_LINGER_MS % 1000) * 1000 };
         va_list ap;
 
         if (s->state == SESSION_CLOSED || s->fd < 0)
@@ -359,8 +361,8 @@ static void copy_printable(char *dst, size_t size, const char *src) {
         dst[i] = '\0';
 }
 
-static int handle_hello(struct session *s, uint64_t rid, const Moeep__V1__Request *req, struct moeep_record *rec,
-                        char *errmsg) {
+static int handle_hello(struct session *s, uint64_t rid, const Moeep__V1__Request *req,
+                        struct moeep_record *rec, char *errmsg) {
         const Moeep__V1__Hello *hello = req->hello;
         Moeep__V1__Welcome welcome = MOEEP__V1__WELCOME__INIT;
         Moeep__V1__Response resp = MOEEP__V1__RESPONSE__INIT;
@@ -376,8 +378,9 @@ static int handle_hello(struct session *s, uint64_t rid, const Moeep__V1__Reques
         copy_printable(s->name, sizeof(s->name), hello->client_name);
         s->features = hello->features & SESSION_FEATURES;
         s->state = SESSION_HELLO;
-        log_info("session %" PRIu64 " (pid %d uid %u gid %u): hello from '%s', protocol %" PRIu32 ".%" PRIu32, s->id,
-                 (int)s->cred.pid, (unsigned)s->cred.uid, (unsigned)s->cred.gid, s->name, hello->major, hello->minor);
+        log_info("session %" PRIu64 " (pid %d uid %u gid %u): hello from '%s', protocol %" PRIu32 ".%" PRIu32,
+                 s->id, (int)s->cred.pid, (unsigned)s->cred.uid, (unsigned)s->cred.gid, s->name, hello->major,
+                 hello->minor);
 
         welcome.major = MOEEP_PROTOCOL_MAJOR;
         welcome.minor = MOEEP_PROTOCOL_MINOR;
@@ -418,8 +421,8 @@ static int handle_job_create(struct session *s, uint64_t rid, const Moeep__V1__R
         return r;
 }
 
-static int handle_job_join(struct session *s, uint64_t rid, const Moeep__V1__Request *req, struct moeep_record *rec,
-                           char *errmsg) {
+static int handle_job_join(struct session *s, uint64_t rid, const Moeep__V1__Request *req,
+                           struct moeep_record *rec, char *errmsg) {
         const Moeep__V1__JobJoin *jj = req->job_join;
         Moeep__V1__JobJoined joined = MOEEP__V1__JOB_JOINED__INIT;
         Moeep__V1__Response resp = MOEEP__V1__RESPONSE__INIT;
@@ -427,15 +430,17 @@ static int handle_job_join(struct session *s, uint64_t rid, const Moeep__V1__Req
         int fd, r;
 
         if (s->member)
-                return errmsg_set(errmsg, -EISCONN, "session %" PRIu64 " is already rank %" PRIu32 " of job %" PRIu64,
-                                  s->id, s->member->rank, s->member->job->id);
-        r = jobs_join(s->daemon->jobs, jj->unique_id.data, jj->unique_id.len, jj->rank, jj->world_size, jj->gpu_uuid,
-                      s, &m, errmsg);
+                return errmsg_set(errmsg, -EISCONN,
+                                  "session %" PRIu64 " is already rank %" PRIu32 " of job %" PRIu64, s->id,
+                                  s->member->rank, s->member->job->id);
+        r = jobs_join(s->daemon->jobs, jj->unique_id.data, jj->unique_id.len, jj->rank, jj->world_size,
+                      jj->gpu_uuid, s, &m, errmsg);
         if (r < 0)
                 return r;
         s->member = m;
         s->state = SESSION_READY;
-        log_info("session %" PRIu64 " (pid %d uid %u): joined job %" PRIu64 " as rank %" PRIu32 "/%" PRIu32 " gpu '%s' (%s)",
+        log_info("session %" PRIu64 " (pid %d uid %u): joined job %" PRIu64 " as rank %" PRIu32 "/%" PRIu32
+                 " gpu '%s' (%s)",
                  s->id, (int)s->cred.pid, (unsigned)s->cred.uid, m->job->id, m->rank, m->job->world_size,
                  m->gpu_uuid, job_state_to_string(m->job->state));
 
@@ -459,8 +464,8 @@ static int handle_job_leave(struct session *s, uint64_t rid, const Moeep__V1__Re
         return session_send_ok(s, rid);
 }
 
-static int handle_barrier(struct session *s, uint64_t rid, const Moeep__V1__Request *req, struct moeep_record *rec,
-                          char *errmsg) {
+static int handle_barrier(struct session *s, uint64_t rid, const Moeep__V1__Request *req,
+                          struct moeep_record *rec, char *errmsg) {
         /* 0: the reply comes from session_barrier_done(). */
         return job_barrier(s->member, rid, errmsg);
 }
@@ -472,8 +477,8 @@ static int handle_region_register(struct session *s, uint64_t rid, const Moeep__
         Moeep__V1__Response resp = MOEEP__V1__RESPONSE__INIT;
         int r;
 
-        r = broker_register(s->daemon->broker, s->member, s->cred.uid, rr->kind, rr->size, rr->tag, rec->fds[0],
-                            &registered.region_id, errmsg);
+        r = broker_register(s->daemon->broker, s->member, s->cred.uid, rr->kind, rr->size, rr->tag,
+                            rec->fds[0], &registered.region_id, errmsg);
         if (r < 0)
                 return r;
         rec->fds[0] = -1; /* the broker owns it now */
@@ -578,20 +583,21 @@ static int session_dispatch(struct session *s, struct moeep_record *rec) {
                 return 0;
         }
         if (!handlers[type].fn) {
-                session_fail(s, MOEEP__V1__ERROR_CODE__ERROR_UNKNOWN_TYPE, rid, "request type %u is not known", type);
+                session_fail(s, MOEEP__V1__ERROR_CODE__ERROR_UNKNOWN_TYPE, rid,
+                             "request type %u is not known", type);
                 return 0;
         }
         h = &handlers[type];
         if (s->state == SESSION_NEW && type != MOEEP__V1__REQUEST__BODY_HELLO) {
-                session_fail(s, MOEEP__V1__ERROR_CODE__ERROR_NOT_WELCOMED, rid, "%s (request %" PRIu64 ") before Hello",
-                             h->name, rid);
+                session_fail(s, MOEEP__V1__ERROR_CODE__ERROR_NOT_WELCOMED, rid,
+                             "%s (request %" PRIu64 ") before Hello", h->name, rid);
                 return 0;
         }
         req = moeep_record_decode_request(rec);
         if (!req) {
                 session_fail(s, MOEEP__V1__ERROR_CODE__ERROR_BAD_RECORD, rid,
-                             "%s request (type %u) of %" PRIu32 " payload bytes does not decode", h->name, type,
-                             rec->hdr.length);
+                             "%s request (type %u) of %" PRIu32 " payload bytes does not decode", h->name,
+                             type, rec->hdr.length);
                 return 0;
         }
         if (h->needs_job && !s->member)
@@ -601,9 +607,11 @@ static int session_dispatch(struct session *s, struct moeep_record *rec) {
         if (r < 0 && s->state != SESSION_CLOSED) {
                 if (!errmsg[0])
                         snprintf(errmsg, sizeof(errmsg), "%s: %s", h->name, strerror(-r));
-                log_debug("session %" PRIu64 ": %s (request %" PRIu64 ") refused: %s", s->id, h->name, rid, errmsg);
+                log_debug("session %" PRIu64 ": %s (request %" PRIu64 ") refused: %s", s->id, h->name, rid,
+                          errmsg);
                 if (r == -ENOBUFS || session_send_error(s, rid, error_code_from_errno(r), errmsg) < 0)
-                        log_debug("session %" PRIu64 ": could not queue the error for request %" PRIu64, s->id, rid);
+                        log_debug("session %" PRIu64 ": could not queue the error for request %" PRIu64,
+                                  s->id, rid);
         }
         moeep__v1__request__free_unpacked(req, NULL);
         return s->state != SESSION_CLOSED;
@@ -724,7 +732,7 @@ static uint32_t sessions_count_uid(const struct daemon *d, uid_t uid) {
         const struct session *s;
         uint32_t n = 0;
 
-        TAILQ_FOREACH(s, &d->sessions, entry)
+        TAILQ_FOREACH (s, &d->sessions, entry)
                 n += s->cred.uid == uid;
         return n;
 }
@@ -758,14 +766,15 @@ int session_new(struct daemon *d, int fd, struct session **ret_session) {
                 return r;
         }
         if (d->nsessions >= d->config.max_sessions) {
-                snprintf(why, sizeof(why), "%" PRIu32 " sessions connected (max_sessions = %" PRIu32 ")", d->nsessions,
-                         d->config.max_sessions);
+                snprintf(why, sizeof(why), "%" PRIu32 " sessions connected (max_sessions = %" PRIu32 ")",
+                         d->nsessions, d->config.max_sessions);
                 log_notice("refusing pid %d uid %u: %s", (int)cred.pid, (unsigned)cred.uid, why);
                 return session_refuse(fd, -EDQUOT, why);
         }
         n = sessions_count_uid(d, cred.uid);
         if (n >= d->config.max_sessions_per_uid) {
-                snprintf(why, sizeof(why), "uid %u has %" PRIu32 " sessions (max_sessions_per_uid = %" PRIu32 ")",
+                snprintf(why, sizeof(why),
+                         "uid %u has %" PRIu32 " sessions (max_sessions_per_uid = %" PRIu32 ")",
                          (unsigned)cred.uid, n, d->config.max_sessions_per_uid);
                 log_notice("refusing pid %d: %s", (int)cred.pid, why);
                 return session_refuse(fd, -EDQUOT, why);

@@ -34,24 +34,24 @@ TAILQ_HEAD(session_out_list, session_out);
 #define SESSION_NAME_MAX 64
 
 struct session {
-        uint64_t id;                  /* daemon-wide unique */
-        struct daemon *daemon;        /* not owning */
-        int fd;                       /* owns; -1 once dead */
+        uint64_t id;           /* daemon-wide unique */
+        struct daemon *daemon; /* not owning */
+        int fd;                /* owns; -1 once dead */
         enum session_state state;
-        unsigned references;          /* the daemon's list holds one until death */
-        struct ucred cred;            /* SO_PEERCRED at accept */
-        gid_t *groups;                /* owns; SO_PEERGROUPS at accept (supplementary groups) */
+        unsigned references; /* the daemon's list holds one until death */
+        struct ucred cred;   /* SO_PEERCRED at accept */
+        gid_t *groups;       /* owns; SO_PEERGROUPS at accept (supplementary groups) */
         size_t ngroups;
         char name[SESSION_NAME_MAX + 1]; /* Hello.client_name, sanitised */
-        uint64_t features;            /* agreed in Welcome */
-        struct job_member *member;    /* owns the membership; NULL unless READY */
-        struct event *ev_read;        /* owns */
-        struct event *ev_write;       /* owns; pending only while `out` is not empty */
-        struct event *ev_linger;      /* owns; bounds how long a CLOSED session flushes */
-        struct session_out_list out;  /* owns */
+        uint64_t features;               /* agreed in Welcome */
+        struct job_member *member;       /* owns the membership; NULL unless READY */
+        struct event *ev_read;           /* owns */
+        struct event *ev_write;          /* owns; pending only while `out` is not empty */
+        struct event *ev_linger;         /* owns; bounds how long a CLOSED session flushes */
+        struct session_out_list out;     /* owns */
         uint32_t out_count;
         size_t out_bytes;
-        const char *broken;           /* static; set when output overflowed, acted on from the loop */
+        const char *broken; /* static; set when output overflowed, acted on from the loop */
         TAILQ_ENTRY(session) entry;
 };
 
@@ -65,7 +65,8 @@ int session_send(struct session *s, uint16_t type, uint64_t request_id, const Pr
                  const int *fds, size_t nfds);
 
 /* Queues a Response whose type is its body case. */
-int session_respond(struct session *s, uint64_t request_id, Moeep__V1__Response *resp, const int *fds, size_t nfds);
+int session_respond(struct session *s, uint64_t request_id, Moeep__V1__Response *resp, const int *fds,
+                    size_t nfds);
 
 /* Queues Response.error. */
 int session_send_error(struct session *s, uint64_t request_id, int code, const char *message);

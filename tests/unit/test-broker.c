@@ -54,7 +54,8 @@ static int setup(void **state) {
                         return -1;
                 job_unique_id(job, uid);
                 for (uint32_t r = 0; r < 2; r++)
-                        if (jobs_join(f->jobs, uid, sizeof(uid), r, 2, NULL, &f->owners[j][r], &f->m[j][r], errmsg) < 0)
+                        if (jobs_join(f->jobs, uid, sizeof(uid), r, 2, NULL, &f->owners[j][r], &f->m[j][r],
+                                      errmsg) < 0)
                                 return -1;
         }
         *state = f;
@@ -103,11 +104,12 @@ static void test_register_checks(void **state) {
 
         assert_int_equal(reg(f, f->m[0][0], 0, 0, NULL), -EINVAL);
         assert_int_equal(reg(f, f->m[0][0], 4097, 0, NULL), -EINVAL); /* larger than the memfd */
-        assert_int_equal(broker_register(f->broker, f->m[0][0], 1000, MOEEP__V1__REGION_KIND__REGION_KIND_UNSPECIFIED,
-                                         4096, 0, fd, &id, errmsg),
-                         -EINVAL);
-        assert_int_equal(broker_register(f->broker, f->m[0][0], 1000, (Moeep__V1__RegionKind)77, 4096, 0, fd, &id,
+        assert_int_equal(broker_register(f->broker, f->m[0][0], 1000,
+                                         MOEEP__V1__REGION_KIND__REGION_KIND_UNSPECIFIED, 4096, 0, fd, &id,
                                          errmsg),
+                         -EINVAL);
+        assert_int_equal(broker_register(f->broker, f->m[0][0], 1000, (Moeep__V1__RegionKind)77, 4096, 0, fd,
+                                         &id, errmsg),
                          -EINVAL);
         assert_non_null(strstr(errmsg, "77"));
         close(fd);
@@ -116,7 +118,8 @@ static void test_register_checks(void **state) {
                 int p[2];
 
                 assert_int_equal(pipe(p), 0);
-                assert_int_equal(broker_register(f->broker, f->m[0][0], 1000, MEMFD, 1, 0, p[0], &id, errmsg), -EBADF);
+                assert_int_equal(broker_register(f->broker, f->m[0][0], 1000, MEMFD, 1, 0, p[0], &id, errmsg),
+                                 -EBADF);
                 close(p[0]);
                 close(p[1]);
         }
@@ -178,7 +181,8 @@ static void test_fetch_stays_in_job(void **state) {
         assert_int_equal(broker_fetch(f->m[0][0], 2, -1, 64, &found, &n, errmsg), -ERANGE);
         assert_int_equal(broker_fetch(f->m[0][0], -2, -1, 64, &found, &n, errmsg), -ERANGE);
         assert_int_equal(broker_fetch(f->m[0][0], -1, -5, 64, &found, &n, errmsg), -EINVAL);
-        assert_int_equal(broker_fetch(f->m[0][0], -1, (int64_t)UINT32_MAX + 1, 64, &found, &n, errmsg), -EINVAL);
+        assert_int_equal(broker_fetch(f->m[0][0], -1, (int64_t)UINT32_MAX + 1, 64, &found, &n, errmsg),
+                         -EINVAL);
         assert_int_equal(broker_fetch(f->m[0][0], -1, -1, 1, &found, &n, errmsg), -E2BIG);
 }
 
@@ -226,9 +230,8 @@ static void test_aborted_job_refuses(void **state) {
 int main(void) {
 #define T(f) cmocka_unit_test_setup_teardown(f, setup, teardown)
         const struct CMUnitTest tests[] = {
-                T(test_register_checks),     T(test_caps),        T(test_fetch_stays_in_job),
-                T(test_regions_go_with_owner), T(test_release),
-                T(test_aborted_job_refuses),
+                T(test_register_checks),       T(test_caps),    T(test_fetch_stays_in_job),
+                T(test_regions_go_with_owner), T(test_release), T(test_aborted_job_refuses),
         };
 
         return cmocka_run_group_tests(tests, NULL, NULL);

@@ -57,7 +57,8 @@ static void test_defaults(void **state) {
         assert_int_equal(c.log_level, LOG_INFO);
         assert_int_equal(c.max_regions_per_session, 8);
         assert_int_equal(c.max_region_bytes_per_uid, 1ull << 40);
-        assert_true(c.max_sessions > 0 && c.max_sessions_per_uid > 0 && c.max_jobs_per_uid > 0 && c.max_fds_per_uid > 0);
+        assert_true(c.max_sessions > 0 && c.max_sessions_per_uid > 0 && c.max_jobs_per_uid > 0 &&
+                    c.max_fds_per_uid > 0);
         config_done(&c);
         config_done(&c); /* idempotent */
 }
@@ -174,8 +175,8 @@ static void test_log_levels(void **state) {
 
 int main(void) {
         const struct CMUnitTest tests[] = {
-                cmocka_unit_test(test_defaults),     cmocka_unit_test(test_good_file),
-                cmocka_unit_test(test_bad_files),    cmocka_unit_test(test_missing_file),
+                cmocka_unit_test(test_defaults),       cmocka_unit_test(test_good_file),
+                cmocka_unit_test(test_bad_files),      cmocka_unit_test(test_missing_file),
                 cmocka_unit_test(test_set_and_reload), cmocka_unit_test(test_log_levels),
         };
 

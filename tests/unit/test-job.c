@@ -19,10 +19,10 @@
 
 /* One owner per would-be rank; the callbacks write into them. */
 struct owner {
-        int barrier_done;      /* times barrier_done was called */
-        int barrier_error;     /* its last error */
-        uint64_t barrier_rid;  /* its last request id */
-        int peer_lost;         /* times peer_lost was called */
+        int barrier_done;     /* times barrier_done was called */
+        int barrier_error;    /* its last error */
+        uint64_t barrier_rid; /* its last request id */
+        int peer_lost;        /* times peer_lost was called */
         uint32_t lost_rank;
 };
 
@@ -86,7 +86,8 @@ static int join(struct fixture *f, const uint8_t *uid, uint32_t rank, uint32_t w
                 struct job_member **ret) {
         char errmsg[ERRMSG_MAX] = "";
         struct job_member *m = NULL;
-        int r = jobs_join(f->jobs, uid, JOB_UNIQUE_ID_BYTES, rank, world, "GPU-0", &f->owners[owner], &m, errmsg);
+        int r = jobs_join(f->jobs, uid, JOB_UNIQUE_ID_BYTES, rank, world, "GPU-0", &f->owners[owner], &m,
+                          errmsg);
 
         if (r < 0)
                 assert_true(errmsg[0]); /* every refusal explains itself */
@@ -144,7 +145,8 @@ static void test_unique_id_and_control_page(void **state) {
         assert_true(seals & F_SEAL_GROW);
         assert_true(seals & F_SEAL_SEAL);
         /* Clients can map it only read-only. */
-        assert_true(mmap(NULL, MOEEP_CONTROL_PAGE_SIZE, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) == MAP_FAILED);
+        assert_true(mmap(NULL, MOEEP_CONTROL_PAGE_SIZE, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) ==
+                    MAP_FAILED);
         page = mmap(NULL, MOEEP_CONTROL_PAGE_SIZE, PROT_READ, MAP_SHARED, fd, 0);
         assert_true(page != MAP_FAILED);
         assert_int_equal(page->magic, MOEEP_CONTROL_PAGE_MAGIC);
@@ -164,8 +166,9 @@ static void test_join_errors(void **state) {
         char errmsg[ERRMSG_MAX];
 
         /* Malformed ids. */
-        assert_int_equal(jobs_join(f->jobs, uid, JOB_UNIQUE_ID_BYTES - 1, 0, 2, NULL, &f->owners[0], &m0, errmsg),
-                         -EINVAL);
+        assert_int_equal(
+                jobs_join(f->jobs, uid, JOB_UNIQUE_ID_BYTES - 1, 0, 2, NULL, &f->owners[0], &m0, errmsg),
+                -EINVAL);
         memcpy(bad, uid, sizeof(bad));
         bad[0] = 9;
         assert_int_equal(join(f, bad, 0, 2, 0, NULL), -EINVAL);
@@ -183,7 +186,8 @@ static void test_join_errors(void **state) {
         assert_int_equal(join(f, uid, 2, 2, 0, NULL), -ERANGE);
         assert_int_equal(join(f, uid, UINT32_MAX, 2, 0, NULL), -ERANGE);
         /* A bad GPU uuid. */
-        assert_int_equal(jobs_join(f->jobs, uid, sizeof(uid), 0, 2, "GPU 0", &f->owners[0], &m0, errmsg), -EINVAL);
+        assert_int_equal(jobs_join(f->jobs, uid, sizeof(uid), 0, 2, "GPU 0", &f->owners[0], &m0, errmsg),
+                         -EINVAL);
 
         assert_int_equal(join(f, uid, 0, 2, 0, &m0), 0);
         assert_int_equal(job->state, JOB_FORMING);
@@ -342,10 +346,14 @@ static void test_creator_gone_frees_empty_jobs(void **state) {
 int main(void) {
 #define T(f) cmocka_unit_test_setup_teardown(f, setup, teardown)
         const struct CMUnitTest tests[] = {
-                T(test_create_validation),       T(test_create_cap),
-                T(test_unique_id_and_control_page), T(test_join_errors),
-                T(test_leave_and_rejoin),        T(test_barrier_generations),
-                T(test_barrier_waits_for_missing_ranks), T(test_abort_on_member_loss),
+                T(test_create_validation),
+                T(test_create_cap),
+                T(test_unique_id_and_control_page),
+                T(test_join_errors),
+                T(test_leave_and_rejoin),
+                T(test_barrier_generations),
+                T(test_barrier_waits_for_missing_ranks),
+                T(test_abort_on_member_loss),
                 T(test_creator_gone_frees_empty_jobs),
         };
 

@@ -221,8 +221,8 @@ static void test_fds_undeclared(void **state) {
 
 static void test_fd_missing(void **state) {
         /* RegionRegister must carry exactly one. */
-        send_crafted(*state, MOEEP_RECORD_MAGIC, MOEEP_PROTOCOL_MAJOR, MOEEP__V1__REQUEST__BODY_REGION_REGISTER, 0, 0,
-                     NULL, 0, 0);
+        send_crafted(*state, MOEEP_RECORD_MAGIC, MOEEP_PROTOCOL_MAJOR,
+                     MOEEP__V1__REQUEST__BODY_REGION_REGISTER, 0, 0, NULL, 0, 0);
         expect_reject(*state, -EBADMSG, "needs descriptors");
 }
 
@@ -262,8 +262,8 @@ static void test_body_case_mismatch(void **state) {
         size_t len = hello_payload(payload);
 
         /* A Hello body under a JobCreate header. */
-        send_crafted(p, MOEEP_RECORD_MAGIC, MOEEP_PROTOCOL_MAJOR, MOEEP__V1__REQUEST__BODY_JOB_CREATE, 0, 0, payload,
-                     len, 0);
+        send_crafted(p, MOEEP_RECORD_MAGIC, MOEEP_PROTOCOL_MAJOR, MOEEP__V1__REQUEST__BODY_JOB_CREATE, 0, 0,
+                     payload, len, 0);
         assert_int_equal(moeep_record_recv(p->b, &p->rec, NULL), 0);
         assert_null(moeep_record_decode_request(&p->rec));
 }
@@ -271,10 +271,14 @@ static void test_body_case_mismatch(void **state) {
 int main(void) {
 #define T(f) cmocka_unit_test_setup_teardown(f, setup, teardown)
         const struct CMUnitTest tests[] = {
-                T(test_round_trip_hello), T(test_round_trip_fd), T(test_nothing_queued), T(test_eof),
-                T(test_bad_magic),        T(test_short),         T(test_length_mismatch), T(test_oversize),
-                T(test_fds_on_hello),     T(test_fds_undeclared), T(test_fd_missing),     T(test_too_many_fds),
-                T(test_unknown_type),     T(test_major_mismatch), T(test_garbage_protobuf), T(test_body_case_mismatch),
+                T(test_round_trip_hello), T(test_round_trip_fd),
+                T(test_nothing_queued),   T(test_eof),
+                T(test_bad_magic),        T(test_short),
+                T(test_length_mismatch),  T(test_oversize),
+                T(test_fds_on_hello),     T(test_fds_undeclared),
+                T(test_fd_missing),       T(test_too_many_fds),
+                T(test_unknown_type),     T(test_major_mismatch),
+                T(test_garbage_protobuf), T(test_body_case_mismatch),
         };
 
         return cmocka_run_group_tests(tests, NULL, NULL);

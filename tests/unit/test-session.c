@@ -73,7 +73,8 @@ static int client(struct fixture *f) {
         return fd;
 }
 
-static void request(struct fixture *f, int fd, Moeep__V1__Request *req, uint64_t rid, const int *fds, size_t n) {
+static void request(struct fixture *f, int fd, Moeep__V1__Request *req, uint64_t rid, const int *fds,
+                    size_t n) {
         assert_int_equal(moeep_record_send(fd, (uint16_t)req->body_case, rid, &req->base, fds, n), 0);
         pump(f);
 }
@@ -266,7 +267,7 @@ static void test_shutdown_event(void **state) {
 int main(void) {
 #define T(f) cmocka_unit_test_setup_teardown(f, setup, teardown)
         const struct CMUnitTest tests[] = {
-                T(test_hello_then_close),      T(test_not_welcomed),  T(test_fds_on_hello_closes_them),
+                T(test_hello_then_close),       T(test_not_welcomed),   T(test_fds_on_hello_closes_them),
                 T(test_job_flow_and_peer_lost), T(test_shutdown_event),
         };
 
