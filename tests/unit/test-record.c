@@ -223,7 +223,7 @@ static void test_fd_missing(void **state) {
         /* RegionRegister must carry exactly one. */
         send_crafted(*state, MOEEP_RECORD_MAGIC, MOEEP_PROTOCOL_MAJOR,
                      MOEEP__V1__REQUEST__BODY_REGION_REGISTER, 0, 0, NULL, 0, 0);
-        expect_reject(*state, -EBADMSG, "needs descriptors");
+        expect_reject(*state, -EBADMSG, "carries none");
 }
 
 static void test_too_many_fds(void **state) {
