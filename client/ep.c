@@ -272,6 +272,12 @@ int moeep_ep_create(struct moeep_client *client, const struct moeep_ep_config *c
         ep->ctx.max_tokens = config->max_tokens_per_rank;
         ep->ctx.max_topk = config->max_topk;
         ep->ctx.num_sms = config->num_sms ? config->num_sms : MOEEP_DEFAULT_NUM_SMS;
+        /* Diagnostics only (docs/benchmarks.md): which part of combine runs,
+         * and a fixed split of its blocks between sending and reducing. */
+        if (getenv("MOEEP_KERNEL_DEBUG"))
+                ep->ctx.debug = atoi(getenv("MOEEP_KERNEL_DEBUG"));
+        if (getenv("MOEEP_COMBINE_SEND_BLOCKS"))
+                ep->ctx.combine_send_blocks = atoi(getenv("MOEEP_COMBINE_SEND_BLOCKS"));
         ep->ctx.timeout_ns =
                 (uint64_t)(config->timeout_ms ? config->timeout_ms : MOEEP_DEFAULT_TIMEOUT_MS) * 1000000;
         r = ep_attach(ep, config);
@@ -516,21 +522,9 @@ int moeep_dispatch(struct moeep_ep *ep, const struct moeep_dispatch_args *a,
                 if (r < 0)
                         goto fail;
                 h->num_recv = -1;
-                if (!a->num_worst_tokens) {
-                        struct moeep_local_state s;
-
-                        if (cudaEventRecord(ep->notify_done, stream) != cudaSuccess ||
-                            cudaEventSynchronize(ep->notify_done) != cudaSuccess ||
-                            cudaMemcpy(&s, ep->ctx.state, sizeof(s), cudaMemcpyDeviceToHost) != cudaSuccess) {
-                                r = ep_fail(ep, -EIO, "waiting for the count exchange: %s",
-                                            cudaGetErrorString(cudaGetLastError()));
-                                goto fail;
-                        }
-                        if ((r = state_error(ep, s.error, s.error_rank)) < 0)
-                                goto fail;
-                        h->num_recv = ep->host->num_recv;
-                        memcpy(h->expert_counts_host, ep->host->expert_counts,
-                               sizeof(int) * (size_t)(ep->ctx.num_experts / ep->ctx.ranks));
+                if (!a->num_worst_tokens && cudaEventRecord(ep->notify_done, stream) != cudaSuccess) {
+                        r = ep_fail(ep, -EIO, "recording the count exchange: %s", cudaGetErrorString(cudaGetLastError()));
+                        goto fail;
                 }
         }
 
@@ -543,9 +537,22 @@ int moeep_dispatch(struct moeep_ep *ep, const struct moeep_dispatch_args *a,
                 .topk_weights = a->topk_weights,
                 .num_topk = a->topk_idx ? a->num_topk : 0,
         };
+        /* The data kernel is queued before the host waits for the counts, so
+         * the GPU goes straight from the count exchange to the payload. */
         r = launch_result(ep, "dispatch", moeep_launch_dispatch(&ep->ctx, &l, &h->route, stream));
         if (r < 0)
                 goto fail;
+        if (fresh && !a->num_worst_tokens) {
+                if (cudaEventSynchronize(ep->notify_done) != cudaSuccess) {
+                        r = ep_fail(ep, -EIO, "waiting for the count exchange: %s", cudaGetErrorString(cudaGetLastError()));
+                        goto fail;
+                }
+                if ((r = state_error(ep, ep->host->error, ep->host->error_rank)) < 0)
+                        goto fail;
+                h->num_recv = ep->host->num_recv;
+                memcpy(h->expert_counts_host, ep->host->expert_counts,
+                       sizeof(int) * (size_t)(ep->ctx.num_experts / ep->ctx.ranks));
+        }
 
         own = ep->ctx.peers[ep->ctx.rank];
         *ret = (struct moeep_dispatch_result){

@@ -8,8 +8,10 @@
  *   warps 0..SEND_WARPS-1   send: claim rows source by source (each warp
  *                           starts at another source so that every peer's
  *                           ingress is busy at once), copy, count;
- *   warps SEND_WARPS..30    reduce consumers: sum the staged rows of a
- *                           (token, 2 KiB slice) from shared memory, write out;
+ *   warps 19..30            reduce consumers, in groups of 4 warps, each
+ *                           group on its own stages: sum the staged rows of
+ *                           a (token, slice of at most 8 KiB) from shared
+ *                           memory, write out; (warps 16..18 idle)
  *   warp 31                 reduce producer: waits for a chunk's counter and
  *                           bulk-copies (TMA) the slices of its rows into a
  *                           ring of shared-memory stages.
@@ -23,13 +25,15 @@
 
 enum {
         COMBINE_THREADS = 1024,
-        SEND_WARPS = 27,
-        CONSUMER_WARPS = 4,
+        SEND_WARPS = 16,
+        CONSUMER_WARPS = 12,      /* in groups of GROUP_WARPS, one group per stage */
+        GROUP_WARPS = 4,
+        CONSUMER_GROUPS = CONSUMER_WARPS / GROUP_WARPS,
         PRODUCER_WARP = 31,
-        SLICE_BYTES = CONSUMER_WARPS * 32 * 16, /* one int4 per consumer thread */
+        SLICE_MAX = 8192,         /* bytes of one row slice; a stage holds ranks of them */
         MAX_STAGES = 16,
-        STAGE_SMEM = 128 * 1024,               /* ring of stages, each ranks x SLICE_BYTES */
-        CLAIM_ROWS = 4,                        /* rows a send warp claims at once */
+        STAGE_SMEM = 192 * 1024,  /* ring of stages */
+        CLAIM_ROWS = 4,           /* rows a send warp claims (and counts) at once */
 };
 
 struct stage_info {
@@ -62,7 +66,7 @@ __device__ __forceinline__ int4 pack_bf16x8(const float *acc) {
 __device__ __forceinline__ void combine_send(const struct moeep_ctx &ctx, const int4 *x, const float *weights, int K,
                                              const struct moeep_route &route, const int *s_prefix) {
         const int lane = threadIdx.x % 32, R = ctx.ranks, me = ctx.rank;
-        const int sw = blockIdx.x * SEND_WARPS + threadIdx.x / 32;
+        const int sw = blockIdx.x * 32 + threadIdx.x / 32;
         const size_t row_bytes = (size_t)ctx.hidden * 2;
         const int n16 = (int)(row_bytes / 16);
 
@@ -76,7 +80,8 @@ __device__ __forceinline__ void combine_send(const struct moeep_ctx &ctx, const 
                         base = __shfl_sync(0xffffffffu, base, 0);
                         if (base >= count)
                                 break;
-                        for (int q = base; q < min(base + CLAIM_ROWS, count); q++) {
+                        const int end = min(base + CLAIM_ROWS, count);
+                        for (int q = base; q < end; q++) {
                                 const int p = s_prefix[s] + q;
                                 const int t = route.recv_src[p] & 0xffffff;
                                 const size_t slot = (size_t)me * ctx.max_tokens + t;
@@ -97,39 +102,49 @@ __device__ __forceinline__ void combine_send(const struct moeep_ctx &ctx, const 
                                 if (weights && lane < K)
                                         ((float *)(ctx.peers[s] + ctx.layout.comb_weights))[slot * ctx.max_topk + lane] =
                                                 weights[(size_t)p * K + lane];
-                                /* The row (all lanes' stores, ordered by the warp
-                                 * barrier) is visible before the count. */
-                                __syncwarp();
-                                if (lane == 0)
-                                        red_release_sys_add(&sync_of(ctx, s)->comb_chunk[t / MOEEP_COMBINE_CHUNK], 1);
+                        }
+                        /* Lane i counts row base + i: the warp barrier orders
+                         * every lane's stores of the claimed rows before each
+                         * lane's release. */
+                        __syncwarp();
+                        if (lane < end - base && !(ctx.debug & MOEEP_DEBUG_NO_COUNTS)) {
+                                const int t = route.recv_src[s_prefix[s] + base + lane] & 0xffffff;
+                                red_release_sys_add(&sync_of(ctx, s)->comb_chunk[t / MOEEP_COMBINE_CHUNK], 1);
                         }
                 }
         }
 }
 
-/* Tokens [lo, hi) of this block: whole chunks, so that exactly one block
- * waits for (and resets) each chunk counter. */
-__device__ __forceinline__ void block_tokens(int num_tokens, int *lo, int *hi) {
-        const int chunks = (num_tokens + MOEEP_COMBINE_CHUNK - 1) / MOEEP_COMBINE_CHUNK;
-        const int per = (chunks + gridDim.x - 1) / gridDim.x;
-        *lo = min(num_tokens, (int)blockIdx.x * per * MOEEP_COMBINE_CHUNK);
-        *hi = min(num_tokens, ((int)blockIdx.x + 1) * per * MOEEP_COMBINE_CHUNK);
+/* Rows are reduced in slices of at most SLICE_MAX bytes, 16-byte multiples. */
+__device__ __forceinline__ void row_slices(int row_bytes, int *ret_n, int *ret_bytes) {
+        const int n = (row_bytes + SLICE_MAX - 1) / SLICE_MAX;
+        *ret_n = n;
+        *ret_bytes = ((row_bytes + n - 1) / n + 15) / 16 * 16;
 }
+
+/* Block b reduces chunks b, b + grid, b + 2 grid, ...: exactly one block
+ * waits for (and resets) each chunk counter, and every block's work follows
+ * the senders, who move through each source's tokens in order. */
+#define FOR_EACH_BLOCK_CHUNK(c0, c1, num_tokens, rb, nrb)                                                 \
+        for (int c0 = (rb) * MOEEP_COMBINE_CHUNK, c1 = min(c0 + MOEEP_COMBINE_CHUNK, (num_tokens));        \
+             c0 < (num_tokens);                                                                            \
+             c0 += (nrb) * MOEEP_COMBINE_CHUNK, c1 = min(c0 + MOEEP_COMBINE_CHUNK, (num_tokens)))
 
 /* Producer role (warp 31): the whole warp reads the chunk's routing, lane 0
  * waits for the chunk's rows and issues the bulk copies. */
 __device__ __forceinline__ void combine_produce(const struct moeep_ctx &ctx, const struct moeep_route &route,
                                                 char *stages, uint64_t *full, uint64_t *empty,
-                                                struct stage_info *info, int nstages, size_t stage_bytes) {
+                                                struct stage_info *info, int nstages, size_t stage_bytes, int rb,
+                                                int nrb) {
         const int lane = threadIdx.x % 32, R = ctx.ranks;
-        const int row_bytes = ctx.hidden * 2, slices = (row_bytes + SLICE_BYTES - 1) / SLICE_BYTES;
+        const int row_bytes = ctx.hidden * 2;
         const char *slots = ctx.peers[ctx.rank] + ctx.layout.comb_x;
-        int lo, hi, stage = 0;
+        int stage = 0, slices, slice_bytes;
         uint32_t phase = 0;
         bool ok = true;
 
-        block_tokens(route.num_tokens, &lo, &hi);
-        for (int c0 = lo; c0 < hi; c0 += MOEEP_COMBINE_CHUNK) {
+        row_slices(row_bytes, &slices, &slice_bytes);
+        FOR_EACH_BLOCK_CHUNK(c0, hi, route.num_tokens, rb, nrb) {
                 const int t = c0 + lane, c = c0 / MOEEP_COMBINE_CHUNK;
                 uint32_t mask = 0;
                 if (t < hi)
@@ -139,7 +154,7 @@ __device__ __forceinline__ void combine_produce(const struct moeep_ctx &ctx, con
                         uint32_t *counter = &sync_of(ctx, ctx.rank)->comb_chunk[c];
                         const uint32_t want = (uint32_t)route.chunk_expect[c];
                         const uint64_t start = globaltimer_ns();
-                        while (ok && ld_acquire_sys_u32(counter) < want) {
+                        while (ok && !(ctx.debug & MOEEP_DEBUG_NO_COUNTS) && ld_acquire_sys_u32(counter) < want) {
                                 if (ctx.abort_word && ld_volatile_u32(ctx.abort_word)) {
                                         record_error(ctx, MOEEP_KERR_ABORT, -1);
                                         ok = false;
@@ -154,28 +169,28 @@ __device__ __forceinline__ void combine_produce(const struct moeep_ctx &ctx, con
                         *counter = 0;
                         fence_proxy_async_global();
                 }
+                /* One lane per row: lane k bulk-copies the k-th contributing
+                 * rank's slice, so a stage's copies go out together. */
+                ok = __shfl_sync(0xffffffffu, ok, 0);
                 for (int i = 0; i < MOEEP_COMBINE_CHUNK && c0 + i < hi; i++) {
                         const uint32_t m = __shfl_sync(0xffffffffu, mask, i);
-                        if (lane != 0)
-                                continue;
                         const int tok = c0 + i, n = ok ? __popc(m) : 0;
+                        const int r = lane < n ? (int)__fns(m, 0, lane + 1) : 0;
+                        const char *row = slots + ((size_t)r * ctx.max_tokens + tok) * row_bytes;
                         for (int j = 0; j < slices; j++) {
-                                const int bytes = min(SLICE_BYTES, row_bytes - j * SLICE_BYTES);
-                                mbar_wait(&empty[stage], phase ^ 1);
-                                info[stage] = (struct stage_info){ tok, j, n, bytes };
-                                if (n == 0) {
-                                        mbar_arrive(&full[stage]);
-                                } else {
-                                        int k = 0;
-                                        mbar_arrive_expect_tx(&full[stage], (uint32_t)(n * bytes));
-                                        for (uint32_t mm = m; mm; mm &= mm - 1, k++) {
-                                                const int r = __ffs(mm) - 1;
-                                                const char *src = slots + ((size_t)r * ctx.max_tokens + tok) * row_bytes +
-                                                                  (size_t)j * SLICE_BYTES;
-                                                tma_load_1d(stages + stage * stage_bytes + (size_t)k * SLICE_BYTES, src,
-                                                            (uint32_t)bytes, &full[stage]);
-                                        }
+                                const int bytes = min(slice_bytes, row_bytes - j * slice_bytes);
+                                if (lane == 0) {
+                                        mbar_wait(&empty[stage], phase ^ 1);
+                                        info[stage] = (struct stage_info){ tok, j, n, bytes };
+                                        if (n == 0)
+                                                mbar_arrive(&full[stage]);
+                                        else
+                                                mbar_arrive_expect_tx(&full[stage], (uint32_t)(n * bytes));
                                 }
+                                __syncwarp();
+                                if (lane < n)
+                                        tma_load_1d(stages + stage * stage_bytes + (size_t)lane * SLICE_MAX,
+                                                    row + (size_t)j * slice_bytes, (uint32_t)bytes, &full[stage]);
                                 if (++stage == nstages) {
                                         stage = 0;
                                         phase ^= 1;
@@ -186,98 +201,120 @@ __device__ __forceinline__ void combine_produce(const struct moeep_ctx &ctx, con
         }
 }
 
-/* Consumer role: sums each staged (token, slice) and writes it out; the
+/* Consumer role: group g of GROUP_WARPS warps takes every
+ * CONSUMER_GROUPS-th stage of the sequence the producer fills; its warps
+ * split the slice's columns, sum the staged rows and write them out. The
  * weights of a token are summed with its first slice. */
 __device__ __forceinline__ void combine_consume(const struct moeep_ctx &ctx, const struct moeep_route &route,
                                                 const char *stages, uint64_t *full, uint64_t *empty,
                                                 const struct stage_info *info, int nstages, size_t stage_bytes,
-                                                int4 *out, float *out_weights, int K) {
-        const int ct = threadIdx.x - SEND_WARPS * 32, lane = ct % 32, R = ctx.ranks;
-        const int row_bytes = ctx.hidden * 2, slices = (row_bytes + SLICE_BYTES - 1) / SLICE_BYTES;
+                                                int4 *out, float *out_weights, int K, int cw, int rb, int nrb) {
+        const int lane = threadIdx.x % 32, R = ctx.ranks, g = cw / GROUP_WARPS, wg = cw % GROUP_WARPS;
+        const int row_bytes = ctx.hidden * 2;
         const float *wslots = (const float *)(ctx.peers[ctx.rank] + ctx.layout.comb_weights);
-        int lo, hi, stage = 0;
-        uint32_t phase = 0;
+        int slices, slice_bytes, u = 0;
 
-        block_tokens(route.num_tokens, &lo, &hi);
-        for (int t = lo; t < hi; t++)
-                for (int j = 0; j < slices; j++) {
-                        mbar_wait(&full[stage], phase);
+        row_slices(row_bytes, &slices, &slice_bytes);
+        FOR_EACH_BLOCK_CHUNK(c0, c1, route.num_tokens, rb, nrb)
+        for (int t = c0; t < c1; t++)
+                for (int j = 0; j < slices; j++, u++) {
+                        if (u % CONSUMER_GROUPS != g)
+                                continue;
+                        const int stage = u % nstages;
+                        mbar_wait(&full[stage], (uint32_t)(u / nstages) & 1);
                         const struct stage_info si = info[stage];
-                        if (ct * 16 < si.bytes) {
+                        const char *buf = stages + stage * stage_bytes;
+                        for (int i = wg * 32 + lane; i * 16 < si.bytes; i += GROUP_WARPS * 32) {
                                 float acc[8] = {};
                                 for (int k = 0; k < si.nrows; k++)
-                                        add_bf16x8(acc, *(const int4 *)(stages + stage * stage_bytes +
-                                                                        (size_t)k * SLICE_BYTES + ct * 16));
-                                out[((size_t)t * row_bytes + (size_t)j * SLICE_BYTES) / 16 + ct] = pack_bf16x8(acc);
+                                        add_bf16x8(acc, *(const int4 *)(buf + (size_t)k * SLICE_MAX + i * 16));
+                                out[((size_t)t * row_bytes + (size_t)j * slice_bytes) / 16 + i] = pack_bf16x8(acc);
                         }
-                        if (j == 0 && out_weights && ct < K) {
+                        if (j == 0 && out_weights && wg == 0 && lane < K) {
                                 float w = 0.0f;
                                 if (si.nrows > 0)
                                         for (int r = 0; r < R; r++)
                                                 if (route.send_pos[(size_t)t * R + r] >= 0)
-                                                        w += __ldcg(wslots + ((size_t)r * ctx.max_tokens + t) * ctx.max_topk + ct);
-                                out_weights[(size_t)t * K + ct] = w;
+                                                        w += __ldcg(wslots + ((size_t)r * ctx.max_tokens + t) * ctx.max_topk + lane);
+                                out_weights[(size_t)t * K + lane] = w;
                         }
                         __syncwarp();
                         if (lane == 0)
                                 mbar_arrive(&empty[stage]);
-                        if (++stage == nstages) {
-                                stage = 0;
-                                phase ^= 1;
-                        }
                 }
 }
 
 __global__ void __launch_bounds__(COMBINE_THREADS, 1)
         combine_kernel(struct moeep_ctx ctx, const int4 *x, const float *weights, int num_topk,
-                       struct moeep_route route, int4 *out, float *out_weights, int nstages) {
+                       struct moeep_route route, int4 *out, float *out_weights, int nstages, int send_blocks) {
         extern __shared__ __align__(1024) char stages[];
         __shared__ uint64_t full[MAX_STAGES], empty[MAX_STAGES];
         __shared__ struct stage_info info[MAX_STAGES];
         __shared__ int s_prefix[MOEEP_KERNEL_MAX_RANKS + 1];
         const int tid = threadIdx.x, warp = tid / 32;
-        const size_t stage_bytes = (size_t)ctx.ranks * SLICE_BYTES;
+        const size_t stage_bytes = (size_t)ctx.ranks * SLICE_MAX;
 
         if (tid <= ctx.ranks)
                 s_prefix[tid] = route.rank_prefix[tid];
         if (tid < nstages) {
                 mbar_init(&full[tid], 1);
-                mbar_init(&empty[tid], CONSUMER_WARPS);
+                mbar_init(&empty[tid], GROUP_WARPS); /* every warp of the stage's group */
         }
         fence_mbar_init();
         __syncthreads();
 
-        if (warp < SEND_WARPS) {
-                if (!*(volatile uint32_t *)&ctx.state->error)
+        /* send_blocks == 0: every block mixes the roles (warps 0..SEND_WARPS-1
+         * send); else blocks below send_blocks only send and the others only
+         * reduce. */
+        const bool split = send_blocks > 0;
+        const bool sender = split ? (int)blockIdx.x < send_blocks : warp < SEND_WARPS;
+        const int rb = split ? (int)blockIdx.x - send_blocks : (int)blockIdx.x;
+        const int nrb = split ? (int)gridDim.x - send_blocks : (int)gridDim.x;
+        const int nsend = split ? send_blocks : (int)gridDim.x;
+
+        if (sender) {
+                if (!*(volatile uint32_t *)&ctx.state->error && !(ctx.debug & MOEEP_DEBUG_NO_SEND))
                         combine_send(ctx, x, weights, num_topk, route, s_prefix);
                 /* Last sender block resets the claim counters for the next call. */
-                asm volatile("bar.sync 1, %0;" ::"n"(SEND_WARPS * 32));
-                if (tid == 0 && atomicAdd(&ctx.state->blocks_done, 1u) == gridDim.x - 1) {
+                if (split)
+                        __syncthreads();
+                else
+                        asm volatile("bar.sync 1, %0;" ::"n"(SEND_WARPS * 32));
+                if (tid == 0 && atomicAdd(&ctx.state->blocks_done, 1u) == (unsigned)nsend - 1) {
                         for (int s = 0; s < ctx.ranks; s++)
                                 ctx.state->claim[s] = 0;
                         ctx.state->blocks_done = 0;
                 }
+        } else if (ctx.debug & MOEEP_DEBUG_NO_REDUCE) {
+                return;
         } else if (warp == PRODUCER_WARP) {
-                combine_produce(ctx, route, stages, full, empty, info, nstages, stage_bytes);
-        } else {
+                combine_produce(ctx, route, stages, full, empty, info, nstages, stage_bytes, rb, nrb);
+        } else if (warp >= PRODUCER_WARP - CONSUMER_WARPS) {
                 combine_consume(ctx, route, stages, full, empty, info, nstages, stage_bytes, out, out_weights,
-                                num_topk);
+                                num_topk, warp - (PRODUCER_WARP - CONSUMER_WARPS), rb, nrb);
         }
 }
 
 extern "C" int moeep_launch_combine(const struct moeep_ctx *ctx, const void *x, const float *topk_weights,
                                     int num_topk, const struct moeep_route *route, void *out, float *out_weights,
                                     cudaStream_t stream) {
-        const size_t stage_bytes = (size_t)ctx->ranks * SLICE_BYTES;
-        const int nstages = (int)min((size_t)MAX_STAGES, STAGE_SMEM / stage_bytes);
+        const size_t stage_bytes = (size_t)ctx->ranks * SLICE_MAX;
+        const int nstages = (int)min((size_t)MAX_STAGES, STAGE_SMEM / stage_bytes) / CONSUMER_GROUPS * CONSUMER_GROUPS;
         cudaError_t e;
 
         MOEEP_CUDA_LAUNCH_BEGIN();
         e = cudaFuncSetAttribute(combine_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, STAGE_SMEM);
         if (e != cudaSuccess)
                 return (int)e;
+        /* Half the blocks only send and half only reduce: on the same SM the
+         * remote stores stall the reduce's loads (measured: mixed roles
+         * 693 us, split 579 us at 24 SMs; docs/benchmarks.md). */
+        int send_blocks = ctx->combine_send_blocks > 0 ? ctx->combine_send_blocks : ctx->num_sms / 2;
+        if (send_blocks >= ctx->num_sms || ctx->combine_send_blocks < 0)
+                send_blocks = 0;
         combine_kernel<<<ctx->num_sms, COMBINE_THREADS, nstages * stage_bytes, stream>>>(
-                *ctx, (const int4 *)x, topk_weights, num_topk, *route, (int4 *)out, out_weights, nstages);
+                *ctx, (const int4 *)x, topk_weights, num_topk, *route, (int4 *)out, out_weights, nstages,
+                send_blocks);
         MOEEP_CUDA_LAUNCH_CHECK();
         return 0;
 }

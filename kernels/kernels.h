@@ -63,6 +63,14 @@ struct moeep_local_state {
         int32_t pad;
 };
 
+/* Diagnostic switches that leave out parts of combine, to time the rest;
+ * the results are wrong while one is set. */
+enum moeep_kernel_debug {
+        MOEEP_DEBUG_NO_REDUCE = 1,   /* combine: senders only */
+        MOEEP_DEBUG_NO_COUNTS = 2,   /* combine: no arrival counting, the reduce does not wait */
+        MOEEP_DEBUG_NO_SEND = 4,     /* combine: reduce only (use with NO_COUNTS) */
+};
+
 enum moeep_kernel_error {
         MOEEP_KERR_NONE = 0,
         MOEEP_KERR_TIMEOUT = 1, /* a peer's flag did not arrive within the wait bound */
@@ -99,6 +107,8 @@ struct moeep_ctx {
         int max_tokens;
         int max_topk;
         int num_sms;
+        int combine_send_blocks;                /* 0: half the blocks send, half reduce; < 0: every block does both; else that many send */
+        int debug;                              /* MOEEP_DEBUG_* bits (diagnostics, from $MOEEP_KERNEL_DEBUG) */
         uint64_t timeout_ns;                    /* bound of every spin-wait (globaltimer ns) */
 };
 
@@ -116,6 +126,8 @@ struct moeep_route {
 
 /* Host-mapped results of the notify kernel, read after an event wait. */
 struct moeep_notify_host {
+        uint32_t error;          /* moeep_local_state.error when notify ended */
+        int32_t error_rank;
         int32_t num_recv;
         int32_t expert_counts[MOEEP_KERNEL_MAX_EXPERTS];
 };

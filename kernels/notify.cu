@@ -187,8 +187,13 @@ __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
                                 e += route.send_pos[(size_t)t * R + d] >= 0;
                 route.chunk_expect[c] = e;
         }
-        if (tid == 0)
+        if (tid == 0) {
                 ctx.state->seq = seq;
+                if (host_out) {
+                        host_out->error = *(volatile uint32_t *)&ctx.state->error;
+                        host_out->error_rank = ctx.state->error_rank;
+                }
+        }
 }
 
 extern "C" int moeep_launch_notify(const struct moeep_ctx *ctx, const uint8_t *is_token_in_rank,

@@ -222,8 +222,9 @@ int moeep_record_recv(int sock, struct moeep_record *rec, const char **ret_why) 
         }
         expected = moeep_record_fds_expected(rec->hdr.type);
         if ((expected >= 0 && rec->nfds != (size_t)expected)) {
-                why = rec->nfds ? "descriptors on a record type that may not carry them"
-                                : "record type needs descriptors but carries none";
+                why = expected == 0 ? "descriptors on a record type that may not carry them"
+                      : rec->nfds == 0 ? "record type needs exactly one descriptor but carries none"
+                                       : "record type needs exactly one descriptor but carries several";
                 goto fail;
         }
         rec->payload = rec->buf + sizeof(rec->hdr);

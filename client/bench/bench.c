@@ -477,7 +477,7 @@ static int bench_floor(struct rank_env *env, int *slot, int T) {
         const struct opts *o = env->o;
         struct moeep_ctx ctx;
         struct floor_arg f;
-        int err = 0, nsm = 0;
+        int err = 0, nsm = 0, dev = 0;
         size_t bytes = (size_t)T * o->hidden * 2 * 9 / 10; /* about what each peer gets with top-8 of 256 */
         double us, total;
 
@@ -485,7 +485,8 @@ static int bench_floor(struct rank_env *env, int *slot, int T) {
                 return 0;
         bytes = bytes / 16 * 16;
         total = (double)bytes * env->ranks; /* one share from each rank, own included */
-        cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, env->rank % 64);
+        cudaGetDevice(&dev);
+        cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, dev);
         f = (struct floor_arg){ .ctx = &ctx, .bytes = bytes, .blocks = o->sms };
         us = time_op(env, op_floor, &f, &err);
         record(env, (*slot)++, OP_NVL_FLOOR, T, o->sms, us, total);
