@@ -390,7 +390,7 @@ static int handle_get(struct moeep_ep *ep, struct moeep_ep_handle **ret) {
                 return ep_fail(ep, -ENOMEM, "out of memory for a dispatch handle");
         h->expert_counts_host = calloc((size_t)L, sizeof(int));
         if (!h->expert_counts_host ||
-            cudaMalloc(&h->dev_mem, (n_send + n_recv + R + 1 + L + 1 + n_chunks) * sizeof(int32_t)) != cudaSuccess) {
+            cudaMalloc(&h->dev_mem, (n_send + n_recv + R + 1 + R + L + 1 + n_chunks) * sizeof(int32_t)) != cudaSuccess) {
                 (void)cudaGetLastError();
                 free(h->expert_counts_host);
                 free(h);
@@ -404,6 +404,8 @@ static int handle_get(struct moeep_ep *ep, struct moeep_ep_handle **ret) {
         p += n_recv * sizeof(int32_t);
         h->route.rank_prefix = (int32_t *)p;
         p += (size_t)(R + 1) * sizeof(int32_t);
+        h->route.dst_base = (int32_t *)p;
+        p += (size_t)R * sizeof(int32_t);
         h->route.expert_counts = (int32_t *)p;
         p += (size_t)L * sizeof(int32_t);
         h->route.num_recv = (int32_t *)p;

@@ -29,9 +29,13 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1)
         const Idx *topk_idx = (const Idx *)a.topk_idx;
         const bool failed = *(volatile uint32_t *)&ctx.state->error != 0;
 
+        const int my_base = lane < R ? route.dst_base[lane] : 0;
+
         for (int t = gwarp; t < num_tokens && !failed; t += warps) {
                 /* pos[d]: our row in rank d's receive area, -1 when t skips d. */
                 int my_pos = lane < R ? route.send_pos[(size_t)t * R + lane] : -1;
+                if (my_pos >= 0)
+                        my_pos += my_base;
                 int pos[MOEEP_KERNEL_MAX_RANKS];
 #pragma unroll
                 for (int d = 0; d < MOEEP_KERNEL_MAX_RANKS; d++)

@@ -115,7 +115,8 @@ struct moeep_ctx {
 /* Routing state of one dispatch, kept for combine and for a cached dispatch.
  * Device arrays, owned by the handle (see client/ep.c). */
 struct moeep_route {
-        int32_t *send_pos;       /* [num_tokens][ranks]: row in dst's receive area, -1 = not sent */
+        int32_t *send_pos;       /* [num_tokens][ranks]: row among our rows at dst, -1 = not sent */
+        int32_t *dst_base;       /* [ranks]: first row of ours in each dst's receive area */
         int32_t *recv_src;       /* [ranks * max_tokens]: (src rank << 24) | src token, per received row */
         int32_t *rank_prefix;    /* [ranks + 1]: first received row of each source rank */
         int32_t *expert_counts;  /* [local experts]: received tokens per local expert (aligned) */

@@ -47,8 +47,8 @@ __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
                       struct moeep_notify_host *host_out) {
         __shared__ int s_warp_sum[NOTIFY_WARPS][MOEEP_KERNEL_MAX_RANKS];
         __shared__ int s_total[MOEEP_KERNEL_MAX_RANKS];
-        __shared__ int s_base[MOEEP_KERNEL_MAX_RANKS];
         __shared__ int s_hist[MOEEP_KERNEL_MAX_EXPERTS];
+        __shared__ int s_chunk[MOEEP_COMBINE_CHUNKS]; /* rows combine returns per chunk of 32 tokens */
         const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
         const int R = ctx.ranks, me = ctx.rank, E = ctx.num_experts, epr = E / R;
         const uint64_t seq = ctx.state->seq + 1;
@@ -78,6 +78,8 @@ __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
         }
         for (int i = tid; i < E; i += NOTIFY_THREADS)
                 s_hist[i] = 0;
+        for (int i = tid; i * MOEEP_COMBINE_CHUNK < num_tokens; i += NOTIFY_THREADS)
+                s_chunk[i] = 0;
         __syncthreads();
         if (topk_idx)
                 for (int i = tid; i < num_tokens * num_topk; i += NOTIFY_THREADS) {
@@ -119,8 +121,9 @@ __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
         }
         __syncthreads();
 
-        /* Positions relative to the start of our rows at each destination;
-         * the destination's base is added once the counts are exchanged. */
+        /* Positions relative to the start of our rows at each destination
+         * (the dispatch kernel adds dst_base), and the rows each chunk of our
+         * tokens will get back in combine. */
         {
                 int next[MOEEP_KERNEL_MAX_RANKS];
 #pragma unroll
@@ -130,6 +133,7 @@ __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
                         uint32_t m = token_mask(in_rank, topk_idx, t, num_topk, R, epr);
                         for (int d = 0; d < R; d++)
                                 route.send_pos[(size_t)t * R + d] = (m >> d) & 1 ? next[d]++ : -1;
+                        atomicAdd(&s_chunk[t / MOEEP_COMBINE_CHUNK], __popc(m));
                 }
         }
 
@@ -149,7 +153,7 @@ __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
                 int base = 0;
                 for (int s = 0; s < me; s++)
                         base += *(const volatile int32_t *)&my->rank_counts[par][s][tid];
-                s_base[tid] = base;
+                route.dst_base[tid] = base;
         }
         if (tid == 0) {
                 int sum = 0;
@@ -172,21 +176,8 @@ __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
                 if (host_out)
                         host_out->expert_counts[l] = c;
         }
-        __syncthreads();
-        for (int i = tid; i < num_tokens * R; i += NOTIFY_THREADS) {
-                int v = route.send_pos[i];
-                if (v >= 0)
-                        route.send_pos[i] = v + s_base[i % R];
-        }
-        __syncthreads();
-        /* How many rows combine will bring back per chunk of our tokens. */
-        for (int c = tid; c * MOEEP_COMBINE_CHUNK < num_tokens; c += NOTIFY_THREADS) {
-                int e = 0;
-                for (int t = c * MOEEP_COMBINE_CHUNK; t < min(num_tokens, (c + 1) * MOEEP_COMBINE_CHUNK); t++)
-                        for (int d = 0; d < R; d++)
-                                e += route.send_pos[(size_t)t * R + d] >= 0;
-                route.chunk_expect[c] = e;
-        }
+        for (int c = tid; c * MOEEP_COMBINE_CHUNK < num_tokens; c += NOTIFY_THREADS)
+                route.chunk_expect[c] = s_chunk[c];
         if (tid == 0) {
                 ctx.state->seq = seq;
                 if (host_out) {
