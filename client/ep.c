@@ -236,6 +236,7 @@ static void ep_free(struct moeep_ep *ep) {
                 cudaFreeHost(ep->host);
         if (ep->ctx.state)
                 cudaFree(ep->ctx.state);
+        cudaFree(ep->ctx.trace);
         if (ep->control_page_registered)
                 cudaHostUnregister(ep->control_page);
         if (ep->cu) {
@@ -276,6 +277,8 @@ int moeep_ep_create(struct moeep_client *client, const struct moeep_ep_config *c
          * and a fixed split of its blocks between sending and reducing. */
         if (getenv("MOEEP_KERNEL_DEBUG"))
                 ep->ctx.debug = atoi(getenv("MOEEP_KERNEL_DEBUG"));
+        if (getenv("MOEEP_KERNEL_TRACE") && cudaMalloc((void **)&ep->ctx.trace, 4096 * sizeof(uint64_t)) == cudaSuccess)
+                cudaMemset(ep->ctx.trace, 0, 4096 * sizeof(uint64_t));
         if (getenv("MOEEP_COMBINE_SEND_BLOCKS"))
                 ep->ctx.combine_send_blocks = atoi(getenv("MOEEP_COMBINE_SEND_BLOCKS"));
         ep->ctx.timeout_ns =

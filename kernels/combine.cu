@@ -254,6 +254,8 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1)
         const int tid = threadIdx.x, warp = tid / 32;
         const size_t stage_bytes = (size_t)ctx.ranks * SLICE_MAX;
 
+        if (ctx.trace && tid == 0)
+                ctx.trace[blockIdx.x * 4] = globaltimer_ns();
         if (tid <= ctx.ranks)
                 s_prefix[tid] = route.rank_prefix[tid];
         if (tid < nstages) {
@@ -280,6 +282,8 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1)
                         __syncthreads();
                 else
                         asm volatile("bar.sync 1, %0;" ::"n"(SEND_WARPS * 32));
+                if (ctx.trace && tid == 0)
+                        ctx.trace[blockIdx.x * 4 + 1] = globaltimer_ns();
                 if (tid == 0 && atomicAdd(&ctx.state->blocks_done, 1u) == (unsigned)nsend - 1) {
                         for (int s = 0; s < ctx.ranks; s++)
                                 ctx.state->claim[s] = 0;
@@ -289,9 +293,13 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1)
                 return;
         } else if (warp == PRODUCER_WARP) {
                 combine_produce(ctx, route, stages, full, empty, info, nstages, stage_bytes, rb, nrb);
+                if (ctx.trace && tid % 32 == 0)
+                        ctx.trace[blockIdx.x * 4 + 2] = globaltimer_ns();
         } else if (warp >= PRODUCER_WARP - CONSUMER_WARPS) {
                 combine_consume(ctx, route, stages, full, empty, info, nstages, stage_bytes, out, out_weights,
                                 num_topk, warp - (PRODUCER_WARP - CONSUMER_WARPS), rb, nrb);
+                if (ctx.trace && tid % 32 == 0)
+                        atomicMax((unsigned long long *)&ctx.trace[blockIdx.x * 4 + 3], (unsigned long long)globaltimer_ns());
         }
 }
 

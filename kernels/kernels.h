@@ -42,7 +42,7 @@ extern "C" {
 struct moeep_sync {
         uint64_t barrier_flag[MOEEP_KERNEL_MAX_RANKS];  /* [src]: src entered barrier seq */
         uint64_t dispatch_flag[MOEEP_KERNEL_MAX_RANKS]; /* [src]: src's dispatch rows for seq landed */
-        /* Combine arrival counters, one per 32 of our tokens: every row a
+        /* Combine arrival counters, one per MOEEP_COMBINE_CHUNK of our tokens: every row a
          * rank sends back adds 1 (release) to the counter of the row's token;
          * our reduce consumes a chunk once its count reaches the number of
          * rows expected (route.chunk_expect), then zeroes it. */
@@ -108,6 +108,7 @@ struct moeep_ctx {
         int max_topk;
         int num_sms;
         int combine_send_blocks;                /* 0: half the blocks send, half reduce; < 0: every block does both; else that many send */
+        uint64_t *trace;                        /* diagnostics: [block][4] globaltimer stamps of combine, or NULL */
         int debug;                              /* MOEEP_DEBUG_* bits (diagnostics, from $MOEEP_KERNEL_DEBUG) */
         uint64_t timeout_ns;                    /* bound of every spin-wait (globaltimer ns) */
 };
@@ -121,7 +122,7 @@ struct moeep_route {
         int32_t *rank_prefix;    /* [ranks + 1]: first received row of each source rank */
         int32_t *expert_counts;  /* [local experts]: received tokens per local expert (aligned) */
         int32_t *num_recv;       /* [1] */
-        int32_t *chunk_expect;   /* [ceil(num_tokens / 32)]: rows combine returns per chunk of our tokens */
+        int32_t *chunk_expect;   /* [ceil(num_tokens / MOEEP_COMBINE_CHUNK)]: rows combine returns per chunk */
         int num_tokens;
 };
 

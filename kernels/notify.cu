@@ -48,7 +48,7 @@ __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
         __shared__ int s_warp_sum[NOTIFY_WARPS][MOEEP_KERNEL_MAX_RANKS];
         __shared__ int s_total[MOEEP_KERNEL_MAX_RANKS];
         __shared__ int s_hist[MOEEP_KERNEL_MAX_EXPERTS];
-        __shared__ int s_chunk[MOEEP_COMBINE_CHUNKS]; /* rows combine returns per chunk of 32 tokens */
+        __shared__ int s_chunk[MOEEP_COMBINE_CHUNKS]; /* rows combine returns per chunk of MOEEP_COMBINE_CHUNK tokens */
         const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
         const int R = ctx.ranks, me = ctx.rank, E = ctx.num_experts, epr = E / R;
         const uint64_t seq = ctx.state->seq + 1;

@@ -223,6 +223,31 @@ static int op_dispatch(struct rank_env *env, void *arg) {
         return 0;
 }
 
+/* With $MOEEP_KERNEL_TRACE, rank 0 prints when each block of its last
+ * combine ended its roles (us after the first block started). */
+static void print_trace(struct rank_env *env, int T, int sms) {
+        struct moeep_ctx ctx;
+        uint64_t t[4 * 64], t0 = UINT64_MAX;
+
+        if (env->rank != 0 || ep_internal_ctx(env->ep, &ctx) < 0 || !ctx.trace || sms > 64)
+                return;
+        cudaDeviceSynchronize();
+        cudaMemcpy(t, ctx.trace, sizeof(uint64_t) * 4 * (size_t)sms, cudaMemcpyDeviceToHost);
+        for (int b = 0; b < sms; b++)
+                if (t[4 * b] && t[4 * b] < t0)
+                        t0 = t[4 * b];
+        fprintf(stderr, "trace tokens %d: block start/send/produce/consume us:", T);
+        for (int b = 0; b < sms; b++) {
+                fprintf(stderr, " [%d %.0f", b, (t[4 * b] - t0) / 1e3);
+                for (int k = 1; k < 4; k++)
+                        if (t[4 * b + k] > t0)
+                                fprintf(stderr, " %.0f", (t[4 * b + k] - t0) / 1e3);
+                fprintf(stderr, "]");
+        }
+        fprintf(stderr, "\n");
+        cudaMemset(ctx.trace, 0, sizeof(uint64_t) * 4 * (size_t)sms);
+}
+
 static int op_combine(struct rank_env *env, void *arg) {
         struct moe_case *m = arg;
         int rc = moeep_combine(env->ep, &m->ca, env->st);
@@ -394,6 +419,7 @@ static int bench_moeep(struct rank_env *env, int *slot, int T, int sms, bool ful
         m.ca = (struct moeep_combine_args){ .x = in.y, .handle = m.dr.handle, .out = in.out };
         us = time_op(env, op_combine, &m, &err);
         record(env, (*slot)++, OP_COMBINE, T, sms, us, (double)nrecv * o->hidden * 2);
+        print_trace(env, T, sms);
         if (full) {
                 struct moeep_ep_handle *h = m.dr.handle;
                 m.da.handle = h;
