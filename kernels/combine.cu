@@ -314,10 +314,14 @@ extern "C" int moeep_launch_combine(const struct moeep_ctx *ctx, const void *x, 
         e = cudaFuncSetAttribute(combine_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, STAGE_SMEM);
         if (e != cudaSuccess)
                 return (int)e;
-        /* Half the blocks only send and half only reduce: on the same SM the
-         * remote stores stall the reduce's loads (measured: mixed roles
-         * 693 us, split 579 us at 24 SMs; docs/benchmarks.md). */
-        int send_blocks = ctx->combine_send_blocks > 0 ? ctx->combine_send_blocks : ctx->num_sms / 2;
+        /* From 4 ranks on, half the blocks only send and half only reduce: on
+         * one SM the remote stores stall the reduce's loads (4 ranks, 24 SMs:
+         * mixed roles 693 us, split 579 us). With 2 ranks the reduce
+         * dominates and every SM is needed for it (mixed 406 us, split
+         * 600 us). See docs/benchmarks.md. */
+        int send_blocks = ctx->combine_send_blocks > 0 ? ctx->combine_send_blocks
+                          : ctx->ranks > 2             ? ctx->num_sms / 2
+                                                       : 0;
         if (send_blocks >= ctx->num_sms || ctx->combine_send_blocks < 0)
                 send_blocks = 0;
         combine_kernel<<<ctx->num_sms, COMBINE_THREADS, nstages * stage_bytes, stream>>>(
