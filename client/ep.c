@@ -43,6 +43,7 @@ struct moeep_ep {
 };
 
 static int ep_fail(struct moeep_ep *ep, int r, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static int handle_get(struct moeep_ep *ep, cudaStream_t stream, struct moeep_ep_handle **ret);
 static int ep_fail(struct moeep_ep *ep, int r, const char *fmt, ...) {
         va_list ap;
 
@@ -204,6 +205,15 @@ static int ep_attach(struct moeep_ep *ep, const struct moeep_ep_config *c) {
         CUDA_TRY(ep, cudaMemset(ep->ctx.state, 0, sizeof(struct moeep_local_state)));
         CUDA_TRY(ep, cudaHostAlloc((void **)&ep->host, sizeof(*ep->host), cudaHostAllocMapped));
         CUDA_TRY(ep, cudaEventCreateWithFlags(&ep->notify_done, cudaEventDisableTiming));
+        CUDA_TRY(ep, (cudaError_t)moeep_kernels_init());
+        /* Two handles up front, so that dispatch allocates nothing in the
+         * usual dispatch/combine cycle, also while a graph is captured. */
+        for (int i = 0; i < 2; i++) {
+                struct moeep_ep_handle *h;
+                if ((r = handle_get(ep, NULL, &h)) < 0)
+                        return r;
+                moeep_ep_handle_free(h);
+        }
         map_control_page(ep);
         CUDA_TRY(ep, cudaDeviceSynchronize());
 
@@ -376,7 +386,7 @@ int moeep_get_dispatch_layout(struct moeep_ep *ep, const void *topk_idx, enum mo
 }
 
 /* A handle from the free list, or a new one sized for the endpoint. */
-static int handle_get(struct moeep_ep *ep, struct moeep_ep_handle **ret) {
+static int handle_get(struct moeep_ep *ep, cudaStream_t stream, struct moeep_ep_handle **ret) {
         struct moeep_ep_handle *h = SLIST_FIRST(&ep->free_handles);
         int R = ep->ctx.ranks, T = ep->ctx.max_tokens, L = ep->ctx.num_experts / R;
         size_t n_send = (size_t)T * R, n_recv = (size_t)T * R;
@@ -387,6 +397,14 @@ static int handle_get(struct moeep_ep *ep, struct moeep_ep_handle **ret) {
                 SLIST_REMOVE_HEAD(&ep->free_handles, free_entry);
                 *ret = h;
                 return 0;
+        }
+        {
+                enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+                /* Allocating would break a capture: say what to do instead. */
+                if (cudaStreamIsCapturing(stream, &cs) == cudaSuccess && cs != cudaStreamCaptureStatusNone)
+                        return ep_fail(ep, -EBUSY,
+                                       "no free dispatch handle while the stream is capturing a graph; "
+                                       "free a handle (moeep_ep_handle_free) before capturing");
         }
         h = calloc(1, sizeof(*h));
         if (!h)
@@ -514,7 +532,7 @@ int moeep_dispatch(struct moeep_ep *ep, const struct moeep_dispatch_args *a,
                 if (r < 0)
                         return r;
         } else {
-                if ((r = handle_get(ep, &h)) < 0)
+                if ((r = handle_get(ep, stream, &h)) < 0)
                         return r;
                 fresh = true;
                 h->route.num_tokens = a->num_tokens;

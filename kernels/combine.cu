@@ -303,17 +303,18 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1)
         }
 }
 
+extern "C" int moeep_kernels_init(void) {
+        return (int)cudaFuncSetAttribute(combine_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         STAGE_SMEM);
+}
+
 extern "C" int moeep_launch_combine(const struct moeep_ctx *ctx, const void *x, const float *topk_weights,
                                     int num_topk, const struct moeep_route *route, void *out, float *out_weights,
                                     cudaStream_t stream) {
         const size_t stage_bytes = (size_t)ctx->ranks * SLICE_MAX;
         const int nstages = (int)min((size_t)MAX_STAGES, STAGE_SMEM / stage_bytes) / CONSUMER_GROUPS * CONSUMER_GROUPS;
-        cudaError_t e;
 
         MOEEP_CUDA_LAUNCH_BEGIN();
-        e = cudaFuncSetAttribute(combine_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, STAGE_SMEM);
-        if (e != cudaSuccess)
-                return (int)e;
         /* From 4 ranks on, half the blocks only send and half only reduce: on
          * one SM the remote stores stall the reduce's loads (4 ranks, 24 SMs:
          * mixed roles 693 us, split 579 us). With 2 ranks the reduce

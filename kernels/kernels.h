@@ -136,6 +136,10 @@ struct moeep_notify_host {
 
 /* Launchers return 0, or the cudaError_t of a launch that failed. */
 
+/* Once per process and device, before any launch (sets kernel attributes,
+ * which must not happen while a stream is being captured). */
+int moeep_kernels_init(void);
+
 /* Layout (DeepEP's get_dispatch_layout): outputs are fully written. */
 int moeep_launch_layout(const void *topk_idx, int idx_is_int64, int num_tokens, int num_topk,
                         int num_experts, int ranks, int *num_tokens_per_rank, int *num_tokens_per_expert,

@@ -72,6 +72,7 @@ struct shared {
         ncclUniqueId nccl_id;
         int nccl_ready;
         int nres;
+        size_t buffer_bytes; /* NVLink buffer of one rank */
         struct result res[MAX_RESULTS];
 };
 
@@ -538,6 +539,8 @@ static int rank_fn(struct moeep_client *c, int rank, int ranks, void *shared, vo
         env->ranks = ranks;
         if (moeep_ep_create(c, &cfg, &env->ep) < 0)
                 return 1;
+        if (rank == 0)
+                env->sh->buffer_bytes = moeep_ep_buffer_bytes(env->ep);
         CUDA_OK(cudaStreamCreateWithFlags(&env->st, cudaStreamNonBlocking));
         CUDA_OK(cudaEventCreate(&env->e0));
         CUDA_OK(cudaEventCreate(&env->e1));
@@ -577,13 +580,15 @@ static void stats(const double *v, int n, double *mn, double *md, double *mx) {
 
 static void report(const struct opts *o, const struct shared *sh, int ranks) {
         if (o->json)
-                printf("{\"ranks\": %d, \"hidden\": %d, \"topk\": %d, \"experts\": %d, \"iters\": %d, \"seed\": %" PRIu64 ", \"results\": [\n",
-                       ranks, o->hidden, o->topk, o->experts, o->iters, o->seed);
+                printf("{\"ranks\": %d, \"hidden\": %d, \"topk\": %d, \"experts\": %d, \"iters\": %d, \"seed\": %" PRIu64
+                       ", \"buffer_bytes\": %zu, \"results\": [\n",
+                       ranks, o->hidden, o->topk, o->experts, o->iters, o->seed, sh->buffer_bytes);
         else
                 printf("moeep-bench: %d ranks, hidden %d, top-%d of %d experts, %d iters (median per rank; min/median/max over ranks)\n"
+                       "NVLink buffer: %.1f MiB per rank\n"
                        "%-34s %6s %4s %26s %26s\n",
-                       ranks, o->hidden, o->topk, o->experts, o->iters, "operation", "tokens", "SMs", "time us (min/med/max)",
-                       "GB/s (min/med/max)");
+                       ranks, o->hidden, o->topk, o->experts, o->iters, sh->buffer_bytes / 1048576.0, "operation", "tokens", "SMs",
+                       "time us (min/med/max)", "GB/s (min/med/max)");
         for (int i = 0; i < sh->nres; i++) {
                 const struct result *r = &sh->res[i];
                 double gb[MOEEP_MAX_RANKS], tmn, tmd, tmx, gmn, gmd, gmx;

@@ -33,6 +33,8 @@ struct tcase {
         bool zero_rank;  /* rank 1 sends no tokens */
         bool reuse;      /* second dispatch with the cached handle and new data */
         bool worst;      /* num_worst_tokens: no host synchronisation */
+        bool graph;      /* dispatch + combine captured once in a CUDA graph, replayed with new routing and data */
+        bool bad_args;   /* unsupported shapes and arguments must be -EINVAL */
         int align;       /* expert_alignment */
 };
 
@@ -47,6 +49,8 @@ static const struct tcase cases[] = {
         CASE("bf16-h7168-handle-reuse", 7168, 256, 8, 128, .reuse = true),
         CASE("bf16-h4096-worst-case", 4096, 128, 6, 256, .worst = true),
         CASE("fp8-h2048-align128", 2048, 128, 8, 300, .fp8 = true, .align = 128),
+        CASE("bf16-h4096-graph-replay", 4096, 128, 8, 256, .worst = true, .graph = true),
+        CASE("bad-arguments", 2048, 64, 4, 64, .bad_args = true),
 };
 #define NCASES (int)(sizeof(cases) / sizeof(cases[0]))
 
@@ -82,7 +86,10 @@ static void input_free(struct input *in) {
 }
 
 static void gen_input(struct input *in, const struct tcase *tc, int R, uint64_t seed, int ci, int s, int variant) {
+        /* T depends on the rank only; routing changes with the variant
+         * except where a cached handle must see the same routing. */
         struct rng r = rng_make(seed, (uint64_t)ci * 64 + (uint64_t)s, 0);
+        struct rng rr = rng_make(seed, (uint64_t)ci * 64 + (uint64_t)s, 100 + (tc->reuse ? 0 : (uint64_t)variant));
         struct rng rx = rng_make(seed, (uint64_t)ci * 64 + (uint64_t)s, 1 + (uint64_t)variant);
         int H = tc->hidden, K = tc->topk, epr = tc->experts / R;
 
@@ -96,9 +103,9 @@ static void gen_input(struct input *in, const struct tcase *tc, int R, uint64_t 
         in->x = calloc((size_t)in->T * H + 1, sizeof(uint16_t));
         for (int t = 0; t < in->T; t++) {
                 int64_t *row = in->idx + (size_t)t * K;
-                draw_topk(&r, row, K, 0, tc->uneven ? epr : tc->experts, 0.1);
+                draw_topk(&rr, row, K, 0, tc->uneven ? epr : tc->experts, 0.1);
                 for (int k = 0; k < K; k++) {
-                        in->w[(size_t)t * K + k] = (float)rng_unit(&r);
+                        in->w[(size_t)t * K + k] = (float)rng_unit(&rr);
                         if (row[k] >= 0)
                                 in->mask[t] |= 1u << (row[k] / epr);
                 }
@@ -274,15 +281,37 @@ done:
         return bad ? -1 : 0;
 }
 
-/* Runs combine with a rank-dependent expert function and checks my tokens. */
-static int run_combine(char *msg, struct moeep_ep *ep, const struct tcase *tc, int me, int R, const struct input *in,
-                       struct moeep_ep_handle *handle, int num_recv, cudaStream_t st) {
-        int H = tc->hidden, K = tc->topk, epr = tc->experts / R, T = in[me].T, bad = 0;
-        uint16_t *y = malloc(sizeof(uint16_t) * (size_t)num_recv * H + 2), *out = malloc(sizeof(uint16_t) * (size_t)T * H + 2);
-        float *w = malloc(sizeof(float) * (size_t)num_recv * K + 4), *ow = malloc(sizeof(float) * (size_t)T * K + 4);
-        void *d_y = NULL, *d_out = NULL, *d_w = NULL, *d_ow = NULL;
-        bool weights = !tc->no_topk;
-        int p = 0;
+/* Device buffers of a combine: expert outputs and weights in receive
+ * order (sized for the worst case), and the outputs. */
+struct comb_io {
+        void *y, *w, *out, *ow;
+};
+
+static void comb_io_free(struct comb_io *io) {
+        cudaFree(io->y);
+        cudaFree(io->w);
+        cudaFree(io->out);
+        cudaFree(io->ow);
+        memset(io, 0, sizeof(*io));
+}
+
+static int comb_io_alloc(struct comb_io *io, const struct tcase *tc, int R, int T) {
+        size_t rows = (size_t)R * tc->max_tokens;
+        memset(io, 0, sizeof(*io));
+        io->y = dev_upload(NULL, rows * tc->hidden * 2);
+        io->w = dev_upload(NULL, rows * tc->topk * sizeof(float));
+        io->out = dev_upload(NULL, (size_t)T * tc->hidden * 2);
+        io->ow = dev_upload(NULL, (size_t)T * tc->topk * sizeof(float));
+        return io->y && io->w && io->out && io->ow ? 0 : -1;
+}
+
+/* Expert outputs (a rank-dependent function of each received token) and
+ * weights in receive order, uploaded; outputs poisoned. */
+static int combine_prepare(const struct tcase *tc, int me, int R, const struct input *in, int num_recv,
+                           struct comb_io *io) {
+        int H = tc->hidden, K = tc->topk, epr = tc->experts / R, T = in[me].T, p = 0, r = 0;
+        uint16_t *y = malloc(sizeof(uint16_t) * (size_t)num_recv * H + 2);
+        float *w = malloc(sizeof(float) * (size_t)num_recv * K + 4);
 
         for (int s = 0; s < R; s++)
                 for (int t = 0; t < in[s].T; t++) {
@@ -296,37 +325,25 @@ static int run_combine(char *msg, struct moeep_ep *ep, const struct tcase *tc, i
                         }
                         p++;
                 }
-        d_y = dev_upload(y, sizeof(uint16_t) * (size_t)num_recv * H);
-        d_w = dev_upload(w, sizeof(float) * (size_t)num_recv * K);
-        d_out = dev_upload(NULL, sizeof(uint16_t) * (size_t)T * H);
-        d_ow = dev_upload(NULL, sizeof(float) * (size_t)T * K);
-        if (!d_y || !d_w || !d_out || !d_ow) {
-                snprintf(msg, 200, "cudaMalloc failed");
-                bad = 1;
-                goto done;
-        }
-        cudaMemset(d_out, 0xff, sizeof(uint16_t) * (size_t)T * H); /* NaN poison */
-        cudaMemset(d_ow, 0xff, sizeof(float) * (size_t)T * K);
-        struct moeep_combine_args ca = {
-                .x = d_y,
-                .topk_weights = weights ? d_w : NULL,
-                .num_topk = K,
-                .handle = handle,
-                .out = d_out,
-                .out_topk_weights = weights ? d_ow : NULL,
-        };
-        if (moeep_combine(ep, &ca, st) < 0) {
-                snprintf(msg, 200, "combine: %s", moeep_ep_error(ep));
-                bad = 1;
-                goto done;
-        }
-        if (cudaStreamSynchronize(st) != cudaSuccess || moeep_ep_check(ep) < 0) {
-                snprintf(msg, 200, "combine failed on the device: %s", moeep_ep_error(ep));
-                bad = 1;
-                goto done;
-        }
-        cudaMemcpy(out, d_out, sizeof(uint16_t) * (size_t)T * H, cudaMemcpyDeviceToHost);
-        cudaMemcpy(ow, d_ow, sizeof(float) * (size_t)T * K, cudaMemcpyDeviceToHost);
+        if (cudaMemcpy(io->y, y, sizeof(uint16_t) * (size_t)num_recv * H, cudaMemcpyHostToDevice) != cudaSuccess ||
+            cudaMemcpy(io->w, w, sizeof(float) * (size_t)num_recv * K, cudaMemcpyHostToDevice) != cudaSuccess ||
+            cudaMemset(io->out, 0xff, sizeof(uint16_t) * (size_t)T * H) != cudaSuccess || /* NaN poison */
+            cudaMemset(io->ow, 0xff, sizeof(float) * (size_t)T * K) != cudaSuccess)
+                r = -1;
+        free(y);
+        free(w);
+        return r;
+}
+
+/* Checks my combined tokens (and summed weights) against the CPU. */
+static int combine_verify(char *msg, const struct tcase *tc, int me, int R, const struct input *in,
+                          const struct comb_io *io, bool weights) {
+        int H = tc->hidden, K = tc->topk, T = in[me].T, bad = 0;
+        uint16_t *out = malloc(sizeof(uint16_t) * (size_t)T * H + 2);
+        float *ow = malloc(sizeof(float) * (size_t)T * K + 4);
+
+        cudaMemcpy(out, io->out, sizeof(uint16_t) * (size_t)T * H, cudaMemcpyDeviceToHost);
+        cudaMemcpy(ow, io->ow, sizeof(float) * (size_t)T * K, cudaMemcpyDeviceToHost);
         for (int t = 0; t < T && !bad; t++) {
                 for (int c = 0; c < H && !bad; c++) {
                         float ref = 0, got = bf16_to_float(out[(size_t)t * H + c]);
@@ -346,16 +363,42 @@ static int run_combine(char *msg, struct moeep_ep *ep, const struct tcase *tc, i
                         }
                 }
         }
-done:
-        cudaFree(d_y);
-        cudaFree(d_w);
-        cudaFree(d_out);
-        cudaFree(d_ow);
-        free(y);
         free(out);
-        free(w);
         free(ow);
         return bad ? -1 : 0;
+}
+
+/* Runs combine with a rank-dependent expert function and checks my tokens. */
+static int run_combine(char *msg, struct moeep_ep *ep, const struct tcase *tc, int me, int R, const struct input *in,
+                       struct moeep_ep_handle *handle, int num_recv, cudaStream_t st) {
+        struct comb_io io;
+        bool weights = !tc->no_topk;
+        int r = -1;
+
+        if (comb_io_alloc(&io, tc, R, in[me].T) < 0 || combine_prepare(tc, me, R, in, num_recv, &io) < 0) {
+                snprintf(msg, 200, "combine buffers: %s", cudaGetErrorString(cudaGetLastError()));
+                goto out;
+        }
+        struct moeep_combine_args ca = {
+                .x = io.y,
+                .topk_weights = weights ? io.w : NULL,
+                .num_topk = tc->topk,
+                .handle = handle,
+                .out = io.out,
+                .out_topk_weights = weights ? io.ow : NULL,
+        };
+        if (moeep_combine(ep, &ca, st) < 0) {
+                snprintf(msg, 200, "combine: %s", moeep_ep_error(ep));
+                goto out;
+        }
+        if (cudaStreamSynchronize(st) != cudaSuccess || moeep_ep_check(ep) < 0) {
+                snprintf(msg, 200, "combine failed on the device: %s", moeep_ep_error(ep));
+                goto out;
+        }
+        r = combine_verify(msg, tc, me, R, in, &io, weights);
+out:
+        comb_io_free(&io);
+        return r;
 }
 
 /* Poisons the whole receive area, then waits (control plane) until every
@@ -372,6 +415,137 @@ static int poison_and_sync(struct moeep_ep *ep, struct moeep_client *c, const st
         if (cudaDeviceSynchronize() != cudaSuccess)
                 return -EIO;
         return moeep_job_barrier(c);
+}
+
+/* Unsupported shapes and bad arguments: -EINVAL, before anything collective. */
+static int check_bad_args(char *msg, struct moeep_client *c, struct moeep_ep *ep, const struct tcase *tc, void *d_x,
+                          void *d_idx, cudaStream_t st) {
+        const struct moeep_dispatch_args good = {
+                .x = d_x, .x_type = MOEEP_DTYPE_BF16, .num_tokens = 1, .topk_idx = d_idx,
+                .topk_idx_type = MOEEP_INDEX_INT64, .num_topk = tc->topk,
+        };
+        struct {
+                const char *what;
+                struct moeep_dispatch_args a;
+        } bad[] = {
+                { "num_tokens > max", good }, { "num_topk > max_topk", good }, { "unknown x_type", good },
+                { "unknown index type", good }, { "fp8 without scales", good }, { "no routing", good },
+                { "negative num_tokens", good }, { "weights without topk", good },
+        };
+        bad[0].a.num_tokens = tc->max_tokens + 1;
+        bad[1].a.num_topk = tc->topk + 1;
+        bad[2].a.x_type = (enum moeep_dtype)7;
+        bad[3].a.topk_idx_type = (enum moeep_index_type)9;
+        bad[4].a.x_type = MOEEP_DTYPE_FP8_E4M3;
+        bad[5].a.topk_idx = NULL;
+        bad[6].a.num_tokens = -1;
+        bad[7].a.topk_idx = NULL;
+        bad[7].a.topk_weights = (const float *)d_idx;
+        struct moeep_dispatch_result res;
+        struct moeep_combine_args ca = { 0 };
+        struct moeep_ep *ep2 = NULL;
+        int r;
+
+        for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++)
+                if ((r = moeep_dispatch(ep, &bad[i].a, &res, st)) != -EINVAL) {
+                        snprintf(msg, 200, "dispatch with %s returned %d, want -EINVAL", bad[i].what, r);
+                        return -1;
+                }
+        if ((r = moeep_combine(ep, &ca, st)) != -EINVAL) {
+                snprintf(msg, 200, "combine without a handle returned %d, want -EINVAL", r);
+                return -1;
+        }
+        int *d_pr = NULL;
+        if ((r = moeep_get_dispatch_layout(ep, d_idx, MOEEP_INDEX_INT64, 1, 0, d_pr, d_pr, NULL, st)) != -EINVAL) {
+                snprintf(msg, 200, "layout with num_topk 0 returned %d, want -EINVAL", r);
+                return -1;
+        }
+        const struct moeep_ep_config cfgs[] = {
+                { .max_tokens_per_rank = 64, .hidden = 1000, .num_experts = 64, .max_topk = 4 },
+                { .max_tokens_per_rank = 64, .hidden = 2048, .num_experts = 513, .max_topk = 4 },
+                { .max_tokens_per_rank = 64, .hidden = 2048, .num_experts = 64, .max_topk = 10 },
+                { .max_tokens_per_rank = 0, .hidden = 2048, .num_experts = 64, .max_topk = 4 },
+                { .max_tokens_per_rank = 70000, .hidden = 2048, .num_experts = 64, .max_topk = 4 },
+                { .max_tokens_per_rank = 64, .hidden = 2048, .num_experts = 64, .max_topk = 4, .num_sms = -1 },
+        };
+        for (size_t i = 0; i < sizeof(cfgs) / sizeof(cfgs[0]); i++)
+                if ((r = moeep_ep_create(c, &cfgs[i], &ep2)) != -EINVAL) {
+                        snprintf(msg, 200, "moeep_ep_create with bad config %zu returned %d, want -EINVAL", i, r);
+                        moeep_ep_destroy(ep2);
+                        return -1;
+                }
+        return 0;
+}
+
+/* Dispatch + combine (worst-case mode) captured once in a CUDA graph, then
+ * replayed twice with new routing and new data in the same input buffers. */
+static int run_graph(char *msg, struct moeep_client *c, struct moeep_ep *ep, const struct tcase *tc, int me, int R,
+                     int ci, uint64_t seed, struct input *in, void *d_x, void *d_idx, void *d_w, cudaStream_t st) {
+        const int T = in[me].T, H = tc->hidden, K = tc->topk;
+        struct moeep_dispatch_args a = {
+                .x = d_x, .x_type = MOEEP_DTYPE_BF16, .num_tokens = T, .topk_idx = d_idx,
+                .topk_idx_type = MOEEP_INDEX_INT64, .topk_weights = d_w, .num_topk = K,
+                .num_worst_tokens = R * tc->max_tokens,
+        };
+        struct moeep_dispatch_result res = { 0 }, warm;
+        cudaGraph_t graph = NULL;
+        cudaGraphExec_t exec = NULL;
+        struct comb_io io;
+        int rc = -1, num_recv;
+
+        if (comb_io_alloc(&io, tc, R, T) < 0)
+                FAIL("cudaMalloc of combine buffers failed");
+        /* Outside the capture first: module loading, the handle pool. */
+        if (moeep_dispatch(ep, &a, &warm, st) < 0)
+                FAIL("warm-up dispatch: %s", moeep_ep_error(ep));
+        CK(cudaStreamSynchronize(st));
+        moeep_ep_handle_free(warm.handle);
+
+        CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+        int r1 = moeep_dispatch(ep, &a, &res, st);
+        struct moeep_combine_args ca = {
+                .x = io.y, .topk_weights = io.w, .num_topk = K, .handle = res.handle, .out = io.out,
+                .out_topk_weights = io.ow,
+        };
+        int r2 = r1 < 0 ? r1 : moeep_combine(ep, &ca, st);
+        cudaError_t ce = cudaStreamEndCapture(st, &graph);
+        if (r1 < 0 || r2 < 0 || ce != cudaSuccess)
+                FAIL("capture: %s (%s)", r1 < 0 || r2 < 0 ? moeep_ep_error(ep) : "ok", cudaGetErrorString(ce));
+        CK(cudaGraphInstantiate(&exec, graph, 0));
+
+        for (int v = 1; v <= 2; v++) {
+                int want = 0;
+                for (int s = 0; s < R; s++) {
+                        input_free(&in[s]);
+                        gen_input(&in[s], tc, R, seed, ci, s, v);
+                        for (int t = 0; t < in[s].T; t++)
+                                want += (in[s].mask[t] >> me) & 1;
+                }
+                CK(cudaMemcpy(d_x, in[me].x, (size_t)T * H * 2, cudaMemcpyHostToDevice));
+                CK(cudaMemcpy(d_idx, in[me].idx, sizeof(int64_t) * (size_t)T * K, cudaMemcpyHostToDevice));
+                CK(cudaMemcpy(d_w, in[me].w, sizeof(float) * (size_t)T * K, cudaMemcpyHostToDevice));
+                if (combine_prepare(tc, me, R, in, want, &io) < 0)
+                        FAIL("preparing combine inputs failed");
+                if (poison_and_sync(ep, c, tc) < 0)
+                        FAIL("poison/barrier failed");
+                CK(cudaGraphLaunch(exec, st));
+                CK(cudaStreamSynchronize(st));
+                if (moeep_ep_check(ep) < 0)
+                        FAIL("graph replay %d failed on the device: %s", v, moeep_ep_error(ep));
+                CK(cudaMemcpy(&num_recv, res.num_recv_tokens_dev, sizeof(int), cudaMemcpyDeviceToHost));
+                if (verify_dispatch(msg, tc, me, R, in, &res, num_recv, true) < 0 ||
+                    combine_verify(msg, tc, me, R, in, &io, true) < 0)
+                        goto out;
+        }
+        rc = 0;
+out:
+        if (exec)
+                cudaGraphExecDestroy(exec);
+        if (graph)
+                cudaGraphDestroy(graph);
+        moeep_ep_handle_free(res.handle);
+        comb_io_free(&io);
+        return rc;
 }
 
 static int run_case(struct moeep_client *c, int me, int R, int ci, uint64_t seed, char *msg) {
@@ -417,6 +591,15 @@ static int run_case(struct moeep_client *c, int me, int R, int ci, uint64_t seed
         d_w = dev_upload(in[me].w, sizeof(float) * (size_t)T * K);
         if (!d_x || !d_idx || !d_w || (tc->fp8 && !d_sc))
                 FAIL("cudaMalloc of inputs failed");
+
+        if (tc->bad_args) {
+                rc = check_bad_args(msg, c, ep, tc, d_x, d_idx, st);
+                goto out;
+        }
+        if (tc->graph) {
+                rc = run_graph(msg, c, ep, tc, me, R, ci, seed, in, d_x, d_idx, d_w, st);
+                goto out;
+        }
 
         /* Layout against the CPU. */
         CK(cudaMalloc((void **)&d_pr, sizeof(int) * R));
