@@ -70,6 +70,10 @@ const char *moeep_client_socket_path(const struct moeep_client *client);
 const char *moeep_client_daemon_version(const struct moeep_client *client);
 uint64_t moeep_client_session_id(const struct moeep_client *client);
 
+/* FEATURE_* bits agreed in Welcome: a request behind a bit may be sent only
+ * when it is set. */
+uint64_t moeep_client_features(const struct moeep_client *client);
+
 /* Maps a daemon ErrorCode to a negative errno value; unknown codes (a newer
  * daemon may add some) map to -EIO. */
 int moeep_error_code_to_errno(int code);

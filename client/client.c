@@ -86,6 +86,10 @@ const char *moeep_client_daemon_version(const struct moeep_client *c) {
         return c ? c->daemon_version : NULL;
 }
 
+uint64_t moeep_client_features(const struct moeep_client *c) {
+        return c ? c->features : 0;
+}
+
 uint64_t moeep_client_session_id(const struct moeep_client *c) {
         return c ? c->session_id : 0;
 }
@@ -396,7 +400,8 @@ static int client_hello(struct moeep_client *c, const char *client_name) {
 
         hello.major = MOEEP_PROTOCOL_MAJOR;
         hello.minor = MOEEP_PROTOCOL_MINOR;
-        hello.features = MOEEP__V1__FEATURE__FEATURE_REGIONS | MOEEP__V1__FEATURE__FEATURE_CONTROL_PAGE;
+        hello.features = MOEEP__V1__FEATURE__FEATURE_REGIONS | MOEEP__V1__FEATURE__FEATURE_CONTROL_PAGE |
+                         MOEEP__V1__FEATURE__FEATURE_OPERATOR;
         hello.pid = (uint32_t)getpid();
         hello.client_name = (char *)(client_name ? client_name : "libmoeep/" MOEEP_VERSION);
         req.body_case = MOEEP__V1__REQUEST__BODY_HELLO;

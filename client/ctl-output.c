@@ -1,6 +1,7 @@
 /* moeepctl output: typed rows printed as aligned tables or as JSON. */
 #include <errno.h>
 #include <inttypes.h>
+#include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -34,6 +35,15 @@ static size_t utf8_sequence_length(const unsigned char *s) {
             (cp >= 0xd800 && cp <= 0xdfff) || cp > 0x10ffff)
                 return 0;
         return n;
+}
+
+void ctl_note(const char *fmt, ...) {
+        va_list ap;
+
+        va_start(ap, fmt);
+        vfprintf(stdout, fmt, ap);
+        va_end(ap);
+        fputc('\n', stdout);
 }
 
 void ctl_json_string(FILE *f, const char *s) {
@@ -167,6 +177,10 @@ static void format_value(const struct ctl_column *col, const struct ctl_value *v
                 human_duration(human, v->u);
                 fprintf(json, "%" PRIu64, v->u);
                 return;
+        case CTL_BOOL:
+                fputs(v->u ? "yes" : "no", human);
+                fputs(v->u ? "true" : "false", json);
+                return;
         }
 }
 
@@ -230,19 +244,24 @@ static size_t column_width(const struct ctl_table *t, size_t c) {
         return width;
 }
 
+void ctl_table_print_json(const struct ctl_table *t, FILE *f) {
+        fputc('[', f);
+        for (size_t r = 0; r < t->nrows; r++) {
+                fputs(r ? ",\n  {" : "\n  {", f);
+                for (size_t c = 0; c < t->ncolumns; c++) {
+                        fputs(c ? ", " : "", f);
+                        ctl_json_string(f, t->columns[c].key);
+                        fprintf(f, ": %s", t->json[r * t->ncolumns + c]);
+                }
+                fputc('}', f);
+        }
+        fputs(t->nrows ? "\n]" : "]", f);
+}
+
 void ctl_table_print_list(const struct ctl_table *t, bool json, FILE *f) {
         if (json) {
-                fputc('[', f);
-                for (size_t r = 0; r < t->nrows; r++) {
-                        fputs(r ? ",\n  {" : "\n  {", f);
-                        for (size_t c = 0; c < t->ncolumns; c++) {
-                                fputs(c ? ", " : "", f);
-                                ctl_json_string(f, t->columns[c].key);
-                                fprintf(f, ": %s", t->json[r * t->ncolumns + c]);
-                        }
-                        fputc('}', f);
-                }
-                fputs(t->nrows ? "\n]\n" : "]\n", f);
+                ctl_table_print_json(t, f);
+                fputc('\n', f);
                 return;
         }
 

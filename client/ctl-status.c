@@ -11,6 +11,8 @@ static const struct ctl_column columns[] = {
         { "pid", "pid", CTL_UINT },
         { "sessions", "sessions", CTL_UINT },
         { "jobs", "jobs", CTL_UINT },
+        { "draining", "draining", CTL_BOOL },
+        { "log level", "log_level", CTL_STRING },
 };
 
 int ctl_status(struct ctl *ctl) {
@@ -38,6 +40,8 @@ int ctl_status(struct ctl *ctl) {
                                       { .u = s->pid },
                                       { .u = s->sessions },
                                       { .u = s->jobs },
+                                      { .u = s->draining },
+                                      { .s = s->log_level },
                               });
         return ctl_table_finish(&t, r, ctl->json, true, resp);
 }

@@ -14,19 +14,32 @@
 #define CTL_TIMEOUT_MS 10000
 
 static const struct ctl_subcommand subcommands[] = {
-        { "status", "daemon version, protocol, uptime, pid, sessions and jobs", ctl_status },
-        { "jobs", "jobs: id, name, world size, joined ranks, state, owner", ctl_jobs },
-        { "clients", "sessions: pid, uid, job, rank, GPU, state, name, regions", ctl_clients },
+        { "status", "", 0, false, "daemon version, protocol, uptime, pid, sessions, jobs, draining",
+          ctl_status },
+        { "jobs", "", 0, false, "jobs: id, name, world size, joined ranks, state, owner", ctl_jobs },
+        { "clients", "", 0, false, "sessions: pid, uid, job, rank, GPU, state, name, regions", ctl_clients },
+        { "nics", "", 0, false, "RDMA devices the daemon sees and the NIC nearest each GPU", ctl_nics },
+        { "mesh", "", 0, false, "peer daemons of the internode mesh", ctl_mesh },
+        { "metrics", "", 0, false, "counters and gauges (Prometheus text format)", ctl_metrics },
+        { "log-level", "LEVEL", 1, false, "admin: set the daemon's log level until SIGHUP or restart",
+          ctl_log_level },
+        { "drain", "[--off]", 0, true, "admin: refuse new jobs, let running ones finish (--off: undo)",
+          ctl_drain },
 };
 
 static void usage(FILE *f) {
-        fprintf(f, "Usage: moeepctl [--socket PATH] [--json] [COMMAND]\n"
+        fprintf(f, "Usage: moeepctl [--socket PATH] [--json] [COMMAND [ARGS]]\n"
                    "\n"
-                   "Shows the state of moeepd, the moeep node daemon.\n"
+                   "Shows and steers moeepd, the moeep node daemon.\n"
                    "\n"
                    "Commands (default: status):\n");
-        for (size_t i = 0; i < sizeof(subcommands) / sizeof(subcommands[0]); i++)
-                fprintf(f, "  %-9s %s\n", subcommands[i].name, subcommands[i].summary);
+        for (size_t i = 0; i < sizeof(subcommands) / sizeof(subcommands[0]); i++) {
+                char synopsis[32];
+
+                snprintf(synopsis, sizeof(synopsis), "%s%s%s", subcommands[i].name,
+                         subcommands[i].args[0] ? " " : "", subcommands[i].args);
+                fprintf(f, "  %-16s %s\n", synopsis, subcommands[i].summary);
+        }
         fprintf(f,
                 "\n"
                 "Options:\n"
@@ -38,6 +51,14 @@ static void usage(FILE *f) {
                 "Exit status: 0 on success, 1 when the daemon cannot be reached or refuses, 2 on a usage "
                 "error.\n",
                 MOEEP_DEFAULT_SOCKET);
+}
+
+bool ctl_require_operator(struct ctl *ctl, const char *command) {
+        if (moeep_client_features(ctl->client) & MOEEP__V1__FEATURE__FEATURE_OPERATOR)
+                return true;
+        fprintf(stderr, "moeepctl: moeepd %s at %s does not offer '%s' (it needs protocol 1.1 or later)\n",
+                moeep_client_daemon_version(ctl->client), moeep_client_socket_path(ctl->client), command);
+        return false;
 }
 
 int ctl_query(struct ctl *ctl, const Moeep__V1__Request *req, Moeep__V1__Response__BodyCase expect,
@@ -62,27 +83,26 @@ static const char *connect_hint(int r) {
         }
 }
 
-int main(int argc, char **argv) {
+/* Parses the options, wherever they stand (`moeepctl jobs --json` works);
+ * --off belongs to drain. Returns -1 to go on, else the exit status. */
+static int parse_options(int argc, char **argv, struct ctl *ctl, const char **socket_path) {
         static const struct option options[] = {
-                { "socket", required_argument, NULL, 's' },
-                { "json", no_argument, NULL, 'j' },
-                { "help", no_argument, NULL, 'h' },
-                { "version", no_argument, NULL, 'V' },
-                {},
+                { "socket", required_argument, NULL, 's' }, { "json", no_argument, NULL, 'j' },
+                { "off", no_argument, NULL, 'o' },          { "help", no_argument, NULL, 'h' },
+                { "version", no_argument, NULL, 'V' },      {},
         };
-        const struct ctl_subcommand *sub = NULL;
-        struct ctl ctl = { 0 };
-        const char *socket_path = NULL, *name = "status";
-        char err[512];
-        int c, r;
+        int c;
 
         while ((c = getopt_long(argc, argv, "s:jhV", options, NULL)) >= 0)
                 switch (c) {
                 case 's':
-                        socket_path = optarg;
+                        *socket_path = optarg;
                         break;
                 case 'j':
-                        ctl.json = true;
+                        ctl->json = true;
+                        break;
+                case 'o':
+                        ctl->off = true;
                         break;
                 case 'h':
                         usage(stdout);
@@ -95,11 +115,25 @@ int main(int argc, char **argv) {
                         usage(stderr);
                         return 2;
                 }
-        if (optind < argc)
-                name = argv[optind++];
+        return -1;
+}
+
+int main(int argc, char **argv) {
+        const struct ctl_subcommand *sub = NULL;
+        struct ctl ctl = { 0 };
+        const char *socket_path = NULL, *name = "status";
+        char err[512];
+        int r;
+
+        r = parse_options(argc, argv, &ctl, &socket_path);
+        if (r >= 0)
+                return r;
+        /* getopt_long() moved the options first: what is left is the
+         * subcommand and its arguments. */
         if (optind < argc) {
-                fprintf(stderr, "moeepctl: unexpected argument '%s' after '%s'\n", argv[optind], name);
-                return 2;
+                name = argv[optind];
+                ctl.args = argv + optind + 1;
+                ctl.nargs = (size_t)(argc - optind - 1);
         }
         if (strcmp(name, "help") == 0) {
                 usage(stdout);
@@ -110,6 +144,18 @@ int main(int argc, char **argv) {
                         sub = &subcommands[i];
         if (!sub) {
                 fprintf(stderr, "moeepctl: unknown command '%s' (try moeepctl --help)\n", name);
+                return 2;
+        }
+        if (ctl.nargs != sub->nargs) {
+                if (ctl.nargs > sub->nargs)
+                        fprintf(stderr, "moeepctl: unexpected argument '%s' after '%s'\n",
+                                ctl.args[sub->nargs], name);
+                else
+                        fprintf(stderr, "moeepctl: '%s' needs %s\n", name, sub->args);
+                return 2;
+        }
+        if (ctl.off && !sub->takes_off) {
+                fprintf(stderr, "moeepctl: --off goes only with drain\n");
                 return 2;
         }
 

@@ -12,6 +12,9 @@
 struct ctl {
         struct moeep_client *client; /* owns */
         bool json;                   /* --json: machine-readable output */
+        bool off;                    /* --off (drain only) */
+        char **args;                 /* not owning; the subcommand's arguments (argv) */
+        size_t nargs;
 };
 
 /* One subcommand: ctl.c holds the table of them, each lives in its own file.
@@ -19,6 +22,9 @@ struct ctl {
  * process exit status. */
 struct ctl_subcommand {
         const char *name;
+        const char *args; /* synopsis of its arguments for --help, "" for none */
+        size_t nargs;     /* arguments it takes (exactly) */
+        bool takes_off;   /* accepts --off */
         const char *summary;
         int (*run)(struct ctl *ctl);
 };
@@ -26,6 +32,15 @@ struct ctl_subcommand {
 int ctl_status(struct ctl *ctl);
 int ctl_jobs(struct ctl *ctl);
 int ctl_clients(struct ctl *ctl);
+int ctl_nics(struct ctl *ctl);
+int ctl_mesh(struct ctl *ctl);
+int ctl_metrics(struct ctl *ctl);
+int ctl_log_level(struct ctl *ctl);
+int ctl_drain(struct ctl *ctl);
+
+/* Whether the daemon offers FEATURE_OPERATOR (protocol 1.1); otherwise
+ * prints that `command` needs it and returns false. */
+bool ctl_require_operator(struct ctl *ctl, const char *command);
 
 /* Sends `req` and waits for a Response of body case `expect`; on failure
  * prints "moeepctl: <error>" to stderr and returns -errno. */
@@ -45,6 +60,7 @@ enum ctl_value_type {
         CTL_RANK,        /* i; < 0 means none: human "-", JSON null */
         CTL_RANKS,       /* list[n]; human "0,1,3", JSON array */
         CTL_DURATION_MS, /* u milliseconds; human "1h 2m 3s", JSON number */
+        CTL_BOOL,        /* u != 0; human "yes"/"no", JSON true/false */
 };
 
 struct ctl_column {
@@ -75,6 +91,9 @@ int ctl_table_add(struct ctl_table *t, const struct ctl_value *row);
 /* Prints every row: a table with a header line (human), or a JSON array of
  * objects. */
 void ctl_table_print_list(const struct ctl_table *t, bool json, FILE *f);
+/* Prints every row as a JSON array of objects, without a newline after it,
+ * for output that embeds it in an object. */
+void ctl_table_print_json(const struct ctl_table *t, FILE *f);
 /* Prints the first row as "label: value" lines or as one JSON object. */
 void ctl_table_print_object(const struct ctl_table *t, bool json, FILE *f);
 /* Frees the cells. Accepts a table that was only initialised. */
@@ -83,6 +102,10 @@ void ctl_table_done(struct ctl_table *t);
  * the table to stdout (as a list, or as one object when `object`); frees
  * the table and `resp`. Returns the exit status. */
 int ctl_table_finish(struct ctl_table *t, int r, bool json, bool object, Moeep__V1__Response *resp);
+
+/* Prints a note after a human table (to stdout, so that it travels with
+ * the table), e.g. why the table is empty. */
+void ctl_note(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
 /* Writes `s` as a JSON string literal (quoted; control characters, quotes,
  * backslashes escaped; invalid UTF-8 replaced by U+FFFD). */

@@ -310,6 +310,14 @@ static int fake_handle(int sock, const struct moeep_record *rec, int *my_rank) {
         case MOEEP__V1__REQUEST__BODY_CLIENTS_LIST:
                 fake_clients(sock, id);
                 break;
+        case MOEEP__V1__REQUEST__BODY_METRICS_GET:
+        case MOEEP__V1__REQUEST__BODY_NICS_LIST:
+        case MOEEP__V1__REQUEST__BODY_LOG_LEVEL_SET:
+        case MOEEP__V1__REQUEST__BODY_DRAIN:
+                /* The fake is a 1.0 daemon: it offers no FEATURE_OPERATOR. */
+                fake_error(sock, id, MOEEP__V1__ERROR_CODE__ERROR_UNKNOWN_TYPE, "request type unknown");
+                ret = -1;
+                break;
         case MOEEP__V1__REQUEST__BODY__NOT_SET:
         case _MOEEP__V1__REQUEST__BODY__CASE_IS_INT_SIZE:
                 fake_error(sock, id, MOEEP__V1__ERROR_CODE__ERROR_INTERNAL, "the fake does not do that");

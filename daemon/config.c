@@ -1,4 +1,5 @@
 /* moeepd configuration; see config.h. */
+#include <arpa/inet.h>
 #include <errno.h>
 #include <ini.h>
 #include <inttypes.h>
@@ -25,7 +26,8 @@ static const char default_config[] = "socket = " MOEEP_DEFAULT_SOCKET "\n"
                                      "max_jobs_per_uid = 16\n"
                                      "max_regions_per_session = 8\n"
                                      "max_region_bytes_per_uid = 1T\n"
-                                     "max_fds_per_uid = 512\n";
+                                     "max_fds_per_uid = 512\n"
+                                     "metrics_listen =\n";
 
 enum key_type {
         KEY_PATH,
@@ -33,7 +35,8 @@ enum key_type {
         KEY_GROUP,
         KEY_LEVEL,
         KEY_U32,
-        KEY_BYTES
+        KEY_BYTES,
+        KEY_LISTEN
 };
 
 /* Every key, its type, where it lives, its range and whether SIGHUP applies
@@ -58,6 +61,7 @@ static const struct key {
         { "max_region_bytes_per_uid", KEY_BYTES, offsetof(struct config, max_region_bytes_per_uid), 1,
           UINT64_MAX, true },
         { "max_fds_per_uid", KEY_U32, offsetof(struct config, max_fds_per_uid), 1, 65536, true },
+        { "metrics_listen", KEY_LISTEN, offsetof(struct config, metrics_listen), 0, 0, false },
 };
 
 static const struct key *key_find(const char *name) {
@@ -113,6 +117,38 @@ static int parse_u64(const char *s, int base, bool suffixes, uint64_t *ret) {
         return 0;
 }
 
+int config_listen_split(const char *value, char *ret_host, uint16_t *ret_port) {
+        const char *colon = strrchr(value, ':'), *host = value, *port = value;
+        char buf[CONFIG_HOST_MAX] = "127.0.0.1";
+        unsigned char addr[sizeof(struct in6_addr)];
+        size_t hostlen;
+        uint64_t v;
+
+        if (colon) {
+                bool v6;
+
+                hostlen = (size_t)(colon - value);
+                port = colon + 1;
+                v6 = hostlen >= 2 && host[0] == '[' && host[hostlen - 1] == ']';
+                if (v6) {
+                        host++;
+                        hostlen -= 2;
+                }
+                if (hostlen == 0 || hostlen >= sizeof(buf))
+                        return -EINVAL;
+                memcpy(buf, host, hostlen);
+                buf[hostlen] = '\0';
+                if (v6 ? inet_pton(AF_INET6, buf, addr) != 1
+                       : strcmp(buf, "localhost") != 0 && inet_pton(AF_INET, buf, addr) != 1)
+                        return -EINVAL;
+        }
+        if (parse_u64(port, 10, false, &v) < 0 || v > 65535)
+                return -EINVAL;
+        memcpy(ret_host, buf, strlen(buf) + 1);
+        *ret_port = (uint16_t)v;
+        return 0;
+}
+
 static int set_string(char **field, const char *value) {
         char *copy = strdup(value);
 
@@ -140,6 +176,18 @@ int config_set(struct config *c, const char *name, const char *value, char *errm
                                           value, sizeof(((struct sockaddr_un *)0)->sun_path));
                 return set_string(field, value) < 0 ? errmsg_set(errmsg, -ENOMEM, "%s: out of memory", name)
                                                     : 0;
+        case KEY_LISTEN: {
+                char host[CONFIG_HOST_MAX];
+                uint16_t port;
+
+                if (value[0] && config_listen_split(value, host, &port) < 0)
+                        return errmsg_set(errmsg, -EINVAL,
+                                          "%s '%s': need PORT, IPV4:PORT, [IPV6]:PORT or localhost:PORT "
+                                          "(port 0..65535), or nothing for off",
+                                          name, value);
+                return set_string(field, value) < 0 ? errmsg_set(errmsg, -ENOMEM, "%s: out of memory", name)
+                                                    : 0;
+        }
         case KEY_GROUP:
                 if (strlen(value) > 64 || strpbrk(value, ": \t"))
                         return errmsg_set(errmsg, -EINVAL, "%s '%s': not a group name", name, value);
@@ -250,7 +298,8 @@ void config_done(struct config *c) {
         free(c->socket);
         free(c->socket_group);
         free(c->admin_group);
-        c->socket = c->socket_group = c->admin_group = NULL;
+        free(c->metrics_listen);
+        c->socket = c->socket_group = c->admin_group = c->metrics_listen = NULL;
 }
 
 int config_apply_reloadable(struct config *to, const struct config *from) {

@@ -20,7 +20,11 @@ struct config {
         uint32_t max_regions_per_session;  /* regions one job member may register */
         uint64_t max_region_bytes_per_uid; /* sum of registered region sizes of one uid */
         uint32_t max_fds_per_uid;          /* region descriptors the daemon holds for one uid */
+        char *metrics_listen;              /* owns; "HOST:PORT" of the HTTP metrics listener, "" = off */
 };
+
+/* Room for the host part of a listen address (an IPv6 literal at most). */
+#define CONFIG_HOST_MAX 64
 
 /* Fills `c` with the embedded defaults. Returns 0 or -ENOMEM. Free with
  * config_done(). */
@@ -38,6 +42,12 @@ int config_set(struct config *c, const char *key, const char *value, char *errms
  * -errno when the file cannot be read, or -EINVAL naming file, line, key
  * and value. */
 int config_load(struct config *c, const char *path, char *errmsg);
+
+/* Splits a listen address as metrics_listen takes it: "PORT" (meaning
+ * 127.0.0.1:PORT), "HOST:PORT" or "[IPV6]:PORT", where HOST is a numeric
+ * address or "localhost" and PORT 0..65535 (0: any free port). Writes the
+ * host (CONFIG_HOST_MAX bytes) and the port. Returns 0 or -EINVAL. */
+int config_listen_split(const char *value, char *ret_host, uint16_t *ret_port);
 
 /* Whether key `key` takes effect on SIGHUP (the socket keys need a
  * restart). */

@@ -16,6 +16,7 @@
 
 #include "broker.h"
 #include "daemon.h"
+#include "http.h"
 #include "job.h"
 #include "log.h"
 #include "moeep-config.h"
@@ -49,17 +50,24 @@ void daemon_status_changed(struct daemon *d) {
         sd_notifyf(0, "STATUS=%" PRIu32 " sessions, %" PRIu32 " jobs", d->nsessions, d->jobs->count);
 }
 
-/* Builds a configuration: embedded defaults, the file, then the command
- * line. Returns 0 or -errno with errmsg naming the key and value. */
-static int daemon_config_build(const struct daemon_options *o, struct config *ret_config, char *errmsg) {
+const char *daemon_config_path(const struct daemon_options *o) {
+        if (o->no_config)
+                return NULL;
+        if (o->config_path)
+                return o->config_path;
+        return access(MOEEP_DEFAULT_CONFIG, F_OK) == 0 ? MOEEP_DEFAULT_CONFIG : NULL;
+}
+
+int daemon_config_build(const struct daemon_options *o, struct config *ret_config, char *errmsg) {
+        const char *path = daemon_config_path(o);
         struct config c;
         int r;
 
         r = config_init(&c);
         if (r < 0)
                 return errmsg_set(errmsg, r, "embedded defaults: out of memory");
-        if (o->config_path) {
-                r = config_load(&c, o->config_path, errmsg);
+        if (path) {
+                r = config_load(&c, path, errmsg);
                 if (r < 0)
                         goto fail;
         }
@@ -70,6 +78,11 @@ static int daemon_config_build(const struct daemon_options *o, struct config *re
         }
         if (o->log_level) {
                 r = config_set(&c, "log_level", o->log_level, errmsg);
+                if (r < 0)
+                        goto fail;
+        }
+        if (o->metrics_listen) {
+                r = config_set(&c, "metrics_listen", o->metrics_listen, errmsg);
                 if (r < 0)
                         goto fail;
         }
@@ -254,21 +267,26 @@ static void daemon_reload(struct daemon *d) {
 
         r = daemon_config_build(&d->options, &fresh, errmsg);
         if (r < 0) {
+                d->metrics.reloads_failed++;
                 log_err("reload: %s: keeping the previous configuration", errmsg);
                 return;
         }
         if (strcmp(fresh.socket, d->config.socket) != 0 || fresh.socket_mode != d->config.socket_mode ||
-            strcmp(fresh.socket_group, d->config.socket_group) != 0)
-                log_notice("reload: socket, socket_mode and socket_group change only on restart");
+            strcmp(fresh.socket_group, d->config.socket_group) != 0 ||
+            strcmp(fresh.metrics_listen, d->config.metrics_listen) != 0)
+                log_notice("reload: socket, socket_mode, socket_group and metrics_listen change only on "
+                           "restart");
         r = config_apply_reloadable(&d->config, &fresh);
         config_done(&fresh);
         if (r < 0) {
+                d->metrics.reloads_failed++;
                 log_err("reload: out of memory: keeping the previous configuration");
                 return;
         }
+        d->metrics.reloads_ok++;
         log_set_level(d->config.log_level);
         log_notice("configuration reloaded from %s, log level %s",
-                   d->options.config_path ? d->options.config_path : "(embedded defaults)",
+                   daemon_config_path(&d->options) ? daemon_config_path(&d->options) : "(embedded defaults)",
                    log_level_to_string(d->config.log_level));
 }
 
@@ -341,6 +359,8 @@ int daemon_init(struct daemon *d, const struct daemon_options *options) {
                 return r;
         }
         log_set_level(d->config.log_level);
+        log_info("configuration: %s",
+                 daemon_config_path(options) ? daemon_config_path(options) : "embedded defaults (no file)");
         /* MSG_NOSIGNAL covers our sends; this covers everything else. */
         signal(SIGPIPE, SIG_IGN);
 
@@ -361,6 +381,13 @@ int daemon_init(struct daemon *d, const struct daemon_options *options) {
         r = daemon_events(d);
         if (r < 0)
                 goto oom;
+        if (d->config.metrics_listen[0]) {
+                r = http_start(d, d->config.metrics_listen, &d->http, errmsg);
+                if (r < 0) {
+                        log_err("%s", errmsg);
+                        return r;
+                }
+        }
         return 0;
 
 oom:
@@ -393,6 +420,7 @@ void daemon_done(struct daemon *d) {
                 session_close_now(s);
         }
         sessions_reap(d);
+        http_free(d->http);
         jobs_free(d->jobs);
         broker_free(d->broker);
         for (size_t i = 0; i < sizeof(d->ev_signal) / sizeof(d->ev_signal[0]); i++)

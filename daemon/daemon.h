@@ -10,18 +10,22 @@
 #include <time.h>
 
 #include "config.h"
+#include "metrics.h"
 
 struct event;
 struct event_base;
+struct http;
 struct session;
 
 TAILQ_HEAD(session_list, session);
 
 /* What the command line said; it wins over the file, also after SIGHUP. */
 struct daemon_options {
-        const char *config_path; /* not owning; NULL = embedded defaults only */
-        const char *socket;      /* not owning; NULL = from the configuration */
-        const char *log_level;   /* not owning; NULL = from the configuration */
+        const char *config_path;    /* not owning; NULL = MOEEP_DEFAULT_CONFIG when it exists */
+        bool no_config;             /* --no-config: embedded defaults only, no file at all */
+        const char *socket;         /* not owning; NULL = from the configuration */
+        const char *log_level;      /* not owning; NULL = from the configuration */
+        const char *metrics_listen; /* not owning; NULL = from the configuration */
 };
 
 struct daemon {
@@ -37,6 +41,8 @@ struct daemon {
         struct event *ev_reap;          /* owns; frees dead sessions from the loop */
         struct jobs *jobs;              /* owns */
         struct broker *broker;          /* owns */
+        struct http *http;              /* owns; NULL unless metrics_listen is set */
+        struct metrics metrics;         /* totals since start-up */
         struct session_list sessions;   /* owns; live sessions, CLOSED ones that still flush included */
         struct session_list dead;       /* owns; closed sessions waiting to be freed */
         uint32_t nsessions;             /* length of `sessions` */
@@ -46,7 +52,18 @@ struct daemon {
         uint32_t status_jobs;
         bool status_sent;
         bool stopping;
+        bool draining; /* Drain: JobCreate is refused with ERROR_DRAINING */
 };
+
+/* Builds a configuration as start-up and SIGHUP do: embedded defaults, the
+ * file (options->config_path, else MOEEP_DEFAULT_CONFIG when it exists,
+ * none with no_config), then the command line. Returns 0 or -errno with
+ * errmsg naming the file, line, key and value. `moeepd --check-config`
+ * calls it alone. */
+int daemon_config_build(const struct daemon_options *o, struct config *ret_config, char *errmsg);
+
+/* The configuration file daemon_config_build() reads, or NULL for none. */
+const char *daemon_config_path(const struct daemon_options *o);
 
 /* Loads the configuration, sets up the listener, signals and notification.
  * Logs what went wrong and returns -errno. */

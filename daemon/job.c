@@ -329,6 +329,7 @@ void job_member_lost(struct job_member *m, const char *reason) {
         uint32_t rank = m->rank;
         struct job *job = member_remove(m);
 
+        job->jobs->ranks_lost++;
         if (job->state != JOB_ABORTED) {
                 job->state = JOB_ABORTED;
                 job->lost_rank = (int32_t)rank;
@@ -373,6 +374,7 @@ int job_barrier(struct job_member *m, uint64_t request_id, char *errmsg) {
         /* Every rank is here (which implies every rank joined): release
          * them all, the caller included. */
         job->barrier_generation++;
+        job->jobs->barriers_completed++;
         job->barrier_arrived = 0;
         for (uint32_t r = 0; r < job->world_size; r++) {
                 struct job_member *peer = job->ranks[r];

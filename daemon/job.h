@@ -97,6 +97,10 @@ struct jobs {
         uint64_t next_id;
         const struct config *config;    /* not owning; caps are read at each call */
         const struct job_callbacks *cb; /* not owning */
+        /* Totals since start-up, for the metrics (moeepd_barriers_total,
+         * moeepd_ranks_lost_total). */
+        uint64_t barriers_completed; /* barrier generations every rank passed */
+        uint64_t ranks_lost;         /* members lost (job_member_lost()) */
 };
 
 /* Returns 0 or -ENOMEM. */

@@ -1,6 +1,7 @@
 /* moeepd: the moeep node daemon. Parses the command line and runs the
  * daemon object; everything else lives in moeepd_lib so tests link it. */
 #include <getopt.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -18,10 +19,31 @@ static void usage(FILE *f) {
                 "  -s, --socket PATH       listen on PATH (default %s); ignored under socket activation\n"
                 "  -f, --foreground        accepted for compatibility: moeepd never forks\n"
                 "  -c, --config FILE       read FILE (INI) over the embedded defaults; SIGHUP re-reads it\n"
+                "                          (default %s, when it exists)\n"
+                "  -n, --no-config         embedded defaults only: read no file\n"
                 "  -l, --log-level LEVEL   err, warning, notice, info or debug (overrides the file)\n"
+                "  -m, --metrics-listen ADDR  serve /metrics over HTTP on ADDR (PORT, HOST:PORT,\n"
+                "                          [IPV6]:PORT), or \"\" for off (overrides the file)\n"
+                "  -t, --check-config      check the configuration, print the result and exit\n"
                 "  -h, --help              show this help\n"
                 "  -V, --version           show the version\n",
-                MOEEP_DEFAULT_SOCKET);
+                MOEEP_DEFAULT_SOCKET, MOEEP_DEFAULT_CONFIG);
+}
+
+/* --check-config: builds the configuration as start-up would and says
+ * whether it is good; an operator runs it before SIGHUP or a restart. */
+static int check_config(const struct daemon_options *options) {
+        const char *path = daemon_config_path(options);
+        char errmsg[ERRMSG_MAX] = "";
+        struct config c;
+
+        if (daemon_config_build(options, &c, errmsg) < 0) {
+                fprintf(stderr, "moeepd: configuration: %s\n", errmsg);
+                return EXIT_FAILURE;
+        }
+        printf("%s: configuration is valid\n", path ? path : "(embedded defaults)");
+        config_done(&c);
+        return EXIT_SUCCESS;
 }
 
 int main(int argc, char **argv) {
@@ -30,15 +52,19 @@ int main(int argc, char **argv) {
                 { "foreground", no_argument, NULL, 'f' },
                 { "config", required_argument, NULL, 'c' },
                 { "log-level", required_argument, NULL, 'l' },
+                { "no-config", no_argument, NULL, 'n' },
+                { "metrics-listen", required_argument, NULL, 'm' },
+                { "check-config", no_argument, NULL, 't' },
                 { "help", no_argument, NULL, 'h' },
                 { "version", no_argument, NULL, 'V' },
                 {},
         };
         struct daemon_options options = { 0 };
+        bool check = false;
         struct daemon d;
         int c, level, r;
 
-        while ((c = getopt_long(argc, argv, "s:fc:l:hV", longopts, NULL)) != -1)
+        while ((c = getopt_long(argc, argv, "s:fc:l:nm:thV", longopts, NULL)) != -1)
                 switch (c) {
                 case 's':
                         options.socket = optarg;
@@ -52,6 +78,15 @@ int main(int argc, char **argv) {
                         if (log_level_from_string(optarg, &level) < 0)
                                 fatal("--log-level '%s': need err, warning, notice, info or debug", optarg);
                         options.log_level = optarg;
+                        break;
+                case 'n':
+                        options.no_config = true;
+                        break;
+                case 'm':
+                        options.metrics_listen = optarg;
+                        break;
+                case 't':
+                        check = true;
                         break;
                 case 'h':
                         usage(stdout);
@@ -69,6 +104,13 @@ int main(int argc, char **argv) {
                 usage(stderr);
                 return EXIT_FAILURE;
         }
+
+        if (options.no_config && options.config_path) {
+                fprintf(stderr, "moeepd: --config and --no-config exclude each other\n");
+                return EXIT_FAILURE;
+        }
+        if (check)
+                return check_config(&options);
 
         r = daemon_init(&d, &options);
         if (r < 0) {

@@ -10,6 +10,8 @@
 #include "daemon.h"
 #include "job.h"
 #include "log.h"
+#include "metrics.h"
+#include "nics.h"
 #include "moeep-config.h"
 #include "query.h"
 #include "record.h"
@@ -100,6 +102,8 @@ int query_status(struct session *s, uint64_t request_id, char *errmsg) {
         st.minor = MOEEP_PROTOCOL_MINOR;
         st.uptime_ms = daemon_uptime_ms(d);
         st.pid = (uint32_t)getpid();
+        st.draining = d->draining;
+        st.log_level = (char *)log_level_to_string(log_get_level());
         resp.body_case = MOEEP__V1__RESPONSE__BODY_STATUS;
         resp.status = &st;
         return session_respond(s, request_id, &resp, NULL, 0);
@@ -196,5 +200,35 @@ int query_clients(struct session *s, uint64_t request_id, char *errmsg) {
 out:
         free(infos);
         free(ptrs);
+        return r;
+}
+
+int query_metrics(struct session *s, uint64_t request_id, char *errmsg) {
+        Moeep__V1__Response resp = MOEEP__V1__RESPONSE__INIT;
+        Moeep__V1__Metrics *m;
+        int r;
+
+        r = metrics_snapshot(s->daemon, &m);
+        if (r < 0)
+                return errmsg_set(errmsg, r, "MetricsGet: out of memory");
+        resp.body_case = MOEEP__V1__RESPONSE__BODY_METRICS;
+        resp.metrics = m;
+        r = session_respond(s, request_id, &resp, NULL, 0);
+        metrics_snapshot_free(m);
+        return r;
+}
+
+int query_nics(struct session *s, uint64_t request_id, char *errmsg) {
+        Moeep__V1__Response resp = MOEEP__V1__RESPONSE__INIT;
+        Moeep__V1__Nics *nics;
+        int r;
+
+        r = nics_scan(NICS_SYSFS_ROOT, &nics, errmsg);
+        if (r < 0)
+                return r;
+        resp.body_case = MOEEP__V1__RESPONSE__BODY_NICS;
+        resp.nics = nics;
+        r = session_respond(s, request_id, &resp, NULL, 0);
+        nics_free(nics);
         return r;
 }

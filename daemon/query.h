@@ -1,4 +1,5 @@
-/* Status, job and client listings (StatusGet, JobsList, ClientsList).
+/* Status, job and client listings (StatusGet, JobsList, ClientsList), and
+ * the operator queries MetricsGet and NicsList.
  * Admins (uid 0, the daemon's own uid, members of admin_group) see
  * everything; anyone else sees their own job and its members, or only their
  * own session when not in a job. The job secret is never part of any
@@ -18,5 +19,9 @@ bool query_is_admin(const struct session *s);
 int query_status(struct session *s, uint64_t request_id, char *errmsg);
 int query_jobs(struct session *s, uint64_t request_id, char *errmsg);
 int query_clients(struct session *s, uint64_t request_id, char *errmsg);
+/* MetricsGet: a snapshot of the metrics (metrics.h); the same for everyone. */
+int query_metrics(struct session *s, uint64_t request_id, char *errmsg);
+/* NicsList: the RDMA devices and the GPU -> NIC mapping (nics.h). */
+int query_nics(struct session *s, uint64_t request_id, char *errmsg);
 
 #endif

@@ -10,6 +10,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "admin.h"
 #include "broker.h"
 #include "daemon.h"
 #include "log.h"
@@ -29,8 +30,10 @@
 #define SESSION_LINGER_MS 1000
 
 /* Features this daemon offers in Welcome. */
-#define SESSION_FEATURES \
-        ((uint64_t)MOEEP__V1__FEATURE__FEATURE_REGIONS | (uint64_t)MOEEP__V1__FEATURE__FEATURE_CONTROL_PAGE)
+#define SESSION_FEATURES                                      \
+        ((uint64_t)MOEEP__V1__FEATURE__FEATURE_REGIONS |      \
+         (uint64_t)MOEEP__V1__FEATURE__FEATURE_CONTROL_PAGE | \
+         (uint64_t)MOEEP__V1__FEATURE__FEATURE_OPERATOR)
 
 struct session_out {
         TAILQ_ENTRY(session_out) entry;
@@ -182,10 +185,11 @@ int session_send_error(struct session *s, uint64_t request_id, int code, const c
         err.message = (char *)message;
         resp.body_case = MOEEP__V1__RESPONSE__BODY_ERROR;
         resp.error = &err;
+        metrics_count_error(&s->daemon->metrics, code);
         return session_respond(s, request_id, &resp, NULL, 0);
 }
 
-static int session_send_ok(struct session *s, uint64_t request_id) {
+int session_send_ok(struct session *s, uint64_t request_id) {
         Moeep__V1__Ok ok = MOEEP__V1__OK__INIT;
         Moeep__V1__Response resp = MOEEP__V1__RESPONSE__INIT;
 
@@ -403,9 +407,14 @@ static int handle_job_create(struct session *s, uint64_t rid, const Moeep__V1__R
 
         if (s->daemon->stopping)
                 return errmsg_set(errmsg, -ESHUTDOWN, "the daemon is shutting down: no new jobs");
+        if (s->daemon->draining)
+                return errmsg_set(errmsg, -ESHUTDOWN,
+                                  "the daemon is draining: no new jobs (an admin ends it with "
+                                  "'moeepctl drain --off')");
         r = jobs_create(s->daemon->jobs, jc->name, jc->world_size, s->cred.uid, s, &job, errmsg);
         if (r < 0)
                 return r;
+        s->daemon->metrics.jobs_created++;
         log_info("session %" PRIu64 " (uid %u): created job %" PRIu64 " '%s' of %" PRIu32 " ranks", s->id,
                  (unsigned)s->cred.uid, job->id, job->name, job->world_size);
         daemon_status_changed(s->daemon);
@@ -482,6 +491,7 @@ static int handle_region_register(struct session *s, uint64_t rid, const Moeep__
         if (r < 0)
                 return r;
         rec->fds[0] = -1; /* the broker owns it now */
+        s->daemon->metrics.regions_registered++;
         resp.body_case = MOEEP__V1__RESPONSE__BODY_REGION_REGISTERED;
         resp.region_registered = &registered;
         return session_respond(s, rid, &resp, NULL, 0);
@@ -542,27 +552,57 @@ static int handle_clients_list(struct session *s, uint64_t rid, const Moeep__V1_
         return query_clients(s, rid, errmsg);
 }
 
+static int handle_metrics_get(struct session *s, uint64_t rid, const Moeep__V1__Request *req,
+                              struct moeep_record *rec, char *errmsg) {
+        return query_metrics(s, rid, errmsg);
+}
+
+static int handle_nics_list(struct session *s, uint64_t rid, const Moeep__V1__Request *req,
+                            struct moeep_record *rec, char *errmsg) {
+        return query_nics(s, rid, errmsg);
+}
+
+static int handle_log_level_set(struct session *s, uint64_t rid, const Moeep__V1__Request *req,
+                                struct moeep_record *rec, char *errmsg) {
+        return admin_log_level_set(s, rid, req->log_level_set->level, errmsg);
+}
+
+static int handle_drain(struct session *s, uint64_t rid, const Moeep__V1__Request *req,
+                        struct moeep_record *rec, char *errmsg) {
+        return admin_drain(s, rid, req->drain->on, errmsg);
+}
+
 /* The dispatch table, indexed by request type (= Request body case). A
  * handler returns 0 once it queued its reply (or when the reply is held
  * back, Barrier), or -errno with `errmsg` filled, which the dispatcher turns
  * into Error. */
 static const struct handler {
         const char *name;
-        bool needs_job; /* answered ERROR_NOT_IN_JOB outside a job */
+        bool needs_job;   /* answered ERROR_NOT_IN_JOB outside a job */
+        uint64_t feature; /* FEATURE_* bit the session's Hello must have had, 0 for none */
         int (*fn)(struct session *s, uint64_t rid, const Moeep__V1__Request *req, struct moeep_record *rec,
                   char *errmsg);
 } handlers[MOEEP_TYPE_REQUEST_MAX + 1] = {
-        [MOEEP__V1__REQUEST__BODY_HELLO] = { "Hello", false, handle_hello },
-        [MOEEP__V1__REQUEST__BODY_JOB_CREATE] = { "JobCreate", false, handle_job_create },
-        [MOEEP__V1__REQUEST__BODY_JOB_JOIN] = { "JobJoin", false, handle_job_join },
-        [MOEEP__V1__REQUEST__BODY_JOB_LEAVE] = { "JobLeave", true, handle_job_leave },
-        [MOEEP__V1__REQUEST__BODY_BARRIER] = { "Barrier", true, handle_barrier },
-        [MOEEP__V1__REQUEST__BODY_REGION_REGISTER] = { "RegionRegister", true, handle_region_register },
-        [MOEEP__V1__REQUEST__BODY_REGIONS_FETCH] = { "RegionsFetch", true, handle_regions_fetch },
-        [MOEEP__V1__REQUEST__BODY_STATUS_GET] = { "StatusGet", false, handle_status_get },
-        [MOEEP__V1__REQUEST__BODY_JOBS_LIST] = { "JobsList", false, handle_jobs_list },
-        [MOEEP__V1__REQUEST__BODY_CLIENTS_LIST] = { "ClientsList", false, handle_clients_list },
-        [MOEEP__V1__REQUEST__BODY_REGION_RELEASE] = { "RegionRelease", true, handle_region_release },
+        [MOEEP__V1__REQUEST__BODY_HELLO] = { "Hello", false, 0, handle_hello },
+        [MOEEP__V1__REQUEST__BODY_JOB_CREATE] = { "JobCreate", false, 0, handle_job_create },
+        [MOEEP__V1__REQUEST__BODY_JOB_JOIN] = { "JobJoin", false, 0, handle_job_join },
+        [MOEEP__V1__REQUEST__BODY_JOB_LEAVE] = { "JobLeave", true, 0, handle_job_leave },
+        [MOEEP__V1__REQUEST__BODY_BARRIER] = { "Barrier", true, 0, handle_barrier },
+        [MOEEP__V1__REQUEST__BODY_REGION_REGISTER] = { "RegionRegister", true, 0, handle_region_register },
+        [MOEEP__V1__REQUEST__BODY_REGIONS_FETCH] = { "RegionsFetch", true, 0, handle_regions_fetch },
+        [MOEEP__V1__REQUEST__BODY_STATUS_GET] = { "StatusGet", false, 0, handle_status_get },
+        [MOEEP__V1__REQUEST__BODY_JOBS_LIST] = { "JobsList", false, 0, handle_jobs_list },
+        [MOEEP__V1__REQUEST__BODY_CLIENTS_LIST] = { "ClientsList", false, 0, handle_clients_list },
+        [MOEEP__V1__REQUEST__BODY_REGION_RELEASE] = { "RegionRelease", true, 0, handle_region_release },
+        [MOEEP__V1__REQUEST__BODY_METRICS_GET] = { "MetricsGet", false, MOEEP__V1__FEATURE__FEATURE_OPERATOR,
+                                                   handle_metrics_get },
+        [MOEEP__V1__REQUEST__BODY_NICS_LIST] = { "NicsList", false, MOEEP__V1__FEATURE__FEATURE_OPERATOR,
+                                                 handle_nics_list },
+        [MOEEP__V1__REQUEST__BODY_LOG_LEVEL_SET] = { "LogLevelSet", false,
+                                                     MOEEP__V1__FEATURE__FEATURE_OPERATOR,
+                                                     handle_log_level_set },
+        [MOEEP__V1__REQUEST__BODY_DRAIN] = { "Drain", false, MOEEP__V1__FEATURE__FEATURE_OPERATOR,
+                                             handle_drain },
 };
 
 /* Handles one received record. Returns 1 to go on reading, 0 when the
@@ -588,6 +628,7 @@ static int session_dispatch(struct session *s, struct moeep_record *rec) {
                 return 0;
         }
         h = &handlers[type];
+        s->daemon->metrics.requests[type]++;
         if (s->state == SESSION_NEW && type != MOEEP__V1__REQUEST__BODY_HELLO) {
                 session_fail(s, MOEEP__V1__ERROR_CODE__ERROR_NOT_WELCOMED, rid,
                              "%s (request %" PRIu64 ") before Hello", h->name, rid);
@@ -602,6 +643,11 @@ static int session_dispatch(struct session *s, struct moeep_record *rec) {
         }
         if (h->needs_job && !s->member)
                 r = errmsg_set(errmsg, -ENOTCONN, "%s: session %" PRIu64 " is not in a job", h->name, s->id);
+        else if ((s->features & h->feature) != h->feature)
+                /* Rule 5 of proto/README.md: the Hello did not offer it. */
+                r = errmsg_set(errmsg, -EINVAL,
+                               "%s: session %" PRIu64 " did not offer feature bit %" PRIu64 " in Hello",
+                               h->name, s->id, h->feature);
         else
                 r = h->fn(s, rid, req, rec, errmsg);
         if (r < 0 && s->state != SESSION_CLOSED) {
@@ -739,9 +785,12 @@ static uint32_t sessions_count_uid(const struct daemon *d, uid_t uid) {
 
 /* Turns a connection away with an error it can read, without making a
  * session: a fresh socket's buffer always takes one small record. */
-static int session_refuse(int fd, int r, const char *why) {
+static int session_refuse(struct daemon *d, int fd, int r, const char *why) {
         Moeep__V1__Error err = MOEEP__V1__ERROR__INIT;
         Moeep__V1__Response resp = MOEEP__V1__RESPONSE__INIT;
+
+        d->metrics.sessions_refused++;
+        metrics_count_error(&d->metrics, MOEEP__V1__ERROR_CODE__ERROR_LIMIT_EXCEEDED);
 
         err.code = MOEEP__V1__ERROR_CODE__ERROR_LIMIT_EXCEEDED;
         err.message = (char *)why;
@@ -769,7 +818,7 @@ int session_new(struct daemon *d, int fd, struct session **ret_session) {
                 snprintf(why, sizeof(why), "%" PRIu32 " sessions connected (max_sessions = %" PRIu32 ")",
                          d->nsessions, d->config.max_sessions);
                 log_notice("refusing pid %d uid %u: %s", (int)cred.pid, (unsigned)cred.uid, why);
-                return session_refuse(fd, -EDQUOT, why);
+                return session_refuse(d, fd, -EDQUOT, why);
         }
         n = sessions_count_uid(d, cred.uid);
         if (n >= d->config.max_sessions_per_uid) {
@@ -777,7 +826,7 @@ int session_new(struct daemon *d, int fd, struct session **ret_session) {
                          "uid %u has %" PRIu32 " sessions (max_sessions_per_uid = %" PRIu32 ")",
                          (unsigned)cred.uid, n, d->config.max_sessions_per_uid);
                 log_notice("refusing pid %d: %s", (int)cred.pid, why);
-                return session_refuse(fd, -EDQUOT, why);
+                return session_refuse(d, fd, -EDQUOT, why);
         }
 
         s = calloc(1, sizeof(*s));
@@ -800,6 +849,7 @@ int session_new(struct daemon *d, int fd, struct session **ret_session) {
         }
         session_read_groups(s);
         s->id = d->next_session_id++;
+        d->metrics.sessions_accepted++;
         TAILQ_INSERT_TAIL(&d->sessions, s, entry);
         d->nsessions++;
         log_debug("session %" PRIu64 ": connected, pid %d uid %u gid %u, %zu groups", s->id, (int)cred.pid,

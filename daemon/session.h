@@ -68,7 +68,10 @@ int session_send(struct session *s, uint16_t type, uint64_t request_id, const Pr
 int session_respond(struct session *s, uint64_t request_id, Moeep__V1__Response *resp, const int *fds,
                     size_t nfds);
 
-/* Queues Response.error. */
+/* Queues Response.ok. */
+int session_send_ok(struct session *s, uint64_t request_id);
+
+/* Queues Response.error (and counts it in the metrics). */
 int session_send_error(struct session *s, uint64_t request_id, int code, const char *message);
 
 /* The one way a session ends: logs `why` once, queues Error(`code`) when

@@ -19,6 +19,10 @@ int moeep_record_type_known(uint16_t type) {
         case MOEEP__V1__REQUEST__BODY_JOBS_LIST:
         case MOEEP__V1__REQUEST__BODY_CLIENTS_LIST:
         case MOEEP__V1__REQUEST__BODY_REGION_RELEASE:
+        case MOEEP__V1__REQUEST__BODY_METRICS_GET:
+        case MOEEP__V1__REQUEST__BODY_NICS_LIST:
+        case MOEEP__V1__REQUEST__BODY_LOG_LEVEL_SET:
+        case MOEEP__V1__REQUEST__BODY_DRAIN:
         case MOEEP__V1__RESPONSE__BODY_ERROR:
         case MOEEP__V1__RESPONSE__BODY_WELCOME:
         case MOEEP__V1__RESPONSE__BODY_JOB_CREATED:
@@ -29,6 +33,8 @@ int moeep_record_type_known(uint16_t type) {
         case MOEEP__V1__RESPONSE__BODY_STATUS:
         case MOEEP__V1__RESPONSE__BODY_JOBS:
         case MOEEP__V1__RESPONSE__BODY_CLIENTS:
+        case MOEEP__V1__RESPONSE__BODY_METRICS:
+        case MOEEP__V1__RESPONSE__BODY_NICS:
         case MOEEP__V1__EVENT__BODY_PEER_LOST:
         case MOEEP__V1__EVENT__BODY_SHUTDOWN:
                 return 1;
@@ -222,7 +228,7 @@ int moeep_record_recv(int sock, struct moeep_record *rec, const char **ret_why) 
         }
         expected = moeep_record_fds_expected(rec->hdr.type);
         if ((expected >= 0 && rec->nfds != (size_t)expected)) {
-                why = expected == 0 ? "descriptors on a record type that may not carry them"
+                why = expected == 0    ? "descriptors on a record type that may not carry them"
                       : rec->nfds == 0 ? "record type needs exactly one descriptor but carries none"
                                        : "record type needs exactly one descriptor but carries several";
                 goto fail;

@@ -1,0 +1,21 @@
+/* Operator commands that change the daemon (LogLevelSet, Drain). Only
+ * admins may use them (query_is_admin(): root, the daemon's uid, members of
+ * admin_group); anyone else gets -EPERM (ERROR_PERMISSION_DENIED). Each logs
+ * what changed and who changed it, and queues Ok. */
+#ifndef MOEEPD_ADMIN_H
+#define MOEEPD_ADMIN_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+struct session;
+
+/* Sets the log level until the next SIGHUP (which re-reads log_level) or
+ * restart. -EINVAL for a level log_level_from_string() refuses. */
+int admin_log_level_set(struct session *s, uint64_t request_id, const char *level, char *errmsg);
+
+/* Starts (`on`) or ends draining: while draining, JobCreate is refused with
+ * ERROR_DRAINING and jobs that exist go on. Not kept across restarts. */
+int admin_drain(struct session *s, uint64_t request_id, bool on, char *errmsg);
+
+#endif
