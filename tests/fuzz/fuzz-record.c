@@ -28,11 +28,11 @@
 #include "fuzz.h"
 #include "record.h"
 
-#define FLAG_FIX_HEADER 0x01  /* magic, length and reserved made right */
-#define FLAG_FIX_NFDS 0x02    /* header nfds = descriptors attached */
-#define FLAG_KEEP_MAJOR 0x04  /* leave the major as fuzzed (else 1) */
-#define FLAG_PASSCRED 0x08    /* SO_PASSCRED on the receiver: SCM_CREDENTIALS, a foreign cmsg */
-#define FLAG_OVERSIZE 0x10    /* pad the datagram past MOEEP_RECORD_MAX */
+#define FLAG_FIX_HEADER 0x01   /* magic, length and reserved made right */
+#define FLAG_FIX_NFDS 0x02     /* header nfds = descriptors attached */
+#define FLAG_KEEP_MAJOR 0x04   /* leave the major as fuzzed (else 1) */
+#define FLAG_PASSCRED 0x08     /* SO_PASSCRED on the receiver: SCM_CREDENTIALS, a foreign cmsg */
+#define FLAG_OVERSIZE 0x10     /* pad the datagram past MOEEP_RECORD_MAX */
 #define FLAG_REQUEST_TYPE 0x20 /* type forced into the request range */
 
 /* Descriptors checked for leaks above the lowest free one. */

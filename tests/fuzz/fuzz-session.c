@@ -215,7 +215,8 @@ static void check_consistent(void) {
                 nsessions++;
                 if ((s->state == SESSION_READY) != (s->member != NULL))
                         abort();
-                if (s->member && (s->member->owner != s || s->member->job->ranks[s->member->rank] != s->member))
+                if (s->member &&
+                    (s->member->owner != s || s->member->job->ranks[s->member->rank] != s->member))
                         abort();
         }
         if (nsessions != d.nsessions)
