@@ -26,12 +26,14 @@
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/un.h>
+#include <syslog.h>
 #include <unistd.h>
 
 #include "fuzz.h"
 #include "broker.h"
 #include "daemon.h"
 #include "job.h"
+#include "log.h"
 #include "record.h"
 #include "session.h"
 
@@ -390,7 +392,7 @@ static void op_fuzzed_payload(struct input *in, int c) {
 
         if (clients[c] < 0)
                 return;
-        hdr.type = (uint16_t)(how & 0x80 ? take8(in) : 1 + take8(in) % 16);
+        hdr.type = (uint16_t)(how & 0x80 ? take8(in) : 1 + take8(in) % 20);
         hdr.nfds = (uint16_t)nfds;
         hdr.length = (uint32_t)n;
         hdr.request_id = ++next_rid;
@@ -525,6 +527,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         struct input in = { .p = data, .left = size };
         int fds;
 
+        /* Daemon-wide settings an input may change (Drain, LogLevelSet as
+         * root, who is an admin) start each input the same. */
+        d.draining = false;
+        log_set_level(LOG_ERR);
         have_unique_id = false;
         memset(unique_id, 0, sizeof(unique_id));
         nregion_ids = 0;
