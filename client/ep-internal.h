@@ -4,8 +4,48 @@
 #ifndef MOEEP_EP_INTERNAL_H
 #define MOEEP_EP_INTERNAL_H
 
+#include <stdbool.h>
+#include <sys/queue.h>
+
+#include "cumem.h"
 #include "kernels.h"
 #include "moeep_ep.h"
+
+struct moeep_ep_handle {
+        struct moeep_ep *ep;      /* not owning */
+        struct moeep_route route; /* arrays inside dev_mem */
+        void *dev_mem;            /* owning: cudaMalloc */
+        int *expert_counts_host;  /* owning: [local experts] */
+        int num_recv;             /* -1 when only the device knows it */
+        int num_topk;
+        SLIST_ENTRY(moeep_ep_handle) free_entry;
+};
+
+struct moeep_ep {
+        struct moeep_client *client; /* not owning */
+        const struct cumem_api *cu;
+        struct moeep_ctx ctx;     /* passed to every kernel by value */
+        struct cumem_mapping own; /* our buffer */
+        struct cumem_mapping peer_maps[MOEEP_KERNEL_MAX_RANKS];
+        struct moeep_notify_host *host; /* owning: cudaHostAlloc, mapped */
+        cudaEvent_t notify_done;
+        int device;
+        uint64_t region_id;              /* our buffer at the broker; 0 = not registered */
+        bool control_page_registered;
+        void *control_page; /* not owning: the client's mapping */
+        SLIST_HEAD(, moeep_ep_handle) free_handles;
+        unsigned ll_calls;               /* low-latency dispatches so far: picks the buffer set */
+        char error[512];
+};
+
+/* Sets the endpoint's error text and returns r. */
+int ep_fail(struct moeep_ep *ep, int r, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+
+/* 0, or -EIO naming `what` and the CUDA error of a failed launch. */
+int launch_result(struct moeep_ep *ep, const char *what, int r);
+
+/* 0 for a known index type, else -EINVAL with the error text set. */
+int check_index_type(struct moeep_ep *ep, enum moeep_index_type t);
 
 /* Copies the kernel context of `ep` (mapped buffers of every rank, layout,
  * state) into ret. */

@@ -16,35 +16,8 @@
 #define NVL_REGION_TAG 0 /* tag of the NVLink buffer among a rank's regions */
 
 
-struct moeep_ep_handle {
-        struct moeep_ep *ep;      /* not owning */
-        struct moeep_route route; /* arrays inside dev_mem */
-        void *dev_mem;            /* owning: cudaMalloc */
-        int *expert_counts_host;  /* owning: [local experts] */
-        int num_recv;             /* -1 when only the device knows it */
-        int num_topk;
-        SLIST_ENTRY(moeep_ep_handle) free_entry;
-};
-
-struct moeep_ep {
-        struct moeep_client *client; /* not owning */
-        const struct cumem_api *cu;
-        struct moeep_ctx ctx;     /* passed to every kernel by value */
-        struct cumem_mapping own; /* our buffer */
-        struct cumem_mapping peer_maps[MOEEP_KERNEL_MAX_RANKS];
-        struct moeep_notify_host *host; /* owning: cudaHostAlloc, mapped */
-        cudaEvent_t notify_done;
-        int device;
-        uint64_t region_id;              /* our buffer at the broker; 0 = not registered */
-        bool control_page_registered;
-        void *control_page; /* not owning: the client's mapping */
-        SLIST_HEAD(, moeep_ep_handle) free_handles;
-        char error[512];
-};
-
-static int ep_fail(struct moeep_ep *ep, int r, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 static int handle_get(struct moeep_ep *ep, cudaStream_t stream, struct moeep_ep_handle **ret);
-static int ep_fail(struct moeep_ep *ep, int r, const char *fmt, ...) {
+int ep_fail(struct moeep_ep *ep, int r, const char *fmt, ...) {
         va_list ap;
 
         va_start(ap, fmt);
@@ -60,7 +33,7 @@ static int ep_fail(struct moeep_ep *ep, int r, const char *fmt, ...) {
                         return ep_fail((ep), -EIO, "%s: %s", #call, cudaGetErrorString(e_)); \
         } while (0)
 
-static int launch_result(struct moeep_ep *ep, const char *what, int r) {
+int launch_result(struct moeep_ep *ep, const char *what, int r) {
         if (r == 0)
                 return 0;
         return ep_fail(ep, -EIO, "%s: kernel launch failed: %s", what, cudaGetErrorString((cudaError_t)r));
@@ -96,6 +69,8 @@ static int config_check(struct moeep_ep *ep, const struct moeep_ep_config *c, in
                                MOEEP_KERNEL_MAX_TOPK);
         if (c->num_sms < 0 || c->num_sms > 1024)
                 return ep_fail(ep, -EINVAL, "num_sms %d is outside 0..1024", c->num_sms);
+        if (c->ll_max_tokens < 0 || c->ll_max_tokens > MOEEP_LL_MAX_TOKENS)
+                return ep_fail(ep, -EINVAL, "ll_max_tokens %d is outside 0..%d", c->ll_max_tokens, MOEEP_LL_MAX_TOKENS);
         if (c->timeout_ms < 0)
                 return ep_fail(ep, -EINVAL, "timeout_ms %d is negative", c->timeout_ms);
         return 0;
@@ -179,14 +154,19 @@ static int ep_attach(struct moeep_ep *ep, const struct moeep_ep_config *c) {
 
         moeep_buffer_layout_compute(&ep->ctx.layout, ep->ctx.ranks, c->max_tokens_per_rank, c->hidden,
                                     c->max_topk);
-        cr = cumem_alloc_exportable(ep->cu, ep->device, ep->ctx.layout.total, &ep->own, &fd);
+        moeep_ll_layout_compute(&ep->ctx.ll, ep->ctx.layout.total, ep->ctx.ranks, c->ll_max_tokens, c->hidden,
+                                c->num_experts, c->max_topk);
+        cr = cumem_alloc_exportable(ep->cu, ep->device, ep->ctx.ll.total, &ep->own, &fd);
         if (cr != CUDA_SUCCESS)
                 return ep_fail(ep, -ENOMEM, "allocating the %zu-byte NVLink buffer on device %d: %s",
-                               ep->ctx.layout.total, ep->device, cumem_strerror(ep->cu, cr));
+                               ep->ctx.ll.total, ep->device, cumem_strerror(ep->cu, cr));
         ep->ctx.peers[ep->ctx.rank] = (char *)(uintptr_t)ep->own.ptr;
         /* Flags must be zero before any peer can see the buffer. */
         CUDA_TRY(ep,
                  cudaMemset(ep->ctx.peers[ep->ctx.rank] + ep->ctx.layout.sync, 0, sizeof(struct moeep_sync)));
+        if (c->ll_max_tokens)
+                CUDA_TRY(ep, cudaMemset(ep->ctx.peers[ep->ctx.rank] + ep->ctx.ll.sync, 0,
+                                        sizeof(struct moeep_ll_sync)));
         CUDA_TRY(ep, cudaDeviceSynchronize());
 
         r = moeep_region_register(ep->client, fd, MOEEP_REGION_CUMEM_FD, ep->own.size, NVL_REGION_TAG,
@@ -206,6 +186,7 @@ static int ep_attach(struct moeep_ep *ep, const struct moeep_ep_config *c) {
         CUDA_TRY(ep, cudaHostAlloc((void **)&ep->host, sizeof(*ep->host), cudaHostAllocMapped));
         CUDA_TRY(ep, cudaEventCreateWithFlags(&ep->notify_done, cudaEventDisableTiming));
         CUDA_TRY(ep, (cudaError_t)moeep_kernels_init());
+        CUDA_TRY(ep, (cudaError_t)moeep_ll_init());
         /* Two handles up front, so that dispatch allocates nothing in the
          * usual dispatch/combine cycle, also while a graph is captured. */
         for (int i = 0; i < 2; i++) {
@@ -325,6 +306,9 @@ static int state_error(struct moeep_ep *ep, uint32_t err, int peer) {
         case MOEEP_KERR_TIMEOUT:
                 return ep_fail(ep, -ETIMEDOUT, "rank %d: waited more than %llu ms for rank %d", ep->ctx.rank,
                                (unsigned long long)(ep->ctx.timeout_ns / 1000000), peer);
+        case MOEEP_KERR_OVERFLOW:
+                return ep_fail(ep, -EINVAL, "rank %d: a low-latency expert on rank %d got more pairs than its %d slots "
+                               "(a token names one expert twice?)", ep->ctx.rank, peer, ep->ctx.ranks * ep->ctx.ll.max_tokens);
         case MOEEP_KERR_ABORT:
                 return ep_fail(
                         ep, -ENOTCONN, "rank %d: job aborted by moeepd (rank %d lost)", ep->ctx.rank,
@@ -345,7 +329,7 @@ int moeep_ep_check(struct moeep_ep *ep) {
         return state_error(ep, s.error, s.error_rank);
 }
 
-static int check_index_type(struct moeep_ep *ep, enum moeep_index_type t) {
+int check_index_type(struct moeep_ep *ep, enum moeep_index_type t) {
         switch (t) {
         case MOEEP_INDEX_INT64:
         case MOEEP_INDEX_INT32:

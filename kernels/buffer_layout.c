@@ -28,3 +28,30 @@ void moeep_buffer_layout_compute(struct moeep_buffer_layout *l, int ranks, int m
 #undef PLACE
         l->total = off;
 }
+
+void moeep_ll_layout_compute(struct moeep_ll_layout *l, size_t start, int ranks, int max_tokens, int hidden,
+                             int num_experts, int max_topk) {
+        size_t slots = (size_t)num_experts * (size_t)max_tokens; /* local experts x ranks x max_tokens */
+        size_t off = align_up(start, 4096);
+
+        *l = (struct moeep_ll_layout){ .max_tokens = max_tokens };
+        if (max_tokens == 0) {
+                l->total = start;
+                return;
+        }
+        (void)ranks;
+#define PLACE(field, bytes)                                                                                \
+        do {                                                                                               \
+                l->field = off;                                                                            \
+                off = align_up(off + (bytes), 4096);                                                       \
+        } while (0)
+        PLACE(sync, sizeof(struct moeep_ll_sync));
+        for (int b = 0; b < 2; b++) {
+                PLACE(x[b], slots * (size_t)hidden * 2);
+                PLACE(scales[b], slots * (size_t)(hidden / MOEEP_SCALE_BLOCK) * sizeof(float));
+                PLACE(src[b], slots * sizeof(int32_t));
+                PLACE(comb[b], (size_t)max_tokens * (size_t)max_topk * (size_t)hidden * 2);
+        }
+#undef PLACE
+        l->total = off;
+}

@@ -30,6 +30,7 @@ extern "C" {
 #define MOEEP_KERNEL_MAX_TOPK 9
 #define MOEEP_SCALE_BLOCK 128 /* FP8: one float scale per 128 channels */
 #define MOEEP_KERNEL_MAX_TOKENS 65536
+#define MOEEP_LL_FP8_MAX_HIDDEN 8192 /* low-latency FP8: staging of 16 warps in shared memory */
 #define MOEEP_COMBINE_CHUNK 32 /* tokens per combine arrival counter */
 #define MOEEP_COMBINE_CHUNKS (MOEEP_KERNEL_MAX_TOKENS / MOEEP_COMBINE_CHUNK)
 
@@ -61,6 +62,7 @@ struct moeep_local_state {
         uint32_t error;        /* MOEEP_KERR_*: first failure of a device wait, sticky */
         int32_t error_rank;    /* the peer that was waited for */
         int32_t pad;
+        uint64_t ll_seq[2];    /* low-latency: sequence number of the last dispatch on each buffer set */
 };
 
 /* Diagnostic switches that leave out parts of combine, to time the rest;
@@ -75,6 +77,7 @@ enum moeep_kernel_error {
         MOEEP_KERR_NONE = 0,
         MOEEP_KERR_TIMEOUT = 1, /* a peer's flag did not arrive within the wait bound */
         MOEEP_KERR_ABORT = 2,   /* the daemon set the job's abort word */
+        MOEEP_KERR_OVERFLOW = 3, /* low-latency: an expert got more pairs than it has slots */
 };
 
 /* Offsets inside every NVLink buffer, derived from the configuration. */
@@ -93,11 +96,36 @@ struct moeep_buffer_layout {
 void moeep_buffer_layout_compute(struct moeep_buffer_layout *l, int ranks, int max_tokens, int hidden,
                                  int max_topk);
 
+/* Low-latency flags and counters, in every NVLink buffer when the
+ * endpoint has low-latency buffers; index [b] is the buffer set. */
+struct moeep_ll_sync {
+        uint32_t counter[2][MOEEP_KERNEL_MAX_EXPERTS];      /* slots taken per local expert (remote atomics) */
+        int32_t count[2][MOEEP_KERNEL_MAX_EXPERTS];         /* received per local expert (owner only) */
+        uint64_t dispatch_flag[2][MOEEP_KERNEL_MAX_RANKS];  /* [src]: src's pairs of set b landed (seq) */
+        uint64_t combine_flag[2][MOEEP_KERNEL_MAX_RANKS];   /* [src]: src's expert outputs of set b landed */
+};
+
+/* Offsets of the low-latency buffers (after the normal-mode ones). */
+struct moeep_ll_layout {
+        int max_tokens;  /* tokens per rank per call; 0 = no low-latency buffers */
+        size_t sync;     /* struct moeep_ll_sync */
+        size_t x[2];     /* [local expert][ranks * max_tokens] rows: bf16, or fp8 with stride hidden */
+        size_t scales[2];/* [local expert][ranks * max_tokens][hidden / 128] float */
+        size_t src[2];   /* [local expert][ranks * max_tokens] int32: (rank << 28) | (k << 20) | token */
+        size_t comb[2];  /* [max_tokens][max_topk] bf16 rows: expert outputs back at the token's rank */
+        size_t total;    /* end of the low-latency part */
+};
+
+/* Appends the low-latency buffers at offset `start` (0 tokens: none). */
+void moeep_ll_layout_compute(struct moeep_ll_layout *l, size_t start, int ranks, int max_tokens, int hidden,
+                             int num_experts, int max_topk);
+
 /* Everything a kernel needs to reach the job: the mapped buffers of every
  * rank (peers[rank] is our own), passed by value. */
 struct moeep_ctx {
         char *peers[MOEEP_KERNEL_MAX_RANKS];
         struct moeep_buffer_layout layout;
+        struct moeep_ll_layout ll;
         struct moeep_local_state *state;        /* device memory, ours only */
         const volatile uint32_t *abort_word;    /* device pointer to the control page's abort, or NULL */
         int rank;
@@ -177,6 +205,17 @@ int moeep_launch_dispatch(const struct moeep_ctx *ctx, const struct moeep_dispat
 int moeep_launch_combine(const struct moeep_ctx *ctx, const void *x, const float *topk_weights, int num_topk,
                          const struct moeep_route *route, void *out, float *out_weights,
                          cudaStream_t stream);
+
+/* Low-latency mode (kernels/ll.cu). `set` is the buffer set (0 or 1). */
+int moeep_ll_init(void);
+int moeep_launch_ll_dispatch_send(const struct moeep_ctx *ctx, const void *x, int num_tokens, const void *topk_idx,
+                                  int idx_is_int64, int num_topk, int set, int use_fp8, int round_scale,
+                                  cudaStream_t stream);
+int moeep_launch_ll_dispatch_recv(const struct moeep_ctx *ctx, int set, int *stats, cudaStream_t stream);
+int moeep_launch_ll_combine_send(const struct moeep_ctx *ctx, const void *y, int set, cudaStream_t stream);
+int moeep_launch_ll_combine_recv(const struct moeep_ctx *ctx, const void *topk_idx, int idx_is_int64,
+                                 const float *weights, int num_tokens, int num_topk, int set, void *out,
+                                 cudaStream_t stream);
 
 /* Benchmark references (kernels/bench.cu). */
 

@@ -44,6 +44,13 @@ enum op {
         OP_NCCL_DISPATCH,
         OP_NCCL_DATA,
         OP_NCCL_COMBINE,
+        OP_LL_DISPATCH,
+        OP_LL_COMBINE,
+        OP_LL_BOTH,
+        OP_LL_DISPATCH_SEND,
+        OP_LL_DISPATCH_RECV,
+        OP_LL_COMBINE_SEND,
+        OP_LL_COMBINE_RECV,
 };
 
 static const char *op_to_string(enum op o) {
@@ -57,6 +64,13 @@ static const char *op_to_string(enum op o) {
         case OP_NCCL_DISPATCH: return "nccl dispatch (counts+pack+a2a)";
         case OP_NCCL_DATA: return "nccl a2a data only";
         case OP_NCCL_COMBINE: return "nccl combine (a2a+sum)";
+        case OP_LL_DISPATCH: return "ll dispatch fp8";
+        case OP_LL_COMBINE: return "ll combine bf16";
+        case OP_LL_BOTH: return "ll dispatch + combine";
+        case OP_LL_DISPATCH_SEND: return "ll dispatch send (hook)";
+        case OP_LL_DISPATCH_RECV: return "ll dispatch recv (hook)";
+        case OP_LL_COMBINE_SEND: return "ll combine send (hook)";
+        case OP_LL_COMBINE_RECV: return "ll combine recv (hook)";
         }
         return "?";
 }
@@ -78,7 +92,7 @@ struct shared {
 
 struct opts {
         int ranks, tokens, hidden, topk, experts, sms, iters, warmup;
-        bool sweep, json, nccl;
+        bool sweep, json, nccl, ll;
         uint64_t seed;
 };
 
@@ -523,6 +537,91 @@ static int bench_floor(struct rank_env *env, int *slot, int T) {
         return err;
 }
 
+/* Low-latency figures at T tokens: dispatch (FP8) and combine (BF16) timed
+ * apart and together, and the four phases of the hook mode. Each
+ * iteration is dispatch + combine, as in a decode step. */
+static int bench_ll(struct rank_env *env, int *slot, int T) {
+        const struct opts *o = env->o;
+        const int L = o->experts / env->ranks, S = env->ranks * (o->sweep ? 256 : o->tokens), H = o->hidden;
+        double t_phase[7][MAX_ITERS];
+        struct inputs in = { 0 };
+        cudaEvent_t ev[5];
+        int pairs_in = 0, *counts = calloc((size_t)L, sizeof(int)), err = 0;
+        void *y = NULL;
+
+        if (inputs_make(env, &in, T) < 0)
+                return -1;
+        CUDA_OK(cudaMalloc(&y, (size_t)L * S * H * 2));
+        CUDA_OK(cudaMemset(y, 0x3c, (size_t)L * S * H * 2));
+        for (int i = 0; i < 5; i++)
+                CUDA_OK(cudaEventCreate(&ev[i]));
+        struct moeep_ll_dispatch_args da = {
+                .x = in.x, .num_tokens = T, .topk_idx = in.idx, .topk_idx_type = MOEEP_INDEX_INT64,
+                .num_topk = o->topk, .use_fp8 = true,
+        };
+        struct moeep_ll_combine_args ca = {
+                .x = y, .topk_idx = in.idx, .topk_idx_type = MOEEP_INDEX_INT64, .topk_weights = in.w,
+                .num_topk = o->topk, .out = in.out,
+        };
+        struct moeep_ll_dispatch_result res;
+        struct moeep_ll_hook hook;
+
+        for (int mode = 0; mode < 2 && !err; mode++) {
+                da.return_recv_hook = ca.return_recv_hook = mode == 1;
+                for (int i = 0; i < o->warmup + o->iters && !err; i++) {
+                        float ms[4] = { 0 };
+                        moeep_job_barrier(env->c);
+                        cudaEventRecord(ev[0], env->st);
+                        err |= moeep_ll_dispatch(env->ep, &da, &res, &hook, env->st) < 0;
+                        cudaEventRecord(ev[1], env->st);
+                        if (mode == 1)
+                                err |= moeep_ll_hook_run(env->ep, &hook, env->st) < 0;
+                        cudaEventRecord(ev[2], env->st);
+                        ca.handle = &res.handle;
+                        err |= moeep_ll_combine(env->ep, &ca, &hook, env->st) < 0;
+                        cudaEventRecord(ev[3], env->st);
+                        if (mode == 1)
+                                err |= moeep_ll_hook_run(env->ep, &hook, env->st) < 0;
+                        cudaEventRecord(ev[4], env->st);
+                        if (cudaEventSynchronize(ev[4]) != cudaSuccess)
+                                err = 1;
+                        for (int k = 0; k < 4; k++)
+                                cudaEventElapsedTime(&ms[k], ev[k], ev[k + 1]);
+                        if (i < o->warmup)
+                                continue;
+                        int j = i - o->warmup;
+                        if (mode == 0) {
+                                t_phase[0][j] = ms[0] * 1e3;
+                                t_phase[1][j] = (ms[2] + ms[3]) * 1e3;
+                                t_phase[2][j] = (ms[0] + ms[1] + ms[2] + ms[3]) * 1e3;
+                        } else
+                                for (int k = 0; k < 4; k++)
+                                        t_phase[3 + k][j] = ms[k] * 1e3;
+                }
+        }
+        if (err) {
+                fprintf(stderr, "rank %d: low-latency call failed: %s\n", env->rank, moeep_ep_error(env->ep));
+                return -1;
+        }
+        cudaMemcpy(counts, res.recv_count, sizeof(int) * L, cudaMemcpyDeviceToHost);
+        for (int le = 0; le < L; le++)
+                pairs_in += counts[le];
+        /* Bytes: FP8 rows + scales received; BF16 rows sent back. */
+        const double disp_bytes = (double)pairs_in * (H + H / 128 * 4), comb_bytes = (double)pairs_in * H * 2;
+        const enum op ops[7] = { OP_LL_DISPATCH, OP_LL_COMBINE, OP_LL_BOTH, OP_LL_DISPATCH_SEND, OP_LL_DISPATCH_RECV,
+                                 OP_LL_COMBINE_SEND, OP_LL_COMBINE_RECV };
+        const double bytes[7] = { disp_bytes, comb_bytes, disp_bytes + comb_bytes, disp_bytes, disp_bytes,
+                                  comb_bytes, comb_bytes };
+        for (int k = 0; k < 7; k++)
+                record(env, (*slot)++, ops[k], T, o->sms, median(t_phase[k], o->iters), bytes[k]);
+        for (int i = 0; i < 5; i++)
+                cudaEventDestroy(ev[i]);
+        cudaFree(y);
+        free(counts);
+        inputs_free(&in);
+        return 0;
+}
+
 static int rank_fn(struct moeep_client *c, int rank, int ranks, void *shared, void *arg) {
         const struct opts *o = arg;
         struct rank_env *env = calloc(1, sizeof(*env));
@@ -531,6 +630,11 @@ static int rank_fn(struct moeep_client *c, int rank, int ranks, void *shared, vo
                 .max_tokens_per_rank = max_tokens, .hidden = o->hidden, .num_experts = o->experts,
                 .max_topk = o->topk, .num_sms = o->sms,
         };
+        if (o->ll) {
+                /* Low-latency buffers for the largest call; normal buffers
+                 * only as big as the NCCL reference's layout needs. */
+                cfg.max_tokens_per_rank = cfg.ll_max_tokens = o->sweep ? 256 : o->tokens;
+        }
 
         env->o = o;
         env->sh = shared;
@@ -545,6 +649,16 @@ static int rank_fn(struct moeep_client *c, int rank, int ranks, void *shared, vo
         CUDA_OK(cudaEventCreate(&env->e0));
         CUDA_OK(cudaEventCreate(&env->e1));
 
+        if (o->ll) {
+                static const int toks[] = { 1, 16, 64, 128, 256 };
+                err |= bench_ll(env, &slot, o->tokens);
+                if (o->nccl)
+                        err |= bench_nccl(env, &slot, o->tokens);
+                for (size_t i = 0; o->sweep && i < sizeof(toks) / sizeof(toks[0]); i++)
+                        if (toks[i] != o->tokens)
+                                err |= bench_ll(env, &slot, toks[i]);
+                goto done;
+        }
         err |= bench_moeep(env, &slot, o->tokens, o->sms, true);
         err |= bench_floor(env, &slot, o->tokens);
         if (o->nccl)
@@ -557,6 +671,7 @@ static int rank_fn(struct moeep_client *c, int rank, int ranks, void *shared, vo
                 for (size_t i = 0; i < sizeof(sms) / sizeof(sms[0]); i++)
                         err |= bench_moeep(env, &slot, o->tokens, sms[i], false);
         }
+done:
         if (rank == 0)
                 env->sh->nres = slot;
         err |= moeep_ep_check(env->ep) < 0;
@@ -609,7 +724,7 @@ static void report(const struct opts *o, const struct shared *sh, int ranks) {
 }
 
 static void usage(FILE *f) {
-        fprintf(f, "usage: moeep-bench [--ranks N] [--tokens N] [--hidden N] [--topk N] [--experts N] [--sms N]\n"
+        fprintf(f, "usage: moeep-bench [ll] [--ranks N] [--tokens N] [--hidden N] [--topk N] [--experts N] [--sms N]\n"
                    "                   [--iters N] [--warmup N] [--sweep] [--no-nccl] [--json] [--seed N]\n"
                    "                   [--moeepd PATH | --socket PATH]\n");
 }
@@ -620,6 +735,7 @@ int main(int argc, char **argv) {
         const char *moeepd = NULL, *socket = NULL;
         struct harness h;
         int opt, ngpu, failed;
+        bool tokens_set = false, experts_set = false;
         static const struct option lo[] = {
                 { "ranks", required_argument, NULL, 'r' },  { "tokens", required_argument, NULL, 't' },
                 { "hidden", required_argument, NULL, 'H' }, { "topk", required_argument, NULL, 'k' },
@@ -634,10 +750,10 @@ int main(int argc, char **argv) {
         while ((opt = getopt_long(argc, argv, "", lo, NULL)) != -1) {
                 switch (opt) {
                 case 'r': o.ranks = atoi(optarg); break;
-                case 't': o.tokens = atoi(optarg); break;
+                case 't': o.tokens = atoi(optarg); tokens_set = true; break;
                 case 'H': o.hidden = atoi(optarg); break;
                 case 'k': o.topk = atoi(optarg); break;
-                case 'e': o.experts = atoi(optarg); break;
+                case 'e': o.experts = atoi(optarg); experts_set = true; break;
                 case 'm': o.sms = atoi(optarg); break;
                 case 'i': o.iters = atoi(optarg); break;
                 case 'w': o.warmup = atoi(optarg); break;
@@ -650,6 +766,19 @@ int main(int argc, char **argv) {
                 case 'h': usage(stdout); return 0;
                 default: usage(stderr); return 2;
                 }
+        }
+        if (optind < argc && strcmp(argv[optind], "ll") == 0) {
+                /* Low-latency mode: the standard shape of BENCHMARKS.md unless given. */
+                o.ll = true;
+                if (!tokens_set)
+                        o.tokens = 128;
+                if (!experts_set)
+                        o.experts = 288;
+                optind++;
+        }
+        if (optind < argc) {
+                usage(stderr);
+                return 2;
         }
         if (o.iters < 1 || o.iters > MAX_ITERS || o.warmup < 0 || o.tokens < 1) {
                 fprintf(stderr, "moeep-bench: --iters must be in 1..%d, --warmup >= 0, --tokens >= 1\n", MAX_ITERS);

@@ -31,6 +31,7 @@ extern "C" {
 
 #define MOEEP_DEFAULT_NUM_SMS 24
 #define MOEEP_DEFAULT_TIMEOUT_MS 10000
+#define MOEEP_LL_MAX_TOKENS 1024
 
 struct moeep_ep;
 struct moeep_ep_handle;
@@ -52,6 +53,7 @@ struct moeep_ep_config {
         int max_topk;            /* largest top-k a call will use */
         int num_sms;             /* blocks of dispatch/combine; 0 = MOEEP_DEFAULT_NUM_SMS */
         int timeout_ms;          /* bound of every device wait; 0 = MOEEP_DEFAULT_TIMEOUT_MS */
+        int ll_max_tokens;       /* low-latency mode: tokens per rank per call (0..1024); 0 = no low-latency buffers */
 };
 
 /* Attaches to the job `client` joined (collective over the job's ranks) on
@@ -161,6 +163,91 @@ int moeep_ep_handle_num_tokens(const struct moeep_ep_handle *handle);
 /* Returns the handle to its endpoint. Kernels already queued on the
  * endpoint's stream may still use it. Accepts NULL. */
 void moeep_ep_handle_free(struct moeep_ep_handle *handle);
+
+/* ------------------------------------------------------------------ low-latency mode
+ *
+ * Decode-sized calls. Each (token, expert) pair of a dispatch lands at the
+ * expert's rank in a per-expert slot: recv_x[local expert][slot], slots
+ * 0..recv_count[local expert]-1 in use (in arrival order), so the output
+ * feeds a masked grouped GEMM directly. Everything stays on the device (no
+ * host synchronisation, fixed shapes): dispatch and combine, with or
+ * without the receive hook, can be captured in a CUDA graph.
+ *
+ * Two buffer sets alternate between calls (the set is picked at each
+ * dispatch, in call order, identically on every rank). Rule: dispatch n+2
+ * is issued only after combine n (it reuses dispatch n's set); the outputs
+ * of dispatch n stay valid until then. A token must not name one expert
+ * twice in its top-k. FP8 dispatch supports hidden sizes up to 8192. */
+
+/* What a receive phase still has to do: returned when a call asks for the
+ * hook, run later with moeep_ll_hook_run(). Plain data, copyable. */
+struct moeep_ll_hook {
+        int kind;                   /* 1 = dispatch receive, 2 = combine receive, 0 = nothing pending */
+        int set;
+        int *stats;
+        const void *topk_idx;
+        int idx_is_int64;
+        const float *topk_weights;
+        int num_tokens, num_topk;
+        void *out;
+};
+
+/* Routing of one low-latency dispatch, for its combine. Plain data. */
+struct moeep_ll_handle {
+        int set;                    /* buffer set of the dispatch */
+        int num_tokens;
+};
+
+struct moeep_ll_dispatch_args {
+        const void *x;                          /* bf16 [num_tokens][hidden] */
+        int num_tokens;                         /* 0..ll_max_tokens */
+        const void *topk_idx;                   /* [num_tokens][num_topk], -1 = masked */
+        enum moeep_index_type topk_idx_type;
+        int num_topk;                           /* 1..max_topk */
+        bool use_fp8;                           /* cast to e4m3 with one float scale per 128 channels */
+        bool round_scale;                       /* fp8: scales rounded up to powers of two */
+        bool return_recv_hook;                  /* only the send phase now; the rest in *ret_hook */
+        int *cumulative_local_expert_recv_stats;/* optional device [local experts]: += received per expert */
+};
+
+/* Device arrays in the endpoint's NVLink buffer (set `handle.set`). */
+struct moeep_ll_dispatch_result {
+        void *recv_x;               /* [local experts][slots_per_expert][hidden]: bf16, or e4m3 with stride hidden */
+        float *recv_x_scales;       /* fp8: [local experts][slots_per_expert][hidden / 128]; else NULL */
+        const int *recv_count;      /* [local experts]: slots in use */
+        const int *recv_src_info;   /* [local experts][slots_per_expert]: (rank << 28) | (k << 20) | token */
+        int num_local_experts;
+        int slots_per_expert;       /* ranks * ll_max_tokens */
+        struct moeep_ll_handle handle;
+};
+
+int moeep_ll_dispatch(struct moeep_ep *ep, const struct moeep_ll_dispatch_args *args,
+                      struct moeep_ll_dispatch_result *ret_result, struct moeep_ll_hook *ret_hook,
+                      cudaStream_t stream);
+
+struct moeep_ll_combine_args {
+        /* Expert outputs, bf16 [local experts][slots_per_expert][hidden] in the
+         * dispatch's layout; only the slots in use are read. Any device
+         * memory works, recv_x of the dispatch included (zero copy). */
+        const void *x;
+        const void *topk_idx;       /* the dispatch's [num_tokens][num_topk] */
+        enum moeep_index_type topk_idx_type;
+        const float *topk_weights;  /* [num_tokens][num_topk] */
+        int num_topk;
+        const struct moeep_ll_handle *handle;
+        void *out;                  /* bf16 [num_tokens][hidden]: sum over k of weight * expert output */
+        bool return_recv_hook;
+};
+
+int moeep_ll_combine(struct moeep_ep *ep, const struct moeep_ll_combine_args *args, struct moeep_ll_hook *ret_hook,
+                     cudaStream_t stream);
+
+/* Runs the receive phase a hook describes (no-op for an empty hook). */
+int moeep_ll_hook_run(struct moeep_ep *ep, const struct moeep_ll_hook *hook, cudaStream_t stream);
+
+/* Resets the low-latency counters of both sets (collective: every rank
+ * calls it while no low-latency call is in flight anywhere). */
+int moeep_ll_clean(struct moeep_ep *ep);
 
 #ifdef __cplusplus
 }

@@ -1,0 +1,148 @@
+/* Low-latency mode of the data plane; see include/moeep_ep.h. */
+#include <errno.h>
+#include <string.h>
+
+#include "ep-internal.h"
+
+enum { HOOK_NONE = 0, HOOK_DISPATCH = 1, HOOK_COMBINE = 2 };
+
+static int ll_check(struct moeep_ep *ep, const void *topk_idx, enum moeep_index_type idx_type, int num_tokens,
+                    int num_topk) {
+        int r;
+
+        if (!ep->ctx.ll.max_tokens)
+                return ep_fail(ep, -EINVAL, "the endpoint has no low-latency buffers (ll_max_tokens 0)");
+        if (num_tokens < 0 || num_tokens > ep->ctx.ll.max_tokens)
+                return ep_fail(ep, -EINVAL, "low-latency num_tokens %d is outside 0..%d", num_tokens,
+                               ep->ctx.ll.max_tokens);
+        if (num_topk < 1 || num_topk > ep->ctx.max_topk)
+                return ep_fail(ep, -EINVAL, "low-latency num_topk %d is outside 1..%d", num_topk, ep->ctx.max_topk);
+        if ((r = check_index_type(ep, idx_type)) < 0)
+                return r;
+        if (num_tokens > 0 && !topk_idx)
+                return ep_fail(ep, -EINVAL, "low-latency call without topk_idx");
+        return 0;
+}
+
+int moeep_ll_dispatch(struct moeep_ep *ep, const struct moeep_ll_dispatch_args *a,
+                      struct moeep_ll_dispatch_result *ret, struct moeep_ll_hook *ret_hook, cudaStream_t stream) {
+        char *own;
+        int r, set;
+
+        if (!ep)
+                return -EINVAL;
+        if (!a || !ret || (a->return_recv_hook && !ret_hook))
+                return ep_fail(ep, -EINVAL, "low-latency dispatch: args, result or hook is NULL");
+        if ((r = ll_check(ep, a->topk_idx, a->topk_idx_type, a->num_tokens, a->num_topk)) < 0)
+                return r;
+        if (a->num_tokens > 0 && !a->x)
+                return ep_fail(ep, -EINVAL, "low-latency dispatch: x is NULL with %d tokens", a->num_tokens);
+        if (a->use_fp8 && ep->ctx.hidden > MOEEP_LL_FP8_MAX_HIDDEN)
+                return ep_fail(ep, -EINVAL, "low-latency FP8 dispatch supports hidden up to %d, not %d",
+                               MOEEP_LL_FP8_MAX_HIDDEN, ep->ctx.hidden);
+        if (!a->use_fp8 && a->round_scale)
+                return ep_fail(ep, -EINVAL, "low-latency dispatch: round_scale needs use_fp8");
+
+        set = (int)(ep->ll_calls & 1);
+        r = launch_result(ep, "low-latency dispatch",
+                          moeep_launch_ll_dispatch_send(&ep->ctx, a->x, a->num_tokens, a->topk_idx,
+                                                        a->topk_idx_type == MOEEP_INDEX_INT64, a->num_topk, set,
+                                                        a->use_fp8, a->round_scale, stream));
+        if (r < 0)
+                return r;
+        ep->ll_calls++;
+        struct moeep_ll_hook hook = { .kind = HOOK_DISPATCH, .set = set,
+                                      .stats = a->cumulative_local_expert_recv_stats };
+        if (a->return_recv_hook)
+                *ret_hook = hook;
+        else if ((r = moeep_ll_hook_run(ep, &hook, stream)) < 0)
+                return r;
+
+        own = ep->ctx.peers[ep->ctx.rank];
+        *ret = (struct moeep_ll_dispatch_result){
+                .recv_x = own + ep->ctx.ll.x[set],
+                .recv_x_scales = a->use_fp8 ? (float *)(own + ep->ctx.ll.scales[set]) : NULL,
+                .recv_count = ((const struct moeep_ll_sync *)(own + ep->ctx.ll.sync))->count[set],
+                .recv_src_info = (const int *)(own + ep->ctx.ll.src[set]),
+                .num_local_experts = ep->ctx.num_experts / ep->ctx.ranks,
+                .slots_per_expert = ep->ctx.ranks * ep->ctx.ll.max_tokens,
+                .handle = { .set = set, .num_tokens = a->num_tokens },
+        };
+        return 0;
+}
+
+int moeep_ll_combine(struct moeep_ep *ep, const struct moeep_ll_combine_args *a, struct moeep_ll_hook *ret_hook,
+                     cudaStream_t stream) {
+        int r;
+
+        if (!ep)
+                return -EINVAL;
+        if (!a || !a->handle || (a->return_recv_hook && !ret_hook))
+                return ep_fail(ep, -EINVAL, "low-latency combine: args, handle or hook is NULL");
+        if (a->handle->set != 0 && a->handle->set != 1)
+                return ep_fail(ep, -EINVAL, "low-latency combine: handle names buffer set %d", a->handle->set);
+        if ((r = ll_check(ep, a->topk_idx, a->topk_idx_type, a->handle->num_tokens, a->num_topk)) < 0)
+                return r;
+        if (!a->x || (a->handle->num_tokens > 0 && (!a->out || !a->topk_weights)))
+                return ep_fail(ep, -EINVAL, "low-latency combine: x, out or topk_weights is NULL");
+
+        r = launch_result(ep, "low-latency combine",
+                          moeep_launch_ll_combine_send(&ep->ctx, a->x, a->handle->set, stream));
+        if (r < 0)
+                return r;
+        struct moeep_ll_hook hook = {
+                .kind = HOOK_COMBINE,
+                .set = a->handle->set,
+                .topk_idx = a->topk_idx,
+                .idx_is_int64 = a->topk_idx_type == MOEEP_INDEX_INT64,
+                .topk_weights = a->topk_weights,
+                .num_tokens = a->handle->num_tokens,
+                .num_topk = a->num_topk,
+                .out = a->out,
+        };
+        if (a->return_recv_hook) {
+                *ret_hook = hook;
+                return 0;
+        }
+        return moeep_ll_hook_run(ep, &hook, stream);
+}
+
+int moeep_ll_hook_run(struct moeep_ep *ep, const struct moeep_ll_hook *h, cudaStream_t stream) {
+        if (!ep)
+                return -EINVAL;
+        if (!h)
+                return ep_fail(ep, -EINVAL, "low-latency hook is NULL");
+        switch (h->kind) {
+        case HOOK_NONE:
+                return 0;
+        case HOOK_DISPATCH:
+                return launch_result(ep, "low-latency dispatch receive",
+                                     moeep_launch_ll_dispatch_recv(&ep->ctx, h->set, h->stats, stream));
+        case HOOK_COMBINE:
+                return launch_result(ep, "low-latency combine receive",
+                                     moeep_launch_ll_combine_recv(&ep->ctx, h->topk_idx, h->idx_is_int64,
+                                                                  h->topk_weights, h->num_tokens, h->num_topk, h->set,
+                                                                  h->out, stream));
+        }
+        return ep_fail(ep, -EINVAL, "low-latency hook of unknown kind %d", h->kind);
+}
+
+int moeep_ll_clean(struct moeep_ep *ep) {
+        char *own;
+        int r;
+
+        if (!ep)
+                return -EINVAL;
+        if (!ep->ctx.ll.max_tokens)
+                return ep_fail(ep, -EINVAL, "the endpoint has no low-latency buffers (ll_max_tokens 0)");
+        own = ep->ctx.peers[ep->ctx.rank];
+        /* Counters only: flags carry sequence numbers and never need it. */
+        if (cudaDeviceSynchronize() != cudaSuccess ||
+            cudaMemset(own + ep->ctx.ll.sync, 0, offsetof(struct moeep_ll_sync, dispatch_flag)) != cudaSuccess ||
+            cudaDeviceSynchronize() != cudaSuccess)
+                return ep_fail(ep, -EIO, "cleaning the low-latency buffers: %s", cudaGetErrorString(cudaGetLastError()));
+        r = moeep_job_barrier(ep->client);
+        if (r < 0)
+                return ep_fail(ep, r, "barrier after cleaning: %s", moeep_client_error(ep->client));
+        return 0;
+}
