@@ -147,3 +147,19 @@ extern "C" int moeep_launch_ref_unpack(const void *back, int hidden, int T, int 
         MOEEP_CUDA_LAUNCH_CHECK();
         return 0;
 }
+
+/* Keeps the stream busy for `ns` so that the host can queue the timed work
+ * (events and kernels) behind it: the measurement then holds GPU time only,
+ * not the host's launch latency. */
+__global__ void delay_kernel(uint64_t ns) {
+        const uint64_t start = globaltimer_ns();
+        while (globaltimer_ns() - start < ns)
+                ;
+}
+
+extern "C" int moeep_launch_delay(uint64_t ns, cudaStream_t stream) {
+        MOEEP_CUDA_LAUNCH_BEGIN();
+        delay_kernel<<<1, 1, 0, stream>>>(ns);
+        MOEEP_CUDA_LAUNCH_CHECK();
+        return 0;
+}

@@ -219,6 +219,9 @@ int moeep_launch_ll_combine_recv(const struct moeep_ctx *ctx, const void *topk_i
 
 /* Benchmark references (kernels/bench.cu). */
 
+/* Busy-waits `ns` on the stream (timing: queue the measured work behind it). */
+int moeep_launch_delay(uint64_t ns, cudaStream_t stream);
+
 /* NVLink floor: every rank stores `bytes` into every peer at once. */
 int moeep_launch_p2p_put(const struct moeep_ctx *ctx, size_t bytes, int blocks, cudaStream_t stream);
 

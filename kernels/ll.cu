@@ -32,6 +32,12 @@ __device__ __forceinline__ size_t ll_slot_count(const struct moeep_ctx &ctx) {
         return (size_t)ctx.ranks * ctx.ll.max_tokens;
 }
 
+/* Warps numbered across blocks first: the few hundred work items of a
+ * decode step spread over every SM instead of filling the first blocks. */
+__device__ __forceinline__ int ll_warp_index(void) {
+        return (int)(threadIdx.x / 32 * gridDim.x + blockIdx.x);
+}
+
 /* Shared memory of one warp's FP8 staging: the e4m3 row, then its scales. */
 __host__ __device__ __forceinline__ size_t ll_stage_bytes(int hidden) {
         return ((size_t)hidden + (size_t)hidden / MOEEP_SCALE_BLOCK * sizeof(float) + 15) / 16 * 16;
@@ -116,7 +122,7 @@ __global__ void __launch_bounds__(LL_THREADS, 1)
         extern __shared__ __align__(16) uint8_t ll_stage[];
         const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
         const int R = ctx.ranks, me = ctx.rank, H = ctx.hidden, epr = ctx.num_experts / R;
-        const int warps = gridDim.x * LL_WARPS, gwarp = blockIdx.x * LL_WARPS + warp;
+        const int warps = gridDim.x * LL_WARPS, gwarp = ll_warp_index();
         const size_t slots = ll_slot_count(ctx), xrow = (size_t)H * (use_fp8 ? 1 : 2);
         const int nscales = H / MOEEP_SCALE_BLOCK;
         const uint64_t seq = ctx.state->ll_seq[b] + 1;
@@ -207,7 +213,7 @@ __global__ void __launch_bounds__(LL_THREADS, 1)
         ll_combine_send(struct moeep_ctx ctx, const int4 *y, int b) {
         const struct moeep_ll_sync *my = ll_sync_of(ctx, ctx.rank);
         const int lane = threadIdx.x % 32, R = ctx.ranks, me = ctx.rank, H = ctx.hidden, epr = ctx.num_experts / R;
-        const int warps = gridDim.x * LL_WARPS, gwarp = blockIdx.x * LL_WARPS + threadIdx.x / 32;
+        const int warps = gridDim.x * LL_WARPS, gwarp = ll_warp_index();
         const size_t slots = ll_slot_count(ctx);
         const uint64_t seq = ctx.state->ll_seq[b];
         const int32_t *src = (const int32_t *)(ctx.peers[me] + ctx.ll.src[b]);
@@ -268,7 +274,7 @@ __global__ void __launch_bounds__(LL_THREADS, 1)
                         int b, int4 *out) {
         const struct moeep_ll_sync *my = ll_sync_of(ctx, ctx.rank);
         const int lane = threadIdx.x % 32, H = ctx.hidden;
-        const int warps = gridDim.x * LL_WARPS, gwarp = blockIdx.x * LL_WARPS + threadIdx.x / 32;
+        const int warps = gridDim.x * LL_WARPS, gwarp = ll_warp_index();
         const uint64_t seq = ctx.state->ll_seq[b];
         const char *comb = ctx.peers[ctx.rank] + ctx.ll.comb[b];
 

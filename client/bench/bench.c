@@ -4,8 +4,9 @@
  *
  * One process per GPU, each attached through a private moeepd (or the one
  * at --socket). Times are taken with CUDA events around each call after a
- * daemon barrier, per rank; the table shows min/median/max over ranks of
- * each rank's median over --iters runs.
+ * daemon barrier, per rank, queued behind a 200 us busy kernel so that the
+ * host's launch latency is not counted; the table shows min/median/max
+ * over ranks of each rank's median over --iters runs.
  *
  *   dispatch GB/s = bytes of recv_x on a rank (own tokens included) / time
  *   combine  GB/s = bytes of the rows a rank sends back / time
@@ -33,6 +34,9 @@
 
 #define MAX_RESULTS 64
 #define MAX_ITERS 1000
+/* Each timed call is queued behind a kernel that keeps the GPU busy this
+ * long, so that events measure GPU time, not host launch latency. */
+#define QUEUE_DELAY_NS 200000
 
 enum op {
         OP_DISPATCH_BF16,
@@ -188,6 +192,7 @@ static double time_op(struct rank_env *env, op_fn fn, void *arg, int *ret_err) {
         for (int i = 0; i < env->o->warmup + n; i++) {
                 float ms = 0;
                 moeep_job_barrier(env->c);
+                moeep_launch_delay(QUEUE_DELAY_NS, env->st);
                 cudaEventRecord(env->e0, env->st);
                 if (fn(env, arg) < 0) {
                         *ret_err = -1;
@@ -571,6 +576,7 @@ static int bench_ll(struct rank_env *env, int *slot, int T) {
                 for (int i = 0; i < o->warmup + o->iters && !err; i++) {
                         float ms[4] = { 0 };
                         moeep_job_barrier(env->c);
+                        moeep_launch_delay(QUEUE_DELAY_NS, env->st);
                         cudaEventRecord(ev[0], env->st);
                         err |= moeep_ll_dispatch(env->ep, &da, &res, &hook, env->st) < 0;
                         cudaEventRecord(ev[1], env->st);
