@@ -15,7 +15,6 @@ template <typename Idx>
 __global__ void __launch_bounds__(DISPATCH_THREADS, 1)
         dispatch_kernel(struct moeep_ctx ctx, struct moeep_dispatch_launch a, int num_tokens,
                         struct moeep_route route) {
-        __shared__ int s_last;
         __shared__ int s_prefix[MOEEP_KERNEL_MAX_RANKS + 1];
         const int tid = threadIdx.x, lane = tid % 32;
         const int R = ctx.ranks, me = ctx.rank, epr = ctx.num_experts / R;
@@ -88,20 +87,9 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1)
         }
 
         /* The last block to finish tells every destination that our rows
-         * landed: each thread's fence orders its own remote stores before the
-         * block counter, whose last increment orders them all before the
-         * flags (fence cumulativity). */
-        __threadfence_system();
-        __syncthreads();
-        if (tid == 0) {
-                s_last = atomicAdd(&ctx.state->blocks_done, 1u) == gridDim.x - 1;
-                __threadfence_system();
-        }
-        __syncthreads();
-        if (!s_last)
+         * landed. */
+        if (!last_block_done(ctx))
                 return;
-        if (tid == 0)
-                ctx.state->blocks_done = 0;
         if (tid < R)
                 st_release_sys(&sync_of(ctx, tid)->dispatch_flag[me], seq);
         if (tid < R)

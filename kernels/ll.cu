@@ -43,27 +43,6 @@ __host__ __device__ __forceinline__ size_t ll_stage_bytes(int hidden) {
         return ((size_t)hidden + (size_t)hidden / MOEEP_SCALE_BLOCK * sizeof(float) + 15) / 16 * 16;
 }
 
-/* True in the last block to finish; its threads may then release flags
- * that cover every block's stores (same fence argument as the normal-mode
- * dispatch). */
-__device__ __forceinline__ bool ll_last_block(const struct moeep_ctx &ctx) {
-        __shared__ int s_last;
-        const int tid = threadIdx.x;
-
-        __threadfence_system();
-        __syncthreads();
-        if (tid == 0) {
-                s_last = atomicAdd(&ctx.state->blocks_done, 1u) == gridDim.x - 1;
-                __threadfence_system();
-        }
-        __syncthreads();
-        if (!s_last)
-                return false;
-        if (tid == 0)
-                ctx.state->blocks_done = 0;
-        return true;
-}
-
 /* FP8 cast of one bf16 row into shared memory: e4m3 bytes [hidden] then
  * one float scale per 128 channels (amax / 448, or its power of two above
  * when round_scale). Lane i handles int4 chunks i, i + 32, ...; the 16 lanes
@@ -180,7 +159,7 @@ __global__ void __launch_bounds__(LL_THREADS, 1)
                 }
                 __syncwarp();
         }
-        if (!ll_last_block(ctx))
+        if (!last_block_done(ctx))
                 return;
         if (threadIdx.x == 0)
                 ctx.state->ll_seq[b] = seq;
@@ -260,7 +239,7 @@ __global__ void __launch_bounds__(LL_THREADS, 1)
                         }
                 }
         }
-        if (!ll_last_block(ctx))
+        if (!last_block_done(ctx))
                 return;
         if (threadIdx.x < R)
                 st_release_sys(&ll_sync_of(ctx, threadIdx.x)->combine_flag[b][me], seq);

@@ -148,6 +148,29 @@ __device__ __forceinline__ bool wait_flag(const struct moeep_ctx &ctx, const uin
         return true;
 }
 
+/* Called by every thread of every block at the end of a data kernel;
+ * true in the last block to get there, whose threads may then release
+ * flags that cover every block's stores: each thread's fence orders its
+ * own remote stores before the block counter, whose last increment orders
+ * them all before the flags (fence cumulativity). Resets the counter. */
+__device__ __forceinline__ bool last_block_done(const struct moeep_ctx &ctx) {
+        __shared__ int s_last;
+        const int tid = threadIdx.x;
+
+        __threadfence_system();
+        __syncthreads();
+        if (tid == 0) {
+                s_last = atomicAdd(&ctx.state->blocks_done, 1u) == gridDim.x - 1;
+                __threadfence_system();
+        }
+        __syncthreads();
+        if (!s_last)
+                return false;
+        if (tid == 0)
+                ctx.state->blocks_done = 0;
+        return true;
+}
+
 __device__ __forceinline__ struct moeep_sync *sync_of(const struct moeep_ctx &ctx, int rank) {
         return (struct moeep_sync *)(ctx.peers[rank] + ctx.layout.sync);
 }
