@@ -6,19 +6,6 @@
 #include "ctl.h"
 #include "metrics-text.h"
 
-static const char *type_name(Moeep__V1__MetricType t) {
-        switch (t) {
-        case MOEEP__V1__METRIC_TYPE__METRIC_TYPE_COUNTER:
-                return "counter";
-        case MOEEP__V1__METRIC_TYPE__METRIC_TYPE_GAUGE:
-                return "gauge";
-        case MOEEP__V1__METRIC_TYPE__METRIC_TYPE_UNSPECIFIED:
-        case _MOEEP__V1__METRIC_TYPE_IS_INT_SIZE:
-                break;
-        }
-        return "untyped";
-}
-
 /* [{"name", "type", "help", "samples": [{"labels": {..}, "value": N}]}] */
 static void print_json(const Moeep__V1__Metrics *m, FILE *f) {
         fputc('[', f);
@@ -27,7 +14,7 @@ static void print_json(const Moeep__V1__Metrics *m, FILE *f) {
 
                 fputs(i ? ",\n  {\"name\": " : "\n  {\"name\": ", f);
                 ctl_json_string(f, fam->name);
-                fprintf(f, ", \"type\": \"%s\", \"help\": ", type_name(fam->type));
+                fprintf(f, ", \"type\": \"%s\", \"help\": ", moeep_metric_type_to_string(fam->type));
                 ctl_json_string(f, fam->help);
                 fputs(", \"samples\": [", f);
                 for (size_t j = 0; j < fam->n_samples; j++) {

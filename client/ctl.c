@@ -61,6 +61,17 @@ bool ctl_require_operator(struct ctl *ctl, const char *command) {
         return false;
 }
 
+int ctl_admin(struct ctl *ctl, const char *command, const Moeep__V1__Request *req) {
+        Moeep__V1__Response *resp;
+
+        if (!ctl_require_operator(ctl, command))
+                return 1;
+        if (ctl_query(ctl, req, MOEEP__V1__RESPONSE__BODY_OK, &resp) < 0)
+                return 1;
+        moeep__v1__response__free_unpacked(resp, NULL);
+        return ctl_status(ctl);
+}
+
 int ctl_query(struct ctl *ctl, const Moeep__V1__Request *req, Moeep__V1__Response__BodyCase expect,
               Moeep__V1__Response **ret_resp) {
         int r = moeep_client_call(ctl->client, req, expect, NULL, 0, ret_resp);

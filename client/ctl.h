@@ -42,6 +42,11 @@ int ctl_drain(struct ctl *ctl);
  * prints that `command` needs it and returns false. */
 bool ctl_require_operator(struct ctl *ctl, const char *command);
 
+/* Runs an admin request answered Ok (log-level, drain): checks the
+ * feature, sends it, then prints the status, which shows the effect.
+ * Returns the exit status. */
+int ctl_admin(struct ctl *ctl, const char *command, const Moeep__V1__Request *req);
+
 /* Sends `req` and waits for a Response of body case `expect`; on failure
  * prints "moeepctl: <error>" to stderr and returns -errno. */
 int ctl_query(struct ctl *ctl, const Moeep__V1__Request *req, Moeep__V1__Response__BodyCase expect,

@@ -41,6 +41,22 @@ assert clients[1]["rank"] is None and clients[1]["job_id"] is None, clients
 assert clients[0]["gpu_uuid"].startswith("GPU-"), clients
 PY
 
+# The fake is a 1.0 daemon: operator commands say what they need, and mesh
+# answers without asking.
+for cmd in metrics nics drain "log-level debug"; do
+        # shellcheck disable=SC2086
+        if "$ctl" --socket "$sock" $cmd 2>"$dir/err"; then fail "$cmd against a 1.0 daemon: exit 0"; fi
+        grep -q "does not offer '${cmd%% *}' (it needs protocol 1.1 or later)" "$dir/err" || fail "$cmd: $(cat "$dir/err")"
+done
+"$ctl" --socket "$sock" mesh | grep -q '^internode mesh not configured' || fail "mesh: no note"
+"$ctl" --socket "$sock" status | grep -q '^draining: *no$' || fail "status: no draining line"
+rc=0
+"$ctl" --socket "$sock" log-level 2>/dev/null || rc=$?
+[ $rc -eq 2 ] || fail "log-level without LEVEL: exit $rc, want 2 (usage)"
+rc=0
+"$ctl" --socket "$sock" jobs --off 2>/dev/null || rc=$?
+[ $rc -eq 2 ] || fail "--off outside drain: exit $rc, want 2 (usage)"
+
 if "$ctl" --socket "$dir/none.sock" status 2>"$dir/err"; then fail "no daemon: exit 0"; fi
 grep -q "^moeepctl: cannot connect to moeepd at $dir/none.sock: No such file or directory (is moeepd running?)$" \
         "$dir/err" || fail "no daemon: message: $(cat "$dir/err")"

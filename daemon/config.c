@@ -275,6 +275,54 @@ static int load_finish(struct load_state *st, int lineno) {
         return 0;
 }
 
+/* A byte count with the largest suffix that divides it. */
+static void write_bytes(FILE *f, uint64_t v) {
+        static const char suffixes[] = "TGMK";
+
+        for (int i = 0; i < 4; i++) {
+                unsigned shift = (unsigned)(40 - 10 * i);
+
+                if (v != 0 && v % ((uint64_t)1 << shift) == 0) {
+                        fprintf(f, "%" PRIu64 "%c", v >> shift, suffixes[i]);
+                        return;
+                }
+        }
+        fprintf(f, "%" PRIu64, v);
+}
+
+int config_write(const struct config *c, FILE *f) {
+        fputs("[moeepd]\n", f);
+        for (size_t i = 0; i < sizeof(keys) / sizeof(keys[0]); i++) {
+                const struct key *k = &keys[i];
+                const void *field = (const char *)c + k->offset;
+
+                fprintf(f, "%s =", k->name);
+                switch (k->type) {
+                case KEY_PATH:
+                case KEY_GROUP:
+                case KEY_LISTEN:
+                        if (**(char *const *)field)
+                                fprintf(f, " %s", *(char *const *)field);
+                        break;
+                case KEY_MODE:
+                        fprintf(f, " %04o", (unsigned)*(const mode_t *)field);
+                        break;
+                case KEY_LEVEL:
+                        fprintf(f, " %s", log_level_to_string(*(const int *)field));
+                        break;
+                case KEY_U32:
+                        fprintf(f, " %" PRIu32, *(const uint32_t *)field);
+                        break;
+                case KEY_BYTES:
+                        fputc(' ', f);
+                        write_bytes(f, *(const uint64_t *)field);
+                        break;
+                }
+                fputc('\n', f);
+        }
+        return ferror(f) ? -EIO : 0;
+}
+
 int config_load(struct config *c, const char *path, char *errmsg) {
         struct load_state st = { .config = c, .path = path, .errmsg = errmsg };
 

@@ -6,6 +6,7 @@
 
 #include <stdbool.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <sys/types.h>
 
 struct config {
@@ -48,6 +49,10 @@ int config_load(struct config *c, const char *path, char *errmsg);
  * address or "localhost" and PORT 0..65535 (0: any free port). Writes the
  * host (CONFIG_HOST_MAX bytes) and the port. Returns 0 or -EINVAL. */
 int config_listen_split(const char *value, char *ret_host, uint16_t *ret_port);
+
+/* Writes every key of `c` in the file's own syntax, in the order of the
+ * documentation ("moeepd --dump-config"). Returns 0 or -EIO. */
+int config_write(const struct config *c, FILE *f);
 
 /* Whether key `key` takes effect on SIGHUP (the socket keys need a
  * restart). */

@@ -1,5 +1,6 @@
 /* moeepd: the moeep node daemon. Parses the command line and runs the
  * daemon object; everything else lives in moeepd_lib so tests link it. */
+#include <errno.h>
 #include <getopt.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -25,6 +26,7 @@ static void usage(FILE *f) {
                 "  -m, --metrics-listen ADDR  serve /metrics over HTTP on ADDR (PORT, HOST:PORT,\n"
                 "                          [IPV6]:PORT), or \"\" for off (overrides the file)\n"
                 "  -t, --check-config      check the configuration, print the result and exit\n"
+                "  -d, --dump-config       print the configuration in effect (file syntax) and exit\n"
                 "  -h, --help              show this help\n"
                 "  -V, --version           show the version\n",
                 MOEEP_DEFAULT_SOCKET, MOEEP_DEFAULT_CONFIG);
@@ -32,18 +34,25 @@ static void usage(FILE *f) {
 
 /* --check-config: builds the configuration as start-up would and says
  * whether it is good; an operator runs it before SIGHUP or a restart. */
-static int check_config(const struct daemon_options *options) {
+static int check_config(const struct daemon_options *options, bool dump) {
         const char *path = daemon_config_path(options);
         char errmsg[ERRMSG_MAX] = "";
         struct config c;
+        int r;
 
         if (daemon_config_build(options, &c, errmsg) < 0) {
                 fprintf(stderr, "moeepd: configuration: %s\n", errmsg);
                 return EXIT_FAILURE;
         }
-        printf("%s: configuration is valid\n", path ? path : "(embedded defaults)");
+        if (dump) {
+                printf("# moeepd %s: %s with the command line over it\n", MOEEP_VERSION,
+                       path ? path : "embedded defaults");
+                r = config_write(&c, stdout);
+        } else
+                r = printf("%s: configuration is valid\n", path ? path : "(embedded defaults)") < 0 ? -EIO
+                                                                                                    : 0;
         config_done(&c);
-        return EXIT_SUCCESS;
+        return r < 0 ? EXIT_FAILURE : EXIT_SUCCESS;
 }
 
 int main(int argc, char **argv) {
@@ -55,16 +64,17 @@ int main(int argc, char **argv) {
                 { "no-config", no_argument, NULL, 'n' },
                 { "metrics-listen", required_argument, NULL, 'm' },
                 { "check-config", no_argument, NULL, 't' },
+                { "dump-config", no_argument, NULL, 'd' },
                 { "help", no_argument, NULL, 'h' },
                 { "version", no_argument, NULL, 'V' },
                 {},
         };
         struct daemon_options options = { 0 };
-        bool check = false;
+        bool check = false, dump = false;
         struct daemon d;
         int c, level, r;
 
-        while ((c = getopt_long(argc, argv, "s:fc:l:nm:thV", longopts, NULL)) != -1)
+        while ((c = getopt_long(argc, argv, "s:fc:l:nm:tdhV", longopts, NULL)) != -1)
                 switch (c) {
                 case 's':
                         options.socket = optarg;
@@ -88,6 +98,9 @@ int main(int argc, char **argv) {
                 case 't':
                         check = true;
                         break;
+                case 'd':
+                        dump = true;
+                        break;
                 case 'h':
                         usage(stdout);
                         return EXIT_SUCCESS;
@@ -109,8 +122,8 @@ int main(int argc, char **argv) {
                 fprintf(stderr, "moeepd: --config and --no-config exclude each other\n");
                 return EXIT_FAILURE;
         }
-        if (check)
-                return check_config(&options);
+        if (check || dump)
+                return check_config(&options, dump);
 
         r = daemon_init(&d, &options);
         if (r < 0) {

@@ -4,7 +4,7 @@
 
 #include "metrics-text.h"
 
-static const char *metric_type_to_string(Moeep__V1__MetricType t) {
+const char *moeep_metric_type_to_string(Moeep__V1__MetricType t) {
         switch (t) {
         case MOEEP__V1__METRIC_TYPE__METRIC_TYPE_COUNTER:
                 return "counter";
@@ -48,7 +48,7 @@ int moeep_metrics_write_text(const Moeep__V1__Metrics *m, FILE *f) {
 
                 fprintf(f, "# HELP %s ", fam->name);
                 write_escaped(f, fam->help, 0);
-                fprintf(f, "\n# TYPE %s %s\n", fam->name, metric_type_to_string(fam->type));
+                fprintf(f, "\n# TYPE %s %s\n", fam->name, moeep_metric_type_to_string(fam->type));
                 for (size_t j = 0; j < fam->n_samples; j++) {
                         const Moeep__V1__MetricSample *s = fam->samples[j];
 

@@ -11,6 +11,9 @@
 /* The Content-Type that goes with it over HTTP. */
 #define MOEEP_METRICS_CONTENT_TYPE "text/plain; version=0.0.4; charset=utf-8"
 
+/* "counter", "gauge", or "untyped" for anything else. */
+const char *moeep_metric_type_to_string(Moeep__V1__MetricType t);
+
 /* Writes every family as "# HELP", "# TYPE" and one line per sample.
  * Label values are escaped (backslash, double quote, newline) and help
  * text too (backslash, newline); whole numbers print without exponent.

@@ -124,6 +124,70 @@ static void test_bad_files(void **state) {
         expect_bad("[other]\nmax_sessions = 1\n", ":2: unknown section [other]", NULL);
         expect_bad("max_sessions = 1\nthis line is wrong\n", ":2: syntax", NULL);
         expect_bad("max_sessions = 1\n\nmax_jobs_per_uid = 0\n", ":3: max_jobs_per_uid", "'0'");
+        expect_bad("metrics_listen = 65536\n", "metrics_listen", "'65536'");
+        expect_bad("metrics_listen = example.com:9464\n", "metrics_listen", "example.com:9464");
+        expect_bad("metrics_listen = :9464\n", "metrics_listen", "':9464'");
+        expect_bad("metrics_listen = [::1:9464\n", "metrics_listen", "[::1:9464");
+        expect_bad("metrics_listen = 127.0.0.1:\n", "metrics_listen", "127.0.0.1:");
+        expect_bad("metrics_listen = 127.0.0.1:http\n", "metrics_listen", "127.0.0.1:http");
+}
+
+/* metrics_listen: the forms it takes and how they split. */
+static void test_metrics_listen(void **state) {
+        static const struct {
+                const char *value, *host;
+                uint16_t port;
+        } good[] = {
+                { "9464", "127.0.0.1", 9464 },       { "0", "127.0.0.1", 0 },
+                { "0.0.0.0:9464", "0.0.0.0", 9464 }, { "localhost:1", "localhost", 1 },
+                { "[::1]:9464", "::1", 9464 },       { "[::]:65535", "::", 65535 },
+        };
+        char host[CONFIG_HOST_MAX], errmsg[ERRMSG_MAX];
+        struct config c;
+        uint16_t port;
+
+        for (size_t i = 0; i < sizeof(good) / sizeof(good[0]); i++) {
+                assert_int_equal(config_listen_split(good[i].value, host, &port), 0);
+                assert_string_equal(host, good[i].host);
+                assert_int_equal(port, good[i].port);
+        }
+        assert_int_equal(config_init(&c), 0);
+        assert_string_equal(c.metrics_listen, ""); /* off by default */
+        assert_int_equal(config_set(&c, "metrics_listen", "9464", errmsg), 0);
+        assert_string_equal(c.metrics_listen, "9464");
+        assert_int_equal(config_set(&c, "metrics_listen", "", errmsg), 0);
+        assert_false(config_key_reloadable("metrics_listen"));
+        config_done(&c);
+}
+
+/* --dump-config's output reads back into the same configuration. */
+static void test_write_reads_back(void **state) {
+        struct config c, back;
+        char errmsg[ERRMSG_MAX], *text = NULL;
+        size_t len = 0;
+        FILE *f;
+
+        assert_int_equal(load(&c,
+                              "max_region_bytes_per_uid = 3G\nsocket_mode = 0604\nmetrics_listen = [::1]:9\n"
+                              "log_level = notice\nmax_fds_per_uid = 7\n",
+                              errmsg),
+                         0);
+        f = open_memstream(&text, &len);
+        assert_non_null(f);
+        assert_int_equal(config_write(&c, f), 0);
+        fclose(f);
+        assert_non_null(strstr(text, "max_region_bytes_per_uid = 3G\n"));
+        assert_non_null(strstr(text, "socket_mode = 0604\n"));
+        assert_non_null(strstr(text, "socket_group =\n"));
+        assert_int_equal(load(&back, text, errmsg), 0);
+        assert_int_equal(back.max_region_bytes_per_uid, 3ull << 30);
+        assert_int_equal(back.socket_mode, 0604);
+        assert_string_equal(back.metrics_listen, "[::1]:9");
+        assert_int_equal(back.log_level, LOG_NOTICE);
+        assert_int_equal(back.max_fds_per_uid, 7);
+        free(text);
+        config_done(&c);
+        config_done(&back);
 }
 
 static void test_missing_file(void **state) {
@@ -178,6 +242,7 @@ int main(void) {
                 cmocka_unit_test(test_defaults),       cmocka_unit_test(test_good_file),
                 cmocka_unit_test(test_bad_files),      cmocka_unit_test(test_missing_file),
                 cmocka_unit_test(test_set_and_reload), cmocka_unit_test(test_log_levels),
+                cmocka_unit_test(test_metrics_listen), cmocka_unit_test(test_write_reads_back),
         };
 
         return cmocka_run_group_tests(tests, NULL, NULL);

@@ -1,0 +1,154 @@
+/* daemon/nics.c: PCIe distances, and the GPU -> NIC mapping on a fake
+ * sysfs tree (two host bridges, a PCIe switch with a GPU and a NIC behind
+ * it, a GPU and a NIC on another NUMA node, an NVSwitch that is no GPU). */
+#include <errno.h>
+#include <limits.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "nics.h"
+
+static void test_distance(void **state) {
+        const char *sw_gpu = "/sys/devices/pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:00.0/0000:03:00.0";
+        const char *sw_nic = "/sys/devices/pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:01.0/0000:04:00.0";
+        const char *deep_nic = "/sys/devices/pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:02.0/0000:05:00.0/"
+                               "0000:06:00.0/0000:07:00.0";
+        const char *rp2 = "/sys/devices/pci0000:00/0000:00:02.0/0000:08:00.0";
+        const char *other = "/sys/devices/pci0000:80/0000:80:01.0/0000:81:00.0";
+
+        assert_string_equal(nics_distance(sw_gpu, 0, sw_nic, 0), "PIX");
+        assert_string_equal(nics_distance(sw_gpu, 0, deep_nic, 0), "PXB");
+        assert_string_equal(nics_distance(sw_gpu, 0, rp2, 0), "PHB");
+        assert_string_equal(nics_distance(sw_gpu, 0, other, 0), "NODE");
+        assert_string_equal(nics_distance(sw_gpu, 0, other, 1), "SYS");
+        assert_string_equal(nics_distance(sw_gpu, -1, other, -1), "SYS");
+        assert_string_equal(nics_distance("nonsense", 0, "nonsense", 0), "NODE");
+}
+
+static char root[64];
+
+static void put(const char *rel, const char *text) {
+        char path[PATH_MAX];
+        FILE *f;
+
+        snprintf(path, sizeof(path), "%s/%s", root, rel);
+        f = fopen(path, "w");
+        assert_non_null(f);
+        fputs(text, f);
+        fclose(f);
+}
+
+static void mkdirs(const char *rel) {
+        char path[PATH_MAX];
+
+        snprintf(path, sizeof(path), "mkdir -p '%s/%s'", root, rel);
+        assert_int_equal(system(path), 0);
+}
+
+/* A PCI device at devices/PATH with a bus/pci/devices/ADDR link. */
+static void device(const char *path, const char *vendor, const char *class, const char *numa) {
+        const char *addr = strrchr(path, '/') + 1;
+        char rel[PATH_MAX], target[PATH_MAX], link[PATH_MAX];
+
+        snprintf(rel, sizeof(rel), "devices/%s", path);
+        mkdirs(rel);
+        snprintf(link, sizeof(link), "%s/vendor", rel);
+        put(link, vendor);
+        snprintf(link, sizeof(link), "%s/class", rel);
+        put(link, class);
+        snprintf(link, sizeof(link), "%s/numa_node", rel);
+        put(link, numa);
+        snprintf(target, sizeof(target), "%s/%s", root, rel);
+        snprintf(link, sizeof(link), "%s/bus/pci/devices/%s", root, addr);
+        assert_int_equal(symlink(target, link), 0);
+}
+
+static Moeep__V1__NicInfo *nic(const char *name, const char *pci, int numa) {
+        Moeep__V1__NicInfo *n = malloc(sizeof(*n));
+
+        assert_non_null(n);
+        moeep__v1__nic_info__init(n);
+        n->name = strdup(name);
+        n->source = strdup("ibverbs");
+        n->pci_address = strdup(pci);
+        n->link = strdup("");
+        n->numa_node = numa;
+        return n;
+}
+
+static void test_map_fake_tree(void **state) {
+        Moeep__V1__Nics *n = calloc(1, sizeof(*n));
+        char cmd[128];
+
+        snprintf(root, sizeof(root), "/tmp/moeep-unit-sysfs-XXXXXX");
+        assert_non_null(mkdtemp(root));
+        mkdirs("bus/pci/devices");
+        device("pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:00.0/0000:03:00.0", "0x10de\n", "0x030200\n",
+               "0\n");
+        device("pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:01.0/0000:04:00.0", "0x15b3\n", "0x020700\n",
+               "0\n");
+        device("pci0000:80/0000:80:01.0/0000:81:00.0", "0x10de\n", "0x030000\n", "1\n");
+        device("pci0000:80/0000:80:02.0/0000:82:00.0", "0x15b3\n", "0x020700\n", "1\n");
+        device("pci0000:80/0000:80:03.0/0000:83:00.0", "0x10de\n", "0x068000\n", "1\n"); /* NVSwitch */
+
+        assert_non_null(n);
+        moeep__v1__nics__init(n);
+        n->nics = calloc(3, sizeof(*n->nics));
+        n->nics[n->n_nics++] = nic("mlx5_far", "0000:82:00.0", 1);
+        n->nics[n->n_nics++] = nic("mlx5_near", "0000:04:00.0", 0);
+        n->nics[n->n_nics++] = nic("nopci", "", -1);
+        assert_int_equal(nics_map_gpus(root, n), 0);
+
+        assert_int_equal(n->n_gpus, 2); /* the NVSwitch is no GPU */
+        assert_string_equal(n->gpus[0]->gpu_pci_address, "0000:03:00.0");
+        assert_int_equal(n->gpus[0]->gpu_numa_node, 0);
+        assert_string_equal(n->gpus[0]->nic, "mlx5_near");
+        assert_string_equal(n->gpus[0]->distance, "PIX");
+        assert_string_equal(n->gpus[1]->gpu_pci_address, "0000:81:00.0");
+        assert_string_equal(n->gpus[1]->nic, "mlx5_far");
+        assert_string_equal(n->gpus[1]->distance, "PHB");
+        nics_free(n);
+
+        /* No PCI bus at all: no GPUs, no error. */
+        n = calloc(1, sizeof(*n));
+        moeep__v1__nics__init(n);
+        assert_int_equal(nics_map_gpus("/nonexistent", n), 0);
+        assert_int_equal(n->n_gpus, 0);
+        nics_free(n);
+
+        snprintf(cmd, sizeof(cmd), "rm -rf '%s'", root);
+        assert_int_equal(system(cmd), 0);
+}
+
+/* The real machine: whatever it has, the scan succeeds and every entry is
+ * filled in. */
+static void test_scan_here(void **state) {
+        char errmsg[256];
+        Moeep__V1__Nics *n;
+
+        assert_int_equal(nics_scan(NICS_SYSFS_ROOT, &n, errmsg), 0);
+        for (size_t i = 0; i < n->n_nics; i++)
+                assert_true(n->nics[i]->name[0] && n->nics[i]->source[0]);
+        for (size_t i = 0; i < n->n_gpus; i++)
+                assert_true(n->gpus[i]->gpu_pci_address[0]);
+        nics_free(n);
+}
+
+int main(void) {
+        const struct CMUnitTest tests[] = {
+                cmocka_unit_test(test_distance),
+                cmocka_unit_test(test_map_fake_tree),
+                cmocka_unit_test(test_scan_here),
+        };
+
+        return cmocka_run_group_tests(tests, NULL, NULL);
+}
