@@ -153,7 +153,9 @@ gpu_benchmark() {
         ngpus=$(nvidia-smi -L | grep -c '^GPU')
         ((ngpus > 8)) && ngpus=8
         echo "=== GPU benchmark: moeep-bench on $ngpus GPUs"
-        "$bench" --ranks "$ngpus" --socket "$sock"
+        # NVLink multicast stays off (shared GPU hosts).
+        NCCL_NVLS_ENABLE=0 "$bench" --ranks "$ngpus" --socket "$sock" &&
+                NCCL_NVLS_ENABLE=0 "$bench" ll --ranks "$ngpus" --socket "$sock"
 }
 gpu_benchmark || die "GPU benchmark"
 # ---------------------------------------------------------------------------
