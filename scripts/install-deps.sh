@@ -12,6 +12,8 @@ moeep_packages=(
         libevent-dev libprotobuf-c-dev protobuf-c-compiler
         libsystemd-dev libfabric-dev libibverbs-dev libinih-dev libcmocka-dev
         systemd python3
+        # Reliability runs: libFuzzer targets (clang + its runtimes) and memcheck.
+        clang-14 libclang-rt-14-dev valgrind
 )
 
 moeep_missing_packages() {

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # THE test command: installs what is missing, then builds and runs every test
 # suite twice: as shipped (build-test, CUDA if nvcc is there; GPU tests skip
-# without a GPU) and under ASan+UBSan (build-asan, no CUDA). Ends with exactly
-# one line "N passed, N failed, N skipped" summing both runs, and exits
-# non-zero when a build or a test failed.
+# without a GPU; the valgrind suite runs here) and under ASan+UBSan
+# (build-asan, no CUDA). Then a bounded libFuzzer run (build-fuzz, clang,
+# suite fuzz, about 60 s in all). Ends with exactly one line
+# "N passed, N failed, N skipped" summing every run, and exits non-zero when a
+# build or a test failed.
 #
 # Usage: scripts/test.sh [extra `meson test` arguments, e.g. --suite e2e]
+# With extra arguments the fuzz run happens only when they mention "fuzz".
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
@@ -81,12 +84,38 @@ run_suite() {
         count_results "$dir"
 }
 
+# The fuzz targets alone, from a clang build whose every object carries
+# libFuzzer's coverage instrumentation (tests/fuzz/meson.build).
+run_fuzz() {
+        local dir=build-fuzz
+        echo "=== libFuzzer build: configure $dir"
+        if ! CC=clang-14 configure "$dir" -Dfuzz=true -Dcuda=disabled -Dtests=true \
+                -Db_sanitize=address,undefined -Db_lundef=false -Dc_args=-fsanitize=fuzzer-no-link; then
+                echo "=== libFuzzer build: configure FAILED"
+                failed=$((failed + 1))
+                return
+        fi
+        echo "=== libFuzzer build: compile"
+        if ! meson compile -C "$dir" tests/fuzz/fuzz-record tests/fuzz/fuzz-session tests/fuzz/fuzz-config; then
+                echo "=== libFuzzer build: build FAILED"
+                failed=$((failed + 1))
+                return
+        fi
+        echo "=== libFuzzer build: fuzz"
+        rm -f "$dir/meson-logs/testlog.json"
+        meson test -C "$dir" --no-rebuild --print-errorlogs --suite fuzz || echo "=== libFuzzer build: some targets FAILED"
+        count_results "$dir"
+}
+
 test_args=("$@")
 run_suite build-test "default build" -Dcuda=auto -Dtests=true
 # Sanitizer runs are slower; give every test three times its timeout.
 test_args=(--timeout-multiplier 3 "$@")
 run_suite build-asan "ASan+UBSan build" -Dcuda=disabled -Dtests=true \
         -Db_sanitize=address,undefined -Dbuildtype=debug
+if [[ $# -eq 0 || " $* " == *fuzz* ]]; then
+        run_fuzz
+fi
 
 echo "$passed passed, $failed failed, $skipped skipped"
 [[ $failed -eq 0 ]]
