@@ -51,6 +51,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "isolation-proc.h"
 #include "moeep.h"
 #include "record.h"
 
@@ -147,42 +148,6 @@ static void show_log(void) {
         fflush(stdout);
         snprintf(cmd, sizeof(cmd), "tail -n 60 '%s'", log_path);
         (void)!system(cmd);
-}
-
-static void sleep_ms(long ms) {
-        struct timespec ts = { .tv_sec = ms / 1000, .tv_nsec = (ms % 1000) * 1000000 };
-
-        nanosleep(&ts, NULL);
-}
-
-static int count_daemon_fds(void) {
-        char path[64];
-        struct dirent *e;
-        DIR *d;
-        int n = 0;
-
-        snprintf(path, sizeof(path), "/proc/%d/fd", (int)daemon_pid);
-        d = opendir(path);
-        if (!d)
-                return -1;
-        while ((e = readdir(d)))
-                n += e->d_name[0] != '.';
-        closedir(d);
-        return n;
-}
-
-/* The daemon's fd count once it settles at `want` (closing sessions are
- * noticed asynchronously); returns the last count seen. */
-static int daemon_fds_settle(int want) {
-        int n = -1;
-
-        for (int i = 0; i < 200; i++) {
-                n = count_daemon_fds();
-                if (n == want)
-                        break;
-                sleep_ms(25);
-        }
-        return n;
 }
 
 static int memfd_with(const char *text, size_t size) {
@@ -944,7 +909,7 @@ static void attack(uid_t uid, const char *what, int (*fn)(void), int fds_base) {
         int n;
 
         failures += run_as(uid, what, fn);
-        n = daemon_fds_settle(fds_base);
+        n = proc_fds_settle(daemon_pid, fds_base);
         CHECK(n == fds_base, "after '%s' the daemon holds %d fds, %d before", what, n, fds_base);
         for (int i = 0; i < 400 && atomic_load(&job_a->rounds) < before + 3; i++)
                 sleep_ms(25);
@@ -989,7 +954,7 @@ int main(int argc, char **argv) {
                 return 1;
         }
         sleep_ms(100);
-        fds_idle = count_daemon_fds();
+        fds_idle = proc_count_fds(daemon_pid);
 
         fflush(stdout);
         job_a_pid = fork();
@@ -1008,7 +973,7 @@ int main(int argc, char **argv) {
         }
         for (int i = 0; i < 400 && atomic_load(&job_a->rounds) < 3; i++)
                 sleep_ms(25);
-        fds_base = count_daemon_fds();
+        fds_base = proc_count_fds(daemon_pid);
         say("ok: job A (uid %d, 2 ranks) runs: %u rounds; moeepd holds %d fds (%d idle)", ISO_UID_A,
             atomic_load(&job_a->rounds), fds_base, fds_idle);
 
@@ -1035,7 +1000,7 @@ int main(int argc, char **argv) {
               "job A ended badly (status 0x%x): %s", st, job_a->error);
         say("ok: job A made %u barrier+fetch rounds, every one with its peer's data intact",
             atomic_load(&job_a->rounds));
-        rc = daemon_fds_settle(fds_idle);
+        rc = proc_fds_settle(daemon_pid, fds_idle);
         CHECK(rc == fds_idle, "moeepd holds %d fds after job A ended, %d when idle", rc, fds_idle);
         failures +=
                 run_as(ISO_UID_B, "replayed id of an ended job: ERROR_NO_SUCH_JOB", attack_replay_after_end);

@@ -38,6 +38,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "isolation-proc.h"
 #include "moeep.h"
 
 #define RANKS_PER_JOB 8
@@ -108,57 +109,6 @@ static double now_us(void) {
 
         clock_gettime(CLOCK_MONOTONIC, &ts);
         return ts.tv_sec * 1e6 + ts.tv_nsec / 1e3;
-}
-
-static void sleep_ms(long ms) {
-        struct timespec ts = { .tv_sec = ms / 1000, .tv_nsec = (ms % 1000) * 1000000 };
-
-        nanosleep(&ts, NULL);
-}
-
-static int daemon_fds(void) {
-        char path[64];
-        struct dirent *e;
-        DIR *d;
-        int n = 0;
-
-        snprintf(path, sizeof(path), "/proc/%d/fd", (int)daemon_pid);
-        d = opendir(path);
-        if (!d)
-                return -1;
-        while ((e = readdir(d)))
-                n += e->d_name[0] != '.';
-        closedir(d);
-        return n;
-}
-
-static long daemon_rss_kib(void) {
-        char path[64], line[256];
-        long kib = -1;
-        FILE *f;
-
-        snprintf(path, sizeof(path), "/proc/%d/status", (int)daemon_pid);
-        f = fopen(path, "r");
-        if (!f)
-                return -1;
-        while (fgets(line, sizeof(line), f))
-                if (sscanf(line, "VmRSS: %ld kB", &kib) == 1)
-                        break;
-        fclose(f);
-        return kib;
-}
-
-/* Waits until the daemon holds `want` fds (sessions end asynchronously). */
-static int daemon_fds_settle(int want) {
-        int n = -1;
-
-        for (int i = 0; i < 400; i++) {
-                n = daemon_fds();
-                if (n == want)
-                        break;
-                sleep_ms(25);
-        }
-        return n;
 }
 
 static void worker_fail(struct worker *w, int r, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
@@ -370,8 +320,8 @@ int main(int argc, char **argv) {
                 return 1;
         }
         sleep_ms(100);
-        fds_base = daemon_fds();
-        rss_base = daemon_rss_kib();
+        fds_base = proc_count_fds(daemon_pid);
+        rss_base = proc_rss_kib(daemon_pid);
 
         njobs = nclients / RANKS_PER_JOB;
         workers = calloc((size_t)nclients, sizeof(*workers));
@@ -401,7 +351,7 @@ int main(int argc, char **argv) {
         pthread_barrier_wait(&start_line);
         pthread_barrier_wait(&connected);
         t_connect = now_us() - t_connect;
-        fds_connected = daemon_fds_settle(fds_base + nclients);
+        fds_connected = proc_fds_settle(daemon_pid, fds_base + nclients);
         if (fds_connected != fds_base + nclients) {
                 printf("FAIL: %d clients connected: moeepd holds %d fds, want %d\n", nclients, fds_connected,
                        fds_base + nclients);
@@ -412,8 +362,8 @@ int main(int argc, char **argv) {
         /* Sample the daemon while the cycles run. */
         t_cycles = now_us();
         while (atomic_load(&finished) < nclients) {
-                int n = daemon_fds();
-                long kib = daemon_rss_kib();
+                int n = proc_count_fds(daemon_pid);
+                long kib = proc_rss_kib(daemon_pid);
 
                 fds_peak = n > fds_peak ? n : fds_peak;
                 rss_peak = kib > rss_peak ? kib : rss_peak;
@@ -429,9 +379,9 @@ int main(int argc, char **argv) {
                         printf("FAIL: client %d: %s (%s)\n", i, workers[i].what, strerror(-workers[i].error));
                         rc = 1;
                 }
-        fds_after = daemon_fds_settle(fds_base);
+        fds_after = proc_fds_settle(daemon_pid, fds_base);
         sleep_ms(200);
-        rss_after = daemon_rss_kib();
+        rss_after = proc_rss_kib(daemon_pid);
         qsort(lat, nlat, sizeof(*lat), cmp_double);
 
         printf("load: %d clients connected at once in %.1f ms; moeepd held %d fds with them (baseline %d)\n",
