@@ -1,0 +1,331 @@
+"""ctypes binding of libmoeep.so (client/include/moeep.h and moeep_ep.h).
+
+Pure Python and free of torch: the structures below mirror the C headers
+field by field (tests/test_lib.py checks every size and offset against the
+compiler's, through a small C program built with the library). Functions of
+the data plane exist only in a libmoeep built with CUDA; `Library.has_data_plane`
+says whether this one has them.
+"""
+
+import ctypes
+import ctypes.util
+import errno as _errno
+import os
+
+MOEEP_UNIQUE_ID_BYTES = 128
+MOEEP_MAX_RANKS = 8
+MOEEP_DEFAULT_NUM_SMS = 24
+MOEEP_DEFAULT_TIMEOUT_MS = 10000
+MOEEP_LL_MAX_TOKENS = 1024
+DEFAULT_SOCKET = "/run/moeep/moeepd.sock"
+
+# enum moeep_dtype, enum moeep_index_type
+DTYPE_BF16 = 1
+DTYPE_FP8_E4M3 = 2
+INDEX_INT64 = 1
+INDEX_INT32 = 2
+
+# Limits the library checks (moeep_ep.h, "Supported shapes"); repeated here
+# only so that Python can name the argument before any GPU work starts.
+MAX_TOPK = 9
+MAX_EXPERTS = 512
+MAX_TOKENS_PER_RANK = 65536
+SCALE_BLOCK = 128
+
+
+class MoeepError(OSError):
+    """An error reported by libmoeep, moeepd or the kernels.
+
+    `errno` is the library's errno value (positive) and `strerror` its
+    message, e.g. MoeepError(ENOENT, "cannot connect to moeepd at ...")."""
+
+    def __init__(self, err, message):
+        super().__init__(err, message)
+
+
+# ---------------------------------------------------------------- structures
+#
+# Field order, types and names are those of the C headers; enums are C ints,
+# bool is C99 _Bool.
+
+_vp = ctypes.c_void_p
+_int = ctypes.c_int
+
+
+class UniqueId(ctypes.Structure):
+    _fields_ = [("bytes", ctypes.c_ubyte * MOEEP_UNIQUE_ID_BYTES)]
+
+
+class Event(ctypes.Structure):
+    _fields_ = [("type", _int), ("job_id", ctypes.c_uint64), ("rank", _int), ("reason", ctypes.c_char * 128)]
+
+
+class EpConfig(ctypes.Structure):
+    _fields_ = [
+        ("max_tokens_per_rank", _int),
+        ("hidden", _int),
+        ("num_experts", _int),
+        ("max_topk", _int),
+        ("num_sms", _int),
+        ("timeout_ms", _int),
+        ("ll_max_tokens", _int),
+    ]
+
+
+class DispatchArgs(ctypes.Structure):
+    _fields_ = [
+        ("x", _vp),
+        ("x_type", _int),
+        ("x_scales", _vp),
+        ("num_tokens", _int),
+        ("is_token_in_rank", _vp),
+        ("topk_idx", _vp),
+        ("topk_idx_type", _int),
+        ("topk_weights", _vp),
+        ("num_topk", _int),
+        ("expert_alignment", _int),
+        ("num_worst_tokens", _int),
+        ("handle", _vp),
+    ]
+
+
+class DispatchResult(ctypes.Structure):
+    _fields_ = [
+        ("recv_x", _vp),
+        ("recv_x_scales", _vp),
+        ("recv_topk_idx", _vp),
+        ("recv_topk_weights", _vp),
+        ("recv_src_info", _vp),
+        ("num_recv_tokens", _int),
+        ("num_recv_tokens_dev", _vp),
+        ("num_recv_tokens_per_expert", ctypes.POINTER(_int)),
+        ("num_recv_tokens_per_expert_dev", _vp),
+        ("num_local_experts", _int),
+        ("handle", _vp),
+    ]
+
+
+class CombineArgs(ctypes.Structure):
+    _fields_ = [
+        ("x", _vp),
+        ("topk_weights", _vp),
+        ("num_topk", _int),
+        ("handle", _vp),
+        ("out", _vp),
+        ("out_topk_weights", _vp),
+    ]
+
+
+class LlHook(ctypes.Structure):
+    _fields_ = [
+        ("kind", _int),
+        ("set", _int),
+        ("stats", _vp),
+        ("topk_idx", _vp),
+        ("idx_is_int64", _int),
+        ("topk_weights", _vp),
+        ("num_tokens", _int),
+        ("num_topk", _int),
+        ("out", _vp),
+    ]
+
+
+class LlHandle(ctypes.Structure):
+    _fields_ = [("set", _int), ("num_tokens", _int)]
+
+
+class LlDispatchArgs(ctypes.Structure):
+    _fields_ = [
+        ("x", _vp),
+        ("num_tokens", _int),
+        ("topk_idx", _vp),
+        ("topk_idx_type", _int),
+        ("num_topk", _int),
+        ("use_fp8", ctypes.c_bool),
+        ("round_scale", ctypes.c_bool),
+        ("return_recv_hook", ctypes.c_bool),
+        ("cumulative_local_expert_recv_stats", _vp),
+    ]
+
+
+class LlDispatchResult(ctypes.Structure):
+    _fields_ = [
+        ("recv_x", _vp),
+        ("recv_x_scales", _vp),
+        ("recv_count", _vp),
+        ("recv_src_info", _vp),
+        ("num_local_experts", _int),
+        ("slots_per_expert", _int),
+        ("handle", LlHandle),
+    ]
+
+
+class LlCombineArgs(ctypes.Structure):
+    _fields_ = [
+        ("x", _vp),
+        ("topk_idx", _vp),
+        ("topk_idx_type", _int),
+        ("topk_weights", _vp),
+        ("num_topk", _int),
+        ("handle", ctypes.POINTER(LlHandle)),
+        ("out", _vp),
+        ("return_recv_hook", ctypes.c_bool),
+    ]
+
+
+# Every structure, by its C name, for the ABI test.
+STRUCTS = {
+    "moeep_unique_id": UniqueId,
+    "moeep_event": Event,
+    "moeep_ep_config": EpConfig,
+    "moeep_dispatch_args": DispatchArgs,
+    "moeep_dispatch_result": DispatchResult,
+    "moeep_combine_args": CombineArgs,
+    "moeep_ll_hook": LlHook,
+    "moeep_ll_handle": LlHandle,
+    "moeep_ll_dispatch_args": LlDispatchArgs,
+    "moeep_ll_dispatch_result": LlDispatchResult,
+    "moeep_ll_combine_args": LlCombineArgs,
+}
+
+_P = ctypes.POINTER
+_CONTROL = {
+    "moeep_connect": (_int, [ctypes.c_char_p, _P(_vp)]),
+    "moeep_client_free": (None, [_vp]),
+    "moeep_client_error": (ctypes.c_char_p, [_vp]),
+    "moeep_client_fd": (_int, [_vp]),
+    "moeep_job_create": (_int, [_vp, ctypes.c_char_p, _int, _P(UniqueId)]),
+    "moeep_job_join": (_int, [_vp, _P(UniqueId), _int, _int, ctypes.c_char_p]),
+    "moeep_job_leave": (_int, [_vp]),
+    "moeep_job_barrier": (_int, [_vp]),
+    "moeep_job_info": (_int, [_vp, _P(ctypes.c_uint64), _P(_int), _P(_int)]),
+    "moeep_event_next": (_int, [_vp, _P(Event)]),
+}
+_DATA = {
+    "moeep_ep_create": (_int, [_vp, _P(EpConfig), _P(_vp)]),
+    "moeep_ep_destroy": (None, [_vp]),
+    "moeep_ep_error": (ctypes.c_char_p, [_vp]),
+    "moeep_ep_buffer_bytes": (ctypes.c_size_t, [_vp]),
+    "moeep_ep_rank": (_int, [_vp]),
+    "moeep_ep_num_ranks": (_int, [_vp]),
+    "moeep_ep_set_num_sms": (_int, [_vp, _int]),
+    "moeep_ep_check": (_int, [_vp]),
+    "moeep_get_dispatch_layout": (_int, [_vp, _vp, _int, _int, _int, _vp, _vp, _vp, _vp]),
+    "moeep_dispatch": (_int, [_vp, _P(DispatchArgs), _P(DispatchResult), _vp]),
+    "moeep_combine": (_int, [_vp, _P(CombineArgs), _vp]),
+    "moeep_ep_max_recv_tokens": (_int, [_vp]),
+    "moeep_ep_handle_num_tokens": (_int, [_vp]),
+    "moeep_ep_handle_free": (None, [_vp]),
+    "moeep_ll_dispatch": (_int, [_vp, _P(LlDispatchArgs), _P(LlDispatchResult), _P(LlHook), _vp]),
+    "moeep_ll_combine": (_int, [_vp, _P(LlCombineArgs), _P(LlHook), _vp]),
+    "moeep_ll_hook_run": (_int, [_vp, _P(LlHook), _vp]),
+    "moeep_ll_clean": (_int, [_vp]),
+}
+
+
+class Library:
+    """A loaded libmoeep.so with typed entry points as attributes."""
+
+    def __init__(self, path):
+        self.path = path
+        self.cdll = ctypes.CDLL(path)
+        for name, (restype, argtypes) in _CONTROL.items():
+            self._bind(name, restype, argtypes, required=True)
+        self.has_data_plane = all(self._bind(n, r, a, required=False) for n, (r, a) in _DATA.items())
+
+    def _bind(self, name, restype, argtypes, required):
+        try:
+            fn = getattr(self.cdll, name)
+        except AttributeError:
+            if required:
+                raise OSError(_errno.ENOSYS, "%s has no symbol %s: not a libmoeep.so" % (self.path, name))
+            return False
+        fn.restype = restype
+        fn.argtypes = argtypes
+        setattr(self, name, fn)
+        return True
+
+    def require_data_plane(self):
+        if not self.has_data_plane:
+            raise MoeepError(
+                _errno.ENOSYS,
+                "%s was built without CUDA: it has the control plane only "
+                "(rebuild with nvcc on PATH, meson -Dcuda=enabled)" % self.path,
+            )
+
+
+# ---------------------------------------------------------------- loading
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+# client/python/moeep -> repository root
+_REPO_ROOT = os.path.normpath(os.path.join(_PACKAGE_DIR, "..", "..", ".."))
+
+
+def candidate_paths():
+    """Where load_library() looks, in order, as (path or None, origin).
+
+    1. $MOEEP_LIBRARY; 2. libmoeep.so next to the package (a wheel or a copy
+    made at install time); 3. the build tree of the repository the package
+    sits in (build/client/libmoeep.so); 4. ctypes.util.find_library('moeep')
+    (the system's linker path, e.g. after `meson install`)."""
+    out = []
+    env = os.environ.get("MOEEP_LIBRARY")
+    if env:
+        out.append((env, "$MOEEP_LIBRARY"))
+        return out
+    out.append((os.path.join(_PACKAGE_DIR, "libmoeep.so"), "next to the package"))
+    out.append((os.path.join(_REPO_ROOT, "build", "client", "libmoeep.so"), "the repository's build tree"))
+    out.append((ctypes.util.find_library("moeep"), "ctypes.util.find_library('moeep')"))
+    return out
+
+
+_loaded = None
+
+
+def load_library():
+    """Loads libmoeep once (see candidate_paths()); raises OSError naming every
+    place it looked and why each failed."""
+    global _loaded
+    if _loaded is not None:
+        return _loaded
+    tried = []
+    for path, origin in candidate_paths():
+        if path is None:
+            tried.append("%s: not found" % origin)
+            continue
+        if os.sep in path and not os.path.exists(path):
+            tried.append("%s (%s): no such file" % (path, origin))
+            continue
+        try:
+            _loaded = Library(path)
+            return _loaded
+        except OSError as e:
+            tried.append("%s (%s): %s" % (path, origin, e))
+            if origin == "$MOEEP_LIBRARY":
+                break
+    raise OSError(
+        _errno.ENOENT,
+        "cannot load libmoeep.so; set MOEEP_LIBRARY to its path. Tried: " + "; ".join(tried),
+    )
+
+
+def reset_library_cache():
+    """Forgets the loaded library, so that the next load_library() searches
+    again (tests change MOEEP_LIBRARY)."""
+    global _loaded
+    _loaded = None
+
+
+def resolve_socket(socket=None):
+    """The daemon socket and where it came from: the argument, else
+    $MOEEP_SOCKET, else /run/moeep/moeepd.sock."""
+    if socket:
+        return os.fspath(socket), "the socket argument"
+    env = os.environ.get("MOEEP_SOCKET")
+    if env:
+        return env, "$MOEEP_SOCKET"
+    return DEFAULT_SOCKET, "the default"
+
+
+def decode(msg):
+    return msg.decode("utf-8", "replace") if msg else ""

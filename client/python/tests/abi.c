@@ -1,0 +1,107 @@
+/* Prints the size and field offsets of every structure the ctypes binding
+ * (moeep/_lib.py) mirrors, as "struct field offset" and "struct sizeof N"
+ * lines, for tests/test_lib.py. With MOEEP_ABI_EP (a CUDA build) the data
+ * plane's structures of moeep_ep.h too. */
+#include <stddef.h>
+#include <stdio.h>
+
+#include "moeep.h"
+#ifdef MOEEP_ABI_EP
+#include "moeep_ep.h"
+#endif
+
+#define S(s) printf("moeep_" #s " sizeof %zu\n", sizeof(struct moeep_##s))
+#define F(s, f) printf("moeep_" #s " " #f " %zu\n", offsetof(struct moeep_##s, f))
+
+int main(void) {
+        S(unique_id);
+        F(unique_id, bytes);
+        S(event);
+        F(event, type);
+        F(event, job_id);
+        F(event, rank);
+        F(event, reason);
+#ifdef MOEEP_ABI_EP
+        S(ep_config);
+        F(ep_config, max_tokens_per_rank);
+        F(ep_config, hidden);
+        F(ep_config, num_experts);
+        F(ep_config, max_topk);
+        F(ep_config, num_sms);
+        F(ep_config, timeout_ms);
+        F(ep_config, ll_max_tokens);
+        S(dispatch_args);
+        F(dispatch_args, x);
+        F(dispatch_args, x_type);
+        F(dispatch_args, x_scales);
+        F(dispatch_args, num_tokens);
+        F(dispatch_args, is_token_in_rank);
+        F(dispatch_args, topk_idx);
+        F(dispatch_args, topk_idx_type);
+        F(dispatch_args, topk_weights);
+        F(dispatch_args, num_topk);
+        F(dispatch_args, expert_alignment);
+        F(dispatch_args, num_worst_tokens);
+        F(dispatch_args, handle);
+        S(dispatch_result);
+        F(dispatch_result, recv_x);
+        F(dispatch_result, recv_x_scales);
+        F(dispatch_result, recv_topk_idx);
+        F(dispatch_result, recv_topk_weights);
+        F(dispatch_result, recv_src_info);
+        F(dispatch_result, num_recv_tokens);
+        F(dispatch_result, num_recv_tokens_dev);
+        F(dispatch_result, num_recv_tokens_per_expert);
+        F(dispatch_result, num_recv_tokens_per_expert_dev);
+        F(dispatch_result, num_local_experts);
+        F(dispatch_result, handle);
+        S(combine_args);
+        F(combine_args, x);
+        F(combine_args, topk_weights);
+        F(combine_args, num_topk);
+        F(combine_args, handle);
+        F(combine_args, out);
+        F(combine_args, out_topk_weights);
+        S(ll_hook);
+        F(ll_hook, kind);
+        F(ll_hook, set);
+        F(ll_hook, stats);
+        F(ll_hook, topk_idx);
+        F(ll_hook, idx_is_int64);
+        F(ll_hook, topk_weights);
+        F(ll_hook, num_tokens);
+        F(ll_hook, num_topk);
+        F(ll_hook, out);
+        S(ll_handle);
+        F(ll_handle, set);
+        F(ll_handle, num_tokens);
+        S(ll_dispatch_args);
+        F(ll_dispatch_args, x);
+        F(ll_dispatch_args, num_tokens);
+        F(ll_dispatch_args, topk_idx);
+        F(ll_dispatch_args, topk_idx_type);
+        F(ll_dispatch_args, num_topk);
+        F(ll_dispatch_args, use_fp8);
+        F(ll_dispatch_args, round_scale);
+        F(ll_dispatch_args, return_recv_hook);
+        F(ll_dispatch_args, cumulative_local_expert_recv_stats);
+        S(ll_dispatch_result);
+        F(ll_dispatch_result, recv_x);
+        F(ll_dispatch_result, recv_x_scales);
+        F(ll_dispatch_result, recv_count);
+        F(ll_dispatch_result, recv_src_info);
+        F(ll_dispatch_result, num_local_experts);
+        F(ll_dispatch_result, slots_per_expert);
+        F(ll_dispatch_result, handle);
+        S(ll_combine_args);
+        F(ll_combine_args, x);
+        F(ll_combine_args, topk_idx);
+        F(ll_combine_args, topk_idx_type);
+        F(ll_combine_args, topk_weights);
+        F(ll_combine_args, num_topk);
+        F(ll_combine_args, handle);
+        F(ll_combine_args, out);
+        F(ll_combine_args, return_recv_hook);
+#endif
+        return 0;
+}

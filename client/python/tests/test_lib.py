@@ -1,0 +1,114 @@
+"""Loading libmoeep.so and the ctypes structures against the C layout."""
+
+import ctypes
+import os
+import subprocess
+import tempfile
+import unittest
+
+from moeep import _lib
+
+
+class LoadTest(unittest.TestCase):
+    def setUp(self):
+        self.saved = os.environ.get("MOEEP_LIBRARY")
+        _lib.reset_library_cache()
+
+    def tearDown(self):
+        if self.saved is None:
+            os.environ.pop("MOEEP_LIBRARY", None)
+        else:
+            os.environ["MOEEP_LIBRARY"] = self.saved
+        _lib.reset_library_cache()
+
+    def test_loads(self):
+        if not self.saved:
+            self.skipTest("MOEEP_LIBRARY is not set (run through meson test)")
+        lib = _lib.load_library()
+        self.assertEqual(lib.path, self.saved)
+        self.assertIs(_lib.load_library(), lib)  # cached
+        if os.environ.get("MOEEP_TEST_CUDA") == "1":
+            self.assertTrue(lib.has_data_plane)
+        elif os.environ.get("MOEEP_TEST_CUDA") == "0":
+            self.assertFalse(lib.has_data_plane)
+            with self.assertRaisesRegex(_lib.MoeepError, "built without CUDA") as cm:
+                lib.require_data_plane()
+            self.assertIn(lib.path, str(cm.exception))
+
+    def test_missing_file(self):
+        os.environ["MOEEP_LIBRARY"] = "/nonexistent/libmoeep.so"
+        with self.assertRaises(OSError) as cm:
+            _lib.load_library()
+        msg = str(cm.exception)
+        self.assertIn("/nonexistent/libmoeep.so", msg)
+        self.assertIn("MOEEP_LIBRARY", msg)
+        self.assertIn("no such file", msg)
+
+    def test_not_a_library(self):
+        with tempfile.NamedTemporaryFile(suffix=".so") as f:
+            f.write(b"not an ELF file")
+            f.flush()
+            os.environ["MOEEP_LIBRARY"] = f.name
+            with self.assertRaises(OSError) as cm:
+                _lib.load_library()
+            self.assertIn(f.name, str(cm.exception))
+
+    def test_wrong_library(self):
+        # A real shared library without moeep's symbols.
+        libc = ctypes.util.find_library("c")
+        if not libc:
+            self.skipTest("no libc found")
+        os.environ["MOEEP_LIBRARY"] = libc
+        with self.assertRaisesRegex(OSError, "moeep_connect"):
+            _lib.load_library()
+
+    def test_search_order(self):
+        os.environ.pop("MOEEP_LIBRARY", None)
+        origins = [o for _, o in _lib.candidate_paths()]
+        self.assertEqual(origins, ["next to the package", "the repository's build tree",
+                                   "ctypes.util.find_library('moeep')"])
+        os.environ["MOEEP_LIBRARY"] = "/x/libmoeep.so"
+        self.assertEqual(_lib.candidate_paths(), [("/x/libmoeep.so", "$MOEEP_LIBRARY")])
+
+    def test_socket_resolution(self):
+        saved = os.environ.pop("MOEEP_SOCKET", None)
+        try:
+            self.assertEqual(_lib.resolve_socket(), ("/run/moeep/moeepd.sock", "the default"))
+            os.environ["MOEEP_SOCKET"] = "/tmp/a.sock"
+            self.assertEqual(_lib.resolve_socket(), ("/tmp/a.sock", "$MOEEP_SOCKET"))
+            self.assertEqual(_lib.resolve_socket("/tmp/b.sock"), ("/tmp/b.sock", "the socket argument"))
+        finally:
+            os.environ.pop("MOEEP_SOCKET", None)
+            if saved is not None:
+                os.environ["MOEEP_SOCKET"] = saved
+
+
+class AbiTest(unittest.TestCase):
+    """Every ctypes structure has the C compiler's size and offsets."""
+
+    def test_layout(self):
+        prog = os.environ.get("MOEEP_TEST_ABI")
+        if not prog:
+            self.skipTest("MOEEP_TEST_ABI is not set (run through meson test)")
+        out = subprocess.run([prog], capture_output=True, text=True, check=True).stdout
+        seen = set()
+        for line in out.splitlines():
+            struct, field, value = line.split()
+            cls = _lib.STRUCTS[struct]
+            seen.add(struct)
+            if field == "sizeof":
+                self.assertEqual(ctypes.sizeof(cls), int(value), struct)
+            else:
+                self.assertEqual(getattr(cls, field).offset, int(value), "%s.%s" % (struct, field))
+        expected = {"moeep_unique_id", "moeep_event"}
+        if os.environ.get("MOEEP_TEST_CUDA") == "1":
+            expected = set(_lib.STRUCTS)
+        self.assertEqual(seen, expected)
+        # Every field the C program names exists in ctypes, and none is missing.
+        for struct in seen:
+            names = [ln.split()[1] for ln in out.splitlines() if ln.split()[0] == struct and ln.split()[1] != "sizeof"]
+            self.assertEqual(names, [f[0] for f in _lib.STRUCTS[struct]._fields_], struct)
+
+
+if __name__ == "__main__":
+    unittest.main()
