@@ -1,0 +1,310 @@
+#!/usr/bin/env python3
+"""moeep.Buffer (client/python) on GPUs against torch references, as DeepEP's
+tests: one process per GPU (up to 4) through torch.multiprocessing, a torch
+process group, a private moeepd.
+
+Normal mode: get_dispatch_layout against a torch layout; BF16 and FP8
+dispatch (random top-k with masked -1 entries; rows, top-k ids and weights,
+per-expert counts with expert_alignment) against the gathered inputs of
+every rank; cached dispatch; async_finish with previous_event; dispatch with
+num_worst_tokens; combine sums (x times the ranks a token reached, and the
+top-k weights). Low-latency mode: BF16 and FP8 (tolerance of the e4m3 cast,
+power-of-two scales with round_scale, UE8M0 packing) dispatch checked per
+local expert as a set of (rank, token) slots, receive hooks, cumulative
+stats, and combine of an expert-dependent function with the top-k weights.
+
+Exit 77 (meson: skipped) without torch or without a CUDA device.
+Environment: MOEEP_LIBRARY, MOEEP_TEST_MOEEPD (meson sets both).
+"""
+
+import os
+import shutil
+import socket as _socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.normpath(os.path.join(HERE, "..", ".."))
+sys.path.insert(0, os.path.join(REPO, "client", "python"))
+
+try:
+    import torch
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+except ImportError:
+    print("SKIP: torch is not installed")
+    sys.exit(77)
+
+import moeep  # noqa: E402
+
+
+def check(cond, what):
+    if not cond:
+        raise AssertionError(what)
+
+
+def close(a, b, what, rtol=1e-2, atol=1e-2):
+    a, b = a.float(), b.float()
+    if not torch.allclose(a, b, rtol=rtol, atol=atol):
+        diff = (a - b).abs().max().item()
+        raise AssertionError("%s: max abs difference %g" % (what, diff))
+
+
+def per_token_cast_to_fp8(x, round_scale=False):
+    """e4m3 with one float scale per 128 channels (amax / 448), as DeepEP's tests."""
+    T, H = x.shape
+    xv = x.float().view(T, H // 128, 128)
+    amax = xv.abs().amax(dim=2).clamp(min=1e-4)
+    scale = amax / 448.0
+    if round_scale:
+        scale = torch.pow(2.0, torch.ceil(torch.log2(scale)))
+    q = (xv / scale.unsqueeze(2)).to(torch.float8_e4m3fn).view(T, H)
+    return q, scale.contiguous()
+
+
+def dequant(q, scales):
+    T, H = q.shape
+    return (q.float().view(T, H // 128, 128) * scales.unsqueeze(2)).view(T, H)
+
+
+def routing(T, E, K, gen, mask_p=0.1, device="cuda"):
+    scores = torch.rand(T, E, generator=gen, device=device) + 1
+    idx = torch.topk(scores, K, dim=1).indices.to(torch.int64)
+    masked = torch.rand(T, K, generator=gen, device=device) < mask_p
+    idx = torch.where(masked, torch.full_like(idx, -1), idx)
+    w = torch.rand(T, K, generator=gen, device=device)
+    return idx.contiguous(), w.contiguous()
+
+
+def gather(t, group, R):
+    """Every rank's tensor (first dims may differ), on every rank."""
+    n = torch.tensor([t.shape[0]], device=t.device)
+    ns = [torch.zeros_like(n) for _ in range(R)]
+    dist.all_gather(ns, n, group=group)
+    m = max(int(v.item()) for v in ns)
+    pad = torch.zeros((m,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+    pad[:t.shape[0]] = t
+    raw = pad.view(torch.uint8) if t.dtype in (torch.bfloat16, torch.float8_e4m3fn) else pad
+    outs = [torch.empty_like(raw) for _ in range(R)]
+    dist.all_gather(outs, raw.contiguous(), group=group)
+    return [o.view(t.dtype)[:int(ns[i].item())] for i, o in enumerate(outs)]
+
+
+def test_normal(rank, R, group, sock):
+    H, E, K = 4096, 64, 6
+    L = E // R
+    gen = torch.Generator(device="cuda").manual_seed(1234 + rank)
+    buf = moeep.Buffer(group, num_nvl_bytes=moeep.Config().get_nvl_buffer_size_hint(H * 2, R), socket=sock,
+                       explicitly_destroy=True)
+    for T in (1000 + 37 * rank, 1 if rank == 1 else 513, 0 if rank == R - 1 else 64):
+        x = torch.randn(T, H, generator=gen, device="cuda").to(torch.bfloat16)
+        idx, w = routing(T, E, K, gen)
+        all_x, all_idx, all_w = gather(x, group, R), gather(idx, group, R), gather(w, group, R)
+
+        # Layout against torch.
+        per_rank, per_rdma, per_expert, in_rank, ev = buf.get_dispatch_layout(idx, E)
+        check(per_rdma is None and ev.event is None, "layout extras")
+        ranks_of = torch.where(idx >= 0, idx // L, torch.full_like(idx, R))
+        ref_in = torch.zeros(T, R + 1, dtype=torch.bool, device="cuda").scatter_(1, ranks_of, True)[:, :R]
+        check(torch.equal(in_rank, ref_in), "is_token_in_rank")
+        check(torch.equal(per_rank, ref_in.sum(0).int()), "num_tokens_per_rank")
+        ref_pe = torch.bincount(idx[idx >= 0].flatten(), minlength=E).int()
+        check(torch.equal(per_expert, ref_pe), "num_tokens_per_expert")
+
+        # What this rank must receive: source rank, then token order.
+        ref_rows, ref_idx, ref_w = [], [], []
+        for s in range(R):
+            si, sw = all_idx[s], all_w[s]
+            local = (si >= rank * L) & (si < (rank + 1) * L)
+            hit = local.any(1)
+            ref_rows.append(all_x[s][hit])
+            ref_idx.append(torch.where(local, si - rank * L, torch.full_like(si, -1))[hit])
+            ref_w.append(torch.where(local, sw, torch.zeros_like(sw))[hit])
+        ref_rows, ref_idx, ref_w = torch.cat(ref_rows), torch.cat(ref_idx), torch.cat(ref_w)
+        n_recv = ref_rows.shape[0]
+
+        for align in (1, 8):
+            rx, ridx, rw, counts, handle, ev = buf.dispatch(
+                x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                topk_idx=idx, topk_weights=w, expert_alignment=align)
+            check(rx.shape == (n_recv, H) and rx.dtype == torch.bfloat16, "recv_x shape %s" % (rx.shape,))
+            check(torch.equal(rx, ref_rows), "recv_x rows (T=%d)" % T)
+            check(torch.equal(ridx, ref_idx) and ridx.dtype == torch.int64, "recv_topk_idx")
+            check(torch.equal(rw, ref_w), "recv_topk_weights")
+            exp = [int(((ref_idx == e).sum().item() + align - 1) // align * align) for e in range(L)]
+            check(counts == exp, "num_recv_tokens_per_expert_list %s != %s" % (counts, exp))
+
+        # Combine: each token comes back once from every rank it reached.
+        hits = torch.stack([((idx >= r * L) & (idx < (r + 1) * L)).any(1) for r in range(R)], 1).sum(1)
+        out, out_w, ev = buf.combine(rx, handle, topk_weights=rw)
+        close(out, x.float() * hits.unsqueeze(1), "combined_x")
+        close(out_w, torch.where(idx >= 0, w, torch.zeros_like(w)), "combined_topk_weights", 1e-6, 1e-6)
+
+        # Cached dispatch, async with an event, on a side stream.
+        prev = moeep.Buffer.capture()
+        rx2, a, b, c, d, ev = buf.dispatch(x, handle=handle, previous_event=prev, async_finish=True)
+        check(a is None and b is None and c is None and d is None, "cached dispatch returns")
+        ev.current_stream_wait()
+        check(torch.equal(rx2, ref_rows), "cached recv_x")
+        out, _, ev = buf.combine(rx2, handle, async_finish=True)
+        with ev:
+            pass
+        close(out, x.float() * hits.unsqueeze(1), "combined_x after cached dispatch")
+
+        # FP8.
+        q, s = per_token_cast_to_fp8(x)
+        (rq, rs), ridx, rw, counts, h8, ev = buf.dispatch(
+            (q, s), num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+            topk_idx=idx, topk_weights=w)
+        check(rq.dtype == torch.float8_e4m3fn and rs.shape == (n_recv, H // 128), "fp8 recv shapes")
+        check(torch.equal(rq.view(torch.uint8), per_token_cast_to_fp8(ref_rows)[0].view(torch.uint8)), "fp8 bytes")
+        close(dequant(rq, rs), ref_rows, "fp8 dequantised", rtol=0.07, atol=1e-2)
+
+        # num_worst_tokens: no host wait; padded rows name no expert.
+        W = R * buf._plan.max_tokens_per_rank
+        rx3, ridx3, rw3, counts3, h3, ev = buf.dispatch(
+            x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+            topk_idx=idx, topk_weights=w, num_worst_tokens=W)
+        check(rx3.shape[0] == W and counts3 == [], "worst-case shapes")
+        check(torch.equal(rx3[:n_recv], ref_rows) and torch.equal(ridx3[:n_recv], ref_idx), "worst-case rows")
+        check(bool((ridx3[n_recv:] == -1).all()), "worst-case padding")
+        y = rx3.clone()
+        y[n_recv:] = 0
+        out, _, _ = buf.combine(y, h3)
+        close(out, x.float() * hits.unsqueeze(1), "combined_x after worst-case dispatch")
+        torch.cuda.synchronize()
+        dist.barrier(group)
+    buf.check()
+    buf.destroy()
+
+
+def test_low_latency(rank, R, group, sock):
+    H, E, K, NT = 7168, 32 * R, 8, 128
+    L = E // R
+    gen = torch.Generator(device="cuda").manual_seed(99 + rank)
+    buf = moeep.Buffer(group, low_latency_mode=True, socket=sock, explicitly_destroy=True,
+                       num_rdma_bytes=moeep.Buffer.get_low_latency_rdma_size_hint(NT, H, R, E))
+    stats = torch.zeros(L, dtype=torch.int32, device="cuda")
+    ref_stats = torch.zeros(L, dtype=torch.int64, device="cuda")
+    scale_of = 0.5 + (torch.arange(E, device="cuda") % 7).float() * 0.25  # expert function: x * scale
+    for it, (fp8, round_scale, ue8m0, hook) in enumerate([(False, False, False, False), (True, False, False, True),
+                                                          (True, True, True, False), (False, False, False, True)]):
+        T = NT if rank == 0 else int(torch.randint(1, NT + 1, (1,), generator=gen, device="cuda").item())
+        x = torch.randn(T, H, generator=gen, device="cuda").to(torch.bfloat16)
+        idx, w = routing(T, E, K, gen)  # distinct experts per token (top-k)
+        all_x, all_idx = gather(x, group, R), gather(idx, group, R)
+        recv, count, handle, ev, fn = buf.low_latency_dispatch(
+            x, idx, NT, E, cumulative_local_expert_recv_stats=stats, use_fp8=fp8, round_scale=round_scale,
+            use_ue8m0=ue8m0, return_recv_hook=hook)
+        if hook:
+            check(fn is not None, "hook returned")
+            fn()
+        else:
+            check(fn is None, "no hook without return_recv_hook")
+        rx = recv[0] if fp8 else recv
+        check(rx.shape == (L, R * NT, H), "ll recv_x shape %s" % (rx.shape,))
+        src = handle.src_info
+        for e in range(L):
+            ge = rank * L + e
+            exp = sorted((s, int(t)) for s in range(R) for t in (all_idx[s] == ge).any(1).nonzero().flatten().tolist())
+            n = int(count[e].item())
+            check(n == len(exp), "expert %d: %d slots, expected %d" % (ge, n, len(exp)))
+            info = src[e, :n].tolist()
+            got = sorted(((v >> 28) & 0xF, v & 0xFFFFF) for v in info)
+            check(got == exp, "expert %d: received (rank, token) pairs" % ge)
+            ref_rows = torch.stack([all_x[(v >> 28) & 0xF][v & 0xFFFFF] for v in info]) if n else None
+            if n and not fp8:
+                check(torch.equal(rx[e, :n], ref_rows), "expert %d: bf16 rows" % ge)
+            elif n:
+                if ue8m0:
+                    packed = recv[1]
+                    check(packed.dtype == torch.int32 and packed.shape == (L, R * NT, H // 512), "ue8m0 shape")
+                    ex = torch.stack([(packed[e, :n] >> (8 * i)) & 0xFF for i in range(4)], -1).view(n, H // 128)
+                    sc = torch.pow(2.0, ex.float() - 127)
+                else:
+                    sc = recv[1][e, :n]
+                if round_scale:
+                    check(bool((torch.log2(sc) == torch.round(torch.log2(sc))).all()), "round_scale powers of two")
+                close(dequant(rx[e, :n], sc), ref_rows, "expert %d: fp8 dequantised" % ge, rtol=0.07, atol=2e-2)
+            ref_stats[e] += n
+        check(torch.equal(stats.long(), ref_stats), "cumulative_local_expert_recv_stats")
+
+        # Expert outputs: x * scale of the expert, in the dispatch's layout.
+        y = torch.zeros(L, R * NT, H, dtype=torch.bfloat16, device="cuda")
+        deq = rx.float() if not fp8 else None
+        for e in range(L):
+            n = int(count[e].item())
+            if not n:
+                continue
+            rows = deq[e, :n] if deq is not None else torch.stack(
+                [all_x[(v >> 28) & 0xF][v & 0xFFFFF] for v in src[e, :n].tolist()]).float()
+            y[e, :n] = (rows * scale_of[rank * L + e]).to(torch.bfloat16)
+        out, ev, fn2 = buf.low_latency_combine(y, idx, w, handle, return_recv_hook=hook)
+        if hook:
+            fn2()
+        ref = torch.zeros(T, H, device="cuda")
+        for k in range(K):
+            e = idx[:, k]
+            ok = e >= 0
+            f = torch.where(ok, w[:, k] * scale_of[e.clamp(min=0)], torch.zeros_like(w[:, k]))
+            ref += f.unsqueeze(1) * x.float()
+        close(out, ref, "ll combined_x (iteration %d)" % it, rtol=3e-2, atol=5e-2)
+        torch.cuda.synchronize()
+        dist.barrier(group)
+    buf.check()
+    buf.destroy()
+
+
+def rank_main(rank, R, port, sock, backend):
+    torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method="tcp://127.0.0.1:%d" % port, rank=rank, world_size=R)
+    try:
+        test_normal(rank, R, dist.group.WORLD, sock)
+        test_low_latency(rank, R, dist.group.WORLD, sock)
+        if rank == 0:
+            print("python buffer: %d ranks OK" % R, flush=True)
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        os._exit(1)  # do not wait in a collective for ranks that passed
+    dist.destroy_process_group()
+
+
+def free_port():
+    with _socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main():
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        print("SKIP: no CUDA device")
+        return 77
+    R = min(4, torch.cuda.device_count())
+    moeepd = os.environ.get("MOEEP_TEST_MOEEPD") or os.path.join(REPO, "build", "daemon", "moeepd")
+    tmp = tempfile.mkdtemp(prefix="moeep-pybuf-")
+    sock = os.path.join(tmp, "moeepd.sock")
+    daemon = subprocess.Popen([moeepd, "--socket", sock, "--foreground", "--no-config", "--log-level", "warning"])
+    try:
+        for _ in range(100):
+            if os.path.exists(sock):
+                break
+            time.sleep(0.05)
+        backend = "nccl" if dist.is_nccl_available() else "gloo"
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        mp.spawn(rank_main, args=(R, free_port(), sock, backend), nprocs=R, join=True)
+        return 0
+    except mp.ProcessExitedException as e:
+        print("FAIL: %s" % e)
+        return 1
+    finally:
+        daemon.terminate()
+        daemon.wait(10)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
