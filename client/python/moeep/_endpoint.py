@@ -43,8 +43,11 @@ def _create_message(text):
     return lines[-1][len("moeep: "):] if lines else ""
 
 
-class Endpoint:
+class Endpoint(_lib.Handle):
     """One rank's attachment to the job's NVLink buffers. Collective."""
+
+    _error_fn = "moeep_ep_error"
+    _gone = "the moeep endpoint was destroyed"
 
     def __init__(self, client, config):
         self.lib = client.lib
@@ -60,20 +63,6 @@ class Endpoint:
                                  "ll_max_tokens %d): %s" %
                              (config.max_tokens_per_rank, config.hidden, config.num_experts, config.max_topk,
                               config.ll_max_tokens, why))
-
-    @property
-    def ptr(self):
-        if not self._ptr:
-            raise MoeepError(9, "the moeep endpoint was destroyed")  # EBADF
-        return self._ptr
-
-    def error(self):
-        return _lib.decode(self.lib.moeep_ep_error(self._ptr)) if self._ptr else ""
-
-    def check(self, r, what):
-        if r < 0:
-            raise MoeepError(-r, "%s: %s" % (what, self.error() or os.strerror(-r)))
-        return r
 
     def buffer_bytes(self):
         return self.lib.moeep_ep_buffer_bytes(self.ptr)

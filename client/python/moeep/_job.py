@@ -14,8 +14,11 @@ from . import _lib
 from ._lib import MoeepError
 
 
-class Client:
+class Client(_lib.Handle):
     """One session with moeepd (struct moeep_client). Not thread-safe."""
+
+    _error_fn = "moeep_client_error"
+    _gone = "the moeepd connection is closed"
 
     def __init__(self, socket=None, library=None):
         self.lib = library or _lib.load_library()
@@ -32,21 +35,6 @@ class Client:
                 -r,
                 "cannot connect to moeepd at %s (%s): %s%s" % (self.socket, origin, os.strerror(-r), hint),
             )
-
-    @property
-    def ptr(self):
-        if not self._ptr:
-            raise MoeepError(_errno.EBADF, "the moeepd connection is closed")
-        return self._ptr
-
-    def error(self):
-        return _lib.decode(self.lib.moeep_client_error(self._ptr)) if self._ptr else ""
-
-    def check(self, r, what):
-        """Raises MoeepError for r < 0 with the handle's error text."""
-        if r < 0:
-            raise MoeepError(-r, "%s: %s" % (what, self.error() or os.strerror(-r)))
-        return r
 
     def create_job(self, name, world_size):
         """moeep_job_create: returns the 128-byte unique id (never log it)."""

@@ -329,3 +329,26 @@ def resolve_socket(socket=None):
 
 def decode(msg):
     return msg.decode("utf-8", "replace") if msg else ""
+
+
+class Handle:
+    """A libmoeep object behind a pointer (_ptr), with its last error text
+    (the function named by _error_fn) and a checker for return values."""
+
+    _error_fn = None
+    _gone = "the object is closed"
+
+    @property
+    def ptr(self):
+        if not self._ptr:
+            raise MoeepError(_errno.EBADF, self._gone)
+        return self._ptr
+
+    def error(self):
+        return decode(getattr(self.lib, self._error_fn)(self._ptr)) if self._ptr else ""
+
+    def check(self, r, what):
+        """Raises MoeepError for r < 0 with the object's error text."""
+        if r < 0:
+            raise MoeepError(-r, "%s: %s" % (what, self.error() or os.strerror(-r)))
+        return r

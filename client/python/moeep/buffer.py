@@ -8,7 +8,6 @@ semantics and where they differ from DeepEP (output lifetimes, sizing).
 import collections
 import ctypes
 import errno as _errno
-import os
 import sys
 import weakref
 
