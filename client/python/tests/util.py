@@ -25,7 +25,7 @@ class Daemon:
         self.dir = tempfile.mkdtemp(prefix="moeep-py-")
         self.socket = os.path.join(self.dir, "moeepd.sock")
         self.log = open(os.path.join(self.dir, "moeepd.log"), "w+")
-        self.proc = subprocess.Popen([path, "--socket", self.socket, "--foreground", "--no-config",
+        self.proc = subprocess.Popen([path, "--socket", self.socket, "--foreground",
                                       "--log-level", "info"], stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 10
         while True:
