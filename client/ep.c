@@ -8,6 +8,7 @@
 #include <sys/queue.h>
 #include <unistd.h>
 
+#include "client-internal.h"
 #include "cumem.h"
 #include "ep-internal.h"
 #include "kernels.h"
@@ -280,8 +281,9 @@ int moeep_ep_create(struct moeep_client *client, const struct moeep_ep_config *c
         *ret_ep = ep;
         return 0;
 fail:
-        /* The error text dies with the endpoint; leave it on stderr once. */
-        fprintf(stderr, "moeep: rank %d: %s\n", rank, ep->error);
+        /* The endpoint and its error text go away: the reason stays on the
+         * client handle (moeep_client_error()). */
+        moeep_client_error_set(client, r, "rank %d: %s", rank, ep->error);
         ep_free(ep);
         return r;
 }

@@ -57,7 +57,8 @@ struct moeep_ep_config {
 };
 
 /* Attaches to the job `client` joined (collective over the job's ranks) on
- * the current CUDA device. */
+ * the current CUDA device. On failure the reason is the client's error text
+ * (moeep_client_error()). */
 int moeep_ep_create(struct moeep_client *client, const struct moeep_ep_config *config,
                     struct moeep_ep **ret_ep);
 
