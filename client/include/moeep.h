@@ -121,7 +121,8 @@ const volatile struct moeep_control_page *moeep_job_control_page(const struct mo
 int moeep_region_register(struct moeep_client *client, int fd, enum moeep_region_kind kind,
                           uint64_t size, uint32_t tag, uint64_t *ret_region_id);
 
-/* Releases a region registered by this client. -ENOENT when it is not ours. */
+/* Releases a region registered by this client. -EINVAL when no region of
+ * this session has that id. */
 int moeep_region_release(struct moeep_client *client, uint64_t region_id);
 
 /* Fetches the regions of `rank` (or of every other rank when rank == -1)

@@ -724,14 +724,10 @@ static int attack_caps(void) {
                 CHECK(raw_response(&raw) == NULL, "the refused session stays open");
         }
         raw_close(&raw);
-        /* libmoeep sends Hello before it reads: when the daemon already
-         * refused and closed, the send fails and the queued Error is never
-         * read, so the caller sees -ECONNRESET rather than -EUSERS (a known
-         * gap of client.c, docs/reliability.md). Either way it is refused. */
+        /* Through libmoeep the refusal is typed too: whether its Hello went
+         * out before the daemon closed or not, it reads the queued Error. */
         r = moeep_connect(sock_path, &extra);
-        CHECK(r == -EUSERS || r == -ECONNRESET, "moeep_connect over max_sessions_per_uid: %d", r);
-        if (r == -ECONNRESET)
-                say("note: moeep_connect over the session cap returned -ECONNRESET, not -EUSERS");
+        CHECK(r == -EUSERS, "moeep_connect over max_sessions_per_uid: %d, want -EUSERS", r);
         moeep_client_free(extra);
         for (int i = 3; i < CAP_SESSIONS_PER_UID; i++) {
                 moeep_client_free(c[i]);
