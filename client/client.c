@@ -227,12 +227,24 @@ static int client_queue_event(struct moeep_client *c) {
 
 /* Receives one record into c->rec. Events are queued at once (returns 0);
  * a Response is left in c->rec (returns 1). */
+/* Receives one record. When the daemon closed a session whose receive
+ * queue still held our request, the kernel reports ECONNRESET once before
+ * the records the daemon queued ahead of its close (such as the Error that
+ * says why): so after a reset, look once more. */
+static int client_recv_record(struct moeep_client *c, const char **ret_why) {
+        int r = moeep_record_recv(c->sock, c->rec, ret_why);
+
+        if (r == -ECONNRESET)
+                r = moeep_record_recv(c->sock, c->rec, ret_why);
+        return r;
+}
+
 static int client_recv_one(struct moeep_client *c) {
         const char *why = NULL;
         int r;
 
         moeep_record_release(c->rec);
-        r = moeep_record_recv(c->sock, c->rec, &why);
+        r = client_recv_record(c, &why);
         if (r == -ECONNRESET)
                 return client_fail(c, -ECONNRESET, CLOSED_TEXT);
         if (r == -EAGAIN)
@@ -273,7 +285,7 @@ static int client_closed(struct moeep_client *c) {
         Moeep__V1__Response *resp = NULL;
         int r = 0;
 
-        if (moeep_record_recv(c->sock, c->rec, NULL) == 0 && c->rec->hdr.request_id == 0 &&
+        if (client_recv_record(c, NULL) == 0 && c->rec->hdr.request_id == 0 &&
             (resp = moeep_record_decode_response(c->rec)) && resp->body_case == MOEEP__V1__RESPONSE__BODY_ERROR)
                 r = client_break(c, client_error_from_response(c, resp->error));
         if (resp)
