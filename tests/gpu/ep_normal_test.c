@@ -20,6 +20,7 @@
 #include <cuda_runtime_api.h>
 
 #include "harness.h"
+#include "suite.h"
 #include "moeep_ep.h"
 #include "ref.h"
 
@@ -54,15 +55,7 @@ static const struct tcase cases[] = {
 };
 #define NCASES (int)(sizeof(cases) / sizeof(cases[0]))
 
-struct shared {
-        int result[NCASES][MOEEP_MAX_RANKS]; /* 0 pass, 1 fail, -1 not run */
-        char msg[NCASES][MOEEP_MAX_RANKS][200];
-};
 
-struct params {
-        uint64_t seed;
-        const char *only;
-};
 
 /* One rank's inputs, regenerated identically by every rank. */
 struct input {
@@ -711,87 +704,18 @@ out:
         return rc;
 }
 
-static int rank_fn(struct moeep_client *c, int rank, int ranks, void *shared, void *arg) {
-        struct shared *sh = shared;
-        const struct params *p = arg;
-        int failed = 0;
-
-        for (int ci = 0; ci < NCASES; ci++) {
-                if (p->only && strcmp(p->only, cases[ci].name))
-                        continue;
-                int r = run_case(c, rank, ranks, ci, p->seed, sh->msg[ci][rank]);
-                sh->result[ci][rank] = r ? 1 : 0;
-                failed |= r != 0;
-        }
-        return failed;
+static const char *case_name(int ci) {
+        return cases[ci].name;
 }
 
 int main(int argc, char **argv) {
-        const char *ranks_list = "1,2,4", *moeepd = NULL;
-        struct params p = { 0 };
-        struct harness h;
-        int ngpu, passed = 0, failed = 0, opt;
-        bool have_seed = false;
-        static const struct option lo[] = {
-                { "ranks", required_argument, NULL, 'r' }, { "seed", required_argument, NULL, 's' },
-                { "case", required_argument, NULL, 'c' },  { "moeepd", required_argument, NULL, 'd' },
-                { NULL, 0, NULL, 0 },
+        static const struct suite suite = {
+                .name = "ep_normal_test",
+                .default_ranks = "1,2,4",
+                .ncases = NCASES,
+                .case_name = case_name,
+                .run_case = run_case,
         };
 
-        while ((opt = getopt_long(argc, argv, "", lo, NULL)) != -1) {
-                switch (opt) {
-                case 'r': ranks_list = optarg; break;
-                case 's': p.seed = strtoull(optarg, NULL, 0); have_seed = true; break;
-                case 'c': p.only = optarg; break;
-                case 'd': moeepd = optarg; break;
-                default:
-                        fprintf(stderr, "usage: %s [--ranks 1,2,4] [--seed N] [--case NAME] [--moeepd PATH]\n", argv[0]);
-                        return 2;
-                }
-        }
-        ngpu = harness_gpu_count();
-        if (ngpu < 1) {
-                printf("SKIP: no CUDA device\n");
-                return 77;
-        }
-        if (!have_seed && getrandom(&p.seed, sizeof(p.seed), 0) != sizeof(p.seed))
-                p.seed = 0x5eed;
-        printf("ep_normal_test: seed 0x%" PRIx64 ", %d GPUs\n", p.seed, ngpu);
-        if (harness_init(&h, moeepd, NULL, sizeof(struct shared)) < 0)
-                return 1;
-
-        for (const char *q = ranks_list; *q;) {
-                int R = (int)strtol(q, (char **)&q, 10);
-                struct shared *sh = h.shared;
-                while (*q == ',')
-                        q++;
-                if (R < 1 || R > ngpu) {
-                        printf("SKIP ranks=%d: %d GPUs here\n", R, ngpu);
-                        continue;
-                }
-                memset(sh, 0xff, sizeof(*sh));
-                memset(sh->msg, 0, sizeof(sh->msg));
-                int lost = harness_run(&h, R, "ep-normal-test", rank_fn, &p, 600);
-                for (int ci = 0; ci < NCASES; ci++) {
-                        int bad = 0, ran = 0;
-                        if (p.only && strcmp(p.only, cases[ci].name))
-                                continue;
-                        for (int r = 0; r < R; r++) {
-                                ran += sh->result[ci][r] >= 0;
-                                if (sh->result[ci][r] != 0) {
-                                        bad = 1;
-                                        printf("  rank %d: %s\n", r, sh->result[ci][r] < 0 ? "did not run" : sh->msg[ci][r]);
-                                }
-                        }
-                        printf("%s ranks=%d %s\n", bad ? "FAIL" : "ok  ", R, cases[ci].name);
-                        bad ? failed++ : passed++;
-                        (void)ran;
-                }
-                if (lost)
-                        printf("  (%d rank processes failed)\n", lost);
-                fflush(stdout);
-        }
-        harness_fini(&h);
-        printf("%d passed, %d failed\n", passed, failed);
-        return failed ? 1 : 0;
+        return suite_main(&suite, argc, argv);
 }

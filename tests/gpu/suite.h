@@ -1,0 +1,27 @@
+/* The driver shared by the GPU test programs: options, the skip without a
+ * GPU, one job per rank count with one process per rank (harness.h), and
+ * the per-case result table ending in "N passed, N failed". */
+#ifndef MOEEP_TEST_SUITE_H
+#define MOEEP_TEST_SUITE_H
+
+#include <stdint.h>
+
+#include "moeep.h"
+
+#define SUITE_MAX_CASES 32
+
+struct suite {
+        const char *name;          /* program name, for messages and the job name */
+        const char *default_ranks; /* --ranks default, e.g. "1,2,4" */
+        int ncases;                /* at most SUITE_MAX_CASES */
+        const char *(*case_name)(int ci);
+        /* Runs case ci on rank `me` of R (every rank runs the same cases in
+         * the same order); 0 on success, else -1 with `msg` (200 bytes) set. */
+        int (*run_case)(struct moeep_client *c, int me, int R, int ci, uint64_t seed, char *msg);
+};
+
+/* Usage: PROGRAM [--ranks LIST] [--seed N] [--case NAME] [--moeepd PATH].
+ * Exits 77 (meson: skipped) without a GPU; 0 when every case passed. */
+int suite_main(const struct suite *s, int argc, char **argv);
+
+#endif
