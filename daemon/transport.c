@@ -1,0 +1,51 @@
+/* Transports: backend lookup and the helpers every backend shares; see
+ * transport.h. */
+#include <errno.h>
+#include <string.h>
+
+#include "log.h"
+#include "transport.h"
+
+const char *tp_mem_kind_to_string(enum tp_mem_kind k) {
+        switch (k) {
+        case TP_MEM_HOST:
+                return "host";
+        case TP_MEM_MEMFD:
+                return "memfd";
+        case TP_MEM_DMABUF:
+                return "dma-buf";
+        }
+        return "unknown";
+}
+
+const struct tp_ops *tp_ops_find(const char *name) {
+        static const struct tp_ops *const all[] = { &tp_fabric_ops, &tp_verbs_ops, &tp_loop_ops };
+
+        for (size_t i = 0; name && i < sizeof(all) / sizeof(all[0]); i++)
+                if (strcmp(all[i]->name, name) == 0)
+                        return all[i];
+        return NULL;
+}
+
+int transport_open(const struct tp_config *cfg, struct transport *ret, char *errmsg) {
+        const struct tp_ops *ops = tp_ops_find(cfg->backend);
+        struct tp *tp;
+        int r;
+
+        if (!ops)
+                return errmsg_set(errmsg, -ENOENT, "transport '%s': unknown (need fabric, verbs or loop)",
+                                  cfg->backend ? cfg->backend : "(null)");
+        r = ops->open(cfg, &tp, errmsg);
+        if (r < 0)
+                return r;
+        ret->ops = ops;
+        ret->tp = tp;
+        return 0;
+}
+
+void transport_close(struct transport *t) {
+        if (t->ops && t->tp)
+                t->ops->close(t->tp);
+        t->ops = NULL;
+        t->tp = NULL;
+}

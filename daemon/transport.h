@@ -1,0 +1,163 @@
+/* Transports: the one small interface through which the proxy threads
+ * (proxy.c) move bytes to other nodes. Three backends implement it:
+ * tp-fabric.c (libfabric: efa, verbs, tcp), tp-verbs.c (libibverbs RC) and
+ * tp-loop.c (same-process memcpy that completes at once; used to measure the
+ * proxy alone and to test it without a network).
+ *
+ * Threads: open, close, memory registration and the peer calls may run on
+ * the event loop thread while one proxy thread calls write and poll; a
+ * backend makes that safe (libfabric FI_THREAD_SAFE, verbs is thread safe,
+ * tp-loop has no shared state). write and poll themselves are called by one
+ * thread at a time.
+ *
+ * Errors: 0 or -errno; the calls that take an `errmsg` (ERRMSG_MAX bytes, may
+ * be NULL) fill it with a message naming the object (device, provider,
+ * region, peer) and do not log. */
+#ifndef MOEEPD_TRANSPORT_H
+#define MOEEPD_TRANSPORT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+struct tp;    /* one opened device/provider; backend-defined */
+struct tp_mr; /* one registered memory region; backend-defined */
+
+/* Largest address blob a backend exchanges out of band (tp_ops.peer_new). */
+#define TP_ADDR_MAX 256
+
+/* What to open. Strings are borrowed for the duration of open. */
+struct tp_config {
+        const char *backend;  /* "fabric", "verbs" or "loop" */
+        const char *provider; /* fabric: libfabric provider ("efa", "verbs", "tcp"); others: unused */
+        const char *device;   /* fabric: domain (e.g. "lo"), verbs: device (e.g. "mlx5_0"); NULL or "" = first */
+        const char *node;     /* fabric: local address to bind (e.g. "127.0.0.1"); NULL = provider's choice */
+        uint32_t gid_index;   /* verbs: GID table index of the port (RoCE); unused by the others */
+        uint32_t port;        /* verbs: port number (1-based); 0 = 1 */
+        uint32_t queue_depth; /* writes in flight at once; 0 = 1024 */
+};
+
+/* Where registered memory comes from. */
+enum tp_mem_kind {
+        TP_MEM_HOST,   /* a host pointer the caller keeps mapped (addr, length) */
+        TP_MEM_MEMFD,  /* host memory behind a memfd: the backend maps it (fd, offset, length) */
+        TP_MEM_DMABUF, /* device memory exported as a dma-buf (fd, offset, length): GPU memory */
+};
+const char *tp_mem_kind_to_string(enum tp_mem_kind k);
+
+struct tp_mem {
+        enum tp_mem_kind kind;
+        void *addr;      /* TP_MEM_HOST only */
+        int fd;          /* TP_MEM_MEMFD, TP_MEM_DMABUF: borrowed; the backend dups what it keeps */
+        uint64_t offset; /* into the fd */
+        uint64_t length; /* bytes; > 0 */
+        const char *name; /* for messages, e.g. "job 3 rank 1 send region"; borrowed */
+};
+
+/* What a remote side needs to write into a region: sent out of band, next to
+ * the address blob. `base` is what offset 0 of the region is called on the
+ * wire (a virtual address or 0, per backend); the writer adds its offset. */
+struct tp_rkey {
+        uint64_t base;
+        uint64_t key;
+        uint64_t length;
+};
+
+/* Flags of tp_ops.write. */
+enum {
+        /* Place this write after every earlier write to the same peer: the
+         * proxy's counter writes rely on it (see proxy.h, "Ordering"). */
+        TP_WRITE_ORDERED = 1u << 0,
+        /* Carry `imm` to the peer as remote CQ data / immediate: the target
+         * sees a completion (fi_writedata, IBV_WR_RDMA_WRITE_WITH_IMM). */
+        TP_WRITE_IMM = 1u << 1,
+};
+
+/* One completion from tp_ops.poll. */
+struct tp_completion {
+        uint64_t cookie; /* what write was given; for a remote TP_WRITE_IMM, the imm */
+        int status;      /* 0 or -errno (e.g. -ECONNRESET when the peer went away) */
+        int remote;      /* 1 when this is the target side of a TP_WRITE_IMM */
+        uint32_t peer;   /* the peer of the write (for remote, UINT32_MAX when unknown) */
+};
+
+struct tp_ops {
+        /* Backend name, as in tp_config.backend. */
+        const char *name;
+
+        /* Opens the device/provider named by `cfg` and creates what every
+         * peer shares (fabric: fabric, domain, CQ, AV, endpoint; verbs:
+         * context, PD, CQ). On success *ret is owned by the caller and freed
+         * with close. -ENODEV when no such device/provider exists. */
+        int (*open)(const struct tp_config *cfg, struct tp **ret, char *errmsg);
+
+        /* Frees everything open created, every peer and every region left.
+         * In-flight writes are dropped. Accepts NULL. */
+        void (*close)(struct tp *tp);
+
+        /* Registers memory for local reads (source of writes) and remote
+         * writes (target). On success *ret lives until mr_free or close.
+         * -EOPNOTSUPP when the backend cannot register that kind (e.g.
+         * TP_MEM_DMABUF on tcp). */
+        int (*mr_new)(struct tp *tp, const struct tp_mem *mem, struct tp_mr **ret, char *errmsg);
+
+        /* Deregisters; the caller has no write in flight that uses it.
+         * Accepts NULL. */
+        void (*mr_free)(struct tp *tp, struct tp_mr *mr);
+
+        /* Fills what a peer needs to write into `mr`. */
+        void (*mr_rkey)(const struct tp_mr *mr, struct tp_rkey *ret);
+
+        /* Host address of offset 0 of `mr` when the region is host memory
+         * (TP_MEM_HOST, TP_MEM_MEMFD), NULL for device memory. */
+        void *(*mr_addr)(const struct tp_mr *mr);
+
+        /* Creates the local half of a connection to one more peer and writes
+         * its address blob (at most TP_ADDR_MAX bytes) for the peer to
+         * receive out of band. *ret_peer is the small index every other call
+         * names the peer by. fabric: the endpoint name (the same for every
+         * peer); verbs: an RC QP's (lid, qpn, psn, gid). */
+        int (*peer_new)(struct tp *tp, uint32_t *ret_peer, void *ret_blob, size_t *ret_len, char *errmsg);
+
+        /* Completes the connection with the peer's blob (from its peer_new).
+         * fabric: inserts the address into the AV; verbs: moves the QP
+         * through INIT, RTR to RTS. After it, write may target the peer. */
+        int (*peer_connect)(struct tp *tp, uint32_t peer, const void *blob, size_t len, char *errmsg);
+
+        /* Posts one RDMA write of `len` bytes from `src` at `src_off` to the
+         * peer's region `dst` at `dst_off`. `cookie` comes back in exactly
+         * one completion. Returns 0, -EAGAIN when the queue is full (poll,
+         * then retry), -EINVAL for a range outside a region, -ENOTCONN for a
+         * peer not connected, or another -errno. No errmsg: this is the hot
+         * path; the proxy names the descriptor. */
+        int (*write)(struct tp *tp, uint32_t peer, struct tp_mr *src, uint64_t src_off, const struct tp_rkey *dst,
+                     uint64_t dst_off, uint64_t len, uint64_t cookie, uint64_t imm, unsigned flags);
+
+        /* Makes progress (both as initiator and as target: libfabric tcp
+         * moves target-side data only while the target polls) and returns up
+         * to `max` completions in `out`: their number, 0, or -errno when the
+         * queue itself failed. */
+        int (*poll)(struct tp *tp, struct tp_completion *out, int max);
+};
+
+extern const struct tp_ops tp_fabric_ops;
+extern const struct tp_ops tp_verbs_ops;
+extern const struct tp_ops tp_loop_ops;
+
+/* The backend named `name` ("fabric", "verbs", "loop"), or NULL. */
+const struct tp_ops *tp_ops_find(const char *name);
+
+/* A transport instance as the rest of the daemon holds it: the vtable and
+ * the object it opened. */
+struct transport {
+        const struct tp_ops *ops; /* static */
+        struct tp *tp;            /* owns */
+};
+
+/* Opens cfg->backend. Returns 0, -ENOENT for an unknown backend, or what the
+ * backend's open returned. */
+int transport_open(const struct tp_config *cfg, struct transport *ret, char *errmsg);
+
+/* Closes and zeroes `t`. Accepts a zeroed struct. */
+void transport_close(struct transport *t);
+
+#endif
