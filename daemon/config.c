@@ -27,10 +27,16 @@ static const char default_config[] = "socket = " MOEEP_DEFAULT_SOCKET "\n"
                                      "max_regions_per_session = 8\n"
                                      "max_region_bytes_per_uid = 1T\n"
                                      "max_fds_per_uid = 512\n"
-                                     "metrics_listen =\n";
+                                     "metrics_listen =\n"
+                                     "transport = fabric\n"
+                                     "fabric_provider = efa\n"
+                                     "transport_device =\n"
+                                     "verbs_gid_index = 0\n";
 
 enum key_type {
         KEY_PATH,
+        KEY_TRANSPORT, /* a transport backend name */
+        KEY_NAME,      /* a provider or device name, or empty */
         KEY_MODE,
         KEY_GROUP,
         KEY_LEVEL,
@@ -62,6 +68,11 @@ static const struct key {
           UINT64_MAX, true },
         { "max_fds_per_uid", KEY_U32, offsetof(struct config, max_fds_per_uid), 1, 65536, true },
         { "metrics_listen", KEY_LISTEN, offsetof(struct config, metrics_listen), 0, 0, false },
+        /* Transports (transport.h) are opened once at start-up. */
+        { "transport", KEY_TRANSPORT, offsetof(struct config, transport), 0, 0, false },
+        { "fabric_provider", KEY_NAME, offsetof(struct config, fabric_provider), 1, 0, false },
+        { "transport_device", KEY_NAME, offsetof(struct config, transport_device), 0, 0, false },
+        { "verbs_gid_index", KEY_U32, offsetof(struct config, verbs_gid_index), 0, 255, false },
 };
 
 static const struct key *key_find(const char *name) {
@@ -188,6 +199,21 @@ int config_set(struct config *c, const char *name, const char *value, char *errm
                 return set_string(field, value) < 0 ? errmsg_set(errmsg, -ENOMEM, "%s: out of memory", name)
                                                     : 0;
         }
+        case KEY_TRANSPORT:
+                if (strcmp(value, "fabric") != 0 && strcmp(value, "verbs") != 0)
+                        return errmsg_set(errmsg, -EINVAL, "%s '%s': need fabric or verbs", name, value);
+                return set_string(field, value) < 0 ? errmsg_set(errmsg, -ENOMEM, "%s: out of memory", name)
+                                                    : 0;
+        case KEY_NAME:
+                /* min = 1: the name may not be empty. */
+                if ((k->min && !value[0]) || strlen(value) > 63 ||
+                    strspn(value, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.;:") !=
+                            strlen(value))
+                        return errmsg_set(errmsg, -EINVAL,
+                                          "%s '%s': need %s letters, digits and _ - . ; :", name, value,
+                                          k->min ? "1 to 63" : "up to 63");
+                return set_string(field, value) < 0 ? errmsg_set(errmsg, -ENOMEM, "%s: out of memory", name)
+                                                    : 0;
         case KEY_GROUP:
                 if (strlen(value) > 64 || strpbrk(value, ": \t"))
                         return errmsg_set(errmsg, -EINVAL, "%s '%s': not a group name", name, value);
@@ -299,6 +325,8 @@ int config_write(const struct config *c, FILE *f) {
                 fprintf(f, "%s =", k->name);
                 switch (k->type) {
                 case KEY_PATH:
+                case KEY_TRANSPORT:
+                case KEY_NAME:
                 case KEY_GROUP:
                 case KEY_LISTEN:
                         if (**(char *const *)field)
@@ -347,7 +375,11 @@ void config_done(struct config *c) {
         free(c->socket_group);
         free(c->admin_group);
         free(c->metrics_listen);
+        free(c->transport);
+        free(c->fabric_provider);
+        free(c->transport_device);
         c->socket = c->socket_group = c->admin_group = c->metrics_listen = NULL;
+        c->transport = c->fabric_provider = c->transport_device = NULL;
 }
 
 int config_apply_reloadable(struct config *to, const struct config *from) {

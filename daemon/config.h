@@ -22,6 +22,10 @@ struct config {
         uint64_t max_region_bytes_per_uid; /* sum of registered region sizes of one uid */
         uint32_t max_fds_per_uid;          /* region descriptors the daemon holds for one uid */
         char *metrics_listen;              /* owns; "HOST:PORT" of the HTTP metrics listener, "" = off */
+        char *transport;                   /* owns; internode backend: "fabric" or "verbs" (transport.h) */
+        char *fabric_provider;             /* owns; libfabric provider: "efa", "verbs", "tcp" (tests) */
+        char *transport_device;            /* owns; fabric domain or verbs device, "" = the first */
+        uint32_t verbs_gid_index;          /* GID table index for verbs RC (RoCE) */
 };
 
 /* Room for the host part of a listen address (an IPv6 literal at most). */
