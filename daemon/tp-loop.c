@@ -30,7 +30,7 @@ static int loop_open(const struct tp_config *cfg, struct tp **ret, char *errmsg)
         struct tp *tp = calloc(1, sizeof(*tp));
         uint32_t depth = 1;
 
-        while (depth < (cfg->queue_depth ? cfg->queue_depth : 1024))
+        while (depth < (cfg->queue_depth ? cfg->queue_depth : 8192))
                 depth <<= 1;
         if (!tp || !(tp->cq = calloc(depth, sizeof(*tp->cq)))) {
                 free(tp);
