@@ -385,16 +385,25 @@ static int retry_signals(struct proxy *p) {
         return (int)(n - kept);
 }
 
+/* The loop thread's record of ring ids in use; called with p->lock held. */
+static struct ring_id *ring_id_find(struct proxy *p, uint64_t id) {
+        struct ring_id *it;
+
+        TAILQ_FOREACH(it, &p->ids, entry)
+                if (it->id == id)
+                        return it;
+        return NULL;
+}
+
 static void ring_drop(struct proxy *p, struct ring *ring) {
         struct ring_id *rid;
 
         pthread_mutex_lock(&p->lock);
-        TAILQ_FOREACH(rid, &p->ids, entry)
-                if (rid->id == ring->id) {
-                        TAILQ_REMOVE(&p->ids, rid, entry);
-                        free(rid);
-                        break;
-                }
+        rid = ring_id_find(p, ring->id);
+        if (rid) {
+                TAILQ_REMOVE(&p->ids, rid, entry);
+                free(rid);
+        }
         pthread_mutex_unlock(&p->lock);
         munmap(ring->hdr, ring->map_len);
         free(ring->finished);
@@ -551,6 +560,20 @@ static void *proxy_main(void *arg) {
         return NULL;
 }
 
+/* Frees what proxy_new allocated besides the thread, the staging
+ * registration and the queues; then `p` itself. */
+static void proxy_arrays_free(struct proxy *p) {
+        free(p->slots);
+        free(p->free_slots);
+        free(p->retry);
+        free(p->peer_error);
+        free(p->staging);
+        if (p->event_fd >= 0)
+                close(p->event_fd);
+        pthread_mutex_destroy(&p->lock);
+        free(p);
+}
+
 int proxy_new(const struct transport *t, const struct proxy_params *params, const char *name, struct proxy **ret,
               char *errmsg) {
         struct tp_mem mem = { .kind = TP_MEM_HOST };
@@ -582,7 +605,7 @@ int proxy_new(const struct transport *t, const struct proxy_params *params, cons
         p->event_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
         if (p->event_fd < 0) {
                 r = errmsg_set(errmsg, -errno, "proxy %s: eventfd: %s", name, strerror(errno));
-                goto err_p;
+                goto err_arrays;
         }
         p->slots = calloc(p->params.max_inflight, sizeof(*p->slots));
         p->free_slots = calloc(p->params.max_inflight, sizeof(*p->free_slots));
@@ -614,15 +637,7 @@ int proxy_new(const struct transport *t, const struct proxy_params *params, cons
 err_mr:
         p->ops->mr_free(p->tp, p->staging_mr);
 err_arrays:
-        free(p->slots);
-        free(p->free_slots);
-        free(p->retry);
-        free(p->peer_error);
-        free(p->staging);
-        close(p->event_fd);
-err_p:
-        pthread_mutex_destroy(&p->lock);
-        free(p);
+        proxy_arrays_free(p);
         return r;
 }
 
@@ -655,14 +670,7 @@ void proxy_free(struct proxy *p) {
                 free(rid);
         }
         p->ops->mr_free(p->tp, p->staging_mr);
-        free(p->slots);
-        free(p->free_slots);
-        free(p->retry);
-        free(p->peer_error);
-        free(p->staging);
-        close(p->event_fd);
-        pthread_mutex_destroy(&p->lock);
-        free(p);
+        proxy_arrays_free(p);
 }
 
 static void cmd_push(struct proxy *p, struct cmd *c) {
@@ -675,7 +683,7 @@ static void cmd_push(struct proxy *p, struct cmd *c) {
 int proxy_ring_add(struct proxy *p, uint64_t ring_id, int ring_fd, struct tp_mr *src,
                    const struct proxy_route *routes, uint32_t nroutes, char *errmsg) {
         struct ring *ring = NULL;
-        struct ring_id *rid, *it;
+        struct ring_id *rid;
         struct cmd *c = NULL;
         struct stat st;
         uint32_t cap;
@@ -736,10 +744,7 @@ int proxy_ring_add(struct proxy *p, uint64_t ring_id, int ring_fd, struct tp_mr 
                 memcpy(ring->routes, routes, nroutes * sizeof(*routes));
         rid->id = ring_id;
         pthread_mutex_lock(&p->lock);
-        TAILQ_FOREACH(it, &p->ids, entry)
-                if (it->id == ring_id)
-                        break;
-        if (it) {
+        if (ring_id_find(p, ring_id)) {
                 pthread_mutex_unlock(&p->lock);
                 r = errmsg_set(errmsg, -EEXIST, "proxy %s: ring %" PRIu64 ": already added", p->name, ring_id);
                 goto err_arrays;
@@ -764,17 +769,15 @@ err_alloc:
 }
 
 int proxy_ring_remove(struct proxy *p, uint64_t ring_id) {
-        struct ring_id *it;
         struct cmd *c;
+        bool known;
 
         if (!p)
                 return -EINVAL;
         pthread_mutex_lock(&p->lock);
-        TAILQ_FOREACH(it, &p->ids, entry)
-                if (it->id == ring_id)
-                        break;
+        known = ring_id_find(p, ring_id) != NULL;
         pthread_mutex_unlock(&p->lock);
-        if (!it)
+        if (!known)
                 return -ENOENT;
         c = calloc(1, sizeof(*c));
         if (!c)

@@ -45,6 +45,7 @@ struct tp_mr {
 
 struct tp {
         char prov[64];          /* provider name, for messages */
+        char who[96];           /* "transport fabric 'PROV'", for messages */
         struct fi_info *info;   /* owns */
         struct fid_fabric *fabric; /* owns */
         struct fid_domain *domain; /* owns */
@@ -73,6 +74,7 @@ static int fabric_open(const struct tp_config *cfg, struct tp **ret, char *errms
                 goto err_tp;
         }
         snprintf(tp->prov, sizeof(tp->prov), "%s", prov);
+        snprintf(tp->who, sizeof(tp->who), "transport fabric '%s'", tp->prov);
         hints = fi_allocinfo();
         if (!hints) {
                 r = errmsg_set(errmsg, -ENOMEM, "transport fabric: out of memory");
@@ -188,27 +190,15 @@ static int fabric_mr_new(struct tp *tp, const struct tp_mem *mem, struct tp_mr *
         struct tp_mr *mr;
         int r;
 
-        if (mem->length == 0)
-                return errmsg_set(errmsg, -EINVAL, "transport fabric '%s': %s: empty", tp->prov, name);
         mr = calloc(1, sizeof(*mr));
         if (!mr)
                 return errmsg_set(errmsg, -ENOMEM, "transport fabric '%s': %s: out of memory", tp->prov, name);
         mr->length = mem->length;
-        switch (mem->kind) {
-        case TP_MEM_HOST:
-                mr->addr = mem->addr;
-                break;
-        case TP_MEM_MEMFD:
-                mr->map = mmap(NULL, mem->length, PROT_READ | PROT_WRITE, MAP_SHARED, mem->fd, (off_t)mem->offset);
-                if (mr->map == MAP_FAILED) {
-                        r = errmsg_set(errmsg, -errno, "transport fabric '%s': %s: mmap of fd %d: %s", tp->prov,
-                                       name, mem->fd, strerror(errno));
-                        goto err_mr;
-                }
-                mr->map_len = mem->length;
-                mr->addr = mr->map;
-                break;
-        case TP_MEM_DMABUF:
+        mr->map_len = mem->length;
+        r = tp_mem_map(mem, tp->who, &mr->addr, &mr->map, errmsg);
+        if (r < 0)
+                goto err_mr;
+        if (mem->kind == TP_MEM_DMABUF) {
 #ifdef FI_MR_DMABUF
                 {
                         struct fi_mr_dmabuf dmabuf = { .fd = mem->fd, .offset = mem->offset, .len = mem->length };
@@ -224,7 +214,6 @@ static int fabric_mr_new(struct tp *tp, const struct tp_mem *mem, struct tp_mr *
                                                name, mem->fd, fi_strerror(-r));
                                 goto err_mr;
                         }
-                        break;
                 }
 #else
                 r = errmsg_set(errmsg, -EOPNOTSUPP,
@@ -313,8 +302,7 @@ static int fabric_write(struct tp *tp, uint32_t peer, struct tp_mr *src, uint64_
 
         if (peer >= tp->npeers || tp->peers[peer] == FI_ADDR_NOTAVAIL)
                 return -ENOTCONN;
-        if (src_off > src->length || len > src->length - src_off || dst_off > dst->length ||
-            len > dst->length - dst_off)
+        if (!tp_range_ok(src->length, src_off, dst->length, dst_off, len))
                 return -EINVAL;
         iov.iov_base = (char *)src->addr + src_off;
         iov.iov_len = len;

@@ -51,10 +51,9 @@ static void loop_close(struct tp *tp) {
 static int loop_mr_new(struct tp *tp, const struct tp_mem *mem, struct tp_mr **ret, char *errmsg) {
         const char *name = mem->name ? mem->name : "region";
         struct tp_mr *mr;
+        int r;
 
         (void)tp;
-        if (mem->length == 0)
-                return errmsg_set(errmsg, -EINVAL, "transport loop: %s: empty", name);
         if (mem->kind == TP_MEM_DMABUF)
                 return errmsg_set(errmsg, -EOPNOTSUPP, "transport loop: %s: cannot register dma-buf memory",
                                   name);
@@ -62,19 +61,11 @@ static int loop_mr_new(struct tp *tp, const struct tp_mem *mem, struct tp_mr **r
         if (!mr)
                 return errmsg_set(errmsg, -ENOMEM, "transport loop: %s: out of memory", name);
         mr->length = mem->length;
-        if (mem->kind == TP_MEM_MEMFD) {
-                mr->map = mmap(NULL, mem->length, PROT_READ | PROT_WRITE, MAP_SHARED, mem->fd, (off_t)mem->offset);
-                if (mr->map == MAP_FAILED) {
-                        int r = -errno;
-
-                        free(mr);
-                        return errmsg_set(errmsg, r, "transport loop: %s: mmap of fd %d: %s", name, mem->fd,
-                                          strerror(-r));
-                }
-                mr->map_len = mem->length;
-                mr->addr = mr->map;
-        } else {
-                mr->addr = mem->addr;
+        mr->map_len = mem->length;
+        r = tp_mem_map(mem, "transport loop", &mr->addr, &mr->map, errmsg);
+        if (r < 0) {
+                free(mr);
+                return r;
         }
         *ret = mr;
         return 0;
@@ -122,8 +113,7 @@ static int loop_write(struct tp *tp, uint32_t peer, struct tp_mr *src, uint64_t 
         (void)flags;
         if (peer >= tp->npeers)
                 return -ENOTCONN;
-        if (src_off > src->length || len > src->length - src_off || dst_off > dst->length ||
-            len > dst->length - dst_off)
+        if (!tp_range_ok(src->length, src_off, dst->length, dst_off, len))
                 return -EINVAL;
         if (tp->cq_tail - tp->cq_head >= tp->depth)
                 return -EAGAIN;

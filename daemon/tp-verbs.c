@@ -45,6 +45,7 @@ struct tp_mr {
 
 struct tp {
         char dev[64];
+        char who[96]; /* "transport verbs DEV", for messages */
         struct ibv_context *ctx; /* owns */
         struct ibv_pd *pd;       /* owns */
         struct ibv_cq *cq;       /* owns */
@@ -85,6 +86,7 @@ static int verbs_open(const struct tp_config *cfg, struct tp **ret, char *errmsg
                 goto err_list;
         }
         snprintf(tp->dev, sizeof(tp->dev), "%s", ibv_get_device_name(dev));
+        snprintf(tp->who, sizeof(tp->who), "transport verbs %s", tp->dev);
         tp->port = cfg->port ? (uint8_t)cfg->port : 1;
         tp->gid_index = cfg->gid_index;
         tp->depth = cfg->queue_depth ? cfg->queue_depth : 1024;
@@ -152,27 +154,15 @@ static int verbs_mr_new(struct tp *tp, const struct tp_mem *mem, struct tp_mr **
         struct tp_mr *mr;
         int r;
 
-        if (mem->length == 0)
-                return errmsg_set(errmsg, -EINVAL, "transport verbs %s: %s: empty", tp->dev, name);
         mr = calloc(1, sizeof(*mr));
         if (!mr)
                 return errmsg_set(errmsg, -ENOMEM, "transport verbs %s: %s: out of memory", tp->dev, name);
         mr->length = mem->length;
-        switch (mem->kind) {
-        case TP_MEM_HOST:
-                mr->addr = mem->addr;
-                break;
-        case TP_MEM_MEMFD:
-                mr->map = mmap(NULL, mem->length, PROT_READ | PROT_WRITE, MAP_SHARED, mem->fd, (off_t)mem->offset);
-                if (mr->map == MAP_FAILED) {
-                        r = errmsg_set(errmsg, -errno, "transport verbs %s: %s: mmap of fd %d: %s", tp->dev, name,
-                                       mem->fd, strerror(errno));
-                        goto err_mr;
-                }
-                mr->map_len = mem->length;
-                mr->addr = mr->map;
-                break;
-        case TP_MEM_DMABUF:
+        mr->map_len = mem->length;
+        r = tp_mem_map(mem, tp->who, &mr->addr, &mr->map, errmsg);
+        if (r < 0)
+                goto err_mr;
+        if (mem->kind == TP_MEM_DMABUF) {
                 /* iova 0: the wire address of offset 0 is 0. */
                 mr->mr = ibv_reg_dmabuf_mr(tp->pd, mem->offset, mem->length, 0, mem->fd, access);
                 if (!mr->mr) {
@@ -180,7 +170,6 @@ static int verbs_mr_new(struct tp *tp, const struct tp_mem *mem, struct tp_mr **
                                        tp->dev, name, mem->fd, strerror(errno));
                         goto err_mr;
                 }
-                break;
         }
         if (!mr->mr) {
                 mr->mr = ibv_reg_mr(tp->pd, mr->addr, mem->length, access);
@@ -325,8 +314,7 @@ static int verbs_write(struct tp *tp, uint32_t peer, struct tp_mr *src, uint64_t
 
         if (peer >= tp->npeers || !tp->connected[peer])
                 return -ENOTCONN;
-        if (src_off > src->length || len > src->length - src_off || dst_off > dst->length ||
-            len > dst->length - dst_off || len > UINT32_MAX)
+        if (!tp_range_ok(src->length, src_off, dst->length, dst_off, len) || len > UINT32_MAX)
                 return -EINVAL;
         sge.addr = (uint64_t)(uintptr_t)src->addr + src_off;
         sge.length = (uint32_t)len;

@@ -143,6 +143,19 @@ extern const struct tp_ops tp_fabric_ops;
 extern const struct tp_ops tp_verbs_ops;
 extern const struct tp_ops tp_loop_ops;
 
+/* For backends. Checks `mem` (not empty) and gives the host address of
+ * offset 0 in *ret_addr: mem->addr for TP_MEM_HOST, a new shared mapping of
+ * the memfd for TP_MEM_MEMFD (then also in *ret_map, which the backend owns
+ * and unmaps with munmap(map, mem->length)); NULL for TP_MEM_DMABUF.
+ * `who` names the transport in messages ("transport fabric 'tcp'"). */
+int tp_mem_map(const struct tp_mem *mem, const char *who, void **ret_addr, void **ret_map, char *errmsg);
+
+/* For backends: whether [src_off, src_off + len) fits in src_len bytes and
+ * [dst_off, dst_off + len) in dst_len, without overflow. */
+static inline int tp_range_ok(uint64_t src_len, uint64_t src_off, uint64_t dst_len, uint64_t dst_off, uint64_t len) {
+        return src_off <= src_len && len <= src_len - src_off && dst_off <= dst_len && len <= dst_len - dst_off;
+}
+
 /* The backend named `name` ("fabric", "verbs", "loop"), or NULL. */
 const struct tp_ops *tp_ops_find(const char *name);
 
