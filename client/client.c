@@ -7,6 +7,7 @@
  * handles in one process do not interact. */
 #include <errno.h>
 #include <fcntl.h>
+#include <inttypes.h>
 #include <poll.h>
 #include <stdarg.h>
 #include <stdbool.h>
@@ -430,7 +431,7 @@ static int client_hello(struct moeep_client *c, const char *client_name) {
         hello.major = MOEEP_PROTOCOL_MAJOR;
         hello.minor = MOEEP_PROTOCOL_MINOR;
         hello.features = MOEEP__V1__FEATURE__FEATURE_REGIONS | MOEEP__V1__FEATURE__FEATURE_CONTROL_PAGE |
-                         MOEEP__V1__FEATURE__FEATURE_OPERATOR;
+                         MOEEP__V1__FEATURE__FEATURE_OPERATOR | MOEEP__V1__FEATURE__FEATURE_MESH;
         hello.pid = (uint32_t)getpid();
         hello.client_name = (char *)(client_name ? client_name : "libmoeep/" MOEEP_VERSION);
         req.body_case = MOEEP__V1__REQUEST__BODY_HELLO;
@@ -751,6 +752,48 @@ int moeep_job_info(const struct moeep_client *c, uint64_t *ret_job_id, int *ret_
                 *ret_rank = c->rank;
         if (ret_world_size)
                 *ret_world_size = c->world_size;
+        return 0;
+}
+
+int moeep_job_ranks(struct moeep_client *c, uint32_t *ret_local, uint32_t *ret_remote) {
+        Moeep__V1__JobsList list = MOEEP__V1__JOBS_LIST__INIT;
+        Moeep__V1__Request req = MOEEP__V1__REQUEST__INIT;
+        Moeep__V1__Response *resp;
+        uint32_t local = 0, remote = 0;
+        bool found = false;
+        int r;
+
+        if (!c)
+                return -EINVAL;
+        r = client_require_job(c, "job ranks");
+        if (r < 0)
+                return r;
+        req.body_case = MOEEP__V1__REQUEST__BODY_JOBS_LIST;
+        req.jobs_list = &list;
+        r = moeep_client_call(c, &req, MOEEP__V1__RESPONSE__BODY_JOBS, NULL, 0, &resp);
+        if (r < 0)
+                return r;
+        for (size_t i = 0; i < resp->jobs->n_jobs && !found; i++) {
+                const Moeep__V1__JobInfo *ji = resp->jobs->jobs[i];
+
+                if (ji->job_id != c->job_id)
+                        continue;
+                found = true;
+                for (size_t k = 0; k < ji->n_joined_ranks; k++)
+                        if (ji->joined_ranks[k] < 32)
+                                local |= 1u << ji->joined_ranks[k];
+                for (size_t k = 0; k < ji->n_remote_ranks; k++)
+                        if (ji->remote_ranks[k] < 32)
+                                remote |= 1u << ji->remote_ranks[k];
+        }
+        moeep__v1__response__free_unpacked(resp, NULL);
+        if (!found)
+                return moeep_client_error_set(c, -ENOTCONN, "job ranks: the daemon lists no job %" PRIu64,
+                                              c->job_id);
+        if (ret_local)
+                *ret_local = local & ~remote;
+        if (ret_remote)
+                *ret_remote = remote;
         return 0;
 }
 

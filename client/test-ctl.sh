@@ -41,14 +41,15 @@ assert clients[1]["rank"] is None and clients[1]["job_id"] is None, clients
 assert clients[0]["gpu_uuid"].startswith("GPU-"), clients
 PY
 
-# The fake is a 1.0 daemon: operator commands say what they need, and mesh
-# answers without asking.
+# The fake is a 1.0 daemon: operator commands (1.1) and mesh (1.2) say what
+# they need.
 for cmd in metrics nics drain "log-level debug"; do
         # shellcheck disable=SC2086
         if "$ctl" --socket "$sock" $cmd 2>"$dir/err"; then fail "$cmd against a 1.0 daemon: exit 0"; fi
         grep -q "does not offer '${cmd%% *}' (it needs protocol 1.1 or later)" "$dir/err" || fail "$cmd: $(cat "$dir/err")"
 done
-"$ctl" --socket "$sock" mesh | grep -q '^internode mesh not configured' || fail "mesh: no note"
+if "$ctl" --socket "$sock" mesh 2>"$dir/err"; then fail "mesh against a 1.0 daemon: exit 0"; fi
+grep -q "does not offer 'mesh' (it needs protocol 1.2 or later)" "$dir/err" || fail "mesh: $(cat "$dir/err")"
 "$ctl" --socket "$sock" status | grep -q '^draining: *no$' || fail "status: no draining line"
 rc=0
 "$ctl" --socket "$sock" log-level 2>/dev/null || rc=$?

@@ -31,7 +31,10 @@ static const char default_config[] = "socket = " MOEEP_DEFAULT_SOCKET "\n"
                                      "transport = fabric\n"
                                      "fabric_provider = efa\n"
                                      "transport_device =\n"
-                                     "verbs_gid_index = 0\n";
+                                     "verbs_gid_index = 0\n"
+                                     "mesh_listen =\n"
+                                     "mesh_peers =\n"
+                                     "cluster_key_file =\n";
 
 enum key_type {
         KEY_PATH,
@@ -42,7 +45,9 @@ enum key_type {
         KEY_LEVEL,
         KEY_U32,
         KEY_BYTES,
-        KEY_LISTEN
+        KEY_LISTEN,
+        KEY_PEERS, /* comma list of listen addresses */
+        KEY_FILE,  /* absolute path, or empty */
 };
 
 /* Every key, its type, where it lives, its range and whether SIGHUP applies
@@ -73,6 +78,10 @@ static const struct key {
         { "fabric_provider", KEY_NAME, offsetof(struct config, fabric_provider), 1, 0, false },
         { "transport_device", KEY_NAME, offsetof(struct config, transport_device), 0, 0, false },
         { "verbs_gid_index", KEY_U32, offsetof(struct config, verbs_gid_index), 0, 255, false },
+        /* The mesh (mesh.c) is set up once at start-up. */
+        { "mesh_listen", KEY_LISTEN, offsetof(struct config, mesh_listen), 0, 0, false },
+        { "mesh_peers", KEY_PEERS, offsetof(struct config, mesh_peers), 0, 0, false },
+        { "cluster_key_file", KEY_FILE, offsetof(struct config, cluster_key_file), 0, 0, false },
 };
 
 static const struct key *key_find(const char *name) {
@@ -199,6 +208,38 @@ int config_set(struct config *c, const char *name, const char *value, char *errm
                 return set_string(field, value) < 0 ? errmsg_set(errmsg, -ENOMEM, "%s: out of memory", name)
                                                     : 0;
         }
+        case KEY_PEERS: {
+                char host[CONFIG_HOST_MAX], one[CONFIG_HOST_MAX + 16];
+                const char *p = value;
+                uint16_t port;
+
+                while (*p) {
+                        size_t n = strcspn(p, ",");
+
+                        if (n == 0 || n >= sizeof(one))
+                                return errmsg_set(errmsg, -EINVAL,
+                                                  "%s '%s': need a comma list of HOST:PORT, or nothing", name,
+                                                  value);
+                        memcpy(one, p, n);
+                        one[n] = '\0';
+                        if (config_listen_split(one, host, &port) < 0 || port == 0)
+                                return errmsg_set(errmsg, -EINVAL,
+                                                  "%s '%s': peer '%s' is not IPV4:PORT, [IPV6]:PORT or "
+                                                  "localhost:PORT (port 1..65535)",
+                                                  name, value, one);
+                        p += n;
+                        if (*p == ',' && *++p == '\0')
+                                return errmsg_set(errmsg, -EINVAL, "%s '%s': trailing comma", name, value);
+                }
+                return set_string(field, value) < 0 ? errmsg_set(errmsg, -ENOMEM, "%s: out of memory", name)
+                                                    : 0;
+        }
+        case KEY_FILE:
+                if (value[0] && (value[0] != '/' || strlen(value) >= PATH_MAX))
+                        return errmsg_set(errmsg, -EINVAL, "%s '%s': need an absolute path, or nothing", name,
+                                          value);
+                return set_string(field, value) < 0 ? errmsg_set(errmsg, -ENOMEM, "%s: out of memory", name)
+                                                    : 0;
         case KEY_TRANSPORT:
                 if (strcmp(value, "fabric") != 0 && strcmp(value, "verbs") != 0)
                         return errmsg_set(errmsg, -EINVAL, "%s '%s': need fabric or verbs", name, value);
@@ -329,6 +370,8 @@ int config_write(const struct config *c, FILE *f) {
                 case KEY_NAME:
                 case KEY_GROUP:
                 case KEY_LISTEN:
+                case KEY_PEERS:
+                case KEY_FILE:
                         if (**(char *const *)field)
                                 fprintf(f, " %s", *(char *const *)field);
                         break;
@@ -378,8 +421,12 @@ void config_done(struct config *c) {
         free(c->transport);
         free(c->fabric_provider);
         free(c->transport_device);
+        free(c->mesh_listen);
+        free(c->mesh_peers);
+        free(c->cluster_key_file);
         c->socket = c->socket_group = c->admin_group = c->metrics_listen = NULL;
         c->transport = c->fabric_provider = c->transport_device = NULL;
+        c->mesh_listen = c->mesh_peers = c->cluster_key_file = NULL;
 }
 
 int config_apply_reloadable(struct config *to, const struct config *from) {

@@ -26,6 +26,9 @@ struct config {
         char *fabric_provider;             /* owns; libfabric provider: "efa", "verbs", "tcp" (tests) */
         char *transport_device;            /* owns; fabric domain or verbs device, "" = the first */
         uint32_t verbs_gid_index;          /* GID table index for verbs RC (RoCE) */
+        char *mesh_listen;                 /* owns; "HOST:PORT" peer daemons connect to, "" = mesh off */
+        char *mesh_peers;                  /* owns; comma list of "HOST:PORT" to connect to, "" = none */
+        char *cluster_key_file;            /* owns; absolute path of the cluster key, "" = none */
 };
 
 /* Room for the host part of a listen address (an IPv6 literal at most). */

@@ -17,6 +17,7 @@
 #include "broker.h"
 #include "daemon.h"
 #include "http.h"
+#include "mesh.h"
 #include "job.h"
 #include "log.h"
 #include "moeep-config.h"
@@ -273,9 +274,12 @@ static void daemon_reload(struct daemon *d) {
         }
         if (strcmp(fresh.socket, d->config.socket) != 0 || fresh.socket_mode != d->config.socket_mode ||
             strcmp(fresh.socket_group, d->config.socket_group) != 0 ||
-            strcmp(fresh.metrics_listen, d->config.metrics_listen) != 0)
-                log_notice("reload: socket, socket_mode, socket_group and metrics_listen change only on "
-                           "restart");
+            strcmp(fresh.metrics_listen, d->config.metrics_listen) != 0 ||
+            strcmp(fresh.mesh_listen, d->config.mesh_listen) != 0 ||
+            strcmp(fresh.mesh_peers, d->config.mesh_peers) != 0 ||
+            strcmp(fresh.cluster_key_file, d->config.cluster_key_file) != 0)
+                log_notice("reload: socket, socket_mode, socket_group, metrics_listen and the mesh keys "
+                           "(mesh_listen, mesh_peers, cluster_key_file) change only on restart");
         r = config_apply_reloadable(&d->config, &fresh);
         config_done(&fresh);
         if (r < 0) {
@@ -388,6 +392,11 @@ int daemon_init(struct daemon *d, const struct daemon_options *options) {
                         return r;
                 }
         }
+        r = mesh_start(d, &d->mesh, errmsg);
+        if (r < 0) {
+                log_err("%s", errmsg);
+                return r;
+        }
         return 0;
 
 oom:
@@ -420,6 +429,7 @@ void daemon_done(struct daemon *d) {
                 session_close_now(s);
         }
         sessions_reap(d);
+        mesh_free(d->mesh);
         http_free(d->http);
         jobs_free(d->jobs);
         broker_free(d->broker);

@@ -39,6 +39,11 @@ int jobs_new(const struct config *config, const struct job_callbacks *cb, struct
         return 0;
 }
 
+/* The callbacks that reach member `m`'s owner. */
+static const struct job_callbacks *member_cb(const struct job_member *m) {
+        return m->cb ? m->cb : m->job->jobs->cb;
+}
+
 static void job_free(struct job *job) {
         if (!job)
                 return;
@@ -129,38 +134,25 @@ static bool name_valid(const char *name) {
         return true;
 }
 
-int jobs_create(struct jobs *jobs, const char *name, uint32_t world_size, uid_t uid, void *creator,
-                struct job **ret_job, char *errmsg) {
+/* A new job with a secret and a control page, in the registry, without
+ * references. */
+static int job_alloc(struct jobs *jobs, const char *name, uint32_t world_size, uid_t uid,
+                     struct job **ret_job, char *errmsg) {
         struct job *job;
-        uint32_t have;
         ssize_t n;
         int r;
-
-        if (!name_valid(name))
-                return errmsg_set(errmsg, -EINVAL,
-                                  "job name of %zu bytes: need 1 to %d printable ASCII bytes", strlen(name),
-                                  JOB_NAME_MAX);
-        if (world_size < 1 || world_size > MOEEP_MAX_RANKS)
-                return errmsg_set(errmsg, -EINVAL, "world size %" PRIu32 ": need 1 to %d", world_size,
-                                  MOEEP_MAX_RANKS);
-        have = jobs_count_uid(jobs, uid);
-        if (have >= jobs->config->max_jobs_per_uid)
-                return errmsg_set(errmsg, -EDQUOT,
-                                  "uid %u already has %" PRIu32 " jobs (max_jobs_per_uid = %" PRIu32 ")",
-                                  (unsigned)uid, have, jobs->config->max_jobs_per_uid);
 
         job = calloc(1, sizeof(*job));
         if (!job)
                 return errmsg_set(errmsg, -ENOMEM, "job '%s': out of memory", name);
         job->control_fd = job->control_ro_fd = -1;
         job->id = jobs->next_id;
+        job->home_id = job->id;
         snprintf(job->name, sizeof(job->name), "%s", name);
         job->world_size = world_size;
         job->owner_uid = uid;
         job->state = JOB_FORMING;
         job->lost_rank = -1;
-        job->creator = creator;
-        job->references = 1;
         job->jobs = jobs;
         /* getrandom() without flags blocks only before the pool is
          * initialised at boot; 32 bytes never come back short. */
@@ -185,11 +177,75 @@ fail:
         return r;
 }
 
+int jobs_create(struct jobs *jobs, const char *name, uint32_t world_size, uid_t uid, void *creator,
+                struct job **ret_job, char *errmsg) {
+        struct job *job;
+        uint32_t have;
+        int r;
+
+        if (!name_valid(name))
+                return errmsg_set(errmsg, -EINVAL,
+                                  "job name of %zu bytes: need 1 to %d printable ASCII bytes", strlen(name),
+                                  JOB_NAME_MAX);
+        if (world_size < 1 || world_size > MOEEP_MAX_RANKS)
+                return errmsg_set(errmsg, -EINVAL, "world size %" PRIu32 ": need 1 to %d", world_size,
+                                  MOEEP_MAX_RANKS);
+        have = jobs_count_uid(jobs, uid);
+        if (have >= jobs->config->max_jobs_per_uid)
+                return errmsg_set(errmsg, -EDQUOT,
+                                  "uid %u already has %" PRIu32 " jobs (max_jobs_per_uid = %" PRIu32 ")",
+                                  (unsigned)uid, have, jobs->config->max_jobs_per_uid);
+
+        r = job_alloc(jobs, name, world_size, uid, &job, errmsg);
+        if (r < 0)
+                return r;
+        job->creator = creator;
+        job->references = 1;
+        *ret_job = job;
+        return 0;
+}
+
 void job_unique_id(const struct job *job, uint8_t buf[static JOB_UNIQUE_ID_BYTES]) {
         buf[0] = JOB_UNIQUE_ID_VERSION;
         for (int i = 0; i < 8; i++)
                 buf[1 + i] = (uint8_t)(job->id >> (8 * i));
         memcpy(buf + 9, job->secret, JOB_SECRET_BYTES);
+}
+
+size_t job_unique_id_with_node(const struct job *job, const char *node,
+                               uint8_t buf[static MOEEP_UNIQUE_ID_BYTES]) {
+        size_t n = node ? strlen(node) : 0;
+
+        _Static_assert(JOB_UNIQUE_ID_BYTES + 1 + JOB_NODE_MAX <= MOEEP_UNIQUE_ID_BYTES, "node fits");
+        assert(n <= JOB_NODE_MAX);
+        job_unique_id(job, buf);
+        if (n == 0)
+                return JOB_UNIQUE_ID_BYTES;
+        buf[JOB_UNIQUE_ID_NODE_OFFSET] = (uint8_t)n;
+        memcpy(buf + JOB_UNIQUE_ID_NODE_OFFSET + 1, node, n);
+        return JOB_UNIQUE_ID_BYTES + 1 + n;
+}
+
+int job_unique_id_node(const uint8_t *unique_id, size_t len, char ret_node[static JOB_NODE_MAX + 1]) {
+        size_t n;
+
+        ret_node[0] = '\0';
+        if (len < JOB_UNIQUE_ID_BYTES || len > MOEEP_UNIQUE_ID_BYTES)
+                return -EINVAL;
+        if (len == JOB_UNIQUE_ID_BYTES || unique_id[JOB_UNIQUE_ID_NODE_OFFSET] == 0)
+                return 0;
+        n = unique_id[JOB_UNIQUE_ID_NODE_OFFSET];
+        if (n > JOB_NODE_MAX || JOB_UNIQUE_ID_NODE_OFFSET + 1 + n > len)
+                return -EINVAL;
+        for (size_t i = 0; i < n; i++) {
+                uint8_t c = unique_id[JOB_UNIQUE_ID_NODE_OFFSET + 1 + i];
+
+                if (c < 0x21 || c > 0x7e)
+                        return -EINVAL;
+        }
+        memcpy(ret_node, unique_id + JOB_UNIQUE_ID_NODE_OFFSET + 1, n);
+        ret_node[n] = '\0';
+        return 0;
 }
 
 int job_control_fd(const struct job *job) {
@@ -210,9 +266,22 @@ static struct job *jobs_find(const struct jobs *jobs, uint64_t id) {
         struct job *job;
 
         TAILQ_FOREACH (job, &jobs->list, entry)
-                if (job->id == id)
+                if (job->id == id && !job->home[0]) /* a mirror is reached through its home only */
                         return job;
         return NULL;
+}
+
+struct job *jobs_find_mirror(const struct jobs *jobs, const char *home, uint64_t home_id) {
+        struct job *job;
+
+        TAILQ_FOREACH (job, &jobs->list, entry)
+                if (job->home[0] && job->home_id == home_id && strcmp(job->home, home) == 0)
+                        return job;
+        return NULL;
+}
+
+bool job_rank_local(const struct job *job, uint32_t rank) {
+        return rank < job->world_size && job->ranks[rank] && !job->ranks[rank]->remote;
 }
 
 static bool owner_in_a_job(const struct jobs *jobs, const void *owner) {
@@ -236,9 +305,11 @@ static bool uuid_valid(const char *s) {
         return true;
 }
 
+static int member_add(struct job *job, uint32_t rank, const char *gpu_uuid, void *owner,
+                      struct job_member **ret_member, char *errmsg);
+
 int jobs_join(struct jobs *jobs, const uint8_t *unique_id, size_t len, uint32_t rank, uint32_t world_size,
               const char *gpu_uuid, void *owner, struct job_member **ret_member, char *errmsg) {
-        struct job_member *m;
         struct job *job;
         uint64_t id = 0;
 
@@ -277,10 +348,58 @@ int jobs_join(struct jobs *jobs, const uint8_t *unique_id, size_t len, uint32_t 
         if (job->ranks[rank])
                 return errmsg_set(errmsg, -EEXIST, "job %" PRIu64 ": rank %" PRIu32 " is already taken", id,
                                   rank);
+        return member_add(job, rank, gpu_uuid, owner, ret_member, errmsg);
+}
+
+int jobs_join_mirror(struct jobs *jobs, const char *home, uint64_t home_id, const char *name,
+                     uint32_t world_size, uint32_t rank, const char *gpu_uuid, void *owner,
+                     struct job_member **ret_member, char *errmsg) {
+        struct job *job = jobs_find_mirror(jobs, home, home_id);
+        int r;
+
+        if (strlen(home) == 0 || strlen(home) > JOB_NODE_MAX || world_size < 1 ||
+            world_size > MOEEP_MAX_RANKS || rank >= world_size)
+                return errmsg_set(errmsg, -EINVAL,
+                                  "job %" PRIu64 " at %s: bad mirror (world size %" PRIu32 ", rank %" PRIu32
+                                  ")",
+                                  home_id, home, world_size, rank);
+        if (!gpu_uuid)
+                gpu_uuid = "";
+        if (!uuid_valid(gpu_uuid))
+                return errmsg_set(errmsg, -EINVAL, "gpu uuid of %zu bytes: need up to %d printable bytes",
+                                  strlen(gpu_uuid), JOB_GPU_UUID_MAX);
+        if (owner_in_a_job(jobs, owner))
+                return errmsg_set(errmsg, -EISCONN,
+                                  "job %" PRIu64 " at %s: the session already belongs to a job", home_id,
+                                  home);
+        if (job && job->state == JOB_ABORTED)
+                return errmsg_set(errmsg, -EPIPE,
+                                  "job %" PRIu64 " at %s is aborted: rank %" PRId32 " was lost", home_id,
+                                  home, job->lost_rank);
+        if (job && (job->world_size != world_size || job->ranks[rank]))
+                return errmsg_set(errmsg, -EEXIST,
+                                  "job %" PRIu64 " at %s: rank %" PRIu32 " is already taken here", home_id,
+                                  home, rank);
+        if (!job) {
+                r = job_alloc(jobs, name && name_valid(name) ? name : "remote", world_size, 0, &job, errmsg);
+                if (r < 0)
+                        return r;
+                snprintf(job->home, sizeof(job->home), "%s", home);
+                job->home_id = home_id;
+                /* The mirror's own secret is never handed out: it is reached
+                 * through its home only (jobs_find() skips it). */
+        }
+        return member_add(job, rank, gpu_uuid, owner, ret_member, errmsg);
+}
+
+/* Adds `owner` as member `rank` of `job`; the caller checked everything. */
+static int member_add(struct job *job, uint32_t rank, const char *gpu_uuid, void *owner,
+                      struct job_member **ret_member, char *errmsg) {
+        struct job_member *m;
 
         m = calloc(1, sizeof(*m));
         if (!m)
-                return errmsg_set(errmsg, -ENOMEM, "job %" PRIu64 ": out of memory", id);
+                return errmsg_set(errmsg, -ENOMEM, "job %" PRIu64 ": out of memory", job->id);
         m->job = job;
         m->rank = rank;
         snprintf(m->gpu_uuid, sizeof(m->gpu_uuid), "%s", gpu_uuid);
@@ -302,7 +421,7 @@ static struct job *member_remove(struct job_member *m) {
 
         assert(TAILQ_EMPTY(&m->regions));
         assert(job->ranks[m->rank] == m);
-        if (m->in_barrier)
+        if (m->in_barrier && !job->home[0]) /* a mirror counts no arrivals */
                 job->barrier_arrived--;
         job->ranks[m->rank] = NULL;
         job->njoined--;
@@ -311,7 +430,7 @@ static struct job *member_remove(struct job_member *m) {
 }
 
 void job_member_leave(struct job_member *m) {
-        const struct job_callbacks *cb = m->job->jobs->cb;
+        const struct job_callbacks *cb = member_cb(m);
         bool waited = m->in_barrier;
         uint64_t request_id = m->barrier_request_id;
         void *owner = m->owner;
@@ -325,11 +444,19 @@ void job_member_leave(struct job_member *m) {
 }
 
 void job_member_lost(struct job_member *m, const char *reason) {
-        const struct job_callbacks *cb = m->job->jobs->cb;
         uint32_t rank = m->rank;
         struct job *job = member_remove(m);
 
         job->jobs->ranks_lost++;
+        job_abort(job, rank, reason);
+        job_unref(job);
+}
+
+void job_abort(struct job *job, uint32_t rank, const char *reason) {
+        if (rank < 32 && (job->lost_notified & (1u << rank)))
+                return; /* told already (a mirror hears of a loss from its home too) */
+        if (rank < 32)
+                job->lost_notified |= 1u << rank;
         if (job->state != JOB_ABORTED) {
                 job->state = JOB_ABORTED;
                 job->lost_rank = (int32_t)rank;
@@ -345,14 +472,20 @@ void job_member_lost(struct job_member *m, const char *reason) {
 
                 if (!peer)
                         continue;
-                cb->peer_lost(peer->owner, job, rank, reason);
-                if (peer->in_barrier) {
-                        peer->in_barrier = false;
-                        job->barrier_arrived--;
-                        cb->barrier_done(peer->owner, job, peer->barrier_request_id, -EPIPE);
-                }
+                member_cb(peer)->peer_lost(peer->owner, job, rank, reason);
+                job_barrier_release(peer, -EPIPE);
         }
-        job_unref(job);
+}
+
+void job_barrier_release(struct job_member *m, int error) {
+        struct job *job = m->job;
+
+        if (!m->in_barrier)
+                return;
+        m->in_barrier = false;
+        if (!job->home[0])
+                job->barrier_arrived--;
+        member_cb(m)->barrier_done(m->owner, job, m->barrier_request_id, error);
 }
 
 int job_barrier(struct job_member *m, uint64_t request_id, char *errmsg) {
@@ -367,6 +500,8 @@ int job_barrier(struct job_member *m, uint64_t request_id, char *errmsg) {
                                   job->id, m->rank, job->barrier_generation);
         m->in_barrier = true;
         m->barrier_request_id = request_id;
+        if (job->home[0])
+                return 1; /* a mirror: the caller asks the home daemon */
         job->barrier_arrived++;
         if (job->barrier_arrived < job->world_size)
                 return 0;
@@ -381,7 +516,7 @@ int job_barrier(struct job_member *m, uint64_t request_id, char *errmsg) {
 
                 assert(peer && peer->in_barrier);
                 peer->in_barrier = false;
-                job->jobs->cb->barrier_done(peer->owner, job, peer->barrier_request_id, 0);
+                member_cb(peer)->barrier_done(peer->owner, job, peer->barrier_request_id, 0);
         }
         return 0;
 }

@@ -20,16 +20,21 @@ struct region;
 #define JOB_NAME_MAX 64
 #define JOB_GPU_UUID_MAX 64
 #define JOB_SECRET_BYTES 32
+/* Room for a daemon's mesh address ("HOST:PORT", an IPv6 literal at most). */
+#define JOB_NODE_MAX 71
 
 /* Unique id layout (opaque to clients): byte 0 the format version
  * (JOB_UNIQUE_ID_VERSION), bytes 1..8 the job id (little-endian u64),
  * bytes 9..40 the secret. JobCreated carries these JOB_UNIQUE_ID_BYTES
  * bytes; JobJoin accepts them followed by up to MOEEP_UNIQUE_ID_BYTES in all
- * (clients may send their zero-padded 128-byte copy). The bytes after the
- * secret are reserved for the creating daemon's node address (later, for
- * jobs that span nodes) and are ignored today. */
+ * (clients may send their zero-padded 128-byte copy). When the creating
+ * daemon's mesh is on, byte 41 is the length L (1..JOB_NODE_MAX) of its mesh
+ * address and bytes 42..41+L the address ("HOST:PORT"): a daemon that gets
+ * a JobJoin naming another daemon forwards it there (mesh.c). Byte 41 zero
+ * (or absent) means "the daemon that receives the join". */
 #define JOB_UNIQUE_ID_VERSION 1
 #define JOB_UNIQUE_ID_BYTES (1 + 8 + JOB_SECRET_BYTES)
+#define JOB_UNIQUE_ID_NODE_OFFSET JOB_UNIQUE_ID_BYTES
 
 enum job_state {
         JOB_FORMING, /* fewer than world_size ranks joined */
@@ -54,13 +59,23 @@ struct job_callbacks {
         void (*peer_lost)(void *owner, const struct job *job, uint32_t rank, const char *reason);
 };
 
+/* Which daemon a rank of a job that spans daemons is at. */
+struct job_node {
+        char address[JOB_NODE_MAX + 1]; /* mesh address of its daemon, "" = not joined (or unknown) */
+};
+
 TAILQ_HEAD(region_list, region);
 
 struct job_member {
         struct job *job; /* holds a reference */
         uint32_t rank;
         char gpu_uuid[JOB_GPU_UUID_MAX + 1];
-        void *owner;     /* not owning; handed to the callbacks */
+        void *owner; /* not owning; handed to the callbacks */
+        /* Not owning; the callbacks for this member, NULL = the registry's
+         * (sessions). The mesh sets its own for the members that stand for
+         * ranks at another daemon (`remote`). */
+        const struct job_callbacks *cb;
+        bool remote;     /* stands for a rank joined at another daemon (home job only) */
         bool in_barrier; /* waiting; barrier_request_id is held back */
         uint64_t barrier_request_id;
         struct region_list regions; /* owns; filled by broker.c, empty when the member goes */
@@ -85,6 +100,17 @@ struct job {
         void *creator;                      /* not owning; holds a reference until jobs_creator_gone() */
         unsigned references;                /* creator + one per member */
         struct jobs *jobs;                  /* not owning; the registry */
+        /* Jobs that span daemons (mesh.c). On the daemon of rank 0 (the
+         * "home") every rank is a member, the remote ones with
+         * member->remote set. Another daemon holds a "mirror" of the job
+         * with only its own ranks as members, `home` naming the home daemon
+         * and `home_id` the job's id there; barrier, leave and loss go
+         * through the home. `nodes` is the rank -> daemon map, filled for a
+         * job once a rank joined elsewhere (all "" for a job of one daemon). */
+        char home[JOB_NODE_MAX + 1]; /* "" for a job created here */
+        uint64_t home_id;            /* the id at `home`; == id when home is "" */
+        struct job_node nodes[MOEEP_MAX_RANKS];
+        uint32_t lost_notified; /* mirror: bit r set once PeerLost(r) went to the members */
         TAILQ_ENTRY(job) entry;
 };
 
@@ -117,6 +143,43 @@ int jobs_create(struct jobs *jobs, const char *name, uint32_t world_size, uid_t 
 /* Writes the job's unique id (JOB_UNIQUE_ID_BYTES) into `buf`. */
 void job_unique_id(const struct job *job, uint8_t buf[static JOB_UNIQUE_ID_BYTES]);
 
+/* The same followed by `node` (this daemon's mesh address, see above) when
+ * it is not NULL or empty; returns the length written:
+ * JOB_UNIQUE_ID_BYTES, plus 1 + strlen(node) with a node. */
+size_t job_unique_id_with_node(const struct job *job, const char *node,
+                               uint8_t buf[static MOEEP_UNIQUE_ID_BYTES]);
+
+/* The daemon named in a unique id (see above) into `ret_node`
+ * (JOB_NODE_MAX + 1 bytes): "" when it names none. Returns 0, or -EINVAL
+ * for a malformed id. */
+int job_unique_id_node(const uint8_t *unique_id, size_t len, char ret_node[static JOB_NODE_MAX + 1]);
+
+/* Mirror jobs (see struct job): finds the mirror of job `home_id` at
+ * daemon `home`, or NULL. */
+struct job *jobs_find_mirror(const struct jobs *jobs, const char *home, uint64_t home_id);
+
+/* Joins `owner` as `rank` of the mirror of job `home_id` at `home`
+ * (creating the mirror, with its own control page, when it is the first
+ * local rank). The home daemon already checked secret, rank and world size.
+ * Returns 0, -EEXIST (rank taken here), -EISCONN, -EPIPE (mirror aborted) or
+ * -errno from memfd/ENOMEM. */
+int jobs_join_mirror(struct jobs *jobs, const char *home, uint64_t home_id, const char *name,
+                     uint32_t world_size, uint32_t rank, const char *gpu_uuid, void *owner,
+                     struct job_member **ret_member, char *errmsg);
+
+/* Aborts the job because rank `rank` (not a member here: remote, or its
+ * daemon is gone) was lost: sets the abort word (once), tells every member
+ * peer_lost (once per rank) and ends every waiting barrier with -EPIPE. */
+void job_abort(struct job *job, uint32_t rank, const char *reason);
+
+/* Ends `m`'s barrier wait with `error` (0 or -EPIPE) when it waits: the
+ * home daemon's answer to a mirror member's barrier. */
+void job_barrier_release(struct job_member *m, int error);
+
+/* Whether `rank` of `job` is joined at this daemon (a member that is not
+ * remote). */
+bool job_rank_local(const struct job *job, uint32_t rank);
+
 /* The fd to send with JobJoined: read-only when the daemon could reopen it. */
 int job_control_fd(const struct job *job);
 
@@ -139,8 +202,10 @@ void job_member_lost(struct job_member *m, const char *reason);
 
 /* Enters the barrier of the current generation. Returns 0 when the reply is
  * held back (barrier_done comes later, or already came synchronously when
- * this member was the last to arrive), -EPIPE when the job is aborted,
- * -EALREADY when the member already waits. */
+ * this member was the last to arrive), 1 for a mirror's member (it now
+ * waits; the caller asks the home daemon, whose answer comes through
+ * job_barrier_release()), -EPIPE when the job is aborted, -EALREADY when
+ * the member already waits. */
 int job_barrier(struct job_member *m, uint64_t request_id, char *errmsg);
 
 /* `creator` goes away: drops the creator reference of every job it created

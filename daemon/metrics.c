@@ -8,6 +8,7 @@
 #include "daemon.h"
 #include "job.h"
 #include "log.h"
+#include "mesh.h"
 #include "metrics.h"
 #include "moeep-config.h"
 #include "session.h"
@@ -182,6 +183,21 @@ static void snapshot_daemon(struct snapshot *s, const struct daemon *d) {
                (double)d->metrics.http_requests);
 }
 
+static void snapshot_mesh(struct snapshot *s, const struct daemon *d) {
+        static const enum mesh_peer_state states[] = { MESH_PEER_CONNECTING, MESH_PEER_AUTHENTICATING,
+                                                       MESH_PEER_UP, MESH_PEER_DOWN };
+        uint32_t count[MESH_PEER_DOWN + 1];
+
+        mesh_count(d->mesh, count);
+        family_add(s, "moeepd_mesh_peers", GAUGE,
+                   "Peer daemons of the internode mesh by state (all 0 while the mesh is off).");
+        for (size_t i = 0; i < sizeof(states) / sizeof(states[0]); i++)
+                sample_add(s, count[states[i]], "state", mesh_peer_state_to_string(states[i]), NULL, NULL);
+        single(s, "moeepd_mesh_refused_total", COUNTER,
+               "Peer connections refused during the handshake (wrong or no cluster key, timeout, cap).",
+               d->mesh ? (double)d->mesh->refused : 0);
+}
+
 int metrics_snapshot(const struct daemon *d, Moeep__V1__Metrics **ret_metrics) {
         struct snapshot *s = calloc(1, sizeof(*s));
 
@@ -193,6 +209,7 @@ int metrics_snapshot(const struct daemon *d, Moeep__V1__Metrics **ret_metrics) {
         snapshot_sessions(s, d);
         snapshot_jobs(s, d);
         snapshot_regions(s, d);
+        snapshot_mesh(s, d);
         snapshot_requests(s, d);
         if (s->overflow) /* our own bounds: SNAPSHOT_* must grow with the families */
                 log_err("metrics: snapshot bounds too small, some samples are missing");

@@ -10,6 +10,7 @@
 #include "daemon.h"
 #include "job.h"
 #include "log.h"
+#include "mesh.h"
 #include "metrics.h"
 #include "nics.h"
 #include "moeep-config.h"
@@ -115,7 +116,9 @@ int query_jobs(struct session *s, uint64_t request_id, char *errmsg) {
         Moeep__V1__Jobs jobs = MOEEP__V1__JOBS__INIT;
         Moeep__V1__Response resp = MOEEP__V1__RESPONSE__INIT;
         Moeep__V1__JobInfo *infos = NULL, **ptrs = NULL;
-        uint32_t *ranks = NULL;
+        uint32_t *ranks = NULL, *remote = NULL;
+        struct job_node *nodes = NULL;
+        char **node_ptrs = NULL;
         struct job *job;
         size_t n = 0;
         int r;
@@ -123,7 +126,10 @@ int query_jobs(struct session *s, uint64_t request_id, char *errmsg) {
         infos = calloc(d->jobs->count + 1, sizeof(*infos));
         ptrs = calloc(d->jobs->count + 1, sizeof(*ptrs));
         ranks = calloc((d->jobs->count + 1) * MOEEP_MAX_RANKS, sizeof(*ranks));
-        if (!infos || !ptrs || !ranks) {
+        remote = calloc((d->jobs->count + 1) * MOEEP_MAX_RANKS, sizeof(*remote));
+        nodes = calloc((d->jobs->count + 1) * MOEEP_MAX_RANKS, sizeof(*nodes));
+        node_ptrs = calloc((d->jobs->count + 1) * MOEEP_MAX_RANKS, sizeof(*node_ptrs));
+        if (!infos || !ptrs || !ranks || !remote || !nodes || !node_ptrs) {
                 r = errmsg_set(errmsg, -ENOMEM, "JobsList of %" PRIu32 " jobs: out of memory",
                                d->jobs->count);
                 goto out;
@@ -138,9 +144,25 @@ int query_jobs(struct session *s, uint64_t request_id, char *errmsg) {
                 ji->name = job->name;
                 ji->world_size = job->world_size;
                 ji->joined_ranks = &ranks[n * MOEEP_MAX_RANKS];
-                for (uint32_t rank = 0; rank < job->world_size; rank++)
-                        if (job->ranks[rank])
+                ji->remote_ranks = &remote[n * MOEEP_MAX_RANKS];
+                ji->home = job->home;
+                /* A job that spans daemons: its ranks joined elsewhere
+                 * count as joined too, and say where they are. */
+                if (mesh_job_nodes(d->mesh, job, &nodes[n * MOEEP_MAX_RANKS])) {
+                        ji->rank_nodes = &node_ptrs[n * MOEEP_MAX_RANKS];
+                        ji->n_rank_nodes = job->world_size;
+                        for (uint32_t rank = 0; rank < job->world_size; rank++)
+                                ji->rank_nodes[rank] = nodes[n * MOEEP_MAX_RANKS + rank].address;
+                }
+                for (uint32_t rank = 0; rank < job->world_size; rank++) {
+                        bool here = job_rank_local(job, rank);
+                        bool elsewhere = !here && ji->n_rank_nodes && ji->rank_nodes[rank][0];
+
+                        if (here || elsewhere)
                                 ji->joined_ranks[ji->n_joined_ranks++] = rank;
+                        if (elsewhere)
+                                ji->remote_ranks[ji->n_remote_ranks++] = rank;
+                }
                 ji->state = (char *)job_state_to_string(job->state);
                 ji->owner_uid = (uint32_t)job->owner_uid;
                 ptrs[n++] = ji;
@@ -154,6 +176,9 @@ out:
         free(infos);
         free(ptrs);
         free(ranks);
+        free(remote);
+        free(nodes);
+        free(node_ptrs);
         return r;
 }
 
@@ -230,5 +255,53 @@ int query_nics(struct session *s, uint64_t request_id, char *errmsg) {
         resp.nics = nics;
         r = session_respond(s, request_id, &resp, NULL, 0);
         nics_free(nics);
+        return r;
+}
+
+int query_mesh(struct session *s, uint64_t request_id, char *errmsg) {
+        const struct mesh *mesh = s->daemon->mesh;
+        Moeep__V1__Mesh m = MOEEP__V1__MESH__INIT;
+        Moeep__V1__Response resp = MOEEP__V1__RESPONSE__INIT;
+        Moeep__V1__MeshPeer *infos = NULL, **ptrs = NULL;
+        const struct mesh_peer *p;
+        size_t count = 0, n = 0;
+        int r;
+
+        m.address = (char *)"";
+        if (mesh) {
+                m.enabled = true;
+                m.address = (char *)mesh->address;
+                m.keyed = mesh->keyed;
+                TAILQ_FOREACH (p, &mesh->peers, entry)
+                        count++;
+        }
+        infos = calloc(count + 1, sizeof(*infos));
+        ptrs = calloc(count + 1, sizeof(*ptrs));
+        if (!infos || !ptrs) {
+                r = errmsg_set(errmsg, -ENOMEM, "MeshList of %zu peers: out of memory", count);
+                goto out;
+        }
+        if (mesh)
+                TAILQ_FOREACH (p, &mesh->peers, entry) {
+                        Moeep__V1__MeshPeer *mp = &infos[n];
+
+                        if (p->dead)
+                                continue;
+                        moeep__v1__mesh_peer__init(mp);
+                        mp->address = (char *)p->address;
+                        mp->state = (char *)mesh_peer_state_to_string(p->state);
+                        mp->outbound = p->outbound;
+                        mp->rtt_us = p->rtt_us;
+                        mp->jobs = mesh_peer_jobs(mesh, p);
+                        ptrs[n++] = mp;
+                }
+        m.peers = ptrs;
+        m.n_peers = n;
+        resp.body_case = MOEEP__V1__RESPONSE__BODY_MESH;
+        resp.mesh = &m;
+        r = query_send_listing(s, request_id, &resp, &m.n_peers, "mesh peer");
+out:
+        free(infos);
+        free(ptrs);
         return r;
 }

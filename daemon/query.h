@@ -23,5 +23,7 @@ int query_clients(struct session *s, uint64_t request_id, char *errmsg);
 int query_metrics(struct session *s, uint64_t request_id, char *errmsg);
 /* NicsList: the RDMA devices and the GPU -> NIC mapping (nics.h). */
 int query_nics(struct session *s, uint64_t request_id, char *errmsg);
+/* MeshList: the peer daemons of the mesh (mesh.h). */
+int query_mesh(struct session *s, uint64_t request_id, char *errmsg);
 
 #endif

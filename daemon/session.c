@@ -17,6 +17,7 @@
 #include "moeep-config.h"
 #include "query.h"
 #include "record.h"
+#include "mesh.h"
 #include "session.h"
 
 /* Output a session may queue before we decide its peer does not read: a
@@ -33,7 +34,7 @@
 #define SESSION_FEATURES                                      \
         ((uint64_t)MOEEP__V1__FEATURE__FEATURE_REGIONS |      \
          (uint64_t)MOEEP__V1__FEATURE__FEATURE_CONTROL_PAGE | \
-         (uint64_t)MOEEP__V1__FEATURE__FEATURE_OPERATOR)
+         (uint64_t)MOEEP__V1__FEATURE__FEATURE_OPERATOR | (uint64_t)MOEEP__V1__FEATURE__FEATURE_MESH)
 
 struct session_out {
         TAILQ_ENTRY(session_out) entry;
@@ -63,7 +64,7 @@ const char *session_state_to_string(enum session_state s) {
 
 /* Maps the -errno values of job.c, broker.c and query.c (documented in
  * their headers) to protocol error codes, in one place. */
-static Moeep__V1__ErrorCode error_code_from_errno(int r) {
+Moeep__V1__ErrorCode session_error_code(int r) {
         switch (-r) {
         case EINVAL:
         case EALREADY:
@@ -242,6 +243,7 @@ static void session_detach(struct session *s, bool lost, const char *reason) {
 
         if (s->member) {
                 broker_drop_member(d->broker, s->member);
+                mesh_member_gone(d->mesh, s->member, lost, reason);
                 if (lost)
                         job_member_lost(s->member, reason);
                 else
@@ -401,7 +403,7 @@ static int handle_job_create(struct session *s, uint64_t rid, const Moeep__V1__R
         const Moeep__V1__JobCreate *jc = req->job_create;
         Moeep__V1__JobCreated created = MOEEP__V1__JOB_CREATED__INIT;
         Moeep__V1__Response resp = MOEEP__V1__RESPONSE__INIT;
-        uint8_t uid[JOB_UNIQUE_ID_BYTES];
+        uint8_t uid[MOEEP_UNIQUE_ID_BYTES];
         struct job *job;
         int r;
 
@@ -419,9 +421,8 @@ static int handle_job_create(struct session *s, uint64_t rid, const Moeep__V1__R
                  (unsigned)s->cred.uid, job->id, job->name, job->world_size);
         daemon_status_changed(s->daemon);
 
-        job_unique_id(job, uid);
         created.unique_id.data = uid;
-        created.unique_id.len = sizeof(uid);
+        created.unique_id.len = job_unique_id_with_node(job, mesh_address(s->daemon->mesh), uid);
         created.job_id = job->id;
         resp.body_case = MOEEP__V1__RESPONSE__BODY_JOB_CREATED;
         resp.job_created = &created;
@@ -433,25 +434,40 @@ static int handle_job_create(struct session *s, uint64_t rid, const Moeep__V1__R
 static int handle_job_join(struct session *s, uint64_t rid, const Moeep__V1__Request *req,
                            struct moeep_record *rec, char *errmsg) {
         const Moeep__V1__JobJoin *jj = req->job_join;
-        Moeep__V1__JobJoined joined = MOEEP__V1__JOB_JOINED__INIT;
-        Moeep__V1__Response resp = MOEEP__V1__RESPONSE__INIT;
+        const char *here = mesh_address(s->daemon->mesh);
+        char home[JOB_NODE_MAX + 1];
         struct job_member *m;
-        int fd, r;
+        int r;
 
         if (s->member)
                 return errmsg_set(errmsg, -EISCONN,
                                   "session %" PRIu64 " is already rank %" PRIu32 " of job %" PRIu64, s->id,
                                   s->member->rank, s->member->job->id);
+        /* A job created at another daemon is joined there (mesh.c). */
+        if (job_unique_id_node(jj->unique_id.data, jj->unique_id.len, home) == 0 && home[0] &&
+            (!here || strcmp(home, here) != 0))
+                return mesh_join_forward(s->daemon->mesh, s, rid, jj, home, errmsg);
         r = jobs_join(s->daemon->jobs, jj->unique_id.data, jj->unique_id.len, jj->rank, jj->world_size,
                       jj->gpu_uuid, s, &m, errmsg);
         if (r < 0)
                 return r;
+        r = session_joined(s, rid, m);
+        mesh_job_changed(s->daemon->mesh, m->job);
+        return r;
+}
+
+int session_joined(struct session *s, uint64_t rid, struct job_member *m) {
+        Moeep__V1__JobJoined joined = MOEEP__V1__JOB_JOINED__INIT;
+        Moeep__V1__Response resp = MOEEP__V1__RESPONSE__INIT;
+        int fd;
+
         s->member = m;
         s->state = SESSION_READY;
         log_info("session %" PRIu64 " (pid %d uid %u): joined job %" PRIu64 " as rank %" PRIu32 "/%" PRIu32
-                 " gpu '%s' (%s)",
+                 " gpu '%s' (%s%s%s)",
                  s->id, (int)s->cred.pid, (unsigned)s->cred.uid, m->job->id, m->rank, m->job->world_size,
-                 m->gpu_uuid, job_state_to_string(m->job->state));
+                 m->gpu_uuid, job_state_to_string(m->job->state), m->job->home[0] ? ", home " : "",
+                 m->job->home);
 
         joined.job_id = m->job->id;
         joined.world_size = m->job->world_size;
@@ -467,6 +483,7 @@ static int handle_job_leave(struct session *s, uint64_t rid, const Moeep__V1__Re
         log_info("session %" PRIu64 ": left job %" PRIu64 " (rank %" PRIu32 ")", s->id, s->member->job->id,
                  s->member->rank);
         broker_drop_member(s->daemon->broker, s->member);
+        mesh_member_gone(s->daemon->mesh, s->member, false, "left");
         job_member_leave(s->member);
         s->member = NULL;
         s->state = SESSION_HELLO;
@@ -475,8 +492,15 @@ static int handle_job_leave(struct session *s, uint64_t rid, const Moeep__V1__Re
 
 static int handle_barrier(struct session *s, uint64_t rid, const Moeep__V1__Request *req,
                           struct moeep_record *rec, char *errmsg) {
-        /* 0: the reply comes from session_barrier_done(). */
-        return job_barrier(s->member, rid, errmsg);
+        /* 0: the reply comes from session_barrier_done(); 1: from the
+         * job's home daemon, through the mesh. */
+        int r = job_barrier(s->member, rid, errmsg);
+
+        if (r == 1) {
+                mesh_barrier(s->daemon->mesh, s->member);
+                r = 0;
+        }
+        return r;
 }
 
 static int handle_region_register(struct session *s, uint64_t rid, const Moeep__V1__Request *req,
@@ -572,6 +596,11 @@ static int handle_drain(struct session *s, uint64_t rid, const Moeep__V1__Reques
         return admin_drain(s, rid, req->drain->on, errmsg);
 }
 
+static int handle_mesh_list(struct session *s, uint64_t rid, const Moeep__V1__Request *req,
+                            struct moeep_record *rec, char *errmsg) {
+        return query_mesh(s, rid, errmsg);
+}
+
 /* The dispatch table, indexed by request type (= Request body case). A
  * handler returns 0 once it queued its reply (or when the reply is held
  * back, Barrier), or -errno with `errmsg` filled, which the dispatcher turns
@@ -603,6 +632,8 @@ static const struct handler {
                                                      handle_log_level_set },
         [MOEEP__V1__REQUEST__BODY_DRAIN] = { "Drain", false, MOEEP__V1__FEATURE__FEATURE_OPERATOR,
                                              handle_drain },
+        [MOEEP__V1__REQUEST__BODY_MESH_LIST] = { "MeshList", false, MOEEP__V1__FEATURE__FEATURE_MESH,
+                                                 handle_mesh_list },
 };
 
 /* Handles one received record. Returns 1 to go on reading, 0 when the
@@ -655,7 +686,7 @@ static int session_dispatch(struct session *s, struct moeep_record *rec) {
                         snprintf(errmsg, sizeof(errmsg), "%s: %s", h->name, strerror(-r));
                 log_debug("session %" PRIu64 ": %s (request %" PRIu64 ") refused: %s", s->id, h->name, rid,
                           errmsg);
-                if (r == -ENOBUFS || session_send_error(s, rid, error_code_from_errno(r), errmsg) < 0)
+                if (r == -ENOBUFS || session_send_error(s, rid, session_error_code(r), errmsg) < 0)
                         log_debug("session %" PRIu64 ": could not queue the error for request %" PRIu64,
                                   s->id, rid);
         }
@@ -724,7 +755,7 @@ static void session_barrier_done(void *owner, const struct job *job, uint64_t re
                          job->lost_rank);
         else
                 snprintf(why, sizeof(why), "barrier of job %" PRIu64 ": left the job while waiting", job->id);
-        session_send_error(s, request_id, error_code_from_errno(error), why);
+        session_send_error(s, request_id, session_error_code(error), why);
 }
 
 static void session_peer_lost(void *owner, const struct job *job, uint32_t rank, const char *reason) {

@@ -96,6 +96,14 @@ void sessions_reap(struct daemon *d);
  * takes now, closes. */
 void sessions_shutdown(struct daemon *d, const char *reason);
 
+/* The ErrorCode for a -errno of job.c, broker.c, query.c or mesh.c. */
+Moeep__V1__ErrorCode session_error_code(int r);
+
+/* `s` became member `m` (a local join, or one its job's home daemon
+ * accepted): the session is READY and JobJoined (request `rid`) with the
+ * control page is queued. Returns 0 or -errno from session_respond(). */
+int session_joined(struct session *s, uint64_t rid, struct job_member *m);
+
 /* The callbacks jobs use to reach sessions. */
 extern const struct job_callbacks session_job_callbacks;
 

@@ -23,6 +23,7 @@ int moeep_record_type_known(uint16_t type) {
         case MOEEP__V1__REQUEST__BODY_NICS_LIST:
         case MOEEP__V1__REQUEST__BODY_LOG_LEVEL_SET:
         case MOEEP__V1__REQUEST__BODY_DRAIN:
+        case MOEEP__V1__REQUEST__BODY_MESH_LIST:
         case MOEEP__V1__RESPONSE__BODY_ERROR:
         case MOEEP__V1__RESPONSE__BODY_WELCOME:
         case MOEEP__V1__RESPONSE__BODY_JOB_CREATED:
@@ -35,6 +36,7 @@ int moeep_record_type_known(uint16_t type) {
         case MOEEP__V1__RESPONSE__BODY_CLIENTS:
         case MOEEP__V1__RESPONSE__BODY_METRICS:
         case MOEEP__V1__RESPONSE__BODY_NICS:
+        case MOEEP__V1__RESPONSE__BODY_MESH:
         case MOEEP__V1__EVENT__BODY_PEER_LOST:
         case MOEEP__V1__EVENT__BODY_SHUTDOWN:
                 return 1;

@@ -11,6 +11,8 @@ moeep_packages=(
         meson ninja-build pkg-config gcc
         libevent-dev libprotobuf-c-dev protobuf-c-compiler
         libsystemd-dev libfabric-dev libibverbs-dev libinih-dev libcmocka-dev
+        # The mesh's peer authentication (HMAC-SHA256, random nonces).
+        libsodium-dev
         systemd python3
         # Reliability runs: libFuzzer targets (clang + its runtimes) and memcheck.
         clang-14 libclang-rt-14-dev valgrind

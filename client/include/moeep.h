@@ -113,6 +113,16 @@ int moeep_job_barrier(struct moeep_client *client);
 int moeep_job_info(const struct moeep_client *client, uint64_t *ret_job_id, int *ret_rank,
                    int *ret_world_size);
 
+/* Which ranks of this session's job are joined at this daemon
+ * (`*ret_local`, this rank included: intranode peers, reached through the
+ * regions' fds) and which at another daemon of the mesh (`*ret_remote`:
+ * internode peers, reached through the daemon's transports, never as fds;
+ * their regions are not listed by moeep_regions_fetch()). Bit r stands for
+ * rank r; ranks not joined yet are in neither. Asks the daemon (JobsList),
+ * so the answer is current. Either pointer may be NULL. -ENOTCONN when not
+ * in a job. */
+int moeep_job_ranks(struct moeep_client *client, uint32_t *ret_local, uint32_t *ret_remote);
+
 /* The job's control page (NULL when not in a job). */
 const volatile struct moeep_control_page *moeep_job_control_page(const struct moeep_client *client);
 

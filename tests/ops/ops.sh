@@ -7,7 +7,7 @@
 # 1. --check-config accepts a good file and names file, line, key and value
 #    of a bad one; moeepd refuses to start on the bad one.
 # 2. Every moeepctl subcommand, human and --json: each JSON document parses
-#    and carries its fields; nics and mesh give honest empty answers.
+#    and carries its fields; nics and mesh (off here) give honest empty answers.
 # 3. Metrics: /metrics over HTTP and `moeepctl metrics` both pass a strict
 #    Prometheus text-format parser (prom-parse.py), count what happened
 #    (requests, errors, jobs, ranks, regions, barriers) and agree with each
@@ -178,7 +178,7 @@ for cmd in status jobs clients nics mesh metrics; do
 done
 grep -q '^draining: *no$' "$tmp/status.out" || fail "status: no 'draining: no' line"
 grep -q '^log level: *info$' "$tmp/status.out" || fail "status: no 'log level: info' line"
-grep -q '^protocol: *1\.1$' "$tmp/status.out" || fail "status: protocol is not 1.1"
+grep -q '^protocol: *1\.2$' "$tmp/status.out" || fail "status: protocol is not 1.2"
 json "$tmp/status-json.out" 'd["draining"] is False and d["log_level"] == "info" and d["jobs"] == 1'
 grep -q 'ops-job' "$tmp/jobs.out" || fail "jobs: ops-job missing"
 json "$tmp/jobs-json.out" '[j["joined_ranks"] for j in d if j["name"] == "ops-job"] == [[0, 1]]'
@@ -190,9 +190,9 @@ json "$tmp/nics-json.out" '(len(d["nics"]) == 0) == (d["note"] != "") and all(se
 if python3 -c 'import json,sys; sys.exit(len(json.load(open(sys.argv[1]))["nics"]) != 0)' "$tmp/nics-json.out"; then
         grep -q '^no RDMA devices' "$tmp/nics.out" || fail "nics without devices: no 'no RDMA devices' note"
 fi
-grep -q '^PEER  *ADDRESS  *STATE  *LATENCY$' "$tmp/mesh.out" || fail "mesh: header"
-grep -q '^internode mesh not configured' "$tmp/mesh.out" || fail "mesh: note"
-json "$tmp/mesh-json.out" 'd == {"configured": False, "peers": [], "note": d["note"]} and d["note"].startswith("internode mesh not configured")'
+grep -q '^PEER  *STATE  *DIALLED  *RTT_US  *JOBS$' "$tmp/mesh.out" || fail "mesh: header"
+grep -q '^internode mesh off' "$tmp/mesh.out" || fail "mesh: note"
+json "$tmp/mesh-json.out" 'd == {"configured": False, "address": "", "keyed": False, "peers": [], "note": d["note"]} and d["note"].startswith("internode mesh off")'
 json "$tmp/metrics-json.out" 'all(set(f) == {"name", "type", "help", "samples"} for f in d) and any(f["name"] == "moeepd_ranks" and f["samples"][0]["value"] == 2 for f in d)'
 echo "ok: status, jobs, clients, nics, mesh and metrics print tables and parseable JSON"
 echo "    nics: $(tail -n +2 "$tmp/nics.out" | head -n 1)"

@@ -1,0 +1,150 @@
+/* The internode mesh: TCP connections between moeepd daemons, their mutual
+ * authentication with the cluster key (auth.h), liveness and round-trip
+ * time (PeerPing), and the jobs whose ranks joined at several daemons.
+ *
+ * Wire: every frame is a 4-byte big-endian length and one PeerMessage
+ * (moeep.proto, "mesh"); docs/protocol.md, "Mesh", has the whole exchange.
+ *
+ * Peers: one struct mesh_peer per connection. Those named in mesh_peers
+ * (and those a forwarded join needs) are dialled by us ("outbound"), live as
+ * long as the daemon and are redialled every MESH_REDIAL_MS while down;
+ * connections we accept ("inbound") are freed once they fail. A peer is
+ * usable only in state UP; until then it may send only handshake messages,
+ * frames of at most MESH_FRAME_MAX_UNAUTH bytes, and must finish within
+ * MESH_HANDSHAKE_MS; at most MESH_MAX_UNAUTH inbound connections may be
+ * unauthenticated at once. Every way a peer fails goes through one function
+ * (peer_fail() in mesh.c), which logs once.
+ *
+ * Jobs: the daemon named in a job's unique id (job.h) is its home. A JobJoin
+ * that names another daemon is forwarded there (mesh_join_forward()); the
+ * home adds a member with `remote` set whose owner is a struct mesh_rank,
+ * and the joining daemon adds its session to a mirror of the job
+ * (jobs_join_mirror()). Barrier, leave and loss of a mirror's members go to
+ * the home; the home's answers (barrier done, rank lost, the rank -> node
+ * map) come back. When a peer goes down, the home declares every rank that
+ * joined through it lost, and a mirror whose home went down is aborted with
+ * PeerLost for every remote rank. Only metadata crosses the mesh: memory of
+ * remote ranks is reached through the transports (transport.h), never as
+ * fds. */
+#ifndef MOEEPD_MESH_H
+#define MOEEPD_MESH_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <sys/queue.h>
+
+#include "auth.h"
+#include "job.h"
+#include "moeep.pb-c.h"
+
+struct bufferevent;
+struct daemon;
+struct event;
+struct evconnlistener;
+struct session;
+
+#define MESH_FRAME_MAX 65536       /* largest PeerMessage either side sends or accepts */
+#define MESH_FRAME_MAX_UNAUTH 1024 /* before the handshake is done */
+#define MESH_HANDSHAKE_MS 5000     /* from connect/accept to UP */
+#define MESH_MAX_UNAUTH 16         /* inbound connections still authenticating */
+#define MESH_PING_MS 1000          /* PeerPing interval once UP */
+#define MESH_DEAD_MS 5000          /* no PeerPong for this long: the peer is down */
+#define MESH_REDIAL_MS 1000        /* an outbound peer that is down is redialled after this */
+#define MESH_OUT_MAX (4u << 20)    /* bytes queued to one peer before it counts as stuck */
+
+enum mesh_peer_state {
+        MESH_PEER_CONNECTING,     /* outbound: TCP connect in progress */
+        MESH_PEER_AUTHENTICATING, /* connected; handshake not done */
+        MESH_PEER_UP,             /* authenticated both ways */
+        MESH_PEER_DOWN,           /* failed; outbound peers wait to be redialled */
+};
+
+const char *mesh_peer_state_to_string(enum mesh_peer_state s);
+
+struct mesh_rank;
+TAILQ_HEAD(mesh_rank_list, mesh_rank);
+
+struct mesh_peer {
+        struct mesh *mesh; /* not owning */
+        enum mesh_peer_state state;
+        bool outbound;
+        bool dead;                      /* inbound and failed: freed from the loop */
+        char address[JOB_NODE_MAX + 1]; /* its mesh address (dialled, or said in PeerHello) */
+        char remote[JOB_NODE_MAX + 1];  /* the connected socket's address, for logs */
+        struct bufferevent *bev;        /* owns; NULL while down */
+        struct event *ev_timer;         /* owns; handshake deadline, then ping, or redial */
+        uint8_t nonce_dialler[AUTH_NONCE_BYTES];
+        uint8_t nonce_listener[AUTH_NONCE_BYTES];
+        bool got_hello;              /* listener: PeerHello arrived */
+        bool sent_proof;             /* dialler: PeerProof sent, waiting for PeerWelcome */
+        uint64_t ping_seq;           /* last PeerPing sent */
+        uint64_t last_pong_ns;       /* CLOCK_MONOTONIC of the last PeerPong (or of going UP) */
+        uint64_t rtt_us;             /* last measured round trip, 0 before the first */
+        struct mesh_rank_list ranks; /* owns; ranks of our home jobs that joined through this peer */
+        TAILQ_ENTRY(mesh_peer) entry;
+};
+
+TAILQ_HEAD(mesh_peer_list, mesh_peer);
+
+struct mesh_join; /* a JobJoin forwarded to a home, waiting for PeerJoined */
+TAILQ_HEAD(mesh_join_list, mesh_join);
+
+struct mesh {
+        struct daemon *daemon;           /* not owning */
+        struct evconnlistener *listener; /* owns */
+        char address[JOB_NODE_MAX + 1];  /* ours: mesh_listen, with the real port when it said 0 */
+        bool keyed;                      /* `key` was loaded from cluster_key_file */
+        uint8_t key[AUTH_KEY_BYTES];     /* never logged or shown */
+        struct mesh_peer_list peers;     /* owns */
+        uint32_t unauthenticated;        /* inbound peers not yet UP */
+        struct mesh_join_list joins;     /* owns; forwarded joins waiting for an answer */
+        uint64_t next_token;
+        struct event *ev_reap; /* owns; frees dead inbound peers from the loop */
+        uint64_t refused;      /* connections refused (bad key, no key, timeout, cap) */
+};
+
+/* Starts the mesh when mesh_listen is set: loads the key, listens, dials
+ * mesh_peers. Returns 0 (with *ret_mesh NULL when the mesh is off) or -errno
+ * with errmsg naming the key or value. */
+int mesh_start(struct daemon *d, struct mesh **ret_mesh, char *errmsg);
+
+/* Closes every connection; fails forwarded joins. Accepts NULL. */
+void mesh_free(struct mesh *mesh);
+
+/* Our mesh address, or NULL when the mesh is off (mesh NULL). */
+const char *mesh_address(const struct mesh *mesh);
+
+/* Forwards session `s`'s JobJoin (request `rid`) to the job's home daemon
+ * `home` (dialled when not yet a peer). Returns 0 when the reply is held
+ * back (session_joined() or an Error follows), or -errno with errmsg:
+ * -ENOENT when the mesh is off, -EALREADY when `s` already waits for one. */
+int mesh_join_forward(struct mesh *mesh, struct session *s, uint64_t rid, const Moeep__V1__JobJoin *jj,
+                      const char *home, char *errmsg);
+
+/* Member `m` of a mirror entered its barrier (job_barrier() returned 1):
+ * asks the home. */
+void mesh_barrier(struct mesh *mesh, struct job_member *m);
+
+/* Member `m` of a mirror is about to leave (`lost` false) or be lost: tells
+ * the home. Call before job_member_leave() / job_member_lost(). */
+void mesh_member_gone(struct mesh *mesh, struct job_member *m, bool lost, const char *reason);
+
+/* A local rank of home job `job` joined: tells the daemons with ranks of it
+ * the new rank -> node map. */
+void mesh_job_changed(struct mesh *mesh, const struct job *job);
+
+/* The rank -> node map of `job` as this daemon knows it: for a home job
+ * from its members, for a mirror as the home last said. Returns false for
+ * a job that does not span daemons (every entry ""). */
+bool mesh_job_nodes(const struct mesh *mesh, const struct job *job, struct job_node ret[MOEEP_MAX_RANKS]);
+
+/* Peers in each state, for the metrics. */
+void mesh_count(const struct mesh *mesh, uint32_t ret_counts[MESH_PEER_DOWN + 1]);
+
+/* Jobs with ranks at both this daemon and `p`. */
+uint32_t mesh_peer_jobs(const struct mesh *mesh, const struct mesh_peer *p);
+
+/* The callbacks of the members that stand for remote ranks. */
+extern const struct job_callbacks mesh_rank_callbacks;
+
+#endif
