@@ -160,6 +160,33 @@ static void test_metrics_listen(void **state) {
         config_done(&c);
 }
 
+/* The mesh keys: off by default, their forms, and what they refuse. */
+static void test_mesh_keys(void **state) {
+        char errmsg[ERRMSG_MAX];
+        struct config c;
+
+        assert_int_equal(config_init(&c), 0);
+        assert_string_equal(c.mesh_listen, "");
+        assert_string_equal(c.mesh_peers, "");
+        assert_string_equal(c.cluster_key_file, "");
+        assert_int_equal(config_set(&c, "mesh_listen", "127.0.0.1:7100", errmsg), 0);
+        assert_int_equal(config_set(&c, "mesh_peers", "10.0.0.2:7100,[::1]:7100,localhost:1", errmsg), 0);
+        assert_string_equal(c.mesh_peers, "10.0.0.2:7100,[::1]:7100,localhost:1");
+        assert_int_equal(config_set(&c, "cluster_key_file", "/etc/moeep/cluster.key", errmsg), 0);
+        assert_int_equal(config_set(&c, "cluster_key_file", "", errmsg), 0);
+        for (const char *const *k =
+                     (const char *const[]){ "mesh_listen", "mesh_peers", "cluster_key_file", NULL };
+             *k; k++)
+                assert_false(config_key_reloadable(*k));
+        config_done(&c);
+        expect_bad("mesh_listen = host.example:7100\n", "mesh_listen", "host.example:7100");
+        expect_bad("mesh_peers = 10.0.0.2:7100,\n", "mesh_peers", "trailing comma");
+        expect_bad("mesh_peers = 10.0.0.2:7100,,10.0.0.3:1\n", "mesh_peers", "10.0.0.2:7100,,10.0.0.3:1");
+        expect_bad("mesh_peers = 10.0.0.2:0\n", "mesh_peers", "'10.0.0.2:0'");
+        expect_bad("mesh_peers = 10.0.0.2\n", "mesh_peers", "'10.0.0.2'");
+        expect_bad("cluster_key_file = cluster.key\n", "cluster_key_file", "cluster.key");
+}
+
 /* --dump-config's output reads back into the same configuration. */
 static void test_write_reads_back(void **state) {
         struct config c, back;
@@ -169,7 +196,8 @@ static void test_write_reads_back(void **state) {
 
         assert_int_equal(load(&c,
                               "max_region_bytes_per_uid = 3G\nsocket_mode = 0604\nmetrics_listen = [::1]:9\n"
-                              "log_level = notice\nmax_fds_per_uid = 7\n",
+                              "log_level = notice\nmax_fds_per_uid = 7\nmesh_listen = 127.0.0.1:7100\n"
+                              "mesh_peers = 127.0.0.1:7101,[::1]:7102\ncluster_key_file = /k\n",
                               errmsg),
                          0);
         f = open_memstream(&text, &len);
@@ -185,6 +213,8 @@ static void test_write_reads_back(void **state) {
         assert_string_equal(back.metrics_listen, "[::1]:9");
         assert_int_equal(back.log_level, LOG_NOTICE);
         assert_int_equal(back.max_fds_per_uid, 7);
+        assert_string_equal(back.mesh_peers, "127.0.0.1:7101,[::1]:7102");
+        assert_string_equal(back.cluster_key_file, "/k");
         free(text);
         config_done(&c);
         config_done(&back);
@@ -243,6 +273,7 @@ int main(void) {
                 cmocka_unit_test(test_bad_files),      cmocka_unit_test(test_missing_file),
                 cmocka_unit_test(test_set_and_reload), cmocka_unit_test(test_log_levels),
                 cmocka_unit_test(test_metrics_listen), cmocka_unit_test(test_write_reads_back),
+                cmocka_unit_test(test_mesh_keys),
         };
 
         return cmocka_run_group_tests(tests, NULL, NULL);
