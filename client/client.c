@@ -894,7 +894,7 @@ int moeep_regions_fetch(struct moeep_client *c, int rank, int64_t tag, struct mo
         struct moeep_region *regions = NULL;
         Moeep__V1__Response *resp;
         Moeep__V1__Regions *m;
-        size_t nfds;
+        size_t nfds, nlocal = 0;
         int *fds, r;
 
         if (!c)
@@ -921,9 +921,11 @@ int moeep_regions_fetch(struct moeep_client *c, int rank, int64_t tag, struct mo
                 return r;
         m = resp->regions;
         fds = moeep_client_reply_fds(c, &nfds);
-        if (m->n_regions != nfds) {
-                r = moeep_client_error_set(c, -EPROTO, "moeepd sent %zu regions with %zu descriptors",
-                                           m->n_regions, nfds);
+        for (size_t i = 0; i < m->n_regions; i++)
+                nlocal += !m->regions[i]->remote;
+        if (nlocal != nfds) {
+                r = moeep_client_error_set(c, -EPROTO, "moeepd sent %zu regions of local ranks with %zu descriptors",
+                                           nlocal, nfds);
                 goto out;
         }
         /* At least one element, so that success never returns NULL. */
@@ -946,10 +948,14 @@ int moeep_regions_fetch(struct moeep_client *c, int rank, int64_t tag, struct mo
                 regions[i].size = ri->size;
                 regions[i].id = ri->region_id;
         }
-        /* Only now that nothing can fail: the fds move to the caller. */
-        for (size_t i = 0; i < m->n_regions; i++) {
-                regions[i].fd = fds[i];
-                fds[i] = -1;
+        /* Only now that nothing can fail: the fds move to the caller, in
+         * order, to the regions of local ranks; remote ranks' get -1. */
+        for (size_t i = 0, k = 0; i < m->n_regions; i++) {
+                regions[i].fd = -1;
+                if (m->regions[i]->remote)
+                        continue;
+                regions[i].fd = fds[k];
+                fds[k++] = -1;
         }
         *ret_regions = regions;
         *ret_count = m->n_regions;

@@ -66,6 +66,19 @@ struct job_node {
 
 TAILQ_HEAD(region_list, region);
 
+/* A region of a rank joined at another daemon: metadata only (mesh.c). */
+struct job_remote_region {
+        uint32_t rank;
+        uint32_t tag;
+        uint32_t kind; /* Moeep__V1__RegionKind */
+        uint64_t size;
+        uint64_t region_id; /* at the rank's daemon */
+};
+
+/* Most remote regions one job lists: every rank's max_regions_per_session
+ * at its largest. */
+#define JOB_REMOTE_REGIONS_MAX (MOEEP_MAX_RANKS * 64)
+
 struct job_member {
         struct job *job; /* holds a reference */
         uint32_t rank;
@@ -110,7 +123,9 @@ struct job {
         char home[JOB_NODE_MAX + 1]; /* "" for a job created here */
         uint64_t home_id;            /* the id at `home`; == id when home is "" */
         struct job_node nodes[MOEEP_MAX_RANKS];
-        uint32_t lost_notified; /* mirror: bit r set once PeerLost(r) went to the members */
+        uint32_t lost_notified;                   /* mirror: bit r set once PeerLost(r) went to the members */
+        struct job_remote_region *remote_regions; /* owns; regions of ranks at other daemons (mesh.c) */
+        uint32_t nremote_regions;
         TAILQ_ENTRY(job) entry;
 };
 

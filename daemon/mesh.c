@@ -604,23 +604,13 @@ bool mesh_job_nodes(const struct mesh *mesh, const struct job *job, struct job_n
         return job_nodes_except(mesh, job, -1, ret);
 }
 
-/* Tells every daemon with ranks of home job `job` (but the rank `gone`,
- * -1: none) the rank -> node map without `gone`. */
-static void job_changed_except(struct mesh *mesh, const struct job *job, int64_t gone) {
-        Moeep__V1__PeerRanks ranks = MOEEP__V1__PEER_RANKS__INIT;
-        PEER_MSG(msg, ranks, &ranks, RANKS);
-        struct job_node nodes[MOEEP_MAX_RANKS];
-        char *ptrs[MOEEP_MAX_RANKS];
-        struct mesh_peer *told[MOEEP_MAX_RANKS];
+/* Sends `msg` once to every daemon with ranks of home job `job`, but
+ * `except` (NULL: none) and the daemon of rank `gone` only (-1: none). */
+static void job_peers_send(const struct job *job, Moeep__V1__PeerMessage *msg, const struct mesh_peer *except,
+                           int64_t gone) {
+        const struct mesh_peer *told[MOEEP_MAX_RANKS];
         size_t ntold = 0;
 
-        if (!mesh || job->home[0] || !job_nodes_except(mesh, job, gone, nodes))
-                return;
-        for (uint32_t r = 0; r < job->world_size; r++)
-                ptrs[r] = nodes[r].address;
-        ranks.job_id = job->id;
-        ranks.nodes = ptrs;
-        ranks.n_nodes = job->world_size;
         for (uint32_t r = 0; r < job->world_size; r++) {
                 const struct job_member *m = job->ranks[r];
                 struct mesh_rank *mr;
@@ -631,11 +621,72 @@ static void job_changed_except(struct mesh *mesh, const struct job *job, int64_t
                 mr = m->owner;
                 for (size_t i = 0; i < ntold; i++)
                         seen |= told[i] == mr->peer;
-                if (seen)
+                if (seen || mr->peer == except)
                         continue;
                 told[ntold++] = mr->peer;
-                peer_send(mr->peer, &msg);
+                peer_send(mr->peer, msg);
         }
+}
+
+/* Forgets the remote regions of rank `rank` (all ranks: -1) of `job`. */
+static void remote_regions_drop(struct job *job, int64_t rank) {
+        uint32_t kept = 0;
+
+        for (uint32_t i = 0; i < job->nremote_regions; i++)
+                if (rank >= 0 && job->remote_regions[i].rank != rank)
+                        job->remote_regions[kept++] = job->remote_regions[i];
+        job->nremote_regions = kept;
+}
+
+/* Records (or forgets, when released) a region of a remote rank. */
+static void remote_region_update(struct job *job, const Moeep__V1__PeerRegion *pr) {
+        struct job_remote_region *rr;
+
+        for (uint32_t i = 0; i < job->nremote_regions; i++) {
+                rr = &job->remote_regions[i];
+                if (rr->rank != pr->rank || rr->region_id != pr->region_id)
+                        continue;
+                if (pr->released)
+                        job->remote_regions[i] = job->remote_regions[--job->nremote_regions];
+                return;
+        }
+        if (pr->released)
+                return;
+        if (job->nremote_regions >= JOB_REMOTE_REGIONS_MAX) {
+                log_warn("job %" PRIu64 ": more than %d remote regions: rank %" PRIu32 "'s region %" PRIu64
+                         " is not listed",
+                         job->id, JOB_REMOTE_REGIONS_MAX, pr->rank, pr->region_id);
+                return;
+        }
+        if (!job->remote_regions) {
+                job->remote_regions = calloc(JOB_REMOTE_REGIONS_MAX, sizeof(*job->remote_regions));
+                if (!job->remote_regions)
+                        return;
+        }
+        rr = &job->remote_regions[job->nremote_regions++];
+        rr->rank = pr->rank;
+        rr->tag = pr->tag;
+        rr->kind = (uint32_t)pr->kind;
+        rr->size = pr->size;
+        rr->region_id = pr->region_id;
+}
+
+/* Tells every daemon with ranks of home job `job` (but the rank `gone`,
+ * -1: none) the rank -> node map without `gone`. */
+static void job_changed_except(struct mesh *mesh, const struct job *job, int64_t gone) {
+        Moeep__V1__PeerRanks ranks = MOEEP__V1__PEER_RANKS__INIT;
+        PEER_MSG(msg, ranks, &ranks, RANKS);
+        struct job_node nodes[MOEEP_MAX_RANKS];
+        char *ptrs[MOEEP_MAX_RANKS];
+
+        if (!mesh || job->home[0] || !job_nodes_except(mesh, job, gone, nodes))
+                return;
+        for (uint32_t r = 0; r < job->world_size; r++)
+                ptrs[r] = nodes[r].address;
+        ranks.job_id = job->id;
+        ranks.nodes = ptrs;
+        ranks.n_nodes = job->world_size;
+        job_peers_send(job, &msg, NULL, gone);
 }
 
 void mesh_job_changed(struct mesh *mesh, const struct job *job) {
@@ -717,6 +768,7 @@ static void handle_leave(struct mesh_peer *p, const Moeep__V1__PeerLeave *pl) {
         log_info("mesh: rank %" PRIu32 " of job %" PRIu64 " left at daemon %s", pl->rank, pl->job_id,
                  p->address);
         /* The job may go away with its last member: tell the others first. */
+        remote_regions_drop(mr->member->job, pl->rank);
         job_changed_except(p->mesh, mr->member->job, pl->rank);
         job_member_leave(rank_detach(mr));
         daemon_status_changed(p->mesh->daemon);
@@ -729,6 +781,7 @@ static void handle_rank_lost_home(struct mesh_peer *p, const Moeep__V1__PeerRank
         if (!mr)
                 return;
         snprintf(reason, sizeof(reason), "%s (at daemon %s)", pl->reason ? pl->reason : "lost", p->address);
+        remote_regions_drop(mr->member->job, pl->rank);
         job_member_lost(rank_detach(mr), reason);
         daemon_status_changed(p->mesh->daemon);
 }
@@ -737,8 +790,10 @@ static void handle_rank_lost_home(struct mesh_peer *p, const Moeep__V1__PeerRank
 static void peer_ranks_lost(struct mesh_peer *p, const char *why) {
         struct mesh_rank *mr;
 
-        while ((mr = TAILQ_FIRST(&p->ranks)))
+        while ((mr = TAILQ_FIRST(&p->ranks))) {
+                remote_regions_drop(mr->member->job, mr->member->rank);
                 job_member_lost(rank_detach(mr), why);
+        }
         daemon_status_changed(p->mesh->daemon);
 }
 
@@ -948,6 +1003,48 @@ void mesh_member_gone(struct mesh *mesh, struct job_member *m, bool lost, const 
         }
 }
 
+void mesh_region_changed(struct mesh *mesh, const struct job_member *m, uint64_t region_id, uint32_t tag,
+                         uint32_t kind, uint64_t size, bool released) {
+        Moeep__V1__PeerRegion pr = MOEEP__V1__PEER_REGION__INIT;
+        PEER_MSG(msg, region, &pr, REGION);
+        struct mesh_peer *p;
+
+        if (!mesh)
+                return;
+        pr.job_id = m->job->home_id;
+        pr.rank = m->rank;
+        pr.tag = tag;
+        pr.kind = (Moeep__V1__RegionKind)kind;
+        pr.size = size;
+        pr.region_id = region_id;
+        pr.released = released;
+        if (!m->job->home[0]) {
+                job_peers_send(m->job, &msg, NULL, -1);
+                return;
+        }
+        p = home_peer(mesh, m->job);
+        if (p)
+                peer_send(p, &msg);
+}
+
+static void handle_region(struct mesh_peer *p, const Moeep__V1__PeerRegion *pr) {
+        struct mesh_rank *mr = rank_find(p, pr->job_id, pr->rank);
+        struct job *job;
+
+        if (mr) { /* we are the home: keep it, pass it on to the others */
+                Moeep__V1__PeerMessage msg = MOEEP__V1__PEER_MESSAGE__INIT;
+
+                remote_region_update(mr->member->job, pr);
+                msg.body_case = MOEEP__V1__PEER_MESSAGE__BODY_REGION;
+                msg.region = (Moeep__V1__PeerRegion *)pr;
+                job_peers_send(mr->member->job, &msg, p, -1);
+                return;
+        }
+        job = jobs_find_mirror(p->mesh->daemon->jobs, p->address, pr->job_id);
+        if (job && pr->rank < job->world_size && !job_rank_local(job, pr->rank))
+                remote_region_update(job, pr);
+}
+
 /* ------------------------------------------------------------ reading */
 
 static void peer_handle(struct mesh_peer *p, const Moeep__V1__PeerMessage *msg) {
@@ -1023,6 +1120,9 @@ static void peer_handle(struct mesh_peer *p, const Moeep__V1__PeerMessage *msg) 
                 return;
         case MOEEP__V1__PEER_MESSAGE__BODY_LEAVE:
                 handle_leave(p, msg->leave);
+                return;
+        case MOEEP__V1__PEER_MESSAGE__BODY_REGION:
+                handle_region(p, msg->region);
                 return;
         case MOEEP__V1__PEER_MESSAGE__BODY_RANK_LOST:
                 /* To the home from a rank's daemon, or from the home. */

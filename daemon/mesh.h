@@ -129,6 +129,12 @@ void mesh_barrier(struct mesh *mesh, struct job_member *m);
  * the home. Call before job_member_leave() / job_member_lost(). */
 void mesh_member_gone(struct mesh *mesh, struct job_member *m, bool lost, const char *reason);
 
+/* Member `m` (a rank at this daemon) registered (`released` false) or
+ * released a region: tells the home, or for a home job the daemons with
+ * ranks of it, so that their RegionsFetch lists it as remote. */
+void mesh_region_changed(struct mesh *mesh, const struct job_member *m, uint64_t region_id, uint32_t tag,
+                         uint32_t kind, uint64_t size, bool released);
+
 /* A local rank of home job `job` joined: tells the daemons with ranks of it
  * the new rank -> node map. */
 void mesh_job_changed(struct mesh *mesh, const struct job *job);

@@ -516,6 +516,8 @@ static int handle_region_register(struct session *s, uint64_t rid, const Moeep__
                 return r;
         rec->fds[0] = -1; /* the broker owns it now */
         s->daemon->metrics.regions_registered++;
+        mesh_region_changed(s->daemon->mesh, s->member, registered.region_id, rr->tag, (uint32_t)rr->kind,
+                            rr->size, false);
         resp.body_case = MOEEP__V1__RESPONSE__BODY_REGION_REGISTERED;
         resp.region_registered = &registered;
         return session_respond(s, rid, &resp, NULL, 0);
@@ -529,8 +531,9 @@ static int handle_regions_fetch(struct session *s, uint64_t rid, const Moeep__V1
         Moeep__V1__Regions regions = MOEEP__V1__REGIONS__INIT;
         Moeep__V1__Response resp = MOEEP__V1__RESPONSE__INIT;
         int fds[MOEEP_RECORD_MAX_FDS];
+        const struct job *job = s->member->job;
         struct region **found = NULL;
-        size_t n = 0;
+        size_t n = 0, nfds;
         int r;
 
         r = broker_fetch(s->member, rf->rank, rf->tag, MOEEP_RECORD_MAX_FDS, &found, &n, errmsg);
@@ -547,18 +550,45 @@ static int handle_regions_fetch(struct session *s, uint64_t rid, const Moeep__V1
                 fds[i] = found[i]->fd;
         }
         free(found);
+        nfds = n;
+        /* Ranks at other daemons: metadata only, to clients that know the
+         * field (their memory is reached through the transports). */
+        for (uint32_t i = 0; i < job->nremote_regions && (s->features & MOEEP__V1__FEATURE__FEATURE_MESH);
+             i++) {
+                const struct job_remote_region *rr = &job->remote_regions[i];
+
+                if ((rf->rank >= 0 ? rr->rank != (uint32_t)rf->rank : rr->rank == s->member->rank) ||
+                    (rf->tag >= 0 && rr->tag != (uint64_t)rf->tag))
+                        continue;
+                if (n == MOEEP_RECORD_MAX_FDS)
+                        return errmsg_set(errmsg, -E2BIG,
+                                          "more than %d regions match (rank %" PRId32 ", tag %" PRId64 ")",
+                                          MOEEP_RECORD_MAX_FDS, rf->rank, rf->tag);
+                moeep__v1__region_info__init(&infos[n]);
+                infos[n].rank = rr->rank;
+                infos[n].tag = rr->tag;
+                infos[n].kind = (Moeep__V1__RegionKind)rr->kind;
+                infos[n].size = rr->size;
+                infos[n].region_id = rr->region_id;
+                infos[n].remote = true;
+                ptrs[n] = &infos[n];
+                n++;
+        }
         regions.n_regions = n;
         regions.regions = ptrs;
         resp.body_case = MOEEP__V1__RESPONSE__BODY_REGIONS;
         resp.regions = &regions;
-        return session_respond(s, rid, &resp, fds, n);
+        return session_respond(s, rid, &resp, fds, nfds);
 }
 
 static int handle_region_release(struct session *s, uint64_t rid, const Moeep__V1__Request *req,
                                  struct moeep_record *rec, char *errmsg) {
         int r = broker_release(s->daemon->broker, s->member, req->region_release->region_id, errmsg);
 
-        return r < 0 ? r : session_send_ok(s, rid);
+        if (r < 0)
+                return r;
+        mesh_region_changed(s->daemon->mesh, s->member, req->region_release->region_id, 0, 0, 0, true);
+        return session_send_ok(s, rid);
 }
 
 static int handle_status_get(struct session *s, uint64_t rid, const Moeep__V1__Request *req,

@@ -41,7 +41,10 @@ enum moeep_region_kind {
 };
 
 /* A region another rank registered. `fd` belongs to the caller once
- * returned; moeep_regions_free() closes the fds still >= 0. */
+ * returned; moeep_regions_free() closes the fds still >= 0. A region of a
+ * rank joined at another daemon of the mesh (a remote rank,
+ * moeep_job_ranks()) comes with fd -1: only its metadata is known here, its
+ * memory is reached through the daemons' transports. */
 struct moeep_region {
         int rank;
         uint32_t tag;
@@ -136,7 +139,8 @@ int moeep_region_register(struct moeep_client *client, int fd, enum moeep_region
 int moeep_region_release(struct moeep_client *client, uint64_t region_id);
 
 /* Fetches the regions of `rank` (or of every other rank when rank == -1)
- * with tag `tag` (or every tag when tag == -1). The caller owns the array
+ * with tag `tag` (or every tag when tag == -1); those of remote ranks with
+ * fd -1. The caller owns the array
  * and its fds; free with moeep_regions_free(). */
 int moeep_regions_fetch(struct moeep_client *client, int rank, int64_t tag,
                         struct moeep_region **ret_regions, size_t *ret_count);

@@ -10,9 +10,10 @@
  * and writes its unique id to FILE (through a temporary name and rename),
  * with --join it waits for FILE. It joins, passes a barrier with every rank
  * of the job (at both daemons), checks moeep_job_ranks() against the
- * expected bit masks of local and remote ranks, registers a memfd region
- * and checks that moeep_regions_fetch() returns the local ranks' regions
- * only, and passes a third barrier before it leaves.
+ * expected bit masks of local and remote ranks, registers a memfd region,
+ * and after a second barrier checks that moeep_regions_fetch() gives fds
+ * for the other local ranks' regions and metadata only (fd -1) for the
+ * remote ranks' ones; it passes a third barrier before it leaves.
  *
  * --expect-lost: instead of the third barrier and leaving, it creates FILE
  * (--ready-file) and enters a barrier that can only end because the test kills the other daemon: it
@@ -93,7 +94,7 @@ static int run(struct moeep_client *c, const char *id_file, bool create, int wor
         struct moeep_region *regions = NULL;
         struct moeep_unique_id id;
         struct moeep_event ev;
-        uint32_t local = 0, remote = 0, fetched = 0;
+        uint32_t local = 0, remote = 0, fetched = 0, fetched_remote = 0;
         uint64_t region_id;
         size_t n = 0;
         int r, fd;
@@ -131,17 +132,25 @@ static int run(struct moeep_client *c, const char *id_file, bool create, int wor
         r = moeep_job_barrier(c);
         if (r < 0)
                 return fail("second barrier: %s (%s)", strerror(-r), moeep_client_error(c));
-        /* Descriptors travel between ranks of one daemon only. */
+        /* Descriptors travel between ranks of one daemon only; the remote
+         * ranks' regions come as metadata with fd -1. */
         r = moeep_regions_fetch(c, -1, -1, &regions, &n);
         if (r < 0)
                 return fail("moeep_regions_fetch: %s (%s)", strerror(-r), moeep_client_error(c));
-        for (size_t i = 0; i < n; i++)
-                fetched |= 1u << regions[i].rank;
+        for (size_t i = 0; i < n; i++) {
+                if (regions[i].fd >= 0)
+                        fetched |= 1u << regions[i].rank;
+                else if (regions[i].size == 4096 && regions[i].tag == 1)
+                        fetched_remote |= 1u << regions[i].rank;
+        }
         moeep_regions_free(regions, n);
-        if (fetched != (want_local & ~(1u << my_rank)))
-                return fail("moeep_regions_fetch: regions of ranks 0x%x, want the other local ranks 0x%x",
-                            fetched, want_local & ~(1u << my_rank));
-        printf("mesh-rank %d: local 0x%x remote 0x%x, regions of 0x%x\n", my_rank, local, remote, fetched);
+        if (fetched != (want_local & ~(1u << my_rank)) || fetched_remote != want_remote)
+                return fail("moeep_regions_fetch: fds of ranks 0x%x and metadata of 0x%x, want fds of the "
+                            "other local "
+                            "ranks 0x%x and metadata of the remote ones 0x%x",
+                            fetched, fetched_remote, want_local & ~(1u << my_rank), want_remote);
+        printf("mesh-rank %d: local 0x%x remote 0x%x, region fds of 0x%x, remote regions of 0x%x\n", my_rank,
+               local, remote, fetched, fetched_remote);
         fflush(stdout);
         if (!expect_lost && !hold) {
                 /* Nobody leaves (taking its region along) before every

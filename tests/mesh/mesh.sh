@@ -11,7 +11,8 @@
 #    address; no log holds the key.
 # 3. A 4-rank job, ranks 0,1 at A (0 creates it) and 2,3 at B: every rank
 #    joins, barriers pass across the daemons, moeep_job_ranks() says which
-#    ranks are local and remote, region fds come only from local ranks.
+#    ranks are local and remote, region fds come only from local ranks and
+#    remote ranks' regions are listed as metadata (fd -1).
 # 4. The same job held in a barrier, then B is killed: ranks 0,1 at A get
 #    -ENOTCONN, the abort word and PeerLost for a remote rank within 5 s.
 # 5. B restarted; the job again, then A (the job's home) is killed: ranks 2,3
@@ -219,9 +220,9 @@ expect_ok() {
 phase="job across daemons"
 run_ranks job1
 expect_ok "${rank_pids[@]}"
-grep -q "local 0x3 remote 0xc, regions of 0x2" "$tmp/job1-rank0.out" || fail "rank 0: $(cat "$tmp/job1-rank0.out")"
-grep -q "local 0xc remote 0x3, regions of 0x4" "$tmp/job1-rank3.out" || fail "rank 3: $(cat "$tmp/job1-rank3.out")"
-echo "ok: 4 ranks over 2 daemons joined, passed barriers, told local from remote; fds only between local ranks"
+grep -q "local 0x3 remote 0xc, region fds of 0x2, remote regions of 0xc" "$tmp/job1-rank0.out" || fail "rank 0: $(cat "$tmp/job1-rank0.out")"
+grep -q "local 0xc remote 0x3, region fds of 0x4, remote regions of 0x3" "$tmp/job1-rank3.out" || fail "rank 3: $(cat "$tmp/job1-rank3.out")"
+echo "ok: 4 ranks over 2 daemons joined, passed barriers, told local from remote; region fds only between local ranks, remote regions as metadata"
 
 # ------------------------------------------------------------ 4. B dies
 phase="peer daemon killed"
