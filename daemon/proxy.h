@@ -50,6 +50,14 @@
  * write is placed after the data (libfabric FI_ORDER_WAW, or FI_FENCE when
  * the provider lacks it; verbs RC in-order execution and placement on one
  * QP). A receiver that acquire-loads counter[id] >= value may read the data.
+ * With libfabric tcp the target's provider copies both writes into memory
+ * with the CPU, in order; that the receiver sees them in that order too
+ * relies on the host's store ordering (x86 TSO). A NIC writes through PCIe
+ * posted writes, which stay in order.
+ *
+ * Failure: a write that never completes (the transport gives neither success
+ * nor error) keeps its slot after the proxy failed its peer on the timeout;
+ * a transport that drops such writes silently leaks slots until proxy_free.
  */
 #ifndef MOEEPD_PROXY_H
 #define MOEEPD_PROXY_H

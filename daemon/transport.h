@@ -39,7 +39,9 @@ struct tp_config {
 /* Where registered memory comes from. */
 enum tp_mem_kind {
         TP_MEM_HOST,   /* a host pointer the caller keeps mapped (addr, length) */
-        TP_MEM_MEMFD,  /* host memory behind a memfd: the backend maps it (fd, offset, length) */
+        TP_MEM_MEMFD,  /* host memory behind a memfd: the backend maps it (fd, offset, length); a
+                        * client's memfd must carry F_SEAL_SHRINK, or shrinking it makes the
+                        * daemon fault (SIGBUS) when the transport reads it */
         TP_MEM_DMABUF, /* device memory exported as a dma-buf (fd, offset, length): GPU memory */
 };
 const char *tp_mem_kind_to_string(enum tp_mem_kind k);
