@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs the GPU suite and moeep-bench on a GPU machine from a build folder made
-# elsewhere (the device machine has no protobuf-c or inih: .libs/ carries
-# them). Usage: scripts/gpu-run.sh BUILD_DIR [tests|bench|sweep|all]...
+# elsewhere (the device machine lacks some runtime libraries: .libs/, made by
+# scripts/gpu-carry.sh, carries them). Usage: scripts/gpu-run.sh BUILD_DIR
+# [tests|bench|sweep|all]...
 # Logs go to $OUT (or /tmp/moeep-gpu-out).
 set -u
 B=${1:?build dir}; shift
