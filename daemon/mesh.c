@@ -138,6 +138,7 @@ static int peer_send(struct mesh_peer *p, Moeep__V1__PeerMessage *msg) {
 /* ------------------------------------------------------------ failure */
 
 static void peer_dial(struct mesh_peer *p);
+static struct mesh_peer *peer_find(const struct mesh *mesh, const char *address, bool up_only);
 static void peer_ranks_lost(struct mesh_peer *p, const char *why);
 static void mirrors_abort(struct mesh *mesh, const char *home, const char *why);
 static void joins_fail(struct mesh *mesh, const char *home, const char *why);
@@ -183,9 +184,13 @@ static void peer_fail(struct mesh_peer *p, bool flush, const char *fmt, ...) {
         va_end(ap);
         if (was == MESH_PEER_UP)
                 log_warn("mesh: peer %s (%s) down: %s", p->address, p->remote, why);
+        else if (was == MESH_PEER_CONNECTING && p->unreachable_logged)
+                /* Redialled every second: said once at warning level. */
+                log_debug("mesh: peer %s still not reached: %s", p->address, why);
         else
                 log_warn("mesh: peer %s (%s) %s: %s", p->address, p->remote[0] ? p->remote : "not connected",
                          was == MESH_PEER_AUTHENTICATING ? "refused" : "not reached", why);
+        p->unreachable_logged = was == MESH_PEER_CONNECTING;
         if (was == MESH_PEER_AUTHENTICATING)
                 mesh->refused++;
         p->state = MESH_PEER_DOWN;
@@ -202,9 +207,38 @@ static void peer_fail(struct mesh_peer *p, bool flush, const char *fmt, ...) {
 
                 snprintf(lost, sizeof(lost), "daemon %s lost: %s", p->address, why);
                 peer_ranks_lost(p, lost);
-                mirrors_abort(mesh, p->address, lost);
+                /* Mirrors and forwarded joins name the daemon, not the
+                 * connection: they go on over another one that is up. */
+                if (!peer_find(mesh, p->address, true))
+                        mirrors_abort(mesh, p->address, lost);
         }
-        joins_fail(mesh, p->address, why);
+        if (!peer_find(mesh, p->address, true))
+                joins_fail(mesh, p->address, why);
+        if (p->outbound) {
+                timer_arm(p, MESH_REDIAL_MS);
+        } else {
+                p->dead = true;
+                event_active(mesh->ev_reap, EV_TIMEOUT, 0);
+        }
+}
+
+/* Closes a connection that duplicates another one to the same daemon and
+ * that nothing uses: no log line, no job touched. An outbound peer waits to
+ * redial (which it skips while the other connection is up). */
+static void peer_drop(struct mesh_peer *p) {
+        struct mesh *mesh = p->mesh;
+
+        if (!p->outbound && p->state != MESH_PEER_UP)
+                mesh->unauthenticated--;
+        p->state = MESH_PEER_DOWN;
+        if (p->bev) {
+                /* Flushed: a PeerWelcome queued on it lets the dialler
+                 * reach the same decision instead of seeing a refusal. */
+                bev_release(p->bev, true);
+                p->bev = NULL;
+        }
+        evtimer_del(p->ev_timer);
+        p->got_hello = p->sent_proof = false;
         if (p->outbound) {
                 timer_arm(p, MESH_REDIAL_MS);
         } else {
@@ -372,8 +406,33 @@ static void peer_up_flush(struct mesh_peer *p) {
 
 /* Both sides proved the key: the peer is usable. */
 static void peer_up(struct mesh_peer *p) {
+        struct mesh *mesh = p->mesh;
+        struct mesh_peer *q = peer_find(mesh, p->address, true);
+
+        /* Two daemons that dialled each other at once: both keep the
+         * connection that the daemon with the smaller address dialled, so
+         * that they agree without a word. One that already carries jobs is
+         * kept whatever its direction (a rare race; the other side then
+         * drops both and redials). */
+        if (q) {
+                const char *dialler_q = q->outbound ? mesh->address : q->address;
+                const char *dialler_p = p->outbound ? mesh->address : p->address;
+                bool keep_p = strcmp(dialler_p, dialler_q) < 0 && TAILQ_EMPTY(&q->ranks) &&
+                              !mesh_peer_jobs(mesh, q);
+
+                if (keep_p) {
+                        log_info("mesh: peer %s: a second connection (%s); keeping the one %s dialled",
+                                 p->address, p->remote, dialler_p);
+                        peer_drop(q);
+                } else {
+                        log_info("mesh: peer %s: a second connection (%s); keeping the one %s dialled",
+                                 p->address, q->remote, dialler_q);
+                        peer_drop(p);
+                        return;
+                }
+        }
         if (!p->outbound)
-                p->mesh->unauthenticated--;
+                mesh->unauthenticated--;
         p->state = MESH_PEER_UP;
         p->last_pong_ns = now_ns();
         p->rtt_us = 0;
@@ -439,7 +498,11 @@ static void peer_timer_cb(evutil_socket_t fd, short what, void *arg) {
                 return;
         }
         case MESH_PEER_DOWN:
-                if (p->outbound)
+                /* A daemon that dialled us while we were waiting to redial
+                 * it needs no second connection. */
+                if (p->outbound && peer_find(p->mesh, p->address, true))
+                        timer_arm(p, MESH_REDIAL_MS);
+                else if (p->outbound)
                         peer_dial(p);
                 return;
         }

@@ -69,6 +69,7 @@ struct mesh_peer {
         enum mesh_peer_state state;
         bool outbound;
         bool dead;                      /* inbound and failed: freed from the loop */
+        bool unreachable_logged;        /* outbound: the last dial failed and was logged */
         char address[JOB_NODE_MAX + 1]; /* its mesh address (dialled, or said in PeerHello) */
         char remote[JOB_NODE_MAX + 1];  /* the connected socket's address, for logs */
         struct bufferevent *bev;        /* owns; NULL while down */

@@ -285,7 +285,15 @@ int query_mesh(struct session *s, uint64_t request_id, char *errmsg) {
                 TAILQ_FOREACH (p, &mesh->peers, entry) {
                         Moeep__V1__MeshPeer *mp = &infos[n];
 
-                        if (p->dead)
+                        const struct mesh_peer *q;
+                        bool covered = false;
+
+                        /* An outbound peer waiting while the daemon's own
+                         * connection to us is up is no second peer. */
+                        TAILQ_FOREACH (q, &mesh->peers, entry)
+                                covered |= q != p && !q->dead && q->state == MESH_PEER_UP &&
+                                           strcmp(q->address, p->address) == 0;
+                        if (p->dead || (covered && p->state != MESH_PEER_UP))
                                 continue;
                         moeep__v1__mesh_peer__init(mp);
                         mp->address = (char *)p->address;

@@ -4,8 +4,9 @@
 #
 #   mesh.sh MOEEPD MOEEPCTL MESH_RANK
 #
-# 1. A and B share the cluster key (B dials A): both see each other up with
-#    a measured round trip; the metrics count one peer up.
+# 1. A and B share the cluster key and name each other in mesh_peers: one
+#    connection remains, both see each other up with a measured round trip;
+#    the metrics count one peer up.
 # 2. C holds another key, D none, and a raw client sends a frame too large
 #    for an unauthenticated peer: A refuses each and logs one line naming the
 #    address; no log holds the key.
@@ -132,16 +133,19 @@ a=127.0.0.1:$port_a b=127.0.0.1:$port_b c=127.0.0.1:$port_c d=127.0.0.1:$port_d
 
 # ------------------------------------------------------------ 1. key accepted
 phase="key accepted"
-start A "$port_a" "$tmp/good.key" ""
+# Each names the other in mesh_peers: one connection must remain.
+start A "$port_a" "$tmp/good.key" "$b"
 start B "$port_b" "$tmp/good.key" "$a"
 wait_until 10 "A to see B up" peer_state A "$b" up
 wait_until 10 "B to see A up" peer_state B "$a" up
-sleep 1.5 # a ping or two
+sleep 2.5 # a ping or two, and A's redial timer
+ctl A --json mesh >"$tmp/mesh-a.json" || fail "moeepctl mesh on A"
+json_check "$tmp/mesh-a.json" '[(p["address"], p["state"]) for p in d["peers"]] == [("'"$b"'", "up")]'
 ctl B --json mesh >"$tmp/mesh-b.json" || fail "moeepctl mesh on B"
-json_check "$tmp/mesh-b.json" 'd["configured"] and d["keyed"] and d["address"] == "'"$b"'" and len(d["peers"]) == 1 and d["peers"][0]["outbound"] and d["peers"][0]["rtt_us"] > 0'
+json_check "$tmp/mesh-b.json" 'd["configured"] and d["keyed"] and d["address"] == "'"$b"'" and len(d["peers"]) == 1 and d["peers"][0]["state"] == "up" and d["peers"][0]["rtt_us"] > 0'
 ctl A mesh >"$tmp/mesh-a.txt" || fail "moeepctl mesh on A"
 grep -q "^PEER  *STATE  *DIALLED  *RTT_US  *JOBS$" "$tmp/mesh-a.txt" || fail "mesh: header: $(cat "$tmp/mesh-a.txt")"
-grep -q "^$b  *up  *no " "$tmp/mesh-a.txt" || fail "mesh: no row for B: $(cat "$tmp/mesh-a.txt")"
+grep -q "^$b  *up  *\(yes\|no\)  *[0-9][0-9]*  *0$" "$tmp/mesh-a.txt" || fail "mesh: no row for B: $(cat "$tmp/mesh-a.txt")"
 ctl A metrics >"$tmp/metrics-a.txt" || fail "moeepctl metrics on A"
 grep -q '^moeepd_mesh_peers{state="up"} 1$' "$tmp/metrics-a.txt" || fail "metrics: moeepd_mesh_peers up is not 1"
 echo "ok: A and B authenticated each other; moeepctl mesh shows state and RTT"
