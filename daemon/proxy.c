@@ -281,6 +281,21 @@ static void ring_bad_desc(struct proxy *p, struct ring *ring, uint64_t seq, uint
         }
 }
 
+/* A post for slot i failed at once with `r` (not -EAGAIN): a range outside
+ * a region fails the descriptor; anything else is the transport giving up
+ * on the peer (e.g. -ECONNRESET once its connection is gone). */
+static void post_failed(struct proxy *p, uint32_t i, int r) {
+        struct slot *s = &p->slots[i];
+        uint32_t tp_peer = s->tp_peer;
+
+        if (r == -EINVAL)
+                ring_bad_desc(p, s->ring, s->seq, s->route, r, "range outside a region");
+        if (s->pending == 0)
+                slot_finish(p, i, false);
+        if (r != -EINVAL)
+                peer_failed(p, tp_peer, r, "the transport refused a write");
+}
+
 static int post_signal(struct proxy *p, uint32_t i, const struct proxy_route *route, uint32_t signal_id) {
         return p->ops->write(p->tp, route->tp_peer, p->staging_mr, (uint64_t)i * 8, &route->counters,
                              (uint64_t)signal_id * 8, 8, (uint64_t)i * 2 + 1, 0, TP_WRITE_ORDERED);
@@ -312,24 +327,23 @@ static int desc_start(struct proxy *p, struct ring *ring, uint64_t seq, const st
         i = p->free_slots[--p->nfree];
         s = &p->slots[i];
         *s = (struct slot){ .state = SLOT_BUSY, .ring = ring, .seq = seq, .route = d->peer, .tp_peer = route->tp_peer };
+        ring->inflight++;
         if (d->length) {
                 r = p->ops->write(p->tp, route->tp_peer, ring->src, d->src_offset, &route->data, d->dst_offset,
                                   d->length, (uint64_t)i * 2, 0, 0);
                 if (r == -EAGAIN) {
                         atomic_fetch_add_explicit(&p->stats.eagain, 1, memory_order_relaxed);
+                        ring->inflight--;
                         slot_release(p, i);
                         return -EAGAIN;
                 }
                 if (r < 0) {
-                        slot_release(p, i);
-                        ring_bad_desc(p, ring, seq, d->peer, r, r == -EINVAL ? "range outside a region" : strerror(-r));
-                        ring_finish(ring, seq);
+                        post_failed(p, i, r);
                         return 0;
                 }
                 s->pending++;
                 atomic_fetch_add_explicit(&p->stats.writes, 1, memory_order_relaxed);
         }
-        ring->inflight++;
         s->posted_ns = 0; /* stamped by the timeout scan */
         if (d->flags & PROXY_DESC_SIGNAL) {
                 p->staging[i] = d->signal_value;
@@ -343,10 +357,7 @@ static int desc_start(struct proxy *p, struct ring *ring, uint64_t seq, const st
                 }
                 s->need_signal = false;
                 if (r < 0) {
-                        ring_bad_desc(p, ring, seq, d->peer, r,
-                                      r == -EINVAL ? "signal id outside the counter region" : strerror(-r));
-                        if (s->pending == 0)
-                                slot_finish(p, i, false);
+                        post_failed(p, i, r);
                         return 0;
                 }
                 s->pending++;
@@ -373,9 +384,7 @@ static int retry_signals(struct proxy *p) {
                 }
                 s->need_signal = false;
                 if (r < 0) {
-                        ring_bad_desc(p, s->ring, s->seq, s->route, r, strerror(-r));
-                        if (s->pending == 0)
-                                slot_finish(p, i, false);
+                        post_failed(p, i, r);
                         continue;
                 }
                 s->pending++;
