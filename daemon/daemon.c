@@ -428,8 +428,11 @@ void daemon_done(struct daemon *d) {
                 session_fail(s, 0, 0, "the daemon is exiting");
                 session_close_now(s);
         }
-        sessions_reap(d);
+        /* The mesh after the sessions left their jobs (they tell it), and
+         * before the reaping: forwarded joins hold session references. */
         mesh_free(d->mesh);
+        d->mesh = NULL;
+        sessions_reap(d);
         http_free(d->http);
         jobs_free(d->jobs);
         broker_free(d->broker);

@@ -1042,7 +1042,9 @@ void mesh_barrier(struct mesh *mesh, struct job_member *m) {
         pb.rank = m->rank;
         if (!p || peer_send(p, &msg) < 0) {
                 /* The home is gone: the job is (being) aborted. */
-                job_abort(m->job, m->rank == 0 ? 1 : 0, "the job's home daemon is not reachable");
+                for (uint32_t r = 0; r < m->job->world_size; r++)
+                        if (!job_rank_local(m->job, r))
+                                job_abort(m->job, r, "the job's home daemon is not reachable");
                 job_barrier_release(m, -EPIPE);
         }
 }
