@@ -398,16 +398,22 @@ static int kill_side(int sock, uint64_t count, pid_t other) {
         if (t_wait - t_kill > 15 * SEC)
                 FAIL("errors took %.1f s", (double)(t_wait - t_kill) / 1e9);
         {
+                /* The proxy sets the ring's error before it queues the
+                 * event: wait for it as the event loop would. */
+                struct pollfd efd = { .fd = proxy_event_fd(s.proxy), .events = POLLIN };
                 struct proxy_event ev;
                 bool seen = false;
 
-                while (proxy_event_next(s.proxy, &ev))
-                        if (ev.type == PROXY_EVENT_PEER_FAILED) {
-                                printf("kill: event: %s\n", ev.msg);
-                                seen = true;
-                        }
+                for (uint64_t t0 = drv_now_ns(); !seen && drv_now_ns() - t0 < 5 * SEC;) {
+                        poll(&efd, 1, 100);
+                        while (proxy_event_next(s.proxy, &ev))
+                                if (ev.type == PROXY_EVENT_PEER_FAILED) {
+                                        printf("kill: event: %s\n", ev.msg);
+                                        seen = true;
+                                }
+                }
                 if (!seen)
-                        FAIL("no peer-failed event");
+                        FAIL("no peer-failed event within 5 s of the error");
         }
         side_teardown(&s);
         return 0;
