@@ -228,6 +228,29 @@ grep -q "local 0x3 remote 0xc, region fds of 0x2, remote regions of 0xc" "$tmp/j
 grep -q "local 0xc remote 0x3, region fds of 0x4, remote regions of 0x3" "$tmp/job1-rank3.out" || fail "rank 3: $(cat "$tmp/job1-rank3.out")"
 echo "ok: 4 ranks over 2 daemons joined, passed barriers, told local from remote; region fds only between local ranks, remote regions as metadata"
 
+# kill_and_expect TAG VICTIM SURVIVING_RANKS LOST_RANKS: the ranks of job
+# TAG hold (run_ranks TAG SURVIVOR); VICTIM is killed; the surviving ranks
+# (pattern, e.g. "[01]") must end well within 5 s, having seen PeerLost for
+# one of LOST_RANKS. Sets $ms.
+kill_and_expect() {
+        local tag=$1 victim=$2 surviving=$3 lost=$4 r killed pids=()
+        for r in 0 1 2 3; do
+                wait_until 20 "rank $r to hold" test -e "$tmp/$tag.ready.$r"
+        done
+        for r in 0 1 2 3; do
+                [[ $r == $surviving ]] && pids+=("${rank_pids[$r]}")
+        done
+        killed=$(date +%s%N)
+        kill -KILL "${daemon_pid[$victim]}"
+        expect_ok "${pids[@]}"
+        ms=$((($(date +%s%N) - killed) / 1000000))
+        ((ms < 5000)) || fail "the survivors took $ms ms to learn of $victim's death"
+        for r in 0 1 2 3; do
+                [[ $r == $surviving ]] || continue
+                grep -q "PeerLost rank $lost " "$tmp/$tag-rank$r.out" || fail "rank $r: $(cat "$tmp/$tag-rank$r.out")"
+        done
+}
+
 # ------------------------------------------------------------ 4. B dies
 phase="peer daemon killed"
 run_ranks job2 A
@@ -238,12 +261,7 @@ ctl A --json jobs >"$tmp/jobs-a.json" || fail "moeepctl jobs on A"
 json_check "$tmp/jobs-a.json" 'len(d) == 1 and d[0]["joined_ranks"] == [0, 1, 2, 3]'
 ctl A --json mesh >"$tmp/mesh-a.json" || fail "moeepctl mesh on A"
 json_check "$tmp/mesh-a.json" '[p["jobs"] for p in d["peers"] if p["address"] == "'"$b"'"] == [1]'
-killed=$(date +%s%N)
-kill -KILL "${daemon_pid[B]}"
-expect_ok "${rank_pids[0]}" "${rank_pids[1]}"
-ms=$((($(date +%s%N) - killed) / 1000000))
-((ms < 5000)) || fail "the survivors took $ms ms to learn of B's death"
-grep -q "PeerLost rank [23] " "$tmp/job2-rank0.out" || fail "rank 0: $(cat "$tmp/job2-rank0.out")"
+kill_and_expect job2 B "[01]" "[23]"
 log_has A "peer $b (" || fail "A did not log B going down"
 echo "ok: B killed: ranks 0,1 at A got -ENOTCONN, the abort word and PeerLost within $ms ms"
 
@@ -252,15 +270,7 @@ phase="home daemon killed"
 start B "$port_b" "$tmp/good.key" "$a"
 wait_until 10 "B to see A up again" peer_state B "$a" up
 run_ranks job3 B
-for r in 0 1 2 3; do
-        wait_until 20 "rank $r to hold" test -e "$tmp/job3.ready.$r"
-done
-killed=$(date +%s%N)
-kill -KILL "${daemon_pid[A]}"
-expect_ok "${rank_pids[2]}" "${rank_pids[3]}"
-ms=$((($(date +%s%N) - killed) / 1000000))
-((ms < 5000)) || fail "the survivors took $ms ms to learn of A's death"
-grep -q "PeerLost rank [01] " "$tmp/job3-rank2.out" || fail "rank 2: $(cat "$tmp/job3-rank2.out")"
+kill_and_expect job3 A "[23]" "[01]"
 echo "ok: A (the job's home) killed: ranks 2,3 at B got -ENOTCONN, the abort word and PeerLost within $ms ms"
 
 phase="stop"
