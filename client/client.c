@@ -278,23 +278,6 @@ static int client_error_from_response(struct moeep_client *c, const Moeep__V1__E
         return r;
 }
 
-/* Our send found the connection closed. The daemon may have queued a last
- * Error about the whole session (request id 0, e.g. a cap refused at
- * accept) before closing: report that rather than the bare close. The peer
- * is gone, so the receive does not block. */
-static int client_closed(struct moeep_client *c) {
-        Moeep__V1__Response *resp = NULL;
-        int r = 0;
-
-        if (client_recv_record(c, NULL) == 0 && c->rec->hdr.request_id == 0 &&
-            (resp = moeep_record_decode_response(c->rec)) && resp->body_case == MOEEP__V1__RESPONSE__BODY_ERROR)
-                r = client_break(c, client_error_from_response(c, resp->error));
-        if (resp)
-                moeep__v1__response__free_unpacked(resp, NULL);
-        moeep_record_release(c->rec);
-        return r < 0 ? r : client_fail(c, -ECONNRESET, CLOSED_TEXT);
-}
-
 int moeep_client_call(struct moeep_client *c, const Moeep__V1__Request *req,
                       Moeep__V1__Response__BodyCase expect, const int *fds, size_t nfds,
                       Moeep__V1__Response **ret_resp) {
@@ -309,9 +292,11 @@ int moeep_client_call(struct moeep_client *c, const Moeep__V1__Request *req,
 
         id = ++c->last_request_id;
         r = moeep_record_send(c->sock, (uint16_t)req->body_case, id, &req->base, fds, nfds);
-        if (r == -EPIPE || r == -ECONNRESET)
-                return client_closed(c);
-        if (r < 0)
+        /* A closed connection falls through to the receive below: the daemon
+         * may have queued an Error about the whole session (request id 0,
+         * e.g. a cap refused at accept) before closing, and the receive
+         * reports it, or the close. The peer is gone: it does not block. */
+        if (r < 0 && r != -EPIPE && r != -ECONNRESET)
                 return moeep_client_error_set(c, r, "cannot send request of type %d to moeepd at %s: %s",
                                               (int)req->body_case, c->socket_path, strerror(-r));
 
