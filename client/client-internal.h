@@ -43,6 +43,12 @@ int moeep_client_call(struct moeep_client *client, const Moeep__V1__Request *req
                       Moeep__V1__Response__BodyCase expect, const int *fds, size_t nfds,
                       Moeep__V1__Response **ret_resp);
 
+/* 0 while the daemon's end of the connection is open, else -ECONNRESET
+ * (the handle is then broken, as after a failed call). One poll(2) with no
+ * wait and no read: the data plane calls it at every call, so that losing
+ * moeepd is an error at once rather than unseen peer failures later. */
+int moeep_client_check_alive(struct moeep_client *client);
+
 /* The descriptors received with the last successful moeep_client_call().
  * The handle owns them: a caller that keeps one sets its slot to -1; the
  * others are closed by the next call or by moeep_client_free(). */

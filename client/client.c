@@ -173,6 +173,16 @@ static int client_check_usable(struct moeep_client *c) {
         return c->broken;
 }
 
+int moeep_client_check_alive(struct moeep_client *c) {
+        struct pollfd p = { .fd = c->sock, .events = POLLRDHUP };
+
+        if (c->broken)
+                return client_check_usable(c);
+        if (poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)))
+                return client_fail(c, -ECONNRESET, CLOSED_TEXT);
+        return 0;
+}
+
 static void event_push(struct moeep_client *c, const struct moeep_event *ev) {
         if (c->events_count == MOEEP_CLIENT_EVENT_QUEUE) {
                 c->events_head = (c->events_head + 1) % MOEEP_CLIENT_EVENT_QUEUE;

@@ -32,7 +32,7 @@ struct moeep_ep {
         int device;
         uint64_t region_id;              /* our buffer at the broker; 0 = not registered */
         bool control_page_registered;
-        void *control_page; /* not owning: the client's mapping */
+        void *control_page; /* not owning: the client's mapping, NULL when the client has none */
         SLIST_HEAD(, moeep_ep_handle) free_handles;
         unsigned ll_calls;               /* low-latency dispatches so far: picks the buffer set */
         char error[512];
@@ -43,6 +43,11 @@ int ep_fail(struct moeep_ep *ep, int r, const char *fmt, ...) __attribute__((for
 
 /* 0, or -EIO naming `what` and the CUDA error of a failed launch. */
 int launch_result(struct moeep_ep *ep, const char *what, int r);
+
+/* 0 while the job lives, else -ENOTCONN (the daemon aborted it: a rank
+ * was lost) or -ECONNRESET (moeepd is gone) with the error text set.
+ * Every data call starts with it, so it launches nothing on a dead job. */
+int ep_check_live(struct moeep_ep *ep);
 
 /* 0 for a known index type, else -EINVAL with the error text set. */
 int check_index_type(struct moeep_ep *ep, enum moeep_index_type t);

@@ -10,6 +10,8 @@ static int ll_check(struct moeep_ep *ep, const void *topk_idx, enum moeep_index_
                     int num_topk) {
         int r;
 
+        if ((r = ep_check_live(ep)) < 0)
+                return r;
         if (!ep->ctx.ll.max_tokens)
                 return ep_fail(ep, -EINVAL, "the endpoint has no low-latency buffers (ll_max_tokens 0)");
         if (num_tokens < 0 || num_tokens > ep->ctx.ll.max_tokens)

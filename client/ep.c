@@ -127,13 +127,13 @@ static void map_control_page(struct moeep_ep *ep) {
 
         if (!page)
                 return;
+        ep->control_page = (void *)page;
         if (cudaHostRegister((void *)page, MOEEP_CONTROL_PAGE_SIZE,
                              cudaHostRegisterMapped | cudaHostRegisterReadOnly) != cudaSuccess) {
                 (void)cudaGetLastError();
                 return;
         }
         ep->control_page_registered = true;
-        ep->control_page = (void *)page;
         if (cudaHostGetDevicePointer(&dev, (void *)page, 0) != cudaSuccess) {
                 (void)cudaGetLastError();
                 return;
@@ -301,6 +301,29 @@ int moeep_ep_set_num_sms(struct moeep_ep *ep, int num_sms) {
         return 0;
 }
 
+static int ep_aborted(struct moeep_ep *ep, int peer) {
+        const volatile struct moeep_control_page *page = ep->control_page;
+
+        int lost = page ? page->lost_rank : peer;
+
+        if (lost < 0)
+                return ep_fail(ep, -ENOTCONN, "rank %d: job aborted by moeepd (the daemon is stopping)",
+                               ep->ctx.rank);
+        return ep_fail(ep, -ENOTCONN, "rank %d: job aborted by moeepd (rank %d lost)", ep->ctx.rank, lost);
+}
+
+int ep_check_live(struct moeep_ep *ep) {
+        const volatile struct moeep_control_page *page = ep->control_page;
+        int r;
+
+        if (page && page->abort)
+                return ep_aborted(ep, -1);
+        if ((r = moeep_client_check_alive(ep->client)) < 0)
+                return ep_fail(ep, r, "rank %d: %s; the job is gone: destroy the endpoint and attach again",
+                               ep->ctx.rank, moeep_client_error(ep->client));
+        return 0;
+}
+
 static int state_error(struct moeep_ep *ep, uint32_t err, int peer) {
         switch ((enum moeep_kernel_error)err) {
         case MOEEP_KERR_NONE:
@@ -312,11 +335,7 @@ static int state_error(struct moeep_ep *ep, uint32_t err, int peer) {
                 return ep_fail(ep, -EINVAL, "rank %d: a low-latency expert on rank %d got more pairs than its %d slots "
                                "(a token names one expert twice?)", ep->ctx.rank, peer, ep->ctx.ranks * ep->ctx.ll.max_tokens);
         case MOEEP_KERR_ABORT:
-                return ep_fail(
-                        ep, -ENOTCONN, "rank %d: job aborted by moeepd (rank %d lost)", ep->ctx.rank,
-                        ep->control_page
-                                ? ((const volatile struct moeep_control_page *)ep->control_page)->lost_rank
-                                : peer);
+                return ep_aborted(ep, peer);
         }
         return ep_fail(ep, -EIO, "rank %d: device error code %u", ep->ctx.rank, err);
 }
@@ -461,17 +480,24 @@ int moeep_ep_recv_buffers(const struct moeep_ep *ep, struct moeep_dispatch_resul
         return 0;
 }
 
+/* The top-k width that travels with the dispatch, 0 for none. A rank with
+ * no tokens may have no topk_idx array (an empty tensor's data pointer is
+ * NULL) while its peers send theirs: its num_topk says top-k travels. */
+static int dispatch_topk(const struct moeep_dispatch_args *a) {
+        return a->topk_idx || (a->num_tokens == 0 && a->num_topk > 0) ? a->num_topk : 0;
+}
+
 static int dispatch_check(struct moeep_ep *ep, const struct moeep_dispatch_args *a) {
         int r;
 
-        if ((r = check_dtype(ep, a->x_type)) < 0)
+        if ((r = ep_check_live(ep)) < 0 || (r = check_dtype(ep, a->x_type)) < 0)
                 return r;
         if (a->handle && a->handle->ep != ep)
                 return ep_fail(ep, -EINVAL, "the handle belongs to another endpoint");
         if (a->handle && a->num_tokens != a->handle->route.num_tokens)
                 return ep_fail(ep, -EINVAL, "num_tokens %d differs from the handle's %d", a->num_tokens,
                                a->handle->route.num_tokens);
-        if ((r = check_tokens(ep, a->num_tokens, a->num_topk, a->topk_idx != NULL)) < 0)
+        if ((r = check_tokens(ep, a->num_tokens, a->num_topk, dispatch_topk(a) > 0)) < 0)
                 return r;
         if (a->topk_idx && (r = check_index_type(ep, a->topk_idx_type)) < 0)
                 return r;
@@ -490,9 +516,9 @@ static int dispatch_check(struct moeep_ep *ep, const struct moeep_dispatch_args 
         if (a->num_worst_tokens < 0 || a->num_worst_tokens > ep->ctx.ranks * ep->ctx.max_tokens)
                 return ep_fail(ep, -EINVAL, "num_worst_tokens %d is outside 0..%d", a->num_worst_tokens,
                                ep->ctx.ranks * ep->ctx.max_tokens);
-        if (a->handle && a->handle->num_topk != (a->topk_idx ? a->num_topk : 0))
-                return ep_fail(ep, -EINVAL, "num_topk %d differs from the handle's %d",
-                               a->topk_idx ? a->num_topk : 0, a->handle->num_topk);
+        if (a->handle && a->handle->num_topk != dispatch_topk(a))
+                return ep_fail(ep, -EINVAL, "num_topk %d differs from the handle's %d", dispatch_topk(a),
+                               a->handle->num_topk);
         return 0;
 }
 
@@ -522,7 +548,7 @@ int moeep_dispatch(struct moeep_ep *ep, const struct moeep_dispatch_args *a,
                         return r;
                 fresh = true;
                 h->route.num_tokens = a->num_tokens;
-                h->num_topk = a->topk_idx ? a->num_topk : 0;
+                h->num_topk = dispatch_topk(a);
                 r = launch_result(ep, "notify",
                                   moeep_launch_notify(&ep->ctx, a->is_token_in_rank, a->topk_idx, idx64,
                                                       a->num_tokens, a->num_topk, a->expert_alignment,
@@ -544,7 +570,7 @@ int moeep_dispatch(struct moeep_ep *ep, const struct moeep_dispatch_args *a,
                 .topk_idx = a->topk_idx,
                 .idx_is_int64 = idx64,
                 .topk_weights = a->topk_weights,
-                .num_topk = a->topk_idx ? a->num_topk : 0,
+                .num_topk = dispatch_topk(a),
         };
         /* The data kernel is queued before the host waits for the counts, so
          * the GPU goes straight from the count exchange to the payload. */
@@ -569,8 +595,8 @@ int moeep_dispatch(struct moeep_ep *ep, const struct moeep_dispatch_args *a,
                 .recv_x_scales = a->x_type == MOEEP_DTYPE_FP8_E4M3
                                          ? (float *)(own + ep->ctx.layout.recv_scales)
                                          : NULL,
-                .recv_topk_idx = a->topk_idx ? own + ep->ctx.layout.recv_topk_idx : NULL,
-                .recv_topk_weights = a->topk_idx ? (float *)(own + ep->ctx.layout.recv_topk_weights) : NULL,
+                .recv_topk_idx = dispatch_topk(a) ? own + ep->ctx.layout.recv_topk_idx : NULL,
+                .recv_topk_weights = dispatch_topk(a) ? (float *)(own + ep->ctx.layout.recv_topk_weights) : NULL,
                 .recv_src_info = h->route.recv_src,
                 .num_recv_tokens = h->num_recv,
                 .num_recv_tokens_dev = h->route.num_recv,
@@ -593,6 +619,8 @@ int moeep_combine(struct moeep_ep *ep, const struct moeep_combine_args *a, cudaS
                 return -EINVAL;
         if (!a || !a->handle)
                 return ep_fail(ep, -EINVAL, "combine needs a dispatch handle");
+        if ((r = ep_check_live(ep)) < 0)
+                return r;
         if (a->handle->ep != ep)
                 return ep_fail(ep, -EINVAL, "the handle belongs to another endpoint");
         if (a->handle->num_recv != 0 && !a->x)

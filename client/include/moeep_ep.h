@@ -98,7 +98,9 @@ struct moeep_dispatch_args {
         /* Routing: is_token_in_rank [num_tokens][ranks] (0/1 bytes) when not
          * NULL, else the ranks of the top-k experts. Ignored with a handle. */
         const uint8_t *is_token_in_rank;
-        const void *topk_idx;           /* [num_tokens][num_topk], -1 = masked; optional */
+        const void *topk_idx;           /* [num_tokens][num_topk], -1 = masked; optional (NULL with
+                                         * num_tokens 0 and num_topk set: a rank with no tokens
+                                         * in a dispatch whose top-k travels) */
         enum moeep_index_type topk_idx_type;
         const float *topk_weights;      /* [num_tokens][num_topk]; optional, only with topk_idx */
         int num_topk;

@@ -594,6 +594,13 @@ static int run_case(struct moeep_client *c, int me, int R, int ci, uint64_t seed
                 goto out;
         }
 
+        if (T == 0) {
+                /* As an empty torch tensor: no array at all, num_topk still set. */
+                cudaFree(d_idx);
+                cudaFree(d_w);
+                d_idx = d_w = NULL;
+        }
+
         /* Layout against the CPU. */
         CK(cudaMalloc((void **)&d_pr, sizeof(int) * R));
         CK(cudaMalloc((void **)&d_pe, sizeof(int) * E));

@@ -46,6 +46,19 @@ def check(cond, what):
         raise AssertionError(what)
 
 
+def same(got, want, what):
+    """Exact equality; on a mismatch the message names the first bad row."""
+    if got.shape != want.shape or got.dtype != want.dtype:
+        raise AssertionError("%s: got %s %s, want %s %s" % (what, tuple(got.shape), got.dtype,
+                                                         tuple(want.shape), want.dtype))
+    bad = (got != want).view(got.shape[0], -1).any(1) if got.numel() else got.new_zeros(0, dtype=torch.bool)
+    if bool(bad.any()):
+        rows = bad.nonzero().flatten()
+        r = int(rows[0].item())
+        raise AssertionError("%s: %d of %d rows differ; row %d: got %s, want %s" % (
+            what, rows.numel(), got.shape[0], r, got[r].tolist()[:16], want[r].tolist()[:16]))
+
+
 def close(a, b, what, rtol=1e-2, atol=1e-2):
     a, b = a.float(), b.float()
     if not torch.allclose(a, b, rtol=rtol, atol=atol):
@@ -132,8 +145,8 @@ def test_normal(rank, R, group, sock):
                 topk_idx=idx, topk_weights=w, expert_alignment=align)
             check(rx.shape == (n_recv, H) and rx.dtype == torch.bfloat16, "recv_x shape %s" % (rx.shape,))
             check(torch.equal(rx, ref_rows), "recv_x rows (T=%d)" % T)
-            check(torch.equal(ridx, ref_idx) and ridx.dtype == torch.int64, "recv_topk_idx")
-            check(torch.equal(rw, ref_w), "recv_topk_weights")
+            same(ridx, ref_idx, "recv_topk_idx (T=%d, align %d)" % (T, align))
+            same(rw, ref_w, "recv_topk_weights (T=%d, align %d)" % (T, align))
             exp = [int(((ref_idx == e).sum().item() + align - 1) // align * align) for e in range(L)]
             check(counts == exp, "num_recv_tokens_per_expert_list %s != %s" % (counts, exp))
 
