@@ -306,6 +306,7 @@ static void daemon_signal_cb(evutil_socket_t sig, short what, void *arg) {
         log_notice("%s: shutting down", strsignal((int)sig));
         sd_notify(0, "STOPPING=1\nSTATUS=shutting down");
         event_del(d->ev_listen);
+        jobs_abort_all(d->jobs, "the daemon is shutting down");
         sessions_shutdown(d, "the daemon is shutting down");
         event_base_loopexit(d->base, NULL);
 }

@@ -465,17 +465,28 @@ void job_abort(struct job *job, uint32_t rank, const char *reason) {
                  * rank first. */
                 job->control->lost_rank = (int32_t)rank;
                 __atomic_store_n(&job->control->abort, 1, __ATOMIC_RELEASE);
-                log_notice("job %" PRIu64 " '%s' aborted: rank %" PRIu32 " lost (%s)", job->id, job->name,
-                           rank, reason);
+                if (rank == JOB_NO_RANK)
+                        log_notice("job %" PRIu64 " '%s' aborted: %s", job->id, job->name, reason);
+                else
+                        log_notice("job %" PRIu64 " '%s' aborted: rank %" PRIu32 " lost (%s)", job->id,
+                                   job->name, rank, reason);
         }
         for (uint32_t r = 0; r < job->world_size; r++) {
                 struct job_member *peer = job->ranks[r];
 
                 if (!peer)
                         continue;
-                member_cb(peer)->peer_lost(peer->owner, job, rank, reason);
+                if (rank != JOB_NO_RANK)
+                        member_cb(peer)->peer_lost(peer->owner, job, rank, reason);
                 job_barrier_release(peer, -EPIPE);
         }
+}
+
+void jobs_abort_all(struct jobs *jobs, const char *reason) {
+        struct job *job;
+
+        TAILQ_FOREACH(job, &jobs->list, entry)
+                job_abort(job, JOB_NO_RANK, reason);
 }
 
 void job_barrier_release(struct job_member *m, int error) {

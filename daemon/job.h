@@ -184,8 +184,15 @@ int jobs_join_mirror(struct jobs *jobs, const char *home, uint64_t home_id, cons
 
 /* Aborts the job because rank `rank` (not a member here: remote, or its
  * daemon is gone) was lost: sets the abort word (once), tells every member
- * peer_lost (once per rank) and ends every waiting barrier with -EPIPE. */
+ * peer_lost (once per rank) and ends every waiting barrier with -EPIPE.
+ * JOB_NO_RANK: no rank was lost (the daemon stops); lost_rank stays -1 and
+ * nobody is told peer_lost. */
+#define JOB_NO_RANK UINT32_MAX
 void job_abort(struct job *job, uint32_t rank, const char *reason);
+
+/* job_abort(JOB_NO_RANK) of every job: the daemon is stopping, and kernels
+ * of its jobs must not wait for ranks that will soon look lost. */
+void jobs_abort_all(struct jobs *jobs, const char *reason);
 
 /* Ends `m`'s barrier wait with `error` (0 or -EPIPE) when it waits: the
  * home daemon's answer to a mirror member's barrier. */
