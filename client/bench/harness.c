@@ -24,7 +24,8 @@ static int find_moeepd(char *out, size_t len) {
         self[n] = '\0';
         *strrchr(self, '/') = '\0';
         for (size_t i = 0; i < sizeof(rel) / sizeof(rel[0]); i++) {
-                snprintf(out, len, "%s%s", self, rel[i]);
+                if (snprintf(out, len, "%s%s", self, rel[i]) >= (int)len)
+                        continue;
                 if (access(out, X_OK) == 0)
                         return 0;
         }
@@ -38,7 +39,6 @@ static void sleep_ms(int ms) {
 
 int harness_init(struct harness *h, const char *moeepd, const char *socket, size_t shared_bytes) {
         char path[PATH_MAX];
-        struct moeep_client *probe = NULL;
 
         memset(h, 0, sizeof(*h));
         h->shared_bytes = shared_bytes ? shared_bytes : 4096;
@@ -62,12 +62,20 @@ int harness_init(struct harness *h, const char *moeepd, const char *socket, size
         if (!mkdtemp(h->dir))
                 return -errno;
         snprintf(h->socket, sizeof(h->socket), "%s/moeepd.sock", h->dir);
+        snprintf(h->moeepd, sizeof(h->moeepd), "%s", moeepd);
+        return harness_daemon_start(h);
+}
+
+int harness_daemon_start(struct harness *h) {
+        struct moeep_client *probe = NULL;
+
         h->daemon_pid = fork();
         if (h->daemon_pid < 0)
                 return -errno;
         if (h->daemon_pid == 0) {
-                execl(moeepd, moeepd, "--socket", h->socket, "--foreground", "--log-level", "warning", (char *)NULL);
-                fprintf(stderr, "harness: exec %s: %s\n", moeepd, strerror(errno));
+                execl(h->moeepd, h->moeepd, "--socket", h->socket, "--foreground", "--log-level", "warning",
+                      (char *)NULL);
+                fprintf(stderr, "harness: exec %s: %s\n", h->moeepd, strerror(errno));
                 _exit(127);
         }
         for (int i = 0; i < 500; i++) {
@@ -77,12 +85,31 @@ int harness_init(struct harness *h, const char *moeepd, const char *socket, size
                 }
                 if (waitpid(h->daemon_pid, NULL, WNOHANG) == h->daemon_pid) {
                         h->daemon_pid = 0;
-                        fprintf(stderr, "harness: moeepd %s exited at start\n", moeepd);
+                        fprintf(stderr, "harness: moeepd %s exited at start\n", h->moeepd);
                         return -ECHILD;
                 }
                 sleep_ms(10);
         }
         fprintf(stderr, "harness: moeepd did not listen on %s within 5 s\n", h->socket);
+        return -ETIMEDOUT;
+}
+
+int harness_daemon_stop(struct harness *h, int sig) {
+        if (h->daemon_pid <= 0)
+                return -ESRCH;
+        if (kill(h->daemon_pid, sig) < 0)
+                return -errno;
+        for (int i = 0; i < 1000; i++) {
+                if (waitpid(h->daemon_pid, NULL, WNOHANG) == h->daemon_pid) {
+                        h->daemon_pid = 0;
+                        return 0;
+                }
+                sleep_ms(10);
+        }
+        fprintf(stderr, "harness: moeepd ignored signal %d for 10 s; killing it\n", sig);
+        kill(h->daemon_pid, SIGKILL);
+        waitpid(h->daemon_pid, NULL, 0);
+        h->daemon_pid = 0;
         return -ETIMEDOUT;
 }
 
@@ -123,6 +150,11 @@ static int rank_main(struct harness *h, const struct moeep_unique_id *id, int ra
 }
 
 int harness_run(struct harness *h, int ranks, const char *name, harness_rank_fn fn, void *arg, int timeout_s) {
+        return harness_run_watched(h, ranks, name, fn, arg, timeout_s, NULL);
+}
+
+int harness_run_watched(struct harness *h, int ranks, const char *name, harness_rank_fn fn, void *arg, int timeout_s,
+                        harness_watch_fn watch) {
         struct moeep_client *creator = NULL;
         struct moeep_unique_id id;
         pid_t pids[MOEEP_MAX_RANKS];
@@ -177,6 +209,8 @@ int harness_run(struct harness *h, int ranks, const char *name, harness_rank_fn 
                                 }
                         continue;
                 }
+                if (watch)
+                        watch(h, arg);
                 if (time(NULL) > deadline) {
                         fprintf(stderr, "harness: ranks still running after %d s; killing them\n", timeout_s);
                         for (int i = 0; i < ranks; i++)
@@ -190,27 +224,57 @@ int harness_run(struct harness *h, int ranks, const char *name, harness_rank_fn 
         return failed;
 }
 
-int harness_gpu_count(void) {
-        int fds[2], n = 0;
+/* Runs fn in a child process (CUDA stays out of this one) and returns
+ * what it wrote, up to len bytes; the byte count read, or -1. */
+static ssize_t in_child(void (*fn)(void *out, size_t len), void *out, size_t len) {
+        int fds[2];
+        ssize_t n = -1;
         pid_t p;
 
         if (pipe(fds) < 0)
-                return 0;
+                return -1;
         p = fork();
         if (p == 0) {
-                int c = 0;
-                if (cudaGetDeviceCount(&c) != cudaSuccess)
-                        c = 0;
-                (void)!write(fds[1], &c, sizeof(c));
+                char buf[len];
+                memset(buf, 0, len);
+                fn(buf, len);
+                (void)!write(fds[1], buf, len);
                 _exit(0);
         }
         close(fds[1]);
-        if (p < 0 || read(fds[0], &n, sizeof(n)) != sizeof(n))
-                n = 0;
+        if (p > 0)
+                n = read(fds[0], out, len);
         close(fds[0]);
         if (p > 0)
                 waitpid(p, NULL, 0);
         return n;
+}
+
+static void count_gpus(void *out, size_t len) {
+        if (cudaGetDeviceCount((int *)out) != cudaSuccess)
+                *(int *)out = 0;
+}
+
+int harness_gpu_count(void) {
+        int n = 0;
+        return in_child(count_gpus, &n, sizeof(n)) == sizeof(n) ? n : 0;
+}
+
+static void free_per_gpu(void *out, size_t len) {
+        size_t *v = out, total;
+        int n = 0;
+
+        if (cudaGetDeviceCount(&n) != cudaSuccess)
+                return;
+        for (int i = 0; i < n && (size_t)(i + 1) * sizeof(size_t) <= len; i++)
+                if (cudaSetDevice(i) != cudaSuccess || cudaMemGetInfo(&v[i], &total) != cudaSuccess)
+                        v[i] = 0;
+}
+
+int harness_gpu_free(size_t *ret_free, int n) {
+        return in_child(free_per_gpu, ret_free, sizeof(size_t) * (size_t)n) == (ssize_t)(sizeof(size_t) * (size_t)n)
+                       ? 0
+                       : -1;
 }
 
 void harness_fini(struct harness *h) {

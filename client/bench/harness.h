@@ -13,6 +13,7 @@ struct harness {
         char dir[64];              /* private temporary directory */
         char socket[128];          /* daemon socket in use */
         pid_t daemon_pid;          /* our moeepd, 0 when attached to a running one */
+        char moeepd[4096];         /* its program, for harness_daemon_restart() */
         void *shared;              /* MAP_SHARED anonymous memory, seen by every rank */
         size_t shared_bytes;
 };
@@ -31,9 +32,27 @@ int harness_init(struct harness *h, const char *moeepd, const char *socket, size
  * hang past timeout_s, after which every rank is killed). */
 int harness_run(struct harness *h, int ranks, const char *name, harness_rank_fn fn, void *arg, int timeout_s);
 
+/* Called by harness_run_watched() in the parent every few milliseconds
+ * while the ranks run (to act on requests the ranks leave in `shared`). */
+typedef void (*harness_watch_fn)(struct harness *h, void *arg);
+
+/* harness_run() with a watch function (NULL: none). */
+int harness_run_watched(struct harness *h, int ranks, const char *name, harness_rank_fn fn, void *arg, int timeout_s,
+                        harness_watch_fn watch);
+
+/* Our moeepd (parent only; 0 or -errno): _stop sends `sig` (SIGTERM,
+ * SIGKILL) and reaps it (SIGKILL after 10 s: -ETIMEDOUT); _start starts it again on the same socket and
+ * returns once it accepts connections. */
+int harness_daemon_stop(struct harness *h, int sig);
+int harness_daemon_start(struct harness *h);
+
 /* Number of CUDA devices, counted in a child process so that this process
  * stays free of CUDA (fork after CUDA init is not allowed); 0 when none. */
 int harness_gpu_count(void);
+
+/* Free bytes of GPUs 0..n-1, measured like harness_gpu_count(): in a
+ * child with a context on each (the same overhead every time). 0 or -1. */
+int harness_gpu_free(size_t *ret_free, int n);
 
 /* Stops our daemon and removes the temporary directory. */
 void harness_fini(struct harness *h);
