@@ -12,6 +12,8 @@ top-k weights). Low-latency mode: BF16 and FP8 (tolerance of the e4m3 cast,
 power-of-two scales with round_scale, UE8M0 packing) dispatch checked per
 local expert as a set of (rank, token) slots, receive hooks, cumulative
 stats, and combine of an expert-dependent function with the top-k weights.
+Errors: a rank whose moeepd session ends without leaving makes the others'
+next dispatch raise MoeepError naming it.
 
 Exit 77 (meson: skipped) without torch or without a CUDA device.
 Environment: MOEEP_LIBRARY, MOEEP_TEST_MOEEPD (meson sets both).
@@ -271,12 +273,54 @@ def test_low_latency(rank, R, group, sock):
     buf.destroy()
 
 
+def test_peer_lost(rank, R, group, sock):
+    """The last rank's moeepd session ends without JobLeave (as when its
+    process dies): every other rank's next dispatch raises MoeepError naming
+    it, within seconds, and the Buffer can still be destroyed."""
+    H, E, T = 1024, 8 * R, 32
+    buf = moeep.Buffer(group, socket=sock, explicitly_destroy=True, hidden=H, num_experts=E,
+                       max_tokens_per_rank=T, max_topk=2)
+    x = torch.ones(T, H, device="cuda", dtype=torch.bfloat16)
+    first = torch.arange(T, device="cuda", dtype=torch.int64) % E
+    idx = torch.stack([first, (first + E // 2) % E], 1)
+
+    def dispatch():
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+        return buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                            num_tokens_per_expert=per_expert, topk_idx=idx)
+
+    dispatch()
+    torch.cuda.synchronize()
+    dist.barrier(group)
+    if rank == R - 1:
+        fd = buf._client.lib.moeep_client_fd(buf._client.ptr)
+        s = _socket.socket(fileno=fd)
+        s.shutdown(_socket.SHUT_RDWR)  # the daemon reads EOF: this rank is lost
+        s.detach()                     # the fd stays libmoeep's
+    else:
+        t0 = time.monotonic()
+        try:
+            dispatch()
+            buf.check()
+        except moeep.MoeepError as e:
+            check("rank %d lost" % (R - 1) in str(e), "peer-lost error names the rank: %s" % e)
+            check(time.monotonic() - t0 < 5, "peer-lost error after %.1f s" % (time.monotonic() - t0))
+        else:
+            raise AssertionError("dispatch after rank %d was lost did not raise" % (R - 1))
+    dist.barrier(group)
+    try:
+        buf.destroy()
+    except moeep.MoeepError:
+        pass  # leaving a job that is gone may report it; nothing else is left
+
+
 def rank_main(rank, R, port, sock, backend):
     torch.cuda.set_device(rank)
     dist.init_process_group(backend, init_method="tcp://127.0.0.1:%d" % port, rank=rank, world_size=R)
     try:
         test_normal(rank, R, dist.group.WORLD, sock)
         test_low_latency(rank, R, dist.group.WORLD, sock)
+        test_peer_lost(rank, R, dist.group.WORLD, sock)
         if rank == 0:
             print("python buffer: %d ranks OK" % R, flush=True)
     except BaseException:
