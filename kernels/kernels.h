@@ -134,7 +134,8 @@ struct moeep_ctx {
         int hidden;
         int max_tokens;
         int max_topk;
-        int num_sms;
+        int num_sms;                            /* blocks of normal-mode dispatch/combine */
+        int ll_num_sms;                         /* blocks of the low-latency kernels: every SM */
         int combine_send_blocks;                /* 0: half the blocks send, half reduce; < 0: every block does both; else that many send */
         uint64_t *trace;                        /* diagnostics: [block][4] globaltimer stamps of combine, or NULL */
         int debug;                              /* MOEEP_DEBUG_* bits (diagnostics, from $MOEEP_KERNEL_DEBUG) */

@@ -322,10 +322,10 @@ extern "C" int moeep_launch_ll_dispatch_send(const struct moeep_ctx *ctx, const 
 
         MOEEP_CUDA_LAUNCH_BEGIN();
         if (idx_is_int64)
-                ll_dispatch_send<int64_t><<<ctx->num_sms, LL_THREADS, smem, stream>>>(
+                ll_dispatch_send<int64_t><<<ctx->ll_num_sms, LL_THREADS, smem, stream>>>(
                         *ctx, (const int4 *)x, num_tokens, (const int64_t *)topk_idx, num_topk, set, use_fp8, round_scale);
         else
-                ll_dispatch_send<int32_t><<<ctx->num_sms, LL_THREADS, smem, stream>>>(
+                ll_dispatch_send<int32_t><<<ctx->ll_num_sms, LL_THREADS, smem, stream>>>(
                         *ctx, (const int4 *)x, num_tokens, (const int32_t *)topk_idx, num_topk, set, use_fp8, round_scale);
         MOEEP_CUDA_LAUNCH_CHECK();
         return 0;
@@ -340,7 +340,7 @@ extern "C" int moeep_launch_ll_dispatch_recv(const struct moeep_ctx *ctx, int se
 
 extern "C" int moeep_launch_ll_combine_send(const struct moeep_ctx *ctx, const void *y, int set, cudaStream_t stream) {
         MOEEP_CUDA_LAUNCH_BEGIN();
-        ll_combine_send<<<ctx->num_sms, LL_THREADS, 0, stream>>>(*ctx, (const int4 *)y, set);
+        ll_combine_send<<<ctx->ll_num_sms, LL_THREADS, 0, stream>>>(*ctx, (const int4 *)y, set);
         MOEEP_CUDA_LAUNCH_CHECK();
         return 0;
 }
@@ -350,10 +350,10 @@ extern "C" int moeep_launch_ll_combine_recv(const struct moeep_ctx *ctx, const v
                                             cudaStream_t stream) {
         MOEEP_CUDA_LAUNCH_BEGIN();
         if (idx_is_int64)
-                ll_combine_recv<int64_t><<<ctx->num_sms, LL_THREADS, 0, stream>>>(
+                ll_combine_recv<int64_t><<<ctx->ll_num_sms, LL_THREADS, 0, stream>>>(
                         *ctx, (const int64_t *)topk_idx, weights, num_tokens, num_topk, set, (int4 *)out);
         else
-                ll_combine_recv<int32_t><<<ctx->num_sms, LL_THREADS, 0, stream>>>(
+                ll_combine_recv<int32_t><<<ctx->ll_num_sms, LL_THREADS, 0, stream>>>(
                         *ctx, (const int32_t *)topk_idx, weights, num_tokens, num_topk, set, (int4 *)out);
         MOEEP_CUDA_LAUNCH_CHECK();
         return 0;

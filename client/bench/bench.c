@@ -618,8 +618,10 @@ static int bench_ll(struct rank_env *env, int *slot, int T) {
                                  OP_LL_COMBINE_SEND, OP_LL_COMBINE_RECV };
         const double bytes[7] = { disp_bytes, comb_bytes, disp_bytes + comb_bytes, disp_bytes, disp_bytes,
                                   comb_bytes, comb_bytes };
+        struct moeep_ctx ctx = { 0 };
+        ep_internal_ctx(env->ep, &ctx); /* the low-latency kernels' SM count */
         for (int k = 0; k < 7; k++)
-                record(env, (*slot)++, ops[k], T, o->sms, median(t_phase[k], o->iters), bytes[k]);
+                record(env, (*slot)++, ops[k], T, ctx.ll_num_sms, median(t_phase[k], o->iters), bytes[k]);
         for (int i = 0; i < 5; i++)
                 cudaEventDestroy(ev[i]);
         cudaFree(y);

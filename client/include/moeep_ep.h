@@ -51,7 +51,8 @@ struct moeep_ep_config {
         int hidden;              /* channels per token */
         int num_experts;         /* experts of the layer, over all ranks */
         int max_topk;            /* largest top-k a call will use */
-        int num_sms;             /* blocks of dispatch/combine; 0 = MOEEP_DEFAULT_NUM_SMS */
+        int num_sms;             /* blocks of normal-mode dispatch/combine; 0 = MOEEP_DEFAULT_NUM_SMS
+                                  * (low-latency kernels use every SM of the device) */
         int timeout_ms;          /* bound of every device wait; 0 = MOEEP_DEFAULT_TIMEOUT_MS */
         int ll_max_tokens;       /* low-latency mode: tokens per rank per call (0..1024); 0 = no low-latency buffers */
 };
@@ -74,8 +75,8 @@ size_t moeep_ep_buffer_bytes(const struct moeep_ep *ep);
 int moeep_ep_rank(const struct moeep_ep *ep);
 int moeep_ep_num_ranks(const struct moeep_ep *ep);
 
-/* Changes the number of SMs (blocks) used by dispatch and combine; must be
- * the same on every rank. */
+/* Changes the number of SMs (blocks) used by normal-mode dispatch and
+ * combine; must be the same on every rank. */
 int moeep_ep_set_num_sms(struct moeep_ep *ep, int num_sms);
 
 /* Waits for the device and reports a failure of an earlier device wait
