@@ -45,20 +45,19 @@ int moeep_ll_dispatch(struct moeep_ep *ep, const struct moeep_ll_dispatch_args *
         if (!a->use_fp8 && a->round_scale)
                 return ep_fail(ep, -EINVAL, "low-latency dispatch: round_scale needs use_fp8");
 
+        /* Without a hook, one kernel does both phases (a launch less). */
         set = (int)(ep->ll_calls & 1);
         r = launch_result(ep, "low-latency dispatch",
                           moeep_launch_ll_dispatch_send(&ep->ctx, a->x, a->num_tokens, a->topk_idx,
                                                         a->topk_idx_type == MOEEP_INDEX_INT64, a->num_topk, set,
-                                                        a->use_fp8, a->round_scale, stream));
+                                                        a->use_fp8, a->round_scale, !a->return_recv_hook,
+                                                        a->cumulative_local_expert_recv_stats, stream));
         if (r < 0)
                 return r;
         ep->ll_calls++;
-        struct moeep_ll_hook hook = { .kind = HOOK_DISPATCH, .set = set,
-                                      .stats = a->cumulative_local_expert_recv_stats };
         if (a->return_recv_hook)
-                *ret_hook = hook;
-        else if ((r = moeep_ll_hook_run(ep, &hook, stream)) < 0)
-                return r;
+                *ret_hook = (struct moeep_ll_hook){ .kind = HOOK_DISPATCH, .set = set,
+                                                    .stats = a->cumulative_local_expert_recv_stats };
 
         own = ep->ctx.peers[ep->ctx.rank];
         *ret = (struct moeep_ll_dispatch_result){

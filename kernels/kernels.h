@@ -211,7 +211,7 @@ int moeep_launch_combine(const struct moeep_ctx *ctx, const void *x, const float
 int moeep_ll_init(void);
 int moeep_launch_ll_dispatch_send(const struct moeep_ctx *ctx, const void *x, int num_tokens, const void *topk_idx,
                                   int idx_is_int64, int num_topk, int set, int use_fp8, int round_scale,
-                                  cudaStream_t stream);
+                                  int recv, int *stats, cudaStream_t stream); /* recv: and the receive phase */
 int moeep_launch_ll_dispatch_recv(const struct moeep_ctx *ctx, int set, int *stats, cudaStream_t stream);
 int moeep_launch_ll_combine_send(const struct moeep_ctx *ctx, const void *y, int set, cudaStream_t stream);
 int moeep_launch_ll_combine_recv(const struct moeep_ctx *ctx, const void *topk_idx, int idx_is_int64,

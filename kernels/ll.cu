@@ -94,10 +94,33 @@ __device__ __forceinline__ void ll_cast_fp8(const int4 *row, int hidden, bool ro
         __syncwarp();
 }
 
+/* Waits (in one block) for every source's rows of set b, sequence seq,
+ * publishes the counts and zeroes the counters for the set's next use. */
+__device__ __forceinline__ void ll_recv_counts(const struct moeep_ctx &ctx, int b, uint64_t seq, int *stats) {
+        struct moeep_ll_sync *my = ll_sync_of(ctx, ctx.rank);
+        const int tid = threadIdx.x, epr = ctx.num_experts / ctx.ranks;
+
+        if (tid < ctx.ranks)
+                wait_flag(ctx, &my->dispatch_flag[b][tid], seq, tid);
+        __syncthreads();
+        for (int le = tid; le < epr; le += blockDim.x) {
+                const uint32_t c = *(volatile uint32_t *)&my->counter[b][le];
+                my->count[b][le] = (int32_t)c;
+                my->counter[b][le] = 0;
+                if (stats)
+                        stats[le] += (int)c;
+        }
+}
+
+/* The receive phase alone (a hook): one block. */
+__global__ void ll_dispatch_recv(struct moeep_ctx ctx, int b, int *stats) {
+        ll_recv_counts(ctx, b, ctx.state->ll_seq[b], stats);
+}
+
 template <typename Idx>
 __global__ void __launch_bounds__(LL_THREADS, 1)
         ll_dispatch_send(struct moeep_ctx ctx, const int4 *x, int num_tokens, const Idx *topk_idx, int K, int b,
-                         int use_fp8, int round_scale) {
+                         int use_fp8, int round_scale, int recv, int *stats) {
         extern __shared__ __align__(16) uint8_t ll_stage[];
         const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
         const int R = ctx.ranks, me = ctx.rank, H = ctx.hidden, epr = ctx.num_experts / R;
@@ -165,25 +188,10 @@ __global__ void __launch_bounds__(LL_THREADS, 1)
                 ctx.state->ll_seq[b] = seq;
         if (threadIdx.x < R)
                 st_release_sys(&ll_sync_of(ctx, threadIdx.x)->dispatch_flag[b][me], seq);
-}
-
-/* One block: waits for every source's rows of set b, publishes the counts
- * and zeroes the counters for the set's next use. */
-__global__ void ll_dispatch_recv(struct moeep_ctx ctx, int b, int *stats) {
-        struct moeep_ll_sync *my = ll_sync_of(ctx, ctx.rank);
-        const int tid = threadIdx.x, epr = ctx.num_experts / ctx.ranks;
-        const uint64_t seq = ctx.state->ll_seq[b];
-
-        if (tid < ctx.ranks)
-                wait_flag(ctx, &my->dispatch_flag[b][tid], seq, tid);
-        __syncthreads();
-        for (int le = tid; le < epr; le += blockDim.x) {
-                const uint32_t c = *(volatile uint32_t *)&my->counter[b][le];
-                my->count[b][le] = (int32_t)c;
-                my->counter[b][le] = 0;
-                if (stats)
-                        stats[le] += (int)c;
-        }
+        /* Without a hook the last block goes on with the receive phase: it
+         * waits only for other GPUs, never for blocks of this grid. */
+        if (recv)
+                ll_recv_counts(ctx, b, seq, stats);
 }
 
 /* Expert outputs back to the tokens' ranks: slot (le, pos) of set b goes to
@@ -317,16 +325,18 @@ extern "C" int moeep_ll_init(void) {
 
 extern "C" int moeep_launch_ll_dispatch_send(const struct moeep_ctx *ctx, const void *x, int num_tokens,
                                              const void *topk_idx, int idx_is_int64, int num_topk, int set, int use_fp8,
-                                             int round_scale, cudaStream_t stream) {
+                                             int round_scale, int recv, int *stats, cudaStream_t stream) {
         const size_t smem = use_fp8 ? LL_WARPS * ll_stage_bytes(ctx->hidden) : 0;
 
         MOEEP_CUDA_LAUNCH_BEGIN();
         if (idx_is_int64)
                 ll_dispatch_send<int64_t><<<ctx->ll_num_sms, LL_THREADS, smem, stream>>>(
-                        *ctx, (const int4 *)x, num_tokens, (const int64_t *)topk_idx, num_topk, set, use_fp8, round_scale);
+                        *ctx, (const int4 *)x, num_tokens, (const int64_t *)topk_idx, num_topk, set, use_fp8, round_scale, recv,
+                        stats);
         else
                 ll_dispatch_send<int32_t><<<ctx->ll_num_sms, LL_THREADS, smem, stream>>>(
-                        *ctx, (const int4 *)x, num_tokens, (const int32_t *)topk_idx, num_topk, set, use_fp8, round_scale);
+                        *ctx, (const int4 *)x, num_tokens, (const int32_t *)topk_idx, num_topk, set, use_fp8, round_scale, recv,
+                        stats);
         MOEEP_CUDA_LAUNCH_CHECK();
         return 0;
 }
