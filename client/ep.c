@@ -307,8 +307,7 @@ int moeep_ep_set_num_sms(struct moeep_ep *ep, int num_sms) {
 
 static int ep_aborted(struct moeep_ep *ep, int peer) {
         const volatile struct moeep_control_page *page = ep->control_page;
-
-        int lost = page ? page->lost_rank : peer;
+        const int lost = page ? page->lost_rank : peer;
 
         if (lost < 0)
                 return ep_fail(ep, -ENOTCONN, "rank %d: job aborted by moeepd (the daemon is stopping)",

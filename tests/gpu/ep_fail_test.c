@@ -107,7 +107,7 @@ static bool wait_shared(volatile int *v, int want, int timeout_ms) {
 
 /* ---- One checked normal-mode round, and the buffers it uses. ---- */
 
-enum { H = 7168, K = 4, MAX_T = 256 };
+enum { H = 7168, K = 4, MAX_T = 256, EPR = 8 /* experts per rank */ };
 
 struct io {
         void *x, *idx, *y, *out;
@@ -129,7 +129,7 @@ static void io_free(struct io *io) {
 /* Fresh random tokens: x in multiples of 1/8 (sums stay exact in bf16). */
 static int io_fill(struct io *io, int me, int R, uint64_t seed, int round) {
         struct rng g = rng_make(seed, (uint64_t)me + 1, (uint64_t)round + 100);
-        int E = 8 * R;
+        int E = EPR * R;
 
         io->T = 1 + (int)(rng_next(&g) % MAX_T);
         for (size_t i = 0; i < (size_t)io->T * H; i++)
@@ -169,7 +169,7 @@ static int round_normal(struct moeep_ep *ep, struct io *io, int me, int R, uint6
         struct moeep_dispatch_args a;
         struct moeep_dispatch_result res;
         uint16_t *got = NULL;
-        int r, bad = 0, epr = 8;
+        int r, bad = 0;
 
         if (io_fill(io, me, R, seed, round) < 0)
                 return snprintf(msg, len, "uploading inputs failed"), -1;
@@ -195,7 +195,7 @@ static int round_normal(struct moeep_ep *ep, struct io *io, int me, int R, uint6
                 unsigned hit = 0;
                 for (int k = 0; k < K; k++)
                         if (io->hidx[(size_t)t * K + k] >= 0)
-                                hit |= 1u << (io->hidx[(size_t)t * K + k] / epr);
+                                hit |= 1u << (io->hidx[(size_t)t * K + k] / EPR);
                 for (int ch = 0; ch < H; ch++) {
                         float want = bf16_to_float(io->hx[(size_t)t * H + ch]) * (float)__builtin_popcount(hit);
                         float have = bf16_to_float(got[(size_t)t * H + ch]);
@@ -207,13 +207,12 @@ static int round_normal(struct moeep_ep *ep, struct io *io, int me, int R, uint6
                 }
         }
         free(got);
-        (void)me;
         return bad ? -1 : 0;
 }
 
 static struct moeep_ep_config ep_config(int R, bool ll, int timeout_ms) {
         return (struct moeep_ep_config){
-                .max_tokens_per_rank = MAX_T, .hidden = H, .num_experts = 8 * R, .max_topk = K,
+                .max_tokens_per_rank = MAX_T, .hidden = H, .num_experts = EPR * R, .max_topk = K,
                 .timeout_ms = timeout_ms, .ll_max_tokens = ll ? MAX_T : 0,
         };
 }
