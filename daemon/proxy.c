@@ -317,6 +317,12 @@ static int desc_start(struct proxy *p, struct ring *ring, uint64_t seq, const st
                 return 0;
         }
         route = &ring->routes[d->peer];
+        if (route->tp_peer == PROXY_ROUTE_NONE) {
+                ring_bad_desc(p, ring, seq, d->peer, -EINVAL,
+                              "peer not routed: a rank at the ring's own daemon (NVLink reaches it)");
+                ring_finish(ring, seq);
+                return 0;
+        }
         if (p->peer_error[route->tp_peer]) {
                 ring_set_error(ring, seq, d->peer, p->peer_error[route->tp_peer]);
                 ring_finish(ring, seq);
@@ -509,7 +515,8 @@ static void run_commands(struct proxy *p) {
                 case CMD_RING_ADD:
                         TAILQ_INSERT_TAIL(&p->rings, c->ring, entry);
                         for (uint32_t r = 0; r < c->ring->nroutes; r++)
-                                if (p->peer_error[c->ring->routes[r].tp_peer]) {
+                                if (c->ring->routes[r].tp_peer != PROXY_ROUTE_NONE &&
+                                    p->peer_error[c->ring->routes[r].tp_peer]) {
                                         ring_set_error(c->ring, c->ring->head, r,
                                                        p->peer_error[c->ring->routes[r].tp_peer]);
                                         break;
@@ -702,7 +709,7 @@ int proxy_ring_add(struct proxy *p, uint64_t ring_id, int ring_fd, struct tp_mr 
                 return errmsg_set(errmsg, -EINVAL, "proxy: ring %" PRIu64 ": bad arguments (%u routes)", ring_id,
                                   nroutes);
         for (uint32_t i = 0; i < nroutes; i++)
-                if (routes[i].tp_peer >= PROXY_MAX_TP_PEERS)
+                if (routes[i].tp_peer >= PROXY_MAX_TP_PEERS && routes[i].tp_peer != PROXY_ROUTE_NONE)
                         return errmsg_set(errmsg, -EINVAL, "proxy %s: ring %" PRIu64 ": route %u: transport peer %u "
                                           "out of range", p->name, ring_id, i, routes[i].tp_peer);
         if (fstat(ring_fd, &st) < 0)

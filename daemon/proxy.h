@@ -121,10 +121,16 @@ _Static_assert(sizeof(struct proxy_desc) == 64, "a descriptor is one cache line"
  * daemon's connection) and the receiver's two regions, as that daemon
  * registered them and sent them out of band. */
 struct proxy_route {
-        uint32_t tp_peer;        /* transport peer index (tp_ops.peer_new) */
+        uint32_t tp_peer;        /* transport peer index (tp_ops.peer_new), or PROXY_ROUTE_NONE */
         struct tp_rkey data;     /* receiver's data region */
         struct tp_rkey counters; /* receiver's counter region: uint64_t[] */
 };
+
+/* proxy_route.tp_peer of a route that leads nowhere: a descriptor naming it
+ * fails its ring with -EINVAL and a RING_ERROR event, as one out of range
+ * does. moeepd leaves the ranks at its own node unrouted (NVLink reaches
+ * them); their rkeys are ignored. */
+#define PROXY_ROUTE_NONE UINT32_MAX
 
 /* Tunables; zero fields take the defaults in brackets. */
 struct proxy_params {
@@ -170,8 +176,9 @@ void proxy_free(struct proxy *p);
 /* Hands ring `ring_fd` (borrowed; the proxy maps it) to the proxy under
  * `ring_id` (unique per proxy). Its descriptors read from `src` (borrowed,
  * must stay registered until PROXY_EVENT_RING_REMOVED) and go to `routes`
- * (copied; descriptor peer i uses routes[i]). -EINVAL for a ring fd that is
- * not a ring, -EEXIST for a ring_id in use. */
+ * (copied; descriptor peer i uses routes[i]; a route may be
+ * PROXY_ROUTE_NONE). -EINVAL for a ring fd that is not a ring, -EEXIST for
+ * a ring_id in use. */
 int proxy_ring_add(struct proxy *p, uint64_t ring_id, int ring_fd, struct tp_mr *src,
                    const struct proxy_route *routes, uint32_t nroutes, char *errmsg);
 
