@@ -80,6 +80,45 @@ uint64_t moeep_client_session_id(const struct moeep_client *client);
  * when it is set. */
 uint64_t moeep_client_features(const struct moeep_client *client);
 
+/* The internode proxy path (protocol 1.3, FEATURE_PROXY; docs/protocol.md,
+ * "Internode data path"). A rank that talks to ranks at other daemons
+ * registers three host-memory regions, each a memfd sealed with
+ * F_SEAL_SHRINK (memfd_create(MFD_ALLOW_SEALING), ftruncate, F_ADD_SEALS):
+ *
+ *   MOEEP_PROXY_SEND      its payloads; descriptor src_offset is into it.
+ *   MOEEP_PROXY_RECV      where other ranks' payloads land; their
+ *                         descriptor dst_offset is into it.
+ *   MOEEP_PROXY_COUNTERS  uint64_t counter[size / 8]: a descriptor with
+ *                         PROXY_DESC_SIGNAL sets the receiver's
+ *                         counter[signal_id] = signal_value after its data.
+ *
+ * Then (after a job barrier, so that every rank's regions reached every
+ * daemon) it opens a channel: a descriptor ring (layout and ordering rules
+ * in daemon/proxy.h) that it maps MAP_SHARED read-write. Descriptor `peer`
+ * is the destination's job rank; ranks at this daemon are not routed (a
+ * descriptor naming one fails the ring), NVLink reaches them. */
+enum moeep_proxy_role {
+        MOEEP_PROXY_SEND = 1,
+        MOEEP_PROXY_RECV = 2,
+        MOEEP_PROXY_COUNTERS = 3,
+};
+
+/* Registers `memfd` (stays the caller's) of `size` bytes as the rank's
+ * region of `role`; one region per role. -EOPNOTSUPP from a daemon before
+ * 1.3, -EIO (ERROR_INTERNAL) from one without an internode transport, -EINVAL
+ * for a memfd without F_SEAL_SHRINK or a second region of a role; the
+ * handle's error names it. */
+int moeep_proxy_region_register(struct moeep_client *client, int memfd, uint64_t size,
+                                enum moeep_proxy_role role, uint32_t tag, uint64_t *ret_region_id);
+
+/* Opens a channel of `capacity` descriptors (a power of two; 0 = 1024):
+ * *ret_ring_fd is the ring memfd, the caller's to map and close. -EAGAIN
+ * (ERROR_NOT_READY) while a rank at another daemon has not joined or not
+ * registered its recv and counters regions: pass a job barrier and retry.
+ * The ring goes away when the rank leaves the job or the session ends. */
+int moeep_proxy_channel_open(struct moeep_client *client, uint32_t capacity, int *ret_ring_fd,
+                             uint64_t *ret_ring_id, uint32_t *ret_capacity);
+
 /* Maps a daemon ErrorCode to a negative errno value; unknown codes (a newer
  * daemon may add some) map to -EIO. */
 int moeep_error_code_to_errno(int code);

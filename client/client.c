@@ -128,6 +128,7 @@ int moeep_error_code_to_errno(int code) {
         case MOEEP__V1__ERROR_CODE__ERROR_PEER_LOST:
                 return -ENOTCONN;
         case MOEEP__V1__ERROR_CODE__ERROR_DRAINING:
+        case MOEEP__V1__ERROR_CODE__ERROR_NOT_READY:
                 return -EAGAIN;
         case MOEEP__V1__ERROR_CODE__ERROR_UNSPECIFIED:
         case MOEEP__V1__ERROR_CODE__ERROR_INTERNAL:
@@ -426,7 +427,8 @@ static int client_hello(struct moeep_client *c, const char *client_name) {
         hello.major = MOEEP_PROTOCOL_MAJOR;
         hello.minor = MOEEP_PROTOCOL_MINOR;
         hello.features = MOEEP__V1__FEATURE__FEATURE_REGIONS | MOEEP__V1__FEATURE__FEATURE_CONTROL_PAGE |
-                         MOEEP__V1__FEATURE__FEATURE_OPERATOR | MOEEP__V1__FEATURE__FEATURE_MESH;
+                         MOEEP__V1__FEATURE__FEATURE_OPERATOR | MOEEP__V1__FEATURE__FEATURE_MESH |
+                         MOEEP__V1__FEATURE__FEATURE_PROXY;
         hello.pid = (uint32_t)getpid();
         hello.client_name = (char *)(client_name ? client_name : "libmoeep/" MOEEP_VERSION);
         req.body_case = MOEEP__V1__REQUEST__BODY_HELLO;
@@ -810,28 +812,27 @@ static Moeep__V1__RegionKind region_kind_to_proto(enum moeep_region_kind kind) {
         return MOEEP__V1__REGION_KIND__REGION_KIND_UNSPECIFIED;
 }
 
-int moeep_region_register(struct moeep_client *c, int fd, enum moeep_region_kind kind, uint64_t size,
-                          uint32_t tag, uint64_t *ret_region_id) {
+/* RegionRegister of `fd` with proxy role `proxy` (PROXY_ROLE_NONE for an
+ * ordinary region). */
+static int region_register_call(struct moeep_client *c, int fd, Moeep__V1__RegionKind kind, uint64_t size,
+                                uint32_t tag, Moeep__V1__ProxyRole proxy, uint64_t *ret_region_id) {
         Moeep__V1__RegionRegister rr = MOEEP__V1__REGION_REGISTER__INIT;
         Moeep__V1__Request req = MOEEP__V1__REQUEST__INIT;
         Moeep__V1__Response *resp;
         int r;
 
-        if (!c)
-                return -EINVAL;
         if (fd < 0 || fcntl(fd, F_GETFD) < 0)
                 return moeep_client_error_set(c, -EBADF, "region fd %d is not an open descriptor", fd);
-        rr.kind = region_kind_to_proto(kind);
-        if (rr.kind == MOEEP__V1__REGION_KIND__REGION_KIND_UNSPECIFIED)
-                return moeep_client_error_set(c, -EINVAL, "region kind %d is unknown", (int)kind);
         if (size == 0)
                 return moeep_client_error_set(c, -EINVAL, "region size 0 (fd %d) is invalid", fd);
         r = client_require_job(c, "region register");
         if (r < 0)
                 return r;
 
+        rr.kind = kind;
         rr.size = size;
         rr.tag = tag;
+        rr.proxy = proxy;
         req.body_case = MOEEP__V1__REQUEST__BODY_REGION_REGISTER;
         req.region_register = &rr;
         r = moeep_client_call(c, &req, MOEEP__V1__RESPONSE__BODY_REGION_REGISTERED, &fd, 1, &resp);
@@ -839,6 +840,93 @@ int moeep_region_register(struct moeep_client *c, int fd, enum moeep_region_kind
                 return r;
         if (ret_region_id)
                 *ret_region_id = resp->region_registered->region_id;
+        moeep__v1__response__free_unpacked(resp, NULL);
+        return 0;
+}
+
+int moeep_region_register(struct moeep_client *c, int fd, enum moeep_region_kind kind, uint64_t size,
+                          uint32_t tag, uint64_t *ret_region_id) {
+        Moeep__V1__RegionKind k = region_kind_to_proto(kind);
+
+        if (!c)
+                return -EINVAL;
+        if (k == MOEEP__V1__REGION_KIND__REGION_KIND_UNSPECIFIED)
+                return moeep_client_error_set(c, -EINVAL, "region kind %d is unknown", (int)kind);
+        return region_register_call(c, fd, k, size, tag, MOEEP__V1__PROXY_ROLE__PROXY_ROLE_NONE,
+                                    ret_region_id);
+}
+
+/* The daemon takes proxy regions and channels only after agreeing on
+ * FEATURE_PROXY (protocol 1.3). */
+static int client_require_proxy(struct moeep_client *c, const char *what) {
+        if (!(c->features & MOEEP__V1__FEATURE__FEATURE_PROXY))
+                return moeep_client_error_set(c, -EOPNOTSUPP,
+                                              "%s: moeepd %s at %s does not offer the internode proxy path "
+                                              "(it needs protocol 1.3)",
+                                              what, c->daemon_version, c->socket_path);
+        return 0;
+}
+
+int moeep_proxy_region_register(struct moeep_client *c, int memfd, uint64_t size, enum moeep_proxy_role role,
+                                uint32_t tag, uint64_t *ret_region_id) {
+        Moeep__V1__ProxyRole proxy;
+        int r;
+
+        if (!c)
+                return -EINVAL;
+        switch (role) {
+        case MOEEP_PROXY_SEND:
+                proxy = MOEEP__V1__PROXY_ROLE__PROXY_ROLE_SEND;
+                break;
+        case MOEEP_PROXY_RECV:
+                proxy = MOEEP__V1__PROXY_ROLE__PROXY_ROLE_RECV;
+                break;
+        case MOEEP_PROXY_COUNTERS:
+                proxy = MOEEP__V1__PROXY_ROLE__PROXY_ROLE_COUNTERS;
+                break;
+        default: /* the caller's int may hold anything */
+                return moeep_client_error_set(c, -EINVAL, "proxy role %d is unknown", (int)role);
+        }
+        r = client_require_proxy(c, "proxy region register");
+        if (r < 0)
+                return r;
+        return region_register_call(c, memfd, MOEEP__V1__REGION_KIND__REGION_KIND_MEMFD, size, tag, proxy,
+                                    ret_region_id);
+}
+
+int moeep_proxy_channel_open(struct moeep_client *c, uint32_t capacity, int *ret_ring_fd,
+                             uint64_t *ret_ring_id, uint32_t *ret_capacity) {
+        Moeep__V1__ChannelOpen co = MOEEP__V1__CHANNEL_OPEN__INIT;
+        Moeep__V1__Request req = MOEEP__V1__REQUEST__INIT;
+        Moeep__V1__Response *resp;
+        size_t nfds = 0;
+        int *fds, r;
+
+        if (!c || !ret_ring_fd)
+                return -EINVAL;
+        r = client_require_proxy(c, "channel open");
+        if (r == 0)
+                r = client_require_job(c, "channel open");
+        if (r < 0)
+                return r;
+        co.capacity = capacity;
+        req.body_case = MOEEP__V1__REQUEST__BODY_CHANNEL_OPEN;
+        req.channel_open = &co;
+        r = moeep_client_call(c, &req, MOEEP__V1__RESPONSE__BODY_CHANNEL_OPENED, NULL, 0, &resp);
+        if (r < 0)
+                return r;
+        fds = moeep_client_reply_fds(c, &nfds);
+        if (nfds != 1 || fds[0] < 0) {
+                moeep__v1__response__free_unpacked(resp, NULL);
+                return moeep_client_error_set(c, -EPROTO,
+                                              "channel open: the reply carried %zu ring fds, not 1", nfds);
+        }
+        *ret_ring_fd = fds[0];
+        fds[0] = -1; /* ours now */
+        if (ret_ring_id)
+                *ret_ring_id = resp->channel_opened->ring_id;
+        if (ret_capacity)
+                *ret_capacity = resp->channel_opened->capacity;
         moeep__v1__response__free_unpacked(resp, NULL);
         return 0;
 }

@@ -315,6 +315,7 @@ static int fake_handle(int sock, const struct moeep_record *rec, int *my_rank) {
         case MOEEP__V1__REQUEST__BODY_LOG_LEVEL_SET:
         case MOEEP__V1__REQUEST__BODY_DRAIN:
         case MOEEP__V1__REQUEST__BODY_MESH_LIST:
+        case MOEEP__V1__REQUEST__BODY_CHANNEL_OPEN:
                 /* The fake is a 1.0 daemon: it offers no FEATURE_OPERATOR. */
                 fake_error(sock, id, MOEEP__V1__ERROR_CODE__ERROR_UNKNOWN_TYPE, "request type unknown");
                 ret = -1;
@@ -443,6 +444,7 @@ static void test_error_mapping(void) {
                 { MOEEP__V1__ERROR_CODE__ERROR_INTERNAL, -EIO },
                 { MOEEP__V1__ERROR_CODE__ERROR_DRAINING, -EAGAIN },
                 { MOEEP__V1__ERROR_CODE__ERROR_UNKNOWN_TYPE, -EIO },
+                { MOEEP__V1__ERROR_CODE__ERROR_NOT_READY, -EAGAIN },
                 { MOEEP__V1__ERROR_CODE__ERROR_UNSPECIFIED, -EIO },
                 { 12345, -EIO },
         };

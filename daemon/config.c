@@ -31,6 +31,7 @@ static const char default_config[] = "socket = " MOEEP_DEFAULT_SOCKET "\n"
                                      "transport = fabric\n"
                                      "fabric_provider = efa\n"
                                      "transport_device =\n"
+                                     "transport_address =\n"
                                      "verbs_gid_index = 0\n"
                                      "mesh_listen =\n"
                                      "mesh_peers =\n"
@@ -77,6 +78,7 @@ static const struct key {
         { "transport", KEY_TRANSPORT, offsetof(struct config, transport), 0, 0, false },
         { "fabric_provider", KEY_NAME, offsetof(struct config, fabric_provider), 1, 0, false },
         { "transport_device", KEY_NAME, offsetof(struct config, transport_device), 0, 0, false },
+        { "transport_address", KEY_NAME, offsetof(struct config, transport_address), 0, 0, false },
         { "verbs_gid_index", KEY_U32, offsetof(struct config, verbs_gid_index), 0, 255, false },
         /* The mesh (mesh.c) is set up once at start-up. */
         { "mesh_listen", KEY_LISTEN, offsetof(struct config, mesh_listen), 0, 0, false },
@@ -421,11 +423,12 @@ void config_done(struct config *c) {
         free(c->transport);
         free(c->fabric_provider);
         free(c->transport_device);
+        free(c->transport_address);
         free(c->mesh_listen);
         free(c->mesh_peers);
         free(c->cluster_key_file);
         c->socket = c->socket_group = c->admin_group = c->metrics_listen = NULL;
-        c->transport = c->fabric_provider = c->transport_device = NULL;
+        c->transport = c->fabric_provider = c->transport_device = c->transport_address = NULL;
         c->mesh_listen = c->mesh_peers = c->cluster_key_file = NULL;
 }
 

@@ -25,6 +25,7 @@ struct config {
         char *transport;                   /* owns; internode backend: "fabric" or "verbs" (transport.h) */
         char *fabric_provider;             /* owns; libfabric provider: "efa", "verbs", "tcp" (tests) */
         char *transport_device;            /* owns; fabric domain or verbs device, "" = the first */
+        char *transport_address; /* owns; fabric: local address to bind (e.g. 127.0.0.1), "" = provider's */
         uint32_t verbs_gid_index;          /* GID table index for verbs RC (RoCE) */
         char *mesh_listen;                 /* owns; "HOST:PORT" peer daemons connect to, "" = mesh off */
         char *mesh_peers;                  /* owns; comma list of "HOST:PORT" to connect to, "" = none */

@@ -16,6 +16,7 @@
 
 #include "broker.h"
 #include "daemon.h"
+#include "datapath.h"
 #include "http.h"
 #include "mesh.h"
 #include "job.h"
@@ -393,6 +394,10 @@ int daemon_init(struct daemon *d, const struct daemon_options *options) {
                         return r;
                 }
         }
+        /* Before the mesh, whose connections offer its transport. */
+        r = datapath_start(d, &d->datapath);
+        if (r < 0)
+                goto oom;
         r = mesh_start(d, &d->mesh, errmsg);
         if (r < 0) {
                 log_err("%s", errmsg);
@@ -433,6 +438,8 @@ void daemon_done(struct daemon *d) {
          * before the reaping: forwarded joins hold session references. */
         mesh_free(d->mesh);
         d->mesh = NULL;
+        datapath_free(d->datapath);
+        d->datapath = NULL;
         sessions_reap(d);
         http_free(d->http);
         jobs_free(d->jobs);

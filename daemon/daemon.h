@@ -43,6 +43,7 @@ struct daemon {
         struct broker *broker;          /* owns */
         struct http *http;              /* owns; NULL unless metrics_listen is set */
         struct mesh *mesh;              /* owns; NULL unless mesh_listen is set */
+        struct datapath *datapath;      /* owns; NULL unless mesh_listen is set */
         struct metrics metrics;         /* totals since start-up */
         struct session_list sessions;   /* owns; live sessions, CLOSED ones that still flush included */
         struct session_list dead;       /* owns; closed sessions waiting to be freed */

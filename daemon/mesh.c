@@ -19,6 +19,7 @@
 #include "auth.h"
 #include "config.h"
 #include "daemon.h"
+#include "datapath.h"
 #include "job.h"
 #include "log.h"
 #include "mesh.h"
@@ -139,6 +140,9 @@ static int peer_send(struct mesh_peer *p, Moeep__V1__PeerMessage *msg) {
 
 static void peer_dial(struct mesh_peer *p);
 static struct mesh_peer *peer_find(const struct mesh *mesh, const char *address, bool up_only);
+static bool peer_transport_drop(struct mesh_peer *p, bool fail);
+static void peer_transport_offer(struct mesh_peer *p);
+static void jobs_abort_at(struct mesh *mesh, const char *address, const char *why);
 static void peer_ranks_lost(struct mesh_peer *p, const char *why);
 static void mirrors_abort(struct mesh *mesh, const char *home, const char *why);
 static void joins_fail(struct mesh *mesh, const char *home, const char *why);
@@ -206,6 +210,10 @@ static void peer_fail(struct mesh_peer *p, bool flush, const char *fmt, ...) {
                 char lost[ERRMSG_MAX + JOB_NODE_MAX + 16];
 
                 snprintf(lost, sizeof(lost), "daemon %s lost: %s", p->address, why);
+                /* Rings writing to it end first, so that no producer waits
+                 * on it while the jobs are aborted below. */
+                if (peer_transport_drop(p, true))
+                        jobs_abort_at(mesh, p->address, lost);
                 peer_ranks_lost(p, lost);
                 /* Mirrors and forwarded joins name the daemon, not the
                  * connection: they go on over another one that is up. */
@@ -228,6 +236,9 @@ static void peer_fail(struct mesh_peer *p, bool flush, const char *fmt, ...) {
 static void peer_drop(struct mesh_peer *p) {
         struct mesh *mesh = p->mesh;
 
+        /* No job spans the daemon (peer_up() checked): nothing routes to
+         * its transport peer. */
+        peer_transport_drop(p, false);
         if (!p->outbound && p->state != MESH_PEER_UP)
                 mesh->unauthenticated--;
         p->state = MESH_PEER_DOWN;
@@ -271,6 +282,7 @@ static struct mesh_peer *peer_new(struct mesh *mesh, bool outbound, const char *
         p->mesh = mesh;
         p->outbound = outbound;
         p->state = MESH_PEER_DOWN;
+        p->tp_peer = MESH_NO_TP_PEER;
         snprintf(p->address, sizeof(p->address), "%s", address);
         TAILQ_INIT(&p->ranks);
         p->ev_timer = evtimer_new(mesh->daemon->base, peer_timer_cb, p);
@@ -439,6 +451,7 @@ static void peer_up(struct mesh_peer *p) {
         log_notice("mesh: peer %s up (%s, %s)", p->address, p->remote, p->outbound ? "dialled" : "accepted");
         timer_arm(p, MESH_PING_MS);
         peer_up_flush(p);
+        peer_transport_offer(p);
 }
 
 static void send_hello(struct mesh_peer *p) {
@@ -450,6 +463,7 @@ static void send_hello(struct mesh_peer *p) {
         hello.nonce.data = p->nonce_dialler;
         hello.nonce.len = AUTH_NONCE_BYTES;
         hello.address = p->mesh->address;
+        hello.minor = MOEEP_PROTOCOL_MINOR;
         peer_send(p, &msg);
 }
 
@@ -535,6 +549,7 @@ static void handle_hello(struct mesh_peer *p, const Moeep__V1__PeerHello *h) {
                 return;
         }
         p->got_hello = true;
+        p->minor = h->minor;
         memcpy(p->nonce_dialler, h->nonce.data, AUTH_NONCE_BYTES);
         auth_nonce(p->nonce_listener);
         auth_mac(mesh->key, AUTH_LISTENER, p->nonce_dialler, p->nonce_listener, mac);
@@ -543,6 +558,7 @@ static void handle_hello(struct mesh_peer *p, const Moeep__V1__PeerHello *h) {
         ch.mac.data = mac;
         ch.mac.len = AUTH_MAC_BYTES;
         ch.address = mesh->address;
+        ch.minor = MOEEP_PROTOCOL_MINOR;
         peer_send(p, &msg);
 }
 
@@ -561,6 +577,7 @@ static void handle_challenge(struct mesh_peer *p, const Moeep__V1__PeerChallenge
                 return;
         }
         memcpy(p->nonce_listener, c->nonce.data, AUTH_NONCE_BYTES);
+        p->minor = c->minor;
         if (!auth_verify(mesh->key, AUTH_LISTENER, p->nonce_dialler, p->nonce_listener, c->mac.data,
                          c->mac.len)) {
                 peer_refuse(p,
@@ -732,6 +749,8 @@ static void remote_region_update(struct job *job, const Moeep__V1__PeerRegion *p
         rr->kind = (uint32_t)pr->kind;
         rr->size = pr->size;
         rr->region_id = pr->region_id;
+        rr->proxy = (uint32_t)pr->proxy;
+        rr->rkey = (struct tp_rkey){ .base = pr->rkey_base, .key = pr->rkey_key, .length = pr->rkey_length };
 }
 
 /* Tells every daemon with ranks of home job `job` (but the rank `gone`,
@@ -1069,7 +1088,8 @@ void mesh_member_gone(struct mesh *mesh, struct job_member *m, bool lost, const 
 }
 
 void mesh_region_changed(struct mesh *mesh, const struct job_member *m, uint64_t region_id, uint32_t tag,
-                         uint32_t kind, uint64_t size, bool released) {
+                         uint32_t kind, uint64_t size, bool released, uint32_t proxy,
+                         const struct tp_rkey *rkey) {
         Moeep__V1__PeerRegion pr = MOEEP__V1__PEER_REGION__INIT;
         PEER_MSG(msg, region, &pr, REGION);
         struct mesh_peer *p;
@@ -1083,6 +1103,12 @@ void mesh_region_changed(struct mesh *mesh, const struct job_member *m, uint64_t
         pr.size = size;
         pr.region_id = region_id;
         pr.released = released;
+        pr.proxy = (Moeep__V1__ProxyRole)proxy;
+        if (rkey) {
+                pr.rkey_base = rkey->base;
+                pr.rkey_key = rkey->key;
+                pr.rkey_length = rkey->length;
+        }
         if (!m->job->home[0]) {
                 job_peers_send(m->job, &msg, NULL, -1);
                 return;
@@ -1108,6 +1134,116 @@ static void handle_region(struct mesh_peer *p, const Moeep__V1__PeerRegion *pr) 
         job = jobs_find_mirror(p->mesh->daemon->jobs, p->address, pr->job_id);
         if (job && pr->rank < job->world_size && !job_rank_local(job, pr->rank))
                 remote_region_update(job, pr);
+}
+
+/* ------------------------------------------------------------ transport */
+
+/* The connection is up: makes our half of a transport connection to that
+ * daemon and sends its address. Peers older than 1.3 would refuse the
+ * message, and a daemon without a data path has nothing to offer. */
+static void peer_transport_offer(struct mesh_peer *p) {
+        struct datapath *dp = p->mesh->daemon->datapath;
+        Moeep__V1__PeerTransport pt = MOEEP__V1__PEER_TRANSPORT__INIT;
+        PEER_MSG(msg, transport, &pt, TRANSPORT);
+        char errmsg[ERRMSG_MAX] = "";
+        uint8_t blob[TP_ADDR_MAX];
+        size_t len = 0;
+
+        if (p->minor < 3 || !datapath_up(dp, NULL))
+                return;
+        if (datapath_peer_new(dp, &p->tp_peer, blob, &len, errmsg) < 0) {
+                log_warn("mesh: peer %s: no transport connection: %s", p->address, errmsg);
+                return;
+        }
+        pt.backend = (char *)datapath_backend(dp);
+        pt.address.data = blob;
+        pt.address.len = len;
+        peer_send(p, &msg);
+}
+
+static void handle_transport(struct mesh_peer *p, const Moeep__V1__PeerTransport *pt) {
+        struct datapath *dp = p->mesh->daemon->datapath;
+        char errmsg[ERRMSG_MAX] = "";
+
+        if (p->tp_peer == MESH_NO_TP_PEER || p->tp_connected) {
+                log_debug("mesh: peer %s: PeerTransport ignored (%s)", p->address,
+                          p->tp_connected ? "already connected" : "this daemon has no data path");
+                return;
+        }
+        if (!pt->backend || strcmp(pt->backend, datapath_backend(dp)) != 0) {
+                log_warn("mesh: peer %s: its transport is '%.32s', ours '%s': no internode data path with it",
+                         p->address, pt->backend ? pt->backend : "", datapath_backend(dp));
+                return;
+        }
+        if (pt->address.len == 0 || pt->address.len > TP_ADDR_MAX ||
+            datapath_peer_connect(dp, p->tp_peer, pt->address.data, pt->address.len, errmsg) < 0) {
+                log_warn("mesh: peer %s: transport address of %zu bytes refused: %s", p->address,
+                         pt->address.len, errmsg[0] ? errmsg : "bad length");
+                return;
+        }
+        p->tp_connected = true;
+        log_info("mesh: peer %s: transport connected (transport peer %" PRIu32 ")", p->address, p->tp_peer);
+}
+
+/* Forgets the connection's transport peer, failing it in the proxy when
+ * `fail` (rings routing to it get an error). Returns whether it was
+ * connected. */
+static bool peer_transport_drop(struct mesh_peer *p, bool fail) {
+        bool was = p->tp_connected;
+
+        if (p->tp_peer != MESH_NO_TP_PEER && fail)
+                datapath_peer_fail(p->mesh->daemon->datapath, p->tp_peer, -ECONNRESET);
+        p->tp_peer = MESH_NO_TP_PEER;
+        p->tp_connected = false;
+        return was;
+}
+
+int mesh_transport_peer(const struct mesh *mesh, const char *address, uint32_t *ret_tp_peer) {
+        struct mesh_peer *p = mesh ? peer_find(mesh, address, true) : NULL;
+
+        if (!p)
+                return -ENOTCONN;
+        if (!p->tp_connected)
+                return -ENODEV;
+        *ret_tp_peer = p->tp_peer;
+        return 0;
+}
+
+void mesh_rank_failed(struct mesh *mesh, struct job *job, uint32_t rank, const char *reason) {
+        struct mesh_peer *p = home_peer(mesh, job);
+
+        if (p)
+                send_rank_lost(p, job->home_id, rank, reason);
+        job_abort(job, rank, reason);
+}
+
+/* Aborts every job that has a rank at daemon `address`, naming the first
+ * such rank. */
+static void jobs_abort_at(struct mesh *mesh, const char *address, const char *why) {
+        struct job_node nodes[MOEEP_MAX_RANKS];
+        struct job *job;
+
+        TAILQ_FOREACH (job, &mesh->daemon->jobs->list, entry) {
+                if (job->state == JOB_ABORTED || !mesh_job_nodes(mesh, job, nodes))
+                        continue;
+                for (uint32_t r = 0; r < job->world_size; r++)
+                        if (!job_rank_local(job, r) && strcmp(nodes[r].address, address) == 0) {
+                                mesh_rank_failed(mesh, job, r, why);
+                                break;
+                        }
+        }
+}
+
+void mesh_transport_failed(struct mesh *mesh, uint32_t tp_peer, const char *why) {
+        struct mesh_peer *p;
+
+        if (!mesh)
+                return;
+        TAILQ_FOREACH (p, &mesh->peers, entry)
+                if (p->state == MESH_PEER_UP && p->tp_peer == tp_peer) {
+                        peer_fail(p, false, "its transport connection failed: %s", why);
+                        return;
+                }
 }
 
 /* ------------------------------------------------------------ reading */
@@ -1188,6 +1324,9 @@ static void peer_handle(struct mesh_peer *p, const Moeep__V1__PeerMessage *msg) 
                 return;
         case MOEEP__V1__PEER_MESSAGE__BODY_REGION:
                 handle_region(p, msg->region);
+                return;
+        case MOEEP__V1__PEER_MESSAGE__BODY_TRANSPORT:
+                handle_transport(p, msg->transport);
                 return;
         case MOEEP__V1__PEER_MESSAGE__BODY_RANK_LOST:
                 /* To the home from a rank's daemon, or from the home. */

@@ -52,6 +52,9 @@ struct session;
 #define MESH_REDIAL_MS 1000        /* an outbound peer that is down is redialled after this */
 #define MESH_OUT_MAX (4u << 20)    /* bytes queued to one peer before it counts as stuck */
 
+/* mesh_peer.tp_peer while the connection has no transport peer. */
+#define MESH_NO_TP_PEER UINT32_MAX
+
 enum mesh_peer_state {
         MESH_PEER_CONNECTING,     /* outbound: TCP connect in progress */
         MESH_PEER_AUTHENTICATING, /* connected; handshake not done */
@@ -81,6 +84,12 @@ struct mesh_peer {
         uint64_t ping_seq;           /* last PeerPing sent */
         uint64_t last_pong_ns;       /* CLOCK_MONOTONIC of the last PeerPong (or of going UP) */
         uint64_t rtt_us;             /* last measured round trip, 0 before the first */
+        uint32_t minor;              /* its protocol minor (PeerHello/PeerChallenge), 0 = 1.2 or older */
+        /* The transport connection to that daemon (datapath.h), made anew
+         * each time this connection comes up: our half's index, and whether
+         * its PeerTransport arrived and connected it. */
+        uint32_t tp_peer; /* MESH_NO_TP_PEER while none */
+        bool tp_connected;
         struct mesh_rank_list ranks; /* owns; ranks of our home jobs that joined through this peer */
         TAILQ_ENTRY(mesh_peer) entry;
 };
@@ -132,9 +141,28 @@ void mesh_member_gone(struct mesh *mesh, struct job_member *m, bool lost, const 
 
 /* Member `m` (a rank at this daemon) registered (`released` false) or
  * released a region: tells the home, or for a home job the daemons with
- * ranks of it, so that their RegionsFetch lists it as remote. */
+ * ranks of it, so that their RegionsFetch lists it as remote. `proxy` is
+ * its Moeep__V1__ProxyRole and `rkey` (NULL: none) where the other
+ * daemons' transports write into it (datapath.h). */
 void mesh_region_changed(struct mesh *mesh, const struct job_member *m, uint64_t region_id, uint32_t tag,
-                         uint32_t kind, uint64_t size, bool released);
+                         uint32_t kind, uint64_t size, bool released, uint32_t proxy,
+                         const struct tp_rkey *rkey);
+
+/* The transport peer (datapath.h) that reaches daemon `address`: 0 and
+ * *ret_tp_peer, -ENOTCONN when no connection to it is up, -ENODEV when it
+ * is up but no transport connection was made over it. */
+int mesh_transport_peer(const struct mesh *mesh, const char *address, uint32_t *ret_tp_peer);
+
+/* The proxy failed transport peer `tp_peer` (`why` says how): every job
+ * with ranks at that daemon is aborted naming one, and the mesh connection
+ * is failed, so that a fresh transport connection is made when it comes
+ * back. */
+void mesh_transport_failed(struct mesh *mesh, uint32_t tp_peer, const char *why);
+
+/* Rank `rank` of `job` (at this daemon) cannot go on (its channel failed):
+ * aborts the job here naming it and tells the home, which tells the other
+ * daemons, as a lost rank. The member stays until its session leaves. */
+void mesh_rank_failed(struct mesh *mesh, struct job *job, uint32_t rank, const char *reason);
 
 /* A local rank of home job `job` joined: tells the daemons with ranks of it
  * the new rank -> node map. */

@@ -13,6 +13,7 @@
 #include "admin.h"
 #include "broker.h"
 #include "daemon.h"
+#include "datapath.h"
 #include "log.h"
 #include "moeep-config.h"
 #include "query.h"
@@ -31,10 +32,11 @@
 #define SESSION_LINGER_MS 1000
 
 /* Features this daemon offers in Welcome. */
-#define SESSION_FEATURES                                      \
-        ((uint64_t)MOEEP__V1__FEATURE__FEATURE_REGIONS |      \
-         (uint64_t)MOEEP__V1__FEATURE__FEATURE_CONTROL_PAGE | \
-         (uint64_t)MOEEP__V1__FEATURE__FEATURE_OPERATOR | (uint64_t)MOEEP__V1__FEATURE__FEATURE_MESH)
+#define SESSION_FEATURES                                                                               \
+        ((uint64_t)MOEEP__V1__FEATURE__FEATURE_REGIONS |                                               \
+         (uint64_t)MOEEP__V1__FEATURE__FEATURE_CONTROL_PAGE |                                          \
+         (uint64_t)MOEEP__V1__FEATURE__FEATURE_OPERATOR | (uint64_t)MOEEP__V1__FEATURE__FEATURE_MESH | \
+         (uint64_t)MOEEP__V1__FEATURE__FEATURE_PROXY)
 
 struct session_out {
         TAILQ_ENTRY(session_out) entry;
@@ -95,6 +97,8 @@ Moeep__V1__ErrorCode session_error_code(int r) {
                 return MOEEP__V1__ERROR_CODE__ERROR_PEER_LOST;
         case ESHUTDOWN:
                 return MOEEP__V1__ERROR_CODE__ERROR_DRAINING;
+        case EAGAIN:
+                return MOEEP__V1__ERROR_CODE__ERROR_NOT_READY;
         default: /* errno values, not our enum */
                 return MOEEP__V1__ERROR_CODE__ERROR_INTERNAL;
         }
@@ -242,6 +246,7 @@ static void session_detach(struct session *s, bool lost, const char *reason) {
         struct daemon *d = s->daemon;
 
         if (s->member) {
+                datapath_member_gone(d->datapath, s->member);
                 broker_drop_member(d->broker, s->member);
                 mesh_member_gone(d->mesh, s->member, lost, reason);
                 if (lost)
@@ -482,6 +487,7 @@ static int handle_job_leave(struct session *s, uint64_t rid, const Moeep__V1__Re
                             struct moeep_record *rec, char *errmsg) {
         log_info("session %" PRIu64 ": left job %" PRIu64 " (rank %" PRIu32 ")", s->id, s->member->job->id,
                  s->member->rank);
+        datapath_member_gone(s->daemon->datapath, s->member);
         broker_drop_member(s->daemon->broker, s->member);
         mesh_member_gone(s->daemon->mesh, s->member, false, "left");
         job_member_leave(s->member);
@@ -510,14 +516,27 @@ static int handle_region_register(struct session *s, uint64_t rid, const Moeep__
         Moeep__V1__Response resp = MOEEP__V1__RESPONSE__INIT;
         int r;
 
-        r = broker_register(s->daemon->broker, s->member, s->cred.uid, rr->kind, rr->size, rr->tag,
-                            rec->fds[0], &registered.region_id, errmsg);
+        if (rr->proxy != MOEEP__V1__PROXY_ROLE__PROXY_ROLE_NONE) {
+                /* Rule 5 of proto/README.md for a field: only after the
+                 * feature was agreed. */
+                if (!(s->features & MOEEP__V1__FEATURE__FEATURE_PROXY))
+                        return errmsg_set(errmsg, -EINVAL,
+                                          "RegionRegister: proxy role %d, but session %" PRIu64
+                                          " did not offer FEATURE_PROXY in Hello",
+                                          (int)rr->proxy, s->id);
+                r = datapath_region_register(s->daemon->datapath, s->daemon->broker, s->member, s->cred.uid,
+                                             rr, rec->fds[0], &registered.region_id, errmsg);
+        } else {
+                r = broker_register(s->daemon->broker, s->member, s->cred.uid, rr->kind, rr->size, rr->tag,
+                                    rec->fds[0], &registered.region_id, errmsg);
+                if (r == 0)
+                        mesh_region_changed(s->daemon->mesh, s->member, registered.region_id, rr->tag,
+                                            (uint32_t)rr->kind, rr->size, false, 0, NULL);
+        }
         if (r < 0)
                 return r;
         rec->fds[0] = -1; /* the broker owns it now */
         s->daemon->metrics.regions_registered++;
-        mesh_region_changed(s->daemon->mesh, s->member, registered.region_id, rr->tag, (uint32_t)rr->kind,
-                            rr->size, false);
         resp.body_case = MOEEP__V1__RESPONSE__BODY_REGION_REGISTERED;
         resp.region_registered = &registered;
         return session_respond(s, rid, &resp, NULL, 0);
@@ -583,11 +602,14 @@ static int handle_regions_fetch(struct session *s, uint64_t rid, const Moeep__V1
 
 static int handle_region_release(struct session *s, uint64_t rid, const Moeep__V1__Request *req,
                                  struct moeep_record *rec, char *errmsg) {
-        int r = broker_release(s->daemon->broker, s->member, req->region_release->region_id, errmsg);
+        uint64_t id = req->region_release->region_id;
+        int r = datapath_region_release(s->daemon->datapath, s->member, id, errmsg);
 
+        if (r == 0)
+                r = broker_release(s->daemon->broker, s->member, id, errmsg);
         if (r < 0)
                 return r;
-        mesh_region_changed(s->daemon->mesh, s->member, req->region_release->region_id, 0, 0, 0, true);
+        mesh_region_changed(s->daemon->mesh, s->member, id, 0, 0, 0, true, 0, NULL);
         return session_send_ok(s, rid);
 }
 
@@ -631,6 +653,26 @@ static int handle_mesh_list(struct session *s, uint64_t rid, const Moeep__V1__Re
         return query_mesh(s, rid, errmsg);
 }
 
+static int handle_channel_open(struct session *s, uint64_t rid, const Moeep__V1__Request *req,
+                               struct moeep_record *rec, char *errmsg) {
+        Moeep__V1__ChannelOpened opened = MOEEP__V1__CHANNEL_OPENED__INIT;
+        Moeep__V1__Response resp = MOEEP__V1__RESPONSE__INIT;
+        int fd, r;
+
+        r = datapath_channel_open(s->daemon->datapath, s->member, req->channel_open->capacity, &fd,
+                                  &opened.ring_id, &opened.capacity, errmsg);
+        if (r < 0)
+                return r;
+        opened.routes = s->member->job->world_size;
+        resp.body_case = MOEEP__V1__RESPONSE__BODY_CHANNEL_OPENED;
+        resp.channel_opened = &opened;
+        /* The session sends a duplicate; the proxy mapped the ring already.
+         * A ring the client never receives goes when its member goes. */
+        r = session_respond(s, rid, &resp, &fd, 1);
+        close(fd);
+        return r;
+}
+
 /* The dispatch table, indexed by request type (= Request body case). A
  * handler returns 0 once it queued its reply (or when the reply is held
  * back, Barrier), or -errno with `errmsg` filled, which the dispatcher turns
@@ -664,6 +706,8 @@ static const struct handler {
                                              handle_drain },
         [MOEEP__V1__REQUEST__BODY_MESH_LIST] = { "MeshList", false, MOEEP__V1__FEATURE__FEATURE_MESH,
                                                  handle_mesh_list },
+        [MOEEP__V1__REQUEST__BODY_CHANNEL_OPEN] = { "ChannelOpen", true, MOEEP__V1__FEATURE__FEATURE_PROXY,
+                                                    handle_channel_open },
 };
 
 /* Handles one received record. Returns 1 to go on reading, 0 when the
@@ -793,6 +837,8 @@ static void session_peer_lost(void *owner, const struct job *job, uint32_t rank,
         Moeep__V1__PeerLost lost = MOEEP__V1__PEER_LOST__INIT;
         Moeep__V1__Event ev = MOEEP__V1__EVENT__INIT;
 
+        /* The job is aborted: the proxy stops reading its channels. */
+        datapath_member_aborted(s->daemon->datapath, s->member);
         if (s->daemon->stopping) /* everybody gets Shutdown instead */
                 return;
         lost.job_id = job->id;

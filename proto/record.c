@@ -24,6 +24,7 @@ int moeep_record_type_known(uint16_t type) {
         case MOEEP__V1__REQUEST__BODY_LOG_LEVEL_SET:
         case MOEEP__V1__REQUEST__BODY_DRAIN:
         case MOEEP__V1__REQUEST__BODY_MESH_LIST:
+        case MOEEP__V1__REQUEST__BODY_CHANNEL_OPEN:
         case MOEEP__V1__RESPONSE__BODY_ERROR:
         case MOEEP__V1__RESPONSE__BODY_WELCOME:
         case MOEEP__V1__RESPONSE__BODY_JOB_CREATED:
@@ -37,6 +38,7 @@ int moeep_record_type_known(uint16_t type) {
         case MOEEP__V1__RESPONSE__BODY_METRICS:
         case MOEEP__V1__RESPONSE__BODY_NICS:
         case MOEEP__V1__RESPONSE__BODY_MESH:
+        case MOEEP__V1__RESPONSE__BODY_CHANNEL_OPENED:
         case MOEEP__V1__EVENT__BODY_PEER_LOST:
         case MOEEP__V1__EVENT__BODY_SHUTDOWN:
                 return 1;
@@ -49,6 +51,7 @@ int moeep_record_fds_expected(uint16_t type) {
         switch (type) {
         case MOEEP__V1__REQUEST__BODY_REGION_REGISTER:
         case MOEEP__V1__RESPONSE__BODY_JOB_JOINED:
+        case MOEEP__V1__RESPONSE__BODY_CHANNEL_OPENED:
                 return 1;
         case MOEEP__V1__RESPONSE__BODY_REGIONS:
                 return -1;

@@ -16,7 +16,7 @@
 
 #define MOEEP_RECORD_MAGIC 0x5045454du /* "MEEP" read as little-endian bytes */
 #define MOEEP_PROTOCOL_MAJOR 1
-#define MOEEP_PROTOCOL_MINOR 2
+#define MOEEP_PROTOCOL_MINOR 3
 
 /* Largest record (header + payload) either side sends or accepts. Anything
  * bulky travels as a memfd instead. */

@@ -1,0 +1,111 @@
+/* The internode data path of moeepd: the transport opened at start-up
+ * (transport.h), the one proxy thread over it (proxy.h), the transport
+ * connections to the other daemons of the mesh, the ranks' proxy regions
+ * and their channels (descriptor rings).
+ *
+ * Who calls what:
+ *  - daemon.c starts it when the mesh is on (datapath_start) and frees it
+ *    after the sessions and the mesh are gone.
+ *  - mesh.c, when a peer daemon's connection comes up, makes the local half
+ *    of a transport connection (datapath_peer_new), sends its address in
+ *    PeerTransport and connects with the peer's (datapath_peer_connect);
+ *    when the connection goes down it fails the transport peer
+ *    (datapath_peer_fail) so rings routing to it get an error.
+ *  - session.c registers regions with a proxy role (datapath_region_register),
+ *    releases them, opens channels (datapath_channel_open), and tells it when
+ *    a member goes or its job is aborted.
+ *
+ * Lifetime of a rank's send region: a ring reads it until the proxy says the
+ * ring is removed (PROXY_EVENT_RING_REMOVED), so when its member goes the
+ * rank's state lingers here, holding the send registration, until every one
+ * of its rings is removed. Receive and counter registrations go at once.
+ *
+ * Proxy events come through the proxy's eventfd on the loop: a ring error
+ * (a bad descriptor) aborts the producer's job naming its rank; a failed
+ * transport peer fails the mesh connection to that daemon (mesh.c), which
+ * aborts every job with ranks there and makes a fresh transport connection
+ * when the mesh connection comes back. */
+#ifndef MOEEPD_DATAPATH_H
+#define MOEEPD_DATAPATH_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "job.h"
+#include "moeep.pb-c.h"
+#include "transport.h"
+
+struct broker;
+struct daemon;
+struct datapath;
+
+/* Descriptors of a ring when ChannelOpen says 0. */
+#define DATAPATH_RING_DEFAULT 1024
+/* Channels (rings) one rank may open. */
+#define DATAPATH_MAX_CHANNELS 8
+
+/* Starts the data path when the mesh is on (mesh_listen set): opens the
+ * configured transport (transport, fabric_provider, transport_device,
+ * transport_address) and starts the proxy. When the transport does not
+ * open, moeepd runs without the internode data path: that is logged once
+ * (a warning naming the transport and why) and every request that needs it
+ * is answered with the same text. Returns 0 (*ret NULL when the mesh is
+ * off) or -ENOMEM. */
+int datapath_start(struct daemon *d, struct datapath **ret);
+
+/* Stops the proxy, drops every registration and closes the transport.
+ * Accepts NULL. */
+void datapath_free(struct datapath *dp);
+
+/* Whether the transport is open and the proxy runs; when not, `why` (may
+ * be NULL) gets the reason. */
+bool datapath_up(const struct datapath *dp, const char **ret_why);
+
+/* Backend name of the transport ("fabric", "verbs"). */
+const char *datapath_backend(const struct datapath *dp);
+
+/* Mesh hooks: the local half of a connection to one more daemon and its
+ * address blob (TP_ADDR_MAX bytes at most); the peer's blob; the peer's
+ * loss (-errno). Set-up calls return -errno with errmsg. */
+int datapath_peer_new(struct datapath *dp, uint32_t *ret_tp_peer, uint8_t ret_blob[TP_ADDR_MAX],
+                      size_t *ret_len, char *errmsg);
+int datapath_peer_connect(struct datapath *dp, uint32_t tp_peer, const void *blob, size_t len, char *errmsg);
+void datapath_peer_fail(struct datapath *dp, uint32_t tp_peer, int error);
+
+/* RegionRegister with a proxy role: checks the role (one region of each
+ * per rank), the kind (a memfd sealed with F_SEAL_SHRINK; a dma-buf where
+ * the transport takes one) and the size (counters: a multiple of 8),
+ * registers the region with the broker (`fd` taken on success, as
+ * broker_register) and with the transport, and tells the mesh (with the
+ * rkey for recv and counter regions). Errors as broker_register, plus
+ * -ENODEV without a data path, -EOPNOTSUPP for a kind the transport cannot
+ * register. */
+int datapath_region_register(struct datapath *dp, struct broker *b, struct job_member *m, uid_t uid,
+                             const Moeep__V1__RegionRegister *rr, int fd, uint64_t *ret_id, char *errmsg);
+
+/* Before broker_release(): drops the transport registration when `id` is one
+ * of `m`'s proxy regions. -EBUSY for a send region that an open channel
+ * reads. */
+int datapath_region_release(struct datapath *dp, struct job_member *m, uint64_t id, char *errmsg);
+
+/* ChannelOpen: creates a ring of `capacity` descriptors (0: the default)
+ * whose descriptor peer r goes to rank r of `m`'s job, hands it to the
+ * proxy and returns its fd (the caller's) and id. Errors: -ENODEV without a
+ * data path, -EPIPE for an aborted job, -EINVAL no send region or a bad
+ * capacity, -EDQUOT past DATAPATH_MAX_CHANNELS, -EAGAIN (ERROR_NOT_READY)
+ * when a rank at another daemon has not joined, has no transport connection
+ * yet, or has not registered its recv and counters regions. */
+int datapath_channel_open(struct datapath *dp, struct job_member *m, uint32_t capacity, int *ret_fd,
+                          uint64_t *ret_ring_id, uint32_t *ret_capacity, char *errmsg);
+
+/* `m`'s job was aborted: its channels are removed from the proxy (their
+ * producers see the job's abort word). */
+void datapath_member_aborted(struct datapath *dp, struct job_member *m);
+
+/* `m` leaves its job or is lost: its channels are removed and its
+ * registrations dropped (the send region once the rings are gone). Call
+ * before broker_drop_member(). Accepts dp NULL. */
+void datapath_member_gone(struct datapath *dp, struct job_member *m);
+
+#endif
