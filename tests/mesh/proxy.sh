@@ -1,0 +1,191 @@
+#!/usr/bin/env bash
+# The internode proxy path end to end: two daemons on 127.0.0.1 (separate
+# sockets, mesh ports and logs, one cluster key), libfabric tcp between
+# them, and a job of four ranks (moeep-proxy-rank), 0 and 1 at A, 2 and 3
+# at B, each a separate process writing its descriptor ring from the CPU.
+#
+#   proxy.sh MOEEPD PROXY_RANK
+#
+# 1. data: every rank sends pseudo-random payloads with a counter each to
+#    both ranks at the other daemon; every byte and counter is checked; the
+#    descriptor rate and a one-descriptor round trip are printed
+#    (informational).
+# 2. bad-local: a descriptor naming a rank at the writer's own daemon fails
+#    its ring (-EINVAL) and aborts the job naming the writer ("not routed").
+# 3. bad-range: a descriptor past the receiver's region, the same ("range
+#    outside a region"). The daemons serve the next job.
+# 4. kill: the ranks stream; B is SIGKILLed; ranks 0 and 1 at A end with the
+#    ring's error or the job's abort word within 10 s (the delay is printed).
+# 5. A stops on SIGTERM with exit status 0.
+#
+# Everything it starts is killed and its temp dir removed on any exit; every
+# wait is bounded.
+set -uo pipefail
+
+if [[ $# -ne 2 ]]; then
+        echo "usage: $0 MOEEPD PROXY_RANK" >&2
+        exit 2
+fi
+moeepd=$(realpath "$1") rank=$(realpath "$2")
+
+tmp=$(mktemp -d "${TMPDIR:-/tmp}/moeep-proxy.XXXXXX")
+declare -A daemon_pid=()
+pids=()
+phase=start
+
+cleanup() {
+        local p
+        for p in "${pids[@]}" "${daemon_pid[@]}"; do
+                kill -KILL "$p" 2>/dev/null
+        done
+        for p in "${pids[@]}" "${daemon_pid[@]}"; do
+                wait "$p" 2>/dev/null
+        done
+        rm -rf "$tmp"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+fail() {
+        local f
+        echo "FAIL [$phase]: $*"
+        for f in "$tmp"/*.out "$tmp"/*.log; do
+                [[ -s $f ]] || continue
+                echo "--- last lines of $f"
+                tail -n 25 "$f"
+        done
+        exit 1
+}
+
+# wait_until SECONDS DESCRIPTION COMMAND...: polls COMMAND every 50 ms.
+wait_until() {
+        local limit=$1 what=$2 i
+        shift 2
+        for ((i = 0; i < limit * 20; i++)); do
+                "$@" && return 0
+                sleep 0.05
+        done
+        fail "timed out after ${limit}s waiting for $what"
+}
+
+read -r port_a port_b < <(python3 - <<'PY'
+import socket
+socks = [socket.socket() for _ in range(2)]
+for s in socks:
+    s.bind(("127.0.0.1", 0))
+print(" ".join(str(s.getsockname()[1]) for s in socks))
+PY
+) || fail "no free ports"
+a=127.0.0.1:$port_a b=127.0.0.1:$port_b
+printf '%s\n' "moeep-proxy-test-key-5b1e0c7d9a2f4e63" >"$tmp/key"
+chmod 600 "$tmp/key"
+
+# start NAME PORT PEERS: a daemon with the tcp transport on 127.0.0.1.
+start() {
+        local name=$1 port=$2 peers=$3
+        cat >"$tmp/$name.conf" <<CONF
+[moeepd]
+socket = $tmp/$name.sock
+log_level = debug
+mesh_listen = 127.0.0.1:$port
+mesh_peers = $peers
+cluster_key_file = $tmp/key
+transport = fabric
+fabric_provider = tcp
+transport_address = 127.0.0.1
+CONF
+        rm -f "$tmp/$name.sock"
+        "$moeepd" --config "$tmp/$name.conf" --foreground >>"$tmp/$name.log" 2>&1 &
+        daemon_pid[$name]=$!
+        wait_until 10 "moeepd $name to listen" test -S "$tmp/$name.sock"
+}
+
+log_has() { grep -qF -- "$2" "$tmp/$1.log"; }
+
+# job MODE [ARGS...]: the four ranks of a fresh job, 0 and 1 at A, 2 and 3
+# at B, in the background; their pids in job_pids.
+job_no=0
+job() {
+        local mode=$1 r sock how
+        shift
+        job_no=$((job_no + 1))
+        job_pids=()
+        for r in 0 1 2 3; do
+                sock=$tmp/A.sock how=--join
+                ((r >= 2)) && sock=$tmp/B.sock
+                ((r == 0)) && how=--create
+                "$rank" --socket "$sock" --id-file "$tmp/id.$job_no" --world 4 --rank "$r" $how \
+                        --mode "$mode" "$@" >"$tmp/rank$r.out" 2>&1 &
+                job_pids+=($!)
+                pids+=($!)
+        done
+}
+
+# job_wait SECONDS: every rank of the job exits 0 within SECONDS.
+job_wait() {
+        local limit=$1 r st
+        for r in 0 1 2 3; do
+                wait_until "$limit" "rank $r to exit" bash -c "! kill -0 ${job_pids[$r]} 2>/dev/null"
+                wait "${job_pids[$r]}"
+                st=$?
+                ((st == 0)) || fail "rank $r exited $st: $(cat "$tmp/rank$r.out")"
+        done
+        cat "$tmp"/rank[0-3].out
+}
+
+# ------------------------------------------------------------ set-up
+phase="set-up"
+start A "$port_a" "$b"
+start B "$port_b" "$a"
+wait_until 10 "A's transport connection to B" log_has A "mesh: peer $b: transport connected"
+wait_until 10 "B's transport connection to A" log_has B "mesh: peer $a: transport connected"
+log_has A "datapath: transport fabric provider tcp open, proxy running" || fail "A: no data path line"
+echo "ok: both daemons opened fabric tcp and connected their transports over the mesh"
+
+# ------------------------------------------------------------ 1. data
+phase="data"
+job data --count 500 --size 1024
+job_wait 60
+grep -q "every byte and counter from 2 remote ranks checked" "$tmp/rank3.out" || fail "rank 3 checked nothing"
+echo "ok: 4 ranks, 2 per daemon: every byte and counter from the other daemon's ranks arrived"
+
+# ------------------------------------------------------------ 2, 3. bad descriptors
+for mode in bad-local bad-range; do
+        phase=$mode
+        job "$mode"
+        job_wait 30
+        echo "ok: $mode: the writer's ring failed with a clear error, the job was aborted naming it"
+done
+log_has A "peer not routed: a rank at the ring's own daemon" || fail "A's log does not name the unrouted peer"
+log_has B "range outside a region" || fail "B's log does not name the bad range"
+
+# ------------------------------------------------------------ 4. kill
+phase="kill"
+job stream --count 64 --size 4096 --ready-file "$tmp/ready" --timeout 30
+wait_until 20 "rank 0 to stream" test -e "$tmp/ready"
+sleep 0.2
+killed_ns=$(date +%s%N)
+kill -KILL "${daemon_pid[B]}"
+wait "${daemon_pid[B]}" 2>/dev/null
+unset 'daemon_pid[B]'
+for r in 0 1; do
+        wait_until 10 "rank $r at A to see the loss" bash -c "! kill -0 ${job_pids[$r]} 2>/dev/null"
+        wait "${job_pids[$r]}" || fail "rank $r exited $?: $(cat "$tmp/rank$r.out")"
+        line=$(grep "stream ended" "$tmp/rank$r.out") || fail "rank $r: $(cat "$tmp/rank$r.out")"
+        seen_ns=${line##* at }
+        echo "$line"
+        echo "rank $r: the loss of B reached it $(((seen_ns - killed_ns) / 1000000)) ms after the SIGKILL"
+done
+kill -KILL "${job_pids[2]}" "${job_pids[3]}" 2>/dev/null
+kill -0 "${daemon_pid[A]}" || fail "A died"
+echo "ok: B killed mid-transfer: both ranks at A ended with an error, not a hang; A serves on"
+
+# ------------------------------------------------------------ 5. stop
+phase="stop"
+kill -TERM "${daemon_pid[A]}"
+wait_until 10 "A to exit" bash -c "! kill -0 ${daemon_pid[A]} 2>/dev/null"
+wait "${daemon_pid[A]}"
+st=$?
+unset 'daemon_pid[A]'
+((st == 0)) || fail "A exited $st on SIGTERM"
+echo "ok: A exits 0 on SIGTERM"
