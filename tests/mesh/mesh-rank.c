@@ -37,6 +37,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "job-id.h"
 #include "moeep.h"
 
 static int my_rank = -1;
@@ -51,41 +52,6 @@ static int fail(const char *fmt, ...) {
         va_end(ap);
         fputc('\n', stderr);
         return 1;
-}
-
-static int id_write(const char *path, const struct moeep_unique_id *id) {
-        char tmp[4096];
-        int fd;
-
-        snprintf(tmp, sizeof(tmp), "%s.tmp", path);
-        fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-        if (fd < 0)
-                return -errno;
-        if (write(fd, id->bytes, sizeof(id->bytes)) != (ssize_t)sizeof(id->bytes)) {
-                close(fd);
-                return -EIO;
-        }
-        close(fd);
-        return rename(tmp, path) < 0 ? -errno : 0;
-}
-
-static int id_read(const char *path, struct moeep_unique_id *ret_id) {
-        struct timespec pause = { .tv_nsec = 10 * 1000 * 1000 };
-
-        for (;;) {
-                int fd = open(path, O_RDONLY | O_CLOEXEC);
-                ssize_t n;
-
-                if (fd < 0) {
-                        if (errno != ENOENT)
-                                return -errno;
-                        nanosleep(&pause, NULL);
-                        continue;
-                }
-                n = read(fd, ret_id->bytes, sizeof(ret_id->bytes));
-                close(fd);
-                return n == (ssize_t)sizeof(ret_id->bytes) ? 0 : -EBADMSG;
-        }
 }
 
 static int run(struct moeep_client *c, const char *id_file, bool create, int world, uint32_t want_local,

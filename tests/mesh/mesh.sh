@@ -29,45 +29,9 @@ if [[ $# -ne 3 ]]; then
 fi
 moeepd=$(realpath "$1") moeepctl=$(realpath "$2") rank=$(realpath "$3")
 
-tmp=$(mktemp -d "${TMPDIR:-/tmp}/moeep-mesh.XXXXXX")
-declare -A daemon_pid=()
-pids=()
-phase=start
-
-cleanup() {
-        local p
-        for p in "${pids[@]}" "${daemon_pid[@]}"; do
-                kill -KILL "$p" 2>/dev/null
-        done
-        for p in "${pids[@]}" "${daemon_pid[@]}"; do
-                wait "$p" 2>/dev/null
-        done
-        rm -rf "$tmp"
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-
-fail() {
-        local f
-        echo "FAIL [$phase]: $*"
-        for f in "$tmp"/*.out "$tmp"/*.log; do
-                [[ -s $f ]] || continue
-                echo "--- last lines of $f"
-                tail -n 25 "$f"
-        done
-        exit 1
-}
-
-# wait_until SECONDS DESCRIPTION COMMAND...: polls COMMAND every 50 ms.
-wait_until() {
-        local limit=$1 what=$2 i
-        shift 2
-        for ((i = 0; i < limit * 20; i++)); do
-                "$@" && return 0
-                sleep 0.05
-        done
-        fail "timed out after ${limit}s waiting for $what"
-}
+test_name=mesh
+# shellcheck source=lib.sh
+source "$(dirname "$(realpath "$0")")/lib.sh"
 
 alive() {
         local st

@@ -51,6 +51,7 @@
 
 #include "client-internal.h"
 #include "driver.h"
+#include "job-id.h"
 #include "moeep.h"
 
 static int my_rank = -1;
@@ -69,42 +70,6 @@ static int fail(const char *fmt, ...) {
 }
 
 /* ------------------------------------------------------------ the job */
-
-static int id_write(const char *path, const struct moeep_unique_id *id) {
-        char tmp[4096];
-        int fd;
-
-        snprintf(tmp, sizeof(tmp), "%s.tmp", path);
-        fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-        if (fd < 0)
-                return -errno;
-        if (write(fd, id->bytes, sizeof(id->bytes)) != (ssize_t)sizeof(id->bytes)) {
-                close(fd);
-                return -EIO;
-        }
-        close(fd);
-        return rename(tmp, path) < 0 ? -errno : 0;
-}
-
-static int id_read(const char *path, struct moeep_unique_id *ret_id) {
-        struct timespec pause = { .tv_nsec = 10 * 1000 * 1000 };
-
-        while (drv_now_ns() < deadline_ns) {
-                int fd = open(path, O_RDONLY | O_CLOEXEC);
-                ssize_t n;
-
-                if (fd < 0) {
-                        if (errno != ENOENT)
-                                return -errno;
-                        nanosleep(&pause, NULL);
-                        continue;
-                }
-                n = read(fd, ret_id->bytes, sizeof(ret_id->bytes));
-                close(fd);
-                return n == (ssize_t)sizeof(ret_id->bytes) ? 0 : -EBADMSG;
-        }
-        return -ETIMEDOUT;
-}
 
 /* ------------------------------------------------------------ regions */
 

@@ -1,0 +1,45 @@
+# Shared by the mesh tests (mesh.sh, proxy.sh), sourced after their
+# argument checks with `test_name` set: a temp dir, the processes a test
+# starts (pids, daemon_pid[NAME]) killed and the dir removed on any exit,
+# fail() with the last lines of every *.out and *.log, and bounded waits.
+# shellcheck shell=bash
+
+tmp=$(mktemp -d "${TMPDIR:-/tmp}/moeep-$test_name.XXXXXX")
+declare -A daemon_pid=()
+pids=()
+phase=start
+
+cleanup() {
+        local p
+        for p in "${pids[@]}" "${daemon_pid[@]}"; do
+                kill -KILL "$p" 2>/dev/null
+        done
+        for p in "${pids[@]}" "${daemon_pid[@]}"; do
+                wait "$p" 2>/dev/null
+        done
+        rm -rf "$tmp"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+fail() {
+        local f
+        echo "FAIL [$phase]: $*"
+        for f in "$tmp"/*.out "$tmp"/*.log; do
+                [[ -s $f ]] || continue
+                echo "--- last lines of $f"
+                tail -n 25 "$f"
+        done
+        exit 1
+}
+
+# wait_until SECONDS DESCRIPTION COMMAND...: polls COMMAND every 50 ms.
+wait_until() {
+        local limit=$1 what=$2 i
+        shift 2
+        for ((i = 0; i < limit * 20; i++)); do
+                "$@" && return 0
+                sleep 0.05
+        done
+        fail "timed out after ${limit}s waiting for $what"
+}
