@@ -153,17 +153,9 @@ __device__ __forceinline__ void combine_produce(const struct moeep_ctx &ctx, con
                 if (lane == 0) {
                         uint32_t *counter = &sync_of(ctx, ctx.rank)->comb_chunk[c];
                         const uint32_t want = (uint32_t)route.chunk_expect[c];
-                        const uint64_t start = globaltimer_ns();
-                        while (ok && !(ctx.debug & MOEEP_DEBUG_NO_COUNTS) && ld_acquire_sys_u32(counter) < want) {
-                                if (ctx.abort_word && ld_volatile_u32(ctx.abort_word)) {
-                                        record_error(ctx, MOEEP_KERR_ABORT, -1);
-                                        ok = false;
-                                } else if (*(volatile uint32_t *)&ctx.state->error ||
-                                           globaltimer_ns() - start > ctx.timeout_ns) {
-                                        record_error(ctx, MOEEP_KERR_TIMEOUT, -1);
-                                        ok = false;
-                                }
-                        }
+                        struct spin s = spin_begin();
+                        while (ok && !(ctx.debug & MOEEP_DEBUG_NO_COUNTS) && ld_acquire_sys_u32(counter) < want)
+                                ok = !spin_give_up(ctx, s, -1);
                         /* Every row of this round arrived: no more adds come
                          * until our next combine, which starts after a barrier. */
                         *counter = 0;

@@ -126,25 +126,50 @@ __device__ __forceinline__ void record_error(const struct moeep_ctx &ctx, uint32
                 ctx.state->error_rank = peer;
 }
 
-/* Bounded wait until *flag >= want. Gives up when the job's abort word is
- * set, when another wait of this launch already failed, or after the
- * timeout; returns false then (the error is recorded). */
+/* The state of one bounded device wait; see spin_give_up. */
+struct spin {
+        uint64_t start; /* globaltimer at the first spin */
+        uint32_t n;     /* spins so far */
+};
+
+/* Spins between the checks of spin_give_up: the abort word lives in host
+ * memory, and reading it on every spin would put a PCIe round trip into
+ * every poll of the flag the wait is for. */
+#define SPIN_CHECK_EVERY 32
+
+__device__ __forceinline__ struct spin spin_begin(void) {
+        return { globaltimer_ns(), 0 };
+}
+
+/* Called once per spin of a wait: true when the wait must end without its
+ * condition, because the job's abort word is set, another wait of this
+ * launch already failed, or the timeout passed (the error is recorded,
+ * naming `peer`, -1 when unknown). */
+__device__ __forceinline__ bool spin_give_up(const struct moeep_ctx &ctx, struct spin &s, int peer) {
+        if (++s.n % SPIN_CHECK_EVERY)
+                return false;
+        if (ctx.abort_word && ld_volatile_u32(ctx.abort_word)) {
+                record_error(ctx, MOEEP_KERR_ABORT, peer);
+                return true;
+        }
+        if (*(volatile uint32_t *)&ctx.state->error)
+                return true;
+        if (globaltimer_ns() - s.start > ctx.timeout_ns) {
+                record_error(ctx, MOEEP_KERR_TIMEOUT, peer);
+                return true;
+        }
+        return false;
+}
+
+/* Bounded wait until *flag >= want; false when it gave up (see
+ * spin_give_up). */
 __device__ __forceinline__ bool wait_flag(const struct moeep_ctx &ctx, const uint64_t *flag, uint64_t want,
                                           int peer) {
-        uint64_t start = globaltimer_ns();
+        struct spin s = spin_begin();
 
-        while (ld_acquire_sys(flag) < want) {
-                if (ctx.abort_word && ld_volatile_u32(ctx.abort_word)) {
-                        record_error(ctx, MOEEP_KERR_ABORT, peer);
+        while (ld_acquire_sys(flag) < want)
+                if (spin_give_up(ctx, s, peer))
                         return false;
-                }
-                if (*(volatile uint32_t *)&ctx.state->error)
-                        return false;
-                if (globaltimer_ns() - start > ctx.timeout_ns) {
-                        record_error(ctx, MOEEP_KERR_TIMEOUT, peer);
-                        return false;
-                }
-        }
         return true;
 }
 
