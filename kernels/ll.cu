@@ -22,7 +22,11 @@
 #include "kernels.h"
 #include "ptx.cuh"
 
-enum { LL_THREADS = 512, LL_WARPS = LL_THREADS / 32 };
+enum {
+        LL_THREADS = 512,
+        LL_WARPS = LL_THREADS / 32,
+        LL_RECV_PIECE = 64, /* int4 of a row one warp of the combine receive sums: 512 channels */
+};
 
 __device__ __forceinline__ struct moeep_ll_sync *ll_sync_of(const struct moeep_ctx &ctx, int rank) {
         return (struct moeep_ll_sync *)(ctx.peers[rank] + ctx.ll.sync);
@@ -38,60 +42,35 @@ __device__ __forceinline__ int ll_warp_index(void) {
         return (int)(threadIdx.x / 32 * gridDim.x + blockIdx.x);
 }
 
-/* Shared memory of one warp's FP8 staging: the e4m3 row, then its scales. */
-__host__ __device__ __forceinline__ size_t ll_stage_bytes(int hidden) {
-        return ((size_t)hidden + (size_t)hidden / MOEEP_SCALE_BLOCK * sizeof(float) + 15) / 16 * 16;
-}
-
-/* FP8 cast of one bf16 row into shared memory: e4m3 bytes [hidden] then
- * one float scale per 128 channels (amax / 448, or its power of two above
- * when round_scale). Lane i handles int4 chunks i, i + 32, ...; the 16 lanes
- * of a half-warp cover one 128-channel group. */
-__device__ __forceinline__ void ll_cast_fp8(const int4 *row, int hidden, bool round_scale, uint8_t *stage) {
-        const int lane = threadIdx.x % 32, n16 = hidden / 8;
-        float *scales = (float *)(stage + hidden);
-
-        /* Four loads in flight per lane before the first use (n16 is a
-         * multiple of 32, so every condition below is warp-uniform). */
-        for (int base = lane; base < n16; base += 32 * 4) {
-        int4 vv[4];
+/* FP8 cast of 16 bf16 channels (two int4 of a row) into one int4 of e4m3,
+ * with the scale of their 128-channel group: the 8 lanes of an aligned
+ * lane octet hold one group (amax / 448, or its power of two above when
+ * round_scale). Every lane of the warp must call it. */
+__device__ __forceinline__ int4 ll_cast16(int4 a, int4 b, bool round_scale, float *ret_scale) {
+        const __nv_bfloat162 *h[2] = { (const __nv_bfloat162 *)&a, (const __nv_bfloat162 *)&b };
+        float f[16], amax = 0.0f;
 #pragma unroll
-        for (int u = 0; u < 4; u++)
-                if (base + 32 * u < n16)
-                        vv[u] = ld_nc_v4(row + base + 32 * u);
-#pragma unroll
-        for (int u = 0; u < 4; u++) {
-                const int i = base + 32 * u;
-                if (i >= n16)
-                        break;
-                const __nv_bfloat162 *h = (const __nv_bfloat162 *)&vv[u];
-                float f[8], amax = 0.0f;
-#pragma unroll
-                for (int j = 0; j < 4; j++) {
-                        float2 p = __bfloat1622float2(h[j]);
-                        f[2 * j] = p.x;
-                        f[2 * j + 1] = p.y;
-                        amax = fmaxf(amax, fmaxf(fabsf(p.x), fabsf(p.y)));
-                }
-#pragma unroll
-                for (int o = 8; o >= 1; o /= 2)
-                        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-                float scale = amax > 0.0f ? amax / 448.0f : 1.0f;
-                if (round_scale)
-                        scale = exp2f(ceilf(log2f(scale)));
-                const float inv = 1.0f / scale;
-                uint2 q;
-                __nv_fp8x2_storage_t *qq = (__nv_fp8x2_storage_t *)&q;
-#pragma unroll
-                for (int j = 0; j < 4; j++)
-                        qq[j] = __nv_cvt_float2_to_fp8x2(make_float2(f[2 * j] * inv, f[2 * j + 1] * inv), __NV_SATFINITE,
-                                                         __NV_E4M3);
-                *(uint2 *)(stage + (size_t)i * 8) = q;
-                if (lane % 16 == 0)
-                        scales[i / 16] = scale;
+        for (int j = 0; j < 8; j++) {
+                float2 p = __bfloat1622float2(h[j / 4][j % 4]);
+                f[2 * j] = p.x;
+                f[2 * j + 1] = p.y;
+                amax = fmaxf(amax, fmaxf(fabsf(p.x), fabsf(p.y)));
         }
-        }
-        __syncwarp();
+#pragma unroll
+        for (int o = 4; o >= 1; o /= 2)
+                amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+        float scale = amax > 0.0f ? amax / 448.0f : 1.0f;
+        if (round_scale)
+                scale = exp2f(ceilf(log2f(scale)));
+        const float inv = 1.0f / scale;
+        int4 q;
+        __nv_fp8x2_storage_t *qq = (__nv_fp8x2_storage_t *)&q;
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+                qq[j] = __nv_cvt_float2_to_fp8x2(make_float2(f[2 * j] * inv, f[2 * j + 1] * inv), __NV_SATFINITE,
+                                                 __NV_E4M3);
+        *ret_scale = scale;
+        return q;
 }
 
 /* Waits (in one block) for every source's rows of set b, sequence seq,
@@ -117,70 +96,80 @@ __global__ void ll_dispatch_recv(struct moeep_ctx ctx, int b, int *stats) {
         ll_recv_counts(ctx, b, ctx.state->ll_seq[b], stats);
 }
 
+/* One warp per (token, k) pair: it claims the pair's slot at the expert's
+ * rank (a remote atomic, whose round trip overlaps the first loads), then
+ * streams the row there, cast to FP8 on the way when asked. The K warps of
+ * a token read the same row (from L2 after the first). */
 template <typename Idx>
 __global__ void __launch_bounds__(LL_THREADS, 1)
         ll_dispatch_send(struct moeep_ctx ctx, const int4 *x, int num_tokens, const Idx *topk_idx, int K, int b,
                          int use_fp8, int round_scale, int recv, int *stats) {
-        extern __shared__ __align__(16) uint8_t ll_stage[];
-        const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-        const int R = ctx.ranks, me = ctx.rank, H = ctx.hidden, epr = ctx.num_experts / R;
-        const int warps = gridDim.x * LL_WARPS, gwarp = ll_warp_index();
+        const int lane = threadIdx.x % 32, R = ctx.ranks, me = ctx.rank, H = ctx.hidden, epr = ctx.num_experts / R;
+        const int warps = gridDim.x * LL_WARPS, gwarp = ll_warp_index(), n16 = H / 8;
         const size_t slots = ll_slot_count(ctx), xrow = (size_t)H * (use_fp8 ? 1 : 2);
         const int nscales = H / MOEEP_SCALE_BLOCK;
         const uint64_t seq = ctx.state->ll_seq[b] + 1;
-        uint8_t *stage = ll_stage + (size_t)warp * ll_stage_bytes(H);
 
-        for (int t = gwarp; t < num_tokens; t += warps) {
-                const int4 *row = x + (size_t)t * H / 8;
-                if (use_fp8)
-                        ll_cast_fp8(row, H, round_scale, stage);
-                /* Lane k claims the slot of expert k at its rank: the K
-                 * remote atomics are in flight together. */
-                int my_pos = -1;
-                int64_t my_e = -1;
-                if (lane < K) {
-                        my_e = (int64_t)topk_idx[(size_t)t * K + lane];
-                        if (my_e >= 0 && my_e < ctx.num_experts)
-                                my_pos = (int)atomicAdd_system(
-                                        &ll_sync_of(ctx, (int)(my_e / epr))->counter[b][my_e % epr], 1u);
-                }
-                for (int k = 0; k < K; k++) {
-                        const int64_t e = __shfl_sync(0xffffffffu, my_e, k);
-                        const int pos = __shfl_sync(0xffffffffu, my_pos, k);
-                        if (pos < 0)
-                                continue;
-                        const int d = (int)(e / epr), le = (int)(e % epr);
-                        if ((size_t)pos >= slots) {
-                                /* Only possible when a token names one expert twice. */
-                                if (lane == 0)
-                                        record_error(ctx, MOEEP_KERR_OVERFLOW, d);
-                                continue;
+        for (int item = gwarp; item < num_tokens * K; item += warps) {
+                const int t = item / K, k = item % K;
+                const int64_t e = (int64_t)topk_idx[item];
+                if (e < 0 || e >= ctx.num_experts)
+                        continue;
+                const int d = (int)(e / epr), le = (int)(e % epr);
+                uint32_t pos = 0;
+                if (lane == 0)
+                        pos = atomicAdd_system(&ll_sync_of(ctx, d)->counter[b][le], 1u);
+                const int4 *row = x + (size_t)t * n16;
+                /* Lane i moves 16 channels (two int4 of bf16) per step, 32
+                 * steps of the warp per 512 channels; loads of 4 steps in
+                 * flight before the first use. */
+                int4 v[8];
+#pragma unroll
+                for (int u = 0; u < 4; u++)
+                        if (u * 64 + 2 * lane < n16) {
+                                v[2 * u] = ld_nc_v4(row + u * 64 + 2 * lane);
+                                v[2 * u + 1] = ld_nc_v4(row + u * 64 + 2 * lane + 1);
                         }
-                        const size_t slot = (size_t)le * slots + pos;
-                        char *dst = ctx.peers[d] + ctx.ll.x[b] + slot * xrow;
-                        if (use_fp8) {
-                                for (int i = lane; i < H / 16; i += 32)
-                                        st_na_v4((int4 *)dst + i, *(const int4 *)(stage + (size_t)i * 16));
-                                float *sc = (float *)(ctx.peers[d] + ctx.ll.scales[b]) + slot * nscales;
-                                for (int i = lane; i < nscales; i += 32)
-                                        sc[i] = ((const float *)(stage + H))[i];
-                        } else {
-                                for (int i = lane; i < H / 8; i += 32 * 4) {
-                                        int4 v[4];
+                pos = __shfl_sync(0xffffffffu, pos, 0);
+                if ((size_t)pos >= slots) {
+                        /* Only possible when a token names one expert twice. */
+                        if (lane == 0)
+                                record_error(ctx, MOEEP_KERR_OVERFLOW, d);
+                        continue;
+                }
+                const size_t slot = (size_t)le * slots + pos;
+                char *dst = ctx.peers[d] + ctx.ll.x[b] + slot * xrow;
+                float *sc = (float *)(ctx.peers[d] + ctx.ll.scales[b]) + slot * nscales;
+                for (int base = 0; base < n16; base += 4 * 64) {
+                        if (base > 0) {
 #pragma unroll
-                                        for (int u = 0; u < 4; u++)
-                                                if (i + u * 32 < H / 8)
-                                                        v[u] = ld_nc_v4(row + i + u * 32);
+                                for (int u = 0; u < 4; u++)
+                                        if (base + u * 64 + 2 * lane < n16) {
+                                                v[2 * u] = ld_nc_v4(row + base + u * 64 + 2 * lane);
+                                                v[2 * u + 1] = ld_nc_v4(row + base + u * 64 + 2 * lane + 1);
+                                        }
+                        }
 #pragma unroll
-                                        for (int u = 0; u < 4; u++)
-                                                if (i + u * 32 < H / 8)
-                                                        st_na_v4((int4 *)dst + i + u * 32, v[u]);
+                        for (int u = 0; u < 4; u++) {
+                                const int c = base + u * 64 + 2 * lane; /* first int4 of the pair */
+                                if (base + u * 64 >= n16)
+                                        break; /* warp-uniform: n16 is a multiple of 32 */
+                                if (use_fp8) {
+                                        float scale;
+                                        const int4 q = ll_cast16(v[2 * u], v[2 * u + 1], round_scale, &scale);
+                                        if (c < n16) {
+                                                st_na_v4((int4 *)dst + c / 2, q);
+                                                if (lane % 8 == 0)
+                                                        sc[c / 16] = scale;
+                                        }
+                                } else if (c < n16) {
+                                        st_na_v4((int4 *)dst + c, v[2 * u]);
+                                        st_na_v4((int4 *)dst + c + 1, v[2 * u + 1]);
                                 }
                         }
-                        if (lane == 0)
-                                ((int32_t *)(ctx.peers[d] + ctx.ll.src[b]))[slot] = (me << 28) | (k << 20) | t;
                 }
-                __syncwarp();
+                if (lane == 0)
+                        ((int32_t *)(ctx.peers[d] + ctx.ll.src[b]))[slot] = (me << 28) | (k << 20) | t;
         }
         if (!last_block_done(ctx))
                 return;
@@ -196,8 +185,7 @@ __global__ void __launch_bounds__(LL_THREADS, 1)
 
 /* Expert outputs back to the tokens' ranks: slot (le, pos) of set b goes to
  * row (token, k) of its source's combine area. */
-__global__ void __launch_bounds__(LL_THREADS, 1)
-        ll_combine_send(struct moeep_ctx ctx, const int4 *y, int b) {
+__global__ void __launch_bounds__(LL_THREADS, 1) ll_combine_send(struct moeep_ctx ctx, const int4 *y, int b) {
         const struct moeep_ll_sync *my = ll_sync_of(ctx, ctx.rank);
         const int lane = threadIdx.x % 32, R = ctx.ranks, me = ctx.rank, H = ctx.hidden, epr = ctx.num_experts / R;
         const int warps = gridDim.x * LL_WARPS, gwarp = ll_warp_index();
@@ -247,9 +235,7 @@ __global__ void __launch_bounds__(LL_THREADS, 1)
                         }
                 }
         }
-        if (!last_block_done(ctx))
-                return;
-        if (threadIdx.x < R)
+        if (last_block_done(ctx) && threadIdx.x < R)
                 st_release_sys(&ll_sync_of(ctx, threadIdx.x)->combine_flag[b][me], seq);
 }
 
@@ -268,11 +254,12 @@ __global__ void __launch_bounds__(LL_THREADS, 1)
         if (threadIdx.x < ctx.ranks)
                 wait_flag(ctx, &my->combine_flag[b][threadIdx.x], seq, threadIdx.x);
         __syncthreads();
-        /* Work items (token, quarter of the row), so that a few tokens still
-         * keep every warp busy; the K rows of a position are loaded together. */
-        const int n16 = H / 8, quarter = (n16 + 3) / 4;
-        for (int item = gwarp; item < num_tokens * 4; item += warps) {
-                const int t = item / 4, i0 = (item % 4) * quarter, i1 = min(n16, i0 + quarter);
+        /* Work items (token, 512 channels of the row), so that a few tokens
+         * still keep every warp busy; the K rows of a position are loaded
+         * together. */
+        const int n16 = H / 8, pieces = (n16 + LL_RECV_PIECE - 1) / LL_RECV_PIECE;
+        for (int item = gwarp; item < num_tokens * pieces; item += warps) {
+                const int t = item / pieces, i0 = (item % pieces) * LL_RECV_PIECE, i1 = min(n16, i0 + LL_RECV_PIECE);
                 float w = 0.0f;
                 uint32_t valid = 0;
                 if (lane < K) {
@@ -316,25 +303,19 @@ __global__ void __launch_bounds__(LL_THREADS, 1)
 }
 
 extern "C" int moeep_ll_init(void) {
-        const int smem = (int)(LL_WARPS * ll_stage_bytes(MOEEP_LL_FP8_MAX_HIDDEN));
-        cudaError_t e = cudaFuncSetAttribute(ll_dispatch_send<int64_t>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-        if (e == cudaSuccess)
-                e = cudaFuncSetAttribute(ll_dispatch_send<int32_t>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-        return (int)e;
+        return 0;
 }
 
 extern "C" int moeep_launch_ll_dispatch_send(const struct moeep_ctx *ctx, const void *x, int num_tokens,
                                              const void *topk_idx, int idx_is_int64, int num_topk, int set, int use_fp8,
                                              int round_scale, int recv, int *stats, cudaStream_t stream) {
-        const size_t smem = use_fp8 ? LL_WARPS * ll_stage_bytes(ctx->hidden) : 0;
-
         MOEEP_CUDA_LAUNCH_BEGIN();
         if (idx_is_int64)
-                ll_dispatch_send<int64_t><<<ctx->ll_num_sms, LL_THREADS, smem, stream>>>(
+                ll_dispatch_send<int64_t><<<ctx->ll_num_sms, LL_THREADS, 0, stream>>>(
                         *ctx, (const int4 *)x, num_tokens, (const int64_t *)topk_idx, num_topk, set, use_fp8, round_scale, recv,
                         stats);
         else
-                ll_dispatch_send<int32_t><<<ctx->ll_num_sms, LL_THREADS, smem, stream>>>(
+                ll_dispatch_send<int32_t><<<ctx->ll_num_sms, LL_THREADS, 0, stream>>>(
                         *ctx, (const int4 *)x, num_tokens, (const int32_t *)topk_idx, num_topk, set, use_fp8, round_scale, recv,
                         stats);
         MOEEP_CUDA_LAUNCH_CHECK();
@@ -368,3 +349,4 @@ extern "C" int moeep_launch_ll_combine_recv(const struct moeep_ctx *ctx, const v
         MOEEP_CUDA_LAUNCH_CHECK();
         return 0;
 }
+
