@@ -3,10 +3,13 @@
  * same run on the same GPUs.
  *
  * One process per GPU, each attached through a private moeepd (or the one
- * at --socket). Times are taken with CUDA events around each call after a
- * daemon barrier, per rank, queued behind a 200 us busy kernel so that the
- * host's launch latency is not counted; the table shows min/median/max
- * over ranks of each rank's median over --iters runs.
+ * at --socket). Times are taken with CUDA events around each call, per
+ * rank: after a daemon barrier, the call is queued behind a 500 us busy
+ * kernel (so the host's launch latency is not counted) and a barrier
+ * kernel across the GPUs (so every rank's call starts at the same time,
+ * not skewed by when each process left the daemon barrier; --host-start
+ * leaves it out). The table shows min/median/max over ranks of each
+ * rank's median over --iters runs.
  *
  *   dispatch GB/s = bytes of recv_x on a rank (own tokens included) / time
  *   combine  GB/s = bytes of the rows a rank sends back / time
@@ -36,7 +39,7 @@
 #define MAX_ITERS 1000
 /* Each timed call is queued behind a kernel that keeps the GPU busy this
  * long, so that events measure GPU time, not host launch latency. */
-#define QUEUE_DELAY_NS 200000
+#define QUEUE_DELAY_NS 500000
 
 enum op {
         OP_DISPATCH_BF16,
@@ -96,7 +99,7 @@ struct shared {
 
 struct opts {
         int ranks, tokens, hidden, topk, experts, sms, iters, warmup;
-        bool sweep, json, nccl, ll;
+        bool sweep, json, nccl, ll, host_start;
         uint64_t seed;
 };
 
@@ -185,14 +188,25 @@ static double median(double *v, int n) {
 
 typedef int (*op_fn)(struct rank_env *env, void *arg);
 
-/* Times fn: warm-ups, then iters runs, each after a daemon barrier so that
- * every rank starts together; returns the median in microseconds. */
+/* Lines every rank's next call up: a daemon barrier, the busy kernel, and
+ * unless --host-start a barrier kernel across the GPUs, so that the GPUs
+ * leave it within an NVLink flag's latency of each other. */
+static void start_together(struct rank_env *env) {
+        struct moeep_ctx ctx;
+
+        moeep_job_barrier(env->c);
+        moeep_launch_delay(QUEUE_DELAY_NS, env->st);
+        if (!env->o->host_start && ep_internal_ctx(env->ep, &ctx) == 0)
+                moeep_launch_notify(&ctx, NULL, NULL, 0, 0, 0, 0, NULL, NULL, env->st);
+}
+
+/* Times fn: warm-ups, then iters runs, each started on every rank together
+ * (start_together); returns the median in microseconds. */
 static double time_op(struct rank_env *env, op_fn fn, void *arg, int *ret_err) {
         int n = env->o->iters;
         for (int i = 0; i < env->o->warmup + n; i++) {
                 float ms = 0;
-                moeep_job_barrier(env->c);
-                moeep_launch_delay(QUEUE_DELAY_NS, env->st);
+                start_together(env);
                 cudaEventRecord(env->e0, env->st);
                 if (fn(env, arg) < 0) {
                         *ret_err = -1;
@@ -575,8 +589,7 @@ static int bench_ll(struct rank_env *env, int *slot, int T) {
                 da.return_recv_hook = ca.return_recv_hook = mode == 1;
                 for (int i = 0; i < o->warmup + o->iters && !err; i++) {
                         float ms[4] = { 0 };
-                        moeep_job_barrier(env->c);
-                        moeep_launch_delay(QUEUE_DELAY_NS, env->st);
+                        start_together(env);
                         cudaEventRecord(ev[0], env->st);
                         err |= moeep_ll_dispatch(env->ep, &da, &res, &hook, env->st) < 0;
                         cudaEventRecord(ev[1], env->st);
@@ -704,13 +717,15 @@ static void stats(const double *v, int n, double *mn, double *md, double *mx) {
 static void report(const struct opts *o, const struct shared *sh, int ranks) {
         if (o->json)
                 printf("{\"ranks\": %d, \"hidden\": %d, \"topk\": %d, \"experts\": %d, \"iters\": %d, \"seed\": %" PRIu64
-                       ", \"buffer_bytes\": %zu, \"results\": [\n",
-                       ranks, o->hidden, o->topk, o->experts, o->iters, o->seed, sh->buffer_bytes);
+                       ", \"buffer_bytes\": %zu, \"start\": \"%s\", \"results\": [\n",
+                       ranks, o->hidden, o->topk, o->experts, o->iters, o->seed, sh->buffer_bytes,
+                       o->host_start ? "host" : "gpu");
         else
                 printf("moeep-bench: %d ranks, hidden %d, top-%d of %d experts, %d iters (median per rank; min/median/max over ranks)\n"
-                       "NVLink buffer: %.1f MiB per rank\n"
+                       "NVLink buffer: %.1f MiB per rank; each call starts after %s\n"
                        "%-34s %6s %4s %26s %26s\n",
-                       ranks, o->hidden, o->topk, o->experts, o->iters, sh->buffer_bytes / 1048576.0, "operation", "tokens", "SMs",
+                       ranks, o->hidden, o->topk, o->experts, o->iters, sh->buffer_bytes / 1048576.0,
+                       o->host_start ? "a daemon barrier (--host-start)" : "a GPU barrier", "operation", "tokens", "SMs",
                        "time us (min/med/max)", "GB/s (min/med/max)");
         for (int i = 0; i < sh->nres; i++) {
                 const struct result *r = &sh->res[i];
@@ -733,7 +748,7 @@ static void report(const struct opts *o, const struct shared *sh, int ranks) {
 
 static void usage(FILE *f) {
         fprintf(f, "usage: moeep-bench [ll] [--ranks N] [--tokens N] [--hidden N] [--topk N] [--experts N] [--sms N]\n"
-                   "                   [--iters N] [--warmup N] [--sweep] [--no-nccl] [--json] [--seed N]\n"
+                   "                   [--iters N] [--warmup N] [--sweep] [--no-nccl] [--json] [--seed N] [--host-start]\n"
                    "                   [--moeepd PATH | --socket PATH]\n");
 }
 
@@ -752,7 +767,8 @@ int main(int argc, char **argv) {
                 { "sweep", no_argument, NULL, 'S' },        { "no-nccl", no_argument, NULL, 'N' },
                 { "json", no_argument, NULL, 'j' },         { "seed", required_argument, NULL, 's' },
                 { "moeepd", required_argument, NULL, 'd' }, { "socket", required_argument, NULL, 'x' },
-                { "help", no_argument, NULL, 'h' },         { NULL, 0, NULL, 0 },
+                { "host-start", no_argument, NULL, 'B' },   { "help", no_argument, NULL, 'h' },
+                { NULL, 0, NULL, 0 },
         };
 
         while ((opt = getopt_long(argc, argv, "", lo, NULL)) != -1) {
@@ -767,6 +783,7 @@ int main(int argc, char **argv) {
                 case 'w': o.warmup = atoi(optarg); break;
                 case 'S': o.sweep = true; break;
                 case 'N': o.nccl = false; break;
+                case 'B': o.host_start = true; break;
                 case 'j': o.json = true; break;
                 case 's': o.seed = strtoull(optarg, NULL, 0); break;
                 case 'd': moeepd = optarg; break;
