@@ -84,6 +84,8 @@ const char *datapath_backend(const struct datapath *dp) {
 static struct dp_rank *rank_find(const struct datapath *dp, const struct job_member *m) {
         struct dp_rank *dr;
 
+        if (!m) /* ranks that went have member NULL: never "found" */
+                return NULL;
         TAILQ_FOREACH (dr, &dp->ranks, entry)
                 if (dr->member == m)
                         return dr;
