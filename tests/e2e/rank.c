@@ -31,6 +31,7 @@
 #include <unistd.h>
 
 #include "moeep.h"
+#include "../job-id.h"
 
 #define REGION_MAGIC 0x4b4e4152u /* "RANK" */
 #define REGION_TAG 7
@@ -119,54 +120,6 @@ static size_t pattern_check(const uint8_t *p, size_t len, uint64_t seed, uint32_
                                 return i + j;
         }
         return len;
-}
-
-static int id_write(const char *path, const struct moeep_unique_id *id) {
-        char tmp[4096];
-        int fd;
-
-        if (snprintf(tmp, sizeof(tmp), "%s.tmp.%d", path, (int)getpid()) >= (int)sizeof(tmp))
-                return -ENAMETOOLONG;
-        fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-        if (fd < 0)
-                return -errno;
-        if (write(fd, id->bytes, sizeof(id->bytes)) != (ssize_t)sizeof(id->bytes) || fsync(fd) < 0) {
-                int r = errno ? -errno : -EIO;
-
-                close(fd);
-                unlink(tmp);
-                return r;
-        }
-        close(fd);
-        if (rename(tmp, path) < 0) {
-                int r = -errno;
-
-                unlink(tmp);
-                return r;
-        }
-        return 0;
-}
-
-/* Waits (bounded by the alarm) for rank 0 to publish the unique id. */
-static int id_read(const char *path, struct moeep_unique_id *ret_id) {
-        struct timespec pause = { .tv_nsec = 10 * 1000 * 1000 };
-
-        for (;;) {
-                int fd = open(path, O_RDONLY | O_CLOEXEC);
-                ssize_t n;
-
-                if (fd < 0) {
-                        if (errno != ENOENT)
-                                return -errno;
-                        nanosleep(&pause, NULL);
-                        continue;
-                }
-                n = read(fd, ret_id->bytes, sizeof(ret_id->bytes));
-                close(fd);
-                if (n != (ssize_t)sizeof(ret_id->bytes))
-                        return n < 0 ? -errno : -EBADMSG;
-                return 0;
-        }
 }
 
 static int touch(const char *path) {

@@ -37,7 +37,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "job-id.h"
+#include "../job-id.h"
 #include "moeep.h"
 
 static int my_rank = -1;

@@ -51,7 +51,7 @@
 
 #include "client-internal.h"
 #include "driver.h"
-#include "job-id.h"
+#include "../job-id.h"
 #include "moeep.h"
 
 static int my_rank = -1;
