@@ -5,6 +5,7 @@
 #include "ptx.cuh"
 
 enum { NOTIFY_THREADS = 1024, NOTIFY_WARPS = NOTIFY_THREADS / 32 };
+static_assert(MOEEP_COMBINE_CHUNK == 32, "notify counts a combine chunk per warp round of 32 tokens");
 
 /* Bit d set when token t goes to rank d: from is_token_in_rank when given,
  * else from the token's top-k experts. */
@@ -61,25 +62,31 @@ __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
                 return;
         }
 
-        /* Tokens are split into contiguous chunks, one per thread, so that a
-         * scan over thread order is a scan over token order. */
-        const int chunk = (num_tokens + NOTIFY_THREADS - 1) / NOTIFY_THREADS;
-        const int lo = min(tid * chunk, num_tokens), hi = min(lo + chunk, num_tokens);
-        int cnt[MOEEP_KERNEL_MAX_RANKS];
+        /* Each warp owns a contiguous run of tokens, a multiple of the
+         * combine chunk (32), and walks it 32 tokens at a time, lane i on
+         * token t0 + i: loads and stores of neighbouring lanes touch
+         * neighbouring tokens (one SM does all of notify, so coalescing is
+         * what its time is made of), and a warp's run is one scan step. */
+        const int run = (num_tokens + NOTIFY_WARPS * 32 - 1) / (NOTIFY_WARPS * 32) * 32;
+        const int wlo = min(warp * run, num_tokens), whi = min(wlo + run, num_tokens);
+        const uint32_t lanes_below = (1u << lane) - 1;
 
-#pragma unroll
-        for (int d = 0; d < MOEEP_KERNEL_MAX_RANKS; d++)
-                cnt[d] = 0;
-        for (int t = lo; t < hi; t++) {
-                uint32_t m = token_mask(in_rank, topk_idx, t, num_topk, R, epr);
-#pragma unroll
-                for (int d = 0; d < MOEEP_KERNEL_MAX_RANKS; d++)
-                        cnt[d] += (m >> d) & 1;
-        }
         for (int i = tid; i < E; i += NOTIFY_THREADS)
                 s_hist[i] = 0;
-        for (int i = tid; i * MOEEP_COMBINE_CHUNK < num_tokens; i += NOTIFY_THREADS)
-                s_chunk[i] = 0;
+        {
+                int cnt[MOEEP_KERNEL_MAX_RANKS] = {};
+                for (int t0 = wlo; t0 < whi; t0 += 32) {
+                        const uint32_t m = t0 + lane < whi ? token_mask(in_rank, topk_idx, t0 + lane, num_topk, R, epr) : 0;
+#pragma unroll
+                        for (int d = 0; d < MOEEP_KERNEL_MAX_RANKS; d++)
+                                cnt[d] += __popc(__ballot_sync(0xffffffffu, (m >> d) & 1));
+                }
+                if (lane == 0)
+#pragma unroll
+                        for (int d = 0; d < MOEEP_KERNEL_MAX_RANKS; d++)
+                                if (d < R)
+                                        s_warp_sum[warp][d] = cnt[d];
+        }
         __syncthreads();
         if (topk_idx)
                 for (int i = tid; i < num_tokens * num_topk; i += NOTIFY_THREADS) {
@@ -88,23 +95,7 @@ __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
                                 atomicAdd(&s_hist[e], 1);
                 }
 
-        /* Exclusive scan of cnt[d] over threads: warp scan, then a scan of the
-         * warp sums by warp 0. */
-        int incl[MOEEP_KERNEL_MAX_RANKS];
-#pragma unroll
-        for (int d = 0; d < MOEEP_KERNEL_MAX_RANKS; d++) {
-                int v = cnt[d];
-#pragma unroll
-                for (int o = 1; o < 32; o *= 2) {
-                        int n = __shfl_up_sync(0xffffffffu, v, o);
-                        if (lane >= o)
-                                v += n;
-                }
-                incl[d] = v;
-                if (lane == 31 && d < R)
-                        s_warp_sum[warp][d] = v;
-        }
-        __syncthreads();
+        /* Exclusive scan of the warps' counts by warp 0. */
         if (warp == 0) {
                 for (int d = 0; d < R; d++) {
                         int v = s_warp_sum[lane][d], x = v;
@@ -128,12 +119,34 @@ __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
                 int next[MOEEP_KERNEL_MAX_RANKS];
 #pragma unroll
                 for (int d = 0; d < MOEEP_KERNEL_MAX_RANKS; d++)
-                        next[d] = d < R ? s_warp_sum[warp][d] + incl[d] - cnt[d] : 0;
-                for (int t = lo; t < hi; t++) {
-                        uint32_t m = token_mask(in_rank, topk_idx, t, num_topk, R, epr);
-                        for (int d = 0; d < R; d++)
-                                route.send_pos[(size_t)t * R + d] = (m >> d) & 1 ? next[d]++ : -1;
-                        atomicAdd(&s_chunk[t / MOEEP_COMBINE_CHUNK], __popc(m));
+                        next[d] = d < R ? s_warp_sum[warp][d] : 0;
+                for (int t0 = wlo; t0 < whi; t0 += 32) {
+                        const int t = t0 + lane;
+                        const uint32_t m = t < whi ? token_mask(in_rank, topk_idx, t, num_topk, R, epr) : 0;
+                        int pos[MOEEP_KERNEL_MAX_RANKS];
+#pragma unroll
+                        for (int d = 0; d < MOEEP_KERNEL_MAX_RANKS; d++) {
+                                const uint32_t b = __ballot_sync(0xffffffffu, (m >> d) & 1);
+                                pos[d] = (m >> d) & 1 ? next[d] + __popc(b & lanes_below) : -1;
+                                next[d] += __popc(b);
+                        }
+                        const int rows = __reduce_add_sync(0xffffffffu, __popc(m));
+                        if (lane == 0)
+                                s_chunk[t0 / MOEEP_COMBINE_CHUNK] = rows;
+                        if (t >= whi)
+                                continue;
+                        int32_t *row = route.send_pos + (size_t)t * R;
+                        if (R == 4) {
+                                *(int4 *)row = make_int4(pos[0], pos[1], pos[2], pos[3]);
+                        } else if (R == 8) {
+                                ((int4 *)row)[0] = make_int4(pos[0], pos[1], pos[2], pos[3]);
+                                ((int4 *)row)[1] = make_int4(pos[4], pos[5], pos[6], pos[7]);
+                        } else {
+#pragma unroll
+                                for (int d = 0; d < MOEEP_KERNEL_MAX_RANKS; d++)
+                                        if (d < R)
+                                                row[d] = pos[d];
+                        }
                 }
         }
 
