@@ -1,10 +1,12 @@
-/* Kernels used only by moeep-bench's references: the NVLink floor (plain
- * stores to every peer at once) and the pack/unpack a user would write
- * around an NCCL all-to-all. */
+/* Kernels used only by the benchmarks: moeep-bench's references (the NVLink
+ * floor, plain stores to every peer at once, and the pack/unpack a user
+ * would write around an NCCL all-to-all) and moeep-proxy-bench's GPU
+ * producer. */
 #include <cuda_bf16.h>
 
 #include "kernels.h"
 #include "ptx.cuh"
+#include "ring.cuh"
 
 /* Every rank stores `bytes` into each peer's combine area at the slot of
  * its rank, reading from its own receive area; blocks are split evenly over
@@ -160,6 +162,74 @@ __global__ void delay_kernel(uint64_t ns) {
 extern "C" int moeep_launch_delay(uint64_t ns, cudaStream_t stream) {
         MOEEP_CUDA_LAUNCH_BEGIN();
         delay_kernel<<<1, 1, 0, stream>>>(ns);
+        MOEEP_CUDA_LAUNCH_CHECK();
+        return 0;
+}
+
+/* moeep-proxy-bench --producer gpu: one GPU thread drives a descriptor ring
+ * the way the data kernels will (kernels/ring.cuh). out[0] is 0 or -errno;
+ * RATE: out[1] = ns from the first push until done = n, the tail published
+ * every MOEEP_RING_BENCH_BATCH descriptors; LATENCY: out[1 + i]
+ * = ns from pushing descriptor i (size bytes + signal) until its counter is
+ * seen; PINGPONG: out[1 + i] = ns from storing ping = i + 1 to a host word
+ * until a CPU thread's echo pong = i + 1 is seen (the host memory round trip
+ * that any path through a CPU proxy pays). */
+__global__ void ring_bench_kernel(struct proxy_ring_hdr *hdr, uint64_t *counters, uint64_t *ping, int mode,
+                                  uint32_t n, uint32_t size, uint32_t region, int signal, int64_t *out) {
+        struct ring_producer r = { hdr, (struct proxy_desc *)((char *)hdr + PROXY_RING_HDR_BYTES), hdr->capacity,
+                                   ld_acquire_sys(&hdr->tail), ld_acquire_sys(&hdr->head) };
+        const uint64_t timeout = 10ull * 1000000000u;
+        const uint64_t base = r.tail;
+        int err = 0;
+
+        if (mode == MOEEP_RING_BENCH_RATE) {
+                const uint64_t t0 = globaltimer_ns();
+                for (uint32_t i = 0; i < n && !err; i++) {
+                        struct proxy_desc d = {};
+                        d.src_offset = d.dst_offset = ((uint64_t)i * size) % (region / 2);
+                        d.length = size;
+                        d.flags = signal ? PROXY_DESC_SIGNAL : 0;
+                        d.signal_id = i & 255;
+                        d.signal_value = base + i + 1;
+                        err = ring_put(r, d, timeout);
+                        if (i % MOEEP_RING_BENCH_BATCH == MOEEP_RING_BENCH_BATCH - 1 || i + 1 == n)
+                                ring_publish(r);
+                }
+                if (!err)
+                        err = ring_wait(&hdr->done, base + n, hdr, timeout);
+                out[1] = (int64_t)(globaltimer_ns() - t0);
+        } else if (mode == MOEEP_RING_BENCH_LATENCY) {
+                for (uint32_t i = 0; i < n && !err; i++) {
+                        struct proxy_desc d = {};
+                        d.length = size;
+                        d.flags = PROXY_DESC_SIGNAL;
+                        d.signal_id = 2;
+                        d.signal_value = base + i + 1;
+                        const uint64_t t0 = globaltimer_ns();
+                        err = ring_push(r, d, timeout);
+                        if (!err)
+                                err = ring_wait(&counters[2], base + i + 1, hdr, timeout);
+                        out[1 + i] = (int64_t)(globaltimer_ns() - t0);
+                        if (!err) /* the slot is free again before the next round */
+                                err = ring_wait(&hdr->done, base + i + 1, hdr, timeout);
+                }
+        } else {
+                for (uint32_t i = 0; i < n && !err; i++) {
+                        const uint64_t t0 = globaltimer_ns();
+                        st_release_sys(&ping[0], i + 1);
+                        err = ring_wait(&ping[8], i + 1, hdr, timeout);
+                        out[1 + i] = (int64_t)(globaltimer_ns() - t0);
+                }
+        }
+        out[0] = err;
+}
+
+extern "C" int moeep_launch_ring_bench(void *ring_hdr, uint64_t *counters, uint64_t *ping, int mode, uint32_t n,
+                                       uint32_t size, uint32_t region, int signal, int64_t *out,
+                                       cudaStream_t stream) {
+        MOEEP_CUDA_LAUNCH_BEGIN();
+        ring_bench_kernel<<<1, 1, 0, stream>>>((struct proxy_ring_hdr *)ring_hdr, counters, ping, mode, n, size,
+                                               region, signal, out);
         MOEEP_CUDA_LAUNCH_CHECK();
         return 0;
 }

@@ -236,6 +236,14 @@ int moeep_launch_ref_pack(const void *x, size_t row_bytes, int num_tokens, int r
 int moeep_launch_ref_unpack(const void *back, int hidden, int num_tokens, int ranks, const int32_t *pos,
                             const int32_t *offsets, void *out, int blocks, cudaStream_t stream);
 
+/* moeep-proxy-bench's GPU producer (see ring_bench_kernel). ring_hdr, counters
+ * and ping are device pointers to mapped host memory; out is device memory
+ * of 1 + n int64 (out[0]: 0 or -errno). */
+enum { MOEEP_RING_BENCH_RATE, MOEEP_RING_BENCH_LATENCY, MOEEP_RING_BENCH_PINGPONG };
+#define MOEEP_RING_BENCH_BATCH 32 /* RATE: descriptors per published tail */
+int moeep_launch_ring_bench(void *ring_hdr, uint64_t *counters, uint64_t *ping, int mode, uint32_t n, uint32_t size,
+                            uint32_t region, int signal, int64_t *out, cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -119,6 +119,13 @@ __device__ __forceinline__ void st_na_v4(int4 *p, int4 v) {
                      : "memory");
 }
 
+/* A 16-byte store that is not cached or merged away (mapped host memory). */
+__device__ __forceinline__ void st_volatile_v4(int4 *p, int4 v) {
+        asm volatile("st.volatile.global.v4.s32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
+                     "r"(v.w)
+                     : "memory");
+}
+
 /* Records the first failure of a device wait in the local state; sticky
  * until the host clears it. */
 __device__ __forceinline__ void record_error(const struct moeep_ctx &ctx, uint32_t err, int peer) {

@@ -9,6 +9,9 @@
  *   --count N                 descriptors for the rate runs [2000000]
  *   --size BYTES              payload per descriptor [8]
  *   --iters N                 latency round trips [20000]
+ *   --producer cpu|gpu        who writes the ring [cpu]; gpu: one GPU
+ *                             thread (kernels/ring.cuh) on device 0, the
+ *                             ring and counters in mapped host memory
  *
  * Rate: the producer pushes N descriptors as fast as the ring takes them;
  * rate = N / (time until done = N). Two runs: data only (one write per
@@ -16,7 +19,9 @@
  * Latency: one descriptor (size bytes + signal) at a time; the time from
  * publishing it to seeing its counter, against the same data + counter
  * writes posted straight on the transport by one thread that polls it.
- * The difference is what the proxy adds per hop. */
+ * The difference is what the proxy adds per hop. With a GPU producer the
+ * baseline is instead the GPU's round trip through host memory to a CPU
+ * thread and back (ping-pong), which any path through a CPU proxy pays. */
 #include <errno.h>
 #include <inttypes.h>
 #include <pthread.h>
@@ -27,8 +32,15 @@
 #include <unistd.h>
 
 #include "driver.h"
+#include "moeep-config.h"
 #include "proxy.h"
 #include "transport.h"
+
+#if MOEEP_HAVE_CUDA
+#include <cuda_runtime_api.h>
+
+#include "kernels.h"
+#endif
 
 #define REGION (1u << 20)
 
@@ -36,6 +48,7 @@ static struct {
         struct tp_config cfg;
         uint64_t count;
         uint32_t size, iters;
+        bool gpu;
 } opt = { .cfg = { .backend = "loop", .provider = "tcp", .node = "127.0.0.1" },
           .count = 2000000,
           .size = 8,
@@ -215,6 +228,116 @@ static double proxy_latency(struct bench *b, uint64_t *ns) {
         return (double)ns[opt.iters / 2];
 }
 
+#if MOEEP_HAVE_CUDA
+/* Maps host memory for the device; the pointer the kernels use. */
+static void *gpu_map(void *host, size_t len) {
+        void *dev = NULL;
+
+        if (cudaHostRegister(host, len, cudaHostRegisterMapped) != cudaSuccess ||
+            cudaHostGetDevicePointer(&dev, host, 0) != cudaSuccess)
+                die("cudaHostRegister", cudaGetErrorString(cudaGetLastError()));
+        return dev;
+}
+
+/* Runs one mode of ring_bench_kernel; its out[] back in ret (2 entries for
+ * RATE, 1 + n for the others). */
+static void gpu_launch(void *ring_dev, uint64_t *ctr_dev, uint64_t *ping_dev, int mode, uint32_t n, bool signal,
+                       int64_t *ret) {
+        const size_t entries = mode == MOEEP_RING_BENCH_RATE ? 2 : 1 + (size_t)n;
+        int64_t *out;
+
+        if (cudaMalloc((void **)&out, entries * sizeof(*out)) != cudaSuccess ||
+            moeep_launch_ring_bench(ring_dev, ctr_dev, ping_dev, mode, n, opt.size, REGION, signal, out, 0) != 0 ||
+            cudaDeviceSynchronize() != cudaSuccess ||
+            cudaMemcpy(ret, out, entries * sizeof(*out), cudaMemcpyDeviceToHost) != cudaSuccess)
+                die("ring kernel", cudaGetErrorString(cudaGetLastError()));
+        cudaFree(out);
+        if (ret[0] != 0)
+                die("ring kernel", strerror((int)-ret[0]));
+}
+
+static void report_gpu_lat(const char *what, int64_t *v, uint32_t n) {
+        uint64_t *ns = (uint64_t *)v, sum = 0;
+
+        for (uint32_t i = 0; i < n; i++)
+                sum += ns[i];
+        report_lat(what, ns, n);
+        printf("%-34s mean %6.2f us\n", "", (double)sum / n / 1e3);
+}
+
+static volatile int echo_stop;
+
+/* The CPU side of the ping-pong: copies ping[0] to ping[8]. */
+static void *echo_main(void *arg) {
+        uint64_t *ping = arg, last = 0;
+
+        while (!echo_stop) {
+                uint64_t v = DRV_LOAD_ACQ(&ping[0]);
+                if (v != last) {
+                        DRV_STORE_REL(&ping[8], v);
+                        last = v;
+                }
+        }
+        return NULL;
+}
+
+/* The GPU as producer: rate (data only, data + signal), one-descriptor
+ * latency ring -> counter, and the host-memory ping-pong it is compared
+ * with. Returns 77 (skipped) without a CUDA device. */
+static int gpu_bench(struct bench *b) {
+        uint64_t *ctr_dev, *ping = alloc(4096), *ping_dev;
+        int64_t *out = calloc(2 + (size_t)opt.iters, sizeof(*out));
+        struct drv_ring ring;
+        struct proxy *p;
+        pthread_t echo;
+        int n = 0, fd;
+
+        if (cudaGetDeviceCount(&n) != cudaSuccess || n < 1) {
+                printf("moeep-proxy-bench: no CUDA device: GPU producer skipped\n");
+                return 77;
+        }
+        if (cudaSetDevice(0) != cudaSuccess)
+                die("cudaSetDevice", cudaGetErrorString(cudaGetLastError()));
+        ctr_dev = gpu_map(b->ctr, 4096);
+        ping_dev = gpu_map(ping, 4096);
+        for (int signal = 0; signal < 2; signal++) {
+                p = start_proxy(b, &fd, &ring, 10 + (uint64_t)signal);
+                gpu_launch(gpu_map(ring.hdr, PROXY_RING_BYTES(4096)), ctr_dev, ping_dev, MOEEP_RING_BENCH_RATE,
+                           (uint32_t)opt.count, signal, out);
+                printf("rate gpu    %-13s %5u B: %8.3f M descriptors/s (%" PRIu64 " in %.3f ms, tail published every %d)\n",
+                       signal ? "data+signal" : "data only", opt.size, (double)opt.count / ((double)out[1] / 1e3),
+                       opt.count, (double)out[1] / 1e6, MOEEP_RING_BENCH_BATCH);
+                cudaHostUnregister(ring.hdr);
+                proxy_free(p);
+                munmap(ring.hdr, PROXY_RING_BYTES(4096));
+                close(fd);
+        }
+        memset(b->ctr, 0, 4096);
+        p = start_proxy(b, &fd, &ring, 12);
+        void *ring_dev = gpu_map(ring.hdr, PROXY_RING_BYTES(4096));
+        gpu_launch(ring_dev, ctr_dev, ping_dev, MOEEP_RING_BENCH_LATENCY, opt.iters, true, out);
+        report_gpu_lat("gpu: ring -> proxy -> counter:", out + 1, opt.iters);
+        uint64_t prox = ((uint64_t *)out)[1 + opt.iters / 2];
+        if (pthread_create(&echo, NULL, echo_main, ping) != 0)
+                die("pthread_create", strerror(errno));
+        gpu_launch(ring_dev, ctr_dev, ping_dev, MOEEP_RING_BENCH_PINGPONG, opt.iters, false, out);
+        echo_stop = 1;
+        pthread_join(echo, NULL);
+        report_gpu_lat("gpu: host-memory ping-pong:", out + 1, opt.iters);
+        printf("proxy path adds %.2f us per hop over the GPU's host round trip (p50 - p50)\n",
+               ((double)prox - (double)((uint64_t *)out)[1 + opt.iters / 2]) / 1e3);
+        cudaHostUnregister(ring.hdr);
+        proxy_free(p);
+        munmap(ring.hdr, PROXY_RING_BYTES(4096));
+        close(fd);
+        cudaHostUnregister(b->ctr);
+        cudaHostUnregister(ping);
+        munmap(ping, 4096);
+        free(out);
+        return 0;
+}
+#endif
+
 int main(int argc, char **argv) {
         struct bench b = { 0 };
         uint64_t *ns;
@@ -231,9 +354,13 @@ int main(int argc, char **argv) {
                         opt.size = (uint32_t)strtoul(argv[i + 1], NULL, 0);
                 else if (strcmp(argv[i], "--iters") == 0)
                         opt.iters = (uint32_t)strtoul(argv[i + 1], NULL, 0);
+                else if (strcmp(argv[i], "--producer") == 0 && strcmp(argv[i + 1], "cpu") == 0)
+                        opt.gpu = false;
+                else if (strcmp(argv[i], "--producer") == 0 && strcmp(argv[i + 1], "gpu") == 0)
+                        opt.gpu = true;
                 else {
                         fprintf(stderr, "usage: %s [--transport loop|fabric] [--provider P] [--count N] "
-                                        "[--size B] [--iters N]\n", argv[0]);
+                                        "[--size B] [--iters N] [--producer cpu|gpu]\n", argv[0]);
                         return 2;
                 }
         }
@@ -245,6 +372,20 @@ int main(int argc, char **argv) {
         printf("moeep-proxy-bench: transport %s%s%s, %ld CPUs\n", b.t.ops->name,
                strcmp(b.t.ops->name, "fabric") == 0 ? " provider " : "",
                strcmp(b.t.ops->name, "fabric") == 0 ? opt.cfg.provider : "", sysconf(_SC_NPROCESSORS_ONLN));
+        if (opt.gpu) {
+#if MOEEP_HAVE_CUDA
+                int r = gpu_bench(&b);
+                b.t.ops->mr_free(b.t.tp, b.src_mr);
+                b.t.ops->mr_free(b.t.tp, b.dst_mr);
+                b.t.ops->mr_free(b.t.tp, b.ctr_mr);
+                transport_close(&b.t);
+                return r;
+#else
+                printf("moeep-proxy-bench: built without CUDA: GPU producer skipped\n");
+                transport_close(&b.t);
+                return 77;
+#endif
+        }
         rate(&b, false);
         rate(&b, true);
         ns = calloc(opt.iters, sizeof(*ns));
