@@ -106,6 +106,13 @@ static void bench_open(struct bench *b) {
                 die("connect to self", err);
 }
 
+static void bench_close(struct bench *b) {
+        b->t.ops->mr_free(b->t.tp, b->src_mr);
+        b->t.ops->mr_free(b->t.tp, b->dst_mr);
+        b->t.ops->mr_free(b->t.tp, b->ctr_mr);
+        transport_close(&b->t);
+}
+
 static int cmp_u64(const void *a, const void *b) {
         uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
 
@@ -285,17 +292,21 @@ static void *echo_main(void *arg) {
  * latency ring -> counter, and the host-memory ping-pong it is compared
  * with. Returns 77 (skipped) without a CUDA device. */
 static int gpu_bench(struct bench *b) {
-        uint64_t *ctr_dev, *ping = alloc(4096), *ping_dev;
-        int64_t *out = calloc(2 + (size_t)opt.iters, sizeof(*out));
+        uint64_t *ctr_dev, *ping, *ping_dev;
         struct drv_ring ring;
         struct proxy *p;
         pthread_t echo;
+        int64_t *out;
         int n = 0, fd;
 
         if (cudaGetDeviceCount(&n) != cudaSuccess || n < 1) {
                 printf("moeep-proxy-bench: no CUDA device: GPU producer skipped\n");
                 return 77;
         }
+        ping = alloc(4096);
+        out = calloc(2 + (size_t)opt.iters, sizeof(*out));
+        if (!out)
+                die("calloc", strerror(errno));
         if (cudaSetDevice(0) != cudaSuccess)
                 die("cudaSetDevice", cudaGetErrorString(cudaGetLastError()));
         ctr_dev = gpu_map(b->ctr, 4096);
@@ -375,16 +386,12 @@ int main(int argc, char **argv) {
         if (opt.gpu) {
 #if MOEEP_HAVE_CUDA
                 int r = gpu_bench(&b);
-                b.t.ops->mr_free(b.t.tp, b.src_mr);
-                b.t.ops->mr_free(b.t.tp, b.dst_mr);
-                b.t.ops->mr_free(b.t.tp, b.ctr_mr);
-                transport_close(&b.t);
-                return r;
 #else
+                int r = 77;
                 printf("moeep-proxy-bench: built without CUDA: GPU producer skipped\n");
-                transport_close(&b.t);
-                return 77;
 #endif
+                bench_close(&b);
+                return r;
         }
         rate(&b, false);
         rate(&b, true);
@@ -395,9 +402,6 @@ int main(int argc, char **argv) {
         printf("proxy adds %.2f us per hop (p50 through the proxy - p50 of the transport alone)\n",
                (prox - raw) / 1e3);
         free(ns);
-        b.t.ops->mr_free(b.t.tp, b.src_mr);
-        b.t.ops->mr_free(b.t.tp, b.dst_mr);
-        b.t.ops->mr_free(b.t.tp, b.ctr_mr);
-        transport_close(&b.t);
+        bench_close(&b);
         return 0;
 }
