@@ -191,7 +191,6 @@ static int ep_attach(struct moeep_ep *ep, const struct moeep_ep_config *c) {
         CUDA_TRY(ep, cudaHostAlloc((void **)&ep->host, sizeof(*ep->host), cudaHostAllocMapped));
         CUDA_TRY(ep, cudaEventCreateWithFlags(&ep->notify_done, cudaEventDisableTiming));
         CUDA_TRY(ep, (cudaError_t)moeep_kernels_init());
-        CUDA_TRY(ep, (cudaError_t)moeep_ll_init());
         /* Two handles up front, so that dispatch allocates nothing in the
          * usual dispatch/combine cycle, also while a graph is captured. */
         for (int i = 0; i < 2; i++) {

@@ -30,7 +30,7 @@ extern "C" {
 #define MOEEP_KERNEL_MAX_TOPK 9
 #define MOEEP_SCALE_BLOCK 128 /* FP8: one float scale per 128 channels */
 #define MOEEP_KERNEL_MAX_TOKENS 65536
-#define MOEEP_LL_FP8_MAX_HIDDEN 8192 /* low-latency FP8: staging of 16 warps in shared memory */
+#define MOEEP_LL_FP8_MAX_HIDDEN 8192 /* low-latency FP8: largest hidden size supported (and tested) */
 #define MOEEP_COMBINE_CHUNK 32 /* tokens per combine arrival counter */
 #define MOEEP_COMBINE_CHUNKS (MOEEP_KERNEL_MAX_TOKENS / MOEEP_COMBINE_CHUNK)
 
@@ -208,7 +208,6 @@ int moeep_launch_combine(const struct moeep_ctx *ctx, const void *x, const float
                          cudaStream_t stream);
 
 /* Low-latency mode (kernels/ll.cu). `set` is the buffer set (0 or 1). */
-int moeep_ll_init(void);
 int moeep_launch_ll_dispatch_send(const struct moeep_ctx *ctx, const void *x, int num_tokens, const void *topk_idx,
                                   int idx_is_int64, int num_topk, int set, int use_fp8, int round_scale,
                                   int recv, int *stats, cudaStream_t stream); /* recv: and the receive phase */

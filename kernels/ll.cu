@@ -96,6 +96,18 @@ __global__ void ll_dispatch_recv(struct moeep_ctx ctx, int b, int *stats) {
         ll_recv_counts(ctx, b, ctx.state->ll_seq[b], stats);
 }
 
+/* Loads four steps of a row from int4 `base` on: the int4 pair of step u
+ * of this lane into v[2u], v[2u + 1] (what is past the row stays unset). */
+__device__ __forceinline__ void ll_load_steps(const int4 *row, int base, int n16, int4 v[8]) {
+        const int lane = threadIdx.x % 32;
+#pragma unroll
+        for (int u = 0; u < 4; u++)
+                if (base + u * 64 + 2 * lane < n16) {
+                        v[2 * u] = ld_nc_v4(row + base + u * 64 + 2 * lane);
+                        v[2 * u + 1] = ld_nc_v4(row + base + u * 64 + 2 * lane + 1);
+                }
+}
+
 /* One warp per (token, k) pair: it claims the pair's slot at the expert's
  * rank (a remote atomic, whose round trip overlaps the first loads), then
  * streams the row there, cast to FP8 on the way when asked. The K warps of
@@ -124,12 +136,7 @@ __global__ void __launch_bounds__(LL_THREADS, 1)
                  * steps of the warp per 512 channels; loads of 4 steps in
                  * flight before the first use. */
                 int4 v[8];
-#pragma unroll
-                for (int u = 0; u < 4; u++)
-                        if (u * 64 + 2 * lane < n16) {
-                                v[2 * u] = ld_nc_v4(row + u * 64 + 2 * lane);
-                                v[2 * u + 1] = ld_nc_v4(row + u * 64 + 2 * lane + 1);
-                        }
+                ll_load_steps(row, 0, n16, v);
                 pos = __shfl_sync(0xffffffffu, pos, 0);
                 if ((size_t)pos >= slots) {
                         /* Only possible when a token names one expert twice. */
@@ -141,14 +148,8 @@ __global__ void __launch_bounds__(LL_THREADS, 1)
                 char *dst = ctx.peers[d] + ctx.ll.x[b] + slot * xrow;
                 float *sc = (float *)(ctx.peers[d] + ctx.ll.scales[b]) + slot * nscales;
                 for (int base = 0; base < n16; base += 4 * 64) {
-                        if (base > 0) {
-#pragma unroll
-                                for (int u = 0; u < 4; u++)
-                                        if (base + u * 64 + 2 * lane < n16) {
-                                                v[2 * u] = ld_nc_v4(row + base + u * 64 + 2 * lane);
-                                                v[2 * u + 1] = ld_nc_v4(row + base + u * 64 + 2 * lane + 1);
-                                        }
-                        }
+                        if (base > 0) /* the first four steps were loaded above */
+                                ll_load_steps(row, base, n16, v);
 #pragma unroll
                         for (int u = 0; u < 4; u++) {
                                 const int c = base + u * 64 + 2 * lane; /* first int4 of the pair */
@@ -302,10 +303,6 @@ __global__ void __launch_bounds__(LL_THREADS, 1)
         }
 }
 
-extern "C" int moeep_ll_init(void) {
-        return 0;
-}
-
 extern "C" int moeep_launch_ll_dispatch_send(const struct moeep_ctx *ctx, const void *x, int num_tokens,
                                              const void *topk_idx, int idx_is_int64, int num_topk, int set, int use_fp8,
                                              int round_scale, int recv, int *stats, cudaStream_t stream) {
@@ -349,4 +346,3 @@ extern "C" int moeep_launch_ll_combine_recv(const struct moeep_ctx *ctx, const v
         MOEEP_CUDA_LAUNCH_CHECK();
         return 0;
 }
-

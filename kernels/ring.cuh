@@ -24,21 +24,35 @@ __device__ __forceinline__ int32_t ring_error(const struct proxy_ring_hdr *hdr) 
         return (int32_t)ld_volatile_u32((const volatile uint32_t *)&hdr->error);
 }
 
+/* Waits until *p >= want (a counter a signal sets, or the ring's done),
+ * bounded by timeout_ns and watching the ring's error word. Returns 0, the
+ * ring's error or -ETIMEDOUT. */
+__device__ __forceinline__ int ring_wait(const uint64_t *p, uint64_t want, const struct proxy_ring_hdr *hdr,
+                                         uint64_t timeout_ns) {
+        const uint64_t start = globaltimer_ns();
+
+        while (ld_acquire_sys(p) < want) {
+                const int32_t e = ring_error(hdr);
+                if (e)
+                        return e;
+                if (globaltimer_ns() - start > timeout_ns)
+                        return -ETIMEDOUT;
+        }
+        return 0;
+}
+
 /* Rule 1 and the first half of rule 2: waits for a free slot (bounded by
  * timeout_ns, watching the ring's error word; the head is read over PCIe
  * only when the cached one says the ring is full) and writes the descriptor
  * with four 16-byte stores. The proxy sees it after ring_publish. Returns 0,
  * the ring's error (-errno) or -ETIMEDOUT. */
 __device__ __forceinline__ int ring_put(struct ring_producer &r, const struct proxy_desc &d, uint64_t timeout_ns) {
-        if (r.tail - r.head >= r.cap && r.tail - (r.head = ld_acquire_sys(&r.hdr->head)) >= r.cap) {
-                const uint64_t start = globaltimer_ns();
-                while (r.tail - (r.head = ld_acquire_sys(&r.hdr->head)) >= r.cap) {
-                        const int32_t e = ring_error(r.hdr);
-                        if (e)
-                                return e;
-                        if (globaltimer_ns() - start > timeout_ns)
-                                return -ETIMEDOUT;
-                }
+        if (r.tail - r.head >= r.cap) {
+                /* Slot tail is free once head > tail - cap. */
+                const int e = ring_wait(&r.hdr->head, r.tail - r.cap + 1, r.hdr, timeout_ns);
+                if (e)
+                        return e;
+                r.head = ld_acquire_sys(&r.hdr->head); /* the proxy may be well past it by now */
         }
         int4 *dst = (int4 *)&r.desc[r.tail & (r.cap - 1)];
         const int4 *src = (const int4 *)&d;
@@ -64,21 +78,4 @@ __device__ __forceinline__ int ring_push(struct ring_producer &r, const struct p
         if (e == 0)
                 ring_publish(r);
         return e;
-}
-
-/* Waits until *p >= want (a counter a signal sets, or the ring's done),
- * bounded by timeout_ns and watching the ring's error word. Returns 0, the
- * ring's error or -ETIMEDOUT. */
-__device__ __forceinline__ int ring_wait(const uint64_t *p, uint64_t want, const struct proxy_ring_hdr *hdr,
-                                         uint64_t timeout_ns) {
-        const uint64_t start = globaltimer_ns();
-
-        while (ld_acquire_sys(p) < want) {
-                const int32_t e = ring_error(hdr);
-                if (e)
-                        return e;
-                if (globaltimer_ns() - start > timeout_ns)
-                        return -ETIMEDOUT;
-        }
-        return 0;
 }
