@@ -8,6 +8,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <time.h>
 #include <unistd.h>
@@ -59,6 +60,24 @@ static inline int id_read(const char *path, struct moeep_unique_id *ret_id) {
                         return n < 0 ? -errno : -EBADMSG;
                 return 0;
         }
+}
+
+/* The whole exchange: the creating rank creates job `name` of `world`
+ * ranks and publishes its id at `path`; the others wait for it there.
+ * Returns 0, or -errno with *ret_what naming the step that failed. */
+static inline int id_share(struct moeep_client *c, bool create, const char *name, int world, const char *path,
+                           struct moeep_unique_id *ret_id, const char **ret_what) {
+        int r;
+
+        if (!create) {
+                *ret_what = "reading the unique id file";
+                return id_read(path, ret_id);
+        }
+        *ret_what = "moeep_job_create";
+        if ((r = moeep_job_create(c, name, world, ret_id)) < 0)
+                return r;
+        *ret_what = "writing the unique id file";
+        return id_write(path, ret_id);
 }
 
 #endif

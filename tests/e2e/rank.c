@@ -269,6 +269,7 @@ static void hold(void) {
 static int run_rank(const struct options *o) {
         struct moeep_client *c = NULL;
         struct moeep_unique_id id;
+        const char *what;
         uint64_t region_id = 0, job_id = 0;
         int fd = -1, r, ret = 1, info_rank = -1, info_world = -1;
 
@@ -277,24 +278,11 @@ static int run_rank(const struct options *o) {
                 fail_msg("moeep_connect(%s): %s", o->socket ? o->socket : "default socket", strerror(-r));
                 return 1;
         }
-        if (o->create) {
-                r = moeep_job_create(c, o->name, o->world, &id);
-                if (r < 0) {
-                        fail_msg("moeep_job_create(%s, %d): %s (%s)", o->name, o->world, strerror(-r),
-                                 moeep_client_error(c));
-                        goto out;
-                }
-                r = id_write(o->id_file, &id);
-                if (r < 0) {
-                        fail_msg("writing the unique id to %s: %s", o->id_file, strerror(-r));
-                        goto out;
-                }
-        } else {
-                r = id_read(o->id_file, &id);
-                if (r < 0) {
-                        fail_msg("reading the unique id from %s: %s", o->id_file, strerror(-r));
-                        goto out;
-                }
+        r = id_share(c, o->create, o->name, o->world, o->id_file, &id, &what);
+        if (r < 0) {
+                fail_msg("%s (job %s of %d ranks, id file %s): %s (%s)", what, o->name, o->world, o->id_file,
+                         strerror(-r), moeep_client_error(c));
+                goto out;
         }
         r = moeep_job_join(c, &id, o->rank, o->world, NULL);
         if (r < 0) {

@@ -33,13 +33,5 @@ fail() {
         exit 1
 }
 
-# wait_until SECONDS DESCRIPTION COMMAND...: polls COMMAND every 50 ms.
-wait_until() {
-        local limit=$1 what=$2 i
-        shift 2
-        for ((i = 0; i < limit * 20; i++)); do
-                "$@" && return 0
-                sleep 0.05
-        done
-        fail "timed out after ${limit}s waiting for $what"
-}
+# shellcheck source=../wait.sh
+source "$(dirname "$(realpath "${BASH_SOURCE[0]}")")/../wait.sh"

@@ -60,21 +60,14 @@ static int run(struct moeep_client *c, const char *id_file, bool create, int wor
         struct moeep_region *regions = NULL;
         struct moeep_unique_id id;
         struct moeep_event ev;
+        const char *what;
         uint32_t local = 0, remote = 0, fetched = 0, fetched_remote = 0;
         uint64_t region_id;
         size_t n = 0;
         int r, fd;
 
-        if (create) {
-                r = moeep_job_create(c, "mesh", world, &id);
-                if (r < 0)
-                        return fail("moeep_job_create: %s (%s)", strerror(-r), moeep_client_error(c));
-                r = id_write(id_file, &id);
-                if (r < 0)
-                        return fail("writing %s: %s", id_file, strerror(-r));
-        } else if ((r = id_read(id_file, &id)) < 0) {
-                return fail("reading %s: %s", id_file, strerror(-r));
-        }
+        if ((r = id_share(c, create, "mesh", world, id_file, &id, &what)) < 0)
+                return fail("%s (%s): %s (%s)", what, id_file, strerror(-r), moeep_client_error(c));
         r = moeep_job_join(c, &id, my_rank, world, NULL);
         if (r < 0)
                 return fail("moeep_job_join: %s (%s)", strerror(-r), moeep_client_error(c));

@@ -69,8 +69,6 @@ static int fail(const char *fmt, ...) {
         return 1;
 }
 
-/* ------------------------------------------------------------ the job */
-
 /* ------------------------------------------------------------ regions */
 
 struct region {
@@ -420,20 +418,13 @@ static int mode_stream(struct ctx *x, const char *ready_file) {
 
 static int run(struct ctx *x, const char *id_file, bool create, const char *mode, const char *ready_file) {
         struct moeep_unique_id id;
+        const char *what;
         uint64_t ring_id;
         uint32_t cap;
         int r;
 
-        if (create) {
-                r = moeep_job_create(x->c, "proxy", x->world, &id);
-                if (r < 0)
-                        return fail("moeep_job_create: %s (%s)", strerror(-r), moeep_client_error(x->c));
-                r = id_write(id_file, &id);
-                if (r < 0)
-                        return fail("writing %s: %s", id_file, strerror(-r));
-        } else if ((r = id_read(id_file, &id)) < 0) {
-                return fail("reading %s: %s", id_file, strerror(-r));
-        }
+        if ((r = id_share(x->c, create, "proxy", x->world, id_file, &id, &what)) < 0)
+                return fail("%s (%s): %s (%s)", what, id_file, strerror(-r), moeep_client_error(x->c));
         r = moeep_job_join(x->c, &id, x->rank, x->world, NULL);
         if (r == 0)
                 r = moeep_job_barrier(x->c);

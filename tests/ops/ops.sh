@@ -49,15 +49,8 @@ fail() {
         exit 1
 }
 
-wait_until() {
-        local limit=$1 what=$2 i
-        shift 2
-        for ((i = 0; i < limit * 20; i++)); do
-                "$@" && return 0
-                sleep 0.05
-        done
-        fail "timed out after ${limit}s waiting for $what"
-}
+# shellcheck source=../wait.sh
+source "$(dirname "$(realpath "${BASH_SOURCE[0]}")")/../wait.sh"
 
 # ctl NAME ARGS...: moeepctl against $sock; stdout in $tmp/NAME.out, must
 # exit 0.
