@@ -92,6 +92,13 @@ static struct dp_rank *rank_find(const struct datapath *dp, const struct job_mem
         return NULL;
 }
 
+static bool rank_has_regions(const struct dp_rank *dr) {
+        for (uint32_t role = 0; role < ROLES; role++)
+                if (dr->region_id[role])
+                        return true;
+        return false;
+}
+
 static void rank_mr_drop(struct datapath *dp, struct dp_rank *dr, uint32_t role) {
         dp->tp.ops->mr_free(dp->tp.tp, dr->mr[role]);
         dr->mr[role] = NULL;
@@ -245,7 +252,8 @@ int datapath_region_register(struct datapath *dp, struct broker *b, struct job_m
         return 0;
 
 fail:
-        if (dr->member && !dr->nchannels && !dr->region_id[1] && !dr->region_id[2] && !dr->region_id[3]) {
+        /* A rank made for this call alone goes again. */
+        if (dr->member && !dr->nchannels && !rank_has_regions(dr)) {
                 TAILQ_REMOVE(&dp->ranks, dr, entry);
                 free(dr);
         }
@@ -535,8 +543,7 @@ void datapath_free(struct datapath *dp) {
                         free(ch);
                 }
                 for (uint32_t role = 0; role < ROLES; role++)
-                        if (dr->mr[role])
-                                dp->tp.ops->mr_free(dp->tp.tp, dr->mr[role]);
+                        rank_mr_drop(dp, dr, role);
                 TAILQ_REMOVE(&dp->ranks, dr, entry);
                 free(dr);
         }
