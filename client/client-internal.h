@@ -119,6 +119,13 @@ int moeep_proxy_region_register(struct moeep_client *client, int memfd, uint64_t
 int moeep_proxy_channel_open(struct moeep_client *client, uint32_t capacity, int *ret_ring_fd,
                              uint64_t *ret_ring_id, uint32_t *ret_capacity);
 
+/* State the data plane keeps for the joined job on the handle (the proxy
+ * path's regions and ring, client/ep-px.c: registered once per rank and
+ * job, reused by later endpoints). free_fn runs when the handle leaves the
+ * job or is freed. */
+void *moeep_client_job_data(const struct moeep_client *client);
+void moeep_client_job_data_set(struct moeep_client *client, void *data, void (*free_fn)(void *data));
+
 /* Maps a daemon ErrorCode to a negative errno value; unknown codes (a newer
  * daemon may add some) map to -EIO. */
 int moeep_error_code_to_errno(int code);

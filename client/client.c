@@ -52,6 +52,10 @@ struct moeep_client {
 
         struct moeep_record *rec; /* owns; receive buffer, holds the last reply's fds */
         char error[256];
+
+        /* The data plane's state for the joined job (moeep_client_job_data). */
+        void *job_data;
+        void (*job_data_free)(void *data);
 };
 
 int moeep_client_error_set(struct moeep_client *c, int r, const char *fmt, ...) {
@@ -384,6 +388,10 @@ int moeep_client_set_timeout(struct moeep_client *c, unsigned timeout_ms) {
 
 /* Forgets the joined job locally and unmaps its control page. */
 static void client_job_forget(struct moeep_client *c) {
+        if (c->job_data_free)
+                c->job_data_free(c->job_data);
+        c->job_data = NULL;
+        c->job_data_free = NULL;
         if (c->control_page)
                 munmap(c->control_page, MOEEP_CONTROL_PAGE_SIZE);
         c->control_page = NULL;
@@ -865,6 +873,15 @@ static int client_require_proxy(struct moeep_client *c, const char *what) {
                                               "(it needs protocol 1.3)",
                                               what, c->daemon_version, c->socket_path);
         return 0;
+}
+
+void *moeep_client_job_data(const struct moeep_client *c) {
+        return c->job_data;
+}
+
+void moeep_client_job_data_set(struct moeep_client *c, void *data, void (*free_fn)(void *data)) {
+        c->job_data = data;
+        c->job_data_free = free_fn;
 }
 
 int moeep_proxy_region_register(struct moeep_client *c, int memfd, uint64_t size, enum moeep_proxy_role role,

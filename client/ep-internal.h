@@ -35,8 +35,16 @@ struct moeep_ep {
         void *control_page; /* not owning: the client's mapping, NULL when the client has none */
         SLIST_HEAD(, moeep_ep_handle) free_handles;
         unsigned ll_calls;               /* low-latency dispatches so far: picks the buffer set */
+        uint32_t remote;                 /* bit r: rank r is at another daemon (normal mode refuses) */
         char error[512];
 };
+
+#define CUDA_TRY(ep, call)                                                                   \
+        do {                                                                                 \
+                cudaError_t e_ = (call);                                                     \
+                if (e_ != cudaSuccess)                                                       \
+                        return ep_fail((ep), -EIO, "%s: %s", #call, cudaGetErrorString(e_)); \
+        } while (0)
 
 /* Sets the endpoint's error text and returns r. */
 int ep_fail(struct moeep_ep *ep, int r, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
@@ -55,5 +63,13 @@ int check_index_type(struct moeep_ep *ep, enum moeep_index_type t);
 /* Copies the kernel context of `ep` (mapped buffers of every rank, layout,
  * state) into ret. */
 int ep_internal_ctx(const struct moeep_ep *ep, struct moeep_ctx *ret);
+
+/* The internode proxy path (client/ep-px.c): registers (or reuses) the
+ * job's proxy regions and ring for the ranks in `remote` and fills
+ * ep->ctx.px; _detach frees what the endpoint holds (the regions stay with
+ * the job); _error names a MOEEP_KERR_PROXY failure. */
+int ep_px_attach(struct moeep_ep *ep, uint32_t remote);
+void ep_px_detach(struct moeep_ep *ep);
+int ep_px_error(struct moeep_ep *ep, int peer);
 
 #endif

@@ -50,8 +50,13 @@ int moeep_ll_dispatch(struct moeep_ep *ep, const struct moeep_ll_dispatch_args *
         r = launch_result(ep, "low-latency dispatch",
                           moeep_launch_ll_dispatch_send(&ep->ctx, a->x, a->num_tokens, a->topk_idx,
                                                         a->topk_idx_type == MOEEP_INDEX_INT64, a->num_topk, set,
-                                                        a->use_fp8, a->round_scale, !a->return_recv_hook,
+                                                        a->use_fp8, a->round_scale,
+                                                        !a->return_recv_hook && !ep->ctx.px.remote,
                                                         a->cumulative_local_expert_recv_stats, stream));
+        if (r == 0 && !a->return_recv_hook && ep->ctx.px.remote) /* remote pairs: the relay receives */
+                r = launch_result(ep, "low-latency dispatch relay",
+                                  moeep_launch_ll_dispatch_relay(&ep->ctx, set,
+                                                                 a->cumulative_local_expert_recv_stats, stream));
         if (r < 0)
                 return r;
         ep->ll_calls++;
@@ -117,9 +122,18 @@ int moeep_ll_hook_run(struct moeep_ep *ep, const struct moeep_ll_hook *h, cudaSt
         case HOOK_NONE:
                 return 0;
         case HOOK_DISPATCH:
+                if (ep->ctx.px.remote)
+                        return launch_result(ep, "low-latency dispatch relay",
+                                             moeep_launch_ll_dispatch_relay(&ep->ctx, h->set, h->stats, stream));
                 return launch_result(ep, "low-latency dispatch receive",
                                      moeep_launch_ll_dispatch_recv(&ep->ctx, h->set, h->stats, stream));
         case HOOK_COMBINE:
+                if (ep->ctx.px.remote) {
+                        int r = launch_result(ep, "low-latency combine relay",
+                                              moeep_launch_ll_combine_relay(&ep->ctx, h->set, stream));
+                        if (r < 0)
+                                return r;
+                }
                 return launch_result(ep, "low-latency combine receive",
                                      moeep_launch_ll_combine_recv(&ep->ctx, h->topk_idx, h->idx_is_int64,
                                                                   h->topk_weights, h->num_tokens, h->num_topk, h->set,

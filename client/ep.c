@@ -27,13 +27,6 @@ int ep_fail(struct moeep_ep *ep, int r, const char *fmt, ...) {
         return r;
 }
 
-#define CUDA_TRY(ep, call)                                                                   \
-        do {                                                                                 \
-                cudaError_t e_ = (call);                                                     \
-                if (e_ != cudaSuccess)                                                       \
-                        return ep_fail((ep), -EIO, "%s: %s", #call, cudaGetErrorString(e_)); \
-        } while (0)
-
 int launch_result(struct moeep_ep *ep, const char *what, int r) {
         if (r == 0)
                 return 0;
@@ -77,8 +70,11 @@ static int config_check(struct moeep_ep *ep, const struct moeep_ep_config *c, in
         return 0;
 }
 
-/* Maps every other rank's NVLink buffer, as brokered by the daemon. */
-static int map_peers(struct moeep_ep *ep) {
+/* Maps the NVLink buffer of every other rank at this daemon, as brokered
+ * by it; ranks in `remote` are at other daemons and reached through the
+ * proxy path. */
+static int map_peers(struct moeep_ep *ep, uint32_t remote) {
+        const int expect = ep->ctx.ranks - 1 - __builtin_popcount(remote);
         struct moeep_region *regions = NULL;
         size_t n = 0;
         int r;
@@ -87,14 +83,12 @@ static int map_peers(struct moeep_ep *ep) {
         if (r < 0)
                 return ep_fail(ep, r, "fetching the peers' NVLink buffers: %s",
                                moeep_client_error(ep->client));
-        if (n != (size_t)ep->ctx.ranks - 1) {
-                r = ep_fail(ep, -EPROTO, "daemon returned %zu peer buffers, expected %d", n,
-                            ep->ctx.ranks - 1);
-                goto out;
-        }
         for (size_t i = 0; i < n; i++) {
                 const struct moeep_region *g = &regions[i];
                 CUresult cr;
+
+                if (g->fd < 0 && g->rank >= 0 && g->rank < ep->ctx.ranks && ((remote >> g->rank) & 1))
+                        continue; /* metadata of a remote rank's buffer */
 
                 if (g->rank < 0 || g->rank >= ep->ctx.ranks || g->rank == ep->ctx.rank ||
                     ep->peer_maps[g->rank].ptr || g->kind != MOEEP_REGION_CUMEM_FD ||
@@ -113,6 +107,12 @@ static int map_peers(struct moeep_ep *ep) {
                 }
                 ep->ctx.peers[g->rank] = (char *)(uintptr_t)ep->peer_maps[g->rank].ptr;
         }
+        for (int p = 0; p < ep->ctx.ranks; p++)
+                if (p != ep->ctx.rank && !((remote >> p) & 1) && !ep->ctx.peers[p]) {
+                        r = ep_fail(ep, -EPROTO, "daemon returned %zu peer buffers, none of rank %d (expected %d)", n,
+                                    p, expect);
+                        goto out;
+                }
         r = 0;
 out:
         moeep_regions_free(regions, n);
@@ -144,6 +144,7 @@ static void map_control_page(struct moeep_ep *ep) {
 
 static int ep_attach(struct moeep_ep *ep, const struct moeep_ep_config *c) {
         const char *why = NULL;
+        uint32_t remote = 0;
         int fd = -1, r;
         CUresult cr;
 
@@ -182,9 +183,16 @@ static int ep_attach(struct moeep_ep *ep, const struct moeep_ep_config *c) {
         r = moeep_job_barrier(ep->client);
         if (r < 0)
                 return ep_fail(ep, r, "barrier after registering: %s", moeep_client_error(ep->client));
-        r = map_peers(ep);
+        /* After the barrier every rank joined: which are at other daemons. */
+        r = moeep_job_ranks(ep->client, NULL, &remote);
+        if (r < 0)
+                return ep_fail(ep, r, "asking which ranks are remote: %s", moeep_client_error(ep->client));
+        r = map_peers(ep, remote);
         if (r < 0)
                 return r;
+        if (remote && c->ll_max_tokens && (r = ep_px_attach(ep, remote)) < 0)
+                return r;
+        ep->remote = remote;
 
         CUDA_TRY(ep, cudaMalloc((void **)&ep->ctx.state, sizeof(struct moeep_local_state)));
         CUDA_TRY(ep, cudaMemset(ep->ctx.state, 0, sizeof(struct moeep_local_state)));
@@ -231,6 +239,7 @@ static void ep_free(struct moeep_ep *ep) {
                 cudaFreeHost(ep->host);
         if (ep->ctx.state)
                 cudaFree(ep->ctx.state);
+        ep_px_detach(ep);
         cudaFree(ep->ctx.trace);
         if (ep->control_page_registered)
                 cudaHostUnregister(ep->control_page);
@@ -338,6 +347,8 @@ static int state_error(struct moeep_ep *ep, uint32_t err, int peer) {
                                "(a token names one expert twice?)", ep->ctx.rank, peer, ep->ctx.ranks * ep->ctx.ll.max_tokens);
         case MOEEP_KERR_ABORT:
                 return ep_aborted(ep, peer);
+        case MOEEP_KERR_PROXY:
+                return ep_px_error(ep, peer);
         }
         return ep_fail(ep, -EIO, "rank %d: device error code %u", ep->ctx.rank, err);
 }
@@ -489,10 +500,21 @@ static int dispatch_topk(const struct moeep_dispatch_args *a) {
         return a->topk_idx || (a->num_tokens == 0 && a->num_topk > 0) ? a->num_topk : 0;
 }
 
+/* Normal mode reaches every rank over NVLink: not yet across daemons. */
+static int normal_check_local(struct moeep_ep *ep, const char *what) {
+        if (!ep->remote)
+                return 0;
+        return ep_fail(ep, -EOPNOTSUPP,
+                       "%s: normal mode needs every rank at this daemon; ranks 0x%x are at another (use the "
+                       "low-latency calls across daemons)",
+                       what, ep->remote);
+}
+
 static int dispatch_check(struct moeep_ep *ep, const struct moeep_dispatch_args *a) {
         int r;
 
-        if ((r = ep_check_live(ep)) < 0 || (r = check_dtype(ep, a->x_type)) < 0)
+        if ((r = ep_check_live(ep)) < 0 || (r = normal_check_local(ep, "dispatch")) < 0 ||
+            (r = check_dtype(ep, a->x_type)) < 0)
                 return r;
         if (a->handle && a->handle->ep != ep)
                 return ep_fail(ep, -EINVAL, "the handle belongs to another endpoint");
@@ -621,7 +643,7 @@ int moeep_combine(struct moeep_ep *ep, const struct moeep_combine_args *a, cudaS
                 return -EINVAL;
         if (!a || !a->handle)
                 return ep_fail(ep, -EINVAL, "combine needs a dispatch handle");
-        if ((r = ep_check_live(ep)) < 0)
+        if ((r = ep_check_live(ep)) < 0 || (r = normal_check_local(ep, "combine")) < 0)
                 return r;
         if (a->handle->ep != ep)
                 return ep_fail(ep, -EINVAL, "the handle belongs to another endpoint");

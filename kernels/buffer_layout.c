@@ -55,3 +55,22 @@ void moeep_ll_layout_compute(struct moeep_ll_layout *l, size_t start, int ranks,
 #undef PLACE
         l->total = off;
 }
+
+void moeep_px_layout_compute(struct moeep_px *px, int ranks, const struct moeep_ll_layout *ll, int hidden,
+                             int max_topk) {
+        size_t off = 0;
+
+        px->ll_slots = (uint32_t)(ll->max_tokens * max_topk);
+        /* Dispatch: row (bf16 size, FP8 rows use half), scales, local expert and source info. */
+        px->ll_pair = align_up((size_t)hidden * 2 + (size_t)(hidden / MOEEP_SCALE_BLOCK) * sizeof(float) + 8, 16);
+        px->ll_row = (size_t)hidden * 2 + 16; /* combine: bf16 row, token, k */
+        px->ll_dispatch_seg = align_up(MOEEP_PX_SEG_HDR + px->ll_slots * px->ll_pair, 4096);
+        px->ll_combine_seg = align_up(MOEEP_PX_SEG_HDR + px->ll_slots * px->ll_row, 4096);
+        for (int b = 0; b < 2; b++) {
+                px->ll_dispatch[b] = off;
+                off += (size_t)ranks * px->ll_dispatch_seg;
+                px->ll_combine[b] = off;
+                off += (size_t)ranks * px->ll_combine_seg;
+        }
+        px->bytes = off ? off : 4096;
+}

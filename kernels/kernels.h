@@ -78,6 +78,7 @@ enum moeep_kernel_error {
         MOEEP_KERR_TIMEOUT = 1, /* a peer's flag did not arrive within the wait bound */
         MOEEP_KERR_ABORT = 2,   /* the daemon set the job's abort word */
         MOEEP_KERR_OVERFLOW = 3, /* low-latency: an expert got more pairs than it has slots */
+        MOEEP_KERR_PROXY = 4,    /* the proxy ring to a remote rank failed (its error word), or was full too long */
 };
 
 /* Offsets inside every NVLink buffer, derived from the configuration. */
@@ -120,6 +121,64 @@ struct moeep_ll_layout {
 void moeep_ll_layout_compute(struct moeep_ll_layout *l, size_t start, int ranks, int max_tokens, int hidden,
                              int num_experts, int max_topk);
 
+/* The internode proxy path of the low-latency kernels (proto/ring.h,
+ * client/ep-px.c): ranks at another daemon are not mapped; what goes to
+ * them is staged in our send region (host memory, mapped for the device),
+ * one segment per (buffer set, destination), and shipped by the daemon's
+ * proxy with one descriptor per segment into the same segment of the
+ * destination's receive region (indexed there by the source), followed by
+ * a signal into the destination's counters. The receiver's relay kernels
+ * copy the staged pairs into its own buffers as an NVLink peer would have
+ * written them, so results are the same.
+ *
+ * A segment: struct moeep_px_seg, then `count` slots of ll_pair (dispatch:
+ * row, scales, local expert, source info) or ll_row (combine: bf16 row,
+ * token, k) bytes. */
+#define MOEEP_PX_SEG_HDR 64
+struct moeep_px_seg {
+        uint32_t count;    /* slots that follow */
+        uint32_t row_bytes;/* dispatch: bytes of each staged row (hidden, or 2 hidden for bf16) */
+        uint64_t value;    /* the signal value it was shipped with */
+};
+/* Counter (8 bytes each in the counters region) that the source's segment
+ * of set b signals: dispatch, then combine. */
+#define MOEEP_PX_COUNTER_LL_DISPATCH(b, src) ((b) * MOEEP_KERNEL_MAX_RANKS + (src))
+#define MOEEP_PX_COUNTER_LL_COMBINE(b, src) ((2 + (b)) * MOEEP_KERNEL_MAX_RANKS + (src))
+#define MOEEP_PX_COUNTERS (4 * MOEEP_KERNEL_MAX_RANKS)
+
+/* Device memory, ours only: the ring's producer state and the slots staged
+ * for each remote rank by the running kernel. */
+struct moeep_px_state {
+        void *ring_hdr;    /* struct proxy_ring_hdr *: device pointer of the mapped ring */
+        uint32_t ring_cap; /* descriptors, a power of two */
+        uint32_t pad;
+        uint64_t ring_tail;/* descriptors published */
+        uint64_t ring_head;/* the proxy's head as last read */
+        uint32_t ll_claim[2][MOEEP_KERNEL_MAX_RANKS];      /* dispatch pairs staged, per set and destination */
+        uint32_t ll_comb_claim[2][MOEEP_KERNEL_MAX_RANKS]; /* combine rows staged */
+};
+
+struct moeep_px {
+        uint32_t remote;          /* bit r: rank r is at another daemon; 0: no proxy path */
+        char *send;               /* device pointers of the mapped send and receive regions */
+        const char *recv;
+        const uint64_t *counters; /* device pointer of the mapped counters */
+        struct moeep_px_state *state;
+        uint64_t epoch;           /* added to every signal value: endpoints of one job reuse the regions */
+        size_t ll_pair;           /* bytes of a staged dispatch pair */
+        size_t ll_row;            /* bytes of a staged combine row */
+        uint32_t ll_slots;        /* slots of a segment: ll max_tokens * max_topk */
+        size_t ll_dispatch[2];    /* offsets of set b's segments, [rank] of ll_dispatch_seg bytes */
+        size_t ll_combine[2];
+        size_t ll_dispatch_seg, ll_combine_seg;
+        size_t bytes;             /* of the send region and of the receive region (same layout) */
+};
+
+/* Fills the proxy layout for the low-latency buffers of `ll` (sizes only;
+ * pointers and `remote` are the caller's). */
+void moeep_px_layout_compute(struct moeep_px *px, int ranks, const struct moeep_ll_layout *ll, int hidden,
+                             int max_topk);
+
 /* Everything a kernel needs to reach the job: the mapped buffers of every
  * rank (peers[rank] is our own), passed by value. */
 struct moeep_ctx {
@@ -140,6 +199,7 @@ struct moeep_ctx {
         uint64_t *trace;                        /* diagnostics: [block][4] globaltimer stamps of combine, or NULL */
         int debug;                              /* MOEEP_DEBUG_* bits (diagnostics, from $MOEEP_KERNEL_DEBUG) */
         uint64_t timeout_ns;                    /* bound of every spin-wait (globaltimer ns) */
+        struct moeep_px px;                     /* ranks at other daemons; px.remote 0 when none */
 };
 
 /* Routing state of one dispatch, kept for combine and for a cached dispatch.
@@ -213,6 +273,12 @@ int moeep_launch_ll_dispatch_send(const struct moeep_ctx *ctx, const void *x, in
                                   int recv, int *stats, cudaStream_t stream); /* recv: and the receive phase */
 int moeep_launch_ll_dispatch_recv(const struct moeep_ctx *ctx, int set, int *stats, cudaStream_t stream);
 int moeep_launch_ll_combine_send(const struct moeep_ctx *ctx, const void *y, int set, cudaStream_t stream);
+/* With ranks at other daemons (ctx->px.remote): after dispatch send, waits
+ * for every remote source's staged pairs, places them like NVLink writes,
+ * then does the receive phase; after combine send, places the remote
+ * expert outputs before moeep_launch_ll_combine_recv. */
+int moeep_launch_ll_dispatch_relay(const struct moeep_ctx *ctx, int set, int *stats, cudaStream_t stream);
+int moeep_launch_ll_combine_relay(const struct moeep_ctx *ctx, int set, cudaStream_t stream);
 int moeep_launch_ll_combine_recv(const struct moeep_ctx *ctx, const void *topk_idx, int idx_is_int64,
                                  const float *weights, int num_tokens, int num_topk, int set, void *out,
                                  cudaStream_t stream);

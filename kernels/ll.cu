@@ -21,6 +21,7 @@
 
 #include "kernels.h"
 #include "ptx.cuh"
+#include "ring.cuh"
 
 enum {
         LL_THREADS = 512,
@@ -34,6 +35,87 @@ __device__ __forceinline__ struct moeep_ll_sync *ll_sync_of(const struct moeep_c
 
 __device__ __forceinline__ size_t ll_slot_count(const struct moeep_ctx &ctx) {
         return (size_t)ctx.ranks * ctx.ll.max_tokens;
+}
+
+__device__ __forceinline__ bool ll_remote(const struct moeep_ctx &ctx, int rank) {
+        return (ctx.px.remote >> rank) & 1;
+}
+
+/* Our staging segment for `peer` (send), or `peer`'s segment here (receive). */
+__device__ __forceinline__ char *px_send_seg(const struct moeep_ctx &ctx, size_t area, size_t seg, int peer) {
+        return ctx.px.send + area + (size_t)peer * seg;
+}
+__device__ __forceinline__ const char *px_recv_seg(const struct moeep_ctx &ctx, size_t area, size_t seg, int peer) {
+        return ctx.px.recv + area + (size_t)peer * seg;
+}
+
+/* Ships what the kernel staged for every remote rank (claim[d] slots of
+ * `slot` bytes in our segment d of `area`) into our segment at d, with the
+ * signal counter0 + our rank = value. One thread, in the last block: every
+ * block's staging stores are ordered before it by last_block_done's fences,
+ * and the ring's release orders them, and the headers, before the tail. */
+__device__ void px_ship(const struct moeep_ctx &ctx, size_t area, size_t seg, uint32_t *claim, size_t slot,
+                        uint32_t counter0, uint64_t value, uint32_t row_bytes) {
+        struct moeep_px_state *st = ctx.px.state;
+        struct ring_producer r = { (struct proxy_ring_hdr *)st->ring_hdr,
+                                   (struct proxy_desc *)((char *)st->ring_hdr + PROXY_RING_HDR_BYTES), st->ring_cap,
+                                   st->ring_tail, st->ring_head };
+
+        for (int d = 0; d < ctx.ranks; d++) {
+                if (!ll_remote(ctx, d))
+                        continue;
+                const uint32_t n = *(volatile uint32_t *)&claim[d];
+                claim[d] = 0;
+                volatile struct moeep_px_seg *h = (volatile struct moeep_px_seg *)px_send_seg(ctx, area, seg, d);
+                h->count = n;
+                h->row_bytes = row_bytes;
+                h->value = value;
+                struct proxy_desc desc = {};
+                desc.src_offset = area + (size_t)d * seg;
+                desc.dst_offset = area + (size_t)ctx.rank * seg;
+                desc.signal_value = value;
+                desc.length = (uint32_t)(MOEEP_PX_SEG_HDR + n * slot);
+                desc.peer = (uint32_t)d;
+                desc.signal_id = counter0 + (uint32_t)ctx.rank;
+                desc.flags = PROXY_DESC_SIGNAL;
+                if (ring_put(r, desc, ctx.timeout_ns) != 0) {
+                        record_error(ctx, MOEEP_KERR_PROXY, d);
+                        break;
+                }
+        }
+        ring_publish(r);
+        st->ring_tail = r.tail;
+        st->ring_head = r.head;
+}
+
+/* Bounded wait for a remote source's signal (one thread): also ends on the
+ * ring's error (the proxy lost the route) and the job's abort word. */
+__device__ bool px_wait(const struct moeep_ctx &ctx, uint32_t counter, uint64_t want, int peer) {
+        const struct proxy_ring_hdr *hdr = (const struct proxy_ring_hdr *)ctx.px.state->ring_hdr;
+        struct spin s = spin_begin();
+
+        while (ld_acquire_sys(&ctx.px.counters[counter]) < want) {
+                if (spin_give_up(ctx, s, peer))
+                        return false;
+                if (s.n % SPIN_CHECK_EVERY == 0 && ring_error(hdr)) {
+                        record_error(ctx, MOEEP_KERR_PROXY, peer);
+                        return false;
+                }
+        }
+        return true;
+}
+
+/* Every thread of the block: waits for source s's segment (thread 0) and
+ * returns its header, or NULL when the wait failed. */
+__device__ const struct moeep_px_seg *px_block_wait(const struct moeep_ctx &ctx, size_t area, size_t seg,
+                                                   uint32_t counter, uint64_t value, int s) {
+        __shared__ int s_ok;
+        if (threadIdx.x == 0)
+                s_ok = px_wait(ctx, counter, value, s);
+        __syncthreads();
+        const bool ok = s_ok;
+        __syncthreads();
+        return ok ? (const struct moeep_px_seg *)px_recv_seg(ctx, area, seg, s) : NULL;
 }
 
 /* Warps numbered across blocks first: the few hundred work items of a
@@ -79,7 +161,7 @@ __device__ __forceinline__ void ll_recv_counts(const struct moeep_ctx &ctx, int 
         struct moeep_ll_sync *my = ll_sync_of(ctx, ctx.rank);
         const int tid = threadIdx.x, epr = ctx.num_experts / ctx.ranks;
 
-        if (tid < ctx.ranks)
+        if (tid < ctx.ranks && !ll_remote(ctx, tid)) /* remote sources: the relay placed their pairs */
                 wait_flag(ctx, &my->dispatch_flag[b][tid], seq, tid);
         __syncthreads();
         for (int le = tid; le < epr; le += blockDim.x) {
@@ -128,9 +210,11 @@ __global__ void __launch_bounds__(LL_THREADS, 1)
                 if (e < 0 || e >= ctx.num_experts)
                         continue;
                 const int d = (int)(e / epr), le = (int)(e % epr);
+                const bool remote = ll_remote(ctx, d);
                 uint32_t pos = 0;
                 if (lane == 0)
-                        pos = atomicAdd_system(&ll_sync_of(ctx, d)->counter[b][le], 1u);
+                        pos = remote ? atomicAdd(&ctx.px.state->ll_claim[b][d], 1u)
+                                     : atomicAdd_system(&ll_sync_of(ctx, d)->counter[b][le], 1u);
                 const int4 *row = x + (size_t)t * n16;
                 /* Lane i moves 16 channels (two int4 of bf16) per step, 32
                  * steps of the warp per 512 channels; loads of 4 steps in
@@ -138,15 +222,26 @@ __global__ void __launch_bounds__(LL_THREADS, 1)
                 int4 v[8];
                 ll_load_steps(row, 0, n16, v);
                 pos = __shfl_sync(0xffffffffu, pos, 0);
-                if ((size_t)pos >= slots) {
+                if ((size_t)pos >= (remote ? (size_t)ctx.px.ll_slots : slots)) {
                         /* Only possible when a token names one expert twice. */
                         if (lane == 0)
                                 record_error(ctx, MOEEP_KERR_OVERFLOW, d);
                         continue;
                 }
                 const size_t slot = (size_t)le * slots + pos;
-                char *dst = ctx.peers[d] + ctx.ll.x[b] + slot * xrow;
-                float *sc = (float *)(ctx.peers[d] + ctx.ll.scales[b]) + slot * nscales;
+                char *dst;
+                float *sc;
+                int32_t *info;
+                if (remote) { /* staged: row, scales, then (local expert, source info) */
+                        dst = px_send_seg(ctx, ctx.px.ll_dispatch[b], ctx.px.ll_dispatch_seg, d) + MOEEP_PX_SEG_HDR +
+                              pos * ctx.px.ll_pair;
+                        sc = (float *)(dst + (size_t)H * 2);
+                        info = (int32_t *)(sc + nscales);
+                } else {
+                        dst = ctx.peers[d] + ctx.ll.x[b] + slot * xrow;
+                        sc = (float *)(ctx.peers[d] + ctx.ll.scales[b]) + slot * nscales;
+                        info = (int32_t *)(ctx.peers[d] + ctx.ll.src[b]) + slot;
+                }
                 for (int base = 0; base < n16; base += 4 * 64) {
                         if (base > 0) /* the first four steps were loaded above */
                                 ll_load_steps(row, base, n16, v);
@@ -169,15 +264,21 @@ __global__ void __launch_bounds__(LL_THREADS, 1)
                                 }
                         }
                 }
-                if (lane == 0)
-                        ((int32_t *)(ctx.peers[d] + ctx.ll.src[b]))[slot] = (me << 28) | (k << 20) | t;
+                if (lane == 0) {
+                        if (remote)
+                                *info++ = le;
+                        *info = (me << 28) | (k << 20) | t;
+                }
         }
         if (!last_block_done(ctx))
                 return;
         if (threadIdx.x == 0)
                 ctx.state->ll_seq[b] = seq;
-        if (threadIdx.x < R)
+        if (threadIdx.x < R && !ll_remote(ctx, threadIdx.x))
                 st_release_sys(&ll_sync_of(ctx, threadIdx.x)->dispatch_flag[b][me], seq);
+        if (ctx.px.remote && threadIdx.x == 0)
+                px_ship(ctx, ctx.px.ll_dispatch[b], ctx.px.ll_dispatch_seg, ctx.px.state->ll_claim[b], ctx.px.ll_pair,
+                        MOEEP_PX_COUNTER_LL_DISPATCH(b, 0), ctx.px.epoch + seq, (uint32_t)xrow);
         /* Without a hook the last block goes on with the receive phase: it
          * waits only for other GPUs, never for blocks of this grid. */
         if (recv)
@@ -220,8 +321,22 @@ __global__ void __launch_bounds__(LL_THREADS, 1) ll_combine_send(struct moeep_ct
                         const size_t slot = (size_t)le * slots + pos;
                         const int info = src[slot];
                         const int s = (info >> 28) & 0xf, k = (info >> 20) & 0xff, t = info & 0xfffff;
-                        int4 *dst = (int4 *)(ctx.peers[s] + ctx.ll.comb[b] +
-                                             ((size_t)t * ctx.max_topk + k) * (size_t)H * 2);
+                        int4 *dst;
+                        if (ll_remote(ctx, s)) { /* staged: row, then (token, k) */
+                                uint32_t p = 0;
+                                if (lane == 0)
+                                        p = atomicAdd(&ctx.px.state->ll_comb_claim[b][s], 1u);
+                                p = __shfl_sync(0xffffffffu, p, 0);
+                                char *row = px_send_seg(ctx, ctx.px.ll_combine[b], ctx.px.ll_combine_seg, s) +
+                                            MOEEP_PX_SEG_HDR + p * ctx.px.ll_row;
+                                if (lane == 0) {
+                                        ((int32_t *)(row + (size_t)H * 2))[0] = t;
+                                        ((int32_t *)(row + (size_t)H * 2))[1] = k;
+                                }
+                                dst = (int4 *)row;
+                        } else {
+                                dst = (int4 *)(ctx.peers[s] + ctx.ll.comb[b] + ((size_t)t * ctx.max_topk + k) * (size_t)H * 2);
+                        }
                         const int4 *row = y + slot * H / 8;
                         for (int i = lane; i < H / 8; i += 32 * 8) {
                                 int4 v[8];
@@ -236,8 +351,107 @@ __global__ void __launch_bounds__(LL_THREADS, 1) ll_combine_send(struct moeep_ct
                         }
                 }
         }
-        if (last_block_done(ctx) && threadIdx.x < R)
+        if (!last_block_done(ctx))
+                return;
+        if (threadIdx.x < R && !ll_remote(ctx, threadIdx.x))
                 st_release_sys(&ll_sync_of(ctx, threadIdx.x)->combine_flag[b][me], seq);
+        if (ctx.px.remote && threadIdx.x == 0)
+                px_ship(ctx, ctx.px.ll_combine[b], ctx.px.ll_combine_seg, ctx.px.state->ll_comb_claim[b], ctx.px.ll_row,
+                        MOEEP_PX_COUNTER_LL_COMBINE(b, 0), ctx.px.epoch + seq, (uint32_t)H * 2);
+}
+
+/* Copies `bytes` (a multiple of 16) from staged host memory into the
+ * buffer, one warp. The loads bypass the caches: the segment was written
+ * by the daemon after the last use of these lines. */
+__device__ __forceinline__ void px_copy(int4 *dst, const int4 *src, size_t bytes) {
+        const int lane = threadIdx.x % 32, n16 = (int)(bytes / 16);
+        for (int i = lane; i < n16; i += 32 * 4) {
+                int4 v[4];
+#pragma unroll
+                for (int u = 0; u < 4; u++)
+                        if (i + u * 32 < n16)
+                                v[u] = __ldcv(src + i + u * 32);
+#pragma unroll
+                for (int u = 0; u < 4; u++)
+                        if (i + u * 32 < n16)
+                                dst[i + u * 32] = v[u];
+        }
+}
+
+/* Places the pairs remote sources staged for us (set b) at slots claimed
+ * from our own counters, as their NVLink writes would have, then the last
+ * block does the receive phase. */
+__global__ void __launch_bounds__(LL_THREADS, 1) ll_dispatch_relay(struct moeep_ctx ctx, int b, int *stats) {
+        struct moeep_ll_sync *my = ll_sync_of(ctx, ctx.rank);
+        const int lane = threadIdx.x % 32, H = ctx.hidden, nscales = H / MOEEP_SCALE_BLOCK;
+        const int warps = gridDim.x * LL_WARPS, gwarp = ll_warp_index();
+        const size_t slots = ll_slot_count(ctx);
+        const uint64_t seq = ctx.state->ll_seq[b];
+        char *own = ctx.peers[ctx.rank];
+
+        for (int s = 0; s < ctx.ranks; s++) {
+                if (!ll_remote(ctx, s))
+                        continue;
+                const struct moeep_px_seg *h = px_block_wait(ctx, ctx.px.ll_dispatch[b], ctx.px.ll_dispatch_seg,
+                                                             MOEEP_PX_COUNTER_LL_DISPATCH(b, s), ctx.px.epoch + seq, s);
+                if (!h)
+                        break;
+                const uint32_t n = min(__ldcv((const int *)&h->count), (int)ctx.px.ll_slots);
+                const size_t xrow = (size_t)__ldcv((const int *)&h->row_bytes);
+                for (uint32_t q = gwarp; q < n; q += warps) {
+                        const char *pair = (const char *)h + MOEEP_PX_SEG_HDR + q * ctx.px.ll_pair;
+                        const float *sc = (const float *)(pair + (size_t)H * 2);
+                        const int32_t *info = (const int32_t *)(sc + nscales);
+                        const int le = __ldcv(info), src_info = __ldcv(info + 1);
+                        uint32_t pos = 0;
+                        if (lane == 0)
+                                pos = atomicAdd_system(&my->counter[b][le], 1u);
+                        pos = __shfl_sync(0xffffffffu, pos, 0);
+                        if ((size_t)pos >= slots) {
+                                if (lane == 0)
+                                        record_error(ctx, MOEEP_KERR_OVERFLOW, ctx.rank);
+                                continue;
+                        }
+                        const size_t slot = (size_t)le * slots + pos;
+                        px_copy((int4 *)(own + ctx.ll.x[b] + slot * xrow), (const int4 *)pair, xrow);
+                        if (xrow == (size_t)H) /* FP8 rows carry scales */
+                                for (int j = lane; j < nscales; j += 32)
+                                        ((float *)(own + ctx.ll.scales[b]))[slot * nscales + j] = __ldcv(sc + j);
+                        if (lane == 0)
+                                ((int32_t *)(own + ctx.ll.src[b]))[slot] = src_info;
+                }
+        }
+        if (!last_block_done(ctx))
+                return;
+        ll_recv_counts(ctx, b, seq, stats);
+}
+
+/* Places the expert outputs remote ranks staged for our tokens (set b)
+ * into our combine rows; moeep_launch_ll_combine_recv follows. */
+__global__ void __launch_bounds__(LL_THREADS, 1) ll_combine_relay(struct moeep_ctx ctx, int b) {
+        const int H = ctx.hidden;
+        const int warps = gridDim.x * LL_WARPS, gwarp = ll_warp_index();
+        const uint64_t seq = ctx.state->ll_seq[b];
+        char *comb = ctx.peers[ctx.rank] + ctx.ll.comb[b];
+
+        for (int s = 0; s < ctx.ranks; s++) {
+                if (!ll_remote(ctx, s))
+                        continue;
+                const struct moeep_px_seg *h = px_block_wait(ctx, ctx.px.ll_combine[b], ctx.px.ll_combine_seg,
+                                                             MOEEP_PX_COUNTER_LL_COMBINE(b, s), ctx.px.epoch + seq, s);
+                if (!h)
+                        break;
+                const uint32_t n = min(__ldcv((const int *)&h->count), (int)ctx.px.ll_slots);
+                for (uint32_t q = gwarp; q < n; q += warps) {
+                        const char *row = (const char *)h + MOEEP_PX_SEG_HDR + q * ctx.px.ll_row;
+                        const int t = __ldcv((const int *)(row + (size_t)H * 2));
+                        const int k = __ldcv((const int *)(row + (size_t)H * 2) + 1);
+                        if (t < 0 || t >= ctx.ll.max_tokens || k < 0 || k >= ctx.max_topk)
+                                continue; /* cannot come from our kernels */
+                        px_copy((int4 *)(comb + ((size_t)t * ctx.max_topk + k) * (size_t)H * 2), (const int4 *)row,
+                                (size_t)H * 2);
+                }
+        }
 }
 
 /* Sums each token's expert outputs with its top-k weights (float), after
@@ -252,7 +466,7 @@ __global__ void __launch_bounds__(LL_THREADS, 1)
         const uint64_t seq = ctx.state->ll_seq[b];
         const char *comb = ctx.peers[ctx.rank] + ctx.ll.comb[b];
 
-        if (threadIdx.x < ctx.ranks)
+        if (threadIdx.x < ctx.ranks && !ll_remote(ctx, threadIdx.x)) /* remote ranks: ll_combine_relay ran before */
                 wait_flag(ctx, &my->combine_flag[b][threadIdx.x], seq, threadIdx.x);
         __syncthreads();
         /* Work items (token, 512 channels of the row), so that a few tokens
@@ -329,6 +543,20 @@ extern "C" int moeep_launch_ll_dispatch_recv(const struct moeep_ctx *ctx, int se
 extern "C" int moeep_launch_ll_combine_send(const struct moeep_ctx *ctx, const void *y, int set, cudaStream_t stream) {
         MOEEP_CUDA_LAUNCH_BEGIN();
         ll_combine_send<<<ctx->ll_num_sms, LL_THREADS, 0, stream>>>(*ctx, (const int4 *)y, set);
+        MOEEP_CUDA_LAUNCH_CHECK();
+        return 0;
+}
+
+extern "C" int moeep_launch_ll_dispatch_relay(const struct moeep_ctx *ctx, int set, int *stats, cudaStream_t stream) {
+        MOEEP_CUDA_LAUNCH_BEGIN();
+        ll_dispatch_relay<<<ctx->ll_num_sms, LL_THREADS, 0, stream>>>(*ctx, set, stats);
+        MOEEP_CUDA_LAUNCH_CHECK();
+        return 0;
+}
+
+extern "C" int moeep_launch_ll_combine_relay(const struct moeep_ctx *ctx, int set, cudaStream_t stream) {
+        MOEEP_CUDA_LAUNCH_BEGIN();
+        ll_combine_relay<<<ctx->ll_num_sms, LL_THREADS, 0, stream>>>(*ctx, set);
         MOEEP_CUDA_LAUNCH_CHECK();
         return 0;
 }

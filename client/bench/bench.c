@@ -101,6 +101,7 @@ struct opts {
         int ranks, tokens, hidden, topk, experts, sms, iters, warmup;
         bool sweep, json, nccl, ll, host_start;
         uint64_t seed;
+        int nodes; /* daemons the ranks are spread over ($MOEEP_HARNESS_NODES) */
 };
 
 /* ---------------------------------------------------------------- NCCL, loaded at run time */
@@ -727,6 +728,10 @@ static void report(const struct opts *o, const struct shared *sh, int ranks) {
                        ranks, o->hidden, o->topk, o->experts, o->iters, sh->buffer_bytes / 1048576.0,
                        o->host_start ? "a daemon barrier (--host-start)" : "a GPU barrier", "operation", "tokens", "SMs",
                        "time us (min/med/max)", "GB/s (min/med/max)");
+        if (!o->json && o->nodes == 2)
+                printf("ranks 0..%d at daemon A, %d..%d at daemon B (two simulated nodes): NVLink inside a node, the "
+                       "proxy path (libfabric tcp over 127.0.0.1) between them\n",
+                       ranks - ranks / 2 - 1, ranks - ranks / 2, ranks - 1);
         for (int i = 0; i < sh->nres; i++) {
                 const struct result *r = &sh->res[i];
                 double gb[MOEEP_MAX_RANKS], tmn, tmd, tmx, gmn, gmd, gmx;
@@ -824,6 +829,18 @@ int main(int argc, char **argv) {
                 o.seed = 1;
         if (harness_init(&h, moeepd, socket, sizeof(struct shared)) < 0)
                 return 1;
+        /* Across daemons: the GPU start barrier needs every rank mapped, and
+         * normal mode is intranode only. */
+        o.nodes = h.nodes;
+        if (o.nodes == 2) {
+                o.host_start = true;
+                if (!o.ll) {
+                        fprintf(stderr, "moeep-bench: with MOEEP_HARNESS_NODES=2 only 'moeep-bench ll' runs "
+                                        "(normal mode is intranode)\n");
+                        harness_fini(&h);
+                        return 2;
+                }
+        }
         failed = harness_run(&h, o.ranks, "moeep-bench", rank_fn, &o, 1800);
         if (!failed)
                 report(&o, h.shared, o.ranks);

@@ -5,7 +5,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -37,6 +41,9 @@ static void sleep_ms(int ms) {
         nanosleep(&ts, NULL);
 }
 
+static int two_nodes_configure(struct harness *h);
+static int daemon_spawn(struct harness *h, const char *socket, const char *node, pid_t *ret_pid);
+
 int harness_init(struct harness *h, const char *moeepd, const char *socket, size_t shared_bytes) {
         char path[PATH_MAX];
 
@@ -63,35 +70,104 @@ int harness_init(struct harness *h, const char *moeepd, const char *socket, size
                 return -errno;
         snprintf(h->socket, sizeof(h->socket), "%s/moeepd.sock", h->dir);
         snprintf(h->moeepd, sizeof(h->moeepd), "%s", moeepd);
+        h->nodes = getenv("MOEEP_HARNESS_NODES") && atoi(getenv("MOEEP_HARNESS_NODES")) == 2 ? 2 : 1;
+        if (h->nodes == 2) {
+                int r = two_nodes_configure(h);
+                if (r < 0)
+                        return r;
+                snprintf(h->socket_b, sizeof(h->socket_b), "%s/moeepd-b.sock", h->dir);
+                r = daemon_spawn(h, h->socket_b, "b", &h->daemon_b_pid);
+                if (r < 0)
+                        return r;
+        }
         return harness_daemon_start(h);
 }
 
-int harness_daemon_start(struct harness *h) {
-        struct moeep_client *probe = NULL;
+/* A free TCP port on 127.0.0.1 (free when asked). */
+static int free_port(void) {
+        struct sockaddr_in a = { .sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
+        socklen_t len = sizeof(a);
+        int fd = socket(AF_INET, SOCK_STREAM, 0), port = -1;
 
-        h->daemon_pid = fork();
-        if (h->daemon_pid < 0)
+        if (fd >= 0 && bind(fd, (struct sockaddr *)&a, sizeof(a)) == 0 &&
+            getsockname(fd, (struct sockaddr *)&a, &len) == 0)
+                port = ntohs(a.sin_port);
+        if (fd >= 0)
+                close(fd);
+        return port;
+}
+
+/* The cluster key and the two daemons' configuration files in h->dir. */
+static int two_nodes_configure(struct harness *h) {
+        const int port[2] = { free_port(), free_port() };
+        char path[160];
+        FILE *f;
+        int fd;
+
+        if (port[0] < 0 || port[1] < 0)
+                return -EADDRNOTAVAIL;
+        snprintf(path, sizeof(path), "%s/key", h->dir);
+        fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+        if (fd < 0 || dprintf(fd, "moeep-harness-key-%d-%ld\n", (int)getpid(), (long)time(NULL)) < 0) {
+                if (fd >= 0)
+                        close(fd);
                 return -errno;
-        if (h->daemon_pid == 0) {
-                execl(h->moeepd, h->moeepd, "--socket", h->socket, "--foreground", "--log-level", "warning",
-                      (char *)NULL);
+        }
+        close(fd);
+        for (int i = 0; i < 2; i++) {
+                snprintf(path, sizeof(path), "%s/%s.conf", h->dir, i ? "b" : "a");
+                if (!(f = fopen(path, "w")))
+                        return -errno;
+                fprintf(f,
+                        "[moeepd]\nlog_level = warning\nmesh_listen = 127.0.0.1:%d\nmesh_peers = 127.0.0.1:%d\n"
+                        "cluster_key_file = %s/key\ntransport = fabric\nfabric_provider = tcp\n"
+                        "transport_address = 127.0.0.1\n",
+                        port[i], port[1 - i], h->dir);
+                fclose(f);
+        }
+        return 0;
+}
+
+/* Starts moeepd on `socket` (with the configuration `node`.conf in h->dir
+ * when two nodes run) and returns once it accepts connections. */
+static int daemon_spawn(struct harness *h, const char *socket, const char *node, pid_t *ret_pid) {
+        struct moeep_client *probe = NULL;
+        char conf[160];
+        pid_t pid;
+
+        snprintf(conf, sizeof(conf), "%s/%s.conf", h->dir, node);
+        pid = fork();
+        if (pid < 0)
+                return -errno;
+        if (pid == 0) {
+                if (h->nodes == 2)
+                        execl(h->moeepd, h->moeepd, "--config", conf, "--socket", socket, "--foreground",
+                              (char *)NULL);
+                else
+                        execl(h->moeepd, h->moeepd, "--socket", socket, "--foreground", "--log-level", "warning",
+                              (char *)NULL);
                 fprintf(stderr, "harness: exec %s: %s\n", h->moeepd, strerror(errno));
                 _exit(127);
         }
+        *ret_pid = pid;
         for (int i = 0; i < 500; i++) {
-                if (moeep_connect(h->socket, &probe) == 0) {
+                if (moeep_connect(socket, &probe) == 0) {
                         moeep_client_free(probe);
                         return 0;
                 }
-                if (waitpid(h->daemon_pid, NULL, WNOHANG) == h->daemon_pid) {
-                        h->daemon_pid = 0;
+                if (waitpid(pid, NULL, WNOHANG) == pid) {
+                        *ret_pid = 0;
                         fprintf(stderr, "harness: moeepd %s exited at start\n", h->moeepd);
                         return -ECHILD;
                 }
                 sleep_ms(10);
         }
-        fprintf(stderr, "harness: moeepd did not listen on %s within 5 s\n", h->socket);
+        fprintf(stderr, "harness: moeepd did not listen on %s within 5 s\n", socket);
         return -ETIMEDOUT;
+}
+
+int harness_daemon_start(struct harness *h) {
+        return daemon_spawn(h, h->socket, "a", &h->daemon_pid);
 }
 
 int harness_daemon_stop(struct harness *h, int sig) {
@@ -132,12 +208,20 @@ static int rank_main(struct harness *h, const struct moeep_unique_id *id, int ra
                          "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", u[0], u[1],
                          u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13], u[14], u[15]);
         }
-        r = moeep_connect(h->socket, &c);
+        const char *sock = h->nodes == 2 && rank >= ranks - ranks / 2 ? h->socket_b : h->socket;
+        r = moeep_connect(sock, &c);
         if (r < 0) {
-                fprintf(stderr, "rank %d: connect %s: %s\n", rank, h->socket, strerror(-r));
+                fprintf(stderr, "rank %d: connect %s: %s\n", rank, sock, strerror(-r));
                 return 3;
         }
-        r = moeep_job_join(c, id, rank, ranks, uuid);
+        /* At the second node the join goes through the mesh, which may
+         * still be connecting right after the daemons started. */
+        for (int i = 0; (r = moeep_job_join(c, id, rank, ranks, uuid)) < 0 && sock == h->socket_b && i < 100; i++) {
+                moeep_client_free(c);
+                sleep_ms(100);
+                if (moeep_connect(sock, &c) < 0)
+                        break;
+        }
         if (r < 0) {
                 fprintf(stderr, "rank %d: join: %s\n", rank, moeep_client_error(c));
                 moeep_client_free(c);
@@ -278,14 +362,20 @@ int harness_gpu_free(size_t *ret_free, int n) {
 }
 
 void harness_fini(struct harness *h) {
-        if (h->daemon_pid > 0) {
-                kill(h->daemon_pid, SIGTERM);
-                waitpid(h->daemon_pid, NULL, 0);
-        }
+        const pid_t pids[2] = { h->daemon_pid, h->daemon_b_pid };
+
+        for (int i = 0; i < 2; i++)
+                if (pids[i] > 0) {
+                        kill(pids[i], SIGTERM);
+                        waitpid(pids[i], NULL, 0);
+                }
         if (h->dir[0]) {
-                char sock[160];
-                snprintf(sock, sizeof(sock), "%s/moeepd.sock", h->dir);
-                unlink(sock);
+                static const char *const files[] = { "moeepd.sock", "moeepd-b.sock", "key", "a.conf", "b.conf" };
+                char path[160];
+                for (size_t i = 0; i < sizeof(files) / sizeof(files[0]); i++) {
+                        snprintf(path, sizeof(path), "%s/%s", h->dir, files[i]);
+                        unlink(path);
+                }
                 rmdir(h->dir);
         }
         if (h->shared)

@@ -13,6 +13,12 @@ struct harness {
         char dir[64];              /* private temporary directory */
         char socket[128];          /* daemon socket in use */
         pid_t daemon_pid;          /* our moeepd, 0 when attached to a running one */
+        /* Two simulated nodes ($MOEEP_HARNESS_NODES=2): a second private
+         * moeepd, meshed with the first over 127.0.0.1 (cluster key, libfabric
+         * tcp transport); the upper half of the ranks attach to it. */
+        int nodes;                 /* 1 or 2 */
+        char socket_b[128];
+        pid_t daemon_b_pid;
         char moeepd[4096];         /* its program, for harness_daemon_restart() */
         void *shared;              /* MAP_SHARED anonymous memory, seen by every rank */
         size_t shared_bytes;
@@ -24,7 +30,9 @@ typedef int (*harness_rank_fn)(struct moeep_client *client, int rank, int ranks,
 
 /* Starts `moeepd` (path; NULL finds it next to this program in the build
  * tree) on a private socket, or attaches to `socket` when that is not NULL.
- * Must run before any CUDA call in this process. */
+ * With $MOEEP_HARNESS_NODES=2 (and no `socket`) it starts two daemons as
+ * two nodes: ranks [0, ranks - ranks / 2) join at the first, the others at
+ * the second. Must run before any CUDA call in this process. */
 int harness_init(struct harness *h, const char *moeepd, const char *socket, size_t shared_bytes);
 
 /* Creates a job of `ranks` ranks and runs fn in one forked process per
@@ -40,7 +48,7 @@ typedef void (*harness_watch_fn)(struct harness *h, void *arg);
 int harness_run_watched(struct harness *h, int ranks, const char *name, harness_rank_fn fn, void *arg, int timeout_s,
                         harness_watch_fn watch);
 
-/* Our moeepd (parent only; 0 or -errno): _stop sends `sig` (SIGTERM,
+/* Our (first) moeepd (parent only; 0 or -errno): _stop sends `sig` (SIGTERM,
  * SIGKILL) and reaps it (SIGKILL after 10 s: -ETIMEDOUT); _start starts it again on the same socket and
  * returns once it accepts connections. */
 int harness_daemon_stop(struct harness *h, int sig);

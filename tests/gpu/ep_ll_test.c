@@ -270,7 +270,7 @@ static int run_case(struct moeep_client *c, int me, int R, int ci, uint64_t seed
 
         msg[0] = '\0';
         if ((r = moeep_ep_create(c, &cfg, &ep)) < 0) {
-                snprintf(msg, 200, "moeep_ep_create: %s", strerror(-r));
+                snprintf(msg, 200, "moeep_ep_create: %s", moeep_client_error(c));
                 free(counts);
                 free(stats_want);
                 return -1;
