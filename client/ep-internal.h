@@ -35,7 +35,7 @@ struct moeep_ep {
         void *control_page; /* not owning: the client's mapping, NULL when the client has none */
         SLIST_HEAD(, moeep_ep_handle) free_handles;
         unsigned ll_calls;               /* low-latency dispatches so far: picks the buffer set */
-        uint32_t remote;                 /* bit r: rank r is at another daemon (normal mode refuses) */
+        uint32_t remote;                 /* bit r: rank r is at another daemon (ctx.px.remote, also without a proxy path) */
         char error[512];
 };
 

@@ -161,7 +161,8 @@ int ep_px_attach(struct moeep_ep *ep, uint32_t remote) {
         struct moeep_px_state st = { 0 };
         int r;
 
-        moeep_px_layout_compute(px, ep->ctx.ranks, &ep->ctx.ll, ep->ctx.hidden, ep->ctx.max_topk);
+        moeep_px_layout_compute(px, ep->ctx.ranks, ep->ctx.max_tokens, ep->ctx.num_experts, &ep->ctx.ll, ep->ctx.hidden,
+                                ep->ctx.max_topk);
         if (!j) {
                 if ((r = px_job_create(ep, px->bytes, &j)) < 0)
                         return r;

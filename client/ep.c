@@ -190,7 +190,7 @@ static int ep_attach(struct moeep_ep *ep, const struct moeep_ep_config *c) {
         r = map_peers(ep, remote);
         if (r < 0)
                 return r;
-        if (remote && c->ll_max_tokens && (r = ep_px_attach(ep, remote)) < 0)
+        if (remote && (r = ep_px_attach(ep, remote)) < 0)
                 return r;
         ep->remote = remote;
 
@@ -500,21 +500,10 @@ static int dispatch_topk(const struct moeep_dispatch_args *a) {
         return a->topk_idx || (a->num_tokens == 0 && a->num_topk > 0) ? a->num_topk : 0;
 }
 
-/* Normal mode reaches every rank over NVLink: not yet across daemons. */
-static int normal_check_local(struct moeep_ep *ep, const char *what) {
-        if (!ep->remote)
-                return 0;
-        return ep_fail(ep, -EOPNOTSUPP,
-                       "%s: normal mode needs every rank at this daemon; ranks 0x%x are at another (use the "
-                       "low-latency calls across daemons)",
-                       what, ep->remote);
-}
-
 static int dispatch_check(struct moeep_ep *ep, const struct moeep_dispatch_args *a) {
         int r;
 
-        if ((r = ep_check_live(ep)) < 0 || (r = normal_check_local(ep, "dispatch")) < 0 ||
-            (r = check_dtype(ep, a->x_type)) < 0)
+        if ((r = ep_check_live(ep)) < 0 || (r = check_dtype(ep, a->x_type)) < 0)
                 return r;
         if (a->handle && a->handle->ep != ep)
                 return ep_fail(ep, -EINVAL, "the handle belongs to another endpoint");
@@ -596,6 +585,14 @@ int moeep_dispatch(struct moeep_ep *ep, const struct moeep_dispatch_args *a,
                 .topk_weights = a->topk_weights,
                 .num_topk = dispatch_topk(a),
         };
+        if (ep->remote) { /* rows for ranks at other daemons: staged, shipped, placed (kernels/px_normal.cu) */
+                r = launch_result(ep, "dispatch staging", moeep_launch_px_dispatch_stage(&ep->ctx, &l, &h->route, stream));
+                if (r == 0)
+                        r = launch_result(ep, "dispatch relay",
+                                          moeep_launch_px_dispatch_relay(&ep->ctx, &h->route, stream));
+                if (r < 0)
+                        goto fail;
+        }
         /* The data kernel is queued before the host waits for the counts, so
          * the GPU goes straight from the count exchange to the payload. */
         r = launch_result(ep, "dispatch", moeep_launch_dispatch(&ep->ctx, &l, &h->route, stream));
@@ -643,7 +640,7 @@ int moeep_combine(struct moeep_ep *ep, const struct moeep_combine_args *a, cudaS
                 return -EINVAL;
         if (!a || !a->handle)
                 return ep_fail(ep, -EINVAL, "combine needs a dispatch handle");
-        if ((r = ep_check_live(ep)) < 0 || (r = normal_check_local(ep, "combine")) < 0)
+        if ((r = ep_check_live(ep)) < 0)
                 return r;
         if (a->handle->ep != ep)
                 return ep_fail(ep, -EINVAL, "the handle belongs to another endpoint");
@@ -660,6 +657,17 @@ int moeep_combine(struct moeep_ep *ep, const struct moeep_combine_args *a, cudaS
                           moeep_launch_notify(&ep->ctx, NULL, NULL, 1, 0, 0, 0, NULL, NULL, stream));
         if (r < 0)
                 return r;
+        if (ep->remote) { /* rows of ranks at other daemons: staged, shipped, placed (kernels/px_normal.cu) */
+                const int k = a->topk_weights ? a->num_topk : 0;
+                r = launch_result(ep, "combine staging",
+                                  moeep_launch_px_combine_stage(&ep->ctx, a->x, a->topk_weights, k, &a->handle->route,
+                                                                stream));
+                if (r == 0)
+                        r = launch_result(ep, "combine relay",
+                                          moeep_launch_px_combine_relay(&ep->ctx, stream));
+                if (r < 0)
+                        return r;
+        }
         return launch_result(ep, "combine",
                              moeep_launch_combine(&ep->ctx, a->x, a->topk_weights,
                                                   a->topk_weights ? a->num_topk : 0, &a->handle->route,

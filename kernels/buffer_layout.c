@@ -56,9 +56,23 @@ void moeep_ll_layout_compute(struct moeep_ll_layout *l, size_t start, int ranks,
         l->total = off;
 }
 
-void moeep_px_layout_compute(struct moeep_px *px, int ranks, const struct moeep_ll_layout *ll, int hidden,
-                             int max_topk) {
+void moeep_px_layout_compute(struct moeep_px *px, int ranks, int max_tokens, int num_experts,
+                             const struct moeep_ll_layout *ll, int hidden, int max_topk) {
         size_t off = 0;
+
+        px->nm_pair = align_up((size_t)hidden * 2 + (size_t)(hidden / MOEEP_SCALE_BLOCK) * sizeof(float) +
+                                       (size_t)max_topk * (sizeof(int64_t) + sizeof(float)) + sizeof(int32_t),
+                               16);
+        px->nm_row = align_up((size_t)hidden * 2 + (size_t)max_topk * sizeof(float) + sizeof(int32_t), 16);
+        px->nm_sync_seg = align_up(MOEEP_PX_SEG_HDR + (size_t)(ranks + num_experts / ranks) * sizeof(int32_t), 4096);
+        px->nm_dispatch_seg = align_up(MOEEP_PX_SEG_HDR + (size_t)max_tokens * px->nm_pair, 4096);
+        px->nm_combine_seg = align_up(MOEEP_PX_SEG_HDR + (size_t)max_tokens * px->nm_row, 4096);
+        px->nm_sync = off;
+        off += (size_t)ranks * px->nm_sync_seg;
+        px->nm_dispatch = off;
+        off += (size_t)ranks * px->nm_dispatch_seg;
+        px->nm_combine = off;
+        off += (size_t)ranks * px->nm_combine_seg;
 
         px->ll_slots = (uint32_t)(ll->max_tokens * max_topk);
         /* Dispatch: row (bf16 size, FP8 rows use half), scales, local expert and source info. */
@@ -72,5 +86,5 @@ void moeep_px_layout_compute(struct moeep_px *px, int ranks, const struct moeep_
                 px->ll_combine[b] = off;
                 off += (size_t)ranks * px->ll_combine_seg;
         }
-        px->bytes = off ? off : 4096;
+        px->bytes = off;
 }

@@ -22,6 +22,7 @@
 
 #include "kernels.h"
 #include "ptx.cuh"
+#include "px.cuh"
 
 enum {
         COMBINE_THREADS = 1024,
@@ -72,6 +73,8 @@ __device__ __forceinline__ void combine_send(const struct moeep_ctx &ctx, const 
 
         for (int k = 0; k < R; k++) {
                 const int s = (me + sw + k) % R;
+                if (px_remote(ctx, s))
+                        continue; /* staged by px_combine_stage, counted there by its relay */
                 const int count = s_prefix[s + 1] - s_prefix[s];
                 for (;;) {
                         int base = 0;

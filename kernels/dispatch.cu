@@ -8,6 +8,7 @@
  * only at rows reserved for them, and read by its owner after the flags. */
 #include "kernels.h"
 #include "ptx.cuh"
+#include "px.cuh"
 
 enum { DISPATCH_THREADS = 1024, DISPATCH_UNROLL = 4 };
 
@@ -32,7 +33,8 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1)
 
         for (int t = gwarp; t < num_tokens && !failed; t += warps) {
                 /* pos[d]: our row in rank d's receive area, -1 when t skips d. */
-                int my_pos = lane < R ? route.send_pos[(size_t)t * R + lane] : -1;
+                /* Ranks at other daemons: staged by px_dispatch_stage. */
+                int my_pos = lane < R && !px_remote(ctx, lane) ? route.send_pos[(size_t)t * R + lane] : -1;
                 if (my_pos >= 0)
                         my_pos += my_base;
                 int pos[MOEEP_KERNEL_MAX_RANKS];
@@ -90,9 +92,10 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1)
          * landed. */
         if (!last_block_done(ctx))
                 return;
-        if (tid < R)
+        /* Rows from ranks at other daemons: px_dispatch_relay placed them before. */
+        if (tid < R && !px_remote(ctx, tid))
                 st_release_sys(&sync_of(ctx, tid)->dispatch_flag[me], seq);
-        if (tid < R)
+        if (tid < R && !px_remote(ctx, tid))
                 wait_flag(ctx, &sync_of(ctx, me)->dispatch_flag[tid], seq, tid);
         if (tid <= R)
                 s_prefix[tid] = route.rank_prefix[tid];

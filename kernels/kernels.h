@@ -139,12 +139,19 @@ struct moeep_px_seg {
         uint32_t count;    /* slots that follow */
         uint32_t row_bytes;/* dispatch: bytes of each staged row (hidden, or 2 hidden for bf16) */
         uint64_t value;    /* the signal value it was shipped with */
+        uint32_t topk;     /* normal mode: top-k entries per row (ids and weights, or combine weights) */
+        uint32_t scales;   /* normal-mode dispatch: PX_SEG_* bits (kernels/px_normal.cu) */
 };
 /* Counter (8 bytes each in the counters region) that the source's segment
  * of set b signals: dispatch, then combine. */
 #define MOEEP_PX_COUNTER_LL_DISPATCH(b, src) ((b) * MOEEP_KERNEL_MAX_RANKS + (src))
 #define MOEEP_PX_COUNTER_LL_COMBINE(b, src) ((2 + (b)) * MOEEP_KERNEL_MAX_RANKS + (src))
-#define MOEEP_PX_COUNTERS (4 * MOEEP_KERNEL_MAX_RANKS)
+/* Normal mode: the barrier of every notify (with the counts when it routes),
+ * the dispatch rows, the combine rows. */
+#define MOEEP_PX_COUNTER_NM_SYNC(src) (4 * MOEEP_KERNEL_MAX_RANKS + (src))
+#define MOEEP_PX_COUNTER_NM_DISPATCH(src) (5 * MOEEP_KERNEL_MAX_RANKS + (src))
+#define MOEEP_PX_COUNTER_NM_COMBINE(src) (6 * MOEEP_KERNEL_MAX_RANKS + (src))
+#define MOEEP_PX_COUNTERS (7 * MOEEP_KERNEL_MAX_RANKS)
 
 /* Device memory, ours only: the ring's producer state and the slots staged
  * for each remote rank by the running kernel. */
@@ -156,6 +163,8 @@ struct moeep_px_state {
         uint64_t ring_head;/* the proxy's head as last read */
         uint32_t ll_claim[2][MOEEP_KERNEL_MAX_RANKS];      /* dispatch pairs staged, per set and destination */
         uint32_t ll_comb_claim[2][MOEEP_KERNEL_MAX_RANKS]; /* combine rows staged */
+        uint32_t nm_claim[MOEEP_KERNEL_MAX_RANKS];         /* normal mode: rows staged by the running kernel */
+        uint32_t nm_blocks;                                /* normal mode: blocks done staging */
 };
 
 struct moeep_px {
@@ -165,19 +174,26 @@ struct moeep_px {
         const uint64_t *counters; /* device pointer of the mapped counters */
         struct moeep_px_state *state;
         uint64_t epoch;           /* added to every signal value: endpoints of one job reuse the regions */
-        size_t ll_pair;           /* bytes of a staged dispatch pair */
+        size_t ll_pair;           /* bytes of a staged dispatch pair, at most (a BF16 row; FP8 pairs are smaller) */
         size_t ll_row;            /* bytes of a staged combine row */
         uint32_t ll_slots;        /* slots of a segment: ll max_tokens * max_topk */
         size_t ll_dispatch[2];    /* offsets of set b's segments, [rank] of ll_dispatch_seg bytes */
         size_t ll_combine[2];
         size_t ll_dispatch_seg, ll_combine_seg;
+        /* Normal mode, one segment per peer each: counts (notify), rows
+         * (dispatch: row, scales, top-k ids int64 and weights, source token;
+         * combine: bf16 row, weights, token), max_tokens rows. */
+        size_t nm_sync, nm_dispatch, nm_combine;
+        size_t nm_sync_seg, nm_dispatch_seg, nm_combine_seg;
+        size_t nm_pair, nm_row;   /* bytes of a staged dispatch row (at most) and combine row */
         size_t bytes;             /* of the send region and of the receive region (same layout) */
 };
 
-/* Fills the proxy layout for the low-latency buffers of `ll` (sizes only;
- * pointers and `remote` are the caller's). */
-void moeep_px_layout_compute(struct moeep_px *px, int ranks, const struct moeep_ll_layout *ll, int hidden,
-                             int max_topk);
+/* Fills the proxy layout for the normal-mode buffers (max_tokens rows per
+ * peer) and the low-latency buffers of `ll` (sizes only; pointers and
+ * `remote` are the caller's). */
+void moeep_px_layout_compute(struct moeep_px *px, int ranks, int max_tokens, int num_experts,
+                             const struct moeep_ll_layout *ll, int hidden, int max_topk);
 
 /* Everything a kernel needs to reach the job: the mapped buffers of every
  * rank (peers[rank] is our own), passed by value. */
@@ -279,6 +295,18 @@ int moeep_launch_ll_combine_send(const struct moeep_ctx *ctx, const void *y, int
  * expert outputs before moeep_launch_ll_combine_recv. */
 int moeep_launch_ll_dispatch_relay(const struct moeep_ctx *ctx, int set, int *stats, cudaStream_t stream);
 int moeep_launch_ll_combine_relay(const struct moeep_ctx *ctx, int set, cudaStream_t stream);
+
+/* Normal mode with ranks at other daemons (kernels/px_normal.cu), queued
+ * around the intranode kernels, which skip remote ranks: dispatch stages
+ * and ships our rows for remote ranks, then the relay places the rows
+ * remote ranks sent us, then moeep_launch_dispatch does the NVLink part;
+ * combine alike. Neither waits for anything but remote ranks' segments. */
+int moeep_launch_px_dispatch_stage(const struct moeep_ctx *ctx, const struct moeep_dispatch_launch *a,
+                                   const struct moeep_route *route, cudaStream_t stream);
+int moeep_launch_px_dispatch_relay(const struct moeep_ctx *ctx, const struct moeep_route *route, cudaStream_t stream);
+int moeep_launch_px_combine_stage(const struct moeep_ctx *ctx, const void *x, const float *topk_weights, int num_topk,
+                                  const struct moeep_route *route, cudaStream_t stream);
+int moeep_launch_px_combine_relay(const struct moeep_ctx *ctx, cudaStream_t stream);
 int moeep_launch_ll_combine_recv(const struct moeep_ctx *ctx, const void *topk_idx, int idx_is_int64,
                                  const float *weights, int num_tokens, int num_topk, int set, void *out,
                                  cudaStream_t stream);

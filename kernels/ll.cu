@@ -21,7 +21,7 @@
 
 #include "kernels.h"
 #include "ptx.cuh"
-#include "ring.cuh"
+#include "px.cuh"
 
 enum {
         LL_THREADS = 512,
@@ -37,85 +37,12 @@ __device__ __forceinline__ size_t ll_slot_count(const struct moeep_ctx &ctx) {
         return (size_t)ctx.ranks * ctx.ll.max_tokens;
 }
 
-__device__ __forceinline__ bool ll_remote(const struct moeep_ctx &ctx, int rank) {
-        return (ctx.px.remote >> rank) & 1;
-}
-
-/* Our staging segment for `peer` (send), or `peer`'s segment here (receive). */
-__device__ __forceinline__ char *px_send_seg(const struct moeep_ctx &ctx, size_t area, size_t seg, int peer) {
-        return ctx.px.send + area + (size_t)peer * seg;
-}
-__device__ __forceinline__ const char *px_recv_seg(const struct moeep_ctx &ctx, size_t area, size_t seg, int peer) {
-        return ctx.px.recv + area + (size_t)peer * seg;
-}
-
-/* Ships what the kernel staged for every remote rank (claim[d] slots of
- * `slot` bytes in our segment d of `area`) into our segment at d, with the
- * signal counter0 + our rank = value. One thread, in the last block: every
- * block's staging stores are ordered before it by last_block_done's fences,
- * and the ring's release orders them, and the headers, before the tail. */
-__device__ void px_ship(const struct moeep_ctx &ctx, size_t area, size_t seg, uint32_t *claim, size_t slot,
-                        uint32_t counter0, uint64_t value, uint32_t row_bytes) {
-        struct moeep_px_state *st = ctx.px.state;
-        struct ring_producer r = { (struct proxy_ring_hdr *)st->ring_hdr,
-                                   (struct proxy_desc *)((char *)st->ring_hdr + PROXY_RING_HDR_BYTES), st->ring_cap,
-                                   st->ring_tail, st->ring_head };
-
-        for (int d = 0; d < ctx.ranks; d++) {
-                if (!ll_remote(ctx, d))
-                        continue;
-                const uint32_t n = *(volatile uint32_t *)&claim[d];
-                claim[d] = 0;
-                volatile struct moeep_px_seg *h = (volatile struct moeep_px_seg *)px_send_seg(ctx, area, seg, d);
-                h->count = n;
-                h->row_bytes = row_bytes;
-                h->value = value;
-                struct proxy_desc desc = {};
-                desc.src_offset = area + (size_t)d * seg;
-                desc.dst_offset = area + (size_t)ctx.rank * seg;
-                desc.signal_value = value;
-                desc.length = (uint32_t)(MOEEP_PX_SEG_HDR + n * slot);
-                desc.peer = (uint32_t)d;
-                desc.signal_id = counter0 + (uint32_t)ctx.rank;
-                desc.flags = PROXY_DESC_SIGNAL;
-                if (ring_put(r, desc, ctx.timeout_ns) != 0) {
-                        record_error(ctx, MOEEP_KERR_PROXY, d);
-                        break;
-                }
-        }
-        ring_publish(r);
-        st->ring_tail = r.tail;
-        st->ring_head = r.head;
-}
-
-/* Bounded wait for a remote source's signal (one thread): also ends on the
- * ring's error (the proxy lost the route) and the job's abort word. */
-__device__ bool px_wait(const struct moeep_ctx &ctx, uint32_t counter, uint64_t want, int peer) {
-        const struct proxy_ring_hdr *hdr = (const struct proxy_ring_hdr *)ctx.px.state->ring_hdr;
-        struct spin s = spin_begin();
-
-        while (ld_acquire_sys(&ctx.px.counters[counter]) < want) {
-                if (spin_give_up(ctx, s, peer))
-                        return false;
-                if (s.n % SPIN_CHECK_EVERY == 0 && ring_error(hdr)) {
-                        record_error(ctx, MOEEP_KERR_PROXY, peer);
-                        return false;
-                }
-        }
-        return true;
-}
-
-/* Every thread of the block: waits for source s's segment (thread 0) and
- * returns its header, or NULL when the wait failed. */
-__device__ const struct moeep_px_seg *px_block_wait(const struct moeep_ctx &ctx, size_t area, size_t seg,
-                                                   uint32_t counter, uint64_t value, int s) {
-        __shared__ int s_ok;
-        if (threadIdx.x == 0)
-                s_ok = px_wait(ctx, counter, value, s);
-        __syncthreads();
-        const bool ok = s_ok;
-        __syncthreads();
-        return ok ? (const struct moeep_px_seg *)px_recv_seg(ctx, area, seg, s) : NULL;
+/* Bytes of one staged dispatch pair: the row as sent (xrow: hidden bytes
+ * for FP8, 2 hidden for BF16), its scales when FP8, then the local expert
+ * and the source info (two int32), rounded to 16. */
+__device__ __forceinline__ size_t px_pair_bytes(size_t xrow, int H) {
+        const size_t scales = xrow == (size_t)H ? (size_t)(H / MOEEP_SCALE_BLOCK) * sizeof(float) : 0;
+        return (xrow + scales + 8 + 15) / 16 * 16;
 }
 
 /* Warps numbered across blocks first: the few hundred work items of a
@@ -161,7 +88,7 @@ __device__ __forceinline__ void ll_recv_counts(const struct moeep_ctx &ctx, int 
         struct moeep_ll_sync *my = ll_sync_of(ctx, ctx.rank);
         const int tid = threadIdx.x, epr = ctx.num_experts / ctx.ranks;
 
-        if (tid < ctx.ranks && !ll_remote(ctx, tid)) /* remote sources: the relay placed their pairs */
+        if (tid < ctx.ranks && !px_remote(ctx, tid)) /* remote sources: the relay placed their pairs */
                 wait_flag(ctx, &my->dispatch_flag[b][tid], seq, tid);
         __syncthreads();
         for (int le = tid; le < epr; le += blockDim.x) {
@@ -210,7 +137,7 @@ __global__ void __launch_bounds__(LL_THREADS, 1)
                 if (e < 0 || e >= ctx.num_experts)
                         continue;
                 const int d = (int)(e / epr), le = (int)(e % epr);
-                const bool remote = ll_remote(ctx, d);
+                const bool remote = px_remote(ctx, d);
                 uint32_t pos = 0;
                 if (lane == 0)
                         pos = remote ? atomicAdd(&ctx.px.state->ll_claim[b][d], 1u)
@@ -234,9 +161,9 @@ __global__ void __launch_bounds__(LL_THREADS, 1)
                 int32_t *info;
                 if (remote) { /* staged: row, scales, then (local expert, source info) */
                         dst = px_send_seg(ctx, ctx.px.ll_dispatch[b], ctx.px.ll_dispatch_seg, d) + MOEEP_PX_SEG_HDR +
-                              pos * ctx.px.ll_pair;
-                        sc = (float *)(dst + (size_t)H * 2);
-                        info = (int32_t *)(sc + nscales);
+                              pos * px_pair_bytes(xrow, H);
+                        sc = (float *)(dst + xrow);
+                        info = (int32_t *)(sc + (use_fp8 ? nscales : 0));
                 } else {
                         dst = ctx.peers[d] + ctx.ll.x[b] + slot * xrow;
                         sc = (float *)(ctx.peers[d] + ctx.ll.scales[b]) + slot * nscales;
@@ -274,11 +201,11 @@ __global__ void __launch_bounds__(LL_THREADS, 1)
                 return;
         if (threadIdx.x == 0)
                 ctx.state->ll_seq[b] = seq;
-        if (threadIdx.x < R && !ll_remote(ctx, threadIdx.x))
+        if (threadIdx.x < R && !px_remote(ctx, threadIdx.x))
                 st_release_sys(&ll_sync_of(ctx, threadIdx.x)->dispatch_flag[b][me], seq);
         if (ctx.px.remote && threadIdx.x == 0)
-                px_ship(ctx, ctx.px.ll_dispatch[b], ctx.px.ll_dispatch_seg, ctx.px.state->ll_claim[b], ctx.px.ll_pair,
-                        MOEEP_PX_COUNTER_LL_DISPATCH(b, 0), ctx.px.epoch + seq, (uint32_t)xrow);
+                px_ship(ctx, ctx.px.ll_dispatch[b], ctx.px.ll_dispatch_seg, ctx.px.state->ll_claim[b], px_pair_bytes(xrow, H),
+                        MOEEP_PX_COUNTER_LL_DISPATCH(b, 0), px_seg_info(ctx.px.epoch + seq, (uint32_t)xrow, 0, 0));
         /* Without a hook the last block goes on with the receive phase: it
          * waits only for other GPUs, never for blocks of this grid. */
         if (recv)
@@ -322,7 +249,7 @@ __global__ void __launch_bounds__(LL_THREADS, 1) ll_combine_send(struct moeep_ct
                         const int info = src[slot];
                         const int s = (info >> 28) & 0xf, k = (info >> 20) & 0xff, t = info & 0xfffff;
                         int4 *dst;
-                        if (ll_remote(ctx, s)) { /* staged: row, then (token, k) */
+                        if (px_remote(ctx, s)) { /* staged: row, then (token, k) */
                                 uint32_t p = 0;
                                 if (lane == 0)
                                         p = atomicAdd(&ctx.px.state->ll_comb_claim[b][s], 1u);
@@ -353,29 +280,11 @@ __global__ void __launch_bounds__(LL_THREADS, 1) ll_combine_send(struct moeep_ct
         }
         if (!last_block_done(ctx))
                 return;
-        if (threadIdx.x < R && !ll_remote(ctx, threadIdx.x))
+        if (threadIdx.x < R && !px_remote(ctx, threadIdx.x))
                 st_release_sys(&ll_sync_of(ctx, threadIdx.x)->combine_flag[b][me], seq);
         if (ctx.px.remote && threadIdx.x == 0)
                 px_ship(ctx, ctx.px.ll_combine[b], ctx.px.ll_combine_seg, ctx.px.state->ll_comb_claim[b], ctx.px.ll_row,
-                        MOEEP_PX_COUNTER_LL_COMBINE(b, 0), ctx.px.epoch + seq, (uint32_t)H * 2);
-}
-
-/* Copies `bytes` (a multiple of 16) from staged host memory into the
- * buffer, one warp. The loads bypass the caches: the segment was written
- * by the daemon after the last use of these lines. */
-__device__ __forceinline__ void px_copy(int4 *dst, const int4 *src, size_t bytes) {
-        const int lane = threadIdx.x % 32, n16 = (int)(bytes / 16);
-        for (int i = lane; i < n16; i += 32 * 4) {
-                int4 v[4];
-#pragma unroll
-                for (int u = 0; u < 4; u++)
-                        if (i + u * 32 < n16)
-                                v[u] = __ldcv(src + i + u * 32);
-#pragma unroll
-                for (int u = 0; u < 4; u++)
-                        if (i + u * 32 < n16)
-                                dst[i + u * 32] = v[u];
-        }
+                        MOEEP_PX_COUNTER_LL_COMBINE(b, 0), px_seg_info(ctx.px.epoch + seq, (uint32_t)H * 2, 0, 0));
 }
 
 /* Places the pairs remote sources staged for us (set b) at slots claimed
@@ -390,18 +299,19 @@ __global__ void __launch_bounds__(LL_THREADS, 1) ll_dispatch_relay(struct moeep_
         char *own = ctx.peers[ctx.rank];
 
         for (int s = 0; s < ctx.ranks; s++) {
-                if (!ll_remote(ctx, s))
+                if (!px_remote(ctx, s))
                         continue;
                 const struct moeep_px_seg *h = px_block_wait(ctx, ctx.px.ll_dispatch[b], ctx.px.ll_dispatch_seg,
                                                              MOEEP_PX_COUNTER_LL_DISPATCH(b, s), ctx.px.epoch + seq, s);
                 if (!h)
                         break;
                 const uint32_t n = min(__ldcv((const int *)&h->count), (int)ctx.px.ll_slots);
-                const size_t xrow = (size_t)__ldcv((const int *)&h->row_bytes);
+                const size_t xrow = (size_t)__ldcv((const int *)&h->row_bytes), pair_bytes = px_pair_bytes(xrow, H);
+                const bool fp8 = xrow == (size_t)H;
                 for (uint32_t q = gwarp; q < n; q += warps) {
-                        const char *pair = (const char *)h + MOEEP_PX_SEG_HDR + q * ctx.px.ll_pair;
-                        const float *sc = (const float *)(pair + (size_t)H * 2);
-                        const int32_t *info = (const int32_t *)(sc + nscales);
+                        const char *pair = (const char *)h + MOEEP_PX_SEG_HDR + q * pair_bytes;
+                        const float *sc = (const float *)(pair + xrow);
+                        const int32_t *info = (const int32_t *)(sc + (fp8 ? nscales : 0));
                         const int le = __ldcv(info), src_info = __ldcv(info + 1);
                         uint32_t pos = 0;
                         if (lane == 0)
@@ -414,7 +324,7 @@ __global__ void __launch_bounds__(LL_THREADS, 1) ll_dispatch_relay(struct moeep_
                         }
                         const size_t slot = (size_t)le * slots + pos;
                         px_copy((int4 *)(own + ctx.ll.x[b] + slot * xrow), (const int4 *)pair, xrow);
-                        if (xrow == (size_t)H) /* FP8 rows carry scales */
+                        if (fp8)
                                 for (int j = lane; j < nscales; j += 32)
                                         ((float *)(own + ctx.ll.scales[b]))[slot * nscales + j] = __ldcv(sc + j);
                         if (lane == 0)
@@ -435,7 +345,7 @@ __global__ void __launch_bounds__(LL_THREADS, 1) ll_combine_relay(struct moeep_c
         char *comb = ctx.peers[ctx.rank] + ctx.ll.comb[b];
 
         for (int s = 0; s < ctx.ranks; s++) {
-                if (!ll_remote(ctx, s))
+                if (!px_remote(ctx, s))
                         continue;
                 const struct moeep_px_seg *h = px_block_wait(ctx, ctx.px.ll_combine[b], ctx.px.ll_combine_seg,
                                                              MOEEP_PX_COUNTER_LL_COMBINE(b, s), ctx.px.epoch + seq, s);
@@ -466,7 +376,7 @@ __global__ void __launch_bounds__(LL_THREADS, 1)
         const uint64_t seq = ctx.state->ll_seq[b];
         const char *comb = ctx.peers[ctx.rank] + ctx.ll.comb[b];
 
-        if (threadIdx.x < ctx.ranks && !ll_remote(ctx, threadIdx.x)) /* remote ranks: ll_combine_relay ran before */
+        if (threadIdx.x < ctx.ranks && !px_remote(ctx, threadIdx.x)) /* remote ranks: ll_combine_relay ran before */
                 wait_flag(ctx, &my->combine_flag[b][threadIdx.x], seq, threadIdx.x);
         __syncthreads();
         /* Work items (token, 512 channels of the row), so that a few tokens

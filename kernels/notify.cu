@@ -3,6 +3,7 @@
  * its rows land in every peer's receive area. One block. */
 #include "kernels.h"
 #include "ptx.cuh"
+#include "px.cuh"
 
 enum { NOTIFY_THREADS = 1024, NOTIFY_WARPS = NOTIFY_THREADS / 32 };
 static_assert(MOEEP_COMBINE_CHUNK == 32, "notify counts a combine chunk per warp round of 32 tokens");
@@ -31,13 +32,28 @@ __device__ __forceinline__ uint32_t token_mask(const uint8_t *in_rank, const Idx
 /* Every rank tells every peer it reached `seq` and waits for all of them.
  * The flag means "my stream finished everything before this call", so after
  * the wait each peer's buffers may be overwritten. */
-__device__ __forceinline__ void barrier_all(const struct moeep_ctx &ctx, uint64_t seq) {
-        int tid = threadIdx.x;
+/* Ranks at other daemons get the barrier as a signal through the proxy,
+ * with our counts segment for them when `counts` (staged in our segment
+ * before, fenced). */
+__device__ __forceinline__ void barrier_all(const struct moeep_ctx &ctx, uint64_t seq, bool counts) {
+        __shared__ uint32_t s_slots[MOEEP_KERNEL_MAX_RANKS];
+        const int tid = threadIdx.x, R = ctx.ranks;
 
-        if (tid < ctx.ranks)
+        if (tid < R && !px_remote(ctx, tid))
                 st_release_sys(&sync_of(ctx, tid)->barrier_flag[ctx.rank], seq);
-        if (tid < ctx.ranks)
+        if (ctx.px.remote) {
+                if (tid < R)
+                        s_slots[tid] = counts ? 1 : 0;
+                __syncthreads();
+                if (tid == 0)
+                        px_ship(ctx, ctx.px.nm_sync, ctx.px.nm_sync_seg, s_slots,
+                                (size_t)(R + ctx.num_experts / R) * sizeof(int32_t), MOEEP_PX_COUNTER_NM_SYNC(0),
+                                px_seg_info(ctx.px.epoch + seq, 0, 0, 0));
+        }
+        if (tid < R && !px_remote(ctx, tid))
                 wait_flag(ctx, &sync_of(ctx, ctx.rank)->barrier_flag[tid], seq, tid);
+        if (tid < R && px_remote(ctx, tid))
+                px_wait(ctx, MOEEP_PX_COUNTER_NM_SYNC(tid), ctx.px.epoch + seq, tid);
         __syncthreads();
 }
 
@@ -56,7 +72,7 @@ __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
         const int par = (int)(seq & 1);
 
         if (!with_route) {
-                barrier_all(ctx, seq);
+                barrier_all(ctx, seq, false);
                 if (tid == 0)
                         ctx.state->seq = seq;
                 return;
@@ -153,15 +169,41 @@ __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
         /* All-gather of the rank counts (every rank needs the whole matrix to
          * find its base in each destination) and the per-expert counts to the
          * owners of the experts. */
-        for (int i = tid; i < R * R; i += NOTIFY_THREADS)
-                sync_of(ctx, i / R)->rank_counts[par][me][i % R] = s_total[i % R];
-        for (int i = tid; i < E; i += NOTIFY_THREADS)
-                sync_of(ctx, i / epr)->expert_counts[par][me][i % epr] = topk_idx ? s_hist[i] : 0;
+        /* Ranks at other daemons get theirs in our counts segment for them:
+         * our rank counts, then the counts of their experts. */
+        for (int i = tid; i < R * R; i += NOTIFY_THREADS) {
+                const int d = i / R;
+                if (px_remote(ctx, d))
+                        ((int32_t *)(px_send_seg(ctx, ctx.px.nm_sync, ctx.px.nm_sync_seg, d) + MOEEP_PX_SEG_HDR))[i % R] =
+                                s_total[i % R];
+                else
+                        sync_of(ctx, d)->rank_counts[par][me][i % R] = s_total[i % R];
+        }
+        for (int i = tid; i < E; i += NOTIFY_THREADS) {
+                const int d = i / epr, c = topk_idx ? s_hist[i] : 0;
+                if (px_remote(ctx, d))
+                        ((int32_t *)(px_send_seg(ctx, ctx.px.nm_sync, ctx.px.nm_sync_seg, d) + MOEEP_PX_SEG_HDR))[R + i % epr] = c;
+                else
+                        sync_of(ctx, d)->expert_counts[par][me][i % epr] = c;
+        }
         __threadfence_system();
         __syncthreads();
-        barrier_all(ctx, seq);
+        barrier_all(ctx, seq, true);
 
-        const struct moeep_sync *my = sync_of(ctx, me);
+        struct moeep_sync *my = sync_of(ctx, me);
+        /* The counts of ranks at other daemons, from their segments here. */
+        for (int s = 0; s < R; s++) {
+                if (!px_remote(ctx, s))
+                        continue;
+                const int32_t *c = (const int32_t *)(px_recv_seg(ctx, ctx.px.nm_sync, ctx.px.nm_sync_seg, s) + MOEEP_PX_SEG_HDR);
+                for (int i = tid; i < R + epr; i += NOTIFY_THREADS) {
+                        if (i < R)
+                                my->rank_counts[par][s][i] = __ldcv(c + i);
+                        else
+                                my->expert_counts[par][s][i - R] = __ldcv(c + i);
+                }
+        }
+        __syncthreads();
         if (tid < R) {
                 int base = 0;
                 for (int s = 0; s < me; s++)
