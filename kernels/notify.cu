@@ -57,6 +57,12 @@ __device__ __forceinline__ void barrier_all(const struct moeep_ctx &ctx, uint64_
         __syncthreads();
 }
 
+/* Our counts segment for remote rank d: our rank counts [R], then the
+ * counts of d's experts. */
+__device__ __forceinline__ int32_t *px_counts_out(const struct moeep_ctx &ctx, int d) {
+        return (int32_t *)(px_send_seg(ctx, ctx.px.nm_sync, ctx.px.nm_sync_seg, d) + MOEEP_PX_SEG_HDR);
+}
+
 template <typename Idx>
 __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
         notify_kernel(struct moeep_ctx ctx, const uint8_t *in_rank, const Idx *topk_idx, int num_tokens,
@@ -174,7 +180,7 @@ __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
         for (int i = tid; i < R * R; i += NOTIFY_THREADS) {
                 const int d = i / R;
                 if (px_remote(ctx, d))
-                        ((int32_t *)(px_send_seg(ctx, ctx.px.nm_sync, ctx.px.nm_sync_seg, d) + MOEEP_PX_SEG_HDR))[i % R] =
+                        px_counts_out(ctx, d)[i % R] =
                                 s_total[i % R];
                 else
                         sync_of(ctx, d)->rank_counts[par][me][i % R] = s_total[i % R];
@@ -182,7 +188,7 @@ __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
         for (int i = tid; i < E; i += NOTIFY_THREADS) {
                 const int d = i / epr, c = topk_idx ? s_hist[i] : 0;
                 if (px_remote(ctx, d))
-                        ((int32_t *)(px_send_seg(ctx, ctx.px.nm_sync, ctx.px.nm_sync_seg, d) + MOEEP_PX_SEG_HDR))[R + i % epr] = c;
+                        px_counts_out(ctx, d)[R + i % epr] = c;
                 else
                         sync_of(ctx, d)->expert_counts[par][me][i % epr] = c;
         }

@@ -208,7 +208,7 @@ static int rank_main(struct harness *h, const struct moeep_unique_id *id, int ra
                          "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", u[0], u[1],
                          u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13], u[14], u[15]);
         }
-        const char *sock = h->nodes == 2 && rank >= ranks - ranks / 2 ? h->socket_b : h->socket;
+        const char *sock = h->nodes == 2 && harness_node_of(rank, ranks) ? h->socket_b : h->socket;
         r = moeep_connect(sock, &c);
         if (r < 0) {
                 fprintf(stderr, "rank %d: connect %s: %s\n", rank, sock, strerror(-r));

@@ -24,6 +24,12 @@ struct harness {
         size_t shared_bytes;
 };
 
+/* With two nodes: the node of `rank` among `ranks` (0: the first daemon,
+ * 1: the second, which holds the upper half). */
+static inline int harness_node_of(int rank, int ranks) {
+        return rank >= ranks - ranks / 2;
+}
+
 /* Called in each rank process after it joined the job and selected GPU
  * `rank`; returns 0 on success. */
 typedef int (*harness_rank_fn)(struct moeep_client *client, int rank, int ranks, void *shared, void *arg);

@@ -307,7 +307,7 @@ static int rank_case(struct moeep_client *c, int me, int R, void *shared, void *
         const bool ll = ci == KILL_IN_LL_DISPATCH || ci == KILL_IN_LL_COMBINE;
         const bool daemon_case = ci == DAEMON_SIGTERM || ci == DAEMON_SIGKILL;
         /* Two nodes (MOEEP_HARNESS_NODES=2): the upper ranks are at the second daemon. */
-        const bool at_b = sh->socket_b[0] && me >= R - R / 2;
+        const bool at_b = sh->socket_b[0] && harness_node_of(me, R);
         struct moeep_ep_config cfg = ep_config(R, ll, ci == HUNG_RANK ? HUNG_TIMEOUT_MS : 0);
         struct moeep_client *c2 = NULL, *creator = NULL;
         struct moeep_ep *ep = NULL;
