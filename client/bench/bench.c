@@ -1,6 +1,9 @@
 /* moeep-bench: normal-mode dispatch/combine figures in DeepEP's convention,
  * with the NVLink floor and an NCCL all-to-all reference measured in the
- * same run on the same GPUs.
+ * same run on the same GPUs, and beside each moeep figure its memory floor:
+ * the bytes the call must read and write in one GPU's memory over that
+ * GPU's device-to-device copy speed, plus its kernel launches, both
+ * measured at the start of the run (struct device_speed).
  *
  * One process per GPU, each attached through a private moeepd (or the one
  * at --socket). Times are taken with CUDA events around each call, per
@@ -87,6 +90,19 @@ struct result {
         int tokens, sms;
         double us[MOEEP_MAX_RANKS];    /* per-rank median */
         double bytes[MOEEP_MAX_RANKS]; /* per-rank bytes of the convention */
+        /* The operation's memory floor on each rank: the bytes it must read
+         * and write in that GPU's memory (each input read once, each output
+         * written once), and the kernel launches it cannot do without.
+         * moved 0: no floor is defined (phases, references). */
+        double moved[MOEEP_MAX_RANKS];
+        int launches;
+};
+
+/* What one GPU can do, measured by each rank in the same run: a large
+ * device-to-device copy (bytes read + bytes written over its time) and
+ * the event-timed cost of one empty kernel. */
+struct device_speed {
+        double copy_gbps, launch_us;
 };
 
 struct shared {
@@ -94,6 +110,7 @@ struct shared {
         int nccl_ready;
         int nres;
         size_t buffer_bytes; /* NVLink buffer of one rank */
+        struct device_speed speed[MOEEP_MAX_RANKS];
         struct result res[MAX_RESULTS];
 };
 
@@ -231,9 +248,18 @@ static void record(struct rank_env *env, int slot, enum op op, int tokens, int s
                 r->op = op;
                 r->tokens = tokens;
                 r->sms = sms;
+                r->launches = 0;
         }
         r->us[env->rank] = us;
         r->bytes[env->rank] = bytes;
+        r->moved[env->rank] = 0;
+}
+
+/* Gives the result in slot its memory floor: moved bytes and launches. */
+static void record_floor(struct rank_env *env, int slot, double moved, int launches) {
+        env->sh->res[slot].moved[env->rank] = moved;
+        if (env->rank == 0)
+                env->sh->res[slot].launches = launches;
 }
 
 /* Arguments of one configuration of the moeep operations. */
@@ -300,6 +326,21 @@ struct floor_arg {
 static int op_floor(struct rank_env *env, void *arg) {
         struct floor_arg *f = arg;
         return moeep_launch_p2p_put(f->ctx, f->bytes, f->blocks, env->st) ? -1 : 0;
+}
+
+struct copy_arg {
+        void *dst, *src;
+        size_t bytes;
+};
+
+static int op_copy(struct rank_env *env, void *arg) {
+        struct copy_arg *c = arg;
+        return cudaMemcpyAsync(c->dst, c->src, c->bytes, cudaMemcpyDeviceToDevice, env->st) == cudaSuccess ? 0 : -1;
+}
+
+static int op_launch(struct rank_env *env, void *arg) {
+        (void)arg;
+        return moeep_launch_delay(0, env->st) ? -1 : 0;
 }
 
 struct nccl_case {
@@ -433,6 +474,25 @@ static void inputs_free(struct inputs *in) {
         memset(in, 0, sizeof(*in));
 }
 
+/* Measures this rank's device_speed, timed like the operations. The copy
+ * moves 256 MiB each way, far past the L2, so it runs at memory speed. */
+static int measure_speed(struct rank_env *env) {
+        struct copy_arg c = { .bytes = (size_t)256 << 20 };
+        struct device_speed *d = &env->sh->speed[env->rank];
+        int err = 0;
+        double us;
+
+        CUDA_OK(cudaMalloc(&c.dst, c.bytes));
+        CUDA_OK(cudaMalloc(&c.src, c.bytes));
+        CUDA_OK(cudaMemset(c.src, 0x5a, c.bytes));
+        us = time_op(env, op_copy, &c, &err);
+        d->copy_gbps = us > 0 ? 2.0 * (double)c.bytes / (us * 1e3) : 0;
+        d->launch_us = time_op(env, op_launch, NULL, &err);
+        cudaFree(c.dst);
+        cudaFree(c.src);
+        return err ? -1 : 0;
+}
+
 /* The moeep figures of one (tokens, SMs) point. */
 static int bench_moeep(struct rank_env *env, int *slot, int T, int sms, bool full) {
         const struct opts *o = env->o;
@@ -449,23 +509,27 @@ static int bench_moeep(struct rank_env *env, int *slot, int T, int sms, bool ful
         };
         us = time_op(env, op_dispatch, &m, &err);
         nrecv = m.dr.num_recv_tokens;
-        record(env, (*slot)++, OP_DISPATCH_BF16, T, sms, us, (double)nrecv * o->hidden * 2);
+        record(env, *slot, OP_DISPATCH_BF16, T, sms, us, (double)nrecv * o->hidden * 2);
+        record_floor(env, (*slot)++, (double)(T + nrecv) * o->hidden * 2, 1);
 
         m.ca = (struct moeep_combine_args){ .x = in.y, .handle = m.dr.handle, .out = in.out };
         us = time_op(env, op_combine, &m, &err);
-        record(env, (*slot)++, OP_COMBINE, T, sms, us, (double)nrecv * o->hidden * 2);
+        record(env, *slot, OP_COMBINE, T, sms, us, (double)nrecv * o->hidden * 2);
+        record_floor(env, (*slot)++, (double)(T + nrecv) * o->hidden * 2, 1);
         print_trace(env, T, sms);
         if (full) {
                 struct moeep_ep_handle *h = m.dr.handle;
                 m.da.handle = h;
                 us = time_op(env, op_dispatch, &m, &err);
-                record(env, (*slot)++, OP_DISPATCH_CACHED, T, sms, us, (double)nrecv * o->hidden * 2);
+                record(env, *slot, OP_DISPATCH_CACHED, T, sms, us, (double)nrecv * o->hidden * 2);
+                record_floor(env, (*slot)++, (double)(T + nrecv) * o->hidden * 2, 1);
                 m.da.handle = NULL;
                 m.da.x = in.xq;
                 m.da.x_type = MOEEP_DTYPE_FP8_E4M3;
                 m.da.x_scales = in.sc;
                 us = time_op(env, op_dispatch, &m, &err);
-                record(env, (*slot)++, OP_DISPATCH_FP8, T, sms, us, (double)m.dr.num_recv_tokens * fp8_row);
+                record(env, *slot, OP_DISPATCH_FP8, T, sms, us, (double)m.dr.num_recv_tokens * fp8_row);
+                record_floor(env, (*slot)++, (double)(T + m.dr.num_recv_tokens) * fp8_row, 1);
         }
         moeep_ep_handle_free(m.dr.handle);
         inputs_free(&in);
@@ -634,8 +698,17 @@ static int bench_ll(struct rank_env *env, int *slot, int T) {
                                   comb_bytes, comb_bytes };
         struct moeep_ctx ctx = { 0 };
         ep_internal_ctx(env->ep, &ctx); /* the low-latency kernels' SM count */
-        for (int k = 0; k < 7; k++)
-                record(env, (*slot)++, ops[k], T, ctx.ll_num_sms, median(t_phase[k], o->iters), bytes[k]);
+        /* Floors of the whole calls: dispatch reads the BF16 tokens once and
+         * writes the FP8 pairs and scales; combine reads the expert outputs
+         * once and writes the BF16 tokens. The hook phases get none. */
+        const double x_bytes = (double)T * H * 2, moved[3] = { x_bytes + disp_bytes, comb_bytes + x_bytes,
+                                                               2 * x_bytes + disp_bytes + comb_bytes };
+        for (int k = 0; k < 7; k++) {
+                record(env, *slot, ops[k], T, ctx.ll_num_sms, median(t_phase[k], o->iters), bytes[k]);
+                if (k < 3)
+                        record_floor(env, *slot, moved[k], k == 2 ? 2 : 1);
+                (*slot)++;
+        }
         for (int i = 0; i < 5; i++)
                 cudaEventDestroy(ev[i]);
         cudaFree(y);
@@ -670,6 +743,7 @@ static int rank_fn(struct moeep_client *c, int rank, int ranks, void *shared, vo
         CUDA_OK(cudaStreamCreateWithFlags(&env->st, cudaStreamNonBlocking));
         CUDA_OK(cudaEventCreate(&env->e0));
         CUDA_OK(cudaEventCreate(&env->e1));
+        err |= measure_speed(env);
 
         if (o->ll) {
                 static const int toks[] = { 1, 16, 64, 128, 256 };
@@ -718,34 +792,53 @@ static void stats(const double *v, int n, double *mn, double *md, double *mx) {
 static void report(const struct opts *o, const struct shared *sh, int ranks) {
         if (o->json)
                 printf("{\"ranks\": %d, \"hidden\": %d, \"topk\": %d, \"experts\": %d, \"iters\": %d, \"seed\": %" PRIu64
-                       ", \"buffer_bytes\": %zu, \"start\": \"%s\", \"results\": [\n",
+                       ", \"buffer_bytes\": %zu, \"start\": \"%s\", \"copy_gbps\": %.1f, \"launch_us\": %.2f, "
+                       "\"results\": [\n",
                        ranks, o->hidden, o->topk, o->experts, o->iters, o->seed, sh->buffer_bytes,
-                       o->host_start ? "host" : "gpu");
+                       o->host_start ? "host" : "gpu", sh->speed[0].copy_gbps, sh->speed[0].launch_us);
         else
                 printf("moeep-bench: %d ranks, hidden %d, top-%d of %d experts, %d iters (median per rank; min/median/max over ranks)\n"
                        "NVLink buffer: %.1f MiB per rank; each call starts after %s\n"
-                       "%-34s %6s %4s %26s %26s\n",
+                       "memory floor = bytes the call must read and write in one GPU's memory / device copy speed\n"
+                       "+ its kernel launches; rank 0: copy %.0f GB/s (read + write), one launch %.1f us\n"
+                       "%-34s %6s %4s %26s %26s %9s %7s\n",
                        ranks, o->hidden, o->topk, o->experts, o->iters, sh->buffer_bytes / 1048576.0,
-                       o->host_start ? "a daemon barrier (--host-start)" : "a GPU barrier", "operation", "tokens", "SMs",
-                       "time us (min/med/max)", "GB/s (min/med/max)");
+                       o->host_start ? "a daemon barrier (--host-start)" : "a GPU barrier", sh->speed[0].copy_gbps,
+                       sh->speed[0].launch_us, "operation", "tokens", "SMs", "time us (min/med/max)",
+                       "GB/s (min/med/max)", "floor us", "x floor");
         if (!o->json && o->nodes == 2)
                 printf("ranks 0..%d at daemon A, %d..%d at daemon B (two simulated nodes): NVLink inside a node, the "
                        "proxy path (libfabric tcp over 127.0.0.1) between them\n",
                        ranks - ranks / 2 - 1, ranks - ranks / 2, ranks - 1);
         for (int i = 0; i < sh->nres; i++) {
                 const struct result *r = &sh->res[i];
-                double gb[MOEEP_MAX_RANKS], tmn, tmd, tmx, gmn, gmd, gmx;
-                for (int k = 0; k < ranks; k++)
+                double gb[MOEEP_MAX_RANKS], fl[MOEEP_MAX_RANKS], xf[MOEEP_MAX_RANKS], tmn, tmd, tmx, gmn, gmd, gmx,
+                        fmd = 0, xmd = 0, dummy;
+                bool has_floor = true;
+                for (int k = 0; k < ranks; k++) {
+                        const struct device_speed *d = &sh->speed[k];
                         gb[k] = r->us[k] > 0 ? r->bytes[k] / (r->us[k] * 1e3) : 0;
+                        has_floor &= r->moved[k] > 0 && d->copy_gbps > 0;
+                        fl[k] = has_floor ? r->moved[k] / (d->copy_gbps * 1e3) + r->launches * d->launch_us : 0;
+                        xf[k] = has_floor ? r->us[k] / fl[k] : 0;
+                }
                 stats(r->us, ranks, &tmn, &tmd, &tmx);
                 stats(gb, ranks, &gmn, &gmd, &gmx);
+                if (has_floor) {
+                        stats(fl, ranks, &dummy, &fmd, &dummy);
+                        stats(xf, ranks, &dummy, &xmd, &dummy);
+                }
                 if (o->json)
-                        printf("  {\"op\": \"%s\", \"tokens\": %d, \"sms\": %d, \"us\": [%.1f, %.1f, %.1f], \"gbps\": [%.1f, %.1f, %.1f]}%s\n",
-                               op_to_string(r->op), r->tokens, r->sms, tmn, tmd, tmx, gmn, gmd, gmx,
+                        printf("  {\"op\": \"%s\", \"tokens\": %d, \"sms\": %d, \"us\": [%.1f, %.1f, %.1f], \"gbps\": [%.1f, %.1f, %.1f], "
+                               "\"floor_us\": %.2f, \"x_floor\": %.2f}%s\n",
+                               op_to_string(r->op), r->tokens, r->sms, tmn, tmd, tmx, gmn, gmd, gmx, fmd, xmd,
                                i + 1 < sh->nres ? "," : "");
+                else if (has_floor)
+                        printf("%-34s %6d %4d %8.1f /%8.1f /%8.1f %8.1f /%8.1f /%8.1f %9.1f %7.2f\n", op_to_string(r->op),
+                               r->tokens, r->sms, tmn, tmd, tmx, gmn, gmd, gmx, fmd, xmd);
                 else
-                        printf("%-34s %6d %4d %8.1f /%8.1f /%8.1f %8.1f /%8.1f /%8.1f\n", op_to_string(r->op), r->tokens, r->sms,
-                               tmn, tmd, tmx, gmn, gmd, gmx);
+                        printf("%-34s %6d %4d %8.1f /%8.1f /%8.1f %8.1f /%8.1f /%8.1f %9s %7s\n", op_to_string(r->op),
+                               r->tokens, r->sms, tmn, tmd, tmx, gmn, gmd, gmx, "-", "-");
         }
         if (o->json)
                 printf("]}\n");
