@@ -4,13 +4,14 @@
 
 #include "admin.h"
 #include "daemon.h"
+#include "errors.h"
 #include "log.h"
 #include "session.h"
 
 int admin_check(const struct session *s, const char *what, char *errmsg) {
         if (s->admin)
                 return 0;
-        return errmsg_set(errmsg, -EPERM,
+        return errmsg_set(errmsg, -ERROR_KIND_PERMISSION_DENIED,
                           "%s is an operator command: only the admin socket accepts it (session %" PRIu64
                           ", uid %u, came through the client socket)",
                           what, s->id, (unsigned)s->cred.uid);

@@ -14,6 +14,7 @@
 #include "broker.h"
 #include "daemon.h"
 #include "datapath.h"
+#include "errors.h"
 #include "log.h"
 #include "moeep-config.h"
 #include "query.h"
@@ -64,44 +65,11 @@ const char *session_state_to_string(enum session_state s) {
         return "unknown";
 }
 
-/* Maps the -errno values of job.c, broker.c and query.c (documented in
- * their headers) to protocol error codes, in one place. */
+/* The protocol's code for a handler's refusal: errors.h decides, in one
+ * table, so that an errno from a system call is never read as a refusal
+ * that means something else (EACCES from mmap() is not a bad secret). */
 Moeep__V1__ErrorCode session_error_code(int r) {
-        switch (-r) {
-        case EINVAL:
-        case EALREADY:
-                return MOEEP__V1__ERROR_CODE__ERROR_INVALID_ARGUMENT;
-        case ENOENT:
-                return MOEEP__V1__ERROR_CODE__ERROR_NO_SUCH_JOB;
-        case EACCES:
-                return MOEEP__V1__ERROR_CODE__ERROR_BAD_SECRET;
-        case ERANGE:
-                return MOEEP__V1__ERROR_CODE__ERROR_RANK_OUT_OF_RANGE;
-        case EEXIST:
-                return MOEEP__V1__ERROR_CODE__ERROR_RANK_TAKEN;
-        case EDOM:
-                return MOEEP__V1__ERROR_CODE__ERROR_WORLD_SIZE_MISMATCH;
-        case EDQUOT:
-        case E2BIG:
-                return MOEEP__V1__ERROR_CODE__ERROR_LIMIT_EXCEEDED;
-        case EPERM:
-                return MOEEP__V1__ERROR_CODE__ERROR_PERMISSION_DENIED;
-        case ENOTCONN:
-        case ECANCELED:
-                return MOEEP__V1__ERROR_CODE__ERROR_NOT_IN_JOB;
-        case EISCONN:
-                return MOEEP__V1__ERROR_CODE__ERROR_ALREADY_IN_JOB;
-        case EBADF:
-                return MOEEP__V1__ERROR_CODE__ERROR_BAD_FDS;
-        case EPIPE:
-                return MOEEP__V1__ERROR_CODE__ERROR_PEER_LOST;
-        case ESHUTDOWN:
-                return MOEEP__V1__ERROR_CODE__ERROR_DRAINING;
-        case EAGAIN:
-                return MOEEP__V1__ERROR_CODE__ERROR_NOT_READY;
-        default: /* errno values, not our enum */
-                return MOEEP__V1__ERROR_CODE__ERROR_INTERNAL;
-        }
+        return error_code(r);
 }
 
 /* moeep_record_recv() names what was wrong only in text; descriptor

@@ -100,7 +100,8 @@ void sessions_reap(struct daemon *d);
  * takes now, closes. */
 void sessions_shutdown(struct daemon *d, const char *reason);
 
-/* The ErrorCode for a -errno of job.c, broker.c, query.c or mesh.c. */
+/* The ErrorCode for a handler's return value (an error kind or -errno;
+ * errors.h maps them). */
 Moeep__V1__ErrorCode session_error_code(int r);
 
 /* `s` became member `m` (a local join, or one its job's home daemon
