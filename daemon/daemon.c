@@ -217,6 +217,21 @@ static void daemon_admin_dir(const char *path) {
                 log_info("admin socket: created %s (mode 0700)", dir);
 }
 
+/* Warns when the admin socket systemd passed is open to more than its
+ * owner: whoever can connect to it is an operator. */
+static void daemon_admin_mode_check(int fd) {
+        struct sockaddr_un sa = { 0 };
+        socklen_t len = sizeof(sa) - 1; /* keeps a NUL after the path */
+        struct stat st;
+
+        if (getsockname(fd, (struct sockaddr *)&sa, &len) < 0 || sa.sun_path[0] != '/' ||
+            stat(sa.sun_path, &st) < 0 || !(st.st_mode & 0077))
+                return;
+        log_warn("admin socket %s is mode 0%o: anyone who can open it is an operator (drain, log level, "
+                 "every job); make it 0600 (SocketMode=0600 in moeepd-admin.socket)",
+                 sa.sun_path, (unsigned)(st.st_mode & 0777));
+}
+
 /* Takes socket-activated fd `fd` for listener `l`. */
 static int daemon_take_fd(struct daemon_listener *l, int fd, const char *name) {
         int flags;
@@ -237,6 +252,8 @@ static int daemon_take_fd(struct daemon_listener *l, int fd, const char *name) {
         l->fd = fd;
         log_info("listening on the %s socket systemd passed (fd %d, '%s')", l->admin ? "admin" : "client", fd,
                  name);
+        if (l->admin)
+                daemon_admin_mode_check(fd);
         return 0;
 }
 

@@ -15,7 +15,8 @@
 # 5. Listings stay fast at the caps: 1,000 sessions, and status, clients and
 #    jobs on the admin socket answer within 100 ms.
 # 6. Under socket activation the two sockets are told apart by their fd
-#    names (client, admin), whatever their paths.
+#    names (client, admin), whatever their paths; an admin socket that is
+#    open to more than its owner is warned about.
 # Then the daemon's fds are back to their baseline and SIGTERM exits 0.
 #
 #   ops-admin.sh MOEEPD MOEEPCTL RANK PROBE
@@ -139,6 +140,7 @@ stop_daemon
 phase="socket activation"
 command -v systemd-socket-activate >/dev/null || { echo "skip: no systemd-socket-activate"; exit 0; }
 log=$tmp/activated.log
+umask 022 # systemd-socket-activate binds under it: the admin socket comes out 0755
 systemd-socket-activate --seqpacket -l "$tmp/act.sock" -l "$tmp/operator.sock" --fdname=client:admin \
         "$moeepd" --no-config --foreground >"$log" 2>&1 &
 daemon_pid=$!
@@ -151,6 +153,8 @@ fi
 "$probe" "$tmp/operator.sock" 1 1000 drain >"$tmp/act.out" 2>&1 || fail "Drain refused on the activated admin socket: $(cat "$tmp/act.out")"
 grep -q "listening on the admin socket systemd passed (fd 4, 'admin')" "$log" || fail "no admin socket from systemd in the log"
 [[ ! -e $tmp/act-admin.sock ]] || fail "the daemon bound an admin socket of its own besides systemd's"
+grep -q "admin socket $tmp/operator.sock is mode 0755: anyone who can open it is an operator" "$log" ||
+        fail "no warning about the admin socket's mode 0755"
 stop_daemon
 echo "ok: socket activation: the fd named admin is the admin socket, the one named client is not"
 echo "ops-admin: all checks passed"
