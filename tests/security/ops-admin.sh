@@ -140,7 +140,7 @@ stop_daemon
 phase="socket activation"
 command -v systemd-socket-activate >/dev/null || { echo "skip: no systemd-socket-activate"; exit 0; }
 log=$tmp/activated.log
-umask 022 # systemd-socket-activate binds under it: the admin socket comes out 0755
+umask 022 # systemd-socket-activate binds under it: the admin socket comes out 0644
 systemd-socket-activate --seqpacket -l "$tmp/act.sock" -l "$tmp/operator.sock" --fdname=client:admin \
         "$moeepd" --no-config --foreground >"$log" 2>&1 &
 daemon_pid=$!
@@ -153,8 +153,8 @@ fi
 "$probe" "$tmp/operator.sock" 1 1000 drain >"$tmp/act.out" 2>&1 || fail "Drain refused on the activated admin socket: $(cat "$tmp/act.out")"
 grep -q "listening on the admin socket systemd passed (fd 4, 'admin')" "$log" || fail "no admin socket from systemd in the log"
 [[ ! -e $tmp/act-admin.sock ]] || fail "the daemon bound an admin socket of its own besides systemd's"
-grep -q "admin socket $tmp/operator.sock is mode 0755: anyone who can open it is an operator" "$log" ||
-        fail "no warning about the admin socket's mode 0755"
+grep -q "admin socket $tmp/operator.sock is mode 0644: anyone who can open it is an operator" "$log" ||
+        fail "no warning about the admin socket's mode 0644"
 stop_daemon
 echo "ok: socket activation: the fd named admin is the admin socket, the one named client is not"
 echo "ops-admin: all checks passed"
