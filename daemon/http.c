@@ -91,9 +91,10 @@ static void http_answer(struct http_conn *c, int code, const char *reason, const
         char head[512];
         int n;
 
-        n = snprintf(head, sizeof(head),
-                     "HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %zu\r\n%sConnection: close\r\n\r\n",
-                     code, reason, type, body_len, extra_headers);
+        n = snprintf(
+                head, sizeof(head),
+                "HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %zu\r\n%sConnection: close\r\n\r\n",
+                code, reason, type, body_len, extra_headers);
         c->out_len = (size_t)n + (head_only ? 0 : body_len);
         c->out = malloc(c->out_len);
         if (n < 0 || (size_t)n >= sizeof(head) || !c->out) {
@@ -224,7 +225,8 @@ static void http_deadline_cb(evutil_socket_t fd, short what, void *arg) {
 }
 
 static void http_conn_new(struct http *h, int fd) {
-        struct timeval deadline = { .tv_sec = HTTP_DEADLINE_MS / 1000, .tv_usec = (HTTP_DEADLINE_MS % 1000) * 1000 };
+        struct timeval deadline = { .tv_sec = HTTP_DEADLINE_MS / 1000,
+                                    .tv_usec = (HTTP_DEADLINE_MS % 1000) * 1000 };
         struct http_conn *c;
 
         if (h->nconns >= HTTP_MAX_CONNECTIONS) {

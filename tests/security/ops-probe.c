@@ -73,7 +73,8 @@ int main(int argc, char **argv) {
         int count, limit;
 
         if (argc < 4 || (count = atoi(argv[2])) <= 0 || (limit = atoi(argv[3])) <= 0 ||
-            (strcmp(what, "status") && strcmp(what, "clients") && strcmp(what, "jobs") && strcmp(what, "drain"))) {
+            (strcmp(what, "status") && strcmp(what, "clients") && strcmp(what, "jobs") &&
+             strcmp(what, "drain"))) {
                 fprintf(stderr, "usage: %s SOCKET COUNT LIMIT_MS [status|clients|jobs|drain]\n", argv[0]);
                 return 2;
         }
@@ -91,8 +92,8 @@ int main(int argc, char **argv) {
         }
         printf("%.1f\n", worst);
         if (worst > limit) {
-                fprintf(stderr, "%s on %s: the slowest of %d round trips took %.1f ms, more than %d ms\n", what,
-                        argv[1], count, worst, limit);
+                fprintf(stderr, "%s on %s: the slowest of %d round trips took %.1f ms, more than %d ms\n",
+                        what, argv[1], count, worst, limit);
                 return 1;
         }
         return 0;

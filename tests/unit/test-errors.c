@@ -20,7 +20,8 @@ static void test_kinds_both_ways(void **state) {
                 assert_null(strstr(error_to_string(-k), "Unknown error"));
         }
         assert_int_equal(error_code(-ERROR_KIND_BAD_SECRET), MOEEP__V1__ERROR_CODE__ERROR_BAD_SECRET);
-        assert_int_equal(error_code(-ERROR_KIND_PERMISSION_DENIED), MOEEP__V1__ERROR_CODE__ERROR_PERMISSION_DENIED);
+        assert_int_equal(error_code(-ERROR_KIND_PERMISSION_DENIED),
+                         MOEEP__V1__ERROR_CODE__ERROR_PERMISSION_DENIED);
         assert_int_equal(error_code(-ERROR_KIND_BAD_FDS), MOEEP__V1__ERROR_CODE__ERROR_BAD_FDS);
         /* Codes that are no kind. */
         assert_int_equal(error_from_code(MOEEP__V1__ERROR_CODE__ERROR_INTERNAL), -EIO);
