@@ -31,14 +31,15 @@ static const struct ctl_subcommand subcommands[] = {
 };
 
 static void usage(FILE *f) {
-        fprintf(f, "Usage: moeepctl [--socket PATH] [--admin-socket PATH] [--client] [--json] [COMMAND [ARGS]]\n"
-                   "\n"
-                   "Shows and steers moeepd, the moeep node daemon. Commands go to the admin socket\n"
-                   "(root's, mode 0600), where everything is shown and the admin commands are\n"
-                   "accepted; when it cannot be opened, to the client socket, which shows only\n"
-                   "your own sessions and jobs.\n"
-                   "\n"
-                   "Commands (default: status):\n");
+        fprintf(f,
+                "Usage: moeepctl [--socket PATH] [--admin-socket PATH] [--client] [--json] [COMMAND [ARGS]]\n"
+                "\n"
+                "Shows and steers moeepd, the moeep node daemon. Commands go to the admin socket\n"
+                "(root's, mode 0600), where everything is shown and the admin commands are\n"
+                "accepted; when it cannot be opened, to the client socket, which shows only\n"
+                "your own sessions and jobs.\n"
+                "\n"
+                "Commands (default: status):\n");
         for (size_t i = 0; i < sizeof(subcommands) / sizeof(subcommands[0]); i++) {
                 char synopsis[32];
 
@@ -117,14 +118,10 @@ void ctl_admin_hint(const struct ctl *ctl) {
 static int parse_options(int argc, char **argv, struct ctl *ctl, const char **socket_path,
                          const char **admin_path) {
         static const struct option options[] = {
-                { "socket", required_argument, NULL, 's' },
-                { "admin-socket", required_argument, NULL, 'a' },
-                { "client", no_argument, NULL, 'c' },
-                { "json", no_argument, NULL, 'j' },
-                { "off", no_argument, NULL, 'o' },
-                { "help", no_argument, NULL, 'h' },
-                { "version", no_argument, NULL, 'V' },
-                {},
+                { "socket", required_argument, NULL, 's' }, { "admin-socket", required_argument, NULL, 'a' },
+                { "client", no_argument, NULL, 'c' },       { "json", no_argument, NULL, 'j' },
+                { "off", no_argument, NULL, 'o' },          { "help", no_argument, NULL, 'h' },
+                { "version", no_argument, NULL, 'V' },      {},
         };
         int c;
 
@@ -174,7 +171,7 @@ static int ctl_connect(struct ctl *ctl, const char *socket_path, const char *adm
                 }
                 if (!admin_path) {
                         env = secure_getenv("MOEEP_SOCKET");
-                        if (moeep_admin_socket_path(socket_path          ? socket_path
+                        if (moeep_admin_socket_path(socket_path     ? socket_path
                                                     : env && env[0] ? env
                                                                     : MOEEP_DEFAULT_SOCKET,
                                                     derived, sizeof(derived)) == 0)

@@ -44,7 +44,7 @@ static const char default_config[] = "socket = " MOEEP_DEFAULT_SOCKET "\n"
 
 enum key_type {
         KEY_PATH,
-        KEY_PATH_OPT, /* a socket path, or empty */
+        KEY_PATH_OPT,  /* a socket path, or empty */
         KEY_TRANSPORT, /* a transport backend name */
         KEY_NAME,      /* a provider or device name, or empty */
         KEY_MODE,
@@ -458,8 +458,9 @@ int config_read_file(const char *path, char **ret_text, char *errmsg) {
                 goto out;
         }
         if (st.st_size > CONFIG_FILE_MAX) {
-                r = errmsg_set(errmsg, -EFBIG, "%s: %lld bytes%s: larger than the %d bytes a configuration may have",
-                               path, (long long)st.st_size, via, CONFIG_FILE_MAX);
+                r = errmsg_set(errmsg, -EFBIG,
+                               "%s: %lld bytes%s: larger than the %d bytes a configuration may have", path,
+                               (long long)st.st_size, via, CONFIG_FILE_MAX);
                 goto out;
         }
         text = malloc(CONFIG_FILE_MAX + 2);

@@ -13,8 +13,8 @@ struct config {
         char *socket;                      /* owns; listening socket path when self-bound */
         mode_t socket_mode;                /* chmod of a self-bound socket (octal in the file) */
         char *socket_group;                /* owns; chgrp of a self-bound socket, "" = leave it */
-        char *admin_socket;                /* owns; operator socket path when self-bound, "" = next to socket */
-        char *admin_group;                 /* owns; obsolete (the admin socket decides), read and ignored */
+        char *admin_socket; /* owns; operator socket path when self-bound, "" = next to socket */
+        char *admin_group;  /* owns; obsolete (the admin socket decides), read and ignored */
         int log_level;                     /* LOG_ERR..LOG_DEBUG */
         uint32_t max_sessions;             /* connected sessions, all uids */
         uint32_t max_sessions_per_uid;     /* connected sessions of one uid */

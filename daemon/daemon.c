@@ -336,7 +336,8 @@ static void daemon_accept_cb(evutil_socket_t lfd, short what, void *arg) {
                                 /* The pending connection stays queued;
                                  * without a pause we would spin on it. */
                                 log_warn("accept on the %s socket: %s: pausing for %d ms",
-                                         l->admin ? "admin" : "client", strerror(errno), DAEMON_ACCEPT_PAUSE_MS);
+                                         l->admin ? "admin" : "client", strerror(errno),
+                                         DAEMON_ACCEPT_PAUSE_MS);
                                 event_del(l->ev);
                                 evtimer_add(l->ev_resume, &pause);
                                 return;
@@ -374,7 +375,8 @@ static void daemon_reload(struct daemon *d) {
             strcmp(fresh.mesh_listen, d->config.mesh_listen) != 0 ||
             strcmp(fresh.mesh_peers, d->config.mesh_peers) != 0 ||
             strcmp(fresh.cluster_key_file, d->config.cluster_key_file) != 0)
-                log_notice("reload: socket, socket_mode, socket_group, admin_socket, metrics_listen and the mesh keys "
+                log_notice("reload: socket, socket_mode, socket_group, admin_socket, metrics_listen and the "
+                           "mesh keys "
                            "(mesh_listen, mesh_peers, cluster_key_file) change only on restart");
         r = config_apply_reloadable(&d->config, &fresh);
         config_done(&fresh);

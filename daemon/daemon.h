@@ -50,10 +50,10 @@ struct daemon_listener {
 struct daemon {
         struct event_base *base; /* owns */
         struct daemon_options options;
-        struct config config;            /* the live configuration */
-        struct daemon_listener listen;   /* the client socket */
-        struct daemon_listener admin;    /* the operator socket */
-        struct event *ev_signal[3];      /* owns; SIGTERM, SIGINT, SIGHUP */
+        struct config config;           /* the live configuration */
+        struct daemon_listener listen;  /* the client socket */
+        struct daemon_listener admin;   /* the operator socket */
+        struct event *ev_signal[3];     /* owns; SIGTERM, SIGINT, SIGHUP */
         struct event *ev_watchdog;      /* owns; NULL without WatchdogSec */
         struct event *ev_reap;          /* owns; frees dead sessions from the loop */
         struct jobs *jobs;              /* owns */

@@ -220,7 +220,8 @@ int query_nics(struct session *s, uint64_t request_id, char *errmsg) {
 }
 
 static int peer_address_cmp(const void *a, const void *b) {
-        const struct mesh_peer *p = *(const struct mesh_peer *const *)a, *q = *(const struct mesh_peer *const *)b;
+        const struct mesh_peer *p = *(const struct mesh_peer *const *)a,
+                               *q = *(const struct mesh_peer *const *)b;
 
         return strcmp(p->address, q->address);
 }

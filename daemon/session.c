@@ -894,8 +894,8 @@ int session_new(struct daemon *d, int fd, bool admin, struct session **ret_sessi
         if (admin && d->nadmin >= DAEMON_ADMIN_SESSIONS_MAX) {
                 snprintf(why, sizeof(why), "%" PRIu32 " admin sessions connected (at most %d)", d->nadmin,
                          DAEMON_ADMIN_SESSIONS_MAX);
-                log_notice("refusing pid %d uid %u on the admin socket: %s", (int)cred.pid, (unsigned)cred.uid,
-                           why);
+                log_notice("refusing pid %d uid %u on the admin socket: %s", (int)cred.pid,
+                           (unsigned)cred.uid, why);
                 return session_refuse(d, fd, -EDQUOT, why);
         }
         if (!admin && d->nsessions - d->nadmin >= d->config.max_sessions) {

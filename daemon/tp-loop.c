@@ -163,7 +163,8 @@ static int loop_write(struct tp *tp, uint32_t peer, struct tp_mr *src, uint64_t 
         for (size_t i = 0; i < tp->nmrs; i++) {
                 const struct tp_mr *mr = tp->mrs[i];
 
-                if (mr->key == dst->key && (uint64_t)(uintptr_t)mr->addr == dst->base && mr->length == dst->length) {
+                if (mr->key == dst->key && (uint64_t)(uintptr_t)mr->addr == dst->base &&
+                    mr->length == dst->length) {
                         memcpy((char *)mr->addr + dst_off, (char *)src->addr + src_off, len);
                         c->status = 0;
                         break;

@@ -40,10 +40,11 @@ int tp_mem_map(const struct tp_mem *mem, const char *who, void **ret_addr, void 
                  * (EACCES) or sealed against writes (EPERM). Its fault,
                  * and said as such, not as whatever those errnos alias. */
                 if (map == MAP_FAILED && (errno == EACCES || errno == EPERM))
-                        return errmsg_set(errmsg, -ERROR_KIND_BAD_FDS,
-                                          "%s: %s: fd %d cannot be mapped for writing (%s): it is read-only or "
-                                          "sealed against writes, and the daemon writes into this region",
-                                          who, name, mem->fd, strerror(errno));
+                        return errmsg_set(
+                                errmsg, -ERROR_KIND_BAD_FDS,
+                                "%s: %s: fd %d cannot be mapped for writing (%s): it is read-only or "
+                                "sealed against writes, and the daemon writes into this region",
+                                who, name, mem->fd, strerror(errno));
                 if (map == MAP_FAILED)
                         return errmsg_set(errmsg, -errno, "%s: %s: mmap of fd %d (%llu bytes at %llu): %s", who, name,
                                           mem->fd, (unsigned long long)mem->length,

@@ -271,7 +271,9 @@ static int test_loop(void) {
          * access error, as a NIC reports it), and fails the peer; it does
          * not copy into memory that is gone. */
         {
-                struct proxy_desc d = { .length = 64, .flags = PROXY_DESC_SIGNAL, .signal_id = 1, .signal_value = 99 };
+                struct proxy_desc d = {
+                        .length = 64, .flags = PROXY_DESC_SIGNAL, .signal_id = 1, .signal_value = 99
+                };
                 struct side s2 = { 0 };
                 bool seen = false;
 
@@ -285,8 +287,8 @@ static int test_loop(void) {
                         FAIL("released: push: %s", strerror(-r));
                 r = drv_wait_done(&s2.ring, 11, drv_now_ns() + 5 * SEC);
                 if (r != -EACCES)
-                        FAIL("released: a write into a deregistered region ended with %d (%s), want -EACCES", r,
-                             strerror(-r));
+                        FAIL("released: a write into a deregistered region ended with %d (%s), want -EACCES",
+                             r, strerror(-r));
                 for (uint64_t t0 = drv_now_ns(); !seen && drv_now_ns() - t0 < 5 * SEC;)
                         while (proxy_event_next(s2.proxy, &ev))
                                 seen |= ev.type == PROXY_EVENT_PEER_FAILED;
@@ -462,8 +464,12 @@ static int kill_side(int sock, uint64_t count, pid_t other) {
 static int released_side(int sock, uint64_t count, pid_t other) {
         struct side s = { 0 };
         uint64_t deadline, t0;
-        struct proxy_desc d = { .src_offset = 0, .dst_offset = 0, .length = 64, .flags = PROXY_DESC_SIGNAL,
-                                .signal_id = 1, .signal_value = 1000 };
+        struct proxy_desc d = { .src_offset = 0,
+                                .dst_offset = 0,
+                                .length = 64,
+                                .flags = PROXY_DESC_SIGNAL,
+                                .signal_id = 1,
+                                .signal_value = 1000 };
         char c = 'r';
         int r;
 
@@ -488,8 +494,9 @@ static int released_side(int sock, uint64_t count, pid_t other) {
         if ((r = drv_push(&s.ring, &d, t0 + 15 * SEC)) < 0)
                 FAIL("push after the release: %s", strerror(-r));
         r = drv_wait_done(&s.ring, 101, t0 + 15 * SEC);
-        printf("released: a write into the released region ended with %d (%s) after %.3f s, ring error %d\n", r,
-               r ? strerror(-r) : "done, no error", (double)(drv_now_ns() - t0) / 1e9, (int)s.ring.hdr->error);
+        printf("released: a write into the released region ended with %d (%s) after %.3f s, ring error %d\n",
+               r, r ? strerror(-r) : "done, no error", (double)(drv_now_ns() - t0) / 1e9,
+               (int)s.ring.hdr->error);
         if (r == 0)
                 FAIL("a write into a released region was reported done with no error");
         if (r == -ETIMEDOUT)
