@@ -206,6 +206,7 @@ fail:
  * make it under systemd. A failure shows when binding. */
 static void daemon_admin_dir(const char *path) {
         char dir[sizeof(((struct sockaddr_un *)0)->sun_path)];
+        struct stat st;
         char *slash;
 
         snprintf(dir, sizeof(dir), "%s", path);
@@ -215,6 +216,12 @@ static void daemon_admin_dir(const char *path) {
         *slash = '\0';
         if (mkdir(dir, 0700) == 0)
                 log_info("admin socket: created %s (mode 0700)", dir);
+        else if (stat(dir, &st) == 0 && (st.st_mode & 0022))
+                /* Whoever may write there may put a socket of their own
+                 * where moeepctl looks for the daemon's. */
+                log_warn("admin socket %s: its directory is writable by others (mode 0%o): set admin_socket "
+                         "to a path in a directory only the daemon's uid may write",
+                         path, (unsigned)(st.st_mode & 07777));
 }
 
 /* Warns when the admin socket systemd passed is open to more than its
