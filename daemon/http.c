@@ -43,6 +43,7 @@ struct http_conn {
         struct http *http; /* not owning */
         int fd;            /* owns */
         enum http_conn_state state;
+        bool peer_closed;          /* EOF while writing: free once the answer is out */
         struct event *ev_read;     /* owns */
         struct event *ev_write;    /* owns; pending only while writing */
         struct event *ev_deadline; /* owns; HTTP_DEADLINE_MS from accept, whatever happens */
@@ -172,8 +173,16 @@ static void http_read_cb(evutil_socket_t fd, short what, void *arg) {
                  * the deadline) ends the connection. Closing with unread
                  * input would reset it and could cut the answer short. */
                 n = recv(fd, discard, sizeof(discard), 0);
-                if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR))
-                        http_conn_free(c);
+                if (n > 0 || (n < 0 && (errno == EAGAIN || errno == EINTR)))
+                        return;
+                if (n == 0 && c->state == HTTP_WRITING) {
+                        /* Half-closed after its request: the answer still
+                         * goes out, then the connection ends. */
+                        event_del(c->ev_read);
+                        c->peer_closed = true;
+                        return;
+                }
+                http_conn_free(c);
                 return;
         }
         n = recv(fd, c->in + c->in_len, HTTP_MAX_REQUEST - c->in_len, 0);
@@ -210,6 +219,10 @@ static void http_write_cb(evutil_socket_t fd, short what, void *arg) {
         c->out_off += (size_t)n;
         if (c->out_off < c->out_len)
                 return;
+        if (c->peer_closed) {
+                http_conn_free(c);
+                return;
+        }
         event_del(c->ev_write);
         shutdown(fd, SHUT_WR);
         c->state = HTTP_CLOSING;

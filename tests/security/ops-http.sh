@@ -27,12 +27,16 @@ wait_until 10 "the metrics listener" grep -q 'metrics: listening on http://127.0
 port=$(sed -n 's|.*metrics: listening on http://127.0.0.1:\([0-9]*\)/metrics.*|\1|p' "$log" | head -n 1)
 [[ $(awk '/Max open files/ { print $4 }' "/proc/$daemon_pid/limits") == 256 ]] || fail "RLIMIT_NOFILE is not 256"
 
-# raw REQUEST: sends REQUEST, prints the status line's code and the body's length.
+# raw REQUEST [half]: sends REQUEST (then shuts its write side with
+# `half`, as `nc` does), prints the status line's code and the body's
+# length.
 raw() {
-        python3 - "$port" "$1" <<'PY'
+        python3 - "$port" "$1" "${2:-}" <<'PY'
 import socket, sys
 s = socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=5)
 s.sendall(sys.argv[2].encode().decode("unicode_escape").encode("latin-1"))
+if sys.argv[3] == "half":
+    s.shutdown(socket.SHUT_WR)
 data = b""
 while True:
     chunk = s.recv(65536)
@@ -47,6 +51,10 @@ PY
 phase="requests"
 read -r code len < <(raw 'GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n')
 [[ $code == 200 && $len -gt 100 ]] || fail "GET /metrics: $code, $len bytes"
+for i in 1 2 3 4 5; do
+        read -r code len < <(raw 'GET /metrics HTTP/1.0\r\n\r\n' half)
+        [[ $code == 200 && $len -gt 100 ]] || fail "GET /metrics, then the write side shut: $code, $len bytes"
+done
 read -r code len < <(raw 'HEAD /metrics HTTP/1.0\r\n\r\n')
 [[ $code == 200 && $len == 0 ]] || fail "HEAD /metrics: $code, $len bytes"
 read -r code len < <(raw 'GET /other HTTP/1.1\r\n\r\n')
@@ -59,7 +67,7 @@ read -r code len < <(raw 'nonsense\r\n\r\n')
 [[ $code == 400 ]] || fail "nonsense: $code"
 wait_until 5 "the test connections to close" eval '(( $(fds) <= 12 ))'
 base=$(fds)
-echo "ok: GET/HEAD /metrics 200, /other 404, POST 405, 9 KB head 431, nonsense 400 ($base fds)"
+echo "ok: GET/HEAD /metrics 200 (also from half-closing clients), /other 404, POST 405, 9 KB head 431, nonsense 400 ($base fds)"
 
 phase="drip flood"
 python3 "$here/ops-drip.py" "$port" 1100 9 1 >"$tmp/drip.json" &
