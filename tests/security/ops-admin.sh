@@ -6,8 +6,8 @@
 # 2. Root on the client socket (a container running as root without a user
 #    namespace) cannot drain, set the log level, list the mesh, or see the
 #    job and the client of uid 65534; the admin socket sees both.
-# 3. 70 idle uid-0 connections on the client socket (past
-#    max_sessions_per_uid = 64) do not stop the operator: status on the
+# 3. 70 idle uid-0 connections on the client socket (each says Hello, then
+#    nothing; past max_sessions_per_uid = 64) do not stop the operator: status on the
 #    admin socket answers within 100 ms, `moeepctl status` works; the
 #    client caps still hold for uid 0 on the client socket.
 # 4. The admin socket has its own small cap (16), separate from the client
@@ -83,7 +83,7 @@ python3 "$here/ops-hold.py" "$sock" 70 30 "$tmp/hold.ready" "$tmp/hold.release" 
 pids+=($!)
 hold_pid=$!
 wait_until 20 "the idle connections" test -e "$tmp/hold.ready"
-wait_until 10 "64 sessions of uid 0" eval '"$probe" "$admin" 1 1000 clients >/dev/null && ctl flood-clients --json clients && python3 -c "import json,sys; sys.exit(sum(c[\"uid\"] == 0 and c[\"state\"] == \"new\" for c in json.load(open(\"$tmp/flood-clients.out\"))) < 64)"'
+wait_until 10 "64 idle sessions of uid 0" eval 'ctl flood-clients --json clients && python3 -c "import json,sys; sys.exit(sum(c[\"uid\"] == 0 and c[\"state\"] == \"hello\" and c[\"name\"] == \"\" for c in json.load(open(\"$tmp/flood-clients.out\"))) != 64)"'
 worst=$(probe "$admin" 20)
 start=$(date +%s%N)
 ctl flood-status status
