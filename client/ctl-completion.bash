@@ -10,12 +10,12 @@ _moeepctl() {
                 cword=$COMP_CWORD
         }
         local commands="status jobs clients nics mesh metrics log-level drain help"
-        local options="--socket --json --help --version"
+        local options="--socket --admin-socket --client --json --help --version"
         local i command=""
 
         for ((i = 1; i < cword; i++)); do
                 case ${words[i]} in
-                -s | --socket) ((i++)) ;;
+                -s | --socket | -a | --admin-socket) ((i++)) ;;
                 -*) ;;
                 *)
                         command=${words[i]}
@@ -25,7 +25,7 @@ _moeepctl() {
         done
 
         case $prev in
-        -s | --socket)
+        -s | --socket | -a | --admin-socket)
                 COMPREPLY=($(compgen -f -- "$cur"))
                 return
                 ;;

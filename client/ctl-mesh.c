@@ -1,5 +1,6 @@
-/* moeepctl mesh: the peer daemons of the internode mesh (MeshList, protocol
- * 1.2): their state, round-trip time and the jobs spanning them. */
+/* moeepctl mesh (admin socket): the peer daemons of the internode mesh
+ * (MeshList, protocol 1.2): their state, round-trip time and the jobs
+ * spanning them. */
 #include <stdio.h>
 
 #include "ctl.h"
@@ -31,8 +32,10 @@ int ctl_mesh(struct ctl *ctl) {
         }
         req.body_case = MOEEP__V1__REQUEST__BODY_MESH_LIST;
         req.mesh_list = &list;
-        if (ctl_query(ctl, &req, MOEEP__V1__RESPONSE__BODY_MESH, &resp) < 0)
+        if (ctl_query(ctl, &req, MOEEP__V1__RESPONSE__BODY_MESH, &resp) < 0) {
+                ctl_admin_hint(ctl);
                 return 1;
+        }
         m = resp->mesh;
         ctl_table_init(&t, columns, sizeof(columns) / sizeof(columns[0]));
         for (size_t i = 0; i < m->n_peers && r >= 0; i++)

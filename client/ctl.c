@@ -5,7 +5,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 
+#include "admin-socket.h"
 #include "ctl.h"
 #include "moeep-config.h"
 
@@ -19,7 +22,7 @@ static const struct ctl_subcommand subcommands[] = {
         { "jobs", "", 0, false, "jobs: id, name, world size, joined ranks, state, owner", ctl_jobs },
         { "clients", "", 0, false, "sessions: pid, uid, job, rank, GPU, state, name, regions", ctl_clients },
         { "nics", "", 0, false, "RDMA devices the daemon sees and the NIC nearest each GPU", ctl_nics },
-        { "mesh", "", 0, false, "peer daemons of the internode mesh", ctl_mesh },
+        { "mesh", "", 0, false, "admin: peer daemons of the internode mesh", ctl_mesh },
         { "metrics", "", 0, false, "counters and gauges (Prometheus text format)", ctl_metrics },
         { "log-level", "LEVEL", 1, false, "admin: set the daemon's log level until SIGHUP or restart",
           ctl_log_level },
@@ -28,11 +31,15 @@ static const struct ctl_subcommand subcommands[] = {
 };
 
 static void usage(FILE *f) {
-        fprintf(f, "Usage: moeepctl [--socket PATH] [--json] [COMMAND [ARGS]]\n"
-                   "\n"
-                   "Shows and steers moeepd, the moeep node daemon.\n"
-                   "\n"
-                   "Commands (default: status):\n");
+        fprintf(f,
+                "Usage: moeepctl [--socket PATH] [--admin-socket PATH] [--client] [--json] [COMMAND [ARGS]]\n"
+                "\n"
+                "Shows and steers moeepd, the moeep node daemon. Commands go to the admin socket\n"
+                "(root's, mode 0600), where everything is shown and the admin commands are\n"
+                "accepted; when it cannot be opened, to the client socket, which shows only\n"
+                "your own sessions and jobs.\n"
+                "\n"
+                "Commands (default: status):\n");
         for (size_t i = 0; i < sizeof(subcommands) / sizeof(subcommands[0]); i++) {
                 char synopsis[32];
 
@@ -43,7 +50,11 @@ static void usage(FILE *f) {
         fprintf(f,
                 "\n"
                 "Options:\n"
-                "  -s, --socket PATH  daemon socket (default: $MOEEP_SOCKET, else %s)\n"
+                "  -s, --socket PATH  client socket (default: $MOEEP_SOCKET, else %s)\n"
+                "  -a, --admin-socket PATH\n"
+                "                     admin socket (default: $MOEEP_ADMIN_SOCKET, else next to the client\n"
+                "                     socket: NAME-admin.sock for NAME.sock)\n"
+                "  -c, --client       use the client socket only (what a client sees)\n"
                 "  -j, --json         machine-readable output\n"
                 "  -h, --help         show this help\n"
                 "  -V, --version      show the version\n"
@@ -66,8 +77,10 @@ int ctl_admin(struct ctl *ctl, const char *command, const Moeep__V1__Request *re
 
         if (!ctl_require_operator(ctl, command))
                 return 1;
-        if (ctl_query(ctl, req, MOEEP__V1__RESPONSE__BODY_OK, &resp) < 0)
+        if (ctl_query(ctl, req, MOEEP__V1__RESPONSE__BODY_OK, &resp) < 0) {
+                ctl_admin_hint(ctl);
                 return 1;
+        }
         moeep__v1__response__free_unpacked(resp, NULL);
         return ctl_status(ctl);
 }
@@ -94,20 +107,34 @@ static const char *connect_hint(int r) {
         }
 }
 
+void ctl_admin_hint(const struct ctl *ctl) {
+        if (!ctl->admin && ctl->admin_error[0])
+                fprintf(stderr, "moeepctl: (the admin socket, which admin commands need: %s)\n",
+                        ctl->admin_error);
+}
+
 /* Parses the options, wherever they stand (`moeepctl jobs --json` works);
  * --off belongs to drain. Returns -1 to go on, else the exit status. */
-static int parse_options(int argc, char **argv, struct ctl *ctl, const char **socket_path) {
+static int parse_options(int argc, char **argv, struct ctl *ctl, const char **socket_path,
+                         const char **admin_path) {
         static const struct option options[] = {
-                { "socket", required_argument, NULL, 's' }, { "json", no_argument, NULL, 'j' },
+                { "socket", required_argument, NULL, 's' }, { "admin-socket", required_argument, NULL, 'a' },
+                { "client", no_argument, NULL, 'c' },       { "json", no_argument, NULL, 'j' },
                 { "off", no_argument, NULL, 'o' },          { "help", no_argument, NULL, 'h' },
                 { "version", no_argument, NULL, 'V' },      {},
         };
         int c;
 
-        while ((c = getopt_long(argc, argv, "s:jhV", options, NULL)) >= 0)
+        while ((c = getopt_long(argc, argv, "s:a:cjhV", options, NULL)) >= 0)
                 switch (c) {
                 case 's':
                         *socket_path = optarg;
+                        break;
+                case 'a':
+                        *admin_path = optarg;
+                        break;
+                case 'c':
+                        ctl->client_only = true;
                         break;
                 case 'j':
                         ctl->json = true;
@@ -129,14 +156,47 @@ static int parse_options(int argc, char **argv, struct ctl *ctl, const char **so
         return -1;
 }
 
+/* Connects to the admin socket (the operator's view and the admin
+ * commands), else to the client socket. */
+static int ctl_connect(struct ctl *ctl, const char *socket_path, const char *admin_path, char *err,
+                       size_t errlen) {
+        char derived[sizeof(((struct sockaddr_un *)0)->sun_path)];
+        const char *env;
+        int r;
+
+        if (!ctl->client_only) {
+                if (!admin_path) {
+                        env = secure_getenv("MOEEP_ADMIN_SOCKET");
+                        admin_path = env && env[0] ? env : NULL;
+                }
+                if (!admin_path) {
+                        env = secure_getenv("MOEEP_SOCKET");
+                        if (moeep_admin_socket_path(socket_path     ? socket_path
+                                                    : env && env[0] ? env
+                                                                    : MOEEP_DEFAULT_SOCKET,
+                                                    derived, sizeof(derived)) == 0)
+                                admin_path = derived;
+                }
+                if (admin_path) {
+                        r = moeep_client_connect(admin_path, "moeepctl/" MOEEP_VERSION, &ctl->client,
+                                                 ctl->admin_error, sizeof(ctl->admin_error));
+                        if (r == 0) {
+                                ctl->admin = true;
+                                return 0;
+                        }
+                }
+        }
+        return moeep_client_connect(socket_path, "moeepctl/" MOEEP_VERSION, &ctl->client, err, errlen);
+}
+
 int main(int argc, char **argv) {
         const struct ctl_subcommand *sub = NULL;
         struct ctl ctl = { 0 };
-        const char *socket_path = NULL, *name = "status";
+        const char *socket_path = NULL, *admin_path = NULL, *name = "status";
         char err[512];
         int r;
 
-        r = parse_options(argc, argv, &ctl, &socket_path);
+        r = parse_options(argc, argv, &ctl, &socket_path, &admin_path);
         if (r >= 0)
                 return r;
         /* getopt_long() moved the options first: what is left is the
@@ -170,9 +230,10 @@ int main(int argc, char **argv) {
                 return 2;
         }
 
-        r = moeep_client_connect(socket_path, "moeepctl/" MOEEP_VERSION, &ctl.client, err, sizeof(err));
+        r = ctl_connect(&ctl, socket_path, admin_path, err, sizeof(err));
         if (r < 0) {
                 fprintf(stderr, "moeepctl: %s%s\n", err, connect_hint(r));
+                ctl_admin_hint(&ctl);
                 return 1;
         }
         r = moeep_client_set_timeout(ctl.client, CTL_TIMEOUT_MS);

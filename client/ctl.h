@@ -11,6 +11,9 @@
 
 struct ctl {
         struct moeep_client *client; /* owns */
+        bool admin;                  /* `client` is connected to the admin socket */
+        bool client_only;            /* --client: the client socket, even when the admin socket is ours */
+        char admin_error[512];       /* why the admin socket was not used, "" when it was or not tried */
         bool json;                   /* --json: machine-readable output */
         bool off;                    /* --off (drain only) */
         char **args;                 /* not owning; the subcommand's arguments (argv) */
@@ -46,6 +49,10 @@ bool ctl_require_operator(struct ctl *ctl, const char *command);
  * feature, sends it, then prints the status, which shows the effect.
  * Returns the exit status. */
 int ctl_admin(struct ctl *ctl, const char *command, const Moeep__V1__Request *req);
+
+/* After an admin command failed: when the admin socket was not used, says
+ * why on stderr (the client socket refuses admin commands). */
+void ctl_admin_hint(const struct ctl *ctl);
 
 /* Sends `req` and waits for a Response of body case `expect`; on failure
  * prints "moeepctl: <error>" to stderr and returns -errno. */

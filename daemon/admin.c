@@ -4,19 +4,17 @@
 
 #include "admin.h"
 #include "daemon.h"
+#include "errors.h"
 #include "log.h"
-#include "query.h"
 #include "session.h"
 
-/* -EPERM naming the caller and who would be allowed. */
-static int admin_check(const struct session *s, const char *what, char *errmsg) {
-        const char *group = s->daemon->config.admin_group;
-
-        if (query_is_admin(s))
+int admin_check(const struct session *s, const char *what, char *errmsg) {
+        if (s->admin)
                 return 0;
-        return errmsg_set(errmsg, -EPERM, "%s: uid %u is not an admin (root, the daemon's uid%s%s%s)", what,
-                          (unsigned)s->cred.uid, group[0] ? " or members of group '" : "", group,
-                          group[0] ? "'" : "");
+        return errmsg_set(errmsg, -ERROR_KIND_PERMISSION_DENIED,
+                          "%s is an operator command: only the admin socket accepts it (session %" PRIu64
+                          ", uid %u, came through the client socket)",
+                          what, s->id, (unsigned)s->cred.uid);
 }
 
 int admin_log_level_set(struct session *s, uint64_t request_id, const char *level, char *errmsg) {

@@ -1,7 +1,8 @@
 /* Operator commands that change the daemon (LogLevelSet, Drain). Only
- * admins may use them (query_is_admin(): root, the daemon's uid, members of
- * admin_group); anyone else gets -EPERM (ERROR_PERMISSION_DENIED). Each logs
- * what changed and who changed it, and queues Ok. */
+ * sessions accepted on the admin socket may use them (struct session's
+ * `admin`, decided at accept): whoever connects to the client socket, uid 0
+ * included, gets -EPERM (ERROR_PERMISSION_DENIED). Each logs what changed
+ * and who changed it, and queues Ok. */
 #ifndef MOEEPD_ADMIN_H
 #define MOEEPD_ADMIN_H
 
@@ -9,6 +10,10 @@
 #include <stdint.h>
 
 struct session;
+
+/* 0 when `s` came through the admin socket, else -EPERM with errmsg naming
+ * `what` and the session. */
+int admin_check(const struct session *s, const char *what, char *errmsg);
 
 /* Sets the log level until the next SIGHUP (which re-reads log_level) or
  * restart. -EINVAL for a level log_level_from_string() refuses. */

@@ -8,8 +8,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <sys/un.h>
+#include <unistd.h>
 
+#include "admin-socket.h"
 #include "config.h"
 #include "log.h"
 #include "moeep-config.h"
@@ -19,7 +23,8 @@
 static const char default_config[] = "socket = " MOEEP_DEFAULT_SOCKET "\n"
                                      "socket_mode = 0660\n"
                                      "socket_group =\n"
-                                     "admin_group = moeep-admin\n"
+                                     "admin_socket =\n"
+                                     "admin_group =\n"
                                      "log_level = info\n"
                                      "max_sessions = 1024\n"
                                      "max_sessions_per_uid = 64\n"
@@ -39,6 +44,7 @@ static const char default_config[] = "socket = " MOEEP_DEFAULT_SOCKET "\n"
 
 enum key_type {
         KEY_PATH,
+        KEY_PATH_OPT,  /* a socket path, or empty */
         KEY_TRANSPORT, /* a transport backend name */
         KEY_NAME,      /* a provider or device name, or empty */
         KEY_MODE,
@@ -63,6 +69,10 @@ static const struct key {
         { "socket", KEY_PATH, offsetof(struct config, socket), 0, 0, false },
         { "socket_mode", KEY_MODE, offsetof(struct config, socket_mode), 0, 0777, false },
         { "socket_group", KEY_GROUP, offsetof(struct config, socket_group), 0, 0, false },
+        /* Empty: next to `socket` (moeep_admin_socket_path()). */
+        { "admin_socket", KEY_PATH_OPT, offsetof(struct config, admin_socket), 0, 0, false },
+        /* Obsolete: operator rights come from the admin socket now. Still
+         * read, so that files that set it keep loading. */
         { "admin_group", KEY_GROUP, offsetof(struct config, admin_group), 0, 0, true },
         { "log_level", KEY_LEVEL, offsetof(struct config, log_level), 0, 0, true },
         { "max_sessions", KEY_U32, offsetof(struct config, max_sessions), 1, 65536, true },
@@ -191,7 +201,12 @@ int config_set(struct config *c, const char *name, const char *value, char *errm
                 return errmsg_set(errmsg, -ENOENT, "unknown configuration key '%s'", name);
         field = (char *)c + k->offset;
         switch (k->type) {
+        case KEY_PATH_OPT:
         case KEY_PATH:
+                if (k->type == KEY_PATH_OPT && !value[0])
+                        return set_string(field, value) < 0
+                                       ? errmsg_set(errmsg, -ENOMEM, "%s: out of memory", name)
+                                       : 0;
                 if (value[0] != '/' || strlen(value) >= sizeof(((struct sockaddr_un *)0)->sun_path))
                         return errmsg_set(errmsg, -EINVAL,
                                           "%s '%s': need an absolute path shorter than %zu bytes", name,
@@ -368,6 +383,7 @@ int config_write(const struct config *c, FILE *f) {
                 fprintf(f, "%s =", k->name);
                 switch (k->type) {
                 case KEY_PATH:
+                case KEY_PATH_OPT:
                 case KEY_TRANSPORT:
                 case KEY_NAME:
                 case KEY_GROUP:
@@ -396,10 +412,118 @@ int config_write(const struct config *c, FILE *f) {
         return ferror(f) ? -EIO : 0;
 }
 
+/* What a file that is not a regular file is, for the refusal. */
+static const char *file_type_to_string(mode_t mode) {
+        switch (mode & S_IFMT) {
+        case S_IFDIR:
+                return "a directory";
+        case S_IFCHR:
+                return "a character device";
+        case S_IFBLK:
+                return "a block device";
+        case S_IFIFO:
+                return "a FIFO";
+        case S_IFSOCK:
+                return "a socket";
+        case S_IFLNK:
+                return "a symbolic link";
+        default:
+                return "not a regular file";
+        }
+}
+
+int config_read_file(const char *path, char **ret_text, char *errmsg) {
+        const char *via = "";
+        struct stat st, lst;
+        size_t len = 0;
+        char *text;
+        int fd, r;
+
+        /* O_NONBLOCK: opening a FIFO for reading must not wait for a
+         * writer; O_NOCTTY: a terminal must not become ours. A symlink is
+         * followed (configuration management makes them), but what it
+         * points to is judged by fstat() on what was opened. */
+        if (lstat(path, &lst) == 0 && S_ISLNK(lst.st_mode))
+                via = " (through a symbolic link)";
+        fd = open(path, O_RDONLY | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
+        if (fd < 0)
+                return errmsg_set(errmsg, -errno, "%s: cannot open: %s", path, strerror(errno));
+        if (fstat(fd, &st) < 0) {
+                r = errmsg_set(errmsg, -errno, "%s: fstat: %s", path, strerror(errno));
+                goto out;
+        }
+        if (!S_ISREG(st.st_mode)) {
+                r = errmsg_set(errmsg, -EINVAL, "%s: is %s%s, not a regular file", path,
+                               file_type_to_string(st.st_mode), via);
+                goto out;
+        }
+        if (st.st_size > CONFIG_FILE_MAX) {
+                r = errmsg_set(errmsg, -EFBIG,
+                               "%s: %lld bytes%s: larger than the %d bytes a configuration may have", path,
+                               (long long)st.st_size, via, CONFIG_FILE_MAX);
+                goto out;
+        }
+        text = malloc(CONFIG_FILE_MAX + 2);
+        if (!text) {
+                r = errmsg_set(errmsg, -ENOMEM, "%s: out of memory", path);
+                goto out;
+        }
+        /* One byte past the cap tells a file that grew after fstat(). */
+        while (len <= CONFIG_FILE_MAX) {
+                ssize_t n = read(fd, text + len, CONFIG_FILE_MAX + 1 - len);
+
+                if (n < 0 && errno == EINTR)
+                        continue;
+                if (n < 0) {
+                        r = errmsg_set(errmsg, -errno, "%s: cannot read: %s", path, strerror(errno));
+                        free(text);
+                        goto out;
+                }
+                if (n == 0)
+                        break;
+                len += (size_t)n;
+        }
+        if (len > CONFIG_FILE_MAX) {
+                r = errmsg_set(errmsg, -EFBIG, "%s: larger than the %d bytes a configuration may have", path,
+                               CONFIG_FILE_MAX);
+                free(text);
+                goto out;
+        }
+        if (memchr(text, '\0', len)) {
+                r = errmsg_set(errmsg, -EINVAL, "%s: a NUL byte at offset %zu: not a text file", path,
+                               (size_t)((char *)memchr(text, '\0', len) - text));
+                free(text);
+                goto out;
+        }
+        text[len] = '\0';
+        *ret_text = text;
+        r = 0;
+out:
+        close(fd);
+        return r;
+}
+
 int config_load(struct config *c, const char *path, char *errmsg) {
         struct load_state st = { .config = c, .path = path, .errmsg = errmsg };
+        char *text;
+        int r;
 
-        return load_finish(&st, ini_parse(path, load_handler, &st));
+        r = config_read_file(path, &text, errmsg);
+        if (r < 0)
+                return r;
+        r = load_finish(&st, ini_parse_string(text, load_handler, &st));
+        free(text);
+        return r;
+}
+
+int config_admin_socket(const struct config *c, char *buf, size_t len) {
+        if (c->admin_socket && c->admin_socket[0]) {
+                if (strlen(c->admin_socket) >= len)
+                        return -ENAMETOOLONG;
+                memcpy(buf, c->admin_socket, strlen(c->admin_socket) + 1);
+                return 0;
+        }
+        return moeep_admin_socket_path(c->socket, buf, len);
 }
 
 int config_init(struct config *c) {
@@ -418,6 +542,7 @@ void config_done(struct config *c) {
                 return;
         free(c->socket);
         free(c->socket_group);
+        free(c->admin_socket);
         free(c->admin_group);
         free(c->metrics_listen);
         free(c->transport);
@@ -427,7 +552,7 @@ void config_done(struct config *c) {
         free(c->mesh_listen);
         free(c->mesh_peers);
         free(c->cluster_key_file);
-        c->socket = c->socket_group = c->admin_group = c->metrics_listen = NULL;
+        c->socket = c->socket_group = c->admin_socket = c->admin_group = c->metrics_listen = NULL;
         c->transport = c->fabric_provider = c->transport_device = c->transport_address = NULL;
         c->mesh_listen = c->mesh_peers = c->cluster_key_file = NULL;
 }

@@ -13,7 +13,8 @@ struct config {
         char *socket;                      /* owns; listening socket path when self-bound */
         mode_t socket_mode;                /* chmod of a self-bound socket (octal in the file) */
         char *socket_group;                /* owns; chgrp of a self-bound socket, "" = leave it */
-        char *admin_group;                 /* owns; members see every job and client, "" = none */
+        char *admin_socket; /* owns; operator socket path when self-bound, "" = next to socket */
+        char *admin_group;  /* owns; obsolete (the admin socket decides), read and ignored */
         int log_level;                     /* LOG_ERR..LOG_DEBUG */
         uint32_t max_sessions;             /* connected sessions, all uids */
         uint32_t max_sessions_per_uid;     /* connected sessions of one uid */
@@ -51,6 +52,21 @@ int config_set(struct config *c, const char *key, const char *value, char *errms
  * -errno when the file cannot be read, or -EINVAL naming file, line, key
  * and value. */
 int config_load(struct config *c, const char *path, char *errmsg);
+
+/* The most a configuration file may hold: a larger one is refused, so that
+ * a file that never ends (a symlink to /dev/zero) cannot hold the loop. */
+#define CONFIG_FILE_MAX (1 << 20)
+
+/* Reads the configuration file `path` whole, as config_load() does: it must
+ * be a regular file (after following symlinks) of at most CONFIG_FILE_MAX
+ * bytes without NUL bytes; FIFOs, devices and directories are refused
+ * without waiting on them. Returns 0 with *ret_text (NUL-terminated; free
+ * it), or -errno with errmsg naming the path and what was wrong. */
+int config_read_file(const char *path, char **ret_text, char *errmsg);
+
+/* The admin socket path in effect: admin_socket, else the one next to
+ * socket (moeep_admin_socket_path()). Returns 0 or -ENAMETOOLONG. */
+int config_admin_socket(const struct config *c, char *buf, size_t len);
 
 /* Splits a listen address as metrics_listen takes it: "PORT" (meaning
  * 127.0.0.1:PORT), "HOST:PORT" or "[IPV6]:PORT", where HOST is a numeric

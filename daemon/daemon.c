@@ -14,6 +14,7 @@
 #include <systemd/sd-daemon.h>
 #include <unistd.h>
 
+#include "admin-socket.h"
 #include "broker.h"
 #include "daemon.h"
 #include "datapath.h"
@@ -78,6 +79,11 @@ int daemon_config_build(const struct daemon_options *o, struct config *ret_confi
                 if (r < 0)
                         goto fail;
         }
+        if (o->admin_socket) {
+                r = config_set(&c, "admin_socket", o->admin_socket, errmsg);
+                if (r < 0)
+                        goto fail;
+        }
         if (o->log_level) {
                 r = config_set(&c, "log_level", o->log_level, errmsg);
                 if (r < 0)
@@ -118,18 +124,23 @@ static int daemon_clear_stale(const struct sockaddr_un *sa) {
         return 0;
 }
 
-/* Binds the socket ourselves: created under a umask so that it is never
- * more open than 0600 before the chmod, then given its mode and group. */
-static int daemon_bind(struct daemon *d) {
-        const struct config *c = &d->config;
+/* Binds a listener's socket ourselves at `path`: created under a umask so
+ * that it is never more open than 0600 before the chmod, then given `mode`
+ * and `group` ("" to leave it). */
+static int daemon_bind(struct daemon_listener *l, const char *path, mode_t mode, const char *group) {
+        const char *what = l->admin ? "admin socket" : "socket";
         struct sockaddr_un sa = { .sun_family = AF_UNIX };
         mode_t old_umask;
         int fd, r;
 
-        snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", c->socket);
+        if (strlen(path) >= sizeof(sa.sun_path)) {
+                log_err("%s %s: longer than %zu bytes", what, path, sizeof(sa.sun_path) - 1);
+                return -ENAMETOOLONG;
+        }
+        snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", path);
         r = daemon_clear_stale(&sa);
         if (r < 0) {
-                log_err("socket %s: %s", c->socket,
+                log_err("%s %s: %s", what, path,
                         r == -EADDRINUSE ? "another daemon is listening there"
                         : r == -EEXIST   ? "exists and is not a socket"
                                          : strerror(-r));
@@ -138,7 +149,7 @@ static int daemon_bind(struct daemon *d) {
         fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
         if (fd < 0) {
                 r = -errno;
-                log_err("socket %s: socket(): %s", c->socket, strerror(errno));
+                log_err("%s %s: socket(): %s", what, path, strerror(errno));
                 return r;
         }
         old_umask = umask(0177);
@@ -146,43 +157,43 @@ static int daemon_bind(struct daemon *d) {
         umask(old_umask);
         if (r < 0) {
                 r = -errno;
-                log_err("socket %s: bind: %s", c->socket, strerror(errno));
+                log_err("%s %s: bind: %s", what, path, strerror(errno));
                 goto fail;
         }
-        d->bound_path = strdup(c->socket);
-        if (!d->bound_path) {
+        l->bound_path = strdup(path);
+        if (!l->bound_path) {
                 r = -ENOMEM;
-                unlink(c->socket);
+                unlink(path);
                 goto fail;
         }
-        if (chmod(c->socket, c->socket_mode) < 0) {
+        if (chmod(path, mode) < 0) {
                 r = -errno;
-                log_err("socket %s: chmod 0%o: %s", c->socket, (unsigned)c->socket_mode, strerror(errno));
+                log_err("%s %s: chmod 0%o: %s", what, path, (unsigned)mode, strerror(errno));
                 goto fail;
         }
-        if (c->socket_group[0]) {
+        if (group[0]) {
                 struct group gr, *grr = NULL;
                 char buf[4096];
 
-                if (getgrnam_r(c->socket_group, &gr, buf, sizeof(buf), &grr) != 0 || !grr) {
+                if (getgrnam_r(group, &gr, buf, sizeof(buf), &grr) != 0 || !grr) {
                         r = -ENOENT;
-                        log_err("socket_group '%s': no such group", c->socket_group);
+                        log_err("socket_group '%s': no such group", group);
                         goto fail;
                 }
-                if (chown(c->socket, (uid_t)-1, gr.gr_gid) < 0) {
+                if (chown(path, (uid_t)-1, gr.gr_gid) < 0) {
                         r = -errno;
-                        log_err("socket %s: chgrp %s: %s", c->socket, c->socket_group, strerror(errno));
+                        log_err("%s %s: chgrp %s: %s", what, path, group, strerror(errno));
                         goto fail;
                 }
         }
         if (listen(fd, SOMAXCONN) < 0) {
                 r = -errno;
-                log_err("socket %s: listen: %s", c->socket, strerror(errno));
+                log_err("%s %s: listen: %s", what, path, strerror(errno));
                 goto fail;
         }
-        d->listen_fd = fd;
-        log_info("listening on %s (mode 0%o%s%s)", c->socket, (unsigned)c->socket_mode,
-                 c->socket_group[0] ? ", group " : "", c->socket_group);
+        l->fd = fd;
+        log_info("listening on %s %s (mode 0%o%s%s)", what, path, (unsigned)mode, group[0] ? ", group " : "",
+                 group);
         return 0;
 
 fail:
@@ -190,26 +201,52 @@ fail:
         return r;
 }
 
-/* Takes the socket systemd passed (moeepd.socket), or binds one. */
-static int daemon_listen(struct daemon *d) {
-        int n = sd_listen_fds(1);
-        int fd = SD_LISTEN_FDS_START;
+/* Creates the admin socket's directory (/run/moeep-admin) when it is
+ * missing, for the daemon's uid alone; tmpfiles.d and moeepd-admin.socket
+ * make it under systemd. A failure shows when binding. */
+static void daemon_admin_dir(const char *path) {
+        char dir[sizeof(((struct sockaddr_un *)0)->sun_path)];
+        struct stat st;
+        char *slash;
+
+        snprintf(dir, sizeof(dir), "%s", path);
+        slash = strrchr(dir, '/');
+        if (!slash || slash == dir)
+                return;
+        *slash = '\0';
+        if (mkdir(dir, 0700) == 0)
+                log_info("admin socket: created %s (mode 0700)", dir);
+        else if (stat(dir, &st) == 0 && (st.st_mode & 0022))
+                /* Whoever may write there may put a socket of their own
+                 * where moeepctl looks for the daemon's. */
+                log_warn("admin socket %s: its directory is writable by others (mode 0%o): set admin_socket "
+                         "to a path in a directory only the daemon's uid may write",
+                         path, (unsigned)(st.st_mode & 07777));
+}
+
+/* Warns when the admin socket systemd passed is open to more than its
+ * owner: whoever can connect to it is an operator. */
+static void daemon_admin_mode_check(int fd) {
+        struct sockaddr_un sa = { 0 };
+        socklen_t len = sizeof(sa) - 1; /* keeps a NUL after the path */
+        struct stat st;
+
+        if (getsockname(fd, (struct sockaddr *)&sa, &len) < 0 || sa.sun_path[0] != '/' ||
+            stat(sa.sun_path, &st) < 0 || !(st.st_mode & 0077))
+                return;
+        log_warn("admin socket %s is mode 0%o: anyone who can open it is an operator (drain, log level, "
+                 "every job); make it 0600 (SocketMode=0600 in moeepd-admin.socket)",
+                 sa.sun_path, (unsigned)(st.st_mode & 0777));
+}
+
+/* Takes socket-activated fd `fd` for listener `l`. */
+static int daemon_take_fd(struct daemon_listener *l, int fd, const char *name) {
         int flags;
 
-        if (n < 0) {
-                log_err("sd_listen_fds: %s", strerror(-n));
-                return n;
-        }
-        if (n == 0)
-                return daemon_bind(d);
-        if (n > 1) {
-                log_err("socket activation passed %d sockets: need exactly 1", n);
-                return -EINVAL;
-        }
         if (sd_is_socket(fd, AF_UNIX, SOCK_SEQPACKET, 1) <= 0) {
-                log_err("socket activation: fd %d is not a listening AF_UNIX SOCK_SEQPACKET socket "
+                log_err("socket activation: fd %d ('%s') is not a listening AF_UNIX SOCK_SEQPACKET socket "
                         "(use ListenSequentialPacket=)",
-                        fd);
+                        fd, name);
                 return -EINVAL;
         }
         flags = fcntl(fd, F_GETFL);
@@ -219,13 +256,77 @@ static int daemon_listen(struct daemon *d) {
                 log_err("socket activation: fd %d: fcntl: %s", fd, strerror(errno));
                 return r;
         }
-        d->listen_fd = fd;
-        log_info("listening on the socket systemd passed (fd %d)", fd);
+        l->fd = fd;
+        log_info("listening on the %s socket systemd passed (fd %d, '%s')", l->admin ? "admin" : "client", fd,
+                 name);
+        if (l->admin)
+                daemon_admin_mode_check(fd);
         return 0;
 }
 
+/* Takes the sockets systemd passed (moeepd.socket: named "client", or
+ * unnamed; moeepd-admin.socket: named "admin"), and binds what it did not
+ * pass: a unit from before the admin socket passes only the client socket,
+ * and the daemon then binds the admin socket itself. */
+static int daemon_listen(struct daemon *d) {
+        char admin_path[sizeof(((struct sockaddr_un *)0)->sun_path)];
+        char **names = NULL;
+        int n, r = 0;
+
+        n = sd_listen_fds_with_names(1, &names);
+        if (n < 0) {
+                log_err("sd_listen_fds: %s", strerror(-n));
+                return n;
+        }
+        for (int i = 0; i < n && r == 0; i++) {
+                const char *name = names && names[i] ? names[i] : "unknown";
+                bool admin = strcmp(name, "admin") == 0;
+                struct daemon_listener *l = admin ? &d->admin : &d->listen;
+
+                if (l->fd >= 0) {
+                        log_err("socket activation passed two %s sockets (fd %d and %d): need one "
+                                "(FileDescriptorName=admin marks the admin socket)",
+                                admin ? "admin" : "client", l->fd, SD_LISTEN_FDS_START + i);
+                        r = -EINVAL;
+                } else
+                        r = daemon_take_fd(l, SD_LISTEN_FDS_START + i, name);
+        }
+        for (int i = 0; names && i < n; i++)
+                free(names[i]);
+        free(names);
+        if (r < 0)
+                return r;
+        if (d->listen.fd < 0) {
+                r = daemon_bind(&d->listen, d->config.socket, d->config.socket_mode, d->config.socket_group);
+                if (r < 0)
+                        return r;
+        }
+        if (d->admin.fd < 0) {
+                struct sockaddr_un sa = { 0 };
+                socklen_t len = sizeof(sa) - 1; /* keeps a NUL after the path */
+                const char *next_to = d->config.socket;
+
+                /* Next to the client socket systemd passed, where that is
+                 * not where the configuration says. */
+                if (!d->listen.bound_path && !d->config.admin_socket[0] &&
+                    getsockname(d->listen.fd, (struct sockaddr *)&sa, &len) == 0 && sa.sun_path[0] == '/')
+                        next_to = sa.sun_path;
+                r = d->config.admin_socket[0]
+                            ? config_admin_socket(&d->config, admin_path, sizeof(admin_path))
+                            : moeep_admin_socket_path(next_to, admin_path, sizeof(admin_path));
+                if (r < 0) {
+                        log_err("admin socket next to %s: the path is too long; set admin_socket", next_to);
+                        return -ENAMETOOLONG;
+                }
+                daemon_admin_dir(admin_path);
+                /* The operator's: only the daemon's own uid may connect. */
+                r = daemon_bind(&d->admin, admin_path, 0600, "");
+        }
+        return r;
+}
+
 static void daemon_accept_cb(evutil_socket_t lfd, short what, void *arg) {
-        struct daemon *d = arg;
+        struct daemon_listener *l = arg;
         struct timeval pause = { .tv_sec = DAEMON_ACCEPT_PAUSE_MS / 1000,
                                  .tv_usec = (DAEMON_ACCEPT_PAUSE_MS % 1000) * 1000 };
 
@@ -241,25 +342,26 @@ static void daemon_accept_cb(evutil_socket_t lfd, short what, void *arg) {
                         if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
                                 /* The pending connection stays queued;
                                  * without a pause we would spin on it. */
-                                log_warn("accept: %s: pausing for %d ms", strerror(errno),
+                                log_warn("accept on the %s socket: %s: pausing for %d ms",
+                                         l->admin ? "admin" : "client", strerror(errno),
                                          DAEMON_ACCEPT_PAUSE_MS);
-                                event_del(d->ev_listen);
-                                evtimer_add(d->ev_accept_resume, &pause);
+                                event_del(l->ev);
+                                evtimer_add(l->ev_resume, &pause);
                                 return;
                         }
                         log_err("accept: %s", strerror(errno));
                         return;
                 }
-                r = session_new(d, fd, &s);
+                r = session_new(l->daemon, fd, l->admin, &s);
                 if (r < 0 && r != -EDQUOT) /* refusals were logged with their reason */
                         log_warn("new session: %s", strerror(-r));
         }
 }
 
 static void daemon_accept_resume_cb(evutil_socket_t fd, short what, void *arg) {
-        struct daemon *d = arg;
+        struct daemon_listener *l = arg;
 
-        event_add(d->ev_listen, NULL);
+        event_add(l->ev, NULL);
 }
 
 static void daemon_reload(struct daemon *d) {
@@ -274,12 +376,14 @@ static void daemon_reload(struct daemon *d) {
                 return;
         }
         if (strcmp(fresh.socket, d->config.socket) != 0 || fresh.socket_mode != d->config.socket_mode ||
+            strcmp(fresh.admin_socket, d->config.admin_socket) != 0 ||
             strcmp(fresh.socket_group, d->config.socket_group) != 0 ||
             strcmp(fresh.metrics_listen, d->config.metrics_listen) != 0 ||
             strcmp(fresh.mesh_listen, d->config.mesh_listen) != 0 ||
             strcmp(fresh.mesh_peers, d->config.mesh_peers) != 0 ||
             strcmp(fresh.cluster_key_file, d->config.cluster_key_file) != 0)
-                log_notice("reload: socket, socket_mode, socket_group, metrics_listen and the mesh keys "
+                log_notice("reload: socket, socket_mode, socket_group, admin_socket, metrics_listen and the "
+                           "mesh keys "
                            "(mesh_listen, mesh_peers, cluster_key_file) change only on restart");
         r = config_apply_reloadable(&d->config, &fresh);
         config_done(&fresh);
@@ -306,7 +410,8 @@ static void daemon_signal_cb(evutil_socket_t sig, short what, void *arg) {
                 return;
         log_notice("%s: shutting down", strsignal((int)sig));
         sd_notify(0, "STOPPING=1\nSTATUS=shutting down");
-        event_del(d->ev_listen);
+        event_del(d->listen.ev);
+        event_del(d->admin.ev);
         jobs_abort_all(d->jobs, "the daemon is shutting down");
         sessions_shutdown(d, "the daemon is shutting down");
         event_base_loopexit(d->base, NULL);
@@ -316,6 +421,24 @@ static void daemon_watchdog_cb(evutil_socket_t fd, short what, void *arg) {
         sd_notify(0, "WATCHDOG=1");
 }
 
+static void daemon_listeners_init(struct daemon *d) {
+        d->listen = (struct daemon_listener){ .daemon = d, .admin = false, .fd = -1 };
+        d->admin = (struct daemon_listener){ .daemon = d, .admin = true, .fd = -1 };
+}
+
+static void daemon_listener_done(struct daemon_listener *l) {
+        if (l->ev)
+                event_free(l->ev);
+        if (l->ev_resume)
+                event_free(l->ev_resume);
+        if (l->fd >= 0)
+                close(l->fd);
+        if (l->bound_path) {
+                unlink(l->bound_path);
+                free(l->bound_path);
+        }
+}
+
 static void daemon_reap_cb(evutil_socket_t fd, short what, void *arg) {
         sessions_reap(arg);
 }
@@ -323,10 +446,18 @@ static void daemon_reap_cb(evutil_socket_t fd, short what, void *arg) {
 static int daemon_events(struct daemon *d) {
         uint64_t usec = 0;
 
-        d->ev_listen = event_new(d->base, d->listen_fd, EV_READ | EV_PERSIST, daemon_accept_cb, d);
-        d->ev_accept_resume = evtimer_new(d->base, daemon_accept_resume_cb, d);
+        struct daemon_listener *listeners[] = { &d->listen, &d->admin };
+
+        for (size_t i = 0; i < sizeof(listeners) / sizeof(listeners[0]); i++) {
+                struct daemon_listener *l = listeners[i];
+
+                l->ev = event_new(d->base, l->fd, EV_READ | EV_PERSIST, daemon_accept_cb, l);
+                l->ev_resume = evtimer_new(d->base, daemon_accept_resume_cb, l);
+                if (!l->ev || !l->ev_resume || event_add(l->ev, NULL) < 0)
+                        return -ENOMEM;
+        }
         d->ev_reap = event_new(d->base, -1, 0, daemon_reap_cb, d);
-        if (!d->ev_listen || !d->ev_accept_resume || !d->ev_reap || event_add(d->ev_listen, NULL) < 0)
+        if (!d->ev_reap)
                 return -ENOMEM;
         for (size_t i = 0; i < sizeof(daemon_signals) / sizeof(daemon_signals[0]); i++) {
                 d->ev_signal[i] = evsignal_new(d->base, daemon_signals[i], daemon_signal_cb, d);
@@ -352,7 +483,7 @@ int daemon_init(struct daemon *d, const struct daemon_options *options) {
         int r;
 
         memset(d, 0, sizeof(*d));
-        d->listen_fd = -1;
+        daemon_listeners_init(d);
         d->options = *options;
         d->next_session_id = 1;
         TAILQ_INIT(&d->sessions);
@@ -365,6 +496,10 @@ int daemon_init(struct daemon *d, const struct daemon_options *options) {
                 return r;
         }
         log_set_level(d->config.log_level);
+        if (d->config.admin_group[0])
+                log_notice("admin_group '%s' is no longer used: operator rights come from the admin socket "
+                           "(admin_socket), whoever connects to the client socket",
+                           d->config.admin_group);
         log_info("configuration: %s",
                  daemon_config_path(options) ? daemon_config_path(options) : "embedded defaults (no file)");
         /* MSG_NOSIGNAL covers our sends; this covers everything else. */
@@ -447,23 +582,15 @@ void daemon_done(struct daemon *d) {
         for (size_t i = 0; i < sizeof(d->ev_signal) / sizeof(d->ev_signal[0]); i++)
                 if (d->ev_signal[i])
                         event_free(d->ev_signal[i]);
-        if (d->ev_listen)
-                event_free(d->ev_listen);
-        if (d->ev_accept_resume)
-                event_free(d->ev_accept_resume);
         if (d->ev_watchdog)
                 event_free(d->ev_watchdog);
         if (d->ev_reap)
                 event_free(d->ev_reap);
-        if (d->listen_fd >= 0)
-                close(d->listen_fd);
-        if (d->bound_path) {
-                unlink(d->bound_path);
-                free(d->bound_path);
-        }
+        daemon_listener_done(&d->listen);
+        daemon_listener_done(&d->admin);
         if (d->base)
                 event_base_free(d->base);
         config_done(&d->config);
         memset(d, 0, sizeof(*d));
-        d->listen_fd = -1;
+        daemon_listeners_init(d);
 }

@@ -24,18 +24,35 @@ struct daemon_options {
         const char *config_path;    /* not owning; NULL = MOEEP_DEFAULT_CONFIG when it exists */
         bool no_config;             /* --no-config: embedded defaults only, no file at all */
         const char *socket;         /* not owning; NULL = from the configuration */
+        const char *admin_socket;   /* not owning; NULL = from the configuration */
         const char *log_level;      /* not owning; NULL = from the configuration */
         const char *metrics_listen; /* not owning; NULL = from the configuration */
 };
 
+/* One listening socket. The client socket (0660, group moeep) is what
+ * containers are given; the admin socket (0600, the daemon's uid) is the
+ * operator's and is never mounted into containers. A session is an admin
+ * session when, and only when, it was accepted on the admin socket: the
+ * decision is made once, at accept, and no credential changes it. */
+struct daemon_listener {
+        struct daemon *daemon;   /* not owning */
+        bool admin;              /* the operator socket */
+        int fd;                  /* owns; -1 when none */
+        char *bound_path;        /* owns; the path we bound (unlinked at exit), NULL when socket-activated */
+        struct event *ev;        /* owns */
+        struct event *ev_resume; /* owns; re-enables accepting after EMFILE */
+};
+
+/* Admin sessions at once: the operator's own small cap, apart from the
+ * client caps, so that no number of client sessions can lock it out. */
+#define DAEMON_ADMIN_SESSIONS_MAX 16
+
 struct daemon {
         struct event_base *base; /* owns */
         struct daemon_options options;
-        struct config config;    /* the live configuration */
-        int listen_fd;           /* owns */
-        char *bound_path;        /* owns; the path we bound (unlinked at exit), NULL when socket-activated */
-        struct event *ev_listen; /* owns */
-        struct event *ev_accept_resume; /* owns; re-enables accepting after EMFILE */
+        struct config config;           /* the live configuration */
+        struct daemon_listener listen;  /* the client socket */
+        struct daemon_listener admin;   /* the operator socket */
         struct event *ev_signal[3];     /* owns; SIGTERM, SIGINT, SIGHUP */
         struct event *ev_watchdog;      /* owns; NULL without WatchdogSec */
         struct event *ev_reap;          /* owns; frees dead sessions from the loop */
@@ -48,6 +65,7 @@ struct daemon {
         struct session_list sessions;   /* owns; live sessions, CLOSED ones that still flush included */
         struct session_list dead;       /* owns; closed sessions waiting to be freed */
         uint32_t nsessions;             /* length of `sessions` */
+        uint32_t nadmin;                /* of them, sessions accepted on the admin socket */
         uint64_t next_session_id;
         struct timespec started;  /* CLOCK_MONOTONIC */
         uint32_t status_sessions; /* what the last STATUS= said, to send only changes */
@@ -67,7 +85,7 @@ int daemon_config_build(const struct daemon_options *o, struct config *ret_confi
 /* The configuration file daemon_config_build() reads, or NULL for none. */
 const char *daemon_config_path(const struct daemon_options *o);
 
-/* Loads the configuration, sets up the listener, signals and notification.
+/* Loads the configuration, sets up the listeners, signals and notification.
  * Logs what went wrong and returns -errno. */
 int daemon_init(struct daemon *d, const struct daemon_options *options);
 

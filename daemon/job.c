@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "config.h"
+#include "errors.h"
 #include "job.h"
 #include "log.h"
 
@@ -330,8 +331,8 @@ int jobs_join(struct jobs *jobs, const uint8_t *unique_id, size_t len, uint32_t 
         if (!job)
                 return errmsg_set(errmsg, -ENOENT, "job %" PRIu64 ": no such job", id);
         if (!secret_equal(job->secret, unique_id + 9))
-                return errmsg_set(errmsg, -EACCES, "job %" PRIu64 ": the unique id's secret does not match",
-                                  id);
+                return errmsg_set(errmsg, -ERROR_KIND_BAD_SECRET,
+                                  "job %" PRIu64 ": the unique id's secret does not match", id);
         if (owner_in_a_job(jobs, owner))
                 return errmsg_set(errmsg, -EISCONN, "job %" PRIu64 ": the session already belongs to a job",
                                   id);

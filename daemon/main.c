@@ -18,6 +18,8 @@ static void usage(FILE *f) {
                 "expert-parallel jobs over a Unix socket.\n"
                 "\n"
                 "  -s, --socket PATH       listen on PATH (default %s); ignored under socket activation\n"
+                "  -a, --admin-socket PATH the operator socket, mode 0600 (default: next to the socket,\n"
+                "                          PATH-admin.sock); ignored when systemd passes one named admin\n"
                 "  -f, --foreground        accepted for compatibility: moeepd never forks\n"
                 "  -c, --config FILE       read FILE (INI) over the embedded defaults; SIGHUP re-reads it\n"
                 "                          (default %s, when it exists)\n"
@@ -58,6 +60,7 @@ static int check_config(const struct daemon_options *options, bool dump) {
 int main(int argc, char **argv) {
         static const struct option longopts[] = {
                 { "socket", required_argument, NULL, 's' },
+                { "admin-socket", required_argument, NULL, 'a' },
                 { "foreground", no_argument, NULL, 'f' },
                 { "config", required_argument, NULL, 'c' },
                 { "log-level", required_argument, NULL, 'l' },
@@ -74,10 +77,13 @@ int main(int argc, char **argv) {
         struct daemon d;
         int c, level, r;
 
-        while ((c = getopt_long(argc, argv, "s:fc:l:nm:tdhV", longopts, NULL)) != -1)
+        while ((c = getopt_long(argc, argv, "s:a:fc:l:nm:tdhV", longopts, NULL)) != -1)
                 switch (c) {
                 case 's':
                         options.socket = optarg;
+                        break;
+                case 'a':
+                        options.admin_socket = optarg;
                         break;
                 case 'f':
                         break;

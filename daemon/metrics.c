@@ -5,6 +5,7 @@
 #include <stdlib.h>
 
 #include "broker.h"
+#include "http.h"
 #include "daemon.h"
 #include "job.h"
 #include "log.h"
@@ -181,6 +182,13 @@ static void snapshot_daemon(struct snapshot *s, const struct daemon *d) {
         sample_add(s, (double)d->metrics.reloads_failed, "result", "failed", NULL, NULL);
         single(s, "moeepd_http_requests_total", COUNTER, "Requests served by the metrics HTTP listener.",
                (double)d->metrics.http_requests);
+        single(s, "moeepd_http_connections", GAUGE, "Open connections of the metrics HTTP listener.",
+               http_connections(d->http));
+        family_add(s, "moeepd_http_closed_total", COUNTER,
+                   "Metrics HTTP connections closed by the daemon, by reason: over the connection cap, or "
+                   "past the whole-request deadline.");
+        sample_add(s, (double)d->metrics.http_refused, "reason", "cap", NULL, NULL);
+        sample_add(s, (double)d->metrics.http_deadlines, "reason", "deadline", NULL, NULL);
 }
 
 static void snapshot_mesh(struct snapshot *s, const struct daemon *d) {

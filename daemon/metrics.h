@@ -30,6 +30,8 @@ struct metrics {
         uint64_t reloads_ok;     /* SIGHUP reloads applied */
         uint64_t reloads_failed; /* SIGHUP reloads refused (bad file) */
         uint64_t http_requests;  /* scrapes served by the HTTP listener */
+        uint64_t http_refused;   /* HTTP connections closed at once: HTTP_MAX_CONNECTIONS were open */
+        uint64_t http_deadlines; /* HTTP connections closed at HTTP_DEADLINE_MS */
 };
 
 /* Counts one Error response of `code` (unknown codes are not counted). */

@@ -1,12 +1,11 @@
 /* Status, job and client listings; see query.h. */
 #include <errno.h>
-#include <grp.h>
 #include <inttypes.h>
-#include <pwd.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
+#include "admin.h"
 #include "daemon.h"
 #include "job.h"
 #include "log.h"
@@ -17,44 +16,6 @@
 #include "query.h"
 #include "record.h"
 #include "session.h"
-
-/* The peer's groups from the group database, for kernels without
- * SO_PEERGROUPS. Weaker: it misses groups granted only to the process (a
- * container's), which is the safe direction. */
-static bool uid_in_group_db(uid_t uid, gid_t gid) {
-        char buf[4096];
-        struct passwd pw, *pwr = NULL;
-        gid_t groups[256];
-        int n = 256;
-
-        if (getpwuid_r(uid, &pw, buf, sizeof(buf), &pwr) != 0 || !pwr)
-                return false;
-        if (getgrouplist(pw.pw_name, pw.pw_gid, groups, &n) < 0)
-                n = 256; /* truncated list: check what we have */
-        for (int i = 0; i < n; i++)
-                if (groups[i] == gid)
-                        return true;
-        return false;
-}
-
-bool query_is_admin(const struct session *s) {
-        const char *name = s->daemon->config.admin_group;
-        struct group gr, *grr = NULL;
-        char buf[4096];
-
-        if (s->cred.uid == 0 || s->cred.uid == geteuid())
-                return true;
-        if (!name || !name[0] || getgrnam_r(name, &gr, buf, sizeof(buf), &grr) != 0 || !grr)
-                return false;
-        if (s->cred.gid == gr.gr_gid)
-                return true;
-        if (!s->groups)
-                return uid_in_group_db(s->cred.uid, gr.gr_gid);
-        for (size_t i = 0; i < s->ngroups; i++)
-                if (s->groups[i] == gr.gr_gid)
-                        return true;
-        return false;
-}
 
 /* Whether `viewer` may see session `other`. */
 static bool session_visible(const struct session *viewer, bool admin, const struct session *other) {
@@ -88,7 +49,7 @@ static int query_send_listing(struct session *s, uint64_t request_id, Moeep__V1_
 
 int query_status(struct session *s, uint64_t request_id, char *errmsg) {
         const struct daemon *d = s->daemon;
-        bool admin = query_is_admin(s);
+        bool admin = s->admin;
         Moeep__V1__Status st = MOEEP__V1__STATUS__INIT;
         Moeep__V1__Response resp = MOEEP__V1__RESPONSE__INIT;
         const struct session *o;
@@ -112,7 +73,7 @@ int query_status(struct session *s, uint64_t request_id, char *errmsg) {
 
 int query_jobs(struct session *s, uint64_t request_id, char *errmsg) {
         const struct daemon *d = s->daemon;
-        bool admin = query_is_admin(s);
+        bool admin = s->admin;
         Moeep__V1__Jobs jobs = MOEEP__V1__JOBS__INIT;
         Moeep__V1__Response resp = MOEEP__V1__RESPONSE__INIT;
         Moeep__V1__JobInfo *infos = NULL, **ptrs = NULL;
@@ -184,7 +145,7 @@ out:
 
 int query_clients(struct session *s, uint64_t request_id, char *errmsg) {
         const struct daemon *d = s->daemon;
-        bool admin = query_is_admin(s);
+        bool admin = s->admin;
         Moeep__V1__Clients clients = MOEEP__V1__CLIENTS__INIT;
         Moeep__V1__Response resp = MOEEP__V1__RESPONSE__INIT;
         Moeep__V1__ClientInfo *infos = NULL, **ptrs = NULL;
@@ -258,15 +219,26 @@ int query_nics(struct session *s, uint64_t request_id, char *errmsg) {
         return r;
 }
 
+static int peer_address_cmp(const void *a, const void *b) {
+        const struct mesh_peer *p = *(const struct mesh_peer *const *)a,
+                               *q = *(const struct mesh_peer *const *)b;
+
+        return strcmp(p->address, q->address);
+}
+
 int query_mesh(struct session *s, uint64_t request_id, char *errmsg) {
         const struct mesh *mesh = s->daemon->mesh;
         Moeep__V1__Mesh m = MOEEP__V1__MESH__INIT;
         Moeep__V1__Response resp = MOEEP__V1__RESPONSE__INIT;
         Moeep__V1__MeshPeer *infos = NULL, **ptrs = NULL;
-        const struct mesh_peer *p;
+        const struct mesh_peer *p, **sorted = NULL;
         size_t count = 0, n = 0;
         int r;
 
+        /* The peers' addresses describe the cluster, not the caller's job. */
+        r = admin_check(s, "MeshList", errmsg);
+        if (r < 0)
+                return r;
         m.address = (char *)"";
         if (mesh) {
                 m.enabled = true;
@@ -277,23 +249,33 @@ int query_mesh(struct session *s, uint64_t request_id, char *errmsg) {
         }
         infos = calloc(count + 1, sizeof(*infos));
         ptrs = calloc(count + 1, sizeof(*ptrs));
-        if (!infos || !ptrs) {
+        sorted = calloc(count + 1, sizeof(*sorted));
+        if (!infos || !ptrs || !sorted) {
                 r = errmsg_set(errmsg, -ENOMEM, "MeshList of %zu peers: out of memory", count);
                 goto out;
         }
-        if (mesh)
-                TAILQ_FOREACH (p, &mesh->peers, entry) {
+        if (mesh) {
+                size_t i = 0;
+
+                TAILQ_FOREACH (p, &mesh->peers, entry)
+                        sorted[i++] = p;
+        }
+        /* Sorted by address, the connections to one daemon are neighbours:
+         * an outbound peer waiting while that daemon's own connection to us
+         * is up is no second peer. Sorting keeps this O(n log n) where
+         * comparing every pair was quadratic. */
+        qsort(sorted, count, sizeof(*sorted), peer_address_cmp);
+        for (size_t first = 0, last; first < count; first = last) {
+                bool up = false;
+
+                for (last = first; last < count && strcmp(sorted[last]->address, sorted[first]->address) == 0;
+                     last++)
+                        up |= !sorted[last]->dead && sorted[last]->state == MESH_PEER_UP;
+                for (size_t i = first; i < last; i++) {
                         Moeep__V1__MeshPeer *mp = &infos[n];
 
-                        const struct mesh_peer *q;
-                        bool covered = false;
-
-                        /* An outbound peer waiting while the daemon's own
-                         * connection to us is up is no second peer. */
-                        TAILQ_FOREACH (q, &mesh->peers, entry)
-                                covered |= q != p && !q->dead && q->state == MESH_PEER_UP &&
-                                           strcmp(q->address, p->address) == 0;
-                        if (p->dead || (covered && p->state != MESH_PEER_UP))
+                        p = sorted[i];
+                        if (p->dead || (up && p->state != MESH_PEER_UP))
                                 continue;
                         moeep__v1__mesh_peer__init(mp);
                         mp->address = (char *)p->address;
@@ -303,6 +285,7 @@ int query_mesh(struct session *s, uint64_t request_id, char *errmsg) {
                         mp->jobs = mesh_peer_jobs(mesh, p);
                         ptrs[n++] = mp;
                 }
+        }
         m.peers = ptrs;
         m.n_peers = n;
         resp.body_case = MOEEP__V1__RESPONSE__BODY_MESH;
@@ -311,5 +294,6 @@ int query_mesh(struct session *s, uint64_t request_id, char *errmsg) {
 out:
         free(infos);
         free(ptrs);
+        free(sorted);
         return r;
 }

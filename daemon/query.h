@@ -1,9 +1,14 @@
 /* Status, job and client listings (StatusGet, JobsList, ClientsList), and
- * the operator queries MetricsGet and NicsList.
- * Admins (uid 0, the daemon's own uid, members of admin_group) see
- * everything; anyone else sees their own job and its members, or only their
- * own session when not in a job. The job secret is never part of any
- * answer. */
+ * the operator queries MetricsGet, NicsList and MeshList.
+ *
+ * Sessions of the admin socket see everything. On the client socket (what
+ * containers are given) a session sees only its own job and that job's
+ * members, or only itself when not in a job, whatever its uid: StatusGet
+ * counts only those, and says the version, uptime, pid, draining and log
+ * level. MetricsGet (node-wide totals, the same as the HTTP listener) and
+ * NicsList (the node's NICs) are answered on both sockets; MeshList (the
+ * peer daemons' addresses) only on the admin socket. The job secret is
+ * never part of any answer. Every listing is linear in what it lists. */
 #ifndef MOEEPD_QUERY_H
 #define MOEEPD_QUERY_H
 
@@ -11,9 +16,6 @@
 #include <stdint.h>
 
 struct session;
-
-/* Whether the session's peer is an admin. */
-bool query_is_admin(const struct session *s);
 
 /* Each queues its response on `s`; 0 or -errno with errmsg. */
 int query_status(struct session *s, uint64_t request_id, char *errmsg);

@@ -14,6 +14,7 @@
 #include "broker.h"
 #include "daemon.h"
 #include "datapath.h"
+#include "errors.h"
 #include "log.h"
 #include "moeep-config.h"
 #include "query.h"
@@ -64,44 +65,11 @@ const char *session_state_to_string(enum session_state s) {
         return "unknown";
 }
 
-/* Maps the -errno values of job.c, broker.c and query.c (documented in
- * their headers) to protocol error codes, in one place. */
+/* The protocol's code for a handler's refusal: errors.h decides, in one
+ * table, so that an errno from a system call is never read as a refusal
+ * that means something else (EACCES from mmap() is not a bad secret). */
 Moeep__V1__ErrorCode session_error_code(int r) {
-        switch (-r) {
-        case EINVAL:
-        case EALREADY:
-                return MOEEP__V1__ERROR_CODE__ERROR_INVALID_ARGUMENT;
-        case ENOENT:
-                return MOEEP__V1__ERROR_CODE__ERROR_NO_SUCH_JOB;
-        case EACCES:
-                return MOEEP__V1__ERROR_CODE__ERROR_BAD_SECRET;
-        case ERANGE:
-                return MOEEP__V1__ERROR_CODE__ERROR_RANK_OUT_OF_RANGE;
-        case EEXIST:
-                return MOEEP__V1__ERROR_CODE__ERROR_RANK_TAKEN;
-        case EDOM:
-                return MOEEP__V1__ERROR_CODE__ERROR_WORLD_SIZE_MISMATCH;
-        case EDQUOT:
-        case E2BIG:
-                return MOEEP__V1__ERROR_CODE__ERROR_LIMIT_EXCEEDED;
-        case EPERM:
-                return MOEEP__V1__ERROR_CODE__ERROR_PERMISSION_DENIED;
-        case ENOTCONN:
-        case ECANCELED:
-                return MOEEP__V1__ERROR_CODE__ERROR_NOT_IN_JOB;
-        case EISCONN:
-                return MOEEP__V1__ERROR_CODE__ERROR_ALREADY_IN_JOB;
-        case EBADF:
-                return MOEEP__V1__ERROR_CODE__ERROR_BAD_FDS;
-        case EPIPE:
-                return MOEEP__V1__ERROR_CODE__ERROR_PEER_LOST;
-        case ESHUTDOWN:
-                return MOEEP__V1__ERROR_CODE__ERROR_DRAINING;
-        case EAGAIN:
-                return MOEEP__V1__ERROR_CODE__ERROR_NOT_READY;
-        default: /* errno values, not our enum */
-                return MOEEP__V1__ERROR_CODE__ERROR_INTERNAL;
-        }
+        return error_code(r);
 }
 
 /* moeep_record_recv() names what was wrong only in text; descriptor
@@ -273,6 +241,7 @@ void session_close_now(struct session *s) {
         s->fd = -1;
         TAILQ_REMOVE(&d->sessions, s, entry);
         d->nsessions--;
+        d->nadmin -= s->admin;
         TAILQ_INSERT_TAIL(&d->dead, s, entry);
         daemon_status_changed(d);
         session_unref(s); /* the list's reference */
@@ -881,12 +850,13 @@ static void session_read_groups(struct session *s) {
 #endif
 }
 
+/* Client sessions of `uid` (admin sessions have their own cap). */
 static uint32_t sessions_count_uid(const struct daemon *d, uid_t uid) {
         const struct session *s;
         uint32_t n = 0;
 
         TAILQ_FOREACH (s, &d->sessions, entry)
-                n += s->cred.uid == uid;
+                n += s->cred.uid == uid && !s->admin;
         return n;
 }
 
@@ -908,7 +878,7 @@ static int session_refuse(struct daemon *d, int fd, int r, const char *why) {
         return r;
 }
 
-int session_new(struct daemon *d, int fd, struct session **ret_session) {
+int session_new(struct daemon *d, int fd, bool admin, struct session **ret_session) {
         char why[ERRMSG_MAX];
         struct session *s;
         struct ucred cred;
@@ -921,14 +891,21 @@ int session_new(struct daemon *d, int fd, struct session **ret_session) {
                 close(fd);
                 return r;
         }
-        if (d->nsessions >= d->config.max_sessions) {
+        if (admin && d->nadmin >= DAEMON_ADMIN_SESSIONS_MAX) {
+                snprintf(why, sizeof(why), "%" PRIu32 " admin sessions connected (at most %d)", d->nadmin,
+                         DAEMON_ADMIN_SESSIONS_MAX);
+                log_notice("refusing pid %d uid %u on the admin socket: %s", (int)cred.pid,
+                           (unsigned)cred.uid, why);
+                return session_refuse(d, fd, -EDQUOT, why);
+        }
+        if (!admin && d->nsessions - d->nadmin >= d->config.max_sessions) {
                 snprintf(why, sizeof(why), "%" PRIu32 " sessions connected (max_sessions = %" PRIu32 ")",
-                         d->nsessions, d->config.max_sessions);
+                         d->nsessions - d->nadmin, d->config.max_sessions);
                 log_notice("refusing pid %d uid %u: %s", (int)cred.pid, (unsigned)cred.uid, why);
                 return session_refuse(d, fd, -EDQUOT, why);
         }
-        n = sessions_count_uid(d, cred.uid);
-        if (n >= d->config.max_sessions_per_uid) {
+        n = admin ? 0 : sessions_count_uid(d, cred.uid);
+        if (!admin && n >= d->config.max_sessions_per_uid) {
                 snprintf(why, sizeof(why),
                          "uid %u has %" PRIu32 " sessions (max_sessions_per_uid = %" PRIu32 ")",
                          (unsigned)cred.uid, n, d->config.max_sessions_per_uid);
@@ -944,6 +921,7 @@ int session_new(struct daemon *d, int fd, struct session **ret_session) {
         s->fd = fd;
         s->daemon = d;
         s->cred = cred;
+        s->admin = admin;
         s->state = SESSION_NEW;
         s->references = 1;
         TAILQ_INIT(&s->out);
@@ -959,8 +937,10 @@ int session_new(struct daemon *d, int fd, struct session **ret_session) {
         d->metrics.sessions_accepted++;
         TAILQ_INSERT_TAIL(&d->sessions, s, entry);
         d->nsessions++;
-        log_debug("session %" PRIu64 ": connected, pid %d uid %u gid %u, %zu groups", s->id, (int)cred.pid,
-                  (unsigned)cred.uid, (unsigned)cred.gid, s->ngroups);
+        d->nadmin += admin;
+        log_debug("session %" PRIu64 ": connected%s, pid %d uid %u gid %u, %zu groups", s->id,
+                  admin ? " on the admin socket" : "", (int)cred.pid, (unsigned)cred.uid, (unsigned)cred.gid,
+                  s->ngroups);
         daemon_status_changed(d);
         *ret_session = s;
         return 0;

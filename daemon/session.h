@@ -40,6 +40,7 @@ struct session {
         enum session_state state;
         unsigned references; /* the daemon's list holds one until death */
         struct ucred cred;   /* SO_PEERCRED at accept */
+        bool admin;          /* accepted on the admin socket: decided at accept, never changes */
         gid_t *groups;       /* owns; SO_PEERGROUPS at accept (supplementary groups) */
         size_t ngroups;
         char name[SESSION_NAME_MAX + 1]; /* Hello.client_name, sanitised */
@@ -55,8 +56,11 @@ struct session {
         TAILQ_ENTRY(session) entry;
 };
 
-/* Accepts the connection `fd` (owned from now on, closed on error). */
-int session_new(struct daemon *d, int fd, struct session **ret_session);
+/* Accepts the connection `fd` (owned from now on, closed on error), which
+ * came through the admin socket when `admin`. Client sessions count against
+ * max_sessions and max_sessions_per_uid; admin sessions only against
+ * DAEMON_ADMIN_SESSIONS_MAX. */
+int session_new(struct daemon *d, int fd, bool admin, struct session **ret_session);
 
 /* Queues a record for `s` with duplicates of `fds` (the caller keeps its
  * own). Returns 0, or -ENOBUFS when the peer does not read (the session is
@@ -96,7 +100,8 @@ void sessions_reap(struct daemon *d);
  * takes now, closes. */
 void sessions_shutdown(struct daemon *d, const char *reason);
 
-/* The ErrorCode for a -errno of job.c, broker.c, query.c or mesh.c. */
+/* The ErrorCode for a handler's return value (an error kind or -errno;
+ * errors.h maps them). */
 Moeep__V1__ErrorCode session_error_code(int r);
 
 /* `s` became member `m` (a local join, or one its job's home daemon

@@ -10,7 +10,9 @@
  * whether writes pass descriptors. Ordering: when the provider orders
  * write-after-write (FI_ORDER_WAW in tx_attr->msg_order, as tcp;ofi_rxm
  * and efa do) an ordered write is an ordinary one; otherwise it carries
- * FI_FENCE. */
+ * FI_FENCE. Completion: on tcp a write asks for FI_DELIVERY_COMPLETE, so
+ * that a write the target refuses (a deregistered region) completes with
+ * an error instead of "done" (see fabric_open). */
 #include <errno.h>
 #include <inttypes.h>
 #include <stdbool.h>
@@ -55,6 +57,7 @@ struct tp {
         char name[TP_ADDR_MAX]; /* our endpoint name */
         size_t name_len;
         bool virt_addr, prov_key, local_mr, waw;
+        uint64_t complete;      /* FI_DELIVERY_COMPLETE where completions are local (tcp), else 0 */
         uint64_t next_key;      /* next requested_key when !prov_key */
         uint32_t npeers;
         fi_addr_t *peers;       /* owns; FI_ADDR_NOTAVAIL until connected */
@@ -99,6 +102,17 @@ static int fabric_open(const struct tp_config *cfg, struct tp **ret, char *errms
         tp->prov_key = tp->info->domain_attr->mr_mode & FI_MR_PROV_KEY;
         tp->local_mr = tp->info->domain_attr->mr_mode & FI_MR_LOCAL;
         tp->waw = tp->info->tx_attr->msg_order & FI_ORDER_WAW;
+        /* tcp (and sockets) complete a write once it is on the socket:
+         * the target checks the key later, and a write into a region it
+         * already deregistered was reported done while it landed nowhere.
+         * Asking for delivery completion makes the target's refusal our
+         * error completion, which fails the peer as docs/protocol.md says.
+         * Hardware providers (efa, verbs) complete after the remote NIC
+         * accepted the write, key checked, so they keep the cheaper
+         * default. */
+        if (strncmp(tp->info->fabric_attr->prov_name, "tcp", 3) == 0 ||
+            strncmp(tp->info->fabric_attr->prov_name, "sockets", 7) == 0)
+                tp->complete = FI_DELIVERY_COMPLETE;
         tp->next_key = 1;
 
         r = fi_fabric(tp->info->fabric_attr, &tp->fabric, NULL);
@@ -297,7 +311,7 @@ static int fabric_write(struct tp *tp, uint32_t peer, struct tp_mr *src, uint64_
         struct iovec iov;
         struct fi_rma_iov rma;
         struct fi_msg_rma msg = { 0 };
-        uint64_t fl = FI_COMPLETION;
+        uint64_t fl = FI_COMPLETION | tp->complete;
         ssize_t r;
 
         if (peer >= tp->npeers || tp->peers[peer] == FI_ADDR_NOTAVAIL)

@@ -1,7 +1,14 @@
 /* tp-loop: a transport inside one process. A write is a memcpy into the
  * target region's host address (the rkey's base) and completes at once. It
  * measures the proxy's own cost (no network) and tests the proxy without
- * one. Peers are only numbers; any region of the process is reachable. */
+ * one. Peers are only numbers; any region of the process is reachable.
+ *
+ * As a NIC would, it checks each write's key against the regions that are
+ * registered now: a write into a region that was deregistered completes
+ * with -EACCES (a remote access error) instead of copying into memory that
+ * is gone. The registry's mutex also keeps mr_free (event loop) from
+ * unmapping a region while write (proxy thread) copies into it. */
+#include <pthread.h>
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
@@ -13,6 +20,7 @@
 #define LOOP_MAX_PEERS 1024
 
 struct tp_mr {
+        uint64_t key;   /* unique per transport: what the rkey names */
         void *addr;     /* host address of offset 0 */
         uint64_t length;
         void *map;      /* owns when not NULL: our mmap of a memfd */
@@ -24,6 +32,10 @@ struct tp {
         uint32_t depth;        /* capacity of cq (power of two) */
         uint64_t cq_head, cq_tail;
         struct tp_completion *cq; /* owns; completions not yet polled */
+        pthread_mutex_t lock;     /* guards mrs, nmrs against write */
+        struct tp_mr **mrs;       /* owns the array, not the regions: the registered regions */
+        size_t nmrs, mrs_cap;
+        uint64_t next_key;
 };
 
 static int loop_open(const struct tp_config *cfg, struct tp **ret, char *errmsg) {
@@ -37,6 +49,8 @@ static int loop_open(const struct tp_config *cfg, struct tp **ret, char *errmsg)
                 return errmsg_set(errmsg, -ENOMEM, "transport loop: out of memory");
         }
         tp->depth = depth;
+        tp->next_key = 1;
+        pthread_mutex_init(&tp->lock, NULL);
         *ret = tp;
         return 0;
 }
@@ -45,6 +59,8 @@ static void loop_close(struct tp *tp) {
         if (!tp)
                 return;
         free(tp->cq);
+        free(tp->mrs);
+        pthread_mutex_destroy(&tp->lock);
         free(tp);
 }
 
@@ -67,14 +83,38 @@ static int loop_mr_new(struct tp *tp, const struct tp_mem *mem, struct tp_mr **r
                 free(mr);
                 return r;
         }
+        pthread_mutex_lock(&tp->lock);
+        if (tp->nmrs == tp->mrs_cap) {
+                size_t cap = tp->mrs_cap ? 2 * tp->mrs_cap : 16;
+                struct tp_mr **mrs = realloc(tp->mrs, cap * sizeof(*mrs));
+
+                if (!mrs) {
+                        pthread_mutex_unlock(&tp->lock);
+                        if (mr->map)
+                                munmap(mr->map, mr->map_len);
+                        free(mr);
+                        return errmsg_set(errmsg, -ENOMEM, "transport loop: %s: out of memory", name);
+                }
+                tp->mrs = mrs;
+                tp->mrs_cap = cap;
+        }
+        mr->key = tp->next_key++;
+        tp->mrs[tp->nmrs++] = mr;
+        pthread_mutex_unlock(&tp->lock);
         *ret = mr;
         return 0;
 }
 
 static void loop_mr_free(struct tp *tp, struct tp_mr *mr) {
-        (void)tp;
         if (!mr)
                 return;
+        pthread_mutex_lock(&tp->lock);
+        for (size_t i = 0; i < tp->nmrs; i++)
+                if (tp->mrs[i] == mr) {
+                        tp->mrs[i] = tp->mrs[--tp->nmrs];
+                        break;
+                }
+        pthread_mutex_unlock(&tp->lock);
         if (mr->map)
                 munmap(mr->map, mr->map_len);
         free(mr);
@@ -82,7 +122,7 @@ static void loop_mr_free(struct tp *tp, struct tp_mr *mr) {
 
 static void loop_mr_rkey(const struct tp_mr *mr, struct tp_rkey *ret) {
         ret->base = (uint64_t)(uintptr_t)mr->addr;
-        ret->key = 0;
+        ret->key = mr->key;
         ret->length = mr->length;
 }
 
@@ -117,10 +157,21 @@ static int loop_write(struct tp *tp, uint32_t peer, struct tp_mr *src, uint64_t 
                 return -EINVAL;
         if (tp->cq_tail - tp->cq_head >= tp->depth)
                 return -EAGAIN;
-        memcpy((char *)(uintptr_t)dst->base + dst_off, (char *)src->addr + src_off, len);
         c = &tp->cq[tp->cq_tail++ & (tp->depth - 1)];
+        c->status = -EACCES;
+        pthread_mutex_lock(&tp->lock);
+        for (size_t i = 0; i < tp->nmrs; i++) {
+                const struct tp_mr *mr = tp->mrs[i];
+
+                if (mr->key == dst->key && (uint64_t)(uintptr_t)mr->addr == dst->base &&
+                    mr->length == dst->length) {
+                        memcpy((char *)mr->addr + dst_off, (char *)src->addr + src_off, len);
+                        c->status = 0;
+                        break;
+                }
+        }
+        pthread_mutex_unlock(&tp->lock);
         c->cookie = cookie;
-        c->status = 0;
         c->remote = 0;
         c->peer = peer;
         return 0;

@@ -5,6 +5,7 @@
 #include <string.h>
 #include <sys/mman.h>
 
+#include "errors.h"
 #include "log.h"
 #include "transport.h"
 
@@ -35,6 +36,15 @@ int tp_mem_map(const struct tp_mem *mem, const char *who, void **ret_addr, void 
                 return 0;
         case TP_MEM_MEMFD:
                 map = mmap(NULL, mem->length, PROT_READ | PROT_WRITE, MAP_SHARED, mem->fd, (off_t)mem->offset);
+                /* The client's fd does not let us write: opened read-only
+                 * (EACCES) or sealed against writes (EPERM). Its fault,
+                 * and said as such, not as whatever those errnos alias. */
+                if (map == MAP_FAILED && (errno == EACCES || errno == EPERM))
+                        return errmsg_set(
+                                errmsg, -ERROR_KIND_BAD_FDS,
+                                "%s: %s: fd %d cannot be mapped for writing (%s): it is read-only or "
+                                "sealed against writes, and the daemon writes into this region",
+                                who, name, mem->fd, strerror(errno));
                 if (map == MAP_FAILED)
                         return errmsg_set(errmsg, -errno, "%s: %s: mmap of fd %d (%llu bytes at %llu): %s", who, name,
                                           mem->fd, (unsigned long long)mem->length,

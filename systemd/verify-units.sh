@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Checks the generated systemd files the way systemd itself reads them.
 #
-#   verify-units.sh units SERVICE SOCKET SBINDIR [MOEEPD]
-#       `systemd-analyze verify` on both units. The service's ExecStart names
+#   verify-units.sh units SERVICE SOCKET ADMIN_SOCKET SBINDIR [MOEEPD]
+#       `systemd-analyze verify` on the three units; the two sockets must
+#       name their fds "client" and "admin" (moeepd tells them apart so),
+#       and the admin socket must be 0600 outside /run/moeep. The service's ExecStart names
 #       the installed path (SBINDIR/moeepd), which does not exist at test time,
 #       so a copy points it at the built MOEEPD instead (or at a stub when the
 #       daemon is not built). Any diagnostic systemd prints fails the test:
@@ -33,8 +35,13 @@ analyze() {
 mode=${1:-}
 case $mode in
 units)
-        [[ $# -ge 4 ]] || die "usage: $0 units SERVICE SOCKET SBINDIR [MOEEPD]"
-        service=$2 socket=$3 sbindir=$4 moeepd=${5:-}
+        [[ $# -ge 5 ]] || die "usage: $0 units SERVICE SOCKET ADMIN_SOCKET SBINDIR [MOEEPD]"
+        service=$2 socket=$3 admin_socket=$4 sbindir=$5 moeepd=${6:-}
+        grep -qx 'FileDescriptorName=client' "$socket" || die "$socket: no FileDescriptorName=client"
+        grep -qx 'FileDescriptorName=admin' "$admin_socket" || die "$admin_socket: no FileDescriptorName=admin"
+        grep -qx 'SocketMode=0600' "$admin_socket" || die "$admin_socket: not SocketMode=0600"
+        grep -q '^ListenSequentialPacket=/run/moeep/' "$admin_socket" &&
+                die "$admin_socket: inside /run/moeep, which containers are given"
         command -v systemd-analyze >/dev/null || { echo "systemd-analyze not installed"; exit 77; }
         if [[ -z $moeepd ]]; then
                 # The daemon is not part of this build yet: check everything
@@ -51,13 +58,14 @@ units)
                 die "$service: ExecStart does not start $sbindir/moeepd"
         sed "s|^ExecStart=$sbindir/moeepd |ExecStart=$moeepd |" "$service" >"$tmp/moeepd.service"
         cp "$socket" "$tmp/moeepd.socket"
-        analyze moeepd.service moeepd.socket || die "systemd-analyze verify rejected the units"
-        echo "ok: moeepd.service and moeepd.socket verify cleanly"
+        cp "$admin_socket" "$tmp/moeepd-admin.socket"
+        analyze moeepd.service moeepd.socket moeepd-admin.socket || die "systemd-analyze verify rejected the units"
+        echo "ok: moeepd.service, moeepd.socket and moeepd-admin.socket verify cleanly"
 
         # Self-test: a broken unit must be rejected, or this check is blind.
         mkdir "$tmp/broken"
         sed 's/^Type=notify$/Type=notify\nNoSuchKey=1/' "$tmp/moeepd.service" >"$tmp/broken/moeepd.service"
-        cp "$tmp/moeepd.socket" "$tmp/broken/"
+        cp "$tmp/moeepd.socket" "$tmp/moeepd-admin.socket" "$tmp/broken/"
         if analyze broken/moeepd.service broken/moeepd.socket >/dev/null; then
                 die "a unit with an unknown key passed verification: the check is blind"
         fi
@@ -83,7 +91,9 @@ sysusers-tmpfiles)
         gid=$(awk -F: '$1 == "moeep" { print $3 }' "$root/etc/group")
         got=$(stat -c '%a %u %g' "$root/run/moeep")
         [[ $got == "750 0 $gid" ]] || die "/run/moeep is '$got', want '750 0 $gid'"
-        echo "ok: groups moeep, moeep-admin and /run/moeep 0750 root:moeep"
+        got=$(stat -c '%a %u %g' "$root/run/moeep-admin")
+        [[ $got == "700 0 0" ]] || die "/run/moeep-admin is '$got', want '700 0 0'"
+        echo "ok: groups moeep, moeep-admin, /run/moeep 0750 root:moeep, /run/moeep-admin 0700 root:root"
         ;;
 *)
         die "usage: $0 units|sysusers-tmpfiles ..."

@@ -13,7 +13,8 @@
 #    (requests, errors, jobs, ranks, regions, barriers) and agree with each
 #    other; other paths are 404.
 # 4. Admin commands (log-level, drain) are refused for uid 65534 (setpriv),
-#    which may still read status and metrics.
+#    which cannot open the admin socket and may still read status and
+#    metrics, and for root on the client socket (--client).
 # 5. drain: JobCreate is refused with ERROR_DRAINING, status shows it, a job
 #    that exists goes on; drain --off accepts jobs again.
 # 6. log-level changes the level at once; SIGHUP restores the file's level;
@@ -218,15 +219,24 @@ if [[ $(id -u) -eq 0 ]] && command -v setpriv >/dev/null; then
                 if timeout 20 "${nobody[@]}" "$moeepctl" --socket "$sock" $args >"$tmp/nobody.out" 2>"$tmp/nobody.err"; then
                         fail "uid 65534 ran moeepctl $args"
                 fi
-                grep -q "uid 65534 is not an admin" "$tmp/nobody.err" || fail "moeepctl $args as uid 65534: $(cat "$tmp/nobody.err")"
+                grep -q "is an operator command: only the admin socket accepts it" "$tmp/nobody.err" ||
+                        fail "moeepctl $args as uid 65534: $(cat "$tmp/nobody.err")"
+                grep -q "the admin socket, which admin commands need: .*Permission denied" "$tmp/nobody.err" ||
+                        fail "moeepctl $args as uid 65534 does not say why the admin socket was not used: $(cat "$tmp/nobody.err")"
         done
+        # Root on the client socket (a container running as root without a
+        # user namespace) is no admin either.
+        if timeout 20 "$moeepctl" --socket "$sock" --client drain >"$tmp/root.out" 2>"$tmp/root.err"; then
+                fail "root drained through the client socket"
+        fi
+        grep -q "Drain is an operator command" "$tmp/root.err" || fail "moeepctl --client drain as root: $(cat "$tmp/root.err")"
         timeout 20 "${nobody[@]}" "$moeepctl" --socket "$sock" --json status >"$tmp/nobody.out" 2>&1 ||
                 fail "uid 65534 may not read status: $(cat "$tmp/nobody.out")"
         json "$tmp/nobody.out" 'd["draining"] is False and d["jobs"] == 0'
         timeout 20 "${nobody[@]}" "$moeepctl" --socket "$sock" metrics >"$tmp/nobody.out" 2>&1 ||
                 fail "uid 65534 may not read metrics"
-        metric "$tmp/nobody.out" 'moeepd_errors_total{code="ERROR_PERMISSION_DENIED"}=4' 'moeepd_draining=0'
-        echo "ok: uid 65534 is refused log-level and drain (ERROR_PERMISSION_DENIED), reads status and metrics"
+        metric "$tmp/nobody.out" 'moeepd_errors_total{code="ERROR_PERMISSION_DENIED"}=5' 'moeepd_draining=0'
+        echo "ok: uid 65534, and root on the client socket, are refused log-level and drain (ERROR_PERMISSION_DENIED); uid 65534 reads status and metrics"
 else
         echo "skip: not root or no setpriv: admin refusal not checked"
 fi

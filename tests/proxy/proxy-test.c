@@ -2,12 +2,16 @@
  * descriptor rings the kernels will write; proxies move the bytes.
  *
  *   moeep-proxy-test loop     one process, tp-loop: bytes, counters, done,
- *                             a bad descriptor, ring removal
+ *                             a bad descriptor, ring removal, a write into a
+ *                             deregistered region fails
  *   moeep-proxy-test fabric   two processes over libfabric tcp on 127.0.0.1,
  *                             each sending to the other: every byte, every counter
  *   moeep-proxy-test kill     the same, then one side is SIGKILLed mid-transfer:
  *                             the survivor's producer and counter waiter end
  *                             with an error within a bounded time
+ *   moeep-proxy-test released the receiver deregisters its receive region;
+ *                             the writer's next write into it fails its ring and
+ *                             the peer (docs/protocol.md), never "done"
  *   moeep-proxy-test verbs    opens the verbs backend; skips (77) without a device
  *
  * Exit 0 pass, 1 fail, 77 skip. */
@@ -262,6 +266,37 @@ static int test_loop(void) {
                 FAIL("event %s: %s", proxy_event_type_to_string(ev.type), ev.msg);
         printf("loop: %s\n", ev.msg);
         side_teardown(&s);
+
+        /* A write into a region deregistered meanwhile fails (a remote
+         * access error, as a NIC reports it), and fails the peer; it does
+         * not copy into memory that is gone. */
+        {
+                struct proxy_desc d = {
+                        .length = 64, .flags = PROXY_DESC_SIGNAL, .signal_id = 1, .signal_value = 99
+                };
+                struct side s2 = { 0 };
+                bool seen = false;
+
+                side_setup(&s2, &cfg, -1, 10, 5000);
+                if ((r = produce(&s2, 10, drv_now_ns() + 5 * SEC)) < 0)
+                        FAIL("released: the first 10: %s", strerror(-r));
+                consume(&s2, 10);
+                s2.t.ops->mr_free(s2.t.tp, s2.recv_mr);
+                s2.recv_mr = NULL;
+                if ((r = drv_push(&s2.ring, &d, drv_now_ns() + 5 * SEC)) < 0)
+                        FAIL("released: push: %s", strerror(-r));
+                r = drv_wait_done(&s2.ring, 11, drv_now_ns() + 5 * SEC);
+                if (r != -EACCES)
+                        FAIL("released: a write into a deregistered region ended with %d (%s), want -EACCES",
+                             r, strerror(-r));
+                for (uint64_t t0 = drv_now_ns(); !seen && drv_now_ns() - t0 < 5 * SEC;)
+                        while (proxy_event_next(s2.proxy, &ev))
+                                seen |= ev.type == PROXY_EVENT_PEER_FAILED;
+                if (!seen)
+                        FAIL("released: no peer-failed event");
+                printf("loop: a write into a deregistered region: %s, peer failed\n", strerror(-r));
+                side_teardown(&s2);
+        }
         return 0;
 }
 
@@ -419,6 +454,75 @@ static int kill_side(int sock, uint64_t count, pid_t other) {
         return 0;
 }
 
+/* A region released while the other side still writes into it (the
+ * documented failure, docs/protocol.md "A region a rank releases while
+ * others still write into it fails the transport connection"): the
+ * receiver (other == 0) takes 100 descriptors, then deregisters its receive
+ * region and says so; the writer's next descriptor into it must end with an
+ * error on its ring within 15 s, and the proxy must report the peer failed.
+ * A write that is reported done writes nowhere the receiver can see. */
+static int released_side(int sock, uint64_t count, pid_t other) {
+        struct side s = { 0 };
+        uint64_t deadline, t0;
+        struct proxy_desc d = { .src_offset = 0,
+                                .dst_offset = 0,
+                                .length = 64,
+                                .flags = PROXY_DESC_SIGNAL,
+                                .signal_id = 1,
+                                .signal_value = 1000 };
+        char c = 'r';
+        int r;
+
+        (void)count;
+        side_setup(&s, &fabric_cfg, sock, 100, 10000);
+        deadline = drv_now_ns() + 60 * SEC;
+        if (!other) {
+                /* The receiver: the first 100, then the release. */
+                consume(&s, 100);
+                s.t.ops->mr_free(s.t.tp, s.recv_mr);
+                s.recv_mr = NULL;
+                if (write(sock, &c, 1) != 1 || read(sock, &c, 1) != 1)
+                        FAIL("release handshake: %s", strerror(errno));
+                side_teardown(&s);
+                return 0;
+        }
+        if ((r = produce(&s, 100, deadline)) < 0)
+                FAIL("the first 100 descriptors: %s", strerror(-r));
+        if (read(sock, &c, 1) != 1)
+                FAIL("release handshake: %s", strerror(errno));
+        t0 = drv_now_ns();
+        if ((r = drv_push(&s.ring, &d, t0 + 15 * SEC)) < 0)
+                FAIL("push after the release: %s", strerror(-r));
+        r = drv_wait_done(&s.ring, 101, t0 + 15 * SEC);
+        printf("released: a write into the released region ended with %d (%s) after %.3f s, ring error %d\n",
+               r, r ? strerror(-r) : "done, no error", (double)(drv_now_ns() - t0) / 1e9,
+               (int)s.ring.hdr->error);
+        if (r == 0)
+                FAIL("a write into a released region was reported done with no error");
+        if (r == -ETIMEDOUT)
+                FAIL("a write into a released region neither completed nor failed in 15 s");
+        {
+                struct pollfd efd = { .fd = proxy_event_fd(s.proxy), .events = POLLIN };
+                struct proxy_event ev;
+                bool seen = false;
+
+                for (t0 = drv_now_ns(); !seen && drv_now_ns() - t0 < 5 * SEC;) {
+                        poll(&efd, 1, 100);
+                        while (proxy_event_next(s.proxy, &ev))
+                                if (ev.type == PROXY_EVENT_PEER_FAILED) {
+                                        printf("released: event: %s\n", ev.msg);
+                                        seen = true;
+                                }
+                }
+                if (!seen)
+                        FAIL("no peer-failed event within 5 s of the error");
+        }
+        if (write(sock, &c, 1) != 1)
+                FAIL("release handshake: %s", strerror(errno));
+        side_teardown(&s);
+        return 0;
+}
+
 static int test_verbs(void) {
         struct tp_config cfg = { .backend = "verbs" };
         struct transport t;
@@ -450,8 +554,12 @@ int main(int argc, char **argv) {
                 probe_fabric();
                 return run_two(kill_side, 0);
         }
+        if (strcmp(what, "released") == 0) {
+                probe_fabric();
+                return run_two(released_side, 0);
+        }
         if (strcmp(what, "verbs") == 0)
                 return test_verbs();
-        fprintf(stderr, "usage: %s loop|fabric|kill|verbs\n", argv[0]);
+        fprintf(stderr, "usage: %s loop|fabric|kill|released|verbs\n", argv[0]);
         return 2;
 }

@@ -53,7 +53,8 @@ static void test_defaults(void **state) {
         assert_string_equal(c.socket, MOEEP_DEFAULT_SOCKET);
         assert_int_equal(c.socket_mode, 0660);
         assert_string_equal(c.socket_group, "");
-        assert_string_equal(c.admin_group, "moeep-admin");
+        assert_string_equal(c.admin_group, "");
+        assert_string_equal(c.admin_socket, "");
         assert_int_equal(c.log_level, LOG_INFO);
         assert_int_equal(c.max_regions_per_session, 8);
         assert_int_equal(c.max_region_bytes_per_uid, 1ull << 40);

@@ -14,6 +14,7 @@
 #include <cmocka.h>
 
 #include "config.h"
+#include "errors.h"
 #include "job.h"
 #include "unit.h"
 
@@ -180,7 +181,7 @@ static void test_join_errors(void **state) {
         for (int i = 9; i < JOB_UNIQUE_ID_BYTES; i += 7) {
                 memcpy(bad, uid, sizeof(bad));
                 bad[i] ^= 1;
-                assert_int_equal(join(f, bad, 0, 2, 0, NULL), -EACCES);
+                assert_int_equal(join(f, bad, 0, 2, 0, NULL), -ERROR_KIND_BAD_SECRET);
         }
         assert_int_equal(join(f, uid, 0, 3, 0, NULL), -EDOM);
         assert_int_equal(join(f, uid, 2, 2, 0, NULL), -ERANGE);

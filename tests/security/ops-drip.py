@@ -1,0 +1,87 @@
+"""The drip-feeding attacker of ops-http.sh: opens TOTAL connections to the
+metrics listener on 127.0.0.1:PORT (at most 200 new ones every 100 ms), and
+sends each one byte of a request that never ends every INTERVAL seconds,
+for SECONDS in all; connections the daemon closes are counted, not
+reopened. Prints one JSON object:
+
+  attempts      connections opened
+  refused       answered 503 by the daemon (over the connection cap)
+  deadline      closed by the daemon without an answer (the deadline)
+  open_at_end   still open when we stopped (must be 0 past the deadline)
+  max_life_s    the longest a connection lived before the daemon closed it
+
+    ops-drip.py PORT TOTAL SECONDS INTERVAL
+"""
+import errno
+import json
+import resource
+import select
+import socket
+import sys
+import time
+
+port, total, seconds, interval = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, total + 256), hard))
+
+request = b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Drip: " + b"a" * 4000
+conns = {}  # fd -> [socket, opened, bytes sent, next drip]
+stats = {"attempts": 0, "refused": 0, "deadline": 0, "open_at_end": 0, "max_life_s": 0.0}
+poll = select.poll()
+start = time.monotonic()
+end = start + seconds
+
+def closed(fd, now, busy):
+    s, opened, sent, _ = conns.pop(fd)
+    poll.unregister(fd)
+    s.close()
+    if busy:
+        stats["refused"] += 1
+    else:
+        stats["deadline"] += 1
+        stats["max_life_s"] = max(stats["max_life_s"], now - opened)
+
+while time.monotonic() < end:
+    now = time.monotonic()
+    for _ in range(200):
+        if stats["attempts"] >= total:
+            break
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.setblocking(False)
+        try:
+            s.connect(("127.0.0.1", port))
+        except BlockingIOError:
+            pass
+        except OSError:
+            s.close()
+            stats["attempts"] += 1
+            stats["refused"] += 1
+            continue
+        stats["attempts"] += 1
+        conns[s.fileno()] = [s, now, 0, now + 0.2]
+        poll.register(s.fileno(), select.POLLIN)
+    for fd, ev in poll.poll(100):
+        if fd not in conns:
+            continue
+        try:
+            data = conns[fd][0].recv(4096)
+        except OSError:
+            data = b""
+        # The daemon answers only the refused: the request never ends.
+        closed(fd, time.monotonic(), data.startswith(b"HTTP/1.1 503 "))
+    now = time.monotonic()
+    for fd in list(conns):
+        c = conns[fd]
+        if now >= c[3] and c[2] < len(request):
+            try:
+                c[0].send(request[c[2]:c[2] + 1])
+                c[2] += 1
+            except OSError:
+                closed(fd, now, False)
+                continue
+            c[3] = now + interval
+stats["open_at_end"] = len(conns)
+stats["max_life_s"] = round(stats["max_life_s"], 2)
+for c in conns.values():
+    c[0].close()
+print(json.dumps(stats))

@@ -1,0 +1,94 @@
+# What the ops-* security tests share: arguments, a private directory, the
+# daemon's start and its fd count, bounded waits. Sourced by ops-*.sh.
+# shellcheck shell=bash
+set -uo pipefail
+
+if [[ $# -ne 4 ]]; then
+        echo "usage: $0 MOEEPD MOEEPCTL RANK PROBE" >&2
+        exit 2
+fi
+moeepd=$(realpath "$1") moeepctl=$(realpath "$2") rank=$(realpath "$3") probe=$(realpath "$4")
+here=$(dirname "$(realpath "$0")")
+
+tmp=$(mktemp -d "${TMPDIR:-/tmp}/moeep-sec-ops.XXXXXX")
+chmod 0755 "$tmp" # uid 65534 must reach the client socket
+sock=$tmp/moeepd.sock
+admin=$tmp/moeepd-admin.sock
+log=$tmp/moeepd.log
+conf=$tmp/moeepd.conf
+pids=()
+daemon_pid=""
+phase=start
+
+cleanup() {
+        local p
+        for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null; done
+        for p in "${pids[@]}"; do wait "$p" 2>/dev/null; done
+        rm -rf "$tmp"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+fail() {
+        echo "FAIL [$phase]: $*"
+        [[ -s $log ]] && { echo "--- moeepd log"; tail -n 30 "$log"; }
+        exit 1
+}
+
+# shellcheck source=../wait.sh
+source "$here/../wait.sh"
+
+# start_daemon [PREFIX...]: moeepd on $conf, run under PREFIX (prlimit);
+# waits for both sockets.
+start_daemon() {
+        "$@" "$moeepd" --config "$conf" --foreground >"$log" 2>&1 &
+        daemon_pid=$!
+        pids+=("$daemon_pid")
+        wait_until 20 "the client socket" test -S "$sock"
+        wait_until 20 "the admin socket" test -S "$admin"
+}
+
+# fds: how many descriptors moeepd holds.
+fds() { ls "/proc/$daemon_pid/fd" | wc -l; }
+
+# cpu_ticks: user + system clock ticks moeepd used so far.
+cpu_ticks() { awk '{ print $14 + $15 }' "/proc/$daemon_pid/stat"; }
+
+# probe SOCKET COUNT [WHAT]: COUNT round trips, each within 100 ms.
+probe() {
+        local out
+        out=$("$probe" "$1" "$2" 100 "${3:-status}" 2>&1) || fail "a well-behaved client on $1: $out"
+        echo "$out"
+}
+
+# ctl NAME ARGS...: moeepctl (admin socket by default); stdout in
+# $tmp/NAME.out, must exit 0.
+ctl() {
+        local name=$1 rc
+        shift
+        timeout 20 "$moeepctl" --socket "$sock" "$@" >"$tmp/$name.out" 2>"$tmp/$name.err"
+        rc=$?
+        [[ $rc -eq 0 ]] || fail "moeepctl $* exited $rc: $(cat "$tmp/$name.err")"
+}
+
+# json FILE PYTHON-EXPR: the expression, with `d` the parsed document, must
+# hold.
+json() {
+        python3 - "$1" "$2" <<'PY' || fail "JSON check '$2' on $(basename "$1"): $(head -c 400 "$1")"
+import json, sys
+d = json.load(open(sys.argv[1]))
+if not eval(sys.argv[2]):
+    sys.exit(1)
+PY
+}
+
+stop_daemon() {
+        kill -TERM "$daemon_pid"
+        wait_until 15 "moeepd to exit" eval '! kill -0 "$daemon_pid" 2>/dev/null || grep -q "^Z" <(sed "s/.*) //" /proc/$daemon_pid/stat 2>/dev/null)'
+        wait "$daemon_pid"
+        local rc=$?
+        [[ $rc -eq 0 ]] || fail "moeepd exited $rc after SIGTERM"
+}
+
+[[ $(id -u) -eq 0 ]] || { echo "skip: needs root (uids switch, root-on-the-client-socket attacks)"; exit 77; }
+command -v setpriv >/dev/null || { echo "skip: needs setpriv"; exit 77; }
