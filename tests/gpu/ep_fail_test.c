@@ -20,7 +20,7 @@
  * abort naming a lost rank and join the next job through their own daemon.
  *
  * Usage: ep_fail_test [--ranks LIST] [--seed N] [--moeepd PATH]. Exits 77
- * (meson: skipped) with fewer than 2 GPUs. */
+ * (meson: skipped) without a GPU; ranks beyond the GPUs share them. */
 #include <dirent.h>
 #include <errno.h>
 #include <getopt.h>
@@ -578,8 +578,8 @@ int main(int argc, char **argv) {
                 }
         }
         ngpu = harness_gpu_count();
-        if (ngpu < 2) {
-                printf("SKIP: %d CUDA devices, the failure cases need 2\n", ngpu);
+        if (ngpu < 1) {
+                printf("SKIP: no CUDA device\n");
                 return 77;
         }
         if (!have_seed && getrandom(&seed, sizeof(seed), 0) != sizeof(seed))
@@ -591,8 +591,9 @@ int main(int argc, char **argv) {
                 int R = (int)strtol(q, (char **)&q, 10);
                 while (*q == ',')
                         q++;
-                if (R < 2 || R > ngpu) {
-                        printf("SKIP ranks=%d: %d GPUs here\n", R, ngpu);
+                /* Ranks beyond the GPUs share them (harness_run). */
+                if (R < 2 || R > MOEEP_MAX_RANKS) {
+                        printf("SKIP ranks=%d: the failure cases need 2..%d ranks\n", R, MOEEP_MAX_RANKS);
                         continue;
                 }
                 /* Two nodes: a healthy job first, so that the transport
