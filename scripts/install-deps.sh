@@ -14,6 +14,12 @@ moeep_packages=(
         # The mesh's peer authentication (HMAC-SHA256, random nonces).
         libsodium-dev
         systemd python3
+        # The Python package is installed into a venv (Debian 12 refuses pip
+        # outside one, PEP 668); its install test makes venvs with pip.
+        python3-venv python3-pip
+        # /bin/kill (the unit's ExecReload=, the tests' signals) and ps; a
+        # minimal Debian 12 (debootstrap --variant=minbase) lacks them.
+        procps
         # Reliability runs: libFuzzer targets (clang + its runtimes) and memcheck.
         clang-14 libclang-rt-14-dev valgrind
 )

@@ -150,7 +150,9 @@ def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
 def build_editable(wheel_directory, config_settings=None, metadata_directory=None):
     """`pip install -e ./client/python`: a .pth that puts this source
     directory on sys.path, and the start-up hook."""
-    entries = [("moeep-editable.pth", (SOURCE + "\n").encode()), (PTH_NAME, _pth())]
+    # site.py reads .pth files in sorted order: this one must come before
+    # the hook's, which imports moeep from the directory it adds.
+    entries = [("__editable__.moeep.pth", (SOURCE + "\n").encode()), (PTH_NAME, _pth())]
     return _write_wheel(wheel_directory, entries, version())
 
 
