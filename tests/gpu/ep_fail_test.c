@@ -78,6 +78,7 @@ struct shared {
         volatile int daemon_restarts; /* bumped by the driver once moeepd is back */
         volatile int job_ready;
         volatile int destroyed;       /* survivors that freed their endpoint */
+        volatile int allocated;       /* ranks whose context and test buffers exist */
         struct moeep_unique_id job;   /* the job made after the restart */
         int rc[MOEEP_MAX_RANKS];      /* 0 pass, 1 fail, -1 not reached */
         double delay_ms[MOEEP_MAX_RANKS];
@@ -321,6 +322,11 @@ static int rank_case(struct moeep_client *c, int me, int R, void *shared, void *
         sh->rc[me] = 1;
         if (io_alloc(&io, R) < 0)
                 FAIL("allocating test buffers failed");
+        /* The baseline once every rank's context and buffers exist: ranks
+         * sharing a GPU see each other's memory in cudaMemGetInfo. */
+        __atomic_add_fetch(&sh->allocated, 1, __ATOMIC_ACQ_REL);
+        if (!wait_shared(&sh->allocated, R, 10000))
+                FAIL("the other ranks did not allocate their test buffers");
         free0 = gpu_free_bytes();
         if (moeep_ep_create(c, &cfg, &ep) < 0)
                 FAIL("endpoint: %s", moeep_client_error(c));

@@ -200,4 +200,11 @@ if __name__ == "__main__":
     if len(sys.argv) != 3:
         sys.exit(__doc__)
     WHEEL, LIBMOEEP = os.path.abspath(sys.argv[1]), os.path.abspath(sys.argv[2])
+    # Without venv or ensurepip (python3-venv) nothing here can run: say so
+    # as a skip (77) rather than pass.
+    with tempfile.TemporaryDirectory() as d:
+        r = run([sys.executable, "-m", "venv", os.path.join(d, "probe")])
+    if r.returncode != 0:
+        print("SKIP: python3 -m venv does not work here (install python3-venv): " + r.stderr.strip()[-300:])
+        sys.exit(77)
     unittest.main(argv=sys.argv[:1], verbosity=2)
