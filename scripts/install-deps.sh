@@ -9,6 +9,10 @@
 
 moeep_packages=(
         meson ninja-build pkg-config gcc
+        # meson takes Debian's multiarch libdir (lib/x86_64-linux-gnu) from
+        # dpkg-architecture; without it `meson install` puts libmoeep.so into
+        # lib64, where Debian's dynamic linker does not look.
+        dpkg-dev
         libevent-dev libprotobuf-c-dev protobuf-c-compiler
         libsystemd-dev libfabric-dev libibverbs-dev libinih-dev libcmocka-dev
         # The mesh's peer authentication (HMAC-SHA256, random nonces).
