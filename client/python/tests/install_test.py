@@ -103,12 +103,13 @@ class InstallTest(unittest.TestCase):
         exec(install_py, ns)
         self.assertTrue(os.path.isabs(ns["LIBDIR"]), ns["LIBDIR"])
         # The installed package looks there first, and names no path
-        # outside the venv but the libdir and the linker's search.
+        # outside the venv but the libdir (the linker's search gives a bare
+        # soname, or nothing).
         first = self.candidates(self.venv)[0]
         self.assertEqual(first, (os.path.join(ns["LIBDIR"], "libmoeep.so.0"),
                                  "the libdir of the meson build that made this package"))
         for path, origin in self.candidates(self.venv)[1:]:
-            self.assertTrue(path is None or path.startswith(self.venv.dir), (path, origin))
+            self.assertTrue(path is None or os.sep not in path or path.startswith(self.venv.dir), (path, origin))
 
     def test_finds_the_library_without_variables(self):
         # A wheel made as meson makes it, for a prefix whose libdir holds
@@ -128,6 +129,9 @@ class InstallTest(unittest.TestCase):
         self.assertIn("libmoeep: " + os.path.join(libdir, "libmoeep.so.0"), r.stdout)
 
     def test_missing_library_is_named(self):
+        r = self.venv.py("import moeep._lib as l; l.Library(l.candidate_paths()[-1][0])")
+        if r.returncode == 0:
+            self.skipTest("a libmoeep.so is installed where the dynamic linker finds it: no library is missing here")
         libdir = os.path.join(self.tmp, "empty-lib")
         os.makedirs(libdir, exist_ok=True)
         outdir = os.path.join(self.tmp, "wheel-missing")
