@@ -9,11 +9,21 @@
 
 moeep_packages=(
         meson ninja-build pkg-config gcc
+        # meson takes Debian's multiarch libdir (lib/x86_64-linux-gnu) from
+        # dpkg-architecture; without it `meson install` puts libmoeep.so into
+        # lib64, where Debian's dynamic linker does not look.
+        dpkg-dev
         libevent-dev libprotobuf-c-dev protobuf-c-compiler
         libsystemd-dev libfabric-dev libibverbs-dev libinih-dev libcmocka-dev
         # The mesh's peer authentication (HMAC-SHA256, random nonces).
         libsodium-dev
         systemd python3
+        # The Python package is installed into a venv (Debian 12 refuses pip
+        # outside one, PEP 668); its install test makes venvs with pip.
+        python3-venv python3-pip
+        # /bin/kill (the unit's ExecReload=, the tests' signals) and ps; a
+        # minimal Debian 12 (debootstrap --variant=minbase) lacks them.
+        procps
         # Reliability runs: libFuzzer targets (clang + its runtimes) and memcheck.
         clang-14 libclang-rt-14-dev valgrind
 )

@@ -2,6 +2,7 @@
 #include <errno.h>
 #include <limits.h>
 #include <signal.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -34,6 +35,40 @@ static int find_moeepd(char *out, size_t len) {
                         return 0;
         }
         return -ENOENT;
+}
+
+/* GPUs counted by harness_gpu_count() (0: not counted yet). */
+static int gpus_seen;
+
+/* Whether an MPS control daemon serves this host's CUDA clients: its pipe
+ * directory ($CUDA_MPS_PIPE_DIRECTORY, default /tmp/nvidia-mps) holds its
+ * control socket. */
+static bool mps_running(void) {
+        const char *dir = getenv("CUDA_MPS_PIPE_DIRECTORY");
+        char path[PATH_MAX];
+
+        if (snprintf(path, sizeof(path), "%s/control", dir && *dir ? dir : "/tmp/nvidia-mps") >= (int)sizeof(path))
+                return false;
+        return access(path, F_OK) == 0;
+}
+
+/* The CUDA_MPS_ACTIVE_THREAD_PERCENTAGE each rank process gets when `share`
+ * ranks run on one GPU under MPS: at most 100 / share. Without a limit each
+ * MPS client sees every SM, the low-latency kernels size their grids to
+ * fill the GPU and spin waiting for a peer whose kernel then cannot start
+ * (a deadlock); with it the device reports that share of the SMs and the
+ * grids fit side by side. A smaller value the user set is kept. 0: leave
+ * the environment alone (no sharing, or no MPS: time-sliced contexts, which
+ * the variable would not affect). */
+static int mps_percentage(int share) {
+        const char *user = getenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE");
+        int pct = 100 / share;
+
+        if (share < 2 || !mps_running())
+                return 0;
+        if (user && atoi(user) >= 1 && atoi(user) < pct)
+                pct = atoi(user);
+        return pct;
 }
 
 static void sleep_ms(int ms) {
@@ -242,11 +277,22 @@ int harness_run_watched(struct harness *h, int ranks, const char *name, harness_
         struct moeep_client *creator = NULL;
         struct moeep_unique_id id;
         pid_t pids[MOEEP_MAX_RANKS];
-        int failed = 0, left, r;
+        int failed = 0, left, r, ngpu, share, mps_pct;
         time_t deadline;
 
         if (ranks < 1 || ranks > MOEEP_MAX_RANKS)
                 return -EINVAL;
+        /* More ranks than GPUs: rank i runs on GPU i % ngpu (rank_main). */
+        ngpu = gpus_seen ? gpus_seen : harness_gpu_count();
+        share = ngpu > 0 && ranks > ngpu ? (ranks + ngpu - 1) / ngpu : 1;
+        mps_pct = mps_percentage(share);
+        if (share > 1)
+                fprintf(stderr,
+                        "harness: WARNING: %d ranks share %d GPU%s (rank i on GPU i %% %d, up to %d a GPU): times "
+                        "measured in this run are not performance figures\n",
+                        ranks, ngpu, ngpu > 1 ? "s" : "", ngpu, share);
+        if (mps_pct)
+                fprintf(stderr, "harness: MPS is running: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=%d for each rank\n", mps_pct);
         r = moeep_connect(h->socket, &creator);
         if (r < 0) {
                 fprintf(stderr, "harness: connect %s: %s\n", h->socket, strerror(-r));
@@ -265,6 +311,11 @@ int harness_run_watched(struct harness *h, int ranks, const char *name, harness_
                 if (pids[i] == 0) {
                         /* The creator's socket belongs to the parent. */
                         close(moeep_client_fd(creator));
+                        if (mps_pct) {
+                                char v[16];
+                                snprintf(v, sizeof(v), "%d", mps_pct);
+                                setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", v, 1);
+                        }
                         _exit(rank_main(h, &id, i, ranks, fn, arg));
                 }
                 if (pids[i] < 0) {
@@ -339,9 +390,40 @@ static void count_gpus(void *out, size_t len) {
                 *(int *)out = 0;
 }
 
+/* $MOEEP_HARNESS_GPUS=N: use only the first N GPUs (of
+ * $CUDA_VISIBLE_DEVICES when that is set), so that ranks share GPUs even on
+ * a machine with more (the gpu suite's *_shared tests). Narrows
+ * CUDA_VISIBLE_DEVICES, which every CUDA process started later inherits. */
+static void limit_gpus(void) {
+        const char *want = getenv("MOEEP_HARNESS_GPUS"), *vis = getenv("CUDA_VISIBLE_DEVICES");
+        char list[256] = "";
+        size_t len = 0;
+        int n = want ? atoi(want) : 0;
+
+        if (n < 1)
+                return;
+        if (vis && *vis) {
+                const char *p = vis;
+                for (int i = 0; i < n && *p && len < sizeof(list) - 1; i++) {
+                        size_t k = strcspn(p, ",");
+                        if (len + k + 2 > sizeof(list))
+                                break;
+                        len += (size_t)snprintf(list + len, sizeof(list) - len, "%s%.*s", i ? "," : "", (int)k, p);
+                        p += k + (p[k] == ',');
+                }
+        } else {
+                for (int i = 0; i < n && len < sizeof(list) - 8; i++)
+                        len += (size_t)snprintf(list + len, sizeof(list) - len, "%s%d", i ? "," : "", i);
+        }
+        setenv("CUDA_VISIBLE_DEVICES", list, 1);
+}
+
 int harness_gpu_count(void) {
         int n = 0;
-        return in_child(count_gpus, &n, sizeof(n)) == sizeof(n) ? n : 0;
+
+        limit_gpus();
+        gpus_seen = in_child(count_gpus, &n, sizeof(n)) == sizeof(n) ? n : 0;
+        return gpus_seen;
 }
 
 static void free_per_gpu(void *out, size_t len) {

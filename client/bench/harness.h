@@ -42,7 +42,10 @@ typedef int (*harness_rank_fn)(struct moeep_client *client, int rank, int ranks,
 int harness_init(struct harness *h, const char *moeepd, const char *socket, size_t shared_bytes);
 
 /* Creates a job of `ranks` ranks and runs fn in one forked process per
- * rank. Returns the number of ranks that failed (exit code, signal, or a
+ * rank, rank i on GPU i % (number of GPUs): with more ranks than GPUs the
+ * ranks share them (time-sliced; a warning says that times measured then
+ * are not performance figures) and, when an MPS daemon runs, each rank
+ * process gets CUDA_MPS_ACTIVE_THREAD_PERCENTAGE = 100 / (ranks a GPU). Returns the number of ranks that failed (exit code, signal, or a
  * hang past timeout_s, after which every rank is killed). */
 int harness_run(struct harness *h, int ranks, const char *name, harness_rank_fn fn, void *arg, int timeout_s);
 
@@ -61,7 +64,8 @@ int harness_daemon_stop(struct harness *h, int sig);
 int harness_daemon_start(struct harness *h);
 
 /* Number of CUDA devices, counted in a child process so that this process
- * stays free of CUDA (fork after CUDA init is not allowed); 0 when none. */
+ * stays free of CUDA (fork after CUDA init is not allowed); 0 when none.
+ * $MOEEP_HARNESS_GPUS=N first narrows CUDA_VISIBLE_DEVICES to N GPUs. */
 int harness_gpu_count(void);
 
 /* Free bytes of GPUs 0..n-1, measured like harness_gpu_count(): in a

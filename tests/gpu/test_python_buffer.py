@@ -15,9 +15,17 @@ stats, and combine of an expert-dependent function with the top-k weights.
 Errors: a rank whose moeepd session ends without leaving makes the others'
 next dispatch raise MoeepError naming it.
 
+Usage: test_python_buffer.py [--ranks LIST] [--gpus N]: each rank count of
+LIST (default: the GPUs, at most 4) on the first N GPUs (default: all).
+Ranks beyond the GPUs share them, rank i on GPU i % N; then the ranks talk
+through gloo (NCCL refuses two ranks on one GPU) and, when an MPS daemon
+runs, each gets CUDA_MPS_ACTIVE_THREAD_PERCENTAGE = 100 / (ranks a GPU).
+
 Exit 77 (meson: skipped) without torch or without a CUDA device.
 Environment: MOEEP_LIBRARY, MOEEP_TEST_MOEEPD (meson sets both).
 """
+
+import argparse
 
 import os
 import shutil
@@ -314,8 +322,8 @@ def test_peer_lost(rank, R, group, sock):
         pass  # leaving a job that is gone may report it; nothing else is left
 
 
-def rank_main(rank, R, port, sock, backend):
-    torch.cuda.set_device(rank)
+def rank_main(rank, R, ngpu, port, sock, backend):
+    torch.cuda.set_device(rank % ngpu)
     dist.init_process_group(backend, init_method="tcp://127.0.0.1:%d" % port, rank=rank, world_size=R)
     try:
         test_normal(rank, R, dist.group.WORLD, sock)
@@ -336,11 +344,64 @@ def free_port():
         return s.getsockname()[1]
 
 
+def limit_gpus(n):
+    """Only the first n GPUs (of CUDA_VISIBLE_DEVICES when set) for this
+    process and the ranks it spawns; before torch counts the devices."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range(n)]
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids[:n])
+
+
+def mps_running():
+    pipe = os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps"
+    return os.path.exists(os.path.join(pipe, "control"))
+
+
+def share_gpus(R, ngpu):
+    """Ranks a GPU holds with R ranks on ngpu GPUs; warns and sets the MPS
+    share when they share (as the C harness, client/bench/harness.c)."""
+    share = -(-R // ngpu)
+    if share < 2:
+        return share
+    print("python buffer: %d ranks share %d GPU(s), rank i on GPU i %% %d: times here are not performance figures"
+          % (R, ngpu, ngpu), flush=True)
+    if mps_running():
+        pct = 100 // share
+        user = _mps_user
+        if user and user.isdigit() and 1 <= int(user) < pct:
+            pct = int(user)
+        os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(pct)
+        _mps_set.append(pct)
+        print("python buffer: MPS is running: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=%d for each rank" % pct, flush=True)
+    return share
+
+
+# The user's own value (kept when smaller), and the values set here for
+# the current rank count (taken back before the next one).
+_mps_user = os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+_mps_set = []
+
+
 def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", help="comma-separated rank counts (1..8)")
+    p.add_argument("--gpus", type=int, help="use only the first N GPUs")
+    a = p.parse_args()
+    if a.gpus is not None:
+        if a.gpus < 1:
+            p.error("--gpus must be at least 1")
+        limit_gpus(a.gpus)
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
         print("SKIP: no CUDA device")
         return 77
-    R = min(4, torch.cuda.device_count())
+    ngpu = torch.cuda.device_count()
+    try:
+        counts = [int(x) for x in a.ranks.split(",")] if a.ranks else [min(4, ngpu)]
+    except ValueError:
+        p.error("--ranks takes comma-separated numbers, got %r" % a.ranks)
+    for R in counts:
+        if not 1 <= R <= 8:
+            p.error("--ranks: %d is not in 1..8" % R)
     moeepd = os.environ.get("MOEEP_TEST_MOEEPD") or os.path.join(REPO, "build", "daemon", "moeepd")
     tmp = tempfile.mkdtemp(prefix="moeep-pybuf-")
     sock = os.path.join(tmp, "moeepd.sock")
@@ -350,9 +411,18 @@ def main():
             if os.path.exists(sock):
                 break
             time.sleep(0.05)
-        backend = "nccl" if dist.is_nccl_available() else "gloo"
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-        mp.spawn(rank_main, args=(R, free_port(), sock, backend), nprocs=R, join=True)
+        for R in counts:
+            shared = share_gpus(R, ngpu) > 1
+            # NCCL refuses two ranks on one GPU: gloo carries the test's own
+            # collectives then (moeep's data path does not use them).
+            backend = "nccl" if dist.is_nccl_available() and not shared else "gloo"
+            mp.spawn(rank_main, args=(R, ngpu, free_port(), sock, backend), nprocs=R, join=True)
+            if _mps_set:
+                os.environ.pop("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", None)
+                if _mps_user is not None:
+                    os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = _mps_user
+                _mps_set.clear()
         return 0
     except mp.ProcessExitedException as e:
         print("FAIL: %s" % e)

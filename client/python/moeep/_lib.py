@@ -257,24 +257,53 @@ class Library:
 # ---------------------------------------------------------------- loading
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-# client/python/moeep -> repository root
-_REPO_ROOT = os.path.normpath(os.path.join(_PACKAGE_DIR, "..", "..", ".."))
+
+
+def _checkout_build_library():
+    """build/client/libmoeep.so of the repository checkout this package is
+    used from (PYTHONPATH=client/python), or None when the package is not in
+    a checkout (installed into a venv or site-packages): there the directory
+    three levels up is no repository and a path under it would mean nothing."""
+    python_dir = os.path.dirname(_PACKAGE_DIR)
+    root = os.path.dirname(os.path.dirname(python_dir))
+    if os.path.basename(python_dir) != "python" or not os.path.isfile(os.path.join(root, "meson.build")):
+        return None
+    return os.path.join(root, "build", "client", "libmoeep.so")
+
+
+def _install_libdir():
+    """The libdir `meson install` puts libmoeep.so in, when the meson build
+    made this package (moeep/_install.py, written by tools/moeep_build.py);
+    None for a package installed from source."""
+    try:
+        from . import _install
+    except ImportError:
+        return None
+    return _install.LIBDIR
 
 
 def candidate_paths():
     """Where load_library() looks, in order, as (path or None, origin).
 
-    1. $MOEEP_LIBRARY; 2. libmoeep.so next to the package (a wheel or a copy
-    made at install time); 3. the build tree of the repository the package
-    sits in (build/client/libmoeep.so); 4. ctypes.util.find_library('moeep')
-    (the system's linker path, e.g. after `meson install`)."""
+    1. $MOEEP_LIBRARY (nothing else when it is set); 2. the libdir of the
+    meson build that made this package (moeep/_install.py), where `meson
+    install` puts the library; 3. libmoeep.so next to the package (a copy put
+    there by hand); 4. the build tree of the repository checkout the package
+    is used from (build/client/libmoeep.so), only in a checkout; 5.
+    ctypes.util.find_library('moeep'): the dynamic linker's cache, which
+    holds the library after `meson install` into a system libdir."""
     out = []
     env = os.environ.get("MOEEP_LIBRARY")
     if env:
         out.append((env, "$MOEEP_LIBRARY"))
         return out
+    libdir = _install_libdir()
+    if libdir:
+        out.append((os.path.join(libdir, "libmoeep.so.0"), "the libdir of the meson build that made this package"))
     out.append((os.path.join(_PACKAGE_DIR, "libmoeep.so"), "next to the package"))
-    out.append((os.path.join(_REPO_ROOT, "build", "client", "libmoeep.so"), "the repository's build tree"))
+    build = _checkout_build_library()
+    if build:
+        out.append((build, "the build tree of this checkout"))
     out.append((ctypes.util.find_library("moeep"), "ctypes.util.find_library('moeep')"))
     return out
 
@@ -305,7 +334,8 @@ def load_library():
                 break
     raise OSError(
         _errno.ENOENT,
-        "cannot load libmoeep.so; set MOEEP_LIBRARY to its path. Tried: " + "; ".join(tried),
+        "cannot load libmoeep.so: build and install it (meson setup build && meson compile -C build && "
+        "sudo meson install -C build), or set MOEEP_LIBRARY to its path. Tried: " + "; ".join(tried),
     )
 
 

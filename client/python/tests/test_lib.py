@@ -65,8 +65,12 @@ class LoadTest(unittest.TestCase):
     def test_search_order(self):
         os.environ.pop("MOEEP_LIBRARY", None)
         origins = [o for _, o in _lib.candidate_paths()]
-        self.assertEqual(origins, ["next to the package", "the repository's build tree",
+        # Used from the checkout (PYTHONPATH=client/python): no _install.py,
+        # and the checkout's build tree is a candidate, under this checkout.
+        self.assertEqual(origins, ["next to the package", "the build tree of this checkout",
                                    "ctypes.util.find_library('moeep')"])
+        repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(_lib.__file__)))))
+        self.assertEqual(_lib.candidate_paths()[1][0], os.path.join(repo, "build", "client", "libmoeep.so"))
         os.environ["MOEEP_LIBRARY"] = "/x/libmoeep.so"
         self.assertEqual(_lib.candidate_paths(), [("/x/libmoeep.so", "$MOEEP_LIBRARY")])
 

@@ -12,7 +12,8 @@ from moeep import _job, _lib
 
 
 def moeepd_path():
-    return os.environ.get("MOEEP_TEST_MOEEPD") or os.path.join(_lib._REPO_ROOT, "build", "daemon", "moeepd")
+    repo = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))
+    return os.environ.get("MOEEP_TEST_MOEEPD") or os.path.join(repo, "build", "daemon", "moeepd")
 
 
 class Daemon:
