@@ -14,6 +14,7 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <time.h>
+#include <sodium.h>
 #include <unistd.h>
 
 #include "auth.h"
@@ -89,22 +90,36 @@ static bool address_valid(const char *s) {
 
 /* ------------------------------------------------------------ sending */
 
-static bool is_handshake(Moeep__V1__PeerMessage__BodyCase c) {
+/* Messages that travel in clear during the handshake. PeerWelcome is not
+ * one: it is the acceptor's first sealed frame. */
+static bool is_clear_handshake(Moeep__V1__PeerMessage__BodyCase c) {
         return c == MOEEP__V1__PEER_MESSAGE__BODY_HELLO || c == MOEEP__V1__PEER_MESSAGE__BODY_CHALLENGE ||
-               c == MOEEP__V1__PEER_MESSAGE__BODY_PROOF || c == MOEEP__V1__PEER_MESSAGE__BODY_WELCOME ||
-               c == MOEEP__V1__PEER_MESSAGE__BODY_REFUSED;
+               c == MOEEP__V1__PEER_MESSAGE__BODY_PROOF || c == MOEEP__V1__PEER_MESSAGE__BODY_REFUSED;
 }
 
-/* Queues one frame. A peer that is not UP gets handshake messages only; to
- * a peer that is down, nothing (the job code sends to peers that may have
- * gone, and learns of it through peer_fail()). */
-static int peer_send(struct mesh_peer *p, Moeep__V1__PeerMessage *msg) {
-        struct evbuffer *out;
-        size_t len;
-        uint8_t *buf;
-        int r = 0;
+/* Appends one frame (length and `len` bytes of `body`) to `out`. */
+static int frame_add(struct evbuffer *out, const uint8_t *body, size_t len) {
+        uint8_t hdr[4] = { (uint8_t)(len >> 24), (uint8_t)(len >> 16), (uint8_t)(len >> 8), (uint8_t)len };
 
-        if (!p->bev || (p->state != MESH_PEER_UP && !is_handshake(msg->body_case)))
+        if (evbuffer_add(out, hdr, 4) < 0 || evbuffer_add(out, body, len) < 0)
+                return -ENOMEM;
+        return 0;
+}
+
+/* Queues one frame: in clear for the handshake messages, sealed (auth.h)
+ * for everything else, which only a connection whose handshake is done
+ * may carry. To a peer that is down, nothing (the job code sends to peers
+ * that may have gone, and learns of it through peer_fail()). */
+static int peer_send(struct mesh_peer *p, Moeep__V1__PeerMessage *msg) {
+        Moeep__V1__PeerMessage outer = MOEEP__V1__PEER_MESSAGE__INIT;
+        struct evbuffer *out;
+        uint8_t *plain = NULL, *sealed = NULL, *wire = NULL;
+        size_t len, wire_len;
+        int r;
+
+        if (!p->bev)
+                return -ENOTCONN;
+        if (is_clear_handshake(msg->body_case) ? p->sealed : !p->sealed)
                 return -ENOTCONN;
         out = bufferevent_get_output(p->bev);
         len = protobuf_c_message_get_packed_size(&msg->base);
@@ -117,17 +132,39 @@ static int peer_send(struct mesh_peer *p, Moeep__V1__PeerMessage *msg) {
                          evbuffer_get_length(out));
                 return -ENOBUFS;
         }
-        buf = malloc(4 + len);
-        if (!buf)
+        plain = malloc(len ? len : 1);
+        if (!plain)
                 return -ENOMEM;
-        buf[0] = (uint8_t)(len >> 24);
-        buf[1] = (uint8_t)(len >> 16);
-        buf[2] = (uint8_t)(len >> 8);
-        buf[3] = (uint8_t)len;
-        protobuf_c_message_pack(&msg->base, buf + 4);
-        if (evbuffer_add(out, buf, 4 + len) < 0)
+        protobuf_c_message_pack(&msg->base, plain);
+        if (!p->sealed) {
+                r = frame_add(out, plain, len);
+                goto out;
+        }
+        sealed = malloc(len + AUTH_SEAL_BYTES);
+        if (!sealed) {
                 r = -ENOMEM;
-        free(buf);
+                goto out;
+        }
+        r = auth_seal(&p->auth, plain, len, sealed);
+        if (r < 0)
+                goto out;
+        outer.body_case = MOEEP__V1__PEER_MESSAGE__BODY_SEALED;
+        outer.sealed.data = sealed;
+        outer.sealed.len = len + AUTH_SEAL_BYTES;
+        wire_len = protobuf_c_message_get_packed_size(&outer.base);
+        wire = malloc(wire_len);
+        if (!wire) {
+                r = -ENOMEM;
+                goto out;
+        }
+        protobuf_c_message_pack(&outer.base, wire);
+        r = frame_add(out, wire, wire_len);
+out:
+        if (plain)
+                sodium_memzero(plain, len);
+        free(plain);
+        free(sealed);
+        free(wire);
         return r;
 }
 
@@ -169,6 +206,37 @@ static void bev_release(struct bufferevent *bev, bool flush) {
         bufferevent_set_timeouts(bev, NULL, &tv);
 }
 
+/* Forgets everything the last handshake established: keys, the claimed
+ * identity, where it stood. */
+static void peer_handshake_reset(struct mesh_peer *p) {
+        auth_session_wipe(&p->auth);
+        p->have_keys = p->sealed = false;
+        p->got_hello = p->sent_proof = false;
+        p->claimed[0] = '\0';
+}
+
+/* Whether one more pre-authentication refusal may be logged this second:
+ * a flood of connections must not become a flood of log lines. The count
+ * of those not logged is said with the first line of a later second. */
+static bool preauth_log_ok(struct mesh *mesh) {
+        uint64_t second = now_ns() / 1000000000u;
+
+        if (second != mesh->log_second) {
+                if (mesh->log_suppressed)
+                        log_warn("mesh: %" PRIu32 " more connections refused before authenticating (not logged "
+                                 "one by one)",
+                                 mesh->log_suppressed);
+                mesh->log_second = second;
+                mesh->log_lines = mesh->log_suppressed = 0;
+        }
+        if (mesh->log_lines >= MESH_PREAUTH_LOGS_PER_S) {
+                mesh->log_suppressed++;
+                return false;
+        }
+        mesh->log_lines++;
+        return true;
+}
+
 /* The one way a peer connection ends: logs `fmt` once, drops the
  * connection (flushing a queued PeerRefused when `flush`), fails what
  * depended on it, and then redials (outbound) or frees the peer from the
@@ -191,7 +259,10 @@ static void peer_fail(struct mesh_peer *p, bool flush, const char *fmt, ...) {
         else if (was == MESH_PEER_CONNECTING && p->unreachable_logged)
                 /* Redialled every second: said once at warning level. */
                 log_debug("mesh: peer %s still not reached: %s", p->address, why);
-        else
+        else if (!p->outbound && preauth_log_ok(mesh))
+                log_warn("mesh: connection from %s%s%s%s refused: %s", p->remote, p->claimed[0] ? " (says it is " : "",
+                         p->claimed, p->claimed[0] ? ", not proved)" : "", why);
+        else if (p->outbound)
                 log_warn("mesh: peer %s (%s) %s: %s", p->address, p->remote[0] ? p->remote : "not connected",
                          was == MESH_PEER_AUTHENTICATING ? "refused" : "not reached", why);
         p->unreachable_logged = was == MESH_PEER_CONNECTING;
@@ -205,7 +276,7 @@ static void peer_fail(struct mesh_peer *p, bool flush, const char *fmt, ...) {
                 p->bev = NULL;
         }
         evtimer_del(p->ev_timer);
-        p->got_hello = p->sent_proof = false;
+        peer_handshake_reset(p);
         if (was == MESH_PEER_UP) {
                 char lost[ERRMSG_MAX + JOB_NODE_MAX + 16];
 
@@ -220,7 +291,9 @@ static void peer_fail(struct mesh_peer *p, bool flush, const char *fmt, ...) {
                 if (!peer_find(mesh, p->address, true))
                         mirrors_abort(mesh, p->address, lost);
         }
-        if (!peer_find(mesh, p->address, true))
+        /* An inbound connection that never came up has no identity:
+         * nothing waits on it. */
+        if ((p->outbound || was == MESH_PEER_UP) && !peer_find(mesh, p->address, true))
                 joins_fail(mesh, p->address, why);
         if (p->outbound) {
                 timer_arm(p, MESH_REDIAL_MS);
@@ -249,7 +322,7 @@ static void peer_drop(struct mesh_peer *p) {
                 p->bev = NULL;
         }
         evtimer_del(p->ev_timer);
-        p->got_hello = p->sent_proof = false;
+        peer_handshake_reset(p);
         if (p->outbound) {
                 timer_arm(p, MESH_REDIAL_MS);
         } else {
@@ -295,6 +368,7 @@ static struct mesh_peer *peer_new(struct mesh *mesh, bool outbound, const char *
 }
 
 static void peer_free(struct mesh_peer *p) {
+        auth_session_wipe(&p->auth);
         TAILQ_REMOVE(&p->mesh->peers, p, entry);
         if (p->bev)
                 bufferevent_free(p->bev);
@@ -350,6 +424,51 @@ static int address_resolve(const char *address, struct sockaddr_storage *ret_ss,
         return 0;
 }
 
+/* The canonical spelling of mesh address `address`: parsed as
+ * address_resolve() does (so "localhost", leading zeros in the port and
+ * every IPv6 spelling are understood), an IPv4-mapped IPv6 address taken as
+ * the IPv4 one, and printed back by inet_ntop(): "IPV4:PORT" or
+ * "[IPV6]:PORT". Two spellings of one socket address give the same string,
+ * so canonical addresses are compared with strcmp(). Port 0 is no peer's.
+ * Returns 0 or -EINVAL. */
+static int address_canon(const char *address, char ret[static JOB_NODE_MAX + 1]) {
+        struct sockaddr_storage ss;
+        socklen_t len;
+
+        if (strlen(address) > JOB_NODE_MAX || address_resolve(address, &ss, &len) < 0)
+                return -EINVAL;
+        if (ss.ss_family == AF_INET6 && IN6_IS_ADDR_V4MAPPED(&((struct sockaddr_in6 *)&ss)->sin6_addr)) {
+                struct sockaddr_in6 s6 = *(struct sockaddr_in6 *)&ss;
+                struct sockaddr_in *s4 = (struct sockaddr_in *)&ss;
+
+                memset(&ss, 0, sizeof(ss));
+                s4->sin_family = AF_INET;
+                s4->sin_port = s6.sin6_port;
+                memcpy(&s4->sin_addr, &s6.sin6_addr.s6_addr[12], 4);
+        }
+        if ((ss.ss_family == AF_INET ? ((struct sockaddr_in *)&ss)->sin_port
+                                     : ((struct sockaddr_in6 *)&ss)->sin6_port) == 0)
+                return -EINVAL;
+        sockaddr_string((struct sockaddr *)&ss, ret, JOB_NODE_MAX + 1);
+        return 0;
+}
+
+/* The configured peer (mesh_peers) at canonical address `canon`, or NULL. */
+static struct mesh_peer *configured_find(const struct mesh *mesh, const char *canon) {
+        struct mesh_peer *p;
+
+        TAILQ_FOREACH (p, &mesh->peers, entry)
+                if (p->outbound && strcmp(p->address, canon) == 0)
+                        return p;
+        return NULL;
+}
+
+bool mesh_address_is_self(const struct mesh *mesh, const char *address) {
+        char canon[JOB_NODE_MAX + 1];
+
+        return mesh && address_canon(address, canon) == 0 && strcmp(canon, mesh->address) == 0;
+}
+
 static void peer_bev_setup(struct mesh_peer *p) {
         int one = 1;
 
@@ -385,7 +504,9 @@ static struct mesh_peer *peer_find(const struct mesh *mesh, const char *address,
         struct mesh_peer *p, *found = NULL;
 
         TAILQ_FOREACH (p, &mesh->peers, entry) {
-                if (p->dead || strcmp(p->address, address) != 0)
+                /* An inbound connection that is not up has proved nothing:
+                 * its name is only the socket's address. */
+                if (p->dead || (!p->outbound && p->state != MESH_PEER_UP) || strcmp(p->address, address) != 0)
                         continue;
                 if (p->state == MESH_PEER_UP)
                         return p;
@@ -464,6 +585,7 @@ static void send_hello(struct mesh_peer *p) {
         hello.nonce.len = AUTH_NONCE_BYTES;
         hello.address = p->mesh->address;
         hello.minor = MOEEP_PROTOCOL_MINOR;
+        hello.mesh_version = AUTH_MESH_VERSION;
         peer_send(p, &msg);
 }
 
@@ -524,18 +646,33 @@ static void peer_timer_cb(evutil_socket_t fd, short what, void *arg) {
 
 /* ------------------------------------------------------------ handshake */
 
+/* An identity as a peer said it, made printable for a log line or a
+ * PeerRefused (it is not believed, only shown). */
+static void claim_printable(const char *claim, char ret[static JOB_NODE_MAX + 1]) {
+        size_t n;
+
+        snprintf(ret, JOB_NODE_MAX + 1, "%s", claim ? claim : "");
+        for (n = 0; ret[n]; n++)
+                if (ret[n] < 0x21 || ret[n] > 0x7e)
+                        ret[n] = '?';
+}
+
+/* Acceptor: a dialler says who it is and sends its nonce. Only an identity
+ * of mesh_peers is answered; it is believed once PeerProof proves it. */
 static void handle_hello(struct mesh_peer *p, const Moeep__V1__PeerHello *h) {
         struct mesh *mesh = p->mesh;
         Moeep__V1__PeerChallenge ch = MOEEP__V1__PEER_CHALLENGE__INIT;
         PEER_MSG(msg, challenge, &ch, CHALLENGE);
-        uint8_t mac[AUTH_MAC_BYTES];
-        char why[ERRMSG_MAX];
+        struct auth_transcript t = { 0 };
+        uint8_t nonce_acceptor[AUTH_NONCE_BYTES], mac[AUTH_MAC_BYTES];
+        char why[ERRMSG_MAX], claim[JOB_NODE_MAX + 1];
 
-        if (h->address && address_valid(h->address))
-                snprintf(p->address, sizeof(p->address), "%s", h->address);
-        if (h->major != MOEEP_PROTOCOL_MAJOR) {
-                snprintf(why, sizeof(why), "protocol major %" PRIu32 ", this daemon speaks %d", h->major,
-                         MOEEP_PROTOCOL_MAJOR);
+        p->got_hello = true;
+        if (h->major != MOEEP_PROTOCOL_MAJOR || h->mesh_version != AUTH_MESH_VERSION) {
+                snprintf(why, sizeof(why),
+                         "protocol major %" PRIu32 " mesh version %" PRIu32
+                         ", this daemon speaks %d and %d (upgrade every daemon of the mesh)",
+                         h->major, h->mesh_version, MOEEP_PROTOCOL_MAJOR, AUTH_MESH_VERSION);
                 peer_refuse(p, why);
                 return;
         }
@@ -545,62 +682,132 @@ static void handle_hello(struct mesh_peer *p, const Moeep__V1__PeerHello *h) {
                 return;
         }
         if (!mesh->keyed) {
-                peer_refuse(p, "the listening daemon has no cluster key (cluster_key_file)");
+                peer_refuse(p, "the accepting daemon has no cluster key (cluster_key_file)");
                 return;
         }
-        p->got_hello = true;
+        claim_printable(h->address, claim);
+        if (!h->address || address_canon(h->address, p->claimed) < 0) {
+                snprintf(why, sizeof(why), "it says it is '%s', which is not a mesh address", claim);
+                peer_refuse(p, why);
+                return;
+        }
+        if (strcmp(p->claimed, mesh->address) == 0) {
+                snprintf(why, sizeof(why), "it says it is this daemon (%s): a daemon never meshes with itself",
+                         mesh->address);
+                peer_refuse(p, why);
+                return;
+        }
+        if (!configured_find(mesh, p->claimed)) {
+                snprintf(why, sizeof(why), "it says it is %s, which is not in this daemon's mesh_peers",
+                         p->claimed);
+                peer_refuse(p, why);
+                return;
+        }
         p->minor = h->minor;
-        memcpy(p->nonce_dialler, h->nonce.data, AUTH_NONCE_BYTES);
-        auth_nonce(p->nonce_listener);
-        auth_mac(mesh->key, AUTH_LISTENER, p->nonce_dialler, p->nonce_listener, mac);
-        ch.nonce.data = p->nonce_listener;
+        auth_nonce(nonce_acceptor);
+        memcpy(t.nonce_dialler, h->nonce.data, AUTH_NONCE_BYTES);
+        memcpy(t.nonce_acceptor, nonce_acceptor, AUTH_NONCE_BYTES);
+        t.id_dialler = p->claimed;
+        t.id_acceptor = mesh->address;
+        t.minor_dialler = h->minor;
+        t.minor_acceptor = MOEEP_PROTOCOL_MINOR;
+        if (auth_session_derive(mesh->key, &t, AUTH_ACCEPTOR, &p->auth) < 0) {
+                peer_refuse(p, "identities too long");
+                return;
+        }
+        p->have_keys = true;
+        auth_proof(&p->auth, AUTH_ACCEPTOR, mac);
+        ch.nonce.data = nonce_acceptor;
         ch.nonce.len = AUTH_NONCE_BYTES;
         ch.mac.data = mac;
         ch.mac.len = AUTH_MAC_BYTES;
         ch.address = mesh->address;
         ch.minor = MOEEP_PROTOCOL_MINOR;
+        ch.mesh_version = AUTH_MESH_VERSION;
         peer_send(p, &msg);
 }
 
+/* Dialler: the acceptor must be the daemon we dialled and prove the key
+ * over the transcript with both identities; only then do we prove
+ * ourselves. */
 static void handle_challenge(struct mesh_peer *p, const Moeep__V1__PeerChallenge *c) {
         struct mesh *mesh = p->mesh;
         Moeep__V1__PeerProof proof = MOEEP__V1__PEER_PROOF__INIT;
         PEER_MSG(msg, proof, &proof, PROOF);
+        struct auth_transcript t = { 0 };
         uint8_t mac[AUTH_MAC_BYTES];
+        char why[ERRMSG_MAX], said[JOB_NODE_MAX + 1], canon[JOB_NODE_MAX + 1];
 
         if (!mesh->keyed) {
                 peer_refuse(p, "the dialling daemon has no cluster key (cluster_key_file)");
+                return;
+        }
+        if (c->mesh_version != AUTH_MESH_VERSION) {
+                snprintf(why, sizeof(why),
+                         "mesh version %" PRIu32 ", this daemon speaks %d (upgrade every daemon of the mesh)",
+                         c->mesh_version, AUTH_MESH_VERSION);
+                peer_refuse(p, why);
                 return;
         }
         if (c->nonce.len != AUTH_NONCE_BYTES) {
                 peer_refuse(p, "challenge nonce of the wrong size");
                 return;
         }
-        memcpy(p->nonce_listener, c->nonce.data, AUTH_NONCE_BYTES);
-        p->minor = c->minor;
-        if (!auth_verify(mesh->key, AUTH_LISTENER, p->nonce_dialler, p->nonce_listener, c->mac.data,
-                         c->mac.len)) {
-                peer_refuse(p,
-                            "the listener's challenge MAC does not match the cluster key (a different key?)");
+        claim_printable(c->address, said);
+        if (!c->address || address_canon(c->address, canon) < 0 || strcmp(canon, p->address) != 0) {
+                snprintf(why, sizeof(why),
+                         "it says it is '%s', but %s was dialled (its mesh_listen and our mesh_peers must "
+                         "name the same address)",
+                         said, p->address);
+                peer_refuse(p, why);
                 return;
         }
-        auth_mac(mesh->key, AUTH_DIALLER, p->nonce_dialler, p->nonce_listener, mac);
+        p->minor = c->minor;
+        memcpy(t.nonce_dialler, p->nonce_dialler, AUTH_NONCE_BYTES);
+        memcpy(t.nonce_acceptor, c->nonce.data, AUTH_NONCE_BYTES);
+        t.id_dialler = mesh->address;
+        t.id_acceptor = p->address;
+        t.minor_dialler = MOEEP_PROTOCOL_MINOR;
+        t.minor_acceptor = c->minor;
+        if (auth_session_derive(mesh->key, &t, AUTH_DIALLER, &p->auth) < 0) {
+                peer_refuse(p, "identities too long");
+                return;
+        }
+        p->have_keys = true;
+        if (!auth_proof_verify(&p->auth, AUTH_ACCEPTOR, c->mac.data, c->mac.len)) {
+                peer_refuse(p,
+                            "the acceptor's proof does not match the cluster key (a different key?)");
+                return;
+        }
+        auth_proof(&p->auth, AUTH_DIALLER, mac);
         proof.mac.data = mac;
         proof.mac.len = AUTH_MAC_BYTES;
         p->sent_proof = true;
         peer_send(p, &msg);
 }
 
+/* Acceptor: the dialler proved the key and the identity it claimed. From
+ * here on every frame is sealed, PeerWelcome first. */
 static void handle_proof(struct mesh_peer *p, const Moeep__V1__PeerProof *pr) {
         Moeep__V1__PeerWelcome welcome = MOEEP__V1__PEER_WELCOME__INIT;
         PEER_MSG(msg, welcome, &welcome, WELCOME);
 
-        if (!auth_verify(p->mesh->key, AUTH_DIALLER, p->nonce_dialler, p->nonce_listener, pr->mac.data,
-                         pr->mac.len)) {
+        if (!p->have_keys || !auth_proof_verify(&p->auth, AUTH_DIALLER, pr->mac.data, pr->mac.len)) {
                 peer_refuse(p, "the dialler's proof does not match the cluster key (a different key?)");
                 return;
         }
+        auth_session_done(&p->auth);
+        p->sealed = true;
+        snprintf(p->address, sizeof(p->address), "%s", p->claimed);
         peer_send(p, &msg);
+        peer_up(p);
+}
+
+/* Dialler: the sealed PeerWelcome opened, so the acceptor holds this
+ * connection's keys. */
+static void handle_welcome(struct mesh_peer *p) {
+        auth_session_done(&p->auth);
+        p->sealed = true;
         peer_up(p);
 }
 
@@ -916,17 +1123,33 @@ static void joins_fail(struct mesh *mesh, const char *home, const char *why) {
 
 int mesh_join_forward(struct mesh *mesh, struct session *s, uint64_t rid, const Moeep__V1__JobJoin *jj,
                       const char *home, char *errmsg) {
+        char canon[JOB_NODE_MAX + 1], said[JOB_NODE_MAX + 1];
         struct mesh_join *j;
         struct mesh_peer *p;
 
+        claim_printable(home, said);
         if (!mesh)
                 return errmsg_set(
                         errmsg, -ENOENT,
                         "the job was created at daemon %s, and this daemon's mesh is off (mesh_listen)",
-                        home);
+                        said);
         if (jj->unique_id.len > MOEEP_UNIQUE_ID_BYTES || strlen(jj->gpu_uuid) > JOB_GPU_UUID_MAX)
                 return errmsg_set(errmsg, -EINVAL, "unique id of %zu bytes or gpu uuid of %zu: too long",
                                   jj->unique_id.len, strlen(jj->gpu_uuid));
+        /* The address comes from the client: it is only ever looked up
+         * among the configured peers, never dialled as it is. */
+        if (address_canon(home, canon) < 0)
+                return errmsg_set(errmsg, -EINVAL, "the unique id names daemon '%s', which is not a mesh address",
+                                  said);
+        if (strcmp(canon, mesh->address) == 0)
+                return errmsg_set(errmsg, -EINVAL, "the unique id names daemon '%s', which is this one (%s)",
+                                  said, mesh->address);
+        p = configured_find(mesh, canon);
+        if (!p)
+                return errmsg_set(errmsg, -ENOENT,
+                                  "the job's daemon %s (named in the unique id) is not one of this daemon's "
+                                  "mesh_peers: the join is not forwarded",
+                                  said);
         TAILQ_FOREACH (j, &mesh->joins, entry)
                 if (j->session == s)
                         return errmsg_set(errmsg, -EALREADY,
@@ -939,7 +1162,7 @@ int mesh_join_forward(struct mesh *mesh, struct session *s, uint64_t rid, const 
         j->session = s;
         session_ref(s);
         j->request_id = rid;
-        snprintf(j->home, sizeof(j->home), "%s", home);
+        snprintf(j->home, sizeof(j->home), "%s", canon);
         memcpy(j->unique_id, jj->unique_id.data, jj->unique_id.len);
         j->unique_id_len = jj->unique_id.len;
         j->rank = jj->rank;
@@ -947,19 +1170,12 @@ int mesh_join_forward(struct mesh *mesh, struct session *s, uint64_t rid, const 
         snprintf(j->gpu_uuid, sizeof(j->gpu_uuid), "%s", jj->gpu_uuid);
         TAILQ_INSERT_TAIL(&mesh->joins, j, entry);
         log_info("session %" PRIu64 ": join as rank %" PRIu32 " forwarded to daemon %s", s->id, j->rank,
-                 home);
-
-        p = peer_find(mesh, home, false);
-        if (!p) {
-                p = peer_new(mesh, true, home);
-                if (!p) {
-                        join_free(mesh, j);
-                        return errmsg_set(errmsg, -ENOMEM, "out of memory");
-                }
-                peer_dial(p);
-        } else if (p->state == MESH_PEER_UP) {
+                 canon);
+        /* A configured peer that is down is being redialled; the join
+         * goes when it is up, or fails with the next failed dial. */
+        p = peer_find(mesh, canon, true);
+        if (p)
                 peer_up_flush(p);
-        }
         return 0;
 }
 
@@ -1248,20 +1464,27 @@ void mesh_transport_failed(struct mesh *mesh, uint32_t tp_peer, const char *why)
 
 /* ------------------------------------------------------------ reading */
 
-static void peer_handle(struct mesh_peer *p, const Moeep__V1__PeerMessage *msg) {
+/* Handles one message; `sealed` says whether it came in a sealed frame.
+ * In clear: only the handshake messages, each in its turn. Sealed: the
+ * dialler's PeerWelcome, then anything but a handshake message. */
+static void peer_handle(struct mesh_peer *p, const Moeep__V1__PeerMessage *msg, bool sealed) {
         Moeep__V1__PeerMessage__BodyCase c = msg->body_case;
+        bool ok;
 
-        if (p->state != MESH_PEER_UP) {
-                bool ok = (c == MOEEP__V1__PEER_MESSAGE__BODY_HELLO && !p->outbound && !p->got_hello) ||
-                          (c == MOEEP__V1__PEER_MESSAGE__BODY_CHALLENGE && p->outbound && !p->sent_proof) ||
-                          (c == MOEEP__V1__PEER_MESSAGE__BODY_PROOF && !p->outbound && p->got_hello) ||
-                          (c == MOEEP__V1__PEER_MESSAGE__BODY_WELCOME && p->outbound && p->sent_proof) ||
-                          c == MOEEP__V1__PEER_MESSAGE__BODY_REFUSED;
-
-                if (!ok) {
-                        peer_fail(p, false, "message %d out of order during the handshake", (int)c);
-                        return;
-                }
+        if (!sealed)
+                ok = (c == MOEEP__V1__PEER_MESSAGE__BODY_HELLO && !p->outbound && !p->got_hello) ||
+                     (c == MOEEP__V1__PEER_MESSAGE__BODY_CHALLENGE && p->outbound && !p->sent_proof) ||
+                     (c == MOEEP__V1__PEER_MESSAGE__BODY_PROOF && !p->outbound && p->got_hello) ||
+                     c == MOEEP__V1__PEER_MESSAGE__BODY_REFUSED;
+        else if (!p->sealed)
+                ok = c == MOEEP__V1__PEER_MESSAGE__BODY_WELCOME;
+        else
+                ok = !is_clear_handshake(c) && c != MOEEP__V1__PEER_MESSAGE__BODY_WELCOME &&
+                     c != MOEEP__V1__PEER_MESSAGE__BODY_SEALED;
+        if (!ok) {
+                peer_fail(p, false, "message %d %s", (int)c,
+                          p->sealed ? "not allowed after the handshake" : "out of order during the handshake");
+                return;
         }
         switch (c) {
         case MOEEP__V1__PEER_MESSAGE__BODY_HELLO:
@@ -1274,7 +1497,7 @@ static void peer_handle(struct mesh_peer *p, const Moeep__V1__PeerMessage *msg) 
                 handle_proof(p, msg->proof);
                 return;
         case MOEEP__V1__PEER_MESSAGE__BODY_WELCOME:
-                peer_up(p);
+                handle_welcome(p);
                 return;
         case MOEEP__V1__PEER_MESSAGE__BODY_REFUSED: {
                 char reason[128];
@@ -1335,6 +1558,7 @@ static void peer_handle(struct mesh_peer *p, const Moeep__V1__PeerMessage *msg) 
                 else
                         handle_rank_lost_mirror(p, msg->rank_lost);
                 return;
+        case MOEEP__V1__PEER_MESSAGE__BODY_SEALED: /* refused above */
         case MOEEP__V1__PEER_MESSAGE__BODY__NOT_SET:
         case _MOEEP__V1__PEER_MESSAGE__BODY__CASE_IS_INT_SIZE:
                 break;
@@ -1342,12 +1566,55 @@ static void peer_handle(struct mesh_peer *p, const Moeep__V1__PeerMessage *msg) 
         peer_fail(p, false, "message of unknown type %d", (int)c);
 }
 
+/* Opens a sealed frame of `p` and handles the message inside. A frame that
+ * does not open as the next one of this connection (replayed, reordered,
+ * spliced from another connection, forged) ends the connection. */
+static void peer_handle_sealed(struct mesh_peer *p, const ProtobufCBinaryData *box) {
+        Moeep__V1__PeerMessage *inner;
+        uint8_t *plain;
+        size_t len;
+
+        /* Only a dialler waiting for PeerWelcome, or an established
+         * connection, has the keys to open one. */
+        if (!p->have_keys || (!p->sealed && !(p->outbound && p->sent_proof))) {
+                peer_fail(p, false, "a sealed frame before the handshake is done");
+                return;
+        }
+        if (box->len < AUTH_SEAL_BYTES || box->len - AUTH_SEAL_BYTES > MESH_FRAME_MAX) {
+                peer_fail(p, false, "a sealed frame of %zu bytes", box->len);
+                return;
+        }
+        len = box->len - AUTH_SEAL_BYTES;
+        plain = malloc(len ? len : 1);
+        if (!plain) {
+                peer_fail(p, false, "out of memory");
+                return;
+        }
+        if (auth_open(&p->auth, box->data, box->len, plain) < 0) {
+                free(plain);
+                peer_fail(p, false,
+                          "sealed frame %" PRIu64 " (%zu bytes) does not authenticate: forged, replayed, "
+                          "reordered or from another connection",
+                          p->auth.rx_seq, box->len);
+                return;
+        }
+        inner = moeep__v1__peer_message__unpack(NULL, len, plain);
+        sodium_memzero(plain, len);
+        free(plain);
+        if (!inner) {
+                peer_fail(p, false, "a sealed frame of %zu bytes does not decode", len);
+                return;
+        }
+        peer_handle(p, inner, true);
+        moeep__v1__peer_message__free_unpacked(inner, NULL);
+}
+
 static void peer_read_cb(struct bufferevent *bev, void *arg) {
         struct mesh_peer *p = arg;
 
         while (p->bev == bev && p->state != MESH_PEER_DOWN) {
                 struct evbuffer *in = bufferevent_get_input(bev);
-                size_t max = p->state == MESH_PEER_UP ? MESH_FRAME_MAX : MESH_FRAME_MAX_UNAUTH;
+                size_t max = p->state == MESH_PEER_UP ? MESH_FRAME_MAX_WIRE : MESH_FRAME_MAX_UNAUTH;
                 Moeep__V1__PeerMessage *msg;
                 uint8_t hdr[4];
                 uint32_t len;
@@ -1368,24 +1635,99 @@ static void peer_read_cb(struct bufferevent *bev, void *arg) {
                         peer_fail(p, false, "a frame of %" PRIu32 " bytes does not decode", len);
                         return;
                 }
-                peer_handle(p, msg);
+                if (msg->body_case == MOEEP__V1__PEER_MESSAGE__BODY_SEALED)
+                        peer_handle_sealed(p, &msg->sealed);
+                else if (p->sealed)
+                        peer_fail(p, false, "a frame in clear (message %d) after the handshake",
+                                  (int)msg->body_case);
+                else
+                        peer_handle(p, msg, false);
                 moeep__v1__peer_message__free_unpacked(msg, NULL);
         }
 }
 
 /* ------------------------------------------------------------ listener */
 
+/* The source that a connection counts against for the pre-authentication
+ * quota: its IPv4 address (as IPv4-mapped IPv6), or the /64 of its IPv6
+ * address (one host commonly holds a whole /64). */
+static void source_key(const struct sockaddr *sa, uint8_t ret[static 16]) {
+        memset(ret, 0, 16);
+        if (sa->sa_family == AF_INET) {
+                ret[10] = ret[11] = 0xff;
+                memcpy(ret + 12, &((const struct sockaddr_in *)sa)->sin_addr, 4);
+        } else if (sa->sa_family == AF_INET6) {
+                const struct in6_addr *a = &((const struct sockaddr_in6 *)sa)->sin6_addr;
+
+                memcpy(ret, a->s6_addr, IN6_IS_ADDR_V4MAPPED(a) ? 16 : 8);
+        }
+}
+
+/* The oldest inbound connection still authenticating from `source`, and
+ * how many there are (NULL, 0 for none). */
+static struct mesh_peer *preauth_oldest(const struct mesh *mesh, const uint8_t source[static 16],
+                                        uint32_t *ret_count) {
+        struct mesh_peer *p, *oldest = NULL;
+        uint32_t n = 0;
+
+        TAILQ_FOREACH (p, &mesh->peers, entry) {
+                if (p->dead || p->outbound || p->state != MESH_PEER_AUTHENTICATING ||
+                    memcmp(p->source, source, 16) != 0)
+                        continue;
+                n++;
+                if (!oldest || p->accepted_ns < oldest->accepted_ns)
+                        oldest = p;
+        }
+        *ret_count = n;
+        return oldest;
+}
+
+/* Makes room for one more connection authenticating from `source`: when
+ * that source is at its quota, its oldest connection goes; when every slot
+ * is taken, the oldest of the source that holds the most goes. A real peer
+ * finishes its handshake in a round trip or two, so only connections that
+ * sit idle are ever displaced, and one source (however fast it reconnects)
+ * holds at most its quota while any other source still gets in. */
+static void preauth_make_room(struct mesh *mesh, const uint8_t source[static 16]) {
+        struct mesh_peer *p, *victim;
+        uint32_t n;
+        const char *why = "its source is at its quota of connections authenticating: the oldest goes";
+
+        victim = preauth_oldest(mesh, source, &n);
+        if (n < MESH_MAX_UNAUTH_PER_SOURCE)
+                victim = NULL;
+        if (!victim && mesh->unauthenticated >= MESH_MAX_UNAUTH) {
+                uint32_t most = 0;
+
+                why = "every slot is taken and its source holds the most: the oldest goes";
+                TAILQ_FOREACH (p, &mesh->peers, entry) {
+                        struct mesh_peer *o;
+
+                        if (p->dead || p->outbound || p->state != MESH_PEER_AUTHENTICATING)
+                                continue;
+                        o = preauth_oldest(mesh, p->source, &n);
+                        if (n > most) {
+                                most = n;
+                                victim = o;
+                        }
+                }
+        }
+        if (victim)
+                peer_fail(victim, false, "%s", why);
+}
+
 static void mesh_accept_cb(struct evconnlistener *l, evutil_socket_t fd, struct sockaddr *sa, int socklen,
                            void *arg) {
         struct mesh *mesh = arg;
         struct mesh_peer *p;
         char remote[JOB_NODE_MAX + 1];
+        uint8_t source[16];
 
         sockaddr_string(sa, remote, sizeof(remote));
-        if (mesh->unauthenticated >= MESH_MAX_UNAUTH) {
+        source_key(sa, source);
+        preauth_make_room(mesh, source);
+        if (mesh->unauthenticated >= MESH_MAX_UNAUTH) { /* not reached: room was made */
                 mesh->refused++;
-                log_warn("mesh: refused connection from %s: %d connections are authenticating already",
-                         remote, MESH_MAX_UNAUTH);
                 close(fd);
                 return;
         }
@@ -1400,6 +1742,8 @@ static void mesh_accept_cb(struct evconnlistener *l, evutil_socket_t fd, struct 
                 return;
         }
         snprintf(p->remote, sizeof(p->remote), "%s", remote);
+        memcpy(p->source, source, sizeof(source));
+        p->accepted_ns = now_ns();
         p->state = MESH_PEER_AUTHENTICATING;
         mesh->unauthenticated++;
         peer_bev_setup(p);
@@ -1418,20 +1762,22 @@ static void mesh_reap_cb(evutil_socket_t fd, short what, void *arg) {
         }
 }
 
-/* Our advertised address: mesh_listen, with the port the kernel chose when
- * it said 0. */
-static void mesh_address_set(struct mesh *mesh, const char *listen) {
+/* Our advertised address and identity: mesh_listen, canonical (as
+ * address_canon()), with the port the kernel chose when it said 0. */
+static void mesh_address_set(struct mesh *mesh) {
         struct sockaddr_storage ss;
         socklen_t len = sizeof(ss);
-        char host[CONFIG_HOST_MAX];
-        uint16_t port = 0;
+        char spelled[JOB_NODE_MAX + 1];
 
-        config_listen_split(listen, host, &port);
-        if (getsockname(evconnlistener_get_fd(mesh->listener), (struct sockaddr *)&ss, &len) == 0)
-                port = ntohs(ss.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&ss)->sin6_port
-                                                      : ((struct sockaddr_in *)&ss)->sin_port);
-        snprintf(mesh->address, sizeof(mesh->address), strchr(host, ':') ? "[%s]:%u" : "%s:%u", host,
-                 (unsigned)port);
+        if (getsockname(evconnlistener_get_fd(mesh->listener), (struct sockaddr *)&ss, &len) < 0)
+                ss.ss_family = AF_UNSPEC;
+        sockaddr_string((struct sockaddr *)&ss, spelled, sizeof(spelled));
+        if (address_canon(spelled, mesh->address) < 0)
+                snprintf(mesh->address, sizeof(mesh->address), "%s", spelled);
+        if (strncmp(mesh->address, "0.0.0.0:", 8) == 0 || strncmp(mesh->address, "[::]:", 5) == 0)
+                log_warn("mesh: mesh_listen %s is a wildcard: peers must dial this daemon at the address it "
+                         "names itself by, so name one that they reach",
+                         mesh->address);
 }
 
 int mesh_start(struct daemon *d, struct mesh **ret_mesh, char *errmsg) {
@@ -1439,6 +1785,7 @@ int mesh_start(struct daemon *d, struct mesh **ret_mesh, char *errmsg) {
         struct sockaddr_storage ss;
         struct mesh *mesh;
         socklen_t len;
+        uint32_t npeers = 0;
         const char *q;
         int r;
 
@@ -1482,18 +1829,27 @@ int mesh_start(struct daemon *d, struct mesh **ret_mesh, char *errmsg) {
                                strerror(e));
                 goto fail;
         }
-        mesh_address_set(mesh, c->mesh_listen);
+        mesh_address_set(mesh);
         log_info("mesh: listening on %s%s", mesh->address, mesh->keyed ? "" : " (no cluster key)");
         for (q = c->mesh_peers; *q;) {
-                char one[JOB_NODE_MAX + 1];
+                char one[CONFIG_HOST_MAX + 16], canon[JOB_NODE_MAX + 1];
                 size_t n = strcspn(q, ",");
                 struct mesh_peer *p;
 
                 snprintf(one, sizeof(one), "%.*s", (int)n, q);
                 q += n + (q[n] == ',');
-                if (strcmp(one, mesh->address) == 0 || peer_find(mesh, one, false))
+                if (address_canon(one, canon) < 0) {
+                        r = errmsg_set(errmsg, -EINVAL, "mesh_peers: '%s' is not a mesh address", one);
+                        goto fail;
+                }
+                /* Ourselves in any spelling, or a peer named twice. */
+                if (strcmp(canon, mesh->address) == 0 || configured_find(mesh, canon))
                         continue;
-                p = peer_new(mesh, true, one);
+                if (++npeers > MESH_PEERS_MAX) {
+                        r = errmsg_set(errmsg, -E2BIG, "mesh_peers: more than %d daemons", MESH_PEERS_MAX);
+                        goto fail;
+                }
+                p = peer_new(mesh, true, canon);
                 if (!p) {
                         r = errmsg_set(errmsg, -ENOMEM, "mesh: out of memory");
                         goto fail;
