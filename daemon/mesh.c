@@ -1820,7 +1820,8 @@ int mesh_start(struct daemon *d, struct mesh **ret_mesh, char *errmsg) {
         }
         mesh->listener =
                 evconnlistener_new_bind(d->base, mesh_accept_cb, mesh,
-                                        LEV_OPT_CLOSE_ON_FREE | LEV_OPT_CLOSE_ON_EXEC | LEV_OPT_REUSEABLE, 64,
+                                        LEV_OPT_CLOSE_ON_FREE | LEV_OPT_CLOSE_ON_EXEC | LEV_OPT_REUSEABLE,
+                                        MESH_LISTEN_BACKLOG,
                                         (struct sockaddr *)&ss, (int)len);
         if (!mesh->listener) {
                 int e = errno ? errno : EADDRNOTAVAIL;

@@ -64,6 +64,10 @@ struct session;
 #define MESH_MAX_UNAUTH_PER_SOURCE 4   /* of those, from one IPv4 address or IPv6 /64 */
 #define MESH_PREAUTH_LOGS_PER_S 8      /* pre-authentication refusals logged per second */
 #define MESH_PEERS_MAX 128             /* daemons in mesh_peers */
+/* Connections the kernel queues for accept(): deep enough that a flood
+ * between two turns of the loop does not drop a real peer's SYN (which
+ * would cost it a 1 s retransmission). */
+#define MESH_LISTEN_BACKLOG 1024
 #define MESH_PING_MS 1000          /* PeerPing interval once UP */
 #define MESH_DEAD_MS 5000          /* no PeerPong for this long: the peer is down */
 #define MESH_REDIAL_MS 1000        /* an outbound peer that is down is redialled after this */
