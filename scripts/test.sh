@@ -96,7 +96,8 @@ run_fuzz() {
                 return
         fi
         echo "=== libFuzzer build: compile"
-        if ! meson compile -C "$dir" tests/fuzz/fuzz-record tests/fuzz/fuzz-session tests/fuzz/fuzz-config; then
+        if ! meson compile -C "$dir" tests/fuzz/fuzz-record tests/fuzz/fuzz-session tests/fuzz/fuzz-config \
+                tests/fuzz/fuzz-mesh; then
                 echo "=== libFuzzer build: build FAILED"
                 failed=$((failed + 1))
                 return
