@@ -1723,6 +1723,12 @@ static void mesh_accept_cb(struct evconnlistener *l, evutil_socket_t fd, struct 
         char remote[JOB_NODE_MAX + 1];
         uint8_t source[16];
 
+        if (++mesh->accepted_this_turn >= MESH_ACCEPTS_PER_TURN) {
+                /* libevent's accept loop stops once its listener is
+                 * disabled; the rest waits for the next turn. */
+                evconnlistener_disable(l);
+                event_active(mesh->ev_accept_resume, EV_TIMEOUT, 0);
+        }
         sockaddr_string(sa, remote, sizeof(remote));
         source_key(sa, source);
         preauth_make_room(mesh, source);
@@ -1749,6 +1755,13 @@ static void mesh_accept_cb(struct evconnlistener *l, evutil_socket_t fd, struct 
         peer_bev_setup(p);
         timer_arm(p, MESH_HANDSHAKE_MS);
         log_debug("mesh: connection from %s", remote);
+}
+
+static void mesh_accept_resume_cb(evutil_socket_t fd, short what, void *arg) {
+        struct mesh *mesh = arg;
+
+        mesh->accepted_this_turn = 0;
+        evconnlistener_enable(mesh->listener);
 }
 
 static void mesh_reap_cb(evutil_socket_t fd, short what, void *arg) {
@@ -1814,7 +1827,8 @@ int mesh_start(struct daemon *d, struct mesh **ret_mesh, char *errmsg) {
                 log_warn("mesh: no cluster_key_file: every peer daemon will be refused");
         }
         mesh->ev_reap = event_new(d->base, -1, 0, mesh_reap_cb, mesh);
-        if (!mesh->ev_reap) {
+        mesh->ev_accept_resume = event_new(d->base, -1, 0, mesh_accept_resume_cb, mesh);
+        if (!mesh->ev_reap || !mesh->ev_accept_resume) {
                 r = errmsg_set(errmsg, -ENOMEM, "mesh: out of memory");
                 goto fail;
         }
@@ -1893,6 +1907,8 @@ void mesh_free(struct mesh *mesh) {
                 evconnlistener_free(mesh->listener);
         if (mesh->ev_reap)
                 event_free(mesh->ev_reap);
+        if (mesh->ev_accept_resume)
+                event_free(mesh->ev_accept_resume);
         explicit_bzero(mesh->key, sizeof(mesh->key));
         free(mesh);
 }

@@ -68,6 +68,10 @@ struct session;
  * between two turns of the loop does not drop a real peer's SYN (which
  * would cost it a 1 s retransmission). */
 #define MESH_LISTEN_BACKLOG 1024
+/* Connections accepted in one turn of the loop; then the listener pauses
+ * until the loop has served everything else that is ready, so that a
+ * flood of connections cannot hold the loop (and the clients) for long. */
+#define MESH_ACCEPTS_PER_TURN 16
 #define MESH_PING_MS 1000          /* PeerPing interval once UP */
 #define MESH_DEAD_MS 5000          /* no PeerPong for this long: the peer is down */
 #define MESH_REDIAL_MS 1000        /* an outbound peer that is down is redialled after this */
@@ -142,6 +146,8 @@ struct mesh {
         struct mesh_join_list joins;     /* owns; forwarded joins waiting for an answer */
         uint64_t next_token;
         struct event *ev_reap; /* owns; frees dead inbound peers from the loop */
+        struct event *ev_accept_resume; /* owns; re-enables the listener after a full turn */
+        uint32_t accepted_this_turn;    /* since the listener was last (re-)enabled */
         uint64_t refused;      /* connections refused (bad key, no key, timeout, cap) */
 };
 

@@ -27,8 +27,9 @@
  *       connection must end without an answer to the bad frame.
  *   flood PORT_A FIRST_SOURCE NSOURCES SECONDS
  *       Opens connections to A's mesh port from 127.0.0.FIRST_SOURCE ..
- *       + NSOURCES-1, 32 per source, reopening each as A closes it (up to
- *       10,000 a second), for SECONDS; they send nothing, or half a
+ *       + NSOURCES-1, 32 per source (96 when alone: more than the
+ *       daemon's 64 slots), reopening each as A closes it (up to
+ *       5,000 a second), for SECONDS; they send nothing, or half a
  *       PeerHello.
  *   peer KEYFILE PORT_A ID_A ID_B TRIES MAX_MS
  *       With the key, connects to A as ID_B TRIES times: each handshake
@@ -41,8 +42,10 @@
  *       does not exist: the daemon must answer as for a local job),
  *       "selfjob" a real job created here, its id respelled with this
  *       daemon's address in another spelling: the join must succeed
- *       locally. Each refused join must fail fast with an error naming
- *       the address.
+ *       locally; "peer" spellings of a configured peer 127.0.0.1:ARG that
+ *       is up, a job id it does not have: the join must be forwarded to
+ *       it and come back refused by it. Each refused join must fail fast
+ *       with an error naming the address.
  *   probe SOCKET SECONDS MAX_MS
  *       A well-behaved client: connects, creates a job of one rank, joins,
  *       leaves, every 50 ms for SECONDS; each step must be answered within
@@ -576,10 +579,11 @@ static int flood_connect(uint16_t port, const char *source) {
 }
 
 static int cmd_flood(uint16_t port_a, int first, int nsources, int seconds) {
-        enum { PER_SOURCE = 32, MAX = 24 * PER_SOURCE, OPENS_MAX = 2000000, RATE_MAX = 10000 };
+        enum { PER_SOURCE = 32, MAX = 24 * PER_SOURCE, OPENS_MAX = 2000000, RATE_MAX = 5000 };
         static struct pollfd pfd[MAX];
         static bool said[MAX];
-        int n = nsources * PER_SOURCE;
+        /* One source alone opens more than every slot. */
+        int per_source = nsources == 1 ? 3 * PER_SOURCE : PER_SOURCE, n = nsources * per_source;
         uint64_t start = now_ms(), end = start + (uint64_t)seconds * 1000u, opened = 0, closed = 0;
         struct frame half;
         uint8_t nonce[AUTH_NONCE_BYTES] = { 0 };
@@ -595,7 +599,7 @@ static int cmd_flood(uint16_t port_a, int first, int nsources, int seconds) {
 
                         if (pfd[i].fd >= 0)
                                 continue;
-                        snprintf(src, sizeof(src), "127.0.0.%d", first + i / PER_SOURCE);
+                        snprintf(src, sizeof(src), "127.0.0.%d", first + i / per_source);
                         pfd[i].fd = flood_connect(port_a, src);
                         pfd[i].events = POLLIN | POLLOUT;
                         said[i] = false;
@@ -729,7 +733,7 @@ static int cmd_forge(const char *sock, const char *mode, int count, const char *
                 struct moeep_unique_id id;
                 char home[80], want[80];
                 uint64_t t0;
-                bool self = strcmp(mode, "self") == 0;
+                bool self = strcmp(mode, "self") == 0, peer = strcmp(mode, "peer") == 0;
                 int spelling = i % 6, zeros = i / 6 % 40 + 1;
 
                 if (strcmp(mode, "distinct") == 0) {
@@ -760,12 +764,15 @@ static int cmd_forge(const char *sock, const char *mode, int count, const char *
                                 break;
                         }
                 }
-                forge_id(&id, self ? 999999 : (uint64_t)i + 1, home);
+                forge_id(&id, self || peer ? 999999 : (uint64_t)i + 1, home);
                 t0 = now_ms();
                 r = moeep_job_join(c, &id, 0, 2, NULL);
                 if (now_ms() - t0 > worst)
                         worst = now_ms() - t0;
-                snprintf(want, sizeof(want), "%s", self ? "no such job" : home);
+                if (peer) /* forwarded to the peer, which answers */
+                        snprintf(want, sizeof(want), "at daemon 127.0.0.1:%s: job 999999: no such job", arg);
+                else
+                        snprintf(want, sizeof(want), "%s", self ? "no such job" : home);
                 if (r >= 0) {
                         fprintf(stderr, "forged id naming '%s' joined\n", home);
                         bad = 1;
