@@ -23,7 +23,12 @@ _Static_assert(AUTH_SEAL_BYTES == crypto_aead_xchacha20poly1305_ietf_ABYTES, "fr
 #define LABEL "moeep-mesh-2"
 /* crypto_kdf context (8 bytes) and the subkey ids. */
 #define KDF_CONTEXT "moeepmsh"
-enum { KDF_PROOF_DIALLER = 1, KDF_PROOF_ACCEPTOR = 2, KDF_DIALLER_TO_ACCEPTOR = 3, KDF_ACCEPTOR_TO_DIALLER = 4 };
+enum {
+        KDF_PROOF_DIALLER = 1,
+        KDF_PROOF_ACCEPTOR = 2,
+        KDF_DIALLER_TO_ACCEPTOR = 3,
+        KDF_ACCEPTOR_TO_DIALLER = 4
+};
 
 const char *auth_role_to_string(enum auth_role r) {
         switch (r) {
@@ -187,7 +192,8 @@ int auth_open(struct auth_session *s, const uint8_t *in, size_t len, uint8_t *ou
         if (len < AUTH_SEAL_BYTES)
                 return -EBADMSG;
         frame_nonce(s->rx_seq, nonce);
-        if (crypto_aead_xchacha20poly1305_ietf_decrypt(out, NULL, NULL, in, len, NULL, 0, nonce, s->rx_key) != 0)
+        if (crypto_aead_xchacha20poly1305_ietf_decrypt(out, NULL, NULL, in, len, NULL, 0, nonce, s->rx_key) !=
+            0)
                 return -EBADMSG;
         s->rx_seq++;
         return 0;

@@ -223,7 +223,8 @@ static bool preauth_log_ok(struct mesh *mesh) {
 
         if (second != mesh->log_second) {
                 if (mesh->log_suppressed)
-                        log_warn("mesh: %" PRIu32 " more connections refused before authenticating (not logged "
+                        log_warn("mesh: %" PRIu32
+                                 " more connections refused before authenticating (not logged "
                                  "one by one)",
                                  mesh->log_suppressed);
                 mesh->log_second = second;
@@ -260,8 +261,9 @@ static void peer_fail(struct mesh_peer *p, bool flush, const char *fmt, ...) {
                 /* Redialled every second: said once at warning level. */
                 log_debug("mesh: peer %s still not reached: %s", p->address, why);
         else if (!p->outbound && preauth_log_ok(mesh))
-                log_warn("mesh: connection from %s%s%s%s refused: %s", p->remote, p->claimed[0] ? " (says it is " : "",
-                         p->claimed, p->claimed[0] ? ", not proved)" : "", why);
+                log_warn("mesh: connection from %s%s%s%s refused: %s", p->remote,
+                         p->claimed[0] ? " (says it is " : "", p->claimed,
+                         p->claimed[0] ? ", not proved)" : "", why);
         else if (p->outbound)
                 log_warn("mesh: peer %s (%s) %s: %s", p->address, p->remote[0] ? p->remote : "not connected",
                          was == MESH_PEER_AUTHENTICATING ? "refused" : "not reached", why);
@@ -692,8 +694,8 @@ static void handle_hello(struct mesh_peer *p, const Moeep__V1__PeerHello *h) {
                 return;
         }
         if (strcmp(p->claimed, mesh->address) == 0) {
-                snprintf(why, sizeof(why), "it says it is this daemon (%s): a daemon never meshes with itself",
-                         mesh->address);
+                snprintf(why, sizeof(why),
+                         "it says it is this daemon (%s): a daemon never meshes with itself", mesh->address);
                 peer_refuse(p, why);
                 return;
         }
@@ -775,8 +777,7 @@ static void handle_challenge(struct mesh_peer *p, const Moeep__V1__PeerChallenge
         }
         p->have_keys = true;
         if (!auth_proof_verify(&p->auth, AUTH_ACCEPTOR, c->mac.data, c->mac.len)) {
-                peer_refuse(p,
-                            "the acceptor's proof does not match the cluster key (a different key?)");
+                peer_refuse(p, "the acceptor's proof does not match the cluster key (a different key?)");
                 return;
         }
         auth_proof(&p->auth, AUTH_DIALLER, mac);
@@ -1139,8 +1140,8 @@ int mesh_join_forward(struct mesh *mesh, struct session *s, uint64_t rid, const 
         /* The address comes from the client: it is only ever looked up
          * among the configured peers, never dialled as it is. */
         if (address_canon(home, canon) < 0)
-                return errmsg_set(errmsg, -EINVAL, "the unique id names daemon '%s', which is not a mesh address",
-                                  said);
+                return errmsg_set(errmsg, -EINVAL,
+                                  "the unique id names daemon '%s', which is not a mesh address", said);
         if (strcmp(canon, mesh->address) == 0)
                 return errmsg_set(errmsg, -EINVAL, "the unique id names daemon '%s', which is this one (%s)",
                                   said, mesh->address);
@@ -1483,7 +1484,8 @@ static void peer_handle(struct mesh_peer *p, const Moeep__V1__PeerMessage *msg, 
                      c != MOEEP__V1__PEER_MESSAGE__BODY_SEALED;
         if (!ok) {
                 peer_fail(p, false, "message %d %s", (int)c,
-                          p->sealed ? "not allowed after the handshake" : "out of order during the handshake");
+                          p->sealed ? "not allowed after the handshake"
+                                    : "out of order during the handshake");
                 return;
         }
         switch (c) {
@@ -1835,8 +1837,7 @@ int mesh_start(struct daemon *d, struct mesh **ret_mesh, char *errmsg) {
         mesh->listener =
                 evconnlistener_new_bind(d->base, mesh_accept_cb, mesh,
                                         LEV_OPT_CLOSE_ON_FREE | LEV_OPT_CLOSE_ON_EXEC | LEV_OPT_REUSEABLE,
-                                        MESH_LISTEN_BACKLOG,
-                                        (struct sockaddr *)&ss, (int)len);
+                                        MESH_LISTEN_BACKLOG, (struct sockaddr *)&ss, (int)len);
         if (!mesh->listener) {
                 int e = errno ? errno : EADDRNOTAVAIL;
 

@@ -58,12 +58,12 @@ struct session;
 /* Largest frame on the wire: a sealed PeerMessage of MESH_FRAME_MAX bytes,
  * its tag and the outer PeerMessage's field header. */
 #define MESH_FRAME_MAX_WIRE (MESH_FRAME_MAX + AUTH_SEAL_BYTES + 16)
-#define MESH_FRAME_MAX_UNAUTH 1024     /* before the handshake is done */
-#define MESH_HANDSHAKE_MS 1000         /* from connect/accept to UP */
-#define MESH_MAX_UNAUTH 64             /* inbound connections still authenticating */
-#define MESH_MAX_UNAUTH_PER_SOURCE 4   /* of those, from one IPv4 address or IPv6 /64 */
-#define MESH_PREAUTH_LOGS_PER_S 8      /* pre-authentication refusals logged per second */
-#define MESH_PEERS_MAX 128             /* daemons in mesh_peers */
+#define MESH_FRAME_MAX_UNAUTH 1024   /* before the handshake is done */
+#define MESH_HANDSHAKE_MS 1000       /* from connect/accept to UP */
+#define MESH_MAX_UNAUTH 64           /* inbound connections still authenticating */
+#define MESH_MAX_UNAUTH_PER_SOURCE 4 /* of those, from one IPv4 address or IPv6 /64 */
+#define MESH_PREAUTH_LOGS_PER_S 8    /* pre-authentication refusals logged per second */
+#define MESH_PEERS_MAX 128           /* daemons in mesh_peers */
 /* Connections the kernel queues for accept(): deep enough that a flood
  * between two turns of the loop does not drop a real peer's SYN (which
  * would cost it a 1 s retransmission). */
@@ -72,10 +72,10 @@ struct session;
  * until the loop has served everything else that is ready, so that a
  * flood of connections cannot hold the loop (and the clients) for long. */
 #define MESH_ACCEPTS_PER_TURN 16
-#define MESH_PING_MS 1000          /* PeerPing interval once UP */
-#define MESH_DEAD_MS 5000          /* no PeerPong for this long: the peer is down */
-#define MESH_REDIAL_MS 1000        /* an outbound peer that is down is redialled after this */
-#define MESH_OUT_MAX (4u << 20)    /* bytes queued to one peer before it counts as stuck */
+#define MESH_PING_MS 1000       /* PeerPing interval once UP */
+#define MESH_DEAD_MS 5000       /* no PeerPong for this long: the peer is down */
+#define MESH_REDIAL_MS 1000     /* an outbound peer that is down is redialled after this */
+#define MESH_OUT_MAX (4u << 20) /* bytes queued to one peer before it counts as stuck */
 
 /* mesh_peer.tp_peer while the connection has no transport peer. */
 #define MESH_NO_TP_PEER UINT32_MAX
@@ -96,28 +96,29 @@ struct mesh_peer {
         struct mesh *mesh; /* not owning */
         enum mesh_peer_state state;
         bool outbound;
-        bool dead;                      /* inbound and failed: freed from the loop */
-        bool unreachable_logged;        /* outbound: the last dial failed and was logged */
+        bool dead;               /* inbound and failed: freed from the loop */
+        bool unreachable_logged; /* outbound: the last dial failed and was logged */
         /* Its mesh address (canonical): the configured one for an outbound
          * peer; for an inbound one the identity it proved, and until then
          * the connected socket's address (never used to find a peer). */
         char address[JOB_NODE_MAX + 1];
-        char remote[JOB_NODE_MAX + 1];  /* the connected socket's address, for logs */
-        char claimed[JOB_NODE_MAX + 1]; /* inbound: the identity its PeerHello claimed, believed once proved */
-        uint8_t source[16];             /* inbound: its source address (IPv6 /64 or IPv4), for the quota */
-        uint64_t accepted_ns;           /* inbound: CLOCK_MONOTONIC of accept() */
-        struct bufferevent *bev;        /* owns; NULL while down */
-        struct event *ev_timer;         /* owns; handshake deadline, then ping, or redial */
+        char remote[JOB_NODE_MAX + 1]; /* the connected socket's address, for logs */
+        char claimed[JOB_NODE_MAX +
+                     1];         /* inbound: the identity its PeerHello claimed, believed once proved */
+        uint8_t source[16];      /* inbound: its source address (IPv6 /64 or IPv4), for the quota */
+        uint64_t accepted_ns;    /* inbound: CLOCK_MONOTONIC of accept() */
+        struct bufferevent *bev; /* owns; NULL while down */
+        struct event *ev_timer;  /* owns; handshake deadline, then ping, or redial */
         uint8_t nonce_dialler[AUTH_NONCE_BYTES];
         struct auth_session auth; /* this connection's keys (wiped when it ends) */
         bool have_keys;           /* `auth` is derived: the other side's proof can be checked */
         bool sealed;              /* the handshake is done: every frame both ways is sealed */
         bool got_hello;           /* acceptor: PeerHello arrived */
         bool sent_proof;          /* dialler: PeerProof sent, waiting for PeerWelcome */
-        uint64_t ping_seq;           /* last PeerPing sent */
-        uint64_t last_pong_ns;       /* CLOCK_MONOTONIC of the last PeerPong (or of going UP) */
-        uint64_t rtt_us;             /* last measured round trip, 0 before the first */
-        uint32_t minor;              /* its protocol minor (PeerHello/PeerChallenge), 0 = 1.2 or older */
+        uint64_t ping_seq;        /* last PeerPing sent */
+        uint64_t last_pong_ns;    /* CLOCK_MONOTONIC of the last PeerPong (or of going UP) */
+        uint64_t rtt_us;          /* last measured round trip, 0 before the first */
+        uint32_t minor;           /* its protocol minor (PeerHello/PeerChallenge), 0 = 1.2 or older */
         /* The transport connection to that daemon (datapath.h), made anew
          * each time this connection comes up: our half's index, and whether
          * its PeerTransport arrived and connected it. */
@@ -145,10 +146,10 @@ struct mesh {
         uint32_t log_suppressed;         /* and those not logged */
         struct mesh_join_list joins;     /* owns; forwarded joins waiting for an answer */
         uint64_t next_token;
-        struct event *ev_reap; /* owns; frees dead inbound peers from the loop */
+        struct event *ev_reap;          /* owns; frees dead inbound peers from the loop */
         struct event *ev_accept_resume; /* owns; re-enables the listener after a full turn */
         uint32_t accepted_this_turn;    /* since the listener was last (re-)enabled */
-        uint64_t refused;      /* connections refused (bad key, no key, timeout, cap) */
+        uint64_t refused;               /* connections refused (bad key, no key, timeout, cap) */
 };
 
 /* Starts the mesh when mesh_listen is set: loads the key, listens, dials

@@ -147,7 +147,8 @@ static Moeep__V1__PeerMessage *recv_msg(int fd) {
                 }
                 have += (size_t)n;
                 if (have == 4 && want == 4) {
-                        want = 4 + ((size_t)buf[0] << 24 | (size_t)buf[1] << 16 | (size_t)buf[2] << 8 | buf[3]);
+                        want = 4 +
+                               ((size_t)buf[0] << 24 | (size_t)buf[1] << 16 | (size_t)buf[2] << 8 | buf[3]);
                         if (want > sizeof(buf))
                                 return NULL;
                 }
@@ -222,7 +223,8 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
         f = fopen(conf_path, "w");
         if (!f)
                 abort();
-        fprintf(f, "[moeepd]\nsocket = %s\nmesh_listen = 127.0.0.1:0\nmesh_peers = %s\ncluster_key_file = %s\n",
+        fprintf(f,
+                "[moeepd]\nsocket = %s\nmesh_listen = 127.0.0.1:0\nmesh_peers = %s\ncluster_key_file = %s\n",
                 sock_path, id_peer, key_path);
         fclose(f);
         o.config_path = conf_path;
@@ -372,7 +374,8 @@ static int fuzz_challenge(struct input *in, bool *ret_proved) {
         if (fd < 0)
                 return -1;
         r = recv_msg(fd);
-        if (!r || r->body_case != MOEEP__V1__PEER_MESSAGE__BODY_HELLO || r->hello->nonce.len != AUTH_NONCE_BYTES) {
+        if (!r || r->body_case != MOEEP__V1__PEER_MESSAGE__BODY_HELLO ||
+            r->hello->nonce.len != AUTH_NONCE_BYTES) {
                 if (r)
                         moeep__v1__peer_message__free_unpacked(r, NULL);
                 return fd;

@@ -92,11 +92,11 @@ static void sleep_ms(long ms) {
         nanosleep(&ts, NULL);
 }
 
-#define die(...)                                      \
-        do {                                          \
+#define die(...)                                              \
+        do {                                                  \
                 fprintf(stderr, "mesh-attack: " __VA_ARGS__); \
-                fputc('\n', stderr);                  \
-                exit(1);                              \
+                fputc('\n', stderr);                          \
+                exit(1);                                      \
         } while (0)
 
 /* ------------------------------------------------------------ sockets */
@@ -320,7 +320,8 @@ static int handshake(uint16_t port, const uint8_t key[AUTH_KEY_BYTES], const cha
                 die("handshake as %s: no PeerChallenge (%s, message %d%s%s)", id_d, strerror(-r),
                     r < 0 ? -1 : (int)m->body_case,
                     r == 0 && m->body_case == MOEEP__V1__PEER_MESSAGE__BODY_REFUSED ? ": " : "",
-                    r == 0 && m->body_case == MOEEP__V1__PEER_MESSAGE__BODY_REFUSED ? m->refused->reason : "");
+                    r == 0 && m->body_case == MOEEP__V1__PEER_MESSAGE__BODY_REFUSED ? m->refused->reason
+                                                                                    : "");
         memcpy(t.nonce_acceptor, m->challenge->nonce.data, AUTH_NONCE_BYTES);
         t.id_dialler = id_d;
         t.id_acceptor = id_a;
@@ -355,7 +356,8 @@ static int expect_pong(int fd, struct auth_session *s, uint64_t seq) {
                 bool ok;
 
                 if (r < 0 || m->body_case != MOEEP__V1__PEER_MESSAGE__BODY_SEALED ||
-                    m->sealed.len < AUTH_SEAL_BYTES || auth_open(s, m->sealed.data, m->sealed.len, plain) < 0) {
+                    m->sealed.len < AUTH_SEAL_BYTES ||
+                    auth_open(s, m->sealed.data, m->sealed.len, plain) < 0) {
                         if (r == 0)
                                 moeep__v1__peer_message__free_unpacked(m, NULL);
                         return -1;
@@ -414,7 +416,8 @@ static int cmd_reflect(uint16_t port_a, const char *id_a, const char *id_b, uint
                 hello_pack(&f, dial_hello->hello->nonce.data, as);
                 frame_send(c2, &f);
                 if (variant == 0) {
-                        bad |= expect_refused(c2, 2000, "A's own PeerHello reflected to A under A's identity");
+                        bad |= expect_refused(c2, 2000,
+                                              "A's own PeerHello reflected to A under A's identity");
                         bad |= expect_refused(c1, 2000, "A's dial, left waiting");
                         goto next;
                 }
@@ -437,8 +440,9 @@ static int cmd_reflect(uint16_t port_a, const char *id_a, const char *id_b, uint
                         ch->challenge->address = said; /* freed with `ch` */
                         frame_send(c1, &f);
                         bad |= expect_refused(c1, 2000,
-                                              variant == 1 ? "A's challenge reflected to A's dial"
-                                                           : "A's challenge reflected, its address rewritten");
+                                              variant == 1
+                                                      ? "A's challenge reflected to A's dial"
+                                                      : "A's challenge reflected, its address rewritten");
                         bad |= expect_refused(c2, 2000, "the second connection, never proved");
                 } else {
                         /* A's acceptor proof sent back as a dialler proof. */
@@ -447,7 +451,7 @@ static int cmd_reflect(uint16_t port_a, const char *id_a, const char *id_b, uint
                         bad |= expect_refused(c2, 2000, "A's acceptor proof reflected as a dialler proof");
                         bad |= expect_refused(c1, 2000, "A's dial, left waiting");
                 }
-        next:
+next:
                 if (ch)
                         moeep__v1__peer_message__free_unpacked(ch, NULL);
                 moeep__v1__peer_message__free_unpacked(dial_hello, NULL);
@@ -579,7 +583,12 @@ static int flood_connect(uint16_t port, const char *source) {
 }
 
 static int cmd_flood(uint16_t port_a, int first, int nsources, int seconds) {
-        enum { PER_SOURCE = 32, MAX = 24 * PER_SOURCE, OPENS_MAX = 2000000, RATE_MAX = 5000 };
+        enum {
+                PER_SOURCE = 32,
+                MAX = 24 * PER_SOURCE,
+                OPENS_MAX = 2000000,
+                RATE_MAX = 5000
+        };
         static struct pollfd pfd[MAX];
         static bool said[MAX];
         /* One source alone opens more than every slot. */
@@ -667,8 +676,8 @@ static int cmd_peer(const char *keyfile, uint16_t port_a, const char *id_a, cons
         sodium_memzero(key, sizeof(key));
         printf("peer: %d handshakes as %s, slowest %llu ms\n", tries, id_b, (unsigned long long)worst);
         if (worst > (uint64_t)max_ms) {
-                fprintf(stderr, "a key holder's handshake took %llu ms (at most %d)\n", (unsigned long long)worst,
-                        max_ms);
+                fprintf(stderr, "a key holder's handshake took %llu ms (at most %d)\n",
+                        (unsigned long long)worst, max_ms);
                 return 1;
         }
         return 0;
@@ -716,14 +725,16 @@ static int cmd_forge(const char *sock, const char *mode, int count, const char *
                         die("selfjob: second client");
                 r = moeep_job_join(c1, &id, 1, 2, NULL);
                 if (r < 0) {
-                        fprintf(stderr, "selfjob: join through '%s' failed: %s\n", home, moeep_client_error(c1));
+                        fprintf(stderr, "selfjob: join through '%s' failed: %s\n", home,
+                                moeep_client_error(c1));
                         bad = 1;
                 } else if (moeep_job_ranks(c1, &local, &remote) < 0 || local != 0x3 || remote != 0) {
-                        fprintf(stderr, "selfjob: ranks local 0x%x remote 0x%x, want 0x3 and 0\n", local, remote);
+                        fprintf(stderr, "selfjob: ranks local 0x%x remote 0x%x, want 0x3 and 0\n", local,
+                                remote);
                         bad = 1;
                 } else {
-                        printf("selfjob: rank 1 joined through '%s' locally (local 0x%x, remote 0x%x)\n", home,
-                               local, remote);
+                        printf("selfjob: rank 1 joined through '%s' locally (local 0x%x, remote 0x%x)\n",
+                               home, local, remote);
                 }
                 moeep_client_free(c1);
                 moeep_client_free(c);
@@ -750,8 +761,8 @@ static int cmd_forge(const char *sock, const char *mode, int count, const char *
                                          atoi(arg));
                                 break;
                         case 2:
-                                snprintf(home, sizeof(home), "[::ffff:127.0.0.1]:%0*d", zeros % 20 + 1 +
-                                         (int)strlen(arg), atoi(arg));
+                                snprintf(home, sizeof(home), "[::ffff:127.0.0.1]:%0*d",
+                                         zeros % 20 + 1 + (int)strlen(arg), atoi(arg));
                                 break;
                         case 3:
                                 snprintf(home, sizeof(home), "[::FFFF:7f00:%d]:%s", 1, arg);
@@ -776,7 +787,8 @@ static int cmd_forge(const char *sock, const char *mode, int count, const char *
                 if (r >= 0) {
                         fprintf(stderr, "forged id naming '%s' joined\n", home);
                         bad = 1;
-                } else if (!strstr(moeep_client_error(c), want) || (self && strstr(moeep_client_error(c), "mesh"))) {
+                } else if (!strstr(moeep_client_error(c), want) ||
+                           (self && strstr(moeep_client_error(c), "mesh"))) {
                         fprintf(stderr, "forged id naming '%s': error %d '%s' does not name '%s'\n", home, r,
                                 moeep_client_error(c), want);
                         bad = 1;

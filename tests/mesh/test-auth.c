@@ -247,9 +247,12 @@ static void test_key_file(void **state) {
 
 int main(void) {
         const struct CMUnitTest tests[] = {
-                cmocka_unit_test(test_good_key),   cmocka_unit_test(test_bad_key),
-                cmocka_unit_test(test_identities), cmocka_unit_test(test_replay),
-                cmocka_unit_test(test_reflection_and_size), cmocka_unit_test(test_frames),
+                cmocka_unit_test(test_good_key),
+                cmocka_unit_test(test_bad_key),
+                cmocka_unit_test(test_identities),
+                cmocka_unit_test(test_replay),
+                cmocka_unit_test(test_reflection_and_size),
+                cmocka_unit_test(test_frames),
                 cmocka_unit_test(test_key_file),
         };
 
