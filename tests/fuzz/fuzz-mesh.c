@@ -192,6 +192,15 @@ static uint32_t inbound_live(void) {
         return n;
 }
 
+/* The key, configuration and socket live in a private directory that
+ * goes with the process. */
+static void cleanup(void) {
+        unlink(key_path);
+        unlink(conf_path);
+        unlink(sock_path);
+        rmdir(dir);
+}
+
 int LLVMFuzzerInitialize(int *argc, char ***argv) {
         struct daemon_options o = { .log_level = "err" };
         struct sockaddr_in sa = { .sin_family = AF_INET };
@@ -204,6 +213,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
         snprintf(dir, sizeof(dir), "/tmp/moeep-fuzz-mesh-%d", (int)getpid());
         if (mkdir(dir, 0700) < 0 && errno != EEXIST)
                 abort();
+        atexit(cleanup);
         snprintf(key_path, sizeof(key_path), "%s/key", dir);
         snprintf(conf_path, sizeof(conf_path), "%s/moeepd.conf", dir);
         snprintf(sock_path, sizeof(sock_path), "%s/moeepd.sock", dir);
