@@ -1,4 +1,6 @@
-/* The internode mesh; see mesh.h. */
+/* The internode mesh: connections, their framing and sealing, and the
+ * jobs across daemons; see mesh.h. Identities, admission and the handshake
+ * are in mesh-handshake.c. */
 #include <arpa/inet.h>
 #include <errno.h>
 #include <event2/buffer.h>
@@ -23,6 +25,7 @@
 #include "datapath.h"
 #include "job.h"
 #include "log.h"
+#include "mesh-internal.h"
 #include "mesh.h"
 #include "record.h"
 #include "session.h"
@@ -61,13 +64,6 @@ const char *mesh_peer_state_to_string(enum mesh_peer_state s) {
                 return "down";
         }
         return "unknown";
-}
-
-static uint64_t now_ns(void) {
-        struct timespec ts;
-
-        clock_gettime(CLOCK_MONOTONIC, &ts);
-        return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
 static void timer_arm(struct mesh_peer *p, unsigned ms) {
@@ -109,8 +105,8 @@ static int frame_add(struct evbuffer *out, const uint8_t *body, size_t len) {
 /* Queues one frame: in clear for the handshake messages, sealed (auth.h)
  * for everything else, which only a connection whose handshake is done
  * may carry. To a peer that is down, nothing (the job code sends to peers
- * that may have gone, and learns of it through peer_fail()). */
-static int peer_send(struct mesh_peer *p, Moeep__V1__PeerMessage *msg) {
+ * that may have gone, and learns of it through mesh_peer_fail()). */
+int mesh_peer_send(struct mesh_peer *p, Moeep__V1__PeerMessage *msg) {
         Moeep__V1__PeerMessage outer = MOEEP__V1__PEER_MESSAGE__INIT;
         struct evbuffer *out;
         uint8_t *plain = NULL, *sealed = NULL, *wire = NULL;
@@ -168,11 +164,6 @@ out:
         return r;
 }
 
-#define PEER_MSG(var, field, value, Case)                           \
-        Moeep__V1__PeerMessage var = MOEEP__V1__PEER_MESSAGE__INIT; \
-        var.body_case = MOEEP__V1__PEER_MESSAGE__BODY_##Case;       \
-        var.field = (value)
-
 /* ------------------------------------------------------------ failure */
 
 static void peer_dial(struct mesh_peer *p);
@@ -215,36 +206,11 @@ static void peer_handshake_reset(struct mesh_peer *p) {
         p->claimed[0] = '\0';
 }
 
-/* Whether one more pre-authentication refusal may be logged this second:
- * a flood of connections must not become a flood of log lines. The count
- * of those not logged is said with the first line of a later second. */
-static bool preauth_log_ok(struct mesh *mesh) {
-        uint64_t second = now_ns() / 1000000000u;
-
-        if (second != mesh->log_second) {
-                if (mesh->log_suppressed)
-                        log_warn("mesh: %" PRIu32
-                                 " more connections refused before authenticating (not logged "
-                                 "one by one)",
-                                 mesh->log_suppressed);
-                mesh->log_second = second;
-                mesh->log_lines = mesh->log_suppressed = 0;
-        }
-        if (mesh->log_lines >= MESH_PREAUTH_LOGS_PER_S) {
-                mesh->log_suppressed++;
-                return false;
-        }
-        mesh->log_lines++;
-        return true;
-}
-
 /* The one way a peer connection ends: logs `fmt` once, drops the
  * connection (flushing a queued PeerRefused when `flush`), fails what
  * depended on it, and then redials (outbound) or frees the peer from the
  * loop (inbound). */
-static void peer_fail(struct mesh_peer *p, bool flush, const char *fmt, ...)
-        __attribute__((format(printf, 3, 4)));
-static void peer_fail(struct mesh_peer *p, bool flush, const char *fmt, ...) {
+void mesh_peer_fail(struct mesh_peer *p, bool flush, const char *fmt, ...) {
         struct mesh *mesh = p->mesh;
         enum mesh_peer_state was = p->state;
         char why[ERRMSG_MAX];
@@ -260,7 +226,7 @@ static void peer_fail(struct mesh_peer *p, bool flush, const char *fmt, ...) {
         else if (was == MESH_PEER_CONNECTING && p->unreachable_logged)
                 /* Redialled every second: said once at warning level. */
                 log_debug("mesh: peer %s still not reached: %s", p->address, why);
-        else if (!p->outbound && preauth_log_ok(mesh))
+        else if (!p->outbound && mesh_preauth_log_ok(mesh))
                 log_warn("mesh: connection from %s%s%s%s refused: %s", p->remote,
                          p->claimed[0] ? " (says it is " : "", p->claimed,
                          p->claimed[0] ? ", not proved)" : "", why);
@@ -311,7 +277,7 @@ static void peer_fail(struct mesh_peer *p, bool flush, const char *fmt, ...) {
 static void peer_drop(struct mesh_peer *p) {
         struct mesh *mesh = p->mesh;
 
-        /* No job spans the daemon (peer_up() checked): nothing routes to
+        /* No job spans the daemon (mesh_peer_up() checked): nothing routes to
          * its transport peer. */
         peer_transport_drop(p, false);
         if (!p->outbound && p->state != MESH_PEER_UP)
@@ -334,13 +300,13 @@ static void peer_drop(struct mesh_peer *p) {
 }
 
 /* Refuses a peer during the handshake: tells it why, logs, closes. */
-static void peer_refuse(struct mesh_peer *p, const char *why) {
+void mesh_peer_refuse(struct mesh_peer *p, const char *why) {
         Moeep__V1__PeerRefused refused = MOEEP__V1__PEER_REFUSED__INIT;
         PEER_MSG(msg, refused, &refused, REFUSED);
 
         refused.reason = (char *)why;
-        peer_send(p, &msg);
-        peer_fail(p, true, "%s", why);
+        mesh_peer_send(p, &msg);
+        mesh_peer_fail(p, true, "%s", why);
 }
 
 /* ------------------------------------------------------------ peers */
@@ -378,99 +344,6 @@ static void peer_free(struct mesh_peer *p) {
         free(p);
 }
 
-static void sockaddr_string(const struct sockaddr *sa, char *buf, size_t size) {
-        char host[INET6_ADDRSTRLEN] = "?";
-
-        if (sa->sa_family == AF_INET) {
-                const struct sockaddr_in *s4 = (const struct sockaddr_in *)sa;
-
-                inet_ntop(AF_INET, &s4->sin_addr, host, sizeof(host));
-                snprintf(buf, size, "%s:%u", host, (unsigned)ntohs(s4->sin_port));
-        } else if (sa->sa_family == AF_INET6) {
-                const struct sockaddr_in6 *s6 = (const struct sockaddr_in6 *)sa;
-
-                inet_ntop(AF_INET6, &s6->sin6_addr, host, sizeof(host));
-                snprintf(buf, size, "[%s]:%u", host, (unsigned)ntohs(s6->sin6_port));
-        } else {
-                snprintf(buf, size, "?");
-        }
-}
-
-/* Parses a mesh address (config_listen_split()'s forms) into a sockaddr. */
-static int address_resolve(const char *address, struct sockaddr_storage *ret_ss, socklen_t *ret_len) {
-        char host[CONFIG_HOST_MAX];
-        uint16_t port;
-
-        if (config_listen_split(address, host, &port) < 0)
-                return -EINVAL;
-        memset(ret_ss, 0, sizeof(*ret_ss));
-        if (strcmp(host, "localhost") == 0)
-                snprintf(host, sizeof(host), "127.0.0.1");
-        if (strchr(host, ':')) {
-                struct sockaddr_in6 *s6 = (struct sockaddr_in6 *)ret_ss;
-
-                s6->sin6_family = AF_INET6;
-                s6->sin6_port = htons(port);
-                if (inet_pton(AF_INET6, host, &s6->sin6_addr) != 1)
-                        return -EINVAL;
-                *ret_len = sizeof(*s6);
-        } else {
-                struct sockaddr_in *s4 = (struct sockaddr_in *)ret_ss;
-
-                s4->sin_family = AF_INET;
-                s4->sin_port = htons(port);
-                if (inet_pton(AF_INET, host, &s4->sin_addr) != 1)
-                        return -EINVAL;
-                *ret_len = sizeof(*s4);
-        }
-        return 0;
-}
-
-/* The canonical spelling of mesh address `address`: parsed as
- * address_resolve() does (so "localhost", leading zeros in the port and
- * every IPv6 spelling are understood), an IPv4-mapped IPv6 address taken as
- * the IPv4 one, and printed back by inet_ntop(): "IPV4:PORT" or
- * "[IPV6]:PORT". Two spellings of one socket address give the same string,
- * so canonical addresses are compared with strcmp(). Port 0 is no peer's.
- * Returns 0 or -EINVAL. */
-static int address_canon(const char *address, char ret[static JOB_NODE_MAX + 1]) {
-        struct sockaddr_storage ss;
-        socklen_t len;
-
-        if (strlen(address) > JOB_NODE_MAX || address_resolve(address, &ss, &len) < 0)
-                return -EINVAL;
-        if (ss.ss_family == AF_INET6 && IN6_IS_ADDR_V4MAPPED(&((struct sockaddr_in6 *)&ss)->sin6_addr)) {
-                struct sockaddr_in6 s6 = *(struct sockaddr_in6 *)&ss;
-                struct sockaddr_in *s4 = (struct sockaddr_in *)&ss;
-
-                memset(&ss, 0, sizeof(ss));
-                s4->sin_family = AF_INET;
-                s4->sin_port = s6.sin6_port;
-                memcpy(&s4->sin_addr, &s6.sin6_addr.s6_addr[12], 4);
-        }
-        if ((ss.ss_family == AF_INET ? ((struct sockaddr_in *)&ss)->sin_port
-                                     : ((struct sockaddr_in6 *)&ss)->sin6_port) == 0)
-                return -EINVAL;
-        sockaddr_string((struct sockaddr *)&ss, ret, JOB_NODE_MAX + 1);
-        return 0;
-}
-
-/* The configured peer (mesh_peers) at canonical address `canon`, or NULL. */
-static struct mesh_peer *configured_find(const struct mesh *mesh, const char *canon) {
-        struct mesh_peer *p;
-
-        TAILQ_FOREACH (p, &mesh->peers, entry)
-                if (p->outbound && strcmp(p->address, canon) == 0)
-                        return p;
-        return NULL;
-}
-
-bool mesh_address_is_self(const struct mesh *mesh, const char *address) {
-        char canon[JOB_NODE_MAX + 1];
-
-        return mesh && address_canon(address, canon) == 0 && strcmp(canon, mesh->address) == 0;
-}
-
 static void peer_bev_setup(struct mesh_peer *p) {
         int one = 1;
 
@@ -485,21 +358,21 @@ static void peer_dial(struct mesh_peer *p) {
         socklen_t len;
 
         p->remote[0] = '\0';
-        if (address_resolve(p->address, &ss, &len) < 0) {
-                p->state = MESH_PEER_CONNECTING; /* so that peer_fail() logs and re-arms */
-                peer_fail(p, false, "'%s' is not an address", p->address);
+        if (mesh_address_resolve(p->address, &ss, &len) < 0) {
+                p->state = MESH_PEER_CONNECTING; /* so that mesh_peer_fail() logs and re-arms */
+                mesh_peer_fail(p, false, "'%s' is not an address", p->address);
                 return;
         }
         p->bev = bufferevent_socket_new(p->mesh->daemon->base, -1, BEV_OPT_CLOSE_ON_FREE);
         p->state = MESH_PEER_CONNECTING;
         if (!p->bev) {
-                peer_fail(p, false, "out of memory");
+                mesh_peer_fail(p, false, "out of memory");
                 return;
         }
         peer_bev_setup(p);
         timer_arm(p, MESH_HANDSHAKE_MS);
         if (bufferevent_socket_connect(p->bev, (struct sockaddr *)&ss, (int)len) < 0)
-                peer_fail(p, false, "connect: %s", strerror(errno ? errno : ECONNREFUSED));
+                mesh_peer_fail(p, false, "connect: %s", strerror(errno ? errno : ECONNREFUSED));
 }
 
 static struct mesh_peer *peer_find(const struct mesh *mesh, const char *address, bool up_only) {
@@ -534,13 +407,13 @@ static void peer_up_flush(struct mesh_peer *p) {
                 pj.rank = j->rank;
                 pj.world_size = j->world_size;
                 pj.gpu_uuid = j->gpu_uuid;
-                if (peer_send(p, &msg) == 0)
+                if (mesh_peer_send(p, &msg) == 0)
                         j->sent = true;
         }
 }
 
 /* Both sides proved the key: the peer is usable. */
-static void peer_up(struct mesh_peer *p) {
+void mesh_peer_up(struct mesh_peer *p) {
         struct mesh *mesh = p->mesh;
         struct mesh_peer *q = peer_find(mesh, p->address, true);
 
@@ -569,26 +442,12 @@ static void peer_up(struct mesh_peer *p) {
         if (!p->outbound)
                 mesh->unauthenticated--;
         p->state = MESH_PEER_UP;
-        p->last_pong_ns = now_ns();
+        p->last_pong_ns = mesh_now_ns();
         p->rtt_us = 0;
         log_notice("mesh: peer %s up (%s, %s)", p->address, p->remote, p->outbound ? "dialled" : "accepted");
         timer_arm(p, MESH_PING_MS);
         peer_up_flush(p);
         peer_transport_offer(p);
-}
-
-static void send_hello(struct mesh_peer *p) {
-        Moeep__V1__PeerHello hello = MOEEP__V1__PEER_HELLO__INIT;
-        PEER_MSG(msg, hello, &hello, HELLO);
-
-        auth_nonce(p->nonce_dialler);
-        hello.major = MOEEP_PROTOCOL_MAJOR;
-        hello.nonce.data = p->nonce_dialler;
-        hello.nonce.len = AUTH_NONCE_BYTES;
-        hello.address = p->mesh->address;
-        hello.minor = MOEEP_PROTOCOL_MINOR;
-        hello.mesh_version = AUTH_MESH_VERSION;
-        peer_send(p, &msg);
 }
 
 static void peer_event_cb(struct bufferevent *bev, short what, void *arg) {
@@ -601,37 +460,37 @@ static void peer_event_cb(struct bufferevent *bev, short what, void *arg) {
 
                 setsockopt(bufferevent_getfd(bev), IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
                 if (getpeername(bufferevent_getfd(bev), (struct sockaddr *)&ss, &len) == 0)
-                        sockaddr_string((struct sockaddr *)&ss, p->remote, sizeof(p->remote));
+                        mesh_sockaddr_string((struct sockaddr *)&ss, p->remote, sizeof(p->remote));
                 p->state = MESH_PEER_AUTHENTICATING;
-                send_hello(p);
+                mesh_hello_send(p);
                 return;
         }
         if (what & BEV_EVENT_EOF)
-                peer_fail(p, false, "it closed the connection");
+                mesh_peer_fail(p, false, "it closed the connection");
         else if (what & BEV_EVENT_ERROR)
-                peer_fail(p, false, "%s", evutil_socket_error_to_string(EVUTIL_SOCKET_ERROR()));
+                mesh_peer_fail(p, false, "%s", evutil_socket_error_to_string(EVUTIL_SOCKET_ERROR()));
 }
 
 static void peer_timer_cb(evutil_socket_t fd, short what, void *arg) {
         struct mesh_peer *p = arg;
-        uint64_t now = now_ns();
+        uint64_t now = mesh_now_ns();
 
         switch (p->state) {
         case MESH_PEER_CONNECTING:
         case MESH_PEER_AUTHENTICATING:
-                peer_fail(p, false, "handshake not done within %d ms", MESH_HANDSHAKE_MS);
+                mesh_peer_fail(p, false, "handshake not done within %d ms", MESH_HANDSHAKE_MS);
                 return;
         case MESH_PEER_UP: {
                 Moeep__V1__PeerPing ping = MOEEP__V1__PEER_PING__INIT;
                 PEER_MSG(msg, ping, &ping, PING);
 
                 if (now - p->last_pong_ns > (uint64_t)MESH_DEAD_MS * 1000000u) {
-                        peer_fail(p, false, "no PeerPong for %d ms", MESH_DEAD_MS);
+                        mesh_peer_fail(p, false, "no PeerPong for %d ms", MESH_DEAD_MS);
                         return;
                 }
                 ping.seq = ++p->ping_seq;
                 ping.sent_ns = now;
-                peer_send(p, &msg);
+                mesh_peer_send(p, &msg);
                 timer_arm(p, MESH_PING_MS);
                 return;
         }
@@ -646,172 +505,6 @@ static void peer_timer_cb(evutil_socket_t fd, short what, void *arg) {
         }
 }
 
-/* ------------------------------------------------------------ handshake */
-
-/* An identity as a peer said it, made printable for a log line or a
- * PeerRefused (it is not believed, only shown). */
-static void claim_printable(const char *claim, char ret[static JOB_NODE_MAX + 1]) {
-        size_t n;
-
-        snprintf(ret, JOB_NODE_MAX + 1, "%s", claim ? claim : "");
-        for (n = 0; ret[n]; n++)
-                if (ret[n] < 0x21 || ret[n] > 0x7e)
-                        ret[n] = '?';
-}
-
-/* Acceptor: a dialler says who it is and sends its nonce. Only an identity
- * of mesh_peers is answered; it is believed once PeerProof proves it. */
-static void handle_hello(struct mesh_peer *p, const Moeep__V1__PeerHello *h) {
-        struct mesh *mesh = p->mesh;
-        Moeep__V1__PeerChallenge ch = MOEEP__V1__PEER_CHALLENGE__INIT;
-        PEER_MSG(msg, challenge, &ch, CHALLENGE);
-        struct auth_transcript t = { 0 };
-        uint8_t nonce_acceptor[AUTH_NONCE_BYTES], mac[AUTH_MAC_BYTES];
-        char why[ERRMSG_MAX], claim[JOB_NODE_MAX + 1];
-
-        p->got_hello = true;
-        if (h->major != MOEEP_PROTOCOL_MAJOR || h->mesh_version != AUTH_MESH_VERSION) {
-                snprintf(why, sizeof(why),
-                         "protocol major %" PRIu32 " mesh version %" PRIu32
-                         ", this daemon speaks %d and %d (upgrade every daemon of the mesh)",
-                         h->major, h->mesh_version, MOEEP_PROTOCOL_MAJOR, AUTH_MESH_VERSION);
-                peer_refuse(p, why);
-                return;
-        }
-        if (h->nonce.len != AUTH_NONCE_BYTES) {
-                snprintf(why, sizeof(why), "nonce of %zu bytes, need %d", h->nonce.len, AUTH_NONCE_BYTES);
-                peer_refuse(p, why);
-                return;
-        }
-        if (!mesh->keyed) {
-                peer_refuse(p, "the accepting daemon has no cluster key (cluster_key_file)");
-                return;
-        }
-        claim_printable(h->address, claim);
-        if (!h->address || address_canon(h->address, p->claimed) < 0) {
-                snprintf(why, sizeof(why), "it says it is '%s', which is not a mesh address", claim);
-                peer_refuse(p, why);
-                return;
-        }
-        if (strcmp(p->claimed, mesh->address) == 0) {
-                snprintf(why, sizeof(why),
-                         "it says it is this daemon (%s): a daemon never meshes with itself", mesh->address);
-                peer_refuse(p, why);
-                return;
-        }
-        if (!configured_find(mesh, p->claimed)) {
-                snprintf(why, sizeof(why), "it says it is %s, which is not in this daemon's mesh_peers",
-                         p->claimed);
-                peer_refuse(p, why);
-                return;
-        }
-        p->minor = h->minor;
-        auth_nonce(nonce_acceptor);
-        memcpy(t.nonce_dialler, h->nonce.data, AUTH_NONCE_BYTES);
-        memcpy(t.nonce_acceptor, nonce_acceptor, AUTH_NONCE_BYTES);
-        t.id_dialler = p->claimed;
-        t.id_acceptor = mesh->address;
-        t.minor_dialler = h->minor;
-        t.minor_acceptor = MOEEP_PROTOCOL_MINOR;
-        if (auth_session_derive(mesh->key, &t, AUTH_ACCEPTOR, &p->auth) < 0) {
-                peer_refuse(p, "identities too long");
-                return;
-        }
-        p->have_keys = true;
-        auth_proof(&p->auth, AUTH_ACCEPTOR, mac);
-        ch.nonce.data = nonce_acceptor;
-        ch.nonce.len = AUTH_NONCE_BYTES;
-        ch.mac.data = mac;
-        ch.mac.len = AUTH_MAC_BYTES;
-        ch.address = mesh->address;
-        ch.minor = MOEEP_PROTOCOL_MINOR;
-        ch.mesh_version = AUTH_MESH_VERSION;
-        peer_send(p, &msg);
-}
-
-/* Dialler: the acceptor must be the daemon we dialled and prove the key
- * over the transcript with both identities; only then do we prove
- * ourselves. */
-static void handle_challenge(struct mesh_peer *p, const Moeep__V1__PeerChallenge *c) {
-        struct mesh *mesh = p->mesh;
-        Moeep__V1__PeerProof proof = MOEEP__V1__PEER_PROOF__INIT;
-        PEER_MSG(msg, proof, &proof, PROOF);
-        struct auth_transcript t = { 0 };
-        uint8_t mac[AUTH_MAC_BYTES];
-        char why[ERRMSG_MAX], said[JOB_NODE_MAX + 1], canon[JOB_NODE_MAX + 1];
-
-        if (!mesh->keyed) {
-                peer_refuse(p, "the dialling daemon has no cluster key (cluster_key_file)");
-                return;
-        }
-        if (c->mesh_version != AUTH_MESH_VERSION) {
-                snprintf(why, sizeof(why),
-                         "mesh version %" PRIu32 ", this daemon speaks %d (upgrade every daemon of the mesh)",
-                         c->mesh_version, AUTH_MESH_VERSION);
-                peer_refuse(p, why);
-                return;
-        }
-        if (c->nonce.len != AUTH_NONCE_BYTES) {
-                peer_refuse(p, "challenge nonce of the wrong size");
-                return;
-        }
-        claim_printable(c->address, said);
-        if (!c->address || address_canon(c->address, canon) < 0 || strcmp(canon, p->address) != 0) {
-                snprintf(why, sizeof(why),
-                         "it says it is '%s', but %s was dialled (its mesh_listen and our mesh_peers must "
-                         "name the same address)",
-                         said, p->address);
-                peer_refuse(p, why);
-                return;
-        }
-        p->minor = c->minor;
-        memcpy(t.nonce_dialler, p->nonce_dialler, AUTH_NONCE_BYTES);
-        memcpy(t.nonce_acceptor, c->nonce.data, AUTH_NONCE_BYTES);
-        t.id_dialler = mesh->address;
-        t.id_acceptor = p->address;
-        t.minor_dialler = MOEEP_PROTOCOL_MINOR;
-        t.minor_acceptor = c->minor;
-        if (auth_session_derive(mesh->key, &t, AUTH_DIALLER, &p->auth) < 0) {
-                peer_refuse(p, "identities too long");
-                return;
-        }
-        p->have_keys = true;
-        if (!auth_proof_verify(&p->auth, AUTH_ACCEPTOR, c->mac.data, c->mac.len)) {
-                peer_refuse(p, "the acceptor's proof does not match the cluster key (a different key?)");
-                return;
-        }
-        auth_proof(&p->auth, AUTH_DIALLER, mac);
-        proof.mac.data = mac;
-        proof.mac.len = AUTH_MAC_BYTES;
-        p->sent_proof = true;
-        peer_send(p, &msg);
-}
-
-/* Acceptor: the dialler proved the key and the identity it claimed. From
- * here on every frame is sealed, PeerWelcome first. */
-static void handle_proof(struct mesh_peer *p, const Moeep__V1__PeerProof *pr) {
-        Moeep__V1__PeerWelcome welcome = MOEEP__V1__PEER_WELCOME__INIT;
-        PEER_MSG(msg, welcome, &welcome, WELCOME);
-
-        if (!p->have_keys || !auth_proof_verify(&p->auth, AUTH_DIALLER, pr->mac.data, pr->mac.len)) {
-                peer_refuse(p, "the dialler's proof does not match the cluster key (a different key?)");
-                return;
-        }
-        auth_session_done(&p->auth);
-        p->sealed = true;
-        snprintf(p->address, sizeof(p->address), "%s", p->claimed);
-        peer_send(p, &msg);
-        peer_up(p);
-}
-
-/* Dialler: the sealed PeerWelcome opened, so the acceptor holds this
- * connection's keys. */
-static void handle_welcome(struct mesh_peer *p) {
-        auth_session_done(&p->auth);
-        p->sealed = true;
-        peer_up(p);
-}
-
 /* ------------------------------------------------------------ jobs, home side */
 
 static void send_rank_lost(struct mesh_peer *p, uint64_t job_id, uint32_t rank, const char *reason) {
@@ -821,7 +514,7 @@ static void send_rank_lost(struct mesh_peer *p, uint64_t job_id, uint32_t rank, 
         lost.job_id = job_id;
         lost.rank = rank;
         lost.reason = (char *)reason;
-        peer_send(p, &msg);
+        mesh_peer_send(p, &msg);
 }
 
 static void rank_barrier_done(void *owner, const struct job *job, uint64_t request_id, int error) {
@@ -834,7 +527,7 @@ static void rank_barrier_done(void *owner, const struct job *job, uint64_t reque
         done.job_id = job->id;
         done.rank = mr->member->rank;
         done.error = error ? session_error_code(error) : MOEEP__V1__ERROR_CODE__ERROR_UNSPECIFIED;
-        peer_send(mr->peer, &msg);
+        mesh_peer_send(mr->peer, &msg);
 }
 
 static void rank_peer_lost(void *owner, const struct job *job, uint32_t rank, const char *reason) {
@@ -912,7 +605,7 @@ static void job_peers_send(const struct job *job, Moeep__V1__PeerMessage *msg, c
                 if (seen || mr->peer == except)
                         continue;
                 told[ntold++] = mr->peer;
-                peer_send(mr->peer, msg);
+                mesh_peer_send(mr->peer, msg);
         }
 }
 
@@ -1006,7 +699,7 @@ static void handle_join(struct mesh_peer *p, const Moeep__V1__PeerJoin *pj) {
                 joined.error = session_error_code(r);
                 joined.message = errmsg;
                 log_info("mesh: peer %s: join as rank %" PRIu32 " refused: %s", p->address, pj->rank, errmsg);
-                peer_send(p, &msg);
+                mesh_peer_send(p, &msg);
                 return;
         }
         mr->peer = p;
@@ -1020,7 +713,7 @@ static void handle_join(struct mesh_peer *p, const Moeep__V1__PeerJoin *pj) {
         joined.job_id = m->job->id;
         joined.name = m->job->name;
         joined.world_size = m->job->world_size;
-        peer_send(p, &msg);
+        mesh_peer_send(p, &msg);
         mesh_job_changed(p->mesh, m->job);
         daemon_status_changed(d);
 }
@@ -1128,7 +821,7 @@ int mesh_join_forward(struct mesh *mesh, struct session *s, uint64_t rid, const 
         struct mesh_join *j;
         struct mesh_peer *p;
 
-        claim_printable(home, said);
+        mesh_claim_printable(home, said);
         if (!mesh)
                 return errmsg_set(
                         errmsg, -ENOENT,
@@ -1139,13 +832,13 @@ int mesh_join_forward(struct mesh *mesh, struct session *s, uint64_t rid, const 
                                   jj->unique_id.len, strlen(jj->gpu_uuid));
         /* The address comes from the client: it is only ever looked up
          * among the configured peers, never dialled as it is. */
-        if (address_canon(home, canon) < 0)
+        if (mesh_address_canon(home, canon) < 0)
                 return errmsg_set(errmsg, -EINVAL,
                                   "the unique id names daemon '%s', which is not a mesh address", said);
         if (strcmp(canon, mesh->address) == 0)
                 return errmsg_set(errmsg, -EINVAL, "the unique id names daemon '%s', which is this one (%s)",
                                   said, mesh->address);
-        p = configured_find(mesh, canon);
+        p = mesh_configured_find(mesh, canon);
         if (!p)
                 return errmsg_set(errmsg, -ENOENT,
                                   "the job's daemon %s (named in the unique id) is not one of this daemon's "
@@ -1211,7 +904,7 @@ static void handle_joined(struct mesh_peer *p, const Moeep__V1__PeerJoined *pj) 
 
                 leave.job_id = pj->job_id;
                 leave.rank = j->rank;
-                peer_send(p, &msg);
+                mesh_peer_send(p, &msg);
                 if (r != -ECANCELED && s->state != SESSION_CLOSED)
                         session_send_error(s, j->request_id, session_error_code(r), errmsg);
                 join_free(mesh, j);
@@ -1276,7 +969,7 @@ void mesh_barrier(struct mesh *mesh, struct job_member *m) {
 
         pb.job_id = m->job->home_id;
         pb.rank = m->rank;
-        if (!p || peer_send(p, &msg) < 0) {
+        if (!p || mesh_peer_send(p, &msg) < 0) {
                 /* The home is gone: the job is (being) aborted. */
                 for (uint32_t r = 0; r < m->job->world_size; r++)
                         if (!job_rank_local(m->job, r))
@@ -1300,7 +993,7 @@ void mesh_member_gone(struct mesh *mesh, struct job_member *m, bool lost, const 
 
                 leave.job_id = m->job->home_id;
                 leave.rank = m->rank;
-                peer_send(p, &msg);
+                mesh_peer_send(p, &msg);
         }
 }
 
@@ -1332,7 +1025,7 @@ void mesh_region_changed(struct mesh *mesh, const struct job_member *m, uint64_t
         }
         p = home_peer(mesh, m->job);
         if (p)
-                peer_send(p, &msg);
+                mesh_peer_send(p, &msg);
 }
 
 static void handle_region(struct mesh_peer *p, const Moeep__V1__PeerRegion *pr) {
@@ -1375,7 +1068,7 @@ static void peer_transport_offer(struct mesh_peer *p) {
         pt.backend = (char *)datapath_backend(dp);
         pt.address.data = blob;
         pt.address.len = len;
-        peer_send(p, &msg);
+        mesh_peer_send(p, &msg);
 }
 
 static void handle_transport(struct mesh_peer *p, const Moeep__V1__PeerTransport *pt) {
@@ -1458,7 +1151,7 @@ void mesh_transport_failed(struct mesh *mesh, uint32_t tp_peer, const char *why)
                 return;
         TAILQ_FOREACH (p, &mesh->peers, entry)
                 if (p->state == MESH_PEER_UP && p->tp_peer == tp_peer) {
-                        peer_fail(p, false, "its transport connection failed: %s", why);
+                        mesh_peer_fail(p, false, "its transport connection failed: %s", why);
                         return;
                 }
 }
@@ -1483,23 +1176,23 @@ static void peer_handle(struct mesh_peer *p, const Moeep__V1__PeerMessage *msg, 
                 ok = !is_clear_handshake(c) && c != MOEEP__V1__PEER_MESSAGE__BODY_WELCOME &&
                      c != MOEEP__V1__PEER_MESSAGE__BODY_SEALED;
         if (!ok) {
-                peer_fail(p, false, "message %d %s", (int)c,
-                          p->sealed ? "not allowed after the handshake"
-                                    : "out of order during the handshake");
+                mesh_peer_fail(p, false, "message %d %s", (int)c,
+                               p->sealed ? "not allowed after the handshake"
+                                         : "out of order during the handshake");
                 return;
         }
         switch (c) {
         case MOEEP__V1__PEER_MESSAGE__BODY_HELLO:
-                handle_hello(p, msg->hello);
+                mesh_hello_handle(p, msg->hello);
                 return;
         case MOEEP__V1__PEER_MESSAGE__BODY_CHALLENGE:
-                handle_challenge(p, msg->challenge);
+                mesh_challenge_handle(p, msg->challenge);
                 return;
         case MOEEP__V1__PEER_MESSAGE__BODY_PROOF:
-                handle_proof(p, msg->proof);
+                mesh_proof_handle(p, msg->proof);
                 return;
         case MOEEP__V1__PEER_MESSAGE__BODY_WELCOME:
-                handle_welcome(p);
+                mesh_welcome_handle(p);
                 return;
         case MOEEP__V1__PEER_MESSAGE__BODY_REFUSED: {
                 char reason[128];
@@ -1509,7 +1202,7 @@ static void peer_handle(struct mesh_peer *p, const Moeep__V1__PeerMessage *msg, 
                 for (n = 0; reason[n]; n++)
                         if (reason[n] < 0x20 || reason[n] > 0x7e)
                                 reason[n] = '?';
-                peer_fail(p, false, "it refused us: %s", reason);
+                mesh_peer_fail(p, false, "it refused us: %s", reason);
                 return;
         }
         case MOEEP__V1__PEER_MESSAGE__BODY_PING: {
@@ -1518,11 +1211,11 @@ static void peer_handle(struct mesh_peer *p, const Moeep__V1__PeerMessage *msg, 
 
                 pong.seq = msg->ping->seq;
                 pong.sent_ns = msg->ping->sent_ns;
-                peer_send(p, &out);
+                mesh_peer_send(p, &out);
                 return;
         }
         case MOEEP__V1__PEER_MESSAGE__BODY_PONG: {
-                uint64_t now = now_ns();
+                uint64_t now = mesh_now_ns();
 
                 if (msg->pong->seq == p->ping_seq && msg->pong->sent_ns <= now)
                         p->rtt_us = (now - msg->pong->sent_ns) / 1000u;
@@ -1565,7 +1258,7 @@ static void peer_handle(struct mesh_peer *p, const Moeep__V1__PeerMessage *msg, 
         case _MOEEP__V1__PEER_MESSAGE__BODY__CASE_IS_INT_SIZE:
                 break;
         }
-        peer_fail(p, false, "message of unknown type %d", (int)c);
+        mesh_peer_fail(p, false, "message of unknown type %d", (int)c);
 }
 
 /* Opens a sealed frame of `p` and handles the message inside. A frame that
@@ -1579,32 +1272,33 @@ static void peer_handle_sealed(struct mesh_peer *p, const ProtobufCBinaryData *b
         /* Only a dialler waiting for PeerWelcome, or an established
          * connection, has the keys to open one. */
         if (!p->have_keys || (!p->sealed && !(p->outbound && p->sent_proof))) {
-                peer_fail(p, false, "a sealed frame before the handshake is done");
+                mesh_peer_fail(p, false, "a sealed frame before the handshake is done");
                 return;
         }
         if (box->len < AUTH_SEAL_BYTES || box->len - AUTH_SEAL_BYTES > MESH_FRAME_MAX) {
-                peer_fail(p, false, "a sealed frame of %zu bytes", box->len);
+                mesh_peer_fail(p, false, "a sealed frame of %zu bytes", box->len);
                 return;
         }
         len = box->len - AUTH_SEAL_BYTES;
         plain = malloc(len ? len : 1);
         if (!plain) {
-                peer_fail(p, false, "out of memory");
+                mesh_peer_fail(p, false, "out of memory");
                 return;
         }
         if (auth_open(&p->auth, box->data, box->len, plain) < 0) {
                 free(plain);
-                peer_fail(p, false,
-                          "sealed frame %" PRIu64 " (%zu bytes) does not authenticate: forged, replayed, "
-                          "reordered or from another connection",
-                          p->auth.rx_seq, box->len);
+                mesh_peer_fail(p, false,
+                               "sealed frame %" PRIu64
+                               " (%zu bytes) does not authenticate: forged, replayed, "
+                               "reordered or from another connection",
+                               p->auth.rx_seq, box->len);
                 return;
         }
         inner = moeep__v1__peer_message__unpack(NULL, len, plain);
         sodium_memzero(plain, len);
         free(plain);
         if (!inner) {
-                peer_fail(p, false, "a sealed frame of %zu bytes does not decode", len);
+                mesh_peer_fail(p, false, "a sealed frame of %zu bytes does not decode", len);
                 return;
         }
         peer_handle(p, inner, true);
@@ -1625,7 +1319,7 @@ static void peer_read_cb(struct bufferevent *bev, void *arg) {
                         return;
                 len = (uint32_t)hdr[0] << 24 | (uint32_t)hdr[1] << 16 | (uint32_t)hdr[2] << 8 | hdr[3];
                 if (len > max) {
-                        peer_fail(p, false, "frame of %" PRIu32 " bytes (at most %zu now)", len, max);
+                        mesh_peer_fail(p, false, "frame of %" PRIu32 " bytes (at most %zu now)", len, max);
                         return;
                 }
                 if (evbuffer_get_length(in) < 4 + (size_t)len)
@@ -1634,14 +1328,14 @@ static void peer_read_cb(struct bufferevent *bev, void *arg) {
                 msg = moeep__v1__peer_message__unpack(NULL, len, evbuffer_pullup(in, len));
                 evbuffer_drain(in, len);
                 if (!msg) {
-                        peer_fail(p, false, "a frame of %" PRIu32 " bytes does not decode", len);
+                        mesh_peer_fail(p, false, "a frame of %" PRIu32 " bytes does not decode", len);
                         return;
                 }
                 if (msg->body_case == MOEEP__V1__PEER_MESSAGE__BODY_SEALED)
                         peer_handle_sealed(p, &msg->sealed);
                 else if (p->sealed)
-                        peer_fail(p, false, "a frame in clear (message %d) after the handshake",
-                                  (int)msg->body_case);
+                        mesh_peer_fail(p, false, "a frame in clear (message %d) after the handshake",
+                                       (int)msg->body_case);
                 else
                         peer_handle(p, msg, false);
                 moeep__v1__peer_message__free_unpacked(msg, NULL);
@@ -1649,74 +1343,6 @@ static void peer_read_cb(struct bufferevent *bev, void *arg) {
 }
 
 /* ------------------------------------------------------------ listener */
-
-/* The source that a connection counts against for the pre-authentication
- * quota: its IPv4 address (as IPv4-mapped IPv6), or the /64 of its IPv6
- * address (one host commonly holds a whole /64). */
-static void source_key(const struct sockaddr *sa, uint8_t ret[static 16]) {
-        memset(ret, 0, 16);
-        if (sa->sa_family == AF_INET) {
-                ret[10] = ret[11] = 0xff;
-                memcpy(ret + 12, &((const struct sockaddr_in *)sa)->sin_addr, 4);
-        } else if (sa->sa_family == AF_INET6) {
-                const struct in6_addr *a = &((const struct sockaddr_in6 *)sa)->sin6_addr;
-
-                memcpy(ret, a->s6_addr, IN6_IS_ADDR_V4MAPPED(a) ? 16 : 8);
-        }
-}
-
-/* The oldest inbound connection still authenticating from `source`, and
- * how many there are (NULL, 0 for none). */
-static struct mesh_peer *preauth_oldest(const struct mesh *mesh, const uint8_t source[static 16],
-                                        uint32_t *ret_count) {
-        struct mesh_peer *p, *oldest = NULL;
-        uint32_t n = 0;
-
-        TAILQ_FOREACH (p, &mesh->peers, entry) {
-                if (p->dead || p->outbound || p->state != MESH_PEER_AUTHENTICATING ||
-                    memcmp(p->source, source, 16) != 0)
-                        continue;
-                n++;
-                if (!oldest || p->accepted_ns < oldest->accepted_ns)
-                        oldest = p;
-        }
-        *ret_count = n;
-        return oldest;
-}
-
-/* Makes room for one more connection authenticating from `source`: when
- * that source is at its quota, its oldest connection goes; when every slot
- * is taken, the oldest of the source that holds the most goes. A real peer
- * finishes its handshake in a round trip or two, so only connections that
- * sit idle are ever displaced, and one source (however fast it reconnects)
- * holds at most its quota while any other source still gets in. */
-static void preauth_make_room(struct mesh *mesh, const uint8_t source[static 16]) {
-        struct mesh_peer *p, *victim;
-        uint32_t n;
-        const char *why = "its source is at its quota of connections authenticating: the oldest goes";
-
-        victim = preauth_oldest(mesh, source, &n);
-        if (n < MESH_MAX_UNAUTH_PER_SOURCE)
-                victim = NULL;
-        if (!victim && mesh->unauthenticated >= MESH_MAX_UNAUTH) {
-                uint32_t most = 0;
-
-                why = "every slot is taken and its source holds the most: the oldest goes";
-                TAILQ_FOREACH (p, &mesh->peers, entry) {
-                        struct mesh_peer *o;
-
-                        if (p->dead || p->outbound || p->state != MESH_PEER_AUTHENTICATING)
-                                continue;
-                        o = preauth_oldest(mesh, p->source, &n);
-                        if (n > most) {
-                                most = n;
-                                victim = o;
-                        }
-                }
-        }
-        if (victim)
-                peer_fail(victim, false, "%s", why);
-}
 
 static void mesh_accept_cb(struct evconnlistener *l, evutil_socket_t fd, struct sockaddr *sa, int socklen,
                            void *arg) {
@@ -1731,9 +1357,9 @@ static void mesh_accept_cb(struct evconnlistener *l, evutil_socket_t fd, struct 
                 evconnlistener_disable(l);
                 event_active(mesh->ev_accept_resume, EV_TIMEOUT, 0);
         }
-        sockaddr_string(sa, remote, sizeof(remote));
-        source_key(sa, source);
-        preauth_make_room(mesh, source);
+        mesh_sockaddr_string(sa, remote, sizeof(remote));
+        mesh_source_key(sa, source);
+        mesh_preauth_make_room(mesh, source);
         if (mesh->unauthenticated >= MESH_MAX_UNAUTH) { /* not reached: room was made */
                 mesh->refused++;
                 close(fd);
@@ -1751,7 +1377,7 @@ static void mesh_accept_cb(struct evconnlistener *l, evutil_socket_t fd, struct 
         }
         snprintf(p->remote, sizeof(p->remote), "%s", remote);
         memcpy(p->source, source, sizeof(source));
-        p->accepted_ns = now_ns();
+        p->accepted_ns = mesh_now_ns();
         p->state = MESH_PEER_AUTHENTICATING;
         mesh->unauthenticated++;
         peer_bev_setup(p);
@@ -1778,7 +1404,7 @@ static void mesh_reap_cb(evutil_socket_t fd, short what, void *arg) {
 }
 
 /* Our advertised address and identity: mesh_listen, canonical (as
- * address_canon()), with the port the kernel chose when it said 0. */
+ * mesh_address_canon()), with the port the kernel chose when it said 0. */
 static void mesh_address_set(struct mesh *mesh) {
         struct sockaddr_storage ss;
         socklen_t len = sizeof(ss);
@@ -1786,8 +1412,8 @@ static void mesh_address_set(struct mesh *mesh) {
 
         if (getsockname(evconnlistener_get_fd(mesh->listener), (struct sockaddr *)&ss, &len) < 0)
                 ss.ss_family = AF_UNSPEC;
-        sockaddr_string((struct sockaddr *)&ss, spelled, sizeof(spelled));
-        if (address_canon(spelled, mesh->address) < 0)
+        mesh_sockaddr_string((struct sockaddr *)&ss, spelled, sizeof(spelled));
+        if (mesh_address_canon(spelled, mesh->address) < 0)
                 snprintf(mesh->address, sizeof(mesh->address), "%s", spelled);
         if (strncmp(mesh->address, "0.0.0.0:", 8) == 0 || strncmp(mesh->address, "[::]:", 5) == 0)
                 log_warn("mesh: mesh_listen %s is a wildcard: peers must dial this daemon at the address it "
@@ -1812,7 +1438,7 @@ int mesh_start(struct daemon *d, struct mesh **ret_mesh, char *errmsg) {
         }
         if (auth_init() < 0)
                 return errmsg_set(errmsg, -EIO, "mesh: libsodium does not initialise");
-        if (address_resolve(c->mesh_listen, &ss, &len) < 0)
+        if (mesh_address_resolve(c->mesh_listen, &ss, &len) < 0)
                 return errmsg_set(errmsg, -EINVAL, "mesh_listen '%s': not an address", c->mesh_listen);
         mesh = calloc(1, sizeof(*mesh));
         if (!mesh)
@@ -1854,12 +1480,12 @@ int mesh_start(struct daemon *d, struct mesh **ret_mesh, char *errmsg) {
 
                 snprintf(one, sizeof(one), "%.*s", (int)n, q);
                 q += n + (q[n] == ',');
-                if (address_canon(one, canon) < 0) {
+                if (mesh_address_canon(one, canon) < 0) {
                         r = errmsg_set(errmsg, -EINVAL, "mesh_peers: '%s' is not a mesh address", one);
                         goto fail;
                 }
                 /* Ourselves in any spelling, or a peer named twice. */
-                if (strcmp(canon, mesh->address) == 0 || configured_find(mesh, canon))
+                if (strcmp(canon, mesh->address) == 0 || mesh_configured_find(mesh, canon))
                         continue;
                 if (++npeers > MESH_PEERS_MAX) {
                         r = errmsg_set(errmsg, -E2BIG, "mesh_peers: more than %d daemons", MESH_PEERS_MAX);

@@ -12,19 +12,19 @@
  * only from a daemon that proves the cluster key *and* one of those
  * identities (auth.h), and is freed once it fails. Nothing a client sends
  * creates a peer or a connection: a forwarded join goes only to a
- * configured peer. Mesh addresses are kept canonical (address_canon() in
- * mesh.c: numeric, "IPV4:PORT" or "[IPV6]:PORT"), so that two spellings of
- * one socket address compare equal as strings. A peer is usable only in
- * state UP; until then it may send only handshake messages, frames of at
- * most MESH_FRAME_MAX_UNAUTH bytes, and must finish within
+ * configured peer. Mesh addresses are kept canonical (mesh_address_canon()
+ * in mesh-handshake.c: numeric, "IPV4:PORT" or "[IPV6]:PORT"), so that two
+ * spellings of one socket address compare equal as strings. A peer is
+ * usable only in state UP; until then it may send only handshake messages,
+ * frames of at most MESH_FRAME_MAX_UNAUTH bytes, and must finish within
  * MESH_HANDSHAKE_MS; at most MESH_MAX_UNAUTH inbound connections may be
  * unauthenticated at once, MESH_MAX_UNAUTH_PER_SOURCE from one source
  * address (an IPv6 /64), and a new one from a source at its quota (or any
  * when all are taken) displaces the oldest of that source (or of the
  * source with the most), so that one flooding source cannot keep a real
- * peer out. Every way a peer fails goes through one function (peer_fail()
- * in mesh.c), which logs once (pre-authentication refusals at most
- * MESH_PREAUTH_LOGS_PER_S lines a second, then a count).
+ * peer out. Every way a peer fails goes through one function
+ * (mesh_peer_fail() in mesh.c), which logs once (pre-authentication
+ * refusals at most MESH_PREAUTH_LOGS_PER_S lines a second, then a count).
  *
  * Jobs: the daemon named in a job's unique id (job.h) is its home. A JobJoin
  * that names another daemon is forwarded there (mesh_join_forward()); the
