@@ -298,6 +298,7 @@ struct load_state {
         int line;
         int r; /* first error */
         char *errmsg;
+        bool peers_seen; /* mesh_peers was set in this file: more lines add to it */
 };
 
 /* inih calls this once per key; returning 0 makes ini_parse() report the
@@ -314,7 +315,20 @@ static int load_handler(void *user, const char *section, const char *name, const
                                    value);
                 return 0;
         }
-        r = config_set(st->config, name, value, why);
+        /* A line holds 200 bytes (inih): mesh_peers may go on over
+         * indented or repeated lines, which add to the list. */
+        if (strcmp(name, "mesh_peers") == 0 && st->peers_seen && st->config->mesh_peers[0] && value[0]) {
+                char *both = NULL;
+
+                if (asprintf(&both, "%s,%s", st->config->mesh_peers, value) < 0)
+                        both = NULL;
+                r = both ? config_set(st->config, name, both, why)
+                         : errmsg_set(why, -ENOMEM, "mesh_peers: out of memory");
+                free(both);
+        } else {
+                r = config_set(st->config, name, value, why);
+        }
+        st->peers_seen |= strcmp(name, "mesh_peers") == 0;
         if (r < 0) {
                 st->r = r == -ENOMEM ? r : -EINVAL;
                 errmsg_set(st->errmsg, st->r, "%s", why);

@@ -11,7 +11,8 @@
 #    refused; a sealed frame of an earlier session, a frame twice, two
 #    frames reordered, one spliced from a concurrent connection and one in
 #    clear each end their connection, unanswered.
-# 0. A names 9 peers: B and 8 addresses where nobody listens.
+# 0. A names 128 peers over 17 lines (the cap; 129 are refused at start):
+#    B and 127 addresses where nobody listens, so listings run at the caps.
 # c. Forged unique ids (uid 65534): 1,500 distinct home addresses, 240
 #    spellings of one address with a listener behind it, spellings of A's
 #    own address. No outbound connection (the listener sees none), no peer,
@@ -131,13 +132,32 @@ alive() {
         [[ -n $st && ${st:0:1} != Z ]]
 }
 
-# A names B and 8 more daemons at addresses nobody listens on (connection
-# refused at once), as many as a configuration line holds (inih reads 200
-# bytes a line), so that listings run with every configured peer listed.
-others=$(for i in $(seq 1 8); do printf ',127.0.9.%d:%d' "$i" "$port_b"; done)
+# A names B and 127 more daemons at addresses nobody listens on (connection
+# refused at once): the cap of mesh_peers, so that listings run at it. The
+# list goes on over indented lines (a line holds 200 bytes).
+others=$(for i in $(seq 1 127); do printf ',127.0.9.%d:%d' "$i" "$port_b"; done)
+peer_lines() { # the mesh_peers value for B and $others, 8 a line
+        local i list=($b ${others//,/ })
+        printf '%s' "${list[0]}"
+        for ((i = 1; i < ${#list[@]}; i++)); do
+                ((i % 8 == 0)) && printf '\n   ' || printf ','
+                printf '%s' "${list[$i]}"
+        done
+}
+
+phase="peer cap"
+{
+        printf '[moeepd]\nsocket = %s\nmesh_listen = 127.0.0.1:0\ncluster_key_file = %s\nmesh_peers = ' \
+                "$tmp/X.sock" "$tmp/good.key"
+        peer_lines
+        printf '\nmesh_peers = 127.0.9.200:1\n'
+} >"$tmp/X.conf"
+timeout 10 "$moeepd" --config "$tmp/X.conf" --foreground >"$tmp/X.out" 2>&1 && fail "moeepd started with 129 mesh_peers"
+grep -q "mesh_peers: more than 128 daemons" "$tmp/X.out" || fail "129 mesh_peers: $(cat "$tmp/X.out")"
+echo "ok: 129 mesh_peers (over 18 lines) are refused at start"
 
 phase=start
-start A "$port_a" "$b$others"
+start A "$port_a" "$(peer_lines)"
 # A warm-up (first requests page code in), then the baseline.
 "$attack" probe "$tmp/A.sock" 1 1000 >/dev/null || fail "the well-behaved client before any attack"
 fds0=$(fds) rss0=$(rss)
@@ -233,8 +253,8 @@ echo "ok: 1,860 forged ids refused with the address named, none dialled (sentine
 phase="pre-auth flood"
 # flood_and_connect SOURCES: the flood runs 6 s. After 1 s a key holder
 # connects as B five times, each handshake done within 1 s; then moeepd B
-# starts and must be up at A within 1 s of its mesh starting (the polling
-# through moeepctl included).
+# starts and must be up with A within 1 s of its mesh starting (and then
+# listed up at A).
 flood_and_connect() {
         local sources=$1 t0 ms
         "$attack" --uid 65534 flood "$port_a" 2 "$sources" 6 >"$tmp/flood.out" 2>&1 &
@@ -248,17 +268,22 @@ flood_and_connect() {
         : >"$tmp/B.log"
         launch B "$port_b" "$a"
         # From B's mesh start (its process start-up, libfabric's probing
-        # included, is not the mesh's doing) to A listing B up.
+        # included, is not the mesh's doing) to the connection up.
         for ((i = 0; i < 1000; i++)); do
                 grep -q "mesh: listening on" "$tmp/B.log" && break
                 sleep 0.01
         done
         t0=$(date +%s%N)
-        wait_until 3 "B up at A during a flood from $sources sources" eval '[[ $(up_peers A) == "$b" ]]'
+        # B logs the connection up once A took its proof (A is up first).
+        for ((i = 0; i < 300; i++)); do
+                grep -q "mesh: peer $a up" "$tmp/B.log" && break
+                sleep 0.01
+        done
         ms=$((($(date +%s%N) - t0) / 1000000))
-        ((ms <= 1000)) || fail "B took $ms ms from its mesh start to be up at A during a flood from $sources sources"
-        # The listing with every slot taken: 9 configured peers, 64
-        # connections authenticating.
+        ((ms <= 1000)) || fail "B took $ms ms from its mesh start to be up with A during a flood from $sources sources"
+        wait_until 3 "A to list B up" eval '[[ $(up_peers A) == "$b" ]]'
+        # The listing at the caps: 128 configured peers, 64 connections
+        # authenticating.
         lms=$(mesh_ms) || fail "moeepctl mesh during a flood"
         ((lms < 500)) || fail "moeepctl mesh took $lms ms during a flood from $sources sources"
         # Ids naming B in other spellings are forwarded to B, which answers.
@@ -268,7 +293,7 @@ flood_and_connect() {
         cat "$tmp/flood.out"
         probe_check "a flood from $sources sources"
         cat "$tmp/forge-peer.out"
-        echo "ok: during a pre-auth flood from $sources sources, a key holder's handshakes took at most 1 s, B (started meanwhile) was up at A $ms ms after its mesh started, moeepctl mesh took $lms ms, joins naming B respelled went to B"
+        echo "ok: during a pre-auth flood from $sources sources, a key holder's handshakes took at most 1 s, B (started meanwhile) was up with A $ms ms after its mesh started, moeepctl mesh took $lms ms, joins naming B respelled went to B"
         kill -KILL "${daemon_pid[B]}"
         wait "${daemon_pid[B]}" 2>/dev/null
         wait_until 5 "A to see B gone" test -z "$(up_peers A)"
