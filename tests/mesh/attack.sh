@@ -9,8 +9,9 @@
 #    Every connection is refused; A lists no peer up.
 # b. Replay: a recorded handshake replayed without the key (uid 65534) is
 #    refused; a sealed frame of an earlier session, a frame twice, two
-#    frames reordered, one spliced from a concurrent connection and one in
-#    clear each end their connection, unanswered.
+#    frames reordered, one spliced from a concurrent connection, one in
+#    clear, a sealed PeerHello and a sealed frame sealed again each end
+#    their connection, unanswered.
 # 0. A names 128 peers over 17 lines (the cap; 129 are refused at start):
 #    B and 127 addresses where nobody listens, so listings run at the caps.
 # c. Forged unique ids (uid 65534): 1,500 distinct home addresses, 240
@@ -184,6 +185,8 @@ cat "$tmp/replay.out"
 n=$(log_count A "does not authenticate: forged, replayed, reordered or from another connection")
 ((n >= 4)) || fail "A logged $n sealed frames refused, want 4 (earlier session, replayed, reordered, spliced)"
 log_has A "a frame in clear (message 196) after the handshake" || fail "A did not log the PeerPing in clear"
+log_has A "message 192 not allowed after the handshake" || fail "A did not log the sealed PeerHello"
+log_has A "message 208 not allowed after the handshake" || fail "A did not log the sealed frame sealed again"
 wait_until 5 "A to list no peer up after the replays" test -z "$(up_peers A)"
 probe_check replay
 back_to_baseline replay

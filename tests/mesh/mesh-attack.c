@@ -23,8 +23,9 @@
  *       (a child at uid 65534) replays the recorded handshake: refused.
  *       Then, as an attacker on the path would, injects into fresh
  *       sessions the recorded frame, a frame twice, two frames reordered,
- *       a frame of a concurrent connection, and a frame in clear: each
- *       connection must end without an answer to the bad frame.
+ *       a frame of a concurrent connection, a frame in clear, a PeerHello
+ *       sealed and a sealed frame sealed again: each connection must end
+ *       without an answer to the bad frame.
  *   flood PORT_A FIRST_SOURCE NSOURCES SECONDS
  *       Opens connections to A's mesh port from 127.0.0.FIRST_SOURCE ..
  *       + NSOURCES-1, 32 per source (96 when alone: more than the
@@ -554,6 +555,38 @@ static int cmd_replay(const char *keyfile, uint16_t port_a, const char *id_a, co
         frame_pack(&f0, &ping);
         frame_send(fd, &f0);
         bad |= expect_refused(fd, 2000, "a PeerPing in clear after the handshake");
+        close(fd);
+
+        /* Session 8: a handshake message inside a sealed frame. */
+        fd = handshake(port_a, key, id_b, id_a, &s3, NULL, NULL);
+        {
+                Moeep__V1__PeerMessage h = MOEEP__V1__PEER_MESSAGE__INIT;
+                Moeep__V1__PeerHello again = MOEEP__V1__PEER_HELLO__INIT;
+
+                again.major = MOEEP_PROTOCOL_MAJOR;
+                again.address = (char *)id_b;
+                h.body_case = MOEEP__V1__PEER_MESSAGE__BODY_HELLO;
+                h.hello = &again;
+                frame_seal(&f0, &s3, &h);
+        }
+        frame_send(fd, &f0);
+        bad |= expect_refused(fd, 2000, "a PeerHello inside a sealed frame");
+        close(fd);
+
+        /* Session 9: a sealed frame inside a sealed frame. */
+        fd = handshake(port_a, key, id_b, id_a, &s3, NULL, NULL);
+        {
+                Moeep__V1__PeerMessage nested = MOEEP__V1__PEER_MESSAGE__INIT;
+                uint8_t junk[32] = { 0 };
+
+                /* Whatever it holds, it must be refused unopened. */
+                nested.body_case = MOEEP__V1__PEER_MESSAGE__BODY_SEALED;
+                nested.sealed.data = junk;
+                nested.sealed.len = sizeof(junk);
+                frame_seal(&f0, &s3, &nested);
+        }
+        frame_send(fd, &f0);
+        bad |= expect_refused(fd, 2000, "a sealed frame inside a sealed frame");
         close(fd);
         auth_session_wipe(&s1);
         auth_session_wipe(&s2);
