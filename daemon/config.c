@@ -386,11 +386,29 @@ int config_write(const struct config *c, FILE *f) {
                 case KEY_NAME:
                 case KEY_GROUP:
                 case KEY_LISTEN:
-                case KEY_PEERS:
                 case KEY_FILE:
                         if (**(char *const *)field)
                                 fprintf(f, " %s", *(char *const *)field);
                         break;
+                case KEY_PEERS: {
+                        /* Continued over indented lines: inih reads 200
+                         * bytes a line (config_load() adds them up). */
+                        const char *p = *(char *const *)field;
+                        size_t width = 0;
+
+                        while (*p) {
+                                size_t n = strcspn(p, ",");
+
+                                fprintf(f, "%s%.*s",
+                                        width == 0        ? " "
+                                        : width + n > 120 ? "\n   "
+                                                          : ",",
+                                        (int)n, p);
+                                width = width + n > 120 ? n : width + n + 1;
+                                p += n + (p[n] == ',');
+                        }
+                        break;
+                }
                 case KEY_MODE:
                         fprintf(f, " %04o", (unsigned)*(const mode_t *)field);
                         break;
