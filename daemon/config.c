@@ -313,6 +313,7 @@ struct load_state {
         int line;
         int r; /* first error */
         char *errmsg;
+        bool peers_seen; /* mesh_peers was set in this file: more lines add to it */
 };
 
 /* inih calls this once per key; returning 0 makes ini_parse() report the
@@ -329,7 +330,20 @@ static int load_handler(void *user, const char *section, const char *name, const
                                    value);
                 return 0;
         }
-        r = config_set(st->config, name, value, why);
+        /* A line holds 200 bytes (inih): mesh_peers may go on over
+         * indented or repeated lines, which add to the list. */
+        if (strcmp(name, "mesh_peers") == 0 && st->peers_seen && st->config->mesh_peers[0] && value[0]) {
+                char *both = NULL;
+
+                if (asprintf(&both, "%s,%s", st->config->mesh_peers, value) < 0)
+                        both = NULL;
+                r = both ? config_set(st->config, name, both, why)
+                         : errmsg_set(why, -ENOMEM, "mesh_peers: out of memory");
+                free(both);
+        } else {
+                r = config_set(st->config, name, value, why);
+        }
+        st->peers_seen |= strcmp(name, "mesh_peers") == 0;
         if (r < 0) {
                 st->r = r == -ENOMEM ? r : -EINVAL;
                 errmsg_set(st->errmsg, st->r, "%s", why);
@@ -388,11 +402,29 @@ int config_write(const struct config *c, FILE *f) {
                 case KEY_NAME:
                 case KEY_GROUP:
                 case KEY_LISTEN:
-                case KEY_PEERS:
                 case KEY_FILE:
                         if (**(char *const *)field)
                                 fprintf(f, " %s", *(char *const *)field);
                         break;
+                case KEY_PEERS: {
+                        /* Continued over indented lines: inih reads 200
+                         * bytes a line (config_load() adds them up). */
+                        const char *p = *(char *const *)field;
+                        size_t width = 0;
+
+                        while (*p) {
+                                size_t n = strcspn(p, ",");
+
+                                fprintf(f, "%s%.*s",
+                                        width == 0        ? " "
+                                        : width + n > 120 ? "\n   "
+                                                          : ",",
+                                        (int)n, p);
+                                width = width + n > 120 ? n : width + n + 1;
+                                p += n + (p[n] == ',');
+                        }
+                        break;
+                }
                 case KEY_MODE:
                         fprintf(f, " %04o", (unsigned)*(const mode_t *)field);
                         break;

@@ -1,4 +1,6 @@
-/* The internode mesh; see mesh.h. */
+/* The internode mesh: connections, their framing and sealing, and the
+ * jobs across daemons; see mesh.h. Identities, admission and the handshake
+ * are in mesh-handshake.c. */
 #include <arpa/inet.h>
 #include <errno.h>
 #include <event2/buffer.h>
@@ -8,6 +10,7 @@
 #include <inttypes.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <sodium.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -22,6 +25,7 @@
 #include "datapath.h"
 #include "job.h"
 #include "log.h"
+#include "mesh-internal.h"
 #include "mesh.h"
 #include "record.h"
 #include "session.h"
@@ -62,13 +66,6 @@ const char *mesh_peer_state_to_string(enum mesh_peer_state s) {
         return "unknown";
 }
 
-static uint64_t now_ns(void) {
-        struct timespec ts;
-
-        clock_gettime(CLOCK_MONOTONIC, &ts);
-        return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
-
 static void timer_arm(struct mesh_peer *p, unsigned ms) {
         struct timeval tv = { .tv_sec = ms / 1000, .tv_usec = (suseconds_t)(ms % 1000) * 1000 };
 
@@ -89,22 +86,36 @@ static bool address_valid(const char *s) {
 
 /* ------------------------------------------------------------ sending */
 
-static bool is_handshake(Moeep__V1__PeerMessage__BodyCase c) {
+/* Messages that travel in clear during the handshake. PeerWelcome is not
+ * one: it is the acceptor's first sealed frame. */
+static bool is_clear_handshake(Moeep__V1__PeerMessage__BodyCase c) {
         return c == MOEEP__V1__PEER_MESSAGE__BODY_HELLO || c == MOEEP__V1__PEER_MESSAGE__BODY_CHALLENGE ||
-               c == MOEEP__V1__PEER_MESSAGE__BODY_PROOF || c == MOEEP__V1__PEER_MESSAGE__BODY_WELCOME ||
-               c == MOEEP__V1__PEER_MESSAGE__BODY_REFUSED;
+               c == MOEEP__V1__PEER_MESSAGE__BODY_PROOF || c == MOEEP__V1__PEER_MESSAGE__BODY_REFUSED;
 }
 
-/* Queues one frame. A peer that is not UP gets handshake messages only; to
- * a peer that is down, nothing (the job code sends to peers that may have
- * gone, and learns of it through peer_fail()). */
-static int peer_send(struct mesh_peer *p, Moeep__V1__PeerMessage *msg) {
-        struct evbuffer *out;
-        size_t len;
-        uint8_t *buf;
-        int r = 0;
+/* Appends one frame (length and `len` bytes of `body`) to `out`. */
+static int frame_add(struct evbuffer *out, const uint8_t *body, size_t len) {
+        uint8_t hdr[4] = { (uint8_t)(len >> 24), (uint8_t)(len >> 16), (uint8_t)(len >> 8), (uint8_t)len };
 
-        if (!p->bev || (p->state != MESH_PEER_UP && !is_handshake(msg->body_case)))
+        if (evbuffer_add(out, hdr, 4) < 0 || evbuffer_add(out, body, len) < 0)
+                return -ENOMEM;
+        return 0;
+}
+
+/* Queues one frame: in clear for the handshake messages, sealed (auth.h)
+ * for everything else, which only a connection whose handshake is done
+ * may carry. To a peer that is down, nothing (the job code sends to peers
+ * that may have gone, and learns of it through mesh_peer_fail()). */
+int mesh_peer_send(struct mesh_peer *p, Moeep__V1__PeerMessage *msg) {
+        Moeep__V1__PeerMessage outer = MOEEP__V1__PEER_MESSAGE__INIT;
+        struct evbuffer *out;
+        uint8_t *plain = NULL, *sealed = NULL, *wire = NULL;
+        size_t len, wire_len;
+        int r;
+
+        if (!p->bev)
+                return -ENOTCONN;
+        if (is_clear_handshake(msg->body_case) ? p->sealed : !p->sealed)
                 return -ENOTCONN;
         out = bufferevent_get_output(p->bev);
         len = protobuf_c_message_get_packed_size(&msg->base);
@@ -117,24 +128,41 @@ static int peer_send(struct mesh_peer *p, Moeep__V1__PeerMessage *msg) {
                          evbuffer_get_length(out));
                 return -ENOBUFS;
         }
-        buf = malloc(4 + len);
-        if (!buf)
+        plain = malloc(len ? len : 1);
+        if (!plain)
                 return -ENOMEM;
-        buf[0] = (uint8_t)(len >> 24);
-        buf[1] = (uint8_t)(len >> 16);
-        buf[2] = (uint8_t)(len >> 8);
-        buf[3] = (uint8_t)len;
-        protobuf_c_message_pack(&msg->base, buf + 4);
-        if (evbuffer_add(out, buf, 4 + len) < 0)
+        protobuf_c_message_pack(&msg->base, plain);
+        if (!p->sealed) {
+                r = frame_add(out, plain, len);
+                goto out;
+        }
+        sealed = malloc(len + AUTH_SEAL_BYTES);
+        if (!sealed) {
                 r = -ENOMEM;
-        free(buf);
+                goto out;
+        }
+        r = auth_seal(&p->auth, plain, len, sealed);
+        if (r < 0)
+                goto out;
+        outer.body_case = MOEEP__V1__PEER_MESSAGE__BODY_SEALED;
+        outer.sealed.data = sealed;
+        outer.sealed.len = len + AUTH_SEAL_BYTES;
+        wire_len = protobuf_c_message_get_packed_size(&outer.base);
+        wire = malloc(wire_len);
+        if (!wire) {
+                r = -ENOMEM;
+                goto out;
+        }
+        protobuf_c_message_pack(&outer.base, wire);
+        r = frame_add(out, wire, wire_len);
+out:
+        if (plain)
+                sodium_memzero(plain, len);
+        free(plain);
+        free(sealed);
+        free(wire);
         return r;
 }
-
-#define PEER_MSG(var, field, value, Case)                           \
-        Moeep__V1__PeerMessage var = MOEEP__V1__PEER_MESSAGE__INIT; \
-        var.body_case = MOEEP__V1__PEER_MESSAGE__BODY_##Case;       \
-        var.field = (value)
 
 /* ------------------------------------------------------------ failure */
 
@@ -169,13 +197,20 @@ static void bev_release(struct bufferevent *bev, bool flush) {
         bufferevent_set_timeouts(bev, NULL, &tv);
 }
 
+/* Forgets everything the last handshake established: keys, the claimed
+ * identity, where it stood. */
+static void peer_handshake_reset(struct mesh_peer *p) {
+        auth_session_wipe(&p->auth);
+        p->have_keys = p->sealed = false;
+        p->got_hello = p->sent_proof = false;
+        p->claimed[0] = '\0';
+}
+
 /* The one way a peer connection ends: logs `fmt` once, drops the
  * connection (flushing a queued PeerRefused when `flush`), fails what
  * depended on it, and then redials (outbound) or frees the peer from the
  * loop (inbound). */
-static void peer_fail(struct mesh_peer *p, bool flush, const char *fmt, ...)
-        __attribute__((format(printf, 3, 4)));
-static void peer_fail(struct mesh_peer *p, bool flush, const char *fmt, ...) {
+void mesh_peer_fail(struct mesh_peer *p, bool flush, const char *fmt, ...) {
         struct mesh *mesh = p->mesh;
         enum mesh_peer_state was = p->state;
         char why[ERRMSG_MAX];
@@ -191,7 +226,11 @@ static void peer_fail(struct mesh_peer *p, bool flush, const char *fmt, ...) {
         else if (was == MESH_PEER_CONNECTING && p->unreachable_logged)
                 /* Redialled every second: said once at warning level. */
                 log_debug("mesh: peer %s still not reached: %s", p->address, why);
-        else
+        else if (!p->outbound && mesh_preauth_log_ok(mesh))
+                log_warn("mesh: connection from %s%s%s%s refused: %s", p->remote,
+                         p->claimed[0] ? " (says it is " : "", p->claimed,
+                         p->claimed[0] ? ", not proved)" : "", why);
+        else if (p->outbound)
                 log_warn("mesh: peer %s (%s) %s: %s", p->address, p->remote[0] ? p->remote : "not connected",
                          was == MESH_PEER_AUTHENTICATING ? "refused" : "not reached", why);
         p->unreachable_logged = was == MESH_PEER_CONNECTING;
@@ -205,7 +244,7 @@ static void peer_fail(struct mesh_peer *p, bool flush, const char *fmt, ...) {
                 p->bev = NULL;
         }
         evtimer_del(p->ev_timer);
-        p->got_hello = p->sent_proof = false;
+        peer_handshake_reset(p);
         if (was == MESH_PEER_UP) {
                 char lost[ERRMSG_MAX + JOB_NODE_MAX + 16];
 
@@ -220,7 +259,9 @@ static void peer_fail(struct mesh_peer *p, bool flush, const char *fmt, ...) {
                 if (!peer_find(mesh, p->address, true))
                         mirrors_abort(mesh, p->address, lost);
         }
-        if (!peer_find(mesh, p->address, true))
+        /* An inbound connection that never came up has no identity:
+         * nothing waits on it. */
+        if ((p->outbound || was == MESH_PEER_UP) && !peer_find(mesh, p->address, true))
                 joins_fail(mesh, p->address, why);
         if (p->outbound) {
                 timer_arm(p, MESH_REDIAL_MS);
@@ -236,7 +277,7 @@ static void peer_fail(struct mesh_peer *p, bool flush, const char *fmt, ...) {
 static void peer_drop(struct mesh_peer *p) {
         struct mesh *mesh = p->mesh;
 
-        /* No job spans the daemon (peer_up() checked): nothing routes to
+        /* No job spans the daemon (mesh_peer_up() checked): nothing routes to
          * its transport peer. */
         peer_transport_drop(p, false);
         if (!p->outbound && p->state != MESH_PEER_UP)
@@ -249,7 +290,7 @@ static void peer_drop(struct mesh_peer *p) {
                 p->bev = NULL;
         }
         evtimer_del(p->ev_timer);
-        p->got_hello = p->sent_proof = false;
+        peer_handshake_reset(p);
         if (p->outbound) {
                 timer_arm(p, MESH_REDIAL_MS);
         } else {
@@ -259,13 +300,13 @@ static void peer_drop(struct mesh_peer *p) {
 }
 
 /* Refuses a peer during the handshake: tells it why, logs, closes. */
-static void peer_refuse(struct mesh_peer *p, const char *why) {
+void mesh_peer_refuse(struct mesh_peer *p, const char *why) {
         Moeep__V1__PeerRefused refused = MOEEP__V1__PEER_REFUSED__INIT;
         PEER_MSG(msg, refused, &refused, REFUSED);
 
         refused.reason = (char *)why;
-        peer_send(p, &msg);
-        peer_fail(p, true, "%s", why);
+        mesh_peer_send(p, &msg);
+        mesh_peer_fail(p, true, "%s", why);
 }
 
 /* ------------------------------------------------------------ peers */
@@ -295,59 +336,12 @@ static struct mesh_peer *peer_new(struct mesh *mesh, bool outbound, const char *
 }
 
 static void peer_free(struct mesh_peer *p) {
+        auth_session_wipe(&p->auth);
         TAILQ_REMOVE(&p->mesh->peers, p, entry);
         if (p->bev)
                 bufferevent_free(p->bev);
         event_free(p->ev_timer);
         free(p);
-}
-
-static void sockaddr_string(const struct sockaddr *sa, char *buf, size_t size) {
-        char host[INET6_ADDRSTRLEN] = "?";
-
-        if (sa->sa_family == AF_INET) {
-                const struct sockaddr_in *s4 = (const struct sockaddr_in *)sa;
-
-                inet_ntop(AF_INET, &s4->sin_addr, host, sizeof(host));
-                snprintf(buf, size, "%s:%u", host, (unsigned)ntohs(s4->sin_port));
-        } else if (sa->sa_family == AF_INET6) {
-                const struct sockaddr_in6 *s6 = (const struct sockaddr_in6 *)sa;
-
-                inet_ntop(AF_INET6, &s6->sin6_addr, host, sizeof(host));
-                snprintf(buf, size, "[%s]:%u", host, (unsigned)ntohs(s6->sin6_port));
-        } else {
-                snprintf(buf, size, "?");
-        }
-}
-
-/* Parses a mesh address (config_listen_split()'s forms) into a sockaddr. */
-static int address_resolve(const char *address, struct sockaddr_storage *ret_ss, socklen_t *ret_len) {
-        char host[CONFIG_HOST_MAX];
-        uint16_t port;
-
-        if (config_listen_split(address, host, &port) < 0)
-                return -EINVAL;
-        memset(ret_ss, 0, sizeof(*ret_ss));
-        if (strcmp(host, "localhost") == 0)
-                snprintf(host, sizeof(host), "127.0.0.1");
-        if (strchr(host, ':')) {
-                struct sockaddr_in6 *s6 = (struct sockaddr_in6 *)ret_ss;
-
-                s6->sin6_family = AF_INET6;
-                s6->sin6_port = htons(port);
-                if (inet_pton(AF_INET6, host, &s6->sin6_addr) != 1)
-                        return -EINVAL;
-                *ret_len = sizeof(*s6);
-        } else {
-                struct sockaddr_in *s4 = (struct sockaddr_in *)ret_ss;
-
-                s4->sin_family = AF_INET;
-                s4->sin_port = htons(port);
-                if (inet_pton(AF_INET, host, &s4->sin_addr) != 1)
-                        return -EINVAL;
-                *ret_len = sizeof(*s4);
-        }
-        return 0;
 }
 
 static void peer_bev_setup(struct mesh_peer *p) {
@@ -364,28 +358,30 @@ static void peer_dial(struct mesh_peer *p) {
         socklen_t len;
 
         p->remote[0] = '\0';
-        if (address_resolve(p->address, &ss, &len) < 0) {
-                p->state = MESH_PEER_CONNECTING; /* so that peer_fail() logs and re-arms */
-                peer_fail(p, false, "'%s' is not an address", p->address);
+        if (mesh_address_resolve(p->address, &ss, &len) < 0) {
+                p->state = MESH_PEER_CONNECTING; /* so that mesh_peer_fail() logs and re-arms */
+                mesh_peer_fail(p, false, "'%s' is not an address", p->address);
                 return;
         }
         p->bev = bufferevent_socket_new(p->mesh->daemon->base, -1, BEV_OPT_CLOSE_ON_FREE);
         p->state = MESH_PEER_CONNECTING;
         if (!p->bev) {
-                peer_fail(p, false, "out of memory");
+                mesh_peer_fail(p, false, "out of memory");
                 return;
         }
         peer_bev_setup(p);
         timer_arm(p, MESH_HANDSHAKE_MS);
         if (bufferevent_socket_connect(p->bev, (struct sockaddr *)&ss, (int)len) < 0)
-                peer_fail(p, false, "connect: %s", strerror(errno ? errno : ECONNREFUSED));
+                mesh_peer_fail(p, false, "connect: %s", strerror(errno ? errno : ECONNREFUSED));
 }
 
 static struct mesh_peer *peer_find(const struct mesh *mesh, const char *address, bool up_only) {
         struct mesh_peer *p, *found = NULL;
 
         TAILQ_FOREACH (p, &mesh->peers, entry) {
-                if (p->dead || strcmp(p->address, address) != 0)
+                /* An inbound connection that is not up has proved nothing:
+                 * its name is only the socket's address. */
+                if (p->dead || (!p->outbound && p->state != MESH_PEER_UP) || strcmp(p->address, address) != 0)
                         continue;
                 if (p->state == MESH_PEER_UP)
                         return p;
@@ -411,13 +407,13 @@ static void peer_up_flush(struct mesh_peer *p) {
                 pj.rank = j->rank;
                 pj.world_size = j->world_size;
                 pj.gpu_uuid = j->gpu_uuid;
-                if (peer_send(p, &msg) == 0)
+                if (mesh_peer_send(p, &msg) == 0)
                         j->sent = true;
         }
 }
 
 /* Both sides proved the key: the peer is usable. */
-static void peer_up(struct mesh_peer *p) {
+void mesh_peer_up(struct mesh_peer *p) {
         struct mesh *mesh = p->mesh;
         struct mesh_peer *q = peer_find(mesh, p->address, true);
 
@@ -446,25 +442,12 @@ static void peer_up(struct mesh_peer *p) {
         if (!p->outbound)
                 mesh->unauthenticated--;
         p->state = MESH_PEER_UP;
-        p->last_pong_ns = now_ns();
+        p->last_pong_ns = mesh_now_ns();
         p->rtt_us = 0;
         log_notice("mesh: peer %s up (%s, %s)", p->address, p->remote, p->outbound ? "dialled" : "accepted");
         timer_arm(p, MESH_PING_MS);
         peer_up_flush(p);
         peer_transport_offer(p);
-}
-
-static void send_hello(struct mesh_peer *p) {
-        Moeep__V1__PeerHello hello = MOEEP__V1__PEER_HELLO__INIT;
-        PEER_MSG(msg, hello, &hello, HELLO);
-
-        auth_nonce(p->nonce_dialler);
-        hello.major = MOEEP_PROTOCOL_MAJOR;
-        hello.nonce.data = p->nonce_dialler;
-        hello.nonce.len = AUTH_NONCE_BYTES;
-        hello.address = p->mesh->address;
-        hello.minor = MOEEP_PROTOCOL_MINOR;
-        peer_send(p, &msg);
 }
 
 static void peer_event_cb(struct bufferevent *bev, short what, void *arg) {
@@ -477,37 +460,37 @@ static void peer_event_cb(struct bufferevent *bev, short what, void *arg) {
 
                 setsockopt(bufferevent_getfd(bev), IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
                 if (getpeername(bufferevent_getfd(bev), (struct sockaddr *)&ss, &len) == 0)
-                        sockaddr_string((struct sockaddr *)&ss, p->remote, sizeof(p->remote));
+                        mesh_sockaddr_string((struct sockaddr *)&ss, p->remote, sizeof(p->remote));
                 p->state = MESH_PEER_AUTHENTICATING;
-                send_hello(p);
+                mesh_hello_send(p);
                 return;
         }
         if (what & BEV_EVENT_EOF)
-                peer_fail(p, false, "it closed the connection");
+                mesh_peer_fail(p, false, "it closed the connection");
         else if (what & BEV_EVENT_ERROR)
-                peer_fail(p, false, "%s", evutil_socket_error_to_string(EVUTIL_SOCKET_ERROR()));
+                mesh_peer_fail(p, false, "%s", evutil_socket_error_to_string(EVUTIL_SOCKET_ERROR()));
 }
 
 static void peer_timer_cb(evutil_socket_t fd, short what, void *arg) {
         struct mesh_peer *p = arg;
-        uint64_t now = now_ns();
+        uint64_t now = mesh_now_ns();
 
         switch (p->state) {
         case MESH_PEER_CONNECTING:
         case MESH_PEER_AUTHENTICATING:
-                peer_fail(p, false, "handshake not done within %d ms", MESH_HANDSHAKE_MS);
+                mesh_peer_fail(p, false, "handshake not done within %d ms", MESH_HANDSHAKE_MS);
                 return;
         case MESH_PEER_UP: {
                 Moeep__V1__PeerPing ping = MOEEP__V1__PEER_PING__INIT;
                 PEER_MSG(msg, ping, &ping, PING);
 
                 if (now - p->last_pong_ns > (uint64_t)MESH_DEAD_MS * 1000000u) {
-                        peer_fail(p, false, "no PeerPong for %d ms", MESH_DEAD_MS);
+                        mesh_peer_fail(p, false, "no PeerPong for %d ms", MESH_DEAD_MS);
                         return;
                 }
                 ping.seq = ++p->ping_seq;
                 ping.sent_ns = now;
-                peer_send(p, &msg);
+                mesh_peer_send(p, &msg);
                 timer_arm(p, MESH_PING_MS);
                 return;
         }
@@ -522,88 +505,6 @@ static void peer_timer_cb(evutil_socket_t fd, short what, void *arg) {
         }
 }
 
-/* ------------------------------------------------------------ handshake */
-
-static void handle_hello(struct mesh_peer *p, const Moeep__V1__PeerHello *h) {
-        struct mesh *mesh = p->mesh;
-        Moeep__V1__PeerChallenge ch = MOEEP__V1__PEER_CHALLENGE__INIT;
-        PEER_MSG(msg, challenge, &ch, CHALLENGE);
-        uint8_t mac[AUTH_MAC_BYTES];
-        char why[ERRMSG_MAX];
-
-        if (h->address && address_valid(h->address))
-                snprintf(p->address, sizeof(p->address), "%s", h->address);
-        if (h->major != MOEEP_PROTOCOL_MAJOR) {
-                snprintf(why, sizeof(why), "protocol major %" PRIu32 ", this daemon speaks %d", h->major,
-                         MOEEP_PROTOCOL_MAJOR);
-                peer_refuse(p, why);
-                return;
-        }
-        if (h->nonce.len != AUTH_NONCE_BYTES) {
-                snprintf(why, sizeof(why), "nonce of %zu bytes, need %d", h->nonce.len, AUTH_NONCE_BYTES);
-                peer_refuse(p, why);
-                return;
-        }
-        if (!mesh->keyed) {
-                peer_refuse(p, "the listening daemon has no cluster key (cluster_key_file)");
-                return;
-        }
-        p->got_hello = true;
-        p->minor = h->minor;
-        memcpy(p->nonce_dialler, h->nonce.data, AUTH_NONCE_BYTES);
-        auth_nonce(p->nonce_listener);
-        auth_mac(mesh->key, AUTH_LISTENER, p->nonce_dialler, p->nonce_listener, mac);
-        ch.nonce.data = p->nonce_listener;
-        ch.nonce.len = AUTH_NONCE_BYTES;
-        ch.mac.data = mac;
-        ch.mac.len = AUTH_MAC_BYTES;
-        ch.address = mesh->address;
-        ch.minor = MOEEP_PROTOCOL_MINOR;
-        peer_send(p, &msg);
-}
-
-static void handle_challenge(struct mesh_peer *p, const Moeep__V1__PeerChallenge *c) {
-        struct mesh *mesh = p->mesh;
-        Moeep__V1__PeerProof proof = MOEEP__V1__PEER_PROOF__INIT;
-        PEER_MSG(msg, proof, &proof, PROOF);
-        uint8_t mac[AUTH_MAC_BYTES];
-
-        if (!mesh->keyed) {
-                peer_refuse(p, "the dialling daemon has no cluster key (cluster_key_file)");
-                return;
-        }
-        if (c->nonce.len != AUTH_NONCE_BYTES) {
-                peer_refuse(p, "challenge nonce of the wrong size");
-                return;
-        }
-        memcpy(p->nonce_listener, c->nonce.data, AUTH_NONCE_BYTES);
-        p->minor = c->minor;
-        if (!auth_verify(mesh->key, AUTH_LISTENER, p->nonce_dialler, p->nonce_listener, c->mac.data,
-                         c->mac.len)) {
-                peer_refuse(p,
-                            "the listener's challenge MAC does not match the cluster key (a different key?)");
-                return;
-        }
-        auth_mac(mesh->key, AUTH_DIALLER, p->nonce_dialler, p->nonce_listener, mac);
-        proof.mac.data = mac;
-        proof.mac.len = AUTH_MAC_BYTES;
-        p->sent_proof = true;
-        peer_send(p, &msg);
-}
-
-static void handle_proof(struct mesh_peer *p, const Moeep__V1__PeerProof *pr) {
-        Moeep__V1__PeerWelcome welcome = MOEEP__V1__PEER_WELCOME__INIT;
-        PEER_MSG(msg, welcome, &welcome, WELCOME);
-
-        if (!auth_verify(p->mesh->key, AUTH_DIALLER, p->nonce_dialler, p->nonce_listener, pr->mac.data,
-                         pr->mac.len)) {
-                peer_refuse(p, "the dialler's proof does not match the cluster key (a different key?)");
-                return;
-        }
-        peer_send(p, &msg);
-        peer_up(p);
-}
-
 /* ------------------------------------------------------------ jobs, home side */
 
 static void send_rank_lost(struct mesh_peer *p, uint64_t job_id, uint32_t rank, const char *reason) {
@@ -613,7 +514,7 @@ static void send_rank_lost(struct mesh_peer *p, uint64_t job_id, uint32_t rank, 
         lost.job_id = job_id;
         lost.rank = rank;
         lost.reason = (char *)reason;
-        peer_send(p, &msg);
+        mesh_peer_send(p, &msg);
 }
 
 static void rank_barrier_done(void *owner, const struct job *job, uint64_t request_id, int error) {
@@ -626,7 +527,7 @@ static void rank_barrier_done(void *owner, const struct job *job, uint64_t reque
         done.job_id = job->id;
         done.rank = mr->member->rank;
         done.error = error ? session_error_code(error) : MOEEP__V1__ERROR_CODE__ERROR_UNSPECIFIED;
-        peer_send(mr->peer, &msg);
+        mesh_peer_send(mr->peer, &msg);
 }
 
 static void rank_peer_lost(void *owner, const struct job *job, uint32_t rank, const char *reason) {
@@ -704,7 +605,7 @@ static void job_peers_send(const struct job *job, Moeep__V1__PeerMessage *msg, c
                 if (seen || mr->peer == except)
                         continue;
                 told[ntold++] = mr->peer;
-                peer_send(mr->peer, msg);
+                mesh_peer_send(mr->peer, msg);
         }
 }
 
@@ -798,7 +699,7 @@ static void handle_join(struct mesh_peer *p, const Moeep__V1__PeerJoin *pj) {
                 joined.error = session_error_code(r);
                 joined.message = errmsg;
                 log_info("mesh: peer %s: join as rank %" PRIu32 " refused: %s", p->address, pj->rank, errmsg);
-                peer_send(p, &msg);
+                mesh_peer_send(p, &msg);
                 return;
         }
         mr->peer = p;
@@ -812,7 +713,7 @@ static void handle_join(struct mesh_peer *p, const Moeep__V1__PeerJoin *pj) {
         joined.job_id = m->job->id;
         joined.name = m->job->name;
         joined.world_size = m->job->world_size;
-        peer_send(p, &msg);
+        mesh_peer_send(p, &msg);
         mesh_job_changed(p->mesh, m->job);
         daemon_status_changed(d);
 }
@@ -916,17 +817,33 @@ static void joins_fail(struct mesh *mesh, const char *home, const char *why) {
 
 int mesh_join_forward(struct mesh *mesh, struct session *s, uint64_t rid, const Moeep__V1__JobJoin *jj,
                       const char *home, char *errmsg) {
+        char canon[JOB_NODE_MAX + 1], said[JOB_NODE_MAX + 1];
         struct mesh_join *j;
         struct mesh_peer *p;
 
+        mesh_claim_printable(home, said);
         if (!mesh)
                 return errmsg_set(
                         errmsg, -ENOENT,
                         "the job was created at daemon %s, and this daemon's mesh is off (mesh_listen)",
-                        home);
+                        said);
         if (jj->unique_id.len > MOEEP_UNIQUE_ID_BYTES || strlen(jj->gpu_uuid) > JOB_GPU_UUID_MAX)
                 return errmsg_set(errmsg, -EINVAL, "unique id of %zu bytes or gpu uuid of %zu: too long",
                                   jj->unique_id.len, strlen(jj->gpu_uuid));
+        /* The address comes from the client: it is only ever looked up
+         * among the configured peers, never dialled as it is. */
+        if (mesh_address_canon(home, canon) < 0)
+                return errmsg_set(errmsg, -EINVAL,
+                                  "the unique id names daemon '%s', which is not a mesh address", said);
+        if (strcmp(canon, mesh->address) == 0)
+                return errmsg_set(errmsg, -EINVAL, "the unique id names daemon '%s', which is this one (%s)",
+                                  said, mesh->address);
+        p = mesh_configured_find(mesh, canon);
+        if (!p)
+                return errmsg_set(errmsg, -ENOENT,
+                                  "the job's daemon %s (named in the unique id) is not one of this daemon's "
+                                  "mesh_peers: the join is not forwarded",
+                                  said);
         TAILQ_FOREACH (j, &mesh->joins, entry)
                 if (j->session == s)
                         return errmsg_set(errmsg, -EALREADY,
@@ -939,7 +856,7 @@ int mesh_join_forward(struct mesh *mesh, struct session *s, uint64_t rid, const 
         j->session = s;
         session_ref(s);
         j->request_id = rid;
-        snprintf(j->home, sizeof(j->home), "%s", home);
+        snprintf(j->home, sizeof(j->home), "%s", canon);
         memcpy(j->unique_id, jj->unique_id.data, jj->unique_id.len);
         j->unique_id_len = jj->unique_id.len;
         j->rank = jj->rank;
@@ -947,19 +864,12 @@ int mesh_join_forward(struct mesh *mesh, struct session *s, uint64_t rid, const 
         snprintf(j->gpu_uuid, sizeof(j->gpu_uuid), "%s", jj->gpu_uuid);
         TAILQ_INSERT_TAIL(&mesh->joins, j, entry);
         log_info("session %" PRIu64 ": join as rank %" PRIu32 " forwarded to daemon %s", s->id, j->rank,
-                 home);
-
-        p = peer_find(mesh, home, false);
-        if (!p) {
-                p = peer_new(mesh, true, home);
-                if (!p) {
-                        join_free(mesh, j);
-                        return errmsg_set(errmsg, -ENOMEM, "out of memory");
-                }
-                peer_dial(p);
-        } else if (p->state == MESH_PEER_UP) {
+                 canon);
+        /* A configured peer that is down is being redialled; the join
+         * goes when it is up, or fails with the next failed dial. */
+        p = peer_find(mesh, canon, true);
+        if (p)
                 peer_up_flush(p);
-        }
         return 0;
 }
 
@@ -994,7 +904,7 @@ static void handle_joined(struct mesh_peer *p, const Moeep__V1__PeerJoined *pj) 
 
                 leave.job_id = pj->job_id;
                 leave.rank = j->rank;
-                peer_send(p, &msg);
+                mesh_peer_send(p, &msg);
                 if (r != -ECANCELED && s->state != SESSION_CLOSED)
                         session_send_error(s, j->request_id, session_error_code(r), errmsg);
                 join_free(mesh, j);
@@ -1059,7 +969,7 @@ void mesh_barrier(struct mesh *mesh, struct job_member *m) {
 
         pb.job_id = m->job->home_id;
         pb.rank = m->rank;
-        if (!p || peer_send(p, &msg) < 0) {
+        if (!p || mesh_peer_send(p, &msg) < 0) {
                 /* The home is gone: the job is (being) aborted. */
                 for (uint32_t r = 0; r < m->job->world_size; r++)
                         if (!job_rank_local(m->job, r))
@@ -1083,7 +993,7 @@ void mesh_member_gone(struct mesh *mesh, struct job_member *m, bool lost, const 
 
                 leave.job_id = m->job->home_id;
                 leave.rank = m->rank;
-                peer_send(p, &msg);
+                mesh_peer_send(p, &msg);
         }
 }
 
@@ -1115,7 +1025,7 @@ void mesh_region_changed(struct mesh *mesh, const struct job_member *m, uint64_t
         }
         p = home_peer(mesh, m->job);
         if (p)
-                peer_send(p, &msg);
+                mesh_peer_send(p, &msg);
 }
 
 static void handle_region(struct mesh_peer *p, const Moeep__V1__PeerRegion *pr) {
@@ -1158,7 +1068,7 @@ static void peer_transport_offer(struct mesh_peer *p) {
         pt.backend = (char *)datapath_backend(dp);
         pt.address.data = blob;
         pt.address.len = len;
-        peer_send(p, &msg);
+        mesh_peer_send(p, &msg);
 }
 
 static void handle_transport(struct mesh_peer *p, const Moeep__V1__PeerTransport *pt) {
@@ -1241,40 +1151,48 @@ void mesh_transport_failed(struct mesh *mesh, uint32_t tp_peer, const char *why)
                 return;
         TAILQ_FOREACH (p, &mesh->peers, entry)
                 if (p->state == MESH_PEER_UP && p->tp_peer == tp_peer) {
-                        peer_fail(p, false, "its transport connection failed: %s", why);
+                        mesh_peer_fail(p, false, "its transport connection failed: %s", why);
                         return;
                 }
 }
 
 /* ------------------------------------------------------------ reading */
 
-static void peer_handle(struct mesh_peer *p, const Moeep__V1__PeerMessage *msg) {
+/* Handles one message; `sealed` says whether it came in a sealed frame.
+ * In clear: only the handshake messages, each in its turn. Sealed: the
+ * dialler's PeerWelcome, then anything but a handshake message. */
+static void peer_handle(struct mesh_peer *p, const Moeep__V1__PeerMessage *msg, bool sealed) {
         Moeep__V1__PeerMessage__BodyCase c = msg->body_case;
+        bool ok;
 
-        if (p->state != MESH_PEER_UP) {
-                bool ok = (c == MOEEP__V1__PEER_MESSAGE__BODY_HELLO && !p->outbound && !p->got_hello) ||
-                          (c == MOEEP__V1__PEER_MESSAGE__BODY_CHALLENGE && p->outbound && !p->sent_proof) ||
-                          (c == MOEEP__V1__PEER_MESSAGE__BODY_PROOF && !p->outbound && p->got_hello) ||
-                          (c == MOEEP__V1__PEER_MESSAGE__BODY_WELCOME && p->outbound && p->sent_proof) ||
-                          c == MOEEP__V1__PEER_MESSAGE__BODY_REFUSED;
-
-                if (!ok) {
-                        peer_fail(p, false, "message %d out of order during the handshake", (int)c);
-                        return;
-                }
+        if (!sealed)
+                ok = (c == MOEEP__V1__PEER_MESSAGE__BODY_HELLO && !p->outbound && !p->got_hello) ||
+                     (c == MOEEP__V1__PEER_MESSAGE__BODY_CHALLENGE && p->outbound && !p->sent_proof) ||
+                     (c == MOEEP__V1__PEER_MESSAGE__BODY_PROOF && !p->outbound && p->got_hello) ||
+                     c == MOEEP__V1__PEER_MESSAGE__BODY_REFUSED;
+        else if (!p->sealed)
+                ok = c == MOEEP__V1__PEER_MESSAGE__BODY_WELCOME;
+        else
+                ok = !is_clear_handshake(c) && c != MOEEP__V1__PEER_MESSAGE__BODY_WELCOME &&
+                     c != MOEEP__V1__PEER_MESSAGE__BODY_SEALED;
+        if (!ok) {
+                mesh_peer_fail(p, false, "message %d %s", (int)c,
+                               p->sealed ? "not allowed after the handshake"
+                                         : "out of order during the handshake");
+                return;
         }
         switch (c) {
         case MOEEP__V1__PEER_MESSAGE__BODY_HELLO:
-                handle_hello(p, msg->hello);
+                mesh_hello_handle(p, msg->hello);
                 return;
         case MOEEP__V1__PEER_MESSAGE__BODY_CHALLENGE:
-                handle_challenge(p, msg->challenge);
+                mesh_challenge_handle(p, msg->challenge);
                 return;
         case MOEEP__V1__PEER_MESSAGE__BODY_PROOF:
-                handle_proof(p, msg->proof);
+                mesh_proof_handle(p, msg->proof);
                 return;
         case MOEEP__V1__PEER_MESSAGE__BODY_WELCOME:
-                peer_up(p);
+                mesh_welcome_handle(p);
                 return;
         case MOEEP__V1__PEER_MESSAGE__BODY_REFUSED: {
                 char reason[128];
@@ -1284,7 +1202,7 @@ static void peer_handle(struct mesh_peer *p, const Moeep__V1__PeerMessage *msg) 
                 for (n = 0; reason[n]; n++)
                         if (reason[n] < 0x20 || reason[n] > 0x7e)
                                 reason[n] = '?';
-                peer_fail(p, false, "it refused us: %s", reason);
+                mesh_peer_fail(p, false, "it refused us: %s", reason);
                 return;
         }
         case MOEEP__V1__PEER_MESSAGE__BODY_PING: {
@@ -1293,11 +1211,11 @@ static void peer_handle(struct mesh_peer *p, const Moeep__V1__PeerMessage *msg) 
 
                 pong.seq = msg->ping->seq;
                 pong.sent_ns = msg->ping->sent_ns;
-                peer_send(p, &out);
+                mesh_peer_send(p, &out);
                 return;
         }
         case MOEEP__V1__PEER_MESSAGE__BODY_PONG: {
-                uint64_t now = now_ns();
+                uint64_t now = mesh_now_ns();
 
                 if (msg->pong->seq == p->ping_seq && msg->pong->sent_ns <= now)
                         p->rtt_us = (now - msg->pong->sent_ns) / 1000u;
@@ -1335,11 +1253,56 @@ static void peer_handle(struct mesh_peer *p, const Moeep__V1__PeerMessage *msg) 
                 else
                         handle_rank_lost_mirror(p, msg->rank_lost);
                 return;
+        case MOEEP__V1__PEER_MESSAGE__BODY_SEALED: /* refused above */
         case MOEEP__V1__PEER_MESSAGE__BODY__NOT_SET:
         case _MOEEP__V1__PEER_MESSAGE__BODY__CASE_IS_INT_SIZE:
                 break;
         }
-        peer_fail(p, false, "message of unknown type %d", (int)c);
+        mesh_peer_fail(p, false, "message of unknown type %d", (int)c);
+}
+
+/* Opens a sealed frame of `p` and handles the message inside. A frame that
+ * does not open as the next one of this connection (replayed, reordered,
+ * spliced from another connection, forged) ends the connection. */
+static void peer_handle_sealed(struct mesh_peer *p, const ProtobufCBinaryData *box) {
+        Moeep__V1__PeerMessage *inner;
+        uint8_t *plain;
+        size_t len;
+
+        /* Only a dialler waiting for PeerWelcome, or an established
+         * connection, has the keys to open one. */
+        if (!p->have_keys || (!p->sealed && !(p->outbound && p->sent_proof))) {
+                mesh_peer_fail(p, false, "a sealed frame before the handshake is done");
+                return;
+        }
+        if (box->len < AUTH_SEAL_BYTES || box->len - AUTH_SEAL_BYTES > MESH_FRAME_MAX) {
+                mesh_peer_fail(p, false, "a sealed frame of %zu bytes", box->len);
+                return;
+        }
+        len = box->len - AUTH_SEAL_BYTES;
+        plain = malloc(len ? len : 1);
+        if (!plain) {
+                mesh_peer_fail(p, false, "out of memory");
+                return;
+        }
+        if (auth_open(&p->auth, box->data, box->len, plain) < 0) {
+                free(plain);
+                mesh_peer_fail(p, false,
+                               "sealed frame %" PRIu64
+                               " (%zu bytes) does not authenticate: forged, replayed, "
+                               "reordered or from another connection",
+                               p->auth.rx_seq, box->len);
+                return;
+        }
+        inner = moeep__v1__peer_message__unpack(NULL, len, plain);
+        sodium_memzero(plain, len);
+        free(plain);
+        if (!inner) {
+                mesh_peer_fail(p, false, "a sealed frame of %zu bytes does not decode", len);
+                return;
+        }
+        peer_handle(p, inner, true);
+        moeep__v1__peer_message__free_unpacked(inner, NULL);
 }
 
 static void peer_read_cb(struct bufferevent *bev, void *arg) {
@@ -1347,7 +1310,7 @@ static void peer_read_cb(struct bufferevent *bev, void *arg) {
 
         while (p->bev == bev && p->state != MESH_PEER_DOWN) {
                 struct evbuffer *in = bufferevent_get_input(bev);
-                size_t max = p->state == MESH_PEER_UP ? MESH_FRAME_MAX : MESH_FRAME_MAX_UNAUTH;
+                size_t max = p->state == MESH_PEER_UP ? MESH_FRAME_MAX_WIRE : MESH_FRAME_MAX_UNAUTH;
                 Moeep__V1__PeerMessage *msg;
                 uint8_t hdr[4];
                 uint32_t len;
@@ -1356,7 +1319,7 @@ static void peer_read_cb(struct bufferevent *bev, void *arg) {
                         return;
                 len = (uint32_t)hdr[0] << 24 | (uint32_t)hdr[1] << 16 | (uint32_t)hdr[2] << 8 | hdr[3];
                 if (len > max) {
-                        peer_fail(p, false, "frame of %" PRIu32 " bytes (at most %zu now)", len, max);
+                        mesh_peer_fail(p, false, "frame of %" PRIu32 " bytes (at most %zu now)", len, max);
                         return;
                 }
                 if (evbuffer_get_length(in) < 4 + (size_t)len)
@@ -1365,10 +1328,16 @@ static void peer_read_cb(struct bufferevent *bev, void *arg) {
                 msg = moeep__v1__peer_message__unpack(NULL, len, evbuffer_pullup(in, len));
                 evbuffer_drain(in, len);
                 if (!msg) {
-                        peer_fail(p, false, "a frame of %" PRIu32 " bytes does not decode", len);
+                        mesh_peer_fail(p, false, "a frame of %" PRIu32 " bytes does not decode", len);
                         return;
                 }
-                peer_handle(p, msg);
+                if (msg->body_case == MOEEP__V1__PEER_MESSAGE__BODY_SEALED)
+                        peer_handle_sealed(p, &msg->sealed);
+                else if (p->sealed)
+                        mesh_peer_fail(p, false, "a frame in clear (message %d) after the handshake",
+                                       (int)msg->body_case);
+                else
+                        peer_handle(p, msg, false);
                 moeep__v1__peer_message__free_unpacked(msg, NULL);
         }
 }
@@ -1380,12 +1349,19 @@ static void mesh_accept_cb(struct evconnlistener *l, evutil_socket_t fd, struct 
         struct mesh *mesh = arg;
         struct mesh_peer *p;
         char remote[JOB_NODE_MAX + 1];
+        uint8_t source[16];
 
-        sockaddr_string(sa, remote, sizeof(remote));
-        if (mesh->unauthenticated >= MESH_MAX_UNAUTH) {
+        if (++mesh->accepted_this_turn >= MESH_ACCEPTS_PER_TURN) {
+                /* libevent's accept loop stops once its listener is
+                 * disabled; the rest waits for the next turn. */
+                evconnlistener_disable(l);
+                event_active(mesh->ev_accept_resume, EV_TIMEOUT, 0);
+        }
+        mesh_sockaddr_string(sa, remote, sizeof(remote));
+        mesh_source_key(sa, source);
+        mesh_preauth_make_room(mesh, source);
+        if (mesh->unauthenticated >= MESH_MAX_UNAUTH) { /* not reached: room was made */
                 mesh->refused++;
-                log_warn("mesh: refused connection from %s: %d connections are authenticating already",
-                         remote, MESH_MAX_UNAUTH);
                 close(fd);
                 return;
         }
@@ -1400,11 +1376,20 @@ static void mesh_accept_cb(struct evconnlistener *l, evutil_socket_t fd, struct 
                 return;
         }
         snprintf(p->remote, sizeof(p->remote), "%s", remote);
+        memcpy(p->source, source, sizeof(source));
+        p->accepted_ns = mesh_now_ns();
         p->state = MESH_PEER_AUTHENTICATING;
         mesh->unauthenticated++;
         peer_bev_setup(p);
         timer_arm(p, MESH_HANDSHAKE_MS);
         log_debug("mesh: connection from %s", remote);
+}
+
+static void mesh_accept_resume_cb(evutil_socket_t fd, short what, void *arg) {
+        struct mesh *mesh = arg;
+
+        mesh->accepted_this_turn = 0;
+        evconnlistener_enable(mesh->listener);
 }
 
 static void mesh_reap_cb(evutil_socket_t fd, short what, void *arg) {
@@ -1418,20 +1403,22 @@ static void mesh_reap_cb(evutil_socket_t fd, short what, void *arg) {
         }
 }
 
-/* Our advertised address: mesh_listen, with the port the kernel chose when
- * it said 0. */
-static void mesh_address_set(struct mesh *mesh, const char *listen) {
+/* Our advertised address and identity: mesh_listen, canonical (as
+ * mesh_address_canon()), with the port the kernel chose when it said 0. */
+static void mesh_address_set(struct mesh *mesh) {
         struct sockaddr_storage ss;
         socklen_t len = sizeof(ss);
-        char host[CONFIG_HOST_MAX];
-        uint16_t port = 0;
+        char spelled[JOB_NODE_MAX + 1];
 
-        config_listen_split(listen, host, &port);
-        if (getsockname(evconnlistener_get_fd(mesh->listener), (struct sockaddr *)&ss, &len) == 0)
-                port = ntohs(ss.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&ss)->sin6_port
-                                                      : ((struct sockaddr_in *)&ss)->sin_port);
-        snprintf(mesh->address, sizeof(mesh->address), strchr(host, ':') ? "[%s]:%u" : "%s:%u", host,
-                 (unsigned)port);
+        if (getsockname(evconnlistener_get_fd(mesh->listener), (struct sockaddr *)&ss, &len) < 0)
+                ss.ss_family = AF_UNSPEC;
+        mesh_sockaddr_string((struct sockaddr *)&ss, spelled, sizeof(spelled));
+        if (mesh_address_canon(spelled, mesh->address) < 0)
+                snprintf(mesh->address, sizeof(mesh->address), "%s", spelled);
+        if (strncmp(mesh->address, "0.0.0.0:", 8) == 0 || strncmp(mesh->address, "[::]:", 5) == 0)
+                log_warn("mesh: mesh_listen %s is a wildcard: peers must dial this daemon at the address it "
+                         "names itself by, so name one that they reach",
+                         mesh->address);
 }
 
 int mesh_start(struct daemon *d, struct mesh **ret_mesh, char *errmsg) {
@@ -1439,6 +1426,7 @@ int mesh_start(struct daemon *d, struct mesh **ret_mesh, char *errmsg) {
         struct sockaddr_storage ss;
         struct mesh *mesh;
         socklen_t len;
+        uint32_t npeers = 0;
         const char *q;
         int r;
 
@@ -1450,7 +1438,7 @@ int mesh_start(struct daemon *d, struct mesh **ret_mesh, char *errmsg) {
         }
         if (auth_init() < 0)
                 return errmsg_set(errmsg, -EIO, "mesh: libsodium does not initialise");
-        if (address_resolve(c->mesh_listen, &ss, &len) < 0)
+        if (mesh_address_resolve(c->mesh_listen, &ss, &len) < 0)
                 return errmsg_set(errmsg, -EINVAL, "mesh_listen '%s': not an address", c->mesh_listen);
         mesh = calloc(1, sizeof(*mesh));
         if (!mesh)
@@ -1467,14 +1455,15 @@ int mesh_start(struct daemon *d, struct mesh **ret_mesh, char *errmsg) {
                 log_warn("mesh: no cluster_key_file: every peer daemon will be refused");
         }
         mesh->ev_reap = event_new(d->base, -1, 0, mesh_reap_cb, mesh);
-        if (!mesh->ev_reap) {
+        mesh->ev_accept_resume = event_new(d->base, -1, 0, mesh_accept_resume_cb, mesh);
+        if (!mesh->ev_reap || !mesh->ev_accept_resume) {
                 r = errmsg_set(errmsg, -ENOMEM, "mesh: out of memory");
                 goto fail;
         }
         mesh->listener =
                 evconnlistener_new_bind(d->base, mesh_accept_cb, mesh,
-                                        LEV_OPT_CLOSE_ON_FREE | LEV_OPT_CLOSE_ON_EXEC | LEV_OPT_REUSEABLE, 64,
-                                        (struct sockaddr *)&ss, (int)len);
+                                        LEV_OPT_CLOSE_ON_FREE | LEV_OPT_CLOSE_ON_EXEC | LEV_OPT_REUSEABLE,
+                                        MESH_LISTEN_BACKLOG, (struct sockaddr *)&ss, (int)len);
         if (!mesh->listener) {
                 int e = errno ? errno : EADDRNOTAVAIL;
 
@@ -1482,18 +1471,27 @@ int mesh_start(struct daemon *d, struct mesh **ret_mesh, char *errmsg) {
                                strerror(e));
                 goto fail;
         }
-        mesh_address_set(mesh, c->mesh_listen);
+        mesh_address_set(mesh);
         log_info("mesh: listening on %s%s", mesh->address, mesh->keyed ? "" : " (no cluster key)");
         for (q = c->mesh_peers; *q;) {
-                char one[JOB_NODE_MAX + 1];
+                char one[CONFIG_HOST_MAX + 16], canon[JOB_NODE_MAX + 1];
                 size_t n = strcspn(q, ",");
                 struct mesh_peer *p;
 
                 snprintf(one, sizeof(one), "%.*s", (int)n, q);
                 q += n + (q[n] == ',');
-                if (strcmp(one, mesh->address) == 0 || peer_find(mesh, one, false))
+                if (mesh_address_canon(one, canon) < 0) {
+                        r = errmsg_set(errmsg, -EINVAL, "mesh_peers: '%s' is not a mesh address", one);
+                        goto fail;
+                }
+                /* Ourselves in any spelling, or a peer named twice. */
+                if (strcmp(canon, mesh->address) == 0 || mesh_configured_find(mesh, canon))
                         continue;
-                p = peer_new(mesh, true, one);
+                if (++npeers > MESH_PEERS_MAX) {
+                        r = errmsg_set(errmsg, -E2BIG, "mesh_peers: more than %d daemons", MESH_PEERS_MAX);
+                        goto fail;
+                }
+                p = peer_new(mesh, true, canon);
                 if (!p) {
                         r = errmsg_set(errmsg, -ENOMEM, "mesh: out of memory");
                         goto fail;
@@ -1536,6 +1534,8 @@ void mesh_free(struct mesh *mesh) {
                 evconnlistener_free(mesh->listener);
         if (mesh->ev_reap)
                 event_free(mesh->ev_reap);
+        if (mesh->ev_accept_resume)
+                event_free(mesh->ev_accept_resume);
         explicit_bzero(mesh->key, sizeof(mesh->key));
         free(mesh);
 }

@@ -417,9 +417,10 @@ static int handle_job_join(struct session *s, uint64_t rid, const Moeep__V1__Req
                 return errmsg_set(errmsg, -EISCONN,
                                   "session %" PRIu64 " is already rank %" PRIu32 " of job %" PRIu64, s->id,
                                   s->member->rank, s->member->job->id);
-        /* A job created at another daemon is joined there (mesh.c). */
+        /* A job created at another daemon is joined there (mesh.c); this
+         * daemon named in any spelling is this daemon. */
         if (job_unique_id_node(jj->unique_id.data, jj->unique_id.len, home) == 0 && home[0] &&
-            (!here || strcmp(home, here) != 0))
+            (!here || !mesh_address_is_self(s->daemon->mesh, home)))
                 return mesh_join_forward(s->daemon->mesh, s, rid, jj, home, errmsg);
         r = jobs_join(s->daemon->jobs, jj->unique_id.data, jj->unique_id.len, jj->rank, jj->world_size,
                       jj->gpu_uuid, s, &m, errmsg);

@@ -4,9 +4,9 @@
 #
 #   mesh.sh MOEEPD MOEEPCTL MESH_RANK
 #
-# 1. A and B share the cluster key and name each other in mesh_peers: one
-#    connection remains, both see each other up with a measured round trip;
-#    the metrics count one peer up.
+# 1. A and B share the cluster key and name each other in mesh_peers (A
+#    names C and D too): one connection remains, both see each other up with
+#    a measured round trip; the metrics count one peer up.
 # 2. C holds another key, D none, and a raw client sends a frame too large
 #    for an unauthenticated peer: A refuses each and logs one line naming the
 #    address; no log holds the key.
@@ -98,13 +98,13 @@ a=127.0.0.1:$port_a b=127.0.0.1:$port_b c=127.0.0.1:$port_c d=127.0.0.1:$port_d
 # ------------------------------------------------------------ 1. key accepted
 phase="key accepted"
 # Each names the other in mesh_peers: one connection must remain.
-start A "$port_a" "$tmp/good.key" "$b"
+start A "$port_a" "$tmp/good.key" "$b,$c,$d"
 start B "$port_b" "$tmp/good.key" "$a"
 wait_until 10 "A to see B up" peer_state A "$b" up
 wait_until 10 "B to see A up" peer_state B "$a" up
 sleep 2.5 # a ping or two, and A's redial timer
 ctl A --json mesh >"$tmp/mesh-a.json" || fail "moeepctl mesh on A"
-json_check "$tmp/mesh-a.json" '[(p["address"], p["state"]) for p in d["peers"]] == [("'"$b"'", "up")]'
+json_check "$tmp/mesh-a.json" '[(p["address"], p["state"]) for p in d["peers"] if p["state"] == "up" or p["address"] == "'"$b"'"] == [("'"$b"'", "up")]'
 ctl B --json mesh >"$tmp/mesh-b.json" || fail "moeepctl mesh on B"
 json_check "$tmp/mesh-b.json" 'd["configured"] and d["keyed"] and d["address"] == "'"$b"'" and len(d["peers"]) == 1 and d["peers"][0]["state"] == "up" and d["peers"][0]["rtt_us"] > 0'
 ctl A mesh >"$tmp/mesh-a.txt" || fail "moeepctl mesh on A"
@@ -117,16 +117,16 @@ echo "ok: A and B authenticated each other; moeepctl mesh shows state and RTT"
 # ------------------------------------------------------------ 2. refused
 phase="wrong key"
 start C "$port_c" "$tmp/other.key" "$a"
-wait_until 10 "A to log the refusal of C" log_has A "peer $c ("
-grep -F "peer $c (" "$tmp/A.log" | grep -q "refused" || fail "A's line about C does not say refused"
+wait_until 10 "A to log the refusal of C" log_has A "peer $c ($c) refused: "
+grep -F "peer $c ($c) refused: " "$tmp/A.log" | grep -q "does not match the cluster key" || fail "A's line about C does not say why"
 wait_until 10 "C to log the mismatch" log_has C "does not match the cluster key"
 peer_state A "$c" up && fail "A lists C as up"
 kill -KILL "${daemon_pid[C]}"
 
 phase="no key"
 start D "$port_d" "" "$a"
-wait_until 10 "A to log the refusal of D" log_has A "peer $d ("
-grep -F "peer $d (" "$tmp/A.log" | grep -q "no cluster key" || fail "A's line about D does not say why"
+wait_until 10 "A to log the refusal of D" log_has A "peer $d ($d) refused: "
+grep -F "peer $d ($d) refused: " "$tmp/A.log" | grep -q "no cluster key" || fail "A's line about D does not say why"
 peer_state A "$d" up && fail "A lists D as up"
 kill -KILL "${daemon_pid[D]}"
 
