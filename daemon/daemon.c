@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "broker.h"
+#include "clientfd.h"
 #include "daemon.h"
 #include "datapath.h"
 #include "http.h"
@@ -378,7 +379,10 @@ int daemon_init(struct daemon *d, const struct daemon_options *options) {
         r = jobs_new(&d->config, &session_job_callbacks, &d->jobs);
         if (r < 0)
                 goto oom;
-        r = broker_new(&d->config, &d->broker);
+        r = clientfds_new(d->base, &d->config, &d->clientfds);
+        if (r < 0)
+                goto oom;
+        r = broker_new(&d->config, d->clientfds, &d->broker);
         if (r < 0)
                 goto oom;
         r = daemon_listen(d);
@@ -444,6 +448,7 @@ void daemon_done(struct daemon *d) {
         http_free(d->http);
         jobs_free(d->jobs);
         broker_free(d->broker);
+        clientfds_free(d->clientfds, 1000);
         for (size_t i = 0; i < sizeof(d->ev_signal) / sizeof(d->ev_signal[0]); i++)
                 if (d->ev_signal[i])
                         event_free(d->ev_signal[i]);

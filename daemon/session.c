@@ -12,6 +12,7 @@
 
 #include "admin.h"
 #include "broker.h"
+#include "clientfd.h"
 #include "daemon.h"
 #include "datapath.h"
 #include "log.h"
@@ -30,6 +31,16 @@
 #define SESSION_READ_BATCH 16
 /* How long a failed session may take to flush its last error. */
 #define SESSION_LINGER_MS 1000
+/* Duplicated fds a session may have waiting in unsent records: four full
+ * Regions replies. Past it (or past its uid's max_fds_per_uid) requests
+ * that would queue more are refused. */
+#define SESSION_OUT_MAX_FDS (4 * MOEEP_RECORD_MAX_FDS)
+/* How long a connection may stay without saying Hello: libmoeep sends it
+ * right after connect(). */
+#define SESSION_HELLO_DEADLINE_MS 5000
+/* Records read from a closing session's socket before closing it (see
+ * session_close_socket()); a peer's send buffer holds about 200. */
+#define SESSION_DRAIN_MAX 1024
 
 /* Features this daemon offers in Welcome. */
 #define SESSION_FEATURES                                                                               \
@@ -82,6 +93,7 @@ Moeep__V1__ErrorCode session_error_code(int r) {
         case EDOM:
                 return MOEEP__V1__ERROR_CODE__ERROR_WORLD_SIZE_MISMATCH;
         case EDQUOT:
+        case EMFILE:
         case E2BIG:
                 return MOEEP__V1__ERROR_CODE__ERROR_LIMIT_EXCEEDED;
         case EPERM:
@@ -118,9 +130,13 @@ static Moeep__V1__ErrorCode record_error_code(const char *why) {
 
 /* ------------------------------------------------------------ output */
 
-static void out_free(struct session_out *o) {
+/* Frees a record taken off the queue. Its duplicates may be the last
+ * references to files a client sent (a region released meanwhile), so
+ * they are closed off the loop; their charge goes with them. */
+static void out_free(struct session *s, struct session_out *o) {
         for (size_t i = 0; i < o->nfds; i++)
-                close(o->fds[i]);
+                clientfd_close(s->daemon->clientfds, s->cred.uid, o->fds[i]);
+        s->out_fds -= (uint32_t)o->nfds;
         free(o);
 }
 
@@ -129,10 +145,77 @@ static void out_clear(struct session *s) {
 
         while ((o = TAILQ_FIRST(&s->out))) {
                 TAILQ_REMOVE(&s->out, o, entry);
-                out_free(o);
+                out_free(s, o);
         }
         s->out_count = 0;
         s->out_bytes = 0;
+}
+
+/* Closes, off the loop, every fd a received record still owns. They were
+ * charged to the session's uid when they arrived. */
+static void session_release_fds(struct session *s, struct moeep_record *rec) {
+        for (size_t i = 0; i < rec->nfds; i++) {
+                clientfd_close(s->daemon->clientfds, s->cred.uid, rec->fds[i]);
+                rec->fds[i] = -1;
+        }
+        rec->nfds = 0;
+}
+
+/* Closes a session's socket, `fd`, of a peer of uid `uid`. Closing it
+ * would close whatever the peer queued on it unread, the fds it attached
+ * included, in the closing thread: a socket with SO_LINGER or a FUSE file
+ * among them blocks there. So the socket is shut first (the peer's sends
+ * fail from now on), its queue is read empty here and each fd found goes
+ * to the closers charged to `uid`; the socket itself then closes off the
+ * loop for free. A queue longer than we read keeps the socket charged
+ * until it is closed. */
+static void session_close_socket(struct daemon *d, uid_t uid, int fd) {
+        union {
+                char buf[CMSG_SPACE(sizeof(int) * MOEEP_RECORD_RECV_FDS)];
+                struct cmsghdr align;
+        } control;
+        char byte;
+        int i;
+
+        if (fd < 0)
+                return;
+        (void)shutdown(fd, SHUT_RDWR);
+        for (i = 0; i < SESSION_DRAIN_MAX; i++) {
+                struct iovec iov = { .iov_base = &byte, .iov_len = 1 };
+                struct msghdr mh = { .msg_iov = &iov,
+                                     .msg_iovlen = 1,
+                                     .msg_control = control.buf,
+                                     .msg_controllen = sizeof(control.buf) };
+                ssize_t n = recvmsg(fd, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+
+                if (n <= 0) /* empty (EAGAIN), or the peer is gone (0) */
+                        break;
+                for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c)) {
+                        size_t nfds = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+
+                        if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
+                                continue;
+                        for (size_t k = 0; k < nfds; k++) {
+                                int got;
+
+                                memcpy(&got, CMSG_DATA(c) + k * sizeof(int), sizeof(got));
+                                clientfds_charge_held(d->clientfds, uid, 1);
+                                clientfd_close(d->clientfds, uid, got);
+                        }
+                }
+        }
+        if (i < SESSION_DRAIN_MAX) {
+                clientfd_close_uncharged(d->clientfds, uid, fd);
+        } else {
+                clientfds_charge_held(d->clientfds, uid, 1);
+                clientfd_close(d->clientfds, uid, fd);
+        }
+}
+
+static char send_why[ERRMSG_MAX];
+
+const char *session_send_why(void) {
+        return send_why;
 }
 
 int session_send(struct session *s, uint16_t type, uint64_t request_id, const ProtobufCMessage *msg,
@@ -155,17 +238,39 @@ int session_send(struct session *s, uint16_t type, uint64_t request_id, const Pr
                 event_active(s->ev_write, EV_WRITE, 0);
                 return -ENOBUFS;
         }
+        /* Nothing queued: the record goes now, and its fds with it, with
+         * no duplicate kept. Any error is met again by the flush, which
+         * fails the session from the loop. */
+        if (TAILQ_EMPTY(&s->out) && moeep_record_send_raw(s->fd, scratch, (size_t)len, fds, nfds) == 0)
+                return 0;
+        if (nfds > 0) {
+                int r;
+
+                if (s->out_fds + nfds > SESSION_OUT_MAX_FDS)
+                        return errmsg_set(send_why, -EDQUOT,
+                                          "session %" PRIu64 " has %" PRIu32 " descriptors in unsent replies; %zu "
+                                          "more would pass %d: read the replies",
+                                          s->id, s->out_fds, nfds, SESSION_OUT_MAX_FDS);
+                r = clientfds_charge(s->daemon->clientfds, s->cred.uid, (uint32_t)nfds, send_why);
+                if (r < 0)
+                        return r;
+        }
         o = malloc(sizeof(*o) + (size_t)len);
-        if (!o)
+        if (!o) {
+                clientfds_uncharge(s->daemon->clientfds, s->cred.uid, (uint32_t)nfds);
                 return -ENOMEM;
+        }
         memcpy(o->buf, scratch, (size_t)len);
         o->len = (size_t)len;
+        s->out_fds += (uint32_t)nfds;
         for (o->nfds = 0; o->nfds < nfds; o->nfds++) {
                 o->fds[o->nfds] = fcntl(fds[o->nfds], F_DUPFD_CLOEXEC, 3);
                 if (o->fds[o->nfds] < 0) {
                         int r = -errno;
 
-                        out_free(o);
+                        clientfds_uncharge(s->daemon->clientfds, s->cred.uid, (uint32_t)(nfds - o->nfds));
+                        s->out_fds -= (uint32_t)(nfds - o->nfds);
+                        out_free(s, o);
                         return r;
                 }
         }
@@ -215,15 +320,16 @@ void session_unref(struct session *s) {
 }
 
 static void session_free(struct session *s) {
-        if (s->fd >= 0)
-                close(s->fd);
         out_clear(s);
+        session_close_socket(s->daemon, s->cred.uid, s->fd);
         if (s->ev_read)
                 event_free(s->ev_read);
         if (s->ev_write)
                 event_free(s->ev_write);
         if (s->ev_linger)
                 event_free(s->ev_linger);
+        if (s->ev_hello)
+                event_free(s->ev_hello);
         free(s->groups);
         free(s);
 }
@@ -268,8 +374,11 @@ void session_close_now(struct session *s) {
         event_del(s->ev_read);
         event_del(s->ev_write);
         event_del(s->ev_linger);
+        event_del(s->ev_hello);
         out_clear(s);
-        close(s->fd);
+        /* Closing the socket closes what the peer queued on it unread,
+         * fds it attached included: off the loop. */
+        session_close_socket(d, s->cred.uid, s->fd);
         s->fd = -1;
         TAILQ_REMOVE(&d->sessions, s, entry);
         d->nsessions--;
@@ -299,7 +408,7 @@ static int session_flush(struct session *s) {
                 TAILQ_REMOVE(&s->out, o, entry);
                 s->out_count--;
                 s->out_bytes -= o->len;
-                out_free(o);
+                out_free(s, o);
         }
         event_del(s->ev_write);
         if (s->state == SESSION_CLOSED)
@@ -349,6 +458,16 @@ static void session_linger_cb(evutil_socket_t fd, short what, void *arg) {
         session_unref(s);
 }
 
+static void session_hello_cb(evutil_socket_t fd, short what, void *arg) {
+        struct session *s = arg;
+
+        session_ref(s);
+        if (s->state == SESSION_NEW)
+                session_fail(s, MOEEP__V1__ERROR_CODE__ERROR_NOT_WELCOMED, 0, "no Hello within %d ms",
+                             SESSION_HELLO_DEADLINE_MS);
+        session_unref(s);
+}
+
 static void session_write_cb(evutil_socket_t fd, short what, void *arg) {
         struct session *s = arg;
 
@@ -389,6 +508,7 @@ static int handle_hello(struct session *s, uint64_t rid, const Moeep__V1__Reques
         copy_printable(s->name, sizeof(s->name), hello->client_name);
         s->features = hello->features & SESSION_FEATURES;
         s->state = SESSION_HELLO;
+        event_del(s->ev_hello);
         log_info("session %" PRIu64 " (pid %d uid %u gid %u): hello from '%s', protocol %" PRIu32 ".%" PRIu32,
                  s->id, (int)s->cred.pid, (unsigned)s->cred.uid, (unsigned)s->cred.gid, s->name, hello->major,
                  hello->minor);
@@ -597,7 +717,10 @@ static int handle_regions_fetch(struct session *s, uint64_t rid, const Moeep__V1
         regions.regions = ptrs;
         resp.body_case = MOEEP__V1__RESPONSE__BODY_REGIONS;
         resp.regions = &regions;
-        return session_respond(s, rid, &resp, fds, nfds);
+        r = session_respond(s, rid, &resp, fds, nfds);
+        if (r == -EDQUOT || r == -EMFILE)
+                return errmsg_set(errmsg, r, "RegionsFetch: %s", send_why);
+        return r;
 }
 
 static int handle_region_release(struct session *s, uint64_t rid, const Moeep__V1__Request *req,
@@ -775,7 +898,12 @@ static int session_read_one(struct session *s) {
         int r;
 
         memset(&rx.hdr, 0, sizeof(rx.hdr));
-        r = moeep_record_recv(s->fd, &rx, &why);
+        r = moeep_record_recv_keep(s->fd, &rx, &why);
+        /* Whatever arrived is the daemon's to close now, and the sender's
+         * to pay for until it is closed. */
+        clientfds_charge_held(s->daemon->clientfds, s->cred.uid, (uint32_t)rx.nfds);
+        if (r < 0)
+                session_release_fds(s, &rx);
         if (r == -EAGAIN)
                 return 0;
         /* The header's request id is echoed when the header itself was
@@ -800,7 +928,7 @@ static int session_read_one(struct session *s) {
                 return 0;
         }
         r = session_dispatch(s, &rx);
-        moeep_record_release(&rx);
+        session_release_fds(s, &rx);
         return r;
 }
 
@@ -892,7 +1020,7 @@ static uint32_t sessions_count_uid(const struct daemon *d, uid_t uid) {
 
 /* Turns a connection away with an error it can read, without making a
  * session: a fresh socket's buffer always takes one small record. */
-static int session_refuse(struct daemon *d, int fd, int r, const char *why) {
+static int session_refuse(struct daemon *d, int fd, uid_t uid, int r, const char *why) {
         Moeep__V1__Error err = MOEEP__V1__ERROR__INIT;
         Moeep__V1__Response resp = MOEEP__V1__RESPONSE__INIT;
 
@@ -904,11 +1032,13 @@ static int session_refuse(struct daemon *d, int fd, int r, const char *why) {
         resp.body_case = MOEEP__V1__RESPONSE__BODY_ERROR;
         resp.error = &err;
         (void)moeep_record_send(fd, MOEEP__V1__RESPONSE__BODY_ERROR, 0, &resp.base, NULL, 0);
-        close(fd);
+        session_close_socket(d, uid, fd);
         return r;
 }
 
 int session_new(struct daemon *d, int fd, struct session **ret_session) {
+        const struct timeval hello_deadline = { .tv_sec = SESSION_HELLO_DEADLINE_MS / 1000,
+                                                .tv_usec = (SESSION_HELLO_DEADLINE_MS % 1000) * 1000 };
         char why[ERRMSG_MAX];
         struct session *s;
         struct ucred cred;
@@ -918,14 +1048,20 @@ int session_new(struct daemon *d, int fd, struct session **ret_session) {
         if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) < 0) {
                 int r = -errno;
 
-                close(fd);
+                session_close_socket(d, 65534, fd); /* whose it is is unknown: overflowuid */
                 return r;
+        }
+        /* Sessions count against the daemon's fd budget, which keeps a
+         * reserve for accept() and the operator. */
+        if (clientfds_budget_check(d->clientfds, d->nsessions + 1, why) < 0) {
+                log_notice("refusing pid %d uid %u: %s", (int)cred.pid, (unsigned)cred.uid, why);
+                return session_refuse(d, fd, cred.uid, -EDQUOT, why);
         }
         if (d->nsessions >= d->config.max_sessions) {
                 snprintf(why, sizeof(why), "%" PRIu32 " sessions connected (max_sessions = %" PRIu32 ")",
                          d->nsessions, d->config.max_sessions);
                 log_notice("refusing pid %d uid %u: %s", (int)cred.pid, (unsigned)cred.uid, why);
-                return session_refuse(d, fd, -EDQUOT, why);
+                return session_refuse(d, fd, cred.uid, -EDQUOT, why);
         }
         n = sessions_count_uid(d, cred.uid);
         if (n >= d->config.max_sessions_per_uid) {
@@ -933,12 +1069,12 @@ int session_new(struct daemon *d, int fd, struct session **ret_session) {
                          "uid %u has %" PRIu32 " sessions (max_sessions_per_uid = %" PRIu32 ")",
                          (unsigned)cred.uid, n, d->config.max_sessions_per_uid);
                 log_notice("refusing pid %d: %s", (int)cred.pid, why);
-                return session_refuse(d, fd, -EDQUOT, why);
+                return session_refuse(d, fd, cred.uid, -EDQUOT, why);
         }
 
         s = calloc(1, sizeof(*s));
         if (!s) {
-                close(fd);
+                session_close_socket(d, cred.uid, fd);
                 return -ENOMEM;
         }
         s->fd = fd;
@@ -950,7 +1086,9 @@ int session_new(struct daemon *d, int fd, struct session **ret_session) {
         s->ev_read = event_new(d->base, fd, EV_READ | EV_PERSIST, session_read_cb, s);
         s->ev_write = event_new(d->base, fd, EV_WRITE | EV_PERSIST, session_write_cb, s);
         s->ev_linger = evtimer_new(d->base, session_linger_cb, s);
-        if (!s->ev_read || !s->ev_write || !s->ev_linger || event_add(s->ev_read, NULL) < 0) {
+        s->ev_hello = evtimer_new(d->base, session_hello_cb, s);
+        if (!s->ev_read || !s->ev_write || !s->ev_linger || !s->ev_hello || event_add(s->ev_read, NULL) < 0 ||
+            event_add(s->ev_hello, &hello_deadline) < 0) {
                 session_free(s);
                 return -ENOMEM;
         }
