@@ -30,6 +30,9 @@
  * operator's sessions, mesh and metrics connections, job control pages and
  * the libraries' own. At least this many, or an eighth of the limit. */
 #define CF_RESERVE_MIN 64
+/* The queue of closes that cannot block (uncharged ones), apart from every
+ * uid's own: behind a uid's stuck close they would stay open and uncounted. */
+#define CF_QUICK_UID ((uid_t)-2)
 /* A close that takes longer than this is logged once it returns. */
 #define CF_SLOW_CLOSE_MS 1000
 
@@ -120,7 +123,8 @@ TAILQ_HEAD(cf_job_list, cf_job);
 /* What one uid is charged, and its closing queue. */
 struct cf_uid {
         uid_t uid;
-        uint32_t held; /* loop thread only: every fd charged, pending closes included */
+        uint32_t held;    /* loop thread only: every fd charged, pending closes included */
+        uint32_t closing; /* loop thread only: charged closes not yet returned */
         /* Under clientfds.lock: */
         struct cf_job_list queue; /* owns; fds waiting to be closed */
         uint32_t done;            /* closes finished whose charge the loop has not returned */
@@ -198,7 +202,7 @@ static struct cf_uid *uid_get(struct clientfds *cf, uid_t uid) {
 /* Frees `u` once it owes nothing and no closer can reach it. Call with the
  * lock held. */
 static void uid_maybe_free_locked(struct cf_uid *u) {
-        if (u->held || u->done || u->busy || u->ready || !TAILQ_EMPTY(&u->queue))
+        if (u->held || u->closing || u->done || u->busy || u->ready || !TAILQ_EMPTY(&u->queue))
                 return;
         LIST_REMOVE(u, entry);
         free(u);
@@ -259,6 +263,17 @@ uint32_t clientfds_held(const struct clientfds *cf, uid_t uid) {
         const struct cf_uid *u = uid_find(cf, uid);
 
         return u ? u->held : 0;
+}
+
+int clientfds_closing_check(const struct clientfds *cf, uid_t uid, char *errmsg) {
+        const struct cf_uid *u = uid_find(cf, uid);
+
+        if (u && u->closing >= cf->config->max_fds_per_uid)
+                return errmsg_set(errmsg, -EDQUOT,
+                                  "uid %u has %" PRIu32 " descriptors it sent still being closed "
+                                  "(max_fds_per_uid = %" PRIu32 "): nothing more is taken from it",
+                                  (unsigned)uid, u->closing, cf->config->max_fds_per_uid);
+        return 0;
 }
 
 /* ------------------------------------------------------------ closing */
@@ -351,6 +366,7 @@ static void clientfds_collect(struct clientfds *cf) {
                                    (unsigned)u->uid, u->slow_ms);
                 cf->total -= u->done < cf->total ? u->done : cf->total;
                 u->held -= u->done < u->held ? u->done : u->held;
+                u->closing -= u->done < u->closing ? u->done : u->closing;
                 u->done = 0;
                 u->slow_ms = 0;
                 uid_maybe_free_locked(u);
@@ -378,7 +394,7 @@ static void close_queue(struct clientfds *cf, uid_t uid, int fd, bool charged) {
         struct cf_job *job;
         struct cf_uid *u;
 
-        u = uid_get(cf, uid);
+        u = uid_get(cf, charged ? uid : CF_QUICK_UID);
         job = malloc(sizeof(*job));
         if (!u || !job) {
                 /* Closing here could block the loop: keep the fd (and its
@@ -389,6 +405,7 @@ static void close_queue(struct clientfds *cf, uid_t uid, int fd, bool charged) {
         }
         job->fd = fd;
         job->charged = charged;
+        u->closing += charged;
         pthread_mutex_lock(&cf->lock);
         TAILQ_INSERT_TAIL(&u->queue, job, entry);
         cf->pending++;

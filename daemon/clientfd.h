@@ -73,6 +73,11 @@ uint32_t clientfds_held(const struct clientfds *cf, uid_t uid);
  * nothing). */
 void clientfd_close(struct clientfds *cf, uid_t uid, int fd);
 
+/* Whether `uid` may send more fds: -EDQUOT (errmsg says why) once its
+ * closes still pending reach max_fds_per_uid, which only closes that
+ * block (its own FUSE server, SO_LINGER) make happen. */
+int clientfds_closing_check(const struct clientfds *cf, uid_t uid, char *errmsg);
+
 /* Closes `fd`, which nobody is charged for, off the event-loop thread, in
  * `uid`'s queue: for a session socket whose receive queue the caller
  * emptied after shutdown(), so that its close drops no client fds. */

@@ -181,6 +181,10 @@ static void session_close_socket(struct daemon *d, uid_t uid, int fd) {
                 return;
         (void)shutdown(fd, SHUT_RDWR);
         for (i = 0; i < SESSION_DRAIN_MAX; i++) {
+                if (clientfds_closing_check(d->clientfds, uid, NULL) < 0) {
+                        i = SESSION_DRAIN_MAX; /* its closes are stuck: take no more */
+                        break;
+                }
                 struct iovec iov = { .iov_base = &byte, .iov_len = 1 };
                 struct msghdr mh = { .msg_iov = &iov,
                                      .msg_iovlen = 1,
@@ -248,7 +252,8 @@ int session_send(struct session *s, uint16_t type, uint64_t request_id, const Pr
 
                 if (s->out_fds + nfds > SESSION_OUT_MAX_FDS)
                         return errmsg_set(send_why, -EDQUOT,
-                                          "session %" PRIu64 " has %" PRIu32 " descriptors in unsent replies; %zu "
+                                          "session %" PRIu64 " has %" PRIu32
+                                          " descriptors in unsent replies; %zu "
                                           "more would pass %d: read the replies",
                                           s->id, s->out_fds, nfds, SESSION_OUT_MAX_FDS);
                 r = clientfds_charge(s->daemon->clientfds, s->cred.uid, (uint32_t)nfds, send_why);
@@ -893,10 +898,17 @@ static int session_dispatch(struct session *s, struct moeep_record *rec) {
 
 /* Receives and handles one record. Returns 1 to go on, 0 to stop. */
 static int session_read_one(struct session *s) {
+        char errmsg[ERRMSG_MAX];
         const char *why = NULL;
         uint64_t rid;
         int r;
 
+        /* A uid whose fds do not close (its own FUSE server, SO_LINGER)
+         * gets nothing more read: each record could bring 253 more. */
+        if (clientfds_closing_check(s->daemon->clientfds, s->cred.uid, errmsg) < 0) {
+                session_fail(s, MOEEP__V1__ERROR_CODE__ERROR_LIMIT_EXCEEDED, 0, "%s", errmsg);
+                return 0;
+        }
         memset(&rx.hdr, 0, sizeof(rx.hdr));
         r = moeep_record_recv_keep(s->fd, &rx, &why);
         /* Whatever arrived is the daemon's to close now, and the sender's
@@ -1053,7 +1065,8 @@ int session_new(struct daemon *d, int fd, struct session **ret_session) {
         }
         /* Sessions count against the daemon's fd budget, which keeps a
          * reserve for accept() and the operator. */
-        if (clientfds_budget_check(d->clientfds, d->nsessions + 1, why) < 0) {
+        if (clientfds_budget_check(d->clientfds, d->nsessions + 1, why) < 0 ||
+            clientfds_closing_check(d->clientfds, cred.uid, why) < 0) {
                 log_notice("refusing pid %d uid %u: %s", (int)cred.pid, (unsigned)cred.uid, why);
                 return session_refuse(d, fd, cred.uid, -EDQUOT, why);
         }
