@@ -65,7 +65,14 @@
 #define SERVE_MS 100           /* a well-behaved request's bound */
 #define HELLO_DEADLINE_MS 5000 /* session.c's SESSION_HELLO_DEADLINE_MS */
 #define IDLE_CONNECTIONS 70
-#define RSS_SLACK_KIB 2048 /* malloc may keep a few pages of what it freed */
+/* malloc may keep a few pages of what it freed; ASan's quarantine keeps
+ * every freed block for a while, so its builds get more room (leaks are
+ * caught there instead by LeakSanitizer when the daemon exits). */
+#if defined(__SANITIZE_ADDRESS__)
+#define RSS_SLACK_KIB 16384
+#else
+#define RSS_SLACK_KIB 2048
+#endif
 #define TOTAL_TIMEOUT_S 280
 
 static char tmpdir[] = "/tmp/moeep-sec-fd.XXXXXX";
@@ -550,7 +557,8 @@ static void fuse_reply(uint64_t unique, int error, const void *out, size_t len) 
         oh->unique = unique;
         oh->error = error;
         oh->len = (uint32_t)(sizeof(*oh) + len);
-        memcpy(buf + sizeof(*oh), out, len);
+        if (len)
+                memcpy(buf + sizeof(*oh), out, len);
         (void)!write(fuse_fd, buf, oh->len);
 }
 
@@ -912,7 +920,7 @@ static int attack_fetch(void *arg) {
                 sent++;
         }
         say("fetch: sent %d RegionsFetch without reading", sent);
-        sleep_ms(500);
+        sleep_ms(300);
         conn_close(c);
         return 0;
 }
@@ -935,12 +943,17 @@ static void case_fetch(void) {
                 _exit(failures > 0 ? 1 : 0);
         }
         deadline = now_ms() + 30000;
-        while (now_ms() < deadline && waitpid(pid, &st, WNOHANG) == 0) {
+        /* Sample the daemon's fds every millisecond or so; serve and ask
+         * for status now and then. */
+        for (int i = 0; now_ms() < deadline && waitpid(pid, &st, WNOHANG) == 0; i++) {
                 int n = proc_count_fds(daemon_pid);
 
                 max = n > max ? n : max;
-                check_served("fetch", 1);
-                check_ctl("fetch");
+                if (i % 200 == 100) {
+                        check_served("fetch", 1);
+                        check_ctl("fetch");
+                }
+                sleep_ms(1);
         }
         if (now_ms() >= deadline) {
                 kill(pid, SIGKILL);
@@ -949,9 +962,11 @@ static void case_fetch(void) {
         CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0, "fetch: the attacker failed (status 0x%x)", st);
         /* Its regions and queued duplicates stay within its uid's cap; one
          * socket for it and a few for the probes. */
-        CHECK(max <= fds_base + CAP_FDS_PER_UID + 4,
+        CHECK(max <= fds_base + CAP_FDS_PER_UID + 8,
               "fetch: the daemon held up to %d fds (baseline %d, cap %d)", max, fds_base, CAP_FDS_PER_UID);
         say("fetch: the daemon held at most %d fds (baseline %d)", max, fds_base);
+        CHECK(log_has("the peer does not read"),
+              "fetch: the daemon never closed the session that does not read");
         check_served("fetch, after", 5);
         check_ctl("fetch, after");
         check_baseline("fetch");
@@ -1117,6 +1132,35 @@ int main(int argc, char **argv) {
                         failures++;
                         break;
                 }
+        }
+        /* SIGTERM while closes of lingering sockets are stuck: the loop
+         * acts on it, and the daemon ends cleanly (LeakSanitizer finding
+         * nothing in ASan builds) within 5 s. */
+        if (daemon_pid > 0 && (!only || strcmp(only, "term") == 0)) {
+                long t0;
+                int st = -1;
+
+                if (tarpit_open() == 0 && run_attacker("term", attack_linger, NULL, 20000) == 0) {
+                        t0 = now_ms();
+                        kill(daemon_pid, SIGTERM);
+                        for (int i = 0; i < 100 && waitpid(daemon_pid, &st, WNOHANG) == 0; i++)
+                                sleep_ms(50);
+                        CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0,
+                              "moeepd did not exit cleanly within 5 s of SIGTERM with closes stuck (status "
+                              "0x%x)",
+                              st);
+                        if (WIFEXITED(st) || WIFSIGNALED(st)) {
+                                daemon_pid = -1;
+                                say("term: moeepd exited %ld ms after SIGTERM, closes of lingering sockets "
+                                    "stuck",
+                                    now_ms() - t0);
+                        }
+                } else {
+                        CHECK(0, "term: the lingering attack failed");
+                }
+                if (tarpit_fd >= 0)
+                        close(tarpit_fd);
+                say("%s term", failures ? "FAIL" : "ok  ");
         }
         if (failures) {
                 char cmd[sizeof(log_path) + 32];
