@@ -30,8 +30,8 @@
  * operator's sessions, mesh and metrics connections, job control pages and
  * the libraries' own. At least this many, or an eighth of the limit. */
 #define CF_RESERVE_MIN 64
-/* The queue of closes that cannot block (uncharged ones), apart from every
- * uid's own: behind a uid's stuck close they would stay open and uncounted. */
+/* The queue of closes that cannot block (memfds, the NVIDIA device), apart
+ * from every uid's own: behind a uid's stuck close they would stay open. */
 #define CF_QUICK_UID ((uid_t)-2)
 /* A close that takes longer than this is logged once it returns. */
 #define CF_SLOW_CLOSE_MS 1000
@@ -115,7 +115,11 @@ static const struct region_rule region_rules[] = {
 /* One fd waiting for a closer. */
 struct cf_job {
         int fd;
-        bool charged; /* its uid pays for it until close() returns */
+        enum cf_cost {
+                CF_QUICK,   /* cannot block: in the quick queue, charged to nobody */
+                CF_CHARGED, /* its uid's fd charge stays until close() returns */
+                CF_SOCKET,  /* a session socket: counts as closing for its uid */
+        } cost;
         TAILQ_ENTRY(cf_job) entry;
 };
 TAILQ_HEAD(cf_job_list, cf_job);
@@ -124,10 +128,11 @@ TAILQ_HEAD(cf_job_list, cf_job);
 struct cf_uid {
         uid_t uid;
         uint32_t held;    /* loop thread only: every fd charged, pending closes included */
-        uint32_t closing; /* loop thread only: charged closes not yet returned */
+        uint32_t closing; /* loop thread only: closes of its queue not yet returned */
         /* Under clientfds.lock: */
         struct cf_job_list queue; /* owns; fds waiting to be closed */
-        uint32_t done;            /* closes finished whose charge the loop has not returned */
+        uint32_t done;            /* closes finished that the loop has not counted */
+        uint32_t done_charged;    /* how many of them were CF_CHARGED */
         uint32_t slow_ms;         /* the longest of them, when over CF_SLOW_CLOSE_MS */
         bool busy;                /* a closer is in close() for this uid */
         bool ready;               /* in clientfds.ready */
@@ -202,7 +207,8 @@ static struct cf_uid *uid_get(struct clientfds *cf, uid_t uid) {
 /* Frees `u` once it owes nothing and no closer can reach it. Call with the
  * lock held. */
 static void uid_maybe_free_locked(struct cf_uid *u) {
-        if (u->held || u->closing || u->done || u->busy || u->ready || !TAILQ_EMPTY(&u->queue))
+        if (u->held || u->closing || u->done || u->done_charged || u->busy || u->ready ||
+            !TAILQ_EMPTY(&u->queue))
                 return;
         LIST_REMOVE(u, entry);
         free(u);
@@ -295,7 +301,7 @@ static void *closer_main(void *arg) {
         while (!cf->stopping) {
                 struct cf_uid *u = TAILQ_FIRST(&cf->ready);
                 struct cf_job *job;
-                bool job_charged;
+                enum cf_cost job_cost;
                 long t0, took;
 
                 if (!u) {
@@ -314,12 +320,13 @@ static void *closer_main(void *arg) {
                 t0 = now_ms();
                 close(job->fd); /* may block for as long as the sender arranged */
                 took = now_ms() - t0;
-                job_charged = job->charged;
+                job_cost = job->cost;
                 free(job);
 
                 pthread_mutex_lock(&cf->lock);
                 u->busy = false;
-                u->done += job_charged;
+                u->done += job_cost != CF_QUICK;
+                u->done_charged += job_cost == CF_CHARGED;
                 if (took > CF_SLOW_CLOSE_MS && (uint32_t)took > u->slow_ms)
                         u->slow_ms = (uint32_t)took;
                 cf->pending--;
@@ -364,10 +371,11 @@ static void clientfds_collect(struct clientfds *cf) {
                 if (u->slow_ms)
                         log_notice("uid %u: closing a descriptor it sent took %" PRIu32 " ms",
                                    (unsigned)u->uid, u->slow_ms);
-                cf->total -= u->done < cf->total ? u->done : cf->total;
-                u->held -= u->done < u->held ? u->done : u->held;
+                cf->total -= u->done_charged < cf->total ? u->done_charged : cf->total;
+                u->held -= u->done_charged < u->held ? u->done_charged : u->held;
                 u->closing -= u->done < u->closing ? u->done : u->closing;
                 u->done = 0;
+                u->done_charged = 0;
                 u->slow_ms = 0;
                 uid_maybe_free_locked(u);
         }
@@ -390,11 +398,11 @@ static bool close_is_quick(int fd) {
                S_ISCHR(stx.stx_mode) && stx.stx_rdev_major == NVIDIA_MAJOR;
 }
 
-static void close_queue(struct clientfds *cf, uid_t uid, int fd, bool charged) {
+static void close_queue(struct clientfds *cf, uid_t uid, int fd, enum cf_cost cost) {
         struct cf_job *job;
         struct cf_uid *u;
 
-        u = uid_get(cf, charged ? uid : CF_QUICK_UID);
+        u = uid_get(cf, cost == CF_QUICK ? CF_QUICK_UID : uid);
         job = malloc(sizeof(*job));
         if (!u || !job) {
                 /* Closing here could block the loop: keep the fd (and its
@@ -404,8 +412,8 @@ static void close_queue(struct clientfds *cf, uid_t uid, int fd, bool charged) {
                 return;
         }
         job->fd = fd;
-        job->charged = charged;
-        u->closing += charged;
+        job->cost = cost;
+        u->closing += cost != CF_QUICK;
         pthread_mutex_lock(&cf->lock);
         TAILQ_INSERT_TAIL(&u->queue, job, entry);
         cf->pending++;
@@ -435,17 +443,17 @@ void clientfd_close(struct clientfds *cf, uid_t uid, int fd) {
         quick = close_is_quick(fd);
         if (quick)
                 clientfds_uncharge(cf, uid, 1);
-        close_queue(cf, uid, fd, !quick);
+        close_queue(cf, uid, fd, quick ? CF_QUICK : CF_CHARGED);
 }
 
-void clientfd_close_uncharged(struct clientfds *cf, uid_t uid, int fd) {
+void clientfd_close_socket(struct clientfds *cf, uid_t uid, int fd) {
         if (fd < 0)
                 return;
         if (!cf->base) {
                 close(fd);
                 return;
         }
-        close_queue(cf, uid, fd, false);
+        close_queue(cf, uid, fd, CF_SOCKET);
 }
 
 int clientfds_budget_check(const struct clientfds *cf, uint32_t n, char *errmsg) {

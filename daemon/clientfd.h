@@ -74,14 +74,17 @@ uint32_t clientfds_held(const struct clientfds *cf, uid_t uid);
 void clientfd_close(struct clientfds *cf, uid_t uid, int fd);
 
 /* Whether `uid` may send more fds: -EDQUOT (errmsg says why) once its
- * closes still pending reach max_fds_per_uid, which only closes that
- * block (its own FUSE server, SO_LINGER) make happen. */
+ * closes still pending (fds and session sockets) reach max_fds_per_uid,
+ * which only closes that block (its own FUSE server, SO_LINGER) make
+ * happen. */
 int clientfds_closing_check(const struct clientfds *cf, uid_t uid, char *errmsg);
 
-/* Closes `fd`, which nobody is charged for, off the event-loop thread, in
- * `uid`'s queue: for a session socket whose receive queue the caller
- * emptied after shutdown(), so that its close drops no client fds. */
-void clientfd_close_uncharged(struct clientfds *cf, uid_t uid, int fd);
+/* Closes the socket of a session of `uid` off the event-loop thread, in
+ * `uid`'s own queue: whatever the peer left queued on it unread is closed
+ * with it, so it may block like the fds the peer sent. It counts as one
+ * of the uid's pending closes (clientfds_closing_check()), not against
+ * the fds it holds. */
+void clientfd_close_socket(struct clientfds *cf, uid_t uid, int fd);
 
 /* Whether `n` more descriptors fit the daemon-wide budget: 0, or -EMFILE
  * with errmsg naming the numbers. */

@@ -162,29 +162,25 @@ static void session_release_fds(struct session *s, struct moeep_record *rec) {
 }
 
 /* Closes a session's socket, `fd`, of a peer of uid `uid`. Closing it
- * would close whatever the peer queued on it unread, the fds it attached
+ * closes whatever the peer queued on it unread, the fds it attached
  * included, in the closing thread: a socket with SO_LINGER or a FUSE file
  * among them blocks there. So the socket is shut first (the peer's sends
- * fail from now on), its queue is read empty here and each fd found goes
- * to the closers charged to `uid`; the socket itself then closes off the
- * loop for free. A queue longer than we read keeps the socket charged
- * until it is closed. */
+ * fail from now on), records still queued are read here, a bounded number,
+ * each fd found going to the closers charged to `uid`, and the socket
+ * itself closes in `uid`'s own closing queue: what is left in it (records
+ * past the bound, or behind a zero-length one, which reads like the end)
+ * can stall only that uid. */
 static void session_close_socket(struct daemon *d, uid_t uid, int fd) {
         union {
                 char buf[CMSG_SPACE(sizeof(int) * MOEEP_RECORD_RECV_FDS)];
                 struct cmsghdr align;
         } control;
         char byte;
-        int i;
 
         if (fd < 0)
                 return;
         (void)shutdown(fd, SHUT_RDWR);
-        for (i = 0; i < SESSION_DRAIN_MAX; i++) {
-                if (clientfds_closing_check(d->clientfds, uid, NULL) < 0) {
-                        i = SESSION_DRAIN_MAX; /* its closes are stuck: take no more */
-                        break;
-                }
+        for (int i = 0; i < SESSION_DRAIN_MAX && clientfds_closing_check(d->clientfds, uid, NULL) == 0; i++) {
                 struct iovec iov = { .iov_base = &byte, .iov_len = 1 };
                 struct msghdr mh = { .msg_iov = &iov,
                                      .msg_iovlen = 1,
@@ -192,7 +188,7 @@ static void session_close_socket(struct daemon *d, uid_t uid, int fd) {
                                      .msg_controllen = sizeof(control.buf) };
                 ssize_t n = recvmsg(fd, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
 
-                if (n <= 0) /* empty (EAGAIN), or the peer is gone (0) */
+                if (n < 0)
                         break;
                 for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c)) {
                         size_t nfds = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
@@ -207,13 +203,12 @@ static void session_close_socket(struct daemon *d, uid_t uid, int fd) {
                                 clientfd_close(d->clientfds, uid, got);
                         }
                 }
+                /* The end, or a record of zero bytes without fds: they
+                 * read alike, so stop. */
+                if (n == 0 && mh.msg_controllen == 0)
+                        break;
         }
-        if (i < SESSION_DRAIN_MAX) {
-                clientfd_close_uncharged(d->clientfds, uid, fd);
-        } else {
-                clientfds_charge_held(d->clientfds, uid, 1);
-                clientfd_close(d->clientfds, uid, fd);
-        }
+        clientfd_close_socket(d->clientfds, uid, fd);
 }
 
 static char send_why[ERRMSG_MAX];
