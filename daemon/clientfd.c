@@ -33,6 +33,11 @@
 /* The queue of closes that cannot block (memfds, the NVIDIA device), apart
  * from every uid's own: behind a uid's stuck close they would stay open. */
 #define CF_QUICK_UID ((uid_t)-2)
+/* A uid whose close has been in progress this long is stuck: once its
+ * pending closes also reach max_fds_per_uid, it gets nothing more read.
+ * Legitimate bursts of closes (a job's ranks leaving) finish in
+ * microseconds. */
+#define CF_STUCK_MS 200
 /* A close that takes longer than this is logged once it returns. */
 #define CF_SLOW_CLOSE_MS 1000
 
@@ -135,6 +140,7 @@ struct cf_uid {
         uint32_t done_charged;    /* how many of them were CF_CHARGED */
         uint32_t slow_ms;         /* the longest of them, when over CF_SLOW_CLOSE_MS */
         bool busy;                /* a closer is in close() for this uid */
+        long busy_since;          /* since when (CLOCK_MONOTONIC ms) */
         bool ready;               /* in clientfds.ready */
         TAILQ_ENTRY(cf_uid) ready_entry;
         LIST_ENTRY(cf_uid) entry;
@@ -178,6 +184,13 @@ const char *clientfd_kind_to_string(Moeep__V1__RegionKind kind) {
 }
 
 /* ------------------------------------------------------------ accounting */
+
+static long now_ms(void) {
+        struct timespec ts;
+
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        return ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
 
 static struct cf_uid *uid_find(const struct clientfds *cf, uid_t uid) {
         struct cf_uid *u;
@@ -271,10 +284,16 @@ uint32_t clientfds_held(const struct clientfds *cf, uid_t uid) {
         return u ? u->held : 0;
 }
 
-int clientfds_closing_check(const struct clientfds *cf, uid_t uid, char *errmsg) {
+int clientfds_closing_check(struct clientfds *cf, uid_t uid, char *errmsg) {
         const struct cf_uid *u = uid_find(cf, uid);
+        bool stuck;
 
-        if (u && u->closing >= cf->config->max_fds_per_uid)
+        if (!u || u->closing < cf->config->max_fds_per_uid)
+                return 0;
+        pthread_mutex_lock(&cf->lock);
+        stuck = u->busy && now_ms() - u->busy_since > CF_STUCK_MS;
+        pthread_mutex_unlock(&cf->lock);
+        if (stuck)
                 return errmsg_set(errmsg, -EDQUOT,
                                   "uid %u has %" PRIu32 " descriptors it sent still being closed "
                                   "(max_fds_per_uid = %" PRIu32 "): nothing more is taken from it",
@@ -283,13 +302,6 @@ int clientfds_closing_check(const struct clientfds *cf, uid_t uid, char *errmsg)
 }
 
 /* ------------------------------------------------------------ closing */
-
-static long now_ms(void) {
-        struct timespec ts;
-
-        clock_gettime(CLOCK_MONOTONIC, &ts);
-        return ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
 
 /* A closer: takes one fd of the uid first in line, closes it, and puts the
  * uid back in line when it has more. Never logs (logging is the loop's). */
@@ -315,6 +327,7 @@ static void *closer_main(void *arg) {
                 job = TAILQ_FIRST(&u->queue);
                 TAILQ_REMOVE(&u->queue, job, entry);
                 u->busy = true;
+                u->busy_since = now_ms();
                 pthread_mutex_unlock(&cf->lock);
 
                 t0 = now_ms();

@@ -74,10 +74,10 @@ uint32_t clientfds_held(const struct clientfds *cf, uid_t uid);
 void clientfd_close(struct clientfds *cf, uid_t uid, int fd);
 
 /* Whether `uid` may send more fds: -EDQUOT (errmsg says why) once its
- * closes still pending (fds and session sockets) reach max_fds_per_uid,
- * which only closes that block (its own FUSE server, SO_LINGER) make
- * happen. */
-int clientfds_closing_check(const struct clientfds *cf, uid_t uid, char *errmsg);
+ * closes still pending (fds and session sockets) reach max_fds_per_uid
+ * while one of them has been stuck in close() for a while, which only
+ * closes that block (its own FUSE server, SO_LINGER) make happen. */
+int clientfds_closing_check(struct clientfds *cf, uid_t uid, char *errmsg);
 
 /* Closes the socket of a session of `uid` off the event-loop thread, in
  * `uid`'s own queue: whatever the peer left queued on it unread is closed

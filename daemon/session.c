@@ -793,6 +793,8 @@ static int handle_channel_open(struct session *s, uint64_t rid, const Moeep__V1_
          * A ring the client never receives goes when its member goes. */
         r = session_respond(s, rid, &resp, &fd, 1);
         close(fd);
+        if (r == -EDQUOT || r == -EMFILE)
+                return errmsg_set(errmsg, r, "ChannelOpen: %s", send_why);
         return r;
 }
 

@@ -753,8 +753,9 @@ static int attack_fuse(void *arg) {
                       code, msg);
         }
         conn_close(c);
-        /* Our closes are stuck past max_fds_per_uid: we are refused more. */
-        sleep_ms(200);
+        /* Our closes are stuck past max_fds_per_uid (and for longer than
+         * clientfd.c's CF_STUCK_MS): we are refused more. */
+        sleep_ms(500);
         c = conn_open();
         code = c ? code_of(conn_response(c), msg, sizeof(msg)) : -1;
         CHECK(code == MOEEP__V1__ERROR_CODE__ERROR_LIMIT_EXCEEDED && strstr(msg, "still being closed"),
