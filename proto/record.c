@@ -199,10 +199,14 @@ int moeep_record_recv_keep(int sock, struct moeep_record *rec, const char **ret_
         while (n < 0 && errno == EINTR);
         if (n < 0)
                 return errno == EWOULDBLOCK ? -EAGAIN : -errno;
-        if (n == 0)
-                return -ECONNRESET;
-
+        /* Descriptors first: a record of zero bytes reads like the end of
+         * the connection but may carry some, which must not be lost. */
         r = collect_fds(&mh, rec);
+        if (n == 0) {
+                if (ret_why)
+                        *ret_why = rec->nfds ? "a record of zero bytes" : NULL;
+                return -ECONNRESET;
+        }
         if (r < 0 || (mh.msg_flags & MSG_CTRUNC)) {
                 why = "too many file descriptors or a foreign control message";
                 goto fail;

@@ -900,6 +900,27 @@ static int attack_kinds(void *arg) {
                               "a %s as %s: code %d", cases[i].what, kind_names[k], code);
                 }
         }
+        /* A record of zero bytes reads like the end, but its fds must be
+         * closed all the same (the daemon's fd count is checked after). */
+        {
+                struct conn *z = conn_open();
+                int mfd = memfd_of(4096);
+                union {
+                        char buf[CMSG_SPACE(sizeof(int))];
+                        struct cmsghdr align;
+                } control = { 0 };
+                struct msghdr mh = { .msg_control = control.buf, .msg_controllen = sizeof(control.buf) };
+                struct cmsghdr *cm = CMSG_FIRSTHDR(&mh);
+
+                cm->cmsg_level = SOL_SOCKET;
+                cm->cmsg_type = SCM_RIGHTS;
+                cm->cmsg_len = CMSG_LEN(sizeof(int));
+                memcpy(CMSG_DATA(cm), &mfd, sizeof(int));
+                CHECK(z && mfd >= 0 && sendmsg(z->fd, &mh, 0) == 0, "kinds: a zero-byte record with an fd");
+                CHECK(z && conn_response(z) == NULL, "kinds: the daemon answered a zero-byte record");
+                close(mfd);
+                conn_close(z);
+        }
         /* The session survived every refusal. */
         CHECK(region_release(c, 999999) == MOEEP__V1__ERROR_CODE__ERROR_INVALID_ARGUMENT,
               "kinds: the session is still served");
