@@ -12,6 +12,7 @@
 #include <sys/mman.h>
 #include <sys/queue.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
 #include <sys/vfs.h>
@@ -21,6 +22,7 @@
 #include "clientfd.h"
 #include "config.h"
 #include "log.h"
+#include "record.h"
 
 /* Closer threads, started as work arrives. Each serves one uid at a time,
  * so this many uids with a stuck close stall closing for everyone; a
@@ -38,6 +40,9 @@
  * Legitimate bursts of closes (a job's ranks leaving) finish in
  * microseconds. */
 #define CF_STUCK_MS 200
+/* Records read from a closing session's socket before closing it; a
+ * peer's send buffer holds a few hundred. */
+#define CF_DRAIN_MAX 1024
 /* A close that takes longer than this is logged once it returns. */
 #define CF_SLOW_CLOSE_MS 1000
 
@@ -476,6 +481,55 @@ int clientfds_budget_check(const struct clientfds *cf, uint32_t n, char *errmsg)
                                   " of its RLIMIT_NOFILE %" PRIu32 " in reserve",
                                   cf->total + n, cf->limit - cf->budget, cf->limit);
         return 0;
+}
+
+/* Closing a session's socket closes whatever the peer queued on it unread,
+ * the fds it attached included, in the closing thread: a socket with SO_LINGER or a FUSE file
+ * among them blocks there. So the socket is shut first (the peer's sends
+ * fail from now on), records still queued are read here, a bounded number,
+ * each fd found going to the closers charged to `uid`, and the socket
+ * itself closes in `uid`'s own closing queue: what is left in it (records
+ * past the bound, or behind a zero-length one, which reads like the end)
+ * can stall only that uid. */
+void clientfd_close_session(struct clientfds *cf, uid_t uid, int fd) {
+        union {
+                char buf[CMSG_SPACE(sizeof(int) * MOEEP_RECORD_RECV_FDS)];
+                struct cmsghdr align;
+        } control;
+        char byte;
+
+        if (fd < 0)
+                return;
+        (void)shutdown(fd, SHUT_RDWR);
+        for (int i = 0; i < CF_DRAIN_MAX && clientfds_closing_check(cf, uid, NULL) == 0; i++) {
+                struct iovec iov = { .iov_base = &byte, .iov_len = 1 };
+                struct msghdr mh = { .msg_iov = &iov,
+                                     .msg_iovlen = 1,
+                                     .msg_control = control.buf,
+                                     .msg_controllen = sizeof(control.buf) };
+                ssize_t n = recvmsg(fd, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+
+                if (n < 0)
+                        break;
+                for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c)) {
+                        size_t nfds = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+
+                        if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
+                                continue;
+                        for (size_t k = 0; k < nfds; k++) {
+                                int got;
+
+                                memcpy(&got, CMSG_DATA(c) + k * sizeof(int), sizeof(got));
+                                clientfds_charge_held(cf, uid, 1);
+                                clientfd_close(cf, uid, got);
+                        }
+                }
+                /* The end, or a record of zero bytes without fds: they
+                 * read alike, so stop. */
+                if (n == 0 && mh.msg_controllen == 0)
+                        break;
+        }
+        clientfd_close_socket(cf, uid, fd);
 }
 
 int clientfds_settle(struct clientfds *cf, int timeout_ms) {

@@ -79,6 +79,11 @@ void clientfd_close(struct clientfds *cf, uid_t uid, int fd);
  * closes that block (its own FUSE server, SO_LINGER) make happen. */
 int clientfds_closing_check(struct clientfds *cf, uid_t uid, char *errmsg);
 
+/* Closes the socket `fd` of a session of `uid` without blocking the loop:
+ * shuts it down, reads the records still queued on it (their fds go to
+ * clientfd_close(), charged to `uid`), then clientfd_close_socket(). */
+void clientfd_close_session(struct clientfds *cf, uid_t uid, int fd);
+
 /* Closes the socket of a session of `uid` off the event-loop thread, in
  * `uid`'s own queue: whatever the peer left queued on it unread is closed
  * with it, so it may block like the fds the peer sent. It counts as one

@@ -38,9 +38,6 @@
 /* How long a connection may stay without saying Hello: libmoeep sends it
  * right after connect(). */
 #define SESSION_HELLO_DEADLINE_MS 5000
-/* Records read from a closing session's socket before closing it (see
- * session_close_socket()); a peer's send buffer holds about 200. */
-#define SESSION_DRAIN_MAX 1024
 
 /* Features this daemon offers in Welcome. */
 #define SESSION_FEATURES                                                                               \
@@ -161,56 +158,6 @@ static void session_release_fds(struct session *s, struct moeep_record *rec) {
         rec->nfds = 0;
 }
 
-/* Closes a session's socket, `fd`, of a peer of uid `uid`. Closing it
- * closes whatever the peer queued on it unread, the fds it attached
- * included, in the closing thread: a socket with SO_LINGER or a FUSE file
- * among them blocks there. So the socket is shut first (the peer's sends
- * fail from now on), records still queued are read here, a bounded number,
- * each fd found going to the closers charged to `uid`, and the socket
- * itself closes in `uid`'s own closing queue: what is left in it (records
- * past the bound, or behind a zero-length one, which reads like the end)
- * can stall only that uid. */
-static void session_close_socket(struct daemon *d, uid_t uid, int fd) {
-        union {
-                char buf[CMSG_SPACE(sizeof(int) * MOEEP_RECORD_RECV_FDS)];
-                struct cmsghdr align;
-        } control;
-        char byte;
-
-        if (fd < 0)
-                return;
-        (void)shutdown(fd, SHUT_RDWR);
-        for (int i = 0; i < SESSION_DRAIN_MAX && clientfds_closing_check(d->clientfds, uid, NULL) == 0; i++) {
-                struct iovec iov = { .iov_base = &byte, .iov_len = 1 };
-                struct msghdr mh = { .msg_iov = &iov,
-                                     .msg_iovlen = 1,
-                                     .msg_control = control.buf,
-                                     .msg_controllen = sizeof(control.buf) };
-                ssize_t n = recvmsg(fd, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
-
-                if (n < 0)
-                        break;
-                for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c)) {
-                        size_t nfds = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-
-                        if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
-                                continue;
-                        for (size_t k = 0; k < nfds; k++) {
-                                int got;
-
-                                memcpy(&got, CMSG_DATA(c) + k * sizeof(int), sizeof(got));
-                                clientfds_charge_held(d->clientfds, uid, 1);
-                                clientfd_close(d->clientfds, uid, got);
-                        }
-                }
-                /* The end, or a record of zero bytes without fds: they
-                 * read alike, so stop. */
-                if (n == 0 && mh.msg_controllen == 0)
-                        break;
-        }
-        clientfd_close_socket(d->clientfds, uid, fd);
-}
-
 static char send_why[ERRMSG_MAX];
 
 const char *session_send_why(void) {
@@ -321,7 +268,7 @@ void session_unref(struct session *s) {
 
 static void session_free(struct session *s) {
         out_clear(s);
-        session_close_socket(s->daemon, s->cred.uid, s->fd);
+        clientfd_close_session(s->daemon->clientfds, s->cred.uid, s->fd);
         if (s->ev_read)
                 event_free(s->ev_read);
         if (s->ev_write)
@@ -378,7 +325,7 @@ void session_close_now(struct session *s) {
         out_clear(s);
         /* Closing the socket closes what the peer queued on it unread,
          * fds it attached included: off the loop. */
-        session_close_socket(d, s->cred.uid, s->fd);
+        clientfd_close_session(d->clientfds, s->cred.uid, s->fd);
         s->fd = -1;
         TAILQ_REMOVE(&d->sessions, s, entry);
         d->nsessions--;
@@ -1041,7 +988,7 @@ static int session_refuse(struct daemon *d, int fd, uid_t uid, int r, const char
         resp.body_case = MOEEP__V1__RESPONSE__BODY_ERROR;
         resp.error = &err;
         (void)moeep_record_send(fd, MOEEP__V1__RESPONSE__BODY_ERROR, 0, &resp.base, NULL, 0);
-        session_close_socket(d, uid, fd);
+        clientfd_close_session(d->clientfds, uid, fd);
         return r;
 }
 
@@ -1057,7 +1004,7 @@ int session_new(struct daemon *d, int fd, struct session **ret_session) {
         if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) < 0) {
                 int r = -errno;
 
-                session_close_socket(d, 65534, fd); /* whose it is is unknown: overflowuid */
+                clientfd_close_session(d->clientfds, 65534, fd); /* whose it is is unknown: overflowuid */
                 return r;
         }
         /* Sessions count against the daemon's fd budget, which keeps a
@@ -1084,7 +1031,7 @@ int session_new(struct daemon *d, int fd, struct session **ret_session) {
 
         s = calloc(1, sizeof(*s));
         if (!s) {
-                session_close_socket(d, cred.uid, fd);
+                clientfd_close_session(d->clientfds, cred.uid, fd);
                 return -ENOMEM;
         }
         s->fd = fd;
