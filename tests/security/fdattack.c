@@ -35,11 +35,9 @@
 #include <fcntl.h>
 #include <grp.h>
 #include <inttypes.h>
-#include <linux/fuse.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
-#include <pthread.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdbool.h>
@@ -48,7 +46,6 @@
 #include <string.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
-#include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -57,6 +54,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "fuse-stub.h"
 #include "isolation-proc.h"
 #include "record.h"
 
@@ -118,8 +116,7 @@ static void cleanup(void) {
                 waitpid(daemon_pid, NULL, 0);
                 daemon_pid = -1;
         }
-        if (fuse_dir[0])
-                umount2(fuse_dir, MNT_DETACH);
+        fuse_stub_stop();
         if (have_tmpdir) {
                 char cmd[sizeof(tmpdir) + 16];
 
@@ -423,11 +420,14 @@ static int run_attacker(const char *what, int (*fn)(void *), void *arg, int time
                 if (setgroups(0, NULL) < 0 || setresgid(ATTACK_UID, ATTACK_UID, ATTACK_UID) < 0 ||
                     setresuid(ATTACK_UID, ATTACK_UID, ATTACK_UID) < 0)
                         _exit(100);
+                if (fuse_stub_device() >= 0) /* the FUSE server's alone */
+                        close(fuse_stub_device());
                 failures = 0;
                 fn(arg);
                 fflush(stdout);
                 _exit(failures > 0 ? 1 : 0);
         }
+        fuse_stub_answer_flush_from(pid); /* its own closes of FUSE files return */
         while (now_ms() < deadline && waitpid(pid, &st, WNOHANG) == 0)
                 check_served(what, 1);
         if (now_ms() >= deadline && waitpid(pid, &st, WNOHANG) == 0) {
@@ -579,142 +579,6 @@ static void case_linger(void) {
 
 /* ------------------------------------------------------------ fuse */
 
-/* A FUSE server in a thread: one directory with one file "f"; answers
- * FLUSH only from the attacker (its own closes), never from the daemon. */
-static int fuse_fd = -1;
-static pthread_t fuse_thread;
-static volatile pid_t fuse_flush_pid;
-static volatile int fuse_stop; /* the thread closes the device: the connection aborts */
-static int fuse_stuck_flushes;
-
-static void fuse_reply(uint64_t unique, int error, const void *out, size_t len) {
-        char buf[sizeof(struct fuse_out_header) + 256];
-        struct fuse_out_header *oh = (struct fuse_out_header *)buf;
-
-        oh->unique = unique;
-        oh->error = error;
-        oh->len = (uint32_t)(sizeof(*oh) + len);
-        if (len)
-                memcpy(buf + sizeof(*oh), out, len);
-        (void)!write(fuse_fd, buf, oh->len);
-}
-
-static void fuse_attr(uint64_t ino, struct fuse_attr *a) {
-        memset(a, 0, sizeof(*a));
-        a->ino = ino;
-        a->mode = ino == 1 ? S_IFDIR | 0755 : S_IFREG | 0666;
-        a->nlink = 1;
-        a->size = ino == 1 ? 0 : 4096;
-        a->blksize = 4096;
-}
-
-static void *fuse_main(void *arg) {
-        static char buf[(1 << 17) + 4096];
-
-        for (;;) {
-                struct pollfd pfd = { .fd = fuse_fd, .events = POLLIN };
-                struct fuse_in_header *h = (struct fuse_in_header *)buf;
-                ssize_t n;
-
-                /* Closed here, where no read() holds it, the device's last
-                 * reference goes and the kernel fails the pending
-                 * requests: the stuck closes return. */
-                if (fuse_stop) {
-                        close(fuse_fd);
-                        fuse_fd = -1;
-                        break;
-                }
-                if (poll(&pfd, 1, 100) <= 0)
-                        continue;
-                n = read(fuse_fd, buf, sizeof(buf));
-
-                if (n < 0 && (errno == EINTR || errno == EAGAIN || errno == ENOENT))
-                        continue;
-                if (n < (ssize_t)sizeof(*h))
-                        break; /* ENODEV: unmounted or aborted */
-                switch (h->opcode) {
-                case FUSE_INIT: {
-                        struct fuse_init_out o = { .major = FUSE_KERNEL_VERSION,
-                                                   .minor = 31,
-                                                   .max_readahead = 4096,
-                                                   .max_write = 4096,
-                                                   .max_background = 16,
-                                                   .congestion_threshold = 12,
-                                                   .time_gran = 1 };
-                        fuse_reply(h->unique, 0, &o, sizeof(o));
-                        break;
-                }
-                case FUSE_LOOKUP: {
-                        struct fuse_entry_out e = { .nodeid = 2, .generation = 1 };
-
-                        if (strcmp(buf + sizeof(*h), "f") != 0) {
-                                fuse_reply(h->unique, -ENOENT, NULL, 0);
-                                break;
-                        }
-                        fuse_attr(2, &e.attr);
-                        fuse_reply(h->unique, 0, &e, sizeof(e));
-                        break;
-                }
-                case FUSE_GETATTR: {
-                        struct fuse_attr_out a = { 0 };
-
-                        fuse_attr(h->nodeid, &a.attr);
-                        fuse_reply(h->unique, 0, &a, sizeof(a));
-                        break;
-                }
-                case FUSE_OPEN: {
-                        struct fuse_open_out o = { .fh = 1 };
-
-                        fuse_reply(h->unique, 0, &o, sizeof(o));
-                        break;
-                }
-                case FUSE_FLUSH:
-                        if ((pid_t)h->pid == fuse_flush_pid)
-                                fuse_reply(h->unique, 0, NULL, 0);
-                        else
-                                __atomic_add_fetch(&fuse_stuck_flushes, 1, __ATOMIC_SEQ_CST);
-                        break;
-                case FUSE_FORGET:
-                case FUSE_BATCH_FORGET:
-                case FUSE_INTERRUPT:
-                        break;
-                case FUSE_RELEASE:
-                case FUSE_DESTROY:
-                        fuse_reply(h->unique, 0, NULL, 0);
-                        break;
-                default:
-                        fuse_reply(h->unique, -ENOSYS, NULL, 0);
-                        break;
-                }
-        }
-        return NULL;
-}
-
-static int fuse_start(void) {
-        char opts[128];
-
-        snprintf(fuse_dir, sizeof(fuse_dir), "%s/fuse", tmpdir);
-        if (mkdir(fuse_dir, 0755) < 0)
-                return -errno;
-        fuse_fd = open("/dev/fuse", O_RDWR | O_CLOEXEC);
-        /* The attackers fork from us: they must not keep the device. */
-        if (fuse_fd < 0)
-                return -errno;
-        snprintf(opts, sizeof(opts), "fd=%d,rootmode=40000,user_id=0,group_id=0,allow_other", fuse_fd);
-        if (mount("moeep-fdattack", fuse_dir, "fuse", MS_NOSUID | MS_NODEV, opts) < 0) {
-                int r = -errno;
-
-                close(fuse_fd);
-                fuse_fd = -1;
-                rmdir(fuse_dir);
-                fuse_dir[0] = '\0';
-                return r;
-        }
-        if (pthread_create(&fuse_thread, NULL, fuse_main, NULL) != 0)
-                return -EAGAIN;
-        return 0;
-}
-
 static int attack_fuse(void *arg) {
         char path[sizeof(fuse_dir) + 8], msg[512];
         int fds[60], fd, code, n = 0;
@@ -766,54 +630,24 @@ static int attack_fuse(void *arg) {
 }
 
 static void case_fuse(void) {
-        int r = fuse_start(), n;
+        int r, n;
 
+        snprintf(fuse_dir, sizeof(fuse_dir), "%s/fuse", tmpdir);
+        r = fuse_stub_start(fuse_dir);
         if (r < 0) {
                 say("fuse: cannot mount a FUSE filesystem here (%s): case skipped; the linger case covers a "
                     "close that blocks",
                     strerror(-r));
                 return;
         }
-        /* FLUSH from the attacker's pid is answered (fork gives the pid). */
-        fuse_flush_pid = 0;
-        {
-                long deadline = now_ms() + 30000;
-                int st = 0;
-                pid_t pid;
-
-                fflush(stdout);
-                pid = fork();
-                if (pid == 0) {
-                        prctl(PR_SET_PDEATHSIG, SIGKILL);
-                        if (setgroups(0, NULL) < 0 || setresgid(ATTACK_UID, ATTACK_UID, ATTACK_UID) < 0 ||
-                            setresuid(ATTACK_UID, ATTACK_UID, ATTACK_UID) < 0)
-                                _exit(100);
-                        close(fuse_fd); /* the device stays the server's alone */
-                        failures = 0;
-                        attack_fuse(NULL);
-                        fflush(stdout);
-                        _exit(failures > 0 ? 1 : 0);
-                }
-                fuse_flush_pid = pid;
-                while (now_ms() < deadline && waitpid(pid, &st, WNOHANG) == 0)
-                        check_served("fuse", 1);
-                if (now_ms() >= deadline) {
-                        kill(pid, SIGKILL);
-                        waitpid(pid, &st, 0);
-                }
-                CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0, "fuse: the attacker failed (status 0x%x)", st);
-        }
+        failures += run_attacker("fuse", attack_fuse, NULL, 30000);
         check_served("fuse, closes stuck", 10);
         check_ctl("fuse, closes stuck");
         n = proc_count_fds(daemon_pid);
         CHECK(n <= fds_base + 64 + 8, "fuse: the daemon holds %d fds while stuck, baseline %d", n, fds_base);
-        CHECK(__atomic_load_n(&fuse_stuck_flushes, __ATOMIC_SEQ_CST) >= 1,
-              "fuse: the daemon never sent FLUSH: nothing was stuck");
+        CHECK(fuse_stub_stuck_flushes() >= 1, "fuse: the daemon never sent FLUSH: nothing was stuck");
         /* Aborting the connection ends the stuck closes. */
-        umount2(fuse_dir, MNT_DETACH);
-        fuse_stop = 1;
-        pthread_join(fuse_thread, NULL);
-        fuse_dir[0] = '\0';
+        fuse_stub_stop();
         check_served("fuse, after", 5);
         check_baseline("fuse");
 }
