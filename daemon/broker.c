@@ -3,19 +3,20 @@
 #include <inttypes.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include "broker.h"
+#include "clientfd.h"
 #include "config.h"
 #include "log.h"
 
-int broker_new(const struct config *config, struct broker **ret_broker) {
+int broker_new(const struct config *config, struct clientfds *fds, struct broker **ret_broker) {
         struct broker *b = calloc(1, sizeof(*b));
 
         if (!b)
                 return -ENOMEM;
         b->config = config;
+        b->fds = fds;
         b->next_id = 1;
         LIST_INIT(&b->usage);
         *ret_broker = b;
@@ -43,56 +44,6 @@ static struct uid_usage *usage_find(struct broker *b, uid_t uid) {
         return NULL;
 }
 
-static const char *kind_to_string(Moeep__V1__RegionKind kind) {
-        switch (kind) {
-        case MOEEP__V1__REGION_KIND__REGION_KIND_UNSPECIFIED:
-                return "unspecified";
-        case MOEEP__V1__REGION_KIND__REGION_KIND_CUMEM_FD:
-                return "cumem-fd";
-        case MOEEP__V1__REGION_KIND__REGION_KIND_DMABUF:
-                return "dma-buf";
-        case MOEEP__V1__REGION_KIND__REGION_KIND_MEMFD:
-                return "memfd";
-        case _MOEEP__V1__REGION_KIND_IS_INT_SIZE:
-                break;
-        }
-        return "unknown";
-}
-
-/* Checks what can be checked of the fd: a memfd must be a regular file at
- * least `size` bytes long; a dma-buf reports its size in st_size. A cuMem
- * POSIX fd is opaque to us (the driver checks it when a peer imports it). */
-static int region_check_fd(Moeep__V1__RegionKind kind, uint64_t size, int fd, char *errmsg) {
-        struct stat st;
-
-        if (fstat(fd, &st) < 0)
-                return errmsg_set(errmsg, -EBADF, "region fd: fstat: %s", strerror(errno));
-        switch (kind) {
-        case MOEEP__V1__REGION_KIND__REGION_KIND_MEMFD:
-                if (!S_ISREG(st.st_mode))
-                        return errmsg_set(errmsg, -EBADF,
-                                          "memfd region: the fd is not a regular file (mode 0%o)",
-                                          (unsigned)st.st_mode);
-                if ((uint64_t)st.st_size < size)
-                        return errmsg_set(errmsg, -EINVAL,
-                                          "memfd region of %" PRIu64 " bytes: the fd has only %" PRIu64, size,
-                                          (uint64_t)st.st_size);
-                return 0;
-        case MOEEP__V1__REGION_KIND__REGION_KIND_DMABUF:
-                if (st.st_size > 0 && (uint64_t)st.st_size < size)
-                        return errmsg_set(errmsg, -EINVAL,
-                                          "dma-buf region of %" PRIu64 " bytes: the buffer has only %" PRIu64,
-                                          size, (uint64_t)st.st_size);
-                return 0;
-        case MOEEP__V1__REGION_KIND__REGION_KIND_CUMEM_FD:
-                return 0;
-        case MOEEP__V1__REGION_KIND__REGION_KIND_UNSPECIFIED:
-        case _MOEEP__V1__REGION_KIND_IS_INT_SIZE:
-                break;
-        }
-        return errmsg_set(errmsg, -EINVAL, "region kind %d is not known", (int)kind);
-}
-
 int broker_register(struct broker *b, struct job_member *m, uid_t uid, Moeep__V1__RegionKind kind,
                     uint64_t size, uint32_t tag, int fd, uint64_t *ret_id, char *errmsg) {
         const struct config *c = b->config;
@@ -105,8 +56,8 @@ int broker_register(struct broker *b, struct job_member *m, uid_t uid, Moeep__V1
                                   m->job->id, m->job->lost_rank);
         if (size == 0)
                 return errmsg_set(errmsg, -EINVAL, "%s region with tag %" PRIu32 ": size 0",
-                                  kind_to_string(kind), tag);
-        r = region_check_fd(kind, size, fd, errmsg);
+                                  clientfd_kind_to_string(kind), tag);
+        r = clientfd_check(b->fds, fd, kind, size, errmsg);
         if (r < 0)
                 return r;
         if (m->nregions >= c->max_regions_per_session)
@@ -114,12 +65,15 @@ int broker_register(struct broker *b, struct job_member *m, uid_t uid, Moeep__V1
                                   "rank %" PRIu32 " already has %" PRIu32
                                   " regions (max_regions_per_session = %" PRIu32 ")",
                                   m->rank, m->nregions, c->max_regions_per_session);
-        u = usage_find(b, uid);
-        if (u && u->fds >= c->max_fds_per_uid)
+        /* The receiver charged `fd` already: past the cap, this one is
+         * the fd too many. */
+        if (clientfds_held(b->fds, uid) > c->max_fds_per_uid)
                 return errmsg_set(errmsg, -EDQUOT,
-                                  "uid %u already holds %" PRIu32 " region fds (max_fds_per_uid = %" PRIu32
+                                  "uid %u holds %" PRIu32 " descriptors in the daemon with this one "
+                                  "(sessions, regions, unsent replies, closes pending; max_fds_per_uid = %" PRIu32
                                   ")",
-                                  (unsigned)uid, u->fds, c->max_fds_per_uid);
+                                  (unsigned)uid, clientfds_held(b->fds, uid), c->max_fds_per_uid);
+        u = usage_find(b, uid);
         if (size > c->max_region_bytes_per_uid || (u && u->bytes > c->max_region_bytes_per_uid - size))
                 return errmsg_set(errmsg, -EDQUOT,
                                   "region of %" PRIu64
@@ -152,7 +106,7 @@ int broker_register(struct broker *b, struct job_member *m, uid_t uid, Moeep__V1
         u->fds++;
         log_debug("job %" PRIu64 " rank %" PRIu32 ": region %" PRIu64 " (%s, %" PRIu64 " bytes, tag %" PRIu32
                   ") registered",
-                  m->job->id, m->rank, reg->id, kind_to_string(kind), size, tag);
+                  m->job->id, m->rank, reg->id, clientfd_kind_to_string(kind), size, tag);
         *ret_id = reg->id;
         return 0;
 }
@@ -171,7 +125,8 @@ static void region_free(struct broker *b, struct job_member *m, struct region *r
                         free(u);
                 }
         }
-        close(reg->fd);
+        /* The charge goes with the fd; the closer returns it. */
+        clientfd_close(b->fds, reg->uid, reg->fd);
         free(reg);
 }
 

@@ -11,6 +11,7 @@
 #include "job.h"
 #include "moeep.pb-c.h"
 
+struct clientfds;
 struct config;
 
 struct region {
@@ -24,29 +25,33 @@ struct region {
         TAILQ_ENTRY(region) entry;
 };
 
-/* What one uid holds, for max_region_bytes_per_uid and max_fds_per_uid. */
+/* What one uid holds in regions, for max_region_bytes_per_uid (its fds are
+ * charged in clientfd.c, with everything else the daemon holds for it). */
 struct uid_usage {
         uid_t uid;
         uint64_t bytes;
-        uint32_t fds;
+        uint32_t fds; /* its regions; the entry goes when 0 */
         LIST_ENTRY(uid_usage) entry;
 };
 
 struct broker {
         const struct config *config; /* not owning; caps are read at each call */
+        struct clientfds *fds;       /* not owning; checks, charges and closes region fds */
         uint64_t next_id;
         uint32_t nregions;            /* all live regions */
         LIST_HEAD(, uid_usage) usage; /* owns; entries exist while a uid holds regions */
 };
 
-int broker_new(const struct config *config, struct broker **ret_broker);
+int broker_new(const struct config *config, struct clientfds *fds, struct broker **ret_broker);
 /* Every region must be gone (members drop theirs). Accepts NULL. */
 void broker_free(struct broker *b);
 
-/* Registers `fd` as a region of member `m` (uid `uid`). Takes `fd` only on
- * success. Errors: -EINVAL unknown kind, size 0, or a memfd/dma-buf smaller
- * than `size`; -EBADF an fd that is not of a kind we can check (a memfd that
- * is no regular file); -EDQUOT a cap; -EPIPE the job is aborted; -ENOMEM. */
+/* Registers `fd` as a region of member `m` (uid `uid`, to whom the
+ * receiver charged `fd` already: clientfds_charge_held()). Takes `fd` only
+ * on success; the region's release closes it through clientfd_close().
+ * Errors: -EINVAL unknown kind, size 0, or a memfd/dma-buf smaller than
+ * `size`; -EBADF an fd not of the declared kind (clientfd_check()); -EDQUOT
+ * a cap; -EPIPE the job is aborted; -ENOMEM. */
 int broker_register(struct broker *b, struct job_member *m, uid_t uid, Moeep__V1__RegionKind kind,
                     uint64_t size, uint32_t tag, int fd, uint64_t *ret_id, char *errmsg);
 

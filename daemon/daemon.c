@@ -16,6 +16,7 @@
 
 #include "admin-socket.h"
 #include "broker.h"
+#include "clientfd.h"
 #include "daemon.h"
 #include "datapath.h"
 #include "http.h"
@@ -513,7 +514,10 @@ int daemon_init(struct daemon *d, const struct daemon_options *options) {
         r = jobs_new(&d->config, &session_job_callbacks, &d->jobs);
         if (r < 0)
                 goto oom;
-        r = broker_new(&d->config, &d->broker);
+        r = clientfds_new(d->base, &d->config, &d->clientfds);
+        if (r < 0)
+                goto oom;
+        r = broker_new(&d->config, d->clientfds, &d->broker);
         if (r < 0)
                 goto oom;
         r = daemon_listen(d);
@@ -579,6 +583,7 @@ void daemon_done(struct daemon *d) {
         http_free(d->http);
         jobs_free(d->jobs);
         broker_free(d->broker);
+        clientfds_free(d->clientfds, 1000);
         for (size_t i = 0; i < sizeof(d->ev_signal) / sizeof(d->ev_signal[0]); i++)
                 if (d->ev_signal[i])
                         event_free(d->ev_signal[i]);

@@ -13,6 +13,7 @@
 #include "metrics.h"
 
 struct event;
+struct clientfds;
 struct event_base;
 struct http;
 struct session;
@@ -58,6 +59,7 @@ struct daemon {
         struct event *ev_reap;          /* owns; frees dead sessions from the loop */
         struct jobs *jobs;              /* owns */
         struct broker *broker;          /* owns */
+        struct clientfds *clientfds;    /* owns; checks, counts and closes client fds (clientfd.h) */
         struct http *http;              /* owns; NULL unless metrics_listen is set */
         struct mesh *mesh;              /* owns; NULL unless mesh_listen is set */
         struct datapath *datapath;      /* owns; NULL unless mesh_listen is set */

@@ -193,7 +193,7 @@ static int region_mem(const struct datapath *dp, const struct job_member *m,
 }
 
 int datapath_region_register(struct datapath *dp, struct broker *b, struct job_member *m, uid_t uid,
-                             const Moeep__V1__RegionRegister *rr, int fd, uint64_t *ret_id, char *errmsg) {
+                             const Moeep__V1__RegionRegister *rr, int *fd, uint64_t *ret_id, char *errmsg) {
         const char *why;
         struct dp_rank *dr;
         struct tp_mem mem;
@@ -218,7 +218,7 @@ int datapath_region_register(struct datapath *dp, struct broker *b, struct job_m
         if (m->job->state == JOB_ABORTED)
                 return errmsg_set(errmsg, -EPIPE, "job %" PRIu64 " is aborted: rank %" PRId32 " was lost",
                                   m->job->id, m->job->lost_rank);
-        r = region_mem(dp, m, rr, fd, &mem, name, sizeof(name), errmsg);
+        r = region_mem(dp, m, rr, *fd, &mem, name, sizeof(name), errmsg);
         if (r < 0)
                 return r;
         if (!dr) {
@@ -233,9 +233,13 @@ int datapath_region_register(struct datapath *dp, struct broker *b, struct job_m
         }
         /* The size is checked against the fd by the broker first, so the
          * transport never maps past the end of the memfd. */
-        r = broker_register(b, m, uid, rr->kind, rr->size, rr->tag, fd, &id, errmsg);
+        r = broker_register(b, m, uid, rr->kind, rr->size, rr->tag, *fd, &id, errmsg);
         if (r < 0)
                 goto fail;
+        /* The broker owns the fd now: releasing the region below closes it
+         * (on a closer thread), and a second close by the caller could hit
+         * a number the loop has given to another client's fd meanwhile. */
+        *fd = -1;
         r = dp->tp.ops->mr_new(dp->tp.tp, &mem, &mr, errmsg);
         if (r < 0) {
                 broker_release(b, m, id, NULL);

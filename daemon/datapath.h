@@ -76,13 +76,15 @@ void datapath_peer_fail(struct datapath *dp, uint32_t tp_peer, int error);
 /* RegionRegister with a proxy role: checks the role (one region of each
  * per rank), the kind (a memfd sealed with F_SEAL_SHRINK; a dma-buf where
  * the transport takes one) and the size (counters: a multiple of 8),
- * registers the region with the broker (`fd` taken on success, as
- * broker_register) and with the transport, and tells the mesh (with the
- * rkey for recv and counter regions). Errors as broker_register, plus
- * -ENODEV without a data path, -EOPNOTSUPP for a kind the transport cannot
+ * registers the region with the broker and with the transport, and tells
+ * the mesh (with the rkey for recv and counter regions). `*fd` is taken
+ * (set to -1) once the broker took it, on success and on a later failure
+ * alike (the broker then closes it, off the loop), so the caller closes it
+ * only while it is still >= 0. Errors as broker_register, plus -ENODEV
+ * without a data path, -EOPNOTSUPP for a kind the transport cannot
  * register. */
 int datapath_region_register(struct datapath *dp, struct broker *b, struct job_member *m, uid_t uid,
-                             const Moeep__V1__RegionRegister *rr, int fd, uint64_t *ret_id, char *errmsg);
+                             const Moeep__V1__RegionRegister *rr, int *fd, uint64_t *ret_id, char *errmsg);
 
 /* Before broker_release(): drops the transport registration when `id` is one
  * of `m`'s proxy regions. -EBUSY for a send region that an open channel

@@ -12,6 +12,7 @@
 
 #include "admin.h"
 #include "broker.h"
+#include "clientfd.h"
 #include "daemon.h"
 #include "datapath.h"
 #include "errors.h"
@@ -31,6 +32,13 @@
 #define SESSION_READ_BATCH 16
 /* How long a failed session may take to flush its last error. */
 #define SESSION_LINGER_MS 1000
+/* Duplicated fds a session may have waiting in unsent records: four full
+ * Regions replies. Past it (or past its uid's max_fds_per_uid) requests
+ * that would queue more are refused. */
+#define SESSION_OUT_MAX_FDS (4 * MOEEP_RECORD_MAX_FDS)
+/* How long a connection may stay without saying Hello: libmoeep sends it
+ * right after connect(). */
+#define SESSION_HELLO_DEADLINE_MS 5000
 
 /* Features this daemon offers in Welcome. */
 #define SESSION_FEATURES                                                                               \
@@ -86,9 +94,13 @@ static Moeep__V1__ErrorCode record_error_code(const char *why) {
 
 /* ------------------------------------------------------------ output */
 
-static void out_free(struct session_out *o) {
+/* Frees a record taken off the queue. Its duplicates may be the last
+ * references to files a client sent (a region released meanwhile), so
+ * they are closed off the loop; their charge goes with them. */
+static void out_free(struct session *s, struct session_out *o) {
         for (size_t i = 0; i < o->nfds; i++)
-                close(o->fds[i]);
+                clientfd_close(s->daemon->clientfds, s->cred.uid, o->fds[i]);
+        s->out_fds -= (uint32_t)o->nfds;
         free(o);
 }
 
@@ -97,10 +109,26 @@ static void out_clear(struct session *s) {
 
         while ((o = TAILQ_FIRST(&s->out))) {
                 TAILQ_REMOVE(&s->out, o, entry);
-                out_free(o);
+                out_free(s, o);
         }
         s->out_count = 0;
         s->out_bytes = 0;
+}
+
+/* Closes, off the loop, every fd a received record still owns. They were
+ * charged to the session's uid when they arrived. */
+static void session_release_fds(struct session *s, struct moeep_record *rec) {
+        for (size_t i = 0; i < rec->nfds; i++) {
+                clientfd_close(s->daemon->clientfds, s->cred.uid, rec->fds[i]);
+                rec->fds[i] = -1;
+        }
+        rec->nfds = 0;
+}
+
+static char send_why[ERRMSG_MAX];
+
+const char *session_send_why(void) {
+        return send_why;
 }
 
 int session_send(struct session *s, uint16_t type, uint64_t request_id, const ProtobufCMessage *msg,
@@ -123,17 +151,40 @@ int session_send(struct session *s, uint16_t type, uint64_t request_id, const Pr
                 event_active(s->ev_write, EV_WRITE, 0);
                 return -ENOBUFS;
         }
+        /* Nothing queued: the record goes now, and its fds with it, with
+         * no duplicate kept. Any error is met again by the flush, which
+         * fails the session from the loop. */
+        if (TAILQ_EMPTY(&s->out) && moeep_record_send_raw(s->fd, scratch, (size_t)len, fds, nfds) == 0)
+                return 0;
+        if (nfds > 0) {
+                int r;
+
+                if (s->out_fds + nfds > SESSION_OUT_MAX_FDS)
+                        return errmsg_set(send_why, -EDQUOT,
+                                          "session %" PRIu64 " has %" PRIu32
+                                          " descriptors in unsent replies; %zu "
+                                          "more would pass %d: read the replies",
+                                          s->id, s->out_fds, nfds, SESSION_OUT_MAX_FDS);
+                r = clientfds_charge(s->daemon->clientfds, s->cred.uid, (uint32_t)nfds, send_why);
+                if (r < 0)
+                        return r;
+        }
         o = malloc(sizeof(*o) + (size_t)len);
-        if (!o)
+        if (!o) {
+                clientfds_uncharge(s->daemon->clientfds, s->cred.uid, (uint32_t)nfds);
                 return -ENOMEM;
+        }
         memcpy(o->buf, scratch, (size_t)len);
         o->len = (size_t)len;
+        s->out_fds += (uint32_t)nfds;
         for (o->nfds = 0; o->nfds < nfds; o->nfds++) {
                 o->fds[o->nfds] = fcntl(fds[o->nfds], F_DUPFD_CLOEXEC, 3);
                 if (o->fds[o->nfds] < 0) {
                         int r = -errno;
 
-                        out_free(o);
+                        clientfds_uncharge(s->daemon->clientfds, s->cred.uid, (uint32_t)(nfds - o->nfds));
+                        s->out_fds -= (uint32_t)(nfds - o->nfds);
+                        out_free(s, o);
                         return r;
                 }
         }
@@ -183,15 +234,16 @@ void session_unref(struct session *s) {
 }
 
 static void session_free(struct session *s) {
-        if (s->fd >= 0)
-                close(s->fd);
         out_clear(s);
+        clientfd_close_session(s->daemon->clientfds, s->cred.uid, s->fd);
         if (s->ev_read)
                 event_free(s->ev_read);
         if (s->ev_write)
                 event_free(s->ev_write);
         if (s->ev_linger)
                 event_free(s->ev_linger);
+        if (s->ev_hello)
+                event_free(s->ev_hello);
         free(s->groups);
         free(s);
 }
@@ -236,8 +288,11 @@ void session_close_now(struct session *s) {
         event_del(s->ev_read);
         event_del(s->ev_write);
         event_del(s->ev_linger);
+        event_del(s->ev_hello);
         out_clear(s);
-        close(s->fd);
+        /* Closing the socket closes what the peer queued on it unread,
+         * fds it attached included: off the loop. */
+        clientfd_close_session(d->clientfds, s->cred.uid, s->fd);
         s->fd = -1;
         TAILQ_REMOVE(&d->sessions, s, entry);
         d->nsessions--;
@@ -268,7 +323,7 @@ static int session_flush(struct session *s) {
                 TAILQ_REMOVE(&s->out, o, entry);
                 s->out_count--;
                 s->out_bytes -= o->len;
-                out_free(o);
+                out_free(s, o);
         }
         event_del(s->ev_write);
         if (s->state == SESSION_CLOSED)
@@ -318,6 +373,16 @@ static void session_linger_cb(evutil_socket_t fd, short what, void *arg) {
         session_unref(s);
 }
 
+static void session_hello_cb(evutil_socket_t fd, short what, void *arg) {
+        struct session *s = arg;
+
+        session_ref(s);
+        if (s->state == SESSION_NEW)
+                session_fail(s, MOEEP__V1__ERROR_CODE__ERROR_NOT_WELCOMED, 0, "no Hello within %d ms",
+                             SESSION_HELLO_DEADLINE_MS);
+        session_unref(s);
+}
+
 static void session_write_cb(evutil_socket_t fd, short what, void *arg) {
         struct session *s = arg;
 
@@ -358,6 +423,7 @@ static int handle_hello(struct session *s, uint64_t rid, const Moeep__V1__Reques
         copy_printable(s->name, sizeof(s->name), hello->client_name);
         s->features = hello->features & SESSION_FEATURES;
         s->state = SESSION_HELLO;
+        event_del(s->ev_hello);
         log_info("session %" PRIu64 " (pid %d uid %u gid %u): hello from '%s', protocol %" PRIu32 ".%" PRIu32,
                  s->id, (int)s->cred.pid, (unsigned)s->cred.uid, (unsigned)s->cred.gid, s->name, hello->major,
                  hello->minor);
@@ -495,7 +561,7 @@ static int handle_region_register(struct session *s, uint64_t rid, const Moeep__
                                           " did not offer FEATURE_PROXY in Hello",
                                           (int)rr->proxy, s->id);
                 r = datapath_region_register(s->daemon->datapath, s->daemon->broker, s->member, s->cred.uid,
-                                             rr, rec->fds[0], &registered.region_id, errmsg);
+                                             rr, &rec->fds[0], &registered.region_id, errmsg);
         } else {
                 r = broker_register(s->daemon->broker, s->member, s->cred.uid, rr->kind, rr->size, rr->tag,
                                     rec->fds[0], &registered.region_id, errmsg);
@@ -567,7 +633,10 @@ static int handle_regions_fetch(struct session *s, uint64_t rid, const Moeep__V1
         regions.regions = ptrs;
         resp.body_case = MOEEP__V1__RESPONSE__BODY_REGIONS;
         resp.regions = &regions;
-        return session_respond(s, rid, &resp, fds, nfds);
+        r = session_respond(s, rid, &resp, fds, nfds);
+        if (r == -EDQUOT || r == -EMFILE) /* a cap of the uid or the daemon's budget: both a limit to the client */
+                return errmsg_set(errmsg, -EDQUOT, "RegionsFetch: %s", send_why);
+        return r;
 }
 
 static int handle_region_release(struct session *s, uint64_t rid, const Moeep__V1__Request *req,
@@ -640,6 +709,8 @@ static int handle_channel_open(struct session *s, uint64_t rid, const Moeep__V1_
          * A ring the client never receives goes when its member goes. */
         r = session_respond(s, rid, &resp, &fd, 1);
         close(fd);
+        if (r == -EDQUOT || r == -EMFILE)
+                return errmsg_set(errmsg, -EDQUOT, "ChannelOpen: %s", send_why);
         return r;
 }
 
@@ -740,12 +811,24 @@ static int session_dispatch(struct session *s, struct moeep_record *rec) {
 
 /* Receives and handles one record. Returns 1 to go on, 0 to stop. */
 static int session_read_one(struct session *s) {
+        char errmsg[ERRMSG_MAX];
         const char *why = NULL;
         uint64_t rid;
         int r;
 
+        /* A uid whose fds do not close (its own FUSE server, SO_LINGER)
+         * gets nothing more read: each record could bring 253 more. */
+        if (clientfds_closing_check(s->daemon->clientfds, s->cred.uid, errmsg) < 0) {
+                session_fail(s, MOEEP__V1__ERROR_CODE__ERROR_LIMIT_EXCEEDED, 0, "%s", errmsg);
+                return 0;
+        }
         memset(&rx.hdr, 0, sizeof(rx.hdr));
-        r = moeep_record_recv(s->fd, &rx, &why);
+        r = moeep_record_recv_keep(s->fd, &rx, &why);
+        /* Whatever arrived is the daemon's to close now, and the sender's
+         * to pay for until it is closed. */
+        clientfds_charge_held(s->daemon->clientfds, s->cred.uid, (uint32_t)rx.nfds);
+        if (r < 0)
+                session_release_fds(s, &rx);
         if (r == -EAGAIN)
                 return 0;
         /* The header's request id is echoed when the header itself was
@@ -770,7 +853,7 @@ static int session_read_one(struct session *s) {
                 return 0;
         }
         r = session_dispatch(s, &rx);
-        moeep_record_release(&rx);
+        session_release_fds(s, &rx);
         return r;
 }
 
@@ -863,7 +946,7 @@ static uint32_t sessions_count_uid(const struct daemon *d, uid_t uid) {
 
 /* Turns a connection away with an error it can read, without making a
  * session: a fresh socket's buffer always takes one small record. */
-static int session_refuse(struct daemon *d, int fd, int r, const char *why) {
+static int session_refuse(struct daemon *d, int fd, uid_t uid, int r, const char *why) {
         Moeep__V1__Error err = MOEEP__V1__ERROR__INIT;
         Moeep__V1__Response resp = MOEEP__V1__RESPONSE__INIT;
 
@@ -875,11 +958,13 @@ static int session_refuse(struct daemon *d, int fd, int r, const char *why) {
         resp.body_case = MOEEP__V1__RESPONSE__BODY_ERROR;
         resp.error = &err;
         (void)moeep_record_send(fd, MOEEP__V1__RESPONSE__BODY_ERROR, 0, &resp.base, NULL, 0);
-        close(fd);
+        clientfd_close_session(d->clientfds, uid, fd);
         return r;
 }
 
 int session_new(struct daemon *d, int fd, bool admin, struct session **ret_session) {
+        const struct timeval hello_deadline = { .tv_sec = SESSION_HELLO_DEADLINE_MS / 1000,
+                                                .tv_usec = (SESSION_HELLO_DEADLINE_MS % 1000) * 1000 };
         char why[ERRMSG_MAX];
         struct session *s;
         struct ucred cred;
@@ -889,7 +974,7 @@ int session_new(struct daemon *d, int fd, bool admin, struct session **ret_sessi
         if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) < 0) {
                 int r = -errno;
 
-                close(fd);
+                clientfd_close_session(d->clientfds, 65534, fd); /* whose it is is unknown: overflowuid */
                 return r;
         }
         if (admin && d->nadmin >= DAEMON_ADMIN_SESSIONS_MAX) {
@@ -897,13 +982,20 @@ int session_new(struct daemon *d, int fd, bool admin, struct session **ret_sessi
                          DAEMON_ADMIN_SESSIONS_MAX);
                 log_notice("refusing pid %d uid %u on the admin socket: %s", (int)cred.pid,
                            (unsigned)cred.uid, why);
-                return session_refuse(d, fd, -EDQUOT, why);
+                return session_refuse(d, fd, cred.uid, -EDQUOT, why);
+        }
+        /* Client sessions count against the daemon's fd budget, whose
+         * reserve keeps accept() and the operator's sessions working. */
+        if (!admin && (clientfds_budget_check(d->clientfds, d->nsessions + 1, why) < 0 ||
+                       clientfds_closing_check(d->clientfds, cred.uid, why) < 0)) {
+                log_notice("refusing pid %d uid %u: %s", (int)cred.pid, (unsigned)cred.uid, why);
+                return session_refuse(d, fd, cred.uid, -EDQUOT, why);
         }
         if (!admin && d->nsessions - d->nadmin >= d->config.max_sessions) {
                 snprintf(why, sizeof(why), "%" PRIu32 " sessions connected (max_sessions = %" PRIu32 ")",
                          d->nsessions - d->nadmin, d->config.max_sessions);
                 log_notice("refusing pid %d uid %u: %s", (int)cred.pid, (unsigned)cred.uid, why);
-                return session_refuse(d, fd, -EDQUOT, why);
+                return session_refuse(d, fd, cred.uid, -EDQUOT, why);
         }
         n = admin ? 0 : sessions_count_uid(d, cred.uid);
         if (!admin && n >= d->config.max_sessions_per_uid) {
@@ -911,12 +1003,12 @@ int session_new(struct daemon *d, int fd, bool admin, struct session **ret_sessi
                          "uid %u has %" PRIu32 " sessions (max_sessions_per_uid = %" PRIu32 ")",
                          (unsigned)cred.uid, n, d->config.max_sessions_per_uid);
                 log_notice("refusing pid %d: %s", (int)cred.pid, why);
-                return session_refuse(d, fd, -EDQUOT, why);
+                return session_refuse(d, fd, cred.uid, -EDQUOT, why);
         }
 
         s = calloc(1, sizeof(*s));
         if (!s) {
-                close(fd);
+                clientfd_close_session(d->clientfds, cred.uid, fd);
                 return -ENOMEM;
         }
         s->fd = fd;
@@ -929,7 +1021,9 @@ int session_new(struct daemon *d, int fd, bool admin, struct session **ret_sessi
         s->ev_read = event_new(d->base, fd, EV_READ | EV_PERSIST, session_read_cb, s);
         s->ev_write = event_new(d->base, fd, EV_WRITE | EV_PERSIST, session_write_cb, s);
         s->ev_linger = evtimer_new(d->base, session_linger_cb, s);
-        if (!s->ev_read || !s->ev_write || !s->ev_linger || event_add(s->ev_read, NULL) < 0) {
+        s->ev_hello = evtimer_new(d->base, session_hello_cb, s);
+        if (!s->ev_read || !s->ev_write || !s->ev_linger || !s->ev_hello || event_add(s->ev_read, NULL) < 0 ||
+            event_add(s->ev_hello, &hello_deadline) < 0) {
                 session_free(s);
                 return -ENOMEM;
         }

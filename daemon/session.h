@@ -49,24 +49,35 @@ struct session {
         struct event *ev_read;           /* owns */
         struct event *ev_write;          /* owns; pending only while `out` is not empty */
         struct event *ev_linger;         /* owns; bounds how long a CLOSED session flushes */
+        struct event *ev_hello;          /* owns; ends a session that says no Hello in time */
         struct session_out_list out;     /* owns */
         uint32_t out_count;
+        uint32_t out_fds; /* duplicates in `out`, charged to cred.uid (clientfd.h) */
         size_t out_bytes;
         const char *broken; /* static; set when output overflowed, acted on from the loop */
         TAILQ_ENTRY(session) entry;
 };
 
-/* Accepts the connection `fd` (owned from now on, closed on error), which
- * came through the admin socket when `admin`. Client sessions count against
- * max_sessions and max_sessions_per_uid; admin sessions only against
- * DAEMON_ADMIN_SESSIONS_MAX. */
+/* Accepts the connection `fd` (owned from now on, closed off the loop on
+ * error: a client can queue records with fds on it before accept()), which
+ * came through the admin socket when `admin`. The socket is charged to the
+ * peer's uid like every fd the daemon holds for it. Client sessions count
+ * against max_sessions and max_sessions_per_uid; admin sessions only
+ * against DAEMON_ADMIN_SESSIONS_MAX. */
 int session_new(struct daemon *d, int fd, bool admin, struct session **ret_session);
 
-/* Queues a record for `s` with duplicates of `fds` (the caller keeps its
- * own). Returns 0, or -ENOBUFS when the peer does not read (the session is
- * then failed from the loop), -EMSGSIZE, -EMFILE or -ENOMEM. */
+/* Sends a record to `s` now when nothing is queued and the socket takes
+ * it, else queues it with duplicates of `fds` (the caller keeps its own),
+ * charged to the session's uid. Returns 0, or -ENOBUFS when the peer does
+ * not read (the session is then failed from the loop), -EDQUOT or -EMFILE
+ * when the duplicates would pass the session's or the uid's fd cap or the
+ * daemon's fd budget (session_send_why() says which), -EMSGSIZE or
+ * -ENOMEM. */
 int session_send(struct session *s, uint16_t type, uint64_t request_id, const ProtobufCMessage *msg,
                  const int *fds, size_t nfds);
+
+/* Why the last session_send() refused its fds (static text). */
+const char *session_send_why(void);
 
 /* Queues a Response whose type is its body case. */
 int session_respond(struct session *s, uint64_t request_id, Moeep__V1__Response *resp, const int *fds,

@@ -137,9 +137,9 @@ void moeep_record_release(struct moeep_record *rec) {
         rec->nfds = 0;
 }
 
-/* Collects every descriptor of every SCM_RIGHTS message in `mh` into rec,
- * closing the ones that do not fit. Returns -EBADMSG when some did not fit or
- * a control message of another kind arrived. */
+/* Collects every descriptor of every SCM_RIGHTS message in `mh` into rec.
+ * Returns -EBADMSG when there are more than a record may carry or a control
+ * message of another kind arrived; the descriptors stay in rec either way. */
 static int collect_fds(struct msghdr *mh, struct moeep_record *rec) {
         int r = 0;
 
@@ -157,20 +157,28 @@ static int collect_fds(struct msghdr *mh, struct moeep_record *rec) {
                         int fd;
 
                         memcpy(&fd, data + i, sizeof(fd));
-                        if (rec->nfds < MOEEP_RECORD_MAX_FDS)
+                        if (rec->nfds < MOEEP_RECORD_RECV_FDS)
                                 rec->fds[rec->nfds++] = fd;
-                        else {
+                        else /* the kernel never passes more: a bug */
                                 close(fd);
+                        if (rec->nfds > MOEEP_RECORD_MAX_FDS)
                                 r = -EBADMSG;
-                        }
                 }
         }
         return r;
 }
 
 int moeep_record_recv(int sock, struct moeep_record *rec, const char **ret_why) {
+        int r = moeep_record_recv_keep(sock, rec, ret_why);
+
+        if (r < 0)
+                moeep_record_release(rec);
+        return r;
+}
+
+int moeep_record_recv_keep(int sock, struct moeep_record *rec, const char **ret_why) {
         union {
-                char buf[CMSG_SPACE(sizeof(int) * MOEEP_RECORD_MAX_FDS)];
+                char buf[CMSG_SPACE(sizeof(int) * MOEEP_RECORD_RECV_FDS)];
                 struct cmsghdr align;
         } control;
         struct iovec iov = { .iov_base = rec->buf, .iov_len = sizeof(rec->buf) };
@@ -191,10 +199,14 @@ int moeep_record_recv(int sock, struct moeep_record *rec, const char **ret_why) 
         while (n < 0 && errno == EINTR);
         if (n < 0)
                 return errno == EWOULDBLOCK ? -EAGAIN : -errno;
-        if (n == 0)
-                return -ECONNRESET;
-
+        /* Descriptors first: a record of zero bytes reads like the end of
+         * the connection but may carry some, which must not be lost. */
         r = collect_fds(&mh, rec);
+        if (n == 0) {
+                if (ret_why)
+                        *ret_why = rec->nfds ? "a record of zero bytes" : NULL;
+                return -ECONNRESET;
+        }
         if (r < 0 || (mh.msg_flags & MSG_CTRUNC)) {
                 why = "too many file descriptors or a foreign control message";
                 goto fail;
@@ -214,7 +226,6 @@ int moeep_record_recv(int sock, struct moeep_record *rec, const char **ret_why) 
         }
         if (rec->hdr.major != MOEEP_PROTOCOL_MAJOR) {
                 why = "protocol major version differs";
-                moeep_record_release(rec);
                 if (ret_why)
                         *ret_why = why;
                 return -EPROTONOSUPPORT;
@@ -242,7 +253,6 @@ int moeep_record_recv(int sock, struct moeep_record *rec, const char **ret_why) 
         return 0;
 
 fail:
-        moeep_record_release(rec);
         if (ret_why)
                 *ret_why = why;
         return -EBADMSG;

@@ -23,6 +23,12 @@
 #define MOEEP_RECORD_MAX 65536
 /* Most descriptors one record may carry (Regions: 8 ranks x 8 regions). */
 #define MOEEP_RECORD_MAX_FDS 64
+/* Room for what the kernel may attach to one message (SCM_MAX_FD): a
+ * receiver with less room gets MSG_CTRUNC and the kernel closes the rest in
+ * the receiver's own thread, where a socket with SO_LINGER or a FUSE file
+ * would block it. Records carrying more than MOEEP_RECORD_MAX_FDS are
+ * refused after receipt. */
+#define MOEEP_RECORD_RECV_FDS 253
 
 /* Ranges of record types: the field numbers of the envelopes' body cases. */
 #define MOEEP_TYPE_REQUEST_MIN 1
@@ -47,8 +53,8 @@ _Static_assert(sizeof(struct moeep_record_header) == 24, "header layout is part 
  * caller takes them (set the slot to -1). */
 struct moeep_record {
         struct moeep_record_header hdr;
-        uint8_t *payload;            /* points into buf */
-        int fds[MOEEP_RECORD_MAX_FDS];
+        uint8_t *payload;              /* points into buf */
+        int fds[MOEEP_RECORD_RECV_FDS]; /* -1 in slots taken by the caller */
         size_t nfds;
         uint8_t buf[MOEEP_RECORD_MAX];
 };
@@ -84,6 +90,12 @@ int moeep_record_send_raw(int sock, const uint8_t *buf, size_t len, const int *f
  * another -errno. On any error every received descriptor is already closed.
  * `ret_why`, when not NULL, gets a static string naming what was wrong. */
 int moeep_record_recv(int sock, struct moeep_record *rec, const char **ret_why);
+
+/* Like moeep_record_recv(), but on every error the received descriptors
+ * stay in rec->fds (rec->nfds of them, possibly more than the header says)
+ * for the caller to close: moeepd closes what clients send off its event
+ * loop. */
+int moeep_record_recv_keep(int sock, struct moeep_record *rec, const char **ret_why);
 
 /* Closes every descriptor the record still owns. Accepts NULL. */
 void moeep_record_release(struct moeep_record *rec);

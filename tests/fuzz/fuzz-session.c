@@ -31,6 +31,7 @@
 
 #include "fuzz.h"
 #include "broker.h"
+#include "clientfd.h"
 #include "daemon.h"
 #include "job.h"
 #include "log.h"
@@ -558,6 +559,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
          * symbolizer, started the first time it prints a NEW_FUNC line,
          * keeps two pipes open for good: run-fuzz.sh passes
          * -print_funcs=0.) */
+        clientfds_settle(d.clientfds, 1000); /* client fds close off the loop */
         fds = count_fds();
         for (int i = 0; i < 3 && fds != fds_baseline; i++) {
                 usleep(1000);

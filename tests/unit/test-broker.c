@@ -12,6 +12,7 @@
 #include <cmocka.h>
 
 #include "broker.h"
+#include "clientfd.h"
 #include "config.h"
 #include "job.h"
 #include "unit.h"
@@ -30,6 +31,7 @@ static const struct job_callbacks callbacks = { cb_barrier_done, cb_peer_lost };
 struct fixture {
         struct config config;
         struct jobs *jobs;
+        struct clientfds *fds; /* closes at once: no event base */
         struct broker *broker;
         struct job_member *m[2][2];
         int owners[2][2];
@@ -44,7 +46,7 @@ static int setup(void **state) {
                 return -1;
         f->fds_before = unit_count_fds();
         if (config_init(&f->config) < 0 || jobs_new(&f->config, &callbacks, &f->jobs) < 0 ||
-            broker_new(&f->config, &f->broker) < 0)
+            clientfds_new(NULL, &f->config, &f->fds) < 0 || broker_new(&f->config, f->fds, &f->broker) < 0)
                 return -1;
         for (int j = 0; j < 2; j++) {
                 uint8_t uid[JOB_UNIQUE_ID_BYTES];
@@ -75,6 +77,8 @@ static int teardown(void **state) {
         jobs_creator_gone(f->jobs, f);
         assert_int_equal(f->jobs->count, 0);
         broker_free(f->broker);
+        assert_int_equal(clientfds_held(f->fds, 1000), 0);
+        clientfds_free(f->fds, 0);
         jobs_free(f->jobs);
         config_done(&f->config);
         assert_int_equal(unit_count_fds(), f->fds_before);
@@ -82,16 +86,19 @@ static int teardown(void **state) {
         return 0;
 }
 
-/* Registers a memfd region; on failure the fd is ours to close. */
+/* Registers a memfd region, charged as the session charges what it
+ * receives; on failure the fd is ours to close. */
 static int reg(struct fixture *f, struct job_member *m, uint64_t size, uint32_t tag, const char *text) {
         char errmsg[ERRMSG_MAX] = "";
         int fd = unit_memfd(4096, text);
         uint64_t id;
-        int r = broker_register(f->broker, m, 1000, MEMFD, size, tag, fd, &id, errmsg);
+        int r;
 
+        clientfds_charge_held(f->fds, 1000, 1);
+        r = broker_register(f->broker, m, 1000, MEMFD, size, tag, fd, &id, errmsg);
         if (r < 0) {
                 assert_true(errmsg[0]);
-                close(fd);
+                clientfd_close(f->fds, 1000, fd);
         }
         return r;
 }

@@ -18,6 +18,7 @@
 #include <cmocka.h>
 
 #include "broker.h"
+#include "clientfd.h"
 #include "daemon.h"
 #include "job.h"
 #include "record.h"
@@ -55,6 +56,8 @@ static int teardown(void **state) {
         struct fixture *f = *state;
 
         pump(f);
+        /* Client fds are closed by closer threads (clientfd.h). */
+        assert_int_equal(clientfds_settle(f->d.clientfds, 2000), 0);
         assert_int_equal(unit_count_fds(), f->fds_before);
         daemon_done(&f->d);
         assert_int_equal(access(f->path, F_OK), -1); /* the self-bound socket is gone */
@@ -113,6 +116,7 @@ static bool closed_by_daemon(struct fixture *f, int fd) {
         char c;
 
         pump(f);
+        clientfds_settle(f->d.clientfds, 2000); /* the socket is closed off the loop */
         return recv(fd, &c, 1, MSG_DONTWAIT) == 0;
 }
 

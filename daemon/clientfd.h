@@ -1,0 +1,115 @@
+/* Descriptors that clients send: what each must be, how many the daemon
+ * holds for each uid, and closing them where a stuck close() costs only
+ * the client that sent the descriptor.
+ *
+ * A client chooses what its descriptors are, and some kinds block the
+ * thread that touches them: fstat()/fstatfs()/close() of a FUSE file wait
+ * for the client's FUSE server, close() of a TCP socket with SO_LINGER waits
+ * for the linger time, and closing the last reference to a socket whose
+ * receive queue holds such descriptors closes those too. So:
+ *
+ *   - clientfd_check() decides whether an fd is of the kind its record
+ *     declares using only calls that never reach a client-controlled
+ *     filesystem or driver (fcntl, statx with AT_STATX_DONT_SYNC, the
+ *     kernel's own /proc/self/fdinfo text), in the order that proves each
+ *     later call safe before it is made;
+ *   - clientfd_close() hands an fd to closer threads. Each uid has its own
+ *     queue, served by at most one closer at a time, so a close that never
+ *     returns stalls only the queue of the uid that sent it; its pending
+ *     closes stay charged to that uid until they finish;
+ *   - every fd the daemon holds for a uid (its regions, duplicates queued
+ *     in unsent replies, received fds not yet handled, and closes still
+ *     pending) is charged to it and capped by max_fds_per_uid (its
+ *     sessions have max_sessions_per_uid); all uids together, sessions
+ *     included, stay below RLIMIT_NOFILE less a reserve, so accept() and
+ *     the operator's path keep working.
+ *
+ * Charges are made and returned on the event-loop thread only. */
+#ifndef MOEEPD_CLIENTFD_H
+#define MOEEPD_CLIENTFD_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "moeep.pb-c.h"
+
+struct config;
+struct event_base;
+struct clientfds;
+
+/* Starts the closer machinery. With `base` NULL every close happens at once
+ * on the caller's thread (unit tests of code that takes fds). Reads
+ * RLIMIT_NOFILE to size the reserve. Returns 0, -ENOMEM or -errno. */
+int clientfds_new(struct event_base *base, const struct config *config, struct clientfds **ret_clientfds);
+
+/* Waits up to `timeout_ms` for the pending closes, then frees everything;
+ * closer threads still stuck in close() are left to the process's exit.
+ * Accepts NULL. */
+void clientfds_free(struct clientfds *cf, int timeout_ms);
+
+/* Waits up to `timeout_ms` until no close is pending and the charges of
+ * finished closes are returned. Returns 0, or -ETIMEDOUT. */
+int clientfds_settle(struct clientfds *cf, int timeout_ms);
+
+/* Charges `n` fds to `uid` when both its cap (max_fds_per_uid) and the
+ * daemon-wide budget allow; -EDQUOT (uid cap) or -EMFILE (budget) with
+ * errmsg naming the numbers otherwise. */
+int clientfds_charge(struct clientfds *cf, uid_t uid, uint32_t n, char *errmsg);
+
+/* Charges fds the daemon already holds (received with a record), beyond
+ * any cap: they are owed until closed. */
+void clientfds_charge_held(struct clientfds *cf, uid_t uid, uint32_t n);
+
+/* Returns a charge for fds the daemon closed itself (or never kept). */
+void clientfds_uncharge(struct clientfds *cf, uid_t uid, uint32_t n);
+
+/* What `uid` is charged now, pending closes included. */
+uint32_t clientfds_held(const struct clientfds *cf, uid_t uid);
+
+/* Closes `fd`, charged to `uid`, off the event-loop thread; the charge is
+ * returned once close() came back, or at once when the fd is of a kind
+ * whose close cannot block (a memfd, the NVIDIA device). Accepts -1 (does
+ * nothing). */
+void clientfd_close(struct clientfds *cf, uid_t uid, int fd);
+
+/* Whether `uid` may send more fds: -EDQUOT (errmsg says why) once its
+ * closes still pending (fds and session sockets) reach max_fds_per_uid
+ * while one of them has been stuck in close() for a while, which only
+ * closes that block (its own FUSE server, SO_LINGER) make happen. */
+int clientfds_closing_check(struct clientfds *cf, uid_t uid, char *errmsg);
+
+/* Closes the socket `fd` of a session of `uid` without blocking the loop:
+ * shuts it down, reads the records still queued on it (their fds go to
+ * clientfd_close(), charged to `uid`), then clientfd_close_socket(). */
+void clientfd_close_session(struct clientfds *cf, uid_t uid, int fd);
+
+/* Closes the socket of a session of `uid` off the event-loop thread, in
+ * `uid`'s own queue: whatever the peer left queued on it unread is closed
+ * with it, so it may block like the fds the peer sent. It counts as one
+ * of the uid's pending closes (clientfds_closing_check()), not against
+ * the fds it holds. */
+void clientfd_close_socket(struct clientfds *cf, uid_t uid, int fd);
+
+/* Whether `n` more descriptors fit the daemon-wide budget: 0, or -EMFILE
+ * with errmsg naming the numbers. */
+int clientfds_budget_check(const struct clientfds *cf, uint32_t n, char *errmsg);
+
+/* Checks that `fd` is what a region of `kind` declared to be `size` bytes
+ * must be:
+ *   memfd    F_GET_SEALS works (shmem only) and the inode lives where the
+ *            daemon's own memfds live; at least `size` bytes
+ *   cumem-fd a character device with the NVIDIA control device's number
+ *            (what cuMemExportToShareableHandle gives)
+ *   dma-buf  an anonymous inode whose fdinfo has the dma-buf lines and
+ *            whose filesystem is dma-buf's; at least `size` bytes
+ * and never an O_PATH fd. Returns 0, -EBADF for an fd of another kind
+ * (errmsg names what it is), -EINVAL for a size beyond the buffer or an
+ * unknown kind. */
+int clientfd_check(const struct clientfds *cf, int fd, Moeep__V1__RegionKind kind, uint64_t size,
+                   char *errmsg);
+
+/* A short name of a region kind ("memfd", "cumem-fd", "dma-buf"). */
+const char *clientfd_kind_to_string(Moeep__V1__RegionKind kind);
+
+#endif

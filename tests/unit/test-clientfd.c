@@ -1,0 +1,187 @@
+/* Client descriptors (daemon/clientfd.c): the kind table, the charges and
+ * caps, and the closers. The attacks on a real daemon (SO_LINGER, FUSE)
+ * are in tests/security/fdattack.c. */
+#include <errno.h>
+#include <event2/event.h>
+#include <fcntl.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "clientfd.h"
+#include "config.h"
+#include "log.h"
+#include "unit.h"
+
+#define MEMFD MOEEP__V1__REGION_KIND__REGION_KIND_MEMFD
+#define CUMEM MOEEP__V1__REGION_KIND__REGION_KIND_CUMEM_FD
+#define DMABUF MOEEP__V1__REGION_KIND__REGION_KIND_DMABUF
+
+struct fixture {
+        struct config config;
+        struct event_base *base;
+        struct clientfds *cf;
+        int fds_before;
+};
+
+static int setup(void **state) {
+        struct fixture *f = calloc(1, sizeof(*f));
+
+        if (!f || config_init(&f->config) < 0)
+                return -1;
+        f->fds_before = unit_count_fds();
+        f->base = event_base_new();
+        if (!f->base || clientfds_new(f->base, &f->config, &f->cf) < 0)
+                return -1;
+        *state = f;
+        return 0;
+}
+
+static int teardown(void **state) {
+        struct fixture *f = *state;
+
+        assert_int_equal(clientfds_settle(f->cf, 2000), 0);
+        clientfds_free(f->cf, 1000);
+        event_base_free(f->base);
+        config_done(&f->config);
+        assert_int_equal(unit_count_fds(), f->fds_before);
+        free(f);
+        return 0;
+}
+
+/* Checks `fd` as `kind`; returns the result, errmsg in `msg`. */
+static int check(struct fixture *f, int fd, Moeep__V1__RegionKind kind, uint64_t size, char *msg) {
+        msg[0] = '\0';
+        return clientfd_check(f->cf, fd, kind, size, msg);
+}
+
+static void expect_refused(struct fixture *f, int fd, Moeep__V1__RegionKind kind, const char *is) {
+        char msg[ERRMSG_MAX];
+
+        assert_int_equal(check(f, fd, kind, 4096, msg), -EBADF);
+        if (!strstr(msg, clientfd_kind_to_string(kind)) || !strstr(msg, is))
+                fail_msg("%s: message '%s' does not say '%s'", clientfd_kind_to_string(kind), msg, is);
+}
+
+static void test_kinds(void **state) {
+        struct fixture *f = *state;
+        int p[2], sp[2], mem, sealed, small, dir, efd, zero, opath, shm;
+        char msg[ERRMSG_MAX], shm_path[64];
+
+        assert_int_equal(pipe2(p, O_CLOEXEC), 0);
+        assert_int_equal(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sp), 0);
+        mem = unit_memfd(4096, NULL);
+        small = unit_memfd(100, NULL);
+        sealed = memfd_create("sealed", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+        assert_true(sealed >= 0 && ftruncate(sealed, 8192) == 0 &&
+                    fcntl(sealed, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) == 0);
+        dir = open("/", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+        efd = eventfd(0, EFD_CLOEXEC);
+        zero = open("/dev/zero", O_RDONLY | O_CLOEXEC);
+        opath = open("/dev/zero", O_PATH | O_CLOEXEC);
+        snprintf(shm_path, sizeof(shm_path), "/dev/shm/moeep-unit-%d", (int)getpid());
+        shm = open(shm_path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+        if (shm >= 0) {
+                unlink(shm_path);
+                assert_int_equal(ftruncate(shm, 4096), 0);
+        }
+        assert_true(dir >= 0 && efd >= 0 && zero >= 0 && opath >= 0);
+
+        /* memfds: any memfd of the size, sealed or not. */
+        assert_int_equal(check(f, mem, MEMFD, 4096, msg), 0);
+        assert_int_equal(check(f, sealed, MEMFD, 8192, msg), 0);
+        assert_int_equal(check(f, small, MEMFD, 4096, msg), -EINVAL);
+        assert_non_null(strstr(msg, "only 100 bytes"));
+        for (int k = 0; k < 3; k++) {
+                Moeep__V1__RegionKind kind = k == 0 ? MEMFD : k == 1 ? CUMEM : DMABUF;
+
+                expect_refused(f, p[0], kind, "a pipe or FIFO");
+                expect_refused(f, sp[0], kind, "a socket");
+                expect_refused(f, dir, kind, "a directory");
+                expect_refused(f, efd, kind, "anon_inode:[eventfd]");
+                expect_refused(f, zero, kind, "character device 1:5");
+                expect_refused(f, opath, kind, "O_PATH");
+                if (kind != MEMFD)
+                        expect_refused(f, mem, kind, "a regular file ('/memfd:unit");
+        }
+        if (shm >= 0)
+                expect_refused(f, shm, MEMFD, "on a tmpfs or hugetlbfs mount");
+        assert_int_equal(check(f, mem, (Moeep__V1__RegionKind)77, 4096, msg), -EINVAL);
+        assert_int_equal(check(f, -1, MEMFD, 4096, msg), -EBADF);
+
+        {
+                const int all[] = { p[0], p[1], sp[0], sp[1], mem, small, sealed, dir, efd, zero, opath };
+
+                for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++)
+                        close(all[i]);
+        }
+        if (shm >= 0)
+                close(shm);
+}
+
+static void test_charges(void **state) {
+        struct fixture *f = *state;
+        char msg[ERRMSG_MAX];
+
+        f->config.max_fds_per_uid = 4;
+        assert_int_equal(clientfds_charge(f->cf, 1000, 3, msg), 0);
+        assert_int_equal(clientfds_charge(f->cf, 1000, 2, msg), -EDQUOT);
+        assert_non_null(strstr(msg, "max_fds_per_uid = 4"));
+        assert_int_equal(clientfds_charge(f->cf, 1001, 4, msg), 0); /* another uid's own cap */
+        assert_int_equal(clientfds_held(f->cf, 1000), 3);
+        /* What the daemon already holds is owed beyond the cap. */
+        clientfds_charge_held(f->cf, 1000, 5);
+        assert_int_equal(clientfds_held(f->cf, 1000), 8);
+        clientfds_uncharge(f->cf, 1000, 8);
+        clientfds_uncharge(f->cf, 1001, 4);
+        assert_int_equal(clientfds_held(f->cf, 1000), 0);
+        assert_int_equal(clientfds_budget_check(f->cf, 1, msg), 0);
+        assert_int_equal(clientfds_budget_check(f->cf, UINT32_MAX / 2, msg), -EMFILE);
+        assert_non_null(strstr(msg, "RLIMIT_NOFILE"));
+}
+
+static void test_closes(void **state) {
+        struct fixture *f = *state;
+        int p[2], mem = unit_memfd(4096, NULL);
+        char msg[ERRMSG_MAX];
+
+        f->config.max_fds_per_uid = 2;
+        assert_int_equal(pipe2(p, O_CLOEXEC), 0);
+        /* A memfd closes quickly: its charge comes back at once. */
+        clientfds_charge_held(f->cf, 1000, 1);
+        clientfd_close(f->cf, 1000, mem);
+        assert_int_equal(clientfds_held(f->cf, 1000), 0);
+        /* A pipe is no kind known not to block: charged until closed, and
+         * pending closes count for the gate on what the uid may send. */
+        clientfds_charge_held(f->cf, 1000, 2);
+        clientfd_close(f->cf, 1000, p[0]);
+        clientfd_close(f->cf, 1000, p[1]);
+        assert_true(clientfds_held(f->cf, 1000) <= 2);
+        assert_int_equal(clientfds_settle(f->cf, 2000), 0);
+        assert_int_equal(clientfds_held(f->cf, 1000), 0);
+        assert_int_equal(clientfds_closing_check(f->cf, 1000, msg), 0);
+        /* Closed for real. */
+        assert_int_equal(fcntl(p[0], F_GETFD), -1);
+        assert_int_equal(fcntl(mem, F_GETFD), -1);
+        clientfd_close(f->cf, 1000, -1); /* accepted, nothing happens */
+}
+
+int main(void) {
+        const struct CMUnitTest tests[] = {
+                cmocka_unit_test_setup_teardown(test_kinds, setup, teardown),
+                cmocka_unit_test_setup_teardown(test_charges, setup, teardown),
+                cmocka_unit_test_setup_teardown(test_closes, setup, teardown),
+        };
+
+        log_set_level(LOG_ERR);
+        return cmocka_run_group_tests(tests, NULL, NULL);
+}
