@@ -50,6 +50,8 @@ void moeep_ll_layout_compute(struct moeep_ll_layout *l, size_t start, int ranks,
                 PLACE(x[b], slots * (size_t)hidden * 2);
                 PLACE(scales[b], slots * (size_t)(hidden / MOEEP_SCALE_BLOCK) * sizeof(float));
                 PLACE(src[b], slots * sizeof(int32_t));
+                PLACE(kinfo[b], slots * sizeof(int32_t));
+                PLACE(range[b], (size_t)num_experts * sizeof(int64_t)); /* local experts x ranks */
                 PLACE(comb[b], (size_t)max_tokens * (size_t)max_topk * (size_t)hidden * 2);
         }
 #undef PLACE

@@ -53,8 +53,9 @@ static __device__ __noinline__ void px_ship(const struct moeep_ctx &ctx, size_t 
                 desc.peer = (uint32_t)d;
                 desc.signal_id = counter0 + (uint32_t)ctx.rank;
                 desc.flags = PROXY_DESC_SIGNAL;
-                if (ring_put(r, desc, ctx.timeout_ns) != 0) {
-                        record_error(ctx, MOEEP_KERR_PROXY, d);
+                const int e = ring_put(r, desc, ctx.timeout_ns, ctx.abort_word);
+                if (e != 0) {
+                        record_error(ctx, e == -ENOTCONN ? MOEEP_KERR_ABORT : MOEEP_KERR_PROXY, d);
                         break;
                 }
         }

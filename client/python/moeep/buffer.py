@@ -18,12 +18,21 @@ from ._lib import MoeepError
 from .config import Config, Plan, check_num_sms, low_latency_buffer_bytes
 from .event import EventOverlap, _torch
 
-# DeepEP's low-latency handle is a 5-tuple; the first five fields keep its
-# meaning and order, the rest is moeep's.
-LowLatencyHandle = collections.namedtuple(
-    "LowLatencyHandle",
-    ["src_info", "recv_count", "num_max_dispatch_tokens_per_rank", "hidden", "num_experts", "ll_handle",
-     "buffer_id"])
+class LowLatencyHandle(collections.namedtuple(
+        "LowLatencyHandle", ["src_info", "layout_range", "num_max_dispatch_tokens_per_rank", "hidden",
+                             "num_experts"])):
+    """DeepEP's low-latency handle: (src_info int32 [local experts, slots]:
+    the source token index of each slot; layout_range int64 [local experts,
+    ranks]: begin << 32 | count of each source rank's run of slots;
+    num_max_dispatch_tokens_per_rank, hidden, num_experts). moeep's routing
+    rides along as attributes."""
+
+    def __new__(cls, src_info, layout_range, num_max, hidden, num_experts, ll_handle, buffer_id, combine_buffer):
+        self = super().__new__(cls, src_info, layout_range, num_max, hidden, num_experts)
+        self.ll_handle = ll_handle
+        self.buffer_id = buffer_id
+        self.combine_buffer = combine_buffer
+        return self
 
 
 class _DevicePointer:
@@ -35,21 +44,15 @@ class _DevicePointer:
         self._owner = owner  # keeps the Buffer (and so the mapping) referenced
 
 
-class DispatchHandle:
-    """The routing of one normal-mode dispatch (moeep_ep_handle), for combine
-    and for cached dispatch. Opaque; goes back to its Buffer when dropped."""
+class _Route:
+    """The C handle (moeep_ep_handle) of one normal-mode dispatch; goes back
+    to its Buffer when released or dropped. Weakly referenced by the Buffer
+    (tuples cannot be), so destroy() can return every live one."""
 
-    def __init__(self, buffer, ptr, num_tokens, num_recv_tokens, num_topk, topk_idx, topk_weights):
+    def __init__(self, buffer, ptr):
         self._buffer = weakref.ref(buffer)
         self._ep = buffer._ep
         self.ptr = ptr
-        self.num_tokens = num_tokens
-        self.num_recv_tokens = num_recv_tokens  # rows of recv_x (num_worst_tokens when the count stayed on the GPU)
-        self.num_topk = num_topk
-        # A cached dispatch resends the same top-k (moeep_dispatch needs it when
-        # the first call had it); kept so the caller need not pass them again.
-        self.topk_idx = topk_idx
-        self.topk_weights = topk_weights
 
     def release(self):
         if self.ptr:
@@ -63,6 +66,40 @@ class DispatchHandle:
             self.release()
         except Exception:
             pass
+
+
+class DispatchHandle(tuple):
+    """The routing of one normal-mode dispatch, for combine and for cached
+    dispatch. As DeepEP's intranode handle it is a 6-tuple:
+    (rank_prefix_matrix int32 [ranks, ranks], element [s][d] the rows ranks
+    0..s send to rank d, so rank d's rows from source s are
+    [s-1][d]..[s][d]; channel_prefix_matrix and recv_channel_prefix_matrix:
+    None, moeep has no channels; recv_src_idx int32 [num_recv]: (source
+    rank << 24) | source token; is_token_in_rank as given (or None);
+    send_head int32 [tokens, ranks]: a token's row among ours at each rank,
+    -1 = not sent). The tensors are views of the handle's memory, valid
+    while the handle lives."""
+
+    def __new__(cls, route, num_tokens, num_recv_tokens, num_topk, topk_idx, topk_weights, items):
+        return super().__new__(cls, items)
+
+    def __init__(self, route, num_tokens, num_recv_tokens, num_topk, topk_idx, topk_weights, items):
+        self._route = route
+        self._buffer = route._buffer
+        self.num_tokens = num_tokens
+        self.num_recv_tokens = num_recv_tokens  # rows of recv_x (num_worst_tokens when the count stayed on the GPU)
+        self.num_topk = num_topk
+        # A cached dispatch resends the same top-k (moeep_dispatch needs it when
+        # the first call had it); kept so the caller need not pass them again.
+        self.topk_idx = topk_idx
+        self.topk_weights = topk_weights
+
+    @property
+    def ptr(self):
+        return self._route.ptr
+
+    def release(self):
+        self._route.release()
 
 
 _TYPESTR = None
@@ -222,6 +259,8 @@ class Buffer:
     def __del__(self):
         if sys.is_finalizing():
             return  # the process is ending: the OS and moeepd clean up
+        if getattr(self, "explicitly_destroy", False):
+            return  # DeepEP: the owner calls destroy() (collective); never behind its back
         try:
             self.destroy()
         except Exception:
@@ -238,6 +277,12 @@ class Buffer:
         return self.comm_stream
 
     # ------------------------------------------------------------ static
+
+    @staticmethod
+    def is_sm90_compiled():
+        """True: moeep's kernels are built for sm_90 (DeepEP asks before
+        using its SM90 features, e.g. FP8 dispatch)."""
+        return True
 
     @staticmethod
     def set_num_sms(new_num_sms):
@@ -366,6 +411,8 @@ class Buffer:
             topk_idx, topk_weights = handle.topk_idx, handle.topk_weights
         num_experts = None
         if num_tokens_per_expert is not None:
+            _check_tensor(torch, num_tokens_per_expert, "num_tokens_per_expert", (torch.int32, torch.int64),
+                          self.device, (num_tokens_per_expert.numel(),), need_contiguous=False)
             num_experts = int(num_tokens_per_expert.numel())
         if topk_idx is not None:
             _check_index(torch, topk_idx, "topk_idx", self.device, rows=T)
@@ -387,6 +434,14 @@ class Buffer:
         K = topk_idx.shape[1] if topk_idx is not None else 0
 
         compute = self._begin(previous_event, async_finish, allocate_on_comm_stream)
+        per_expert = None
+        with torch.cuda.stream(self.comm_stream):
+            if x_scales is not None and not x_scales.is_contiguous():
+                x_scales = x_scales.contiguous()
+            if num_tokens_per_expert is not None and handle is None:
+                # DeepEP sums the callers' per-expert counts (also when no
+                # top-k travels), so moeep's notify does too.
+                per_expert = num_tokens_per_expert.to(torch.int32).contiguous()
         args = _lib.DispatchArgs(
             x=x.data_ptr(), x_type=_lib.DTYPE_BF16 if x_scales is None else _lib.DTYPE_FP8_E4M3,
             x_scales=x_scales.data_ptr() if x_scales is not None else None, num_tokens=T,
@@ -396,14 +451,20 @@ class Buffer:
             topk_idx_type=_index_type(torch, topk_idx) if topk_idx is not None else _lib.INDEX_INT64,
             topk_weights=topk_weights.data_ptr() if topk_weights is not None else None, num_topk=K,
             expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
-            handle=handle.ptr if handle is not None else None)
+            handle=handle.ptr if handle is not None else None,
+            num_tokens_per_expert=per_expert.data_ptr() if per_expert is not None else None)
         res = _lib.DispatchResult()
         ep.check(ep.lib.moeep_dispatch(ep.ptr, ctypes.byref(args), ctypes.byref(res), self.comm_stream.cuda_stream),
                  "dispatch")
         if handle is None:
             n_recv = res.num_recv_tokens if res.num_recv_tokens >= 0 else num_worst_tokens
-            new = DispatchHandle(self, res.handle, T, n_recv, K, topk_idx, topk_weights)
-            self._handles.add(new)
+            route = _Route(self, res.handle)
+            self._handles.add(route)
+            R = self.group_size
+            items = (_view(torch, res.rank_prefix_matrix, (R, R), torch.int32, route, self.device), None, None,
+                     _view(torch, res.recv_src_info, (n_recv,), torch.int32, route, self.device),
+                     is_token_in_rank, _view(torch, res.send_pos, (T, R), torch.int32, route, self.device))
+            new = DispatchHandle(route, T, n_recv, K, topk_idx, topk_weights, items)
         else:
             n_recv = handle.num_recv_tokens
         L = res.num_local_experts
@@ -439,7 +500,7 @@ class Buffer:
         if handle is None and res.num_recv_tokens_per_expert:
             counts = [res.num_recv_tokens_per_expert[i] for i in range(L)]
         event = self._finish(compute, self.comm_stream, async_finish, allocate_on_comm_stream,
-                             [x, x_scales, topk_idx, topk_weights, is_token_in_rank] + outs)
+                             [x, x_scales, topk_idx, topk_weights, is_token_in_rank, per_expert] + outs)
         rx = (recv_x, recv_scales) if x_scales is not None else recv_x
         if handle is not None:
             return rx, None, None, None, None, event
@@ -546,30 +607,32 @@ class Buffer:
                                    topk_idx_type=_index_type(torch, topk_idx), num_topk=K, use_fp8=use_fp8,
                                    round_scale=round_scale, return_recv_hook=return_recv_hook,
                                    cumulative_local_expert_recv_stats=stats.data_ptr() if stats is not None
-                                   else None)
+                                   else None, num_max_tokens=num_max_dispatch_tokens_per_rank)
         res = _lib.LlDispatchResult()
         hook = _lib.LlHook()
         ep.check(ep.lib.moeep_ll_dispatch(ep.ptr, ctypes.byref(args), ctypes.byref(res), ctypes.byref(hook),
                                           stream.cuda_stream), "low_latency_dispatch")
-        S = res.slots_per_expert
-        n = self.group_size * num_max_dispatch_tokens_per_rank
+        S = res.slots_per_expert  # ranks * num_max_dispatch_tokens_per_rank
+        R = self.group_size
         xdt = torch.float8_e4m3fn if use_fp8 else torch.bfloat16
-        recv_x = _view(torch, res.recv_x, (L, S, H), xdt, self, self.device)[:, :n]
+        recv_x = _view(torch, res.recv_x, (L, S, H), xdt, self, self.device)
         recv_count = _view(torch, res.recv_count, (L,), torch.int32, self, self.device)
-        src_info = _view(torch, res.recv_src_info, (L, S), torch.int32, self, self.device)[:, :n]
+        src_info = _view(torch, res.recv_src_info, (L, S), torch.int32, self, self.device)
+        layout_range = _view(torch, res.layout_range, (L, R), torch.int64, self, self.device)
         scales = packed = None
         if use_fp8:
-            scales = _view(torch, res.recv_x_scales, (L, S, H // _lib.SCALE_BLOCK), torch.float32, self,
-                           self.device)[:, :n]
+            # Column-major per expert, as DeepEP: [L][scale][slot] in memory.
+            scales = _view(torch, res.recv_x_scales, (L, H // _lib.SCALE_BLOCK, S), torch.float32, self,
+                           self.device).transpose(1, 2)
         if use_ue8m0:
             # Allocated on the compute stream, which reads it (as DeepEP's outputs).
-            packed = torch.empty(L, H // 512, n, dtype=torch.int32, device=self.device).transpose(1, 2)
+            packed = torch.empty(L, H // 512, S, dtype=torch.int32, device=self.device).transpose(1, 2)
             if not return_recv_hook:
                 with torch.cuda.stream(stream):
                     _pack_ue8m0(scales, packed)
-        llh = _lib.LlHandle(res.handle.set, res.handle.num_tokens)
-        handle = LowLatencyHandle(src_info, recv_count, num_max_dispatch_tokens_per_rank, H, num_experts, llh,
-                                  id(self))
+        llh = _lib.LlHandle(res.handle.set, res.handle.num_tokens, res.handle.slots_per_expert)
+        handle = LowLatencyHandle(src_info, layout_range, num_max_dispatch_tokens_per_rank, H, num_experts, llh,
+                                  id(self), res.combine_buffer)
         keep = [x, topk_idx, stats, packed]
         event = self._finish(compute, stream, async_finish, False, keep if async_finish else [])
         fn = None
@@ -586,13 +649,27 @@ class Buffer:
             rx = (recv_x, packed if use_ue8m0 else scales)
         return rx, recv_count, handle, event, fn
 
+    def get_next_low_latency_combine_buffer(self, handle):
+        """The bf16 [local experts, slots, hidden] buffer that
+        low_latency_combine(..., zero_copy=True) reads the expert outputs
+        from: write them there instead of passing x. It overlays the
+        dispatch's received rows (as DeepEP's, valid until the next dispatch
+        on the same buffer set)."""
+        if not isinstance(handle, LowLatencyHandle) or handle.buffer_id != id(self):
+            raise ValueError("handle is not a low-latency handle of this Buffer")
+        torch = _torch()
+        L = self._plan.num_experts // self.group_size
+        return _view(torch, handle.combine_buffer, (L, handle.ll_handle.slots_per_expert, self._plan.hidden),
+                     torch.bfloat16, self, self.device)
+
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False, zero_copy=False,
                             async_finish=False, return_recv_hook=False, out=None, combine_wait_recv_cost_stats=None):
         """Sends expert outputs x (bf16 [local experts, slots, hidden], the
         dispatch's layout) back and reduces them with the top-k weights.
-        Returns (combined_x bf16 [tokens, hidden], event, hook). use_logfmt
-        and zero_copy change nothing (BF16 on the wire; x is read wherever it
-        is, recv_x of the dispatch included)."""
+        Returns (combined_x bf16 [tokens, hidden], event, hook). With
+        zero_copy the outputs are read from get_next_low_latency_combine_buffer
+        (x is not read). use_logfmt changes nothing (BF16 on the wire);
+        combine_wait_recv_cost_stats is accepted and left as is."""
         torch = _torch()
         if not self.low_latency_mode:
             raise ValueError("low_latency_combine needs Buffer(..., low_latency_mode=True)")
@@ -602,9 +679,11 @@ class Buffer:
             raise ValueError("handle is not a low-latency handle of this Buffer")
         ep = self._endpoint()
         H, L = self._plan.hidden, self._plan.num_experts // self.group_size
-        S = self.group_size * self._plan.ll_max_tokens
-        n = self.group_size * handle.num_max_dispatch_tokens_per_rank
+        S = handle.ll_handle.slots_per_expert
+        n = S
         T = handle.ll_handle.num_tokens
+        if zero_copy:
+            x = self.get_next_low_latency_combine_buffer(handle)
         _check_index(torch, topk_idx, "topk_idx", self.device, rows=T)
         K = topk_idx.shape[1]
         _check_tensor(torch, topk_weights, "topk_weights", torch.float32, self.device, (T, K))
@@ -620,13 +699,13 @@ class Buffer:
             stream.wait_stream(compute)
         with torch.cuda.stream(stream):
             if x.stride() != (S * H, H, 1):
-                # moeep reads slots with the endpoint's stride: stage.
+                # moeep reads slots with the dispatch's stride: stage.
                 staged = torch.empty(L, S, H, dtype=torch.bfloat16, device=self.device)
-                staged[:, :x.shape[1]].copy_(x)
+                staged.copy_(x)
                 x = staged
         if out is None:
             out = torch.empty(T, H, dtype=torch.bfloat16, device=self.device)
-        llh = _lib.LlHandle(handle.ll_handle.set, T)
+        llh = _lib.LlHandle(handle.ll_handle.set, T, S)
         args = _lib.LlCombineArgs(x=x.data_ptr(), topk_idx=topk_idx.data_ptr() if T else None,
                                   topk_idx_type=_index_type(torch, topk_idx),
                                   topk_weights=topk_weights.data_ptr() if T else None, num_topk=K,
@@ -664,7 +743,7 @@ def _record(t, stream):
         pass  # not from the caching allocator (a view into moeep's buffer)
 
 
-def _check_tensor(torch, t, name, dtypes, device, shape=None):
+def _check_tensor(torch, t, name, dtypes, device, shape=None, need_contiguous=True):
     if not isinstance(t, torch.Tensor):
         raise TypeError("%s must be a torch.Tensor, not %s" % (name, type(t).__name__))
     dtypes = dtypes if isinstance(dtypes, tuple) else (dtypes,)
@@ -676,7 +755,7 @@ def _check_tensor(torch, t, name, dtypes, device, shape=None):
         raise ValueError("%s must have shape %s, not %s" % (name, list(shape), list(t.shape)))
     if shape is None and t.dim() != 2:
         raise ValueError("%s must be 2-D, not %s" % (name, list(t.shape)))
-    if not t.is_contiguous():
+    if need_contiguous and not t.is_contiguous():
         raise ValueError("%s must be contiguous" % name)
 
 
@@ -700,8 +779,10 @@ def _split_x(torch, x, device):
         _check_tensor(torch, x, "x", torch.float8_e4m3fn, device)
         if x.shape[1] % _lib.SCALE_BLOCK:
             raise ValueError("FP8 hidden %d is not a multiple of %d" % (x.shape[1], _lib.SCALE_BLOCK))
+        # Scales may come column-major (DeepEP's TMA-aligned layout,
+        # x[1].T.contiguous().T): dispatch makes a row-major copy on its stream.
         _check_tensor(torch, scales, "x scales", torch.float32, device,
-                      (x.shape[0], x.shape[1] // _lib.SCALE_BLOCK))
+                      (x.shape[0], x.shape[1] // _lib.SCALE_BLOCK), need_contiguous=False)
         return x, scales
     _check_tensor(torch, x, "x", torch.bfloat16, device)
     return x, None

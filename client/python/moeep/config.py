@@ -19,7 +19,7 @@ _ALIGN = 4096
 # estimates below need not be exact, only never below the real size by more
 # than these allowances.
 _SYNC_BYTES = 64 << 10
-_LL_SYNC_BYTES = 16 << 10
+_LL_SYNC_BYTES = 64 << 10
 
 
 def _up(v):
@@ -49,8 +49,8 @@ def low_latency_buffer_bytes(max_tokens_per_rank, hidden, num_experts, max_topk=
     if max_tokens_per_rank <= 0:
         return 0
     slots = num_experts * max_tokens_per_rank
-    one_set = (_up(slots * hidden * 2) + _up(slots * (hidden // _lib.SCALE_BLOCK) * 4) + _up(slots * 4) +
-               _up(max_tokens_per_rank * max_topk * hidden * 2))
+    one_set = (_up(slots * hidden * 2) + _up(slots * (hidden // _lib.SCALE_BLOCK) * 4) + 2 * _up(slots * 4) +
+               _up(num_experts * 8) + _up(max_tokens_per_rank * max_topk * hidden * 2))
     return _LL_SYNC_BYTES + 2 * one_set
 
 
