@@ -66,7 +66,7 @@ void moeep_px_layout_compute(struct moeep_px *px, int ranks, int max_tokens, int
                                        (size_t)max_topk * (sizeof(int64_t) + sizeof(float)) + sizeof(int32_t),
                                16);
         px->nm_row = align_up((size_t)hidden * 2 + (size_t)max_topk * sizeof(float) + sizeof(int32_t), 16);
-        px->nm_sync_seg = align_up(MOEEP_PX_SEG_HDR + (size_t)(ranks + num_experts / ranks) * sizeof(int32_t), 4096);
+        px->nm_sync_seg = align_up(MOEEP_PX_SEG_HDR + (size_t)(ranks + num_experts / ranks + 1) * sizeof(int32_t), 4096);
         px->nm_dispatch_seg = align_up(MOEEP_PX_SEG_HDR + (size_t)max_tokens * px->nm_pair, 4096);
         px->nm_combine_seg = align_up(MOEEP_PX_SEG_HDR + (size_t)max_tokens * px->nm_row, 4096);
         px->nm_sync = off;

@@ -52,6 +52,7 @@ struct moeep_sync {
          * peer writing round n+1 cannot overwrite round n before we read it. */
         int32_t rank_counts[2][MOEEP_KERNEL_MAX_RANKS][MOEEP_KERNEL_MAX_RANKS]; /* [par][src][dst] */
         int32_t expert_counts[2][MOEEP_KERNEL_MAX_RANKS][MOEEP_KERNEL_MAX_EXPERTS]; /* [par][src][local e] */
+        int32_t total_tokens[2][MOEEP_KERNEL_MAX_RANKS]; /* [par][src]: tokens of src's whole dispatch (rounds) */
 };
 
 /* Per-rank state that only the owning GPU touches (cudaMalloc'ed). */
@@ -252,6 +253,7 @@ struct moeep_notify_host {
         uint32_t error;          /* moeep_local_state.error when notify ended */
         int32_t error_rank;
         int32_t num_recv;
+        int32_t max_total_tokens; /* the largest whole dispatch of any rank (rounds) */
         int32_t expert_counts[MOEEP_KERNEL_MAX_EXPERTS];
 };
 
@@ -270,10 +272,13 @@ int moeep_launch_layout(const void *topk_idx, int idx_is_int64, int num_tokens, 
  * computes the routing of a dispatch: per-token positions from
  * is_token_in_rank (or topk_idx when is_token_in_rank is NULL), the count
  * exchange, prefixes and per-expert counts (aligned to `alignment`; the
- * caller's tokens_per_expert [experts] when not NULL, else from topk_idx); copies
+ * caller's tokens_per_expert [experts] when not NULL, else from topk_idx),
+ * and the exchange of every rank's total_tokens (the whole dispatch that
+ * this call is a round of; the maximum lands in host_out); copies
  * num_recv and the counts to `host_out` when it is not NULL. */
 int moeep_launch_notify(const struct moeep_ctx *ctx, const uint8_t *is_token_in_rank, const void *topk_idx,
-                        int idx_is_int64, int num_tokens, int num_topk, const int *tokens_per_expert, int alignment,
+                        int idx_is_int64, int num_tokens, int num_topk, const int *tokens_per_expert,
+                        int total_tokens, int alignment,
                         const struct moeep_route *route, struct moeep_notify_host *host_out,
                         cudaStream_t stream);
 

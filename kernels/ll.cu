@@ -123,31 +123,31 @@ __device__ __forceinline__ void ll_load_steps(const int4 *row, int base, int n16
                 }
 }
 
-/* Our pairs per expert, and where they start in every expert's slots: after
- * the pairs of the ranks below us, whose counts every rank broadcasts first
- * (table rows, released by count_flag). Every block computes the counts
- * from topk_idx (a few thousand ids, in shared memory); block 0 broadcasts
- * them. s_begin[e] is our first slot at expert e. */
+/* Where our pairs start in every expert's slots: after the pairs of the
+ * ranks below us, whose counts every rank broadcasts first (table rows,
+ * released by count_flag). Block 0 counts our pairs per expert (a few
+ * thousand ids, in shared memory) and broadcasts them; every block sums
+ * the rows of the ranks below us. s_begin[e] is our first slot at expert e. */
 template <typename Idx>
 __device__ __forceinline__ void ll_exchange_counts(const struct moeep_ctx &ctx, const Idx *topk_idx, int n, int b,
-                                                   uint64_t seq, int *s_cnt, int *s_begin) {
+                                                   uint64_t seq, int *s_begin) {
         struct moeep_ll_sync *my = ll_sync_of(ctx, ctx.rank);
         const int tid = threadIdx.x, R = ctx.ranks, E = ctx.num_experts, me = ctx.rank;
 
-        for (int e = tid; e < E; e += blockDim.x)
-                s_cnt[e] = 0;
-        __syncthreads();
-        for (int i = tid; i < n; i += blockDim.x) {
-                const int64_t e = (int64_t)topk_idx[i];
-                if (e >= 0 && e < E)
-                        atomicAdd(&s_cnt[e], 1);
-        }
-        __syncthreads();
         if (blockIdx.x == 0) {
+                for (int e = tid; e < E; e += blockDim.x)
+                        s_begin[e] = 0; /* our counts first */
+                __syncthreads();
+                for (int i = tid; i < n; i += blockDim.x) {
+                        const int64_t e = (int64_t)topk_idx[i];
+                        if (e >= 0 && e < E)
+                                atomicAdd(&s_begin[e], 1);
+                }
+                __syncthreads();
                 for (int i = tid; i < R * E; i += blockDim.x) {
                         const int d = i / E;
                         if (!px_remote(ctx, d))
-                                ll_sync_of(ctx, d)->table[b][me][i % E] = s_cnt[i % E];
+                                ll_sync_of(ctx, d)->table[b][me][i % E] = s_begin[i % E];
                 }
                 __threadfence_system();
                 __syncthreads();
@@ -178,7 +178,7 @@ template <typename Idx>
 __device__ __forceinline__ void ll_dispatch(const struct moeep_ctx &ctx, const int4 *x, int num_tokens,
                                             const Idx *topk_idx, int K, int b, int S, int use_fp8, int round_scale,
                                             int phases, int *stats) {
-        __shared__ int s_cnt[MOEEP_KERNEL_MAX_EXPERTS], s_begin[MOEEP_KERNEL_MAX_EXPERTS];
+        __shared__ int s_begin[MOEEP_KERNEL_MAX_EXPERTS];
         const int lane = threadIdx.x % 32, R = ctx.ranks, me = ctx.rank, H = ctx.hidden, epr = ctx.num_experts / R;
         const int warps = gridDim.x * LL_WARPS, gwarp = ll_warp_index(), n16 = H / 8;
         const size_t slots = (size_t)S, xrow = (size_t)H * (use_fp8 ? 1 : 2);
@@ -189,7 +189,7 @@ __device__ __forceinline__ void ll_dispatch(const struct moeep_ctx &ctx, const i
                 return;
         }
         const uint64_t seq = ctx.state->ll_seq[b] + 1;
-        ll_exchange_counts(ctx, topk_idx, num_tokens * K, b, seq, s_cnt, s_begin);
+        ll_exchange_counts(ctx, topk_idx, num_tokens * K, b, seq, s_begin);
 
         for (int item = gwarp; item < num_tokens * K; item += warps) {
                 const int t = item / K, k = item % K;
@@ -273,9 +273,14 @@ __device__ __forceinline__ void ll_dispatch(const struct moeep_ctx &ctx, const i
                 ctx.state->ll_seq[b] = seq;
         if (threadIdx.x < R && !px_remote(ctx, threadIdx.x))
                 st_release_sys(&ll_sync_of(ctx, threadIdx.x)->dispatch_flag[b][me], seq);
-        if (ctx.px.remote && threadIdx.x == 0)
-                px_ship(ctx, ctx.px.ll_dispatch[b], ctx.px.ll_dispatch_seg, ctx.px.state->ll_claim[b], px_pair_bytes(xrow, H),
+        if (ctx.px.remote && threadIdx.x == 0) {
+                /* A copy: px_ship takes its context by reference and is not
+                 * inlined, which would otherwise move the kernel's parameter
+                 * into local memory for every thread of every launch. */
+                const struct moeep_ctx c = ctx;
+                px_ship(c, c.px.ll_dispatch[b], ctx.px.ll_dispatch_seg, ctx.px.state->ll_claim[b], px_pair_bytes(xrow, H),
                         MOEEP_PX_COUNTER_LL_DISPATCH(b, 0), px_seg_info(ctx.px.epoch + seq, (uint32_t)xrow, 0, 0));
+        }
         /* Without a hook the last block goes on with the receive phase: it
          * waits only for other GPUs, never for blocks of this grid. */
         if (phases & MOEEP_LL_RECV)
@@ -353,9 +358,11 @@ __device__ __forceinline__ void ll_combine_send(const struct moeep_ctx &ctx, con
                 ctx.state->ll_comb_seq[b] = seq;
         if (threadIdx.x < R && !px_remote(ctx, threadIdx.x))
                 st_release_sys(&ll_sync_of(ctx, threadIdx.x)->combine_flag[b][me], seq);
-        if (ctx.px.remote && threadIdx.x == 0)
-                px_ship(ctx, ctx.px.ll_combine[b], ctx.px.ll_combine_seg, ctx.px.state->ll_comb_claim[b], ctx.px.ll_row,
-                        MOEEP_PX_COUNTER_LL_COMBINE(b, 0), px_seg_info(ctx.px.epoch + seq, (uint32_t)H * 2, 0, 0));
+        if (ctx.px.remote && threadIdx.x == 0) {
+                const struct moeep_ctx c = ctx; /* see dispatch */
+                px_ship(c, c.px.ll_combine[b], c.px.ll_combine_seg, c.px.state->ll_comb_claim[b], c.px.ll_row,
+                        MOEEP_PX_COUNTER_LL_COMBINE(b, 0), px_seg_info(c.px.epoch + seq, (uint32_t)H * 2, 0, 0));
+        }
 }
 
 /* Places the pairs remote sources staged for us (set b) at slots claimed

@@ -47,7 +47,7 @@ __device__ __forceinline__ void barrier_all(const struct moeep_ctx &ctx, uint64_
                 __syncthreads();
                 if (tid == 0)
                         px_ship(ctx, ctx.px.nm_sync, ctx.px.nm_sync_seg, s_slots,
-                                (size_t)(R + ctx.num_experts / R) * sizeof(int32_t), MOEEP_PX_COUNTER_NM_SYNC(0),
+                                (size_t)(R + ctx.num_experts / R + 1) * sizeof(int32_t), MOEEP_PX_COUNTER_NM_SYNC(0),
                                 px_seg_info(ctx.px.epoch + seq, 0, 0, 0));
         }
         if (tid < R && !px_remote(ctx, tid))
@@ -66,7 +66,8 @@ __device__ __forceinline__ int32_t *px_counts_out(const struct moeep_ctx &ctx, i
 template <typename Idx>
 __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
         notify_kernel(struct moeep_ctx ctx, const uint8_t *in_rank, const Idx *topk_idx, int num_tokens,
-                      int num_topk, const int *tokens_per_expert, int alignment, struct moeep_route route,
+                      int num_topk, const int *tokens_per_expert, int total_tokens, int alignment,
+                      struct moeep_route route,
                       int with_route,
                       struct moeep_notify_host *host_out) {
         __shared__ int s_warp_sum[NOTIFY_WARPS][MOEEP_KERNEL_MAX_RANKS];
@@ -196,6 +197,12 @@ __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
                 else
                         sync_of(ctx, d)->expert_counts[par][me][i % epr] = c;
         }
+        if (tid < R) { /* our whole dispatch's size, for the number of rounds */
+                if (px_remote(ctx, tid))
+                        px_counts_out(ctx, tid)[R + epr] = total_tokens;
+                else
+                        sync_of(ctx, tid)->total_tokens[par][me] = total_tokens;
+        }
         __threadfence_system();
         __syncthreads();
         barrier_all(ctx, seq, true);
@@ -206,11 +213,13 @@ __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
                 if (!px_remote(ctx, s))
                         continue;
                 const int32_t *c = (const int32_t *)(px_recv_seg(ctx, ctx.px.nm_sync, ctx.px.nm_sync_seg, s) + MOEEP_PX_SEG_HDR);
-                for (int i = tid; i < R + epr; i += NOTIFY_THREADS) {
+                for (int i = tid; i <= R + epr; i += NOTIFY_THREADS) {
                         if (i < R)
                                 my->rank_counts[par][s][i] = __ldcv(c + i);
-                        else
+                        else if (i < R + epr)
                                 my->expert_counts[par][s][i - R] = __ldcv(c + i);
+                        else
+                                my->total_tokens[par][s] = __ldcv(c + i);
                 }
         }
         __syncthreads();
@@ -235,8 +244,13 @@ __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
                 }
                 route.rank_prefix[R] = sum;
                 *route.num_recv = sum;
-                if (host_out)
+                int most = 0;
+                for (int s = 0; s < R; s++)
+                        most = max(most, *(const volatile int32_t *)&my->total_tokens[par][s]);
+                if (host_out) {
                         host_out->num_recv = sum;
+                        host_out->max_total_tokens = most;
+                }
         }
         for (int l = tid; l < epr; l += NOTIFY_THREADS) {
                 int c = 0;
@@ -261,7 +275,8 @@ __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
 
 extern "C" int moeep_launch_notify(const struct moeep_ctx *ctx, const uint8_t *is_token_in_rank,
                                    const void *topk_idx, int idx_is_int64, int num_tokens, int num_topk,
-                                   const int *tokens_per_expert, int alignment, const struct moeep_route *route,
+                                   const int *tokens_per_expert, int total_tokens, int alignment,
+                                   const struct moeep_route *route,
                                    struct moeep_notify_host *host_out, cudaStream_t stream) {
         MOEEP_CUDA_LAUNCH_BEGIN();
         struct moeep_route none = {};
@@ -270,13 +285,13 @@ extern "C" int moeep_launch_notify(const struct moeep_ctx *ctx, const uint8_t *i
         if (idx_is_int64)
                 notify_kernel<int64_t><<<1, NOTIFY_THREADS, 0, stream>>>(*ctx, is_token_in_rank,
                                                                         (const int64_t *)topk_idx, num_tokens,
-                                                                        num_topk, tokens_per_expert, alignment, r,
+                                                                        num_topk, tokens_per_expert, total_tokens, alignment, r,
                                                                         route != NULL,
                                                                         host_out);
         else
                 notify_kernel<int32_t><<<1, NOTIFY_THREADS, 0, stream>>>(*ctx, is_token_in_rank,
                                                                         (const int32_t *)topk_idx, num_tokens,
-                                                                        num_topk, tokens_per_expert, alignment, r,
+                                                                        num_topk, tokens_per_expert, total_tokens, alignment, r,
                                                                         route != NULL,
                                                                         host_out);
         MOEEP_CUDA_LAUNCH_CHECK();

@@ -182,6 +182,8 @@ __device__ __forceinline__ bool wait_flag(const struct moeep_ctx &ctx, const uin
  * pipeline never hangs the GPU. The caller goes on, the result is wrong and
  * the recorded error says so. */
 __device__ __forceinline__ bool mbar_wait(const struct moeep_ctx &ctx, uint64_t *bar, uint32_t parity) {
+        if (mbar_try_wait(bar, parity)) /* the common case: no clock read */
+                return true;
         struct spin s = spin_begin();
 
         while (!mbar_try_wait(bar, parity))

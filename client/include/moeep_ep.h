@@ -118,6 +118,12 @@ struct moeep_dispatch_args {
          * expert (DeepEP's num_tokens_per_expert); when given, the received
          * per-expert counts are summed from it (also without topk_idx). */
         const int *num_tokens_per_expert;
+        /* A caller that sends a dispatch larger than max_tokens_per_rank in
+         * rounds (each a moeep_dispatch of at most max_tokens_per_rank
+         * tokens) passes the whole dispatch's tokens here; the largest over
+         * the ranks comes back in max_total_tokens, so every rank can run
+         * the same number of rounds. 0 = num_tokens. */
+        int total_tokens;
 };
 
 /* Outputs of a dispatch. The device arrays live in this rank's NVLink
@@ -146,6 +152,7 @@ struct moeep_dispatch_result {
          * each destination, -1 when not sent. */
         const int *rank_prefix_matrix;
         const int *send_pos;
+        int max_total_tokens;            /* largest total_tokens of any rank; -1 with num_worst_tokens or a handle */
 };
 
 int moeep_dispatch(struct moeep_ep *ep, const struct moeep_dispatch_args *args,

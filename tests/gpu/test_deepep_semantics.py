@@ -12,7 +12,9 @@ token order; per-expert receive counts come from the caller's
 num_tokens_per_expert even without top-k; FP8 scales are accepted
 column-major; previous_event given an EventOverlap without event waits for
 the current stream, EventOverlap(EventHandle()) for the recorded point;
-cached dispatch; async_finish with current_stream_wait; expert_alignment.
+cached dispatch; async_finish with current_stream_wait; expert_alignment;
+a dispatch larger than the buffer runs in rounds (vLLM's 8192-token
+prefill at hidden 7168) with the same results as one call.
 Low-latency mode: the handle (src_info, layout_range, num_max, hidden,
 num_experts), src_info the source token, layout_range begin << 32 | count
 with each source's tokens together in rank order; FP8 scales column-major;
@@ -60,12 +62,18 @@ def check(cond, what):
 
 
 def allgather(t, group, R):
-    """Every rank's tensor (same shape), on every rank, through the CPU."""
-    c = t.detach().cpu()
-    raw = c.view(torch.uint8) if c.dtype in (torch.bfloat16, torch.float8_e4m3fn) else c
+    """Every rank's tensor (first dims may differ), on every rank, through
+    the CPU."""
+    n = torch.tensor([t.shape[0]])
+    ns = [torch.zeros_like(n) for _ in range(R)]
+    dist.all_gather(ns, n, group=group)
+    m = max(int(v.item()) for v in ns)
+    c = torch.zeros((m,) + tuple(t.shape[1:]), dtype=t.dtype)
+    c[:t.shape[0]] = t.detach().cpu()
+    raw = c.view(torch.uint8) if c.dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.bool) else c
     outs = [torch.empty_like(raw) for _ in range(R)]
     dist.all_gather(outs, raw.contiguous(), group=group)
-    return [o.view(c.dtype).to(t.device) for o in outs]
+    return [o.view(c.dtype)[:int(ns[i].item())].to(t.device) for i, o in enumerate(outs)]
 
 
 def routing(T, E, K, gen, masked=8):
@@ -188,6 +196,72 @@ def test_normal(rank, R, group, sock, gen):
         check(counts == [(c + 127) // 128 * 128 for c in ref_expert], "expert_alignment=128")
         torch.cuda.synchronize()
         dist.barrier(group)
+    buf.destroy()
+
+
+def test_rounds(rank, R, group, sock, gen):
+    """A dispatch that receives more rows than the buffer holds runs in
+    rounds, transparently: the same order, prefix matrix, counts, cached
+    dispatch and combine as one call. Then vLLM's prefill: 8192 tokens at
+    hidden 7168, top-8 of 256 experts, in a buffer that holds about half
+    (at 8 ranks vLLM's 1 GiB does; here 256 MiB with fewer ranks)."""
+    H, E, K = 2048, 16 * R, 6
+    L = E // R
+    buf = moeep.Buffer(group, explicitly_destroy=True, socket=sock, max_tokens_per_rank=96)
+    T = 40 if rank == R - 1 else 250 + 31 * rank  # the largest decides the rounds; the small rank follows
+    x = torch.randn(T, H, generator=gen, device="cuda").to(torch.bfloat16)
+    idx, w = routing(T, E, K, gen)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+    all_x, all_idx, all_in_rank = allgather(x, group, R), allgather(idx, group, R), allgather(in_rank, group, R)
+    ref_rows, ref_prefix = reference_receive(all_x, all_in_rank, rank, R)
+    ref_expert = [sum(int((a == rank * L + e).sum().item()) for a in all_idx) for e in range(L)]
+    for fmt in ("bf16", "fp8"):
+        cur = x if fmt == "bf16" else fp8_cast(x)
+        if fmt == "fp8":
+            cur = (cur[0], cur[1].T.contiguous().T)
+        rx, ridx, rw, counts, handle, _ = buf.dispatch(cur, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                       num_tokens_per_expert=per_expert, topk_idx=idx,
+                                                       topk_weights=w, expert_alignment=4)
+        check(handle.rounds is not None and len(handle.rounds) == (250 + 31 * (R - 2) + 95) // 96,
+              "dispatch ran in rounds")
+        check(torch.equal(handle[0].cpu(), ref_prefix), "rounds: rank_prefix_matrix")
+        check(counts == [(c + 3) // 4 * 4 for c in ref_expert], "rounds: aligned counts %s" % counts)
+        got = rx if fmt == "bf16" else fp8_back(*rx).to(torch.bfloat16)
+        want = ref_rows if fmt == "bf16" else fp8_back(*fp8_cast(ref_rows)).to(torch.bfloat16)
+        check(torch.equal(got, want), "rounds: %s rows in DeepEP's order" % fmt)
+        for e in range(L):
+            check(int((ridx == e).sum().item()) == ref_expert[e], "rounds: recv_topk_idx of expert %d" % e)
+        rx2, _, _, _, _, _ = buf.dispatch(cur, handle=handle)
+        got2 = rx2 if fmt == "bf16" else fp8_back(*rx2).to(torch.bfloat16)
+        check(torch.equal(got2, want), "rounds: cached dispatch")
+        comb, cw, _ = buf.combine(got, handle, topk_weights=rw)
+        reach = in_rank.sum(1, keepdim=True).float()
+        src = x.float() if fmt == "bf16" else fp8_back(*fp8_cast(x))
+        check(torch.allclose(comb.float(), src * reach, rtol=2e-2, atol=2e-2), "rounds: combine")
+        check(torch.allclose(cw, w * reach, rtol=1e-5, atol=1e-5), "rounds: combined weights")
+    torch.cuda.synchronize()
+    dist.barrier(group)
+    buf.destroy()
+
+    H, E, K, T = 7168, 256, 8, 8192
+    buf = moeep.Buffer(group, 256 << 20, 0, explicitly_destroy=True, socket=sock)
+    x = (torch.randn(T, H, generator=gen, device="cuda") * 0.5).to(torch.bfloat16)
+    idx, w = routing(T, E, K, gen, masked=0)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+    rx, ridx, rw, counts, handle, ev = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                    num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w,
+                                                    async_finish=True)
+    ev.current_stream_wait()
+    check(handle.rounds is not None, "8192-token prefill in rounds (%d tokens per call)" % buf._plan.max_tokens_per_rank)
+    total = allgather(in_rank.sum(0).to(torch.int32).view(1, R), group, R)
+    check(rx.shape[0] == sum(int(t[0, rank].item()) for t in total), "prefill: received rows")
+    comb, _, ev = buf.combine(rx, handle, async_finish=True)
+    ev.current_stream_wait()
+    check(torch.allclose(comb.float(), x.float() * in_rank.sum(1, keepdim=True).float(), rtol=2e-2, atol=3e-2),
+          "prefill: combine")
+    del rx, ridx, rw, comb
+    torch.cuda.synchronize()
+    dist.barrier(group)
     buf.destroy()
 
 
@@ -409,6 +483,8 @@ def rank_main(rank, R, port, sock, which):
         test_names()
         if "normal" in which:
             test_normal(rank, R, group, sock, gen)
+        if "rounds" in which:
+            test_rounds(rank, R, group, sock, gen)
         if "ll" in which:
             test_low_latency(rank, R, group, sock, gen)
         if "engines" in which:
@@ -433,7 +509,7 @@ def main():
         print("SKIP: no CUDA device")
         return 77
     ranks = [int(r) for r in os.environ.get("MOEEP_TEST_RANKS", "2,4").split(",")]
-    which = os.environ.get("MOEEP_TEST_PARTS", "normal,ll,engines").split(",")
+    which = os.environ.get("MOEEP_TEST_PARTS", "normal,rounds,ll,engines").split(",")
     moeepd = os.environ.get("MOEEP_TEST_MOEEPD") or os.path.join(REPO, "build", "daemon", "moeepd")
     tmp = tempfile.mkdtemp(prefix="moeep-deepep-")
     sock = os.path.join(tmp, "moeepd.sock")

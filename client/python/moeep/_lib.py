@@ -87,6 +87,7 @@ class DispatchArgs(ctypes.Structure):
         ("num_worst_tokens", _int),
         ("handle", _vp),
         ("num_tokens_per_expert", _vp),
+        ("total_tokens", _int),
     ]
 
 
@@ -105,6 +106,7 @@ class DispatchResult(ctypes.Structure):
         ("handle", _vp),
         ("rank_prefix_matrix", _vp),
         ("send_pos", _vp),
+        ("max_total_tokens", _int),
     ]
 
 

@@ -85,6 +85,11 @@ class DispatchHandle(tuple):
 
     def __init__(self, route, num_tokens, num_recv_tokens, num_topk, topk_idx, topk_weights, items):
         self._route = route
+        # A dispatch larger than one call runs in rounds: [(round's handle,
+        # first token, end)] and, per round, the rows of the whole output
+        # that are that round's (index into DeepEP's order).
+        self.rounds = None
+        self.round_index = None
         self._buffer = route._buffer
         self.num_tokens = num_tokens
         self.num_recv_tokens = num_recv_tokens  # rows of recv_x (num_worst_tokens when the count stayed on the GPU)
@@ -442,20 +447,59 @@ class Buffer:
                 # DeepEP sums the callers' per-expert counts (also when no
                 # top-k travels), so moeep's notify does too.
                 per_expert = num_tokens_per_expert.to(torch.int32).contiguous()
+        if handle is not None and handle.rounds is not None:
+            outs = self._cached_rounds(x, x_scales, handle, allocate_on_comm_stream)
+            event = self._finish(compute, self.comm_stream, async_finish, allocate_on_comm_stream,
+                                 [x, x_scales] + outs)
+            return (tuple(outs) if x_scales is not None else outs[0]), None, None, None, None, event
+        C = self._plan.max_tokens_per_rank  # rows per source per call: what the NVLink buffer holds
+        if T > C and (handle is not None or num_worst_tokens):
+            raise ValueError("%d tokens are more than the %d per call this Buffer holds; only a fresh dispatch "
+                             "without num_worst_tokens runs in rounds" % (T, C))
+        one = self._dispatch_call(ep, x, x_scales, 0, min(T, C), T, is_token_in_rank, topk_idx, topk_weights,
+                                  per_expert, expert_alignment, num_worst_tokens, handle, K,
+                                  allocate_on_comm_stream)
+        if handle is None and one["max_total"] > C:
+            # Some rank sends more tokens than one call holds: every rank runs
+            # the same number of rounds of C tokens (DeepEP has no cap).
+            return self._dispatch_rounds(compute, one, x, x_scales, T, C, is_token_in_rank, topk_idx,
+                                         topk_weights, expert_alignment, K, async_finish, allocate_on_comm_stream,
+                                         per_expert)
+        outs = one["outs"]
+        event = self._finish(compute, self.comm_stream, async_finish, allocate_on_comm_stream,
+                             [x, x_scales, topk_idx, topk_weights, is_token_in_rank, per_expert] + outs)
+        recv_x, recv_scales, recv_idx, recv_w = outs
+        rx = (recv_x, recv_scales) if x_scales is not None else recv_x
+        if handle is not None:
+            return rx, None, None, None, None, event
+        return rx, recv_idx, recv_w, one["counts"], one["handle"], event
+
+    def _dispatch_call(self, ep, x, x_scales, t0, t1, total, is_token_in_rank, topk_idx, topk_weights, per_expert,
+                       expert_alignment, num_worst_tokens, handle, K, allocate_on_comm_stream, copy=None):
+        """One moeep_dispatch of tokens t0..t1 (a round of a dispatch of
+        `total` tokens, or all of it); queued on the comm stream."""
+        torch = _torch()
+        H = x.shape[1]
+        n = t1 - t0
+        xs = x[t0:t1]
+        sc = x_scales[t0:t1] if x_scales is not None else None
+        ti = topk_idx[t0:t1] if topk_idx is not None else None
+        tw = topk_weights[t0:t1] if topk_weights is not None else None
+        ir = is_token_in_rank[t0:t1] if is_token_in_rank is not None and handle is None else None
         args = _lib.DispatchArgs(
-            x=x.data_ptr(), x_type=_lib.DTYPE_BF16 if x_scales is None else _lib.DTYPE_FP8_E4M3,
-            x_scales=x_scales.data_ptr() if x_scales is not None else None, num_tokens=T,
-            is_token_in_rank=is_token_in_rank.data_ptr() if is_token_in_rank is not None and handle is None
-            else None,
-            topk_idx=topk_idx.data_ptr() if topk_idx is not None else None,
+            x=xs.data_ptr() if n else None, x_type=_lib.DTYPE_BF16 if sc is None else _lib.DTYPE_FP8_E4M3,
+            x_scales=sc.data_ptr() if sc is not None and n else None, num_tokens=n,
+            is_token_in_rank=ir.data_ptr() if ir is not None and n else None,
+            topk_idx=ti.data_ptr() if ti is not None and n else None,
             topk_idx_type=_index_type(torch, topk_idx) if topk_idx is not None else _lib.INDEX_INT64,
-            topk_weights=topk_weights.data_ptr() if topk_weights is not None else None, num_topk=K,
+            topk_weights=tw.data_ptr() if tw is not None and n else None, num_topk=K,
             expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
             handle=handle.ptr if handle is not None else None,
-            num_tokens_per_expert=per_expert.data_ptr() if per_expert is not None else None)
+            num_tokens_per_expert=per_expert.data_ptr() if per_expert is not None else None, total_tokens=total)
         res = _lib.DispatchResult()
         ep.check(ep.lib.moeep_dispatch(ep.ptr, ctypes.byref(args), ctypes.byref(res), self.comm_stream.cuda_stream),
                  "dispatch")
+        new = None
         if handle is None:
             n_recv = res.num_recv_tokens if res.num_recv_tokens >= 0 else num_worst_tokens
             route = _Route(self, res.handle)
@@ -463,8 +507,8 @@ class Buffer:
             R = self.group_size
             items = (_view(torch, res.rank_prefix_matrix, (R, R), torch.int32, route, self.device), None, None,
                      _view(torch, res.recv_src_info, (n_recv,), torch.int32, route, self.device),
-                     is_token_in_rank, _view(torch, res.send_pos, (T, R), torch.int32, route, self.device))
-            new = DispatchHandle(route, T, n_recv, K, topk_idx, topk_weights, items)
+                     ir, _view(torch, res.send_pos, (n, R), torch.int32, route, self.device))
+            new = DispatchHandle(route, n, n_recv, K, ti, tw, items)
         else:
             n_recv = handle.num_recv_tokens
         L = res.num_local_experts
@@ -480,7 +524,7 @@ class Buffer:
             recv_w = _view(torch, res.recv_topk_weights, (n_recv, K), torch.float32, self, self.device)
 
         outs = [recv_x, recv_scales, recv_idx, recv_w]
-        if self.copy_outputs or (num_worst_tokens and handle is None):
+        if copy or (copy is None and (self.copy_outputs or (num_worst_tokens and handle is None))):
             with self._alloc_stream(allocate_on_comm_stream):
                 owned = [torch.empty_like(t) if t is not None else None for t in outs]
             with torch.cuda.stream(self.comm_stream):
@@ -495,16 +539,103 @@ class Buffer:
                     owned[2].masked_fill_(pad, -1)
                     owned[3].masked_fill_(pad, 0)
             outs = owned
-        recv_x, recv_scales, recv_idx, recv_w = outs
         counts = []
         if handle is None and res.num_recv_tokens_per_expert:
             counts = [res.num_recv_tokens_per_expert[i] for i in range(L)]
+        return {"outs": outs, "counts": counts, "handle": new, "max_total": res.max_total_tokens}
+
+    def _round_order(self, handles):
+        """For rounds' handles: rows per (round, source) on the host and the
+        gather index that puts the rounds' rows into DeepEP's order (source
+        ranks in order, each source's tokens in order)."""
+        torch = _torch()
+        R, me = self.group_size, self.rank
+        # The notify of each round has finished (the host waited for its
+        # counts), so its prefix matrix can be read without a stream wait.
+        cols = torch.stack([h[0][:, me] for h in handles]).cpu().tolist()  # inclusive prefix per round
+        per = [[c[s] - (c[s - 1] if s else 0) for s in range(R)] for c in cols]  # [round][source]
+        starts, pos = [], 0
+        for c in cols:
+            starts.append(pos)
+            pos += c[R - 1] if R else 0
+        order = []
+        for s in range(R):
+            for j, c in enumerate(cols):
+                b = starts[j] + (c[s - 1] if s else 0)
+                order.append((b, per[j][s]))
+        idx = torch.cat([torch.arange(b, b + n, dtype=torch.int64) for b, n in order]) if order else \
+            torch.empty(0, dtype=torch.int64)
+        return per, idx.to(self.device)
+
+    def _dispatch_rounds(self, compute, first, x, x_scales, T, C, is_token_in_rank, topk_idx, topk_weights,
+                         expert_alignment, K, async_finish, allocate_on_comm_stream, per_expert):
+        torch = _torch()
+        ep = self._ep
+        rounds = (first["max_total"] + C - 1) // C
+        parts = [first]
+        if not self.copy_outputs:
+            # The first round's outputs are views of the buffer the next round overwrites.
+            with self._alloc_stream(allocate_on_comm_stream):
+                owned = [torch.empty_like(t) if t is not None else None for t in first["outs"]]
+            with torch.cuda.stream(self.comm_stream):
+                for o, t in zip(owned, first["outs"]):
+                    if o is not None:
+                        o.copy_(t)
+            first["outs"] = owned
+        for j in range(1, rounds):
+            t0, t1 = min(j * C, T), min((j + 1) * C, T)
+            parts.append(self._dispatch_call(ep, x, x_scales, t0, t1, T, is_token_in_rank, topk_idx, topk_weights,
+                                             None, 1, 0, None, K, allocate_on_comm_stream, copy=True))
+        handles = [p["handle"] for p in parts]
+        per, order = self._round_order(handles)
+        with self._alloc_stream(allocate_on_comm_stream):
+            outs = [torch.empty((order.numel(),) + tuple(t.shape[1:]), dtype=t.dtype, device=self.device)
+                    if t is not None else None for t in first["outs"]]
+        with torch.cuda.stream(self.comm_stream):
+            for i, o in enumerate(outs):
+                if o is not None:
+                    torch.index_select(_raw(torch, torch.cat([p["outs"][i] for p in parts])), 0, order,
+                                       out=_raw(torch, o))
+            srcs = []
+            for j, h in enumerate(handles):  # source token indices of the whole dispatch
+                srcs.append(h[3] + j * C)
+            src = torch.cat(srcs).index_select(0, order)
+            prefix = sum(h[0] for h in handles)
+            send_head = torch.cat([h[5] for h in handles])
+        for t in (src, prefix, send_head):
+            _record(t, compute)
+        if per_expert is not None:
+            counts = first["counts"]  # the callers' totals, summed over ranks by the first round
+        else:
+            counts = [sum(p["counts"][e] for p in parts) for e in range(len(first["counts"]))]
+            if expert_alignment > 1:
+                counts = [(c + expert_alignment - 1) // expert_alignment * expert_alignment for c in counts]
+        n_recv = int(order.numel())
+        items = (prefix, None, None, src, is_token_in_rank, send_head)
+        new = DispatchHandle(handles[0]._route, T, n_recv, K, topk_idx, topk_weights, items)
+        new.rounds = [(h, min(j * C, T), min((j + 1) * C, T)) for j, h in enumerate(handles)]
+        new.round_index = _inverse_rounds(torch, order, [sum(r) for r in per])
         event = self._finish(compute, self.comm_stream, async_finish, allocate_on_comm_stream,
                              [x, x_scales, topk_idx, topk_weights, is_token_in_rank, per_expert] + outs)
+        recv_x, recv_scales, recv_idx, recv_w = outs
         rx = (recv_x, recv_scales) if x_scales is not None else recv_x
-        if handle is not None:
-            return rx, None, None, None, None, event
         return rx, recv_idx, recv_w, counts, new, event
+
+    def _cached_rounds(self, x, x_scales, handle, allocate_on_comm_stream):
+        """A cached dispatch of a dispatch that ran in rounds."""
+        torch = _torch()
+        parts = [self._dispatch_call(self._ep, x, x_scales, t0, t1, handle.num_tokens, None, None, None, None, 1, 0,
+                                     h, 0, allocate_on_comm_stream, copy=True)
+                 for (h, t0, t1) in handle.rounds]
+        keep = [i for i in (0, 1) if parts[0]["outs"][i] is not None]
+        with self._alloc_stream(allocate_on_comm_stream):
+            outs = [torch.empty((handle.num_recv_tokens,) + tuple(parts[0]["outs"][i].shape[1:]),
+                                dtype=parts[0]["outs"][i].dtype, device=self.device) for i in keep]
+        with torch.cuda.stream(self.comm_stream):
+            order = torch.cat(handle.round_index)  # round rows (concatenated) -> output rows
+            for i, o in zip(keep, outs):
+                _raw(torch, o).index_copy_(0, order, _raw(torch, torch.cat([p["outs"][i] for p in parts])))
+        return outs
 
     def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
                 async_finish=False, allocate_on_comm_stream=False):
@@ -534,18 +665,29 @@ class Buffer:
         with self._alloc_stream(allocate_on_comm_stream):
             out = torch.empty(handle.num_tokens, H, dtype=torch.bfloat16, device=self.device)
             out_w = torch.empty(handle.num_tokens, K, dtype=torch.float32, device=self.device) if K else None
-        args = _lib.CombineArgs(x=x.data_ptr() if x.numel() else None,
-                                topk_weights=topk_weights.data_ptr() if K else None, num_topk=K,
-                                handle=handle.ptr, out=out.data_ptr() if out.numel() else None,
-                                out_topk_weights=out_w.data_ptr() if out_w is not None and out_w.numel() else None)
-        ep.check(ep.lib.moeep_combine(ep.ptr, ctypes.byref(args), self.comm_stream.cuda_stream), "combine")
+        if handle.rounds is None:
+            pieces = [(handle, x, topk_weights, 0, handle.num_tokens)]
+        else:
+            # Each round's rows, gathered from DeepEP's order, go back by the
+            # round's own routing into that round's tokens of out.
+            with torch.cuda.stream(self.comm_stream):
+                pieces = [(h, x.index_select(0, ix), topk_weights.index_select(0, ix) if K else None, t0, t1)
+                          for (h, t0, t1), ix in zip(handle.rounds, handle.round_index)]
+        for h, xr, wr, t0, t1 in pieces:
+            args = _lib.CombineArgs(x=xr.data_ptr() if xr.numel() else None,
+                                    topk_weights=wr.data_ptr() if K and wr.numel() else None, num_topk=K,
+                                    handle=h.ptr, out=out[t0:t1].data_ptr() if t1 > t0 else None,
+                                    out_topk_weights=out_w[t0:t1].data_ptr() if out_w is not None and t1 > t0
+                                    else None)
+            ep.check(ep.lib.moeep_combine(ep.ptr, ctypes.byref(args), self.comm_stream.cuda_stream), "combine")
         if any(b is not None for b in biases):
             with torch.cuda.stream(self.comm_stream):
                 for b in biases:
                     if b is not None:
                         out.add_(b)
         event = self._finish(compute, self.comm_stream, async_finish, allocate_on_comm_stream,
-                             [x, topk_weights, out, out_w] + [b for b in biases if b is not None])
+                             [x, topk_weights, out, out_w] + [p[1] for p in pieces] + [p[2] for p in pieces] +
+                             [b for b in biases if b is not None])
         return out, out_w, event
 
     # ------------------------------------------------------------ low-latency mode
@@ -726,6 +868,20 @@ class Buffer:
 
 
 # ---------------------------------------------------------------- helpers
+
+def _raw(torch, t):
+    """FP8 rows as bytes, for the index ops (which may lack float8)."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def _inverse_rounds(torch, order, sizes):
+    """Splits `order` (for each output row, its row among the rounds' rows
+    concatenated) into, per round, the output rows holding that round's rows
+    in the round's own order."""
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel(), device=order.device)
+    return list(torch.split(inv, sizes))
+
 
 def _gpu_uuid(torch, device):
     try:

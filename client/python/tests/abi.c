@@ -44,6 +44,7 @@ int main(void) {
         F(dispatch_args, num_worst_tokens);
         F(dispatch_args, handle);
         F(dispatch_args, num_tokens_per_expert);
+        F(dispatch_args, total_tokens);
         S(dispatch_result);
         F(dispatch_result, recv_x);
         F(dispatch_result, recv_x_scales);
@@ -58,6 +59,7 @@ int main(void) {
         F(dispatch_result, handle);
         F(dispatch_result, rank_prefix_matrix);
         F(dispatch_result, send_pos);
+        F(dispatch_result, max_total_tokens);
         S(combine_args);
         F(combine_args, x);
         F(combine_args, topk_weights);
