@@ -624,8 +624,11 @@ class Buffer:
     def _cached_rounds(self, x, x_scales, handle, allocate_on_comm_stream):
         """A cached dispatch of a dispatch that ran in rounds."""
         torch = _torch()
-        parts = [self._dispatch_call(self._ep, x, x_scales, t0, t1, handle.num_tokens, None, None, None, None, 1, 0,
-                                     h, 0, allocate_on_comm_stream, copy=True)
+        # Each round resends its slice of the top-k (moeep_dispatch checks
+        # that it matches the round's handle).
+        parts = [self._dispatch_call(self._ep, x, x_scales, t0, t1, handle.num_tokens, None, handle.topk_idx,
+                                     handle.topk_weights, None, 1, 0, h, handle.num_topk, allocate_on_comm_stream,
+                                     copy=True)
                  for (h, t0, t1) in handle.rounds]
         keep = [i for i in (0, 1) if parts[0]["outs"][i] is not None]
         with self._alloc_stream(allocate_on_comm_stream):
