@@ -80,7 +80,7 @@ void moeep_px_layout_compute(struct moeep_px *px, int ranks, int max_tokens, int
         /* Dispatch: row (bf16 size, FP8 rows use half), scales, local expert and source info. */
         px->ll_pair = align_up((size_t)hidden * 2 + (size_t)(hidden / MOEEP_SCALE_BLOCK) * sizeof(float) + 8, 16);
         px->ll_row = (size_t)hidden * 2 + 16; /* combine: bf16 row, token, k */
-        px->ll_dispatch_seg = align_up(MOEEP_PX_SEG_HDR + px->ll_slots * px->ll_pair, 4096);
+        px->ll_dispatch_seg = align_up(MOEEP_PX_SEG_HDR + MOEEP_PX_LL_COUNTS + px->ll_slots * px->ll_pair, 4096);
         px->ll_combine_seg = align_up(MOEEP_PX_SEG_HDR + px->ll_slots * px->ll_row, 4096);
         for (int b = 0; b < 2; b++) {
                 px->ll_dispatch[b] = off;

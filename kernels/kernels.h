@@ -151,6 +151,10 @@ void moeep_ll_layout_compute(struct moeep_ll_layout *l, size_t start, int ranks,
  * row, scales, local expert, source info) or ll_row (combine: bf16 row,
  * token, k) bytes. */
 #define MOEEP_PX_SEG_HDR 64
+/* Low-latency dispatch segments: after the header, the sender's pair count
+ * for each of the destination's local experts (int32), then the pairs, so
+ * the receiver can give each remote source its own run of slots. */
+#define MOEEP_PX_LL_COUNTS (MOEEP_KERNEL_MAX_EXPERTS * 4)
 struct moeep_px_seg {
         uint32_t count;    /* slots that follow */
         uint32_t row_bytes;/* dispatch: bytes of each staged row (hidden, or 2 hidden for bf16) */

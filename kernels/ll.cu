@@ -82,7 +82,7 @@ __device__ __forceinline__ int4 ll_cast16(int4 a, int4 b, bool round_scale, floa
  * b, sequence seq, then publishes the counts (count[b]), each source's
  * range of slots (DeepEP's layout_range: begin << 32 | count, sources in
  * rank order) and the statistics. Remote sources' pairs were placed by the
- * relay after every local source's, in one range (not per source). */
+ * relay after every local source's, one run per source, in rank order. */
 __device__ __forceinline__ void ll_recv_counts(const struct moeep_ctx &ctx, int b, uint64_t seq, int *stats) {
         struct moeep_ll_sync *my = ll_sync_of(ctx, ctx.rank);
         const int tid = threadIdx.x, R = ctx.ranks, epr = ctx.num_experts / R;
@@ -144,10 +144,14 @@ __device__ __forceinline__ void ll_exchange_counts(const struct moeep_ctx &ctx, 
                                 atomicAdd(&s_begin[e], 1);
                 }
                 __syncthreads();
+                const int epr = E / R;
                 for (int i = tid; i < R * E; i += blockDim.x) {
                         const int d = i / E;
                         if (!px_remote(ctx, d))
                                 ll_sync_of(ctx, d)->table[b][me][i % E] = s_begin[i % E];
+                        else if (i % E / epr == d) /* d's experts, ahead of the pairs staged for d */
+                                ((int32_t *)(px_send_seg(ctx, ctx.px.ll_dispatch[b], ctx.px.ll_dispatch_seg, d) +
+                                             MOEEP_PX_SEG_HDR))[i % E % epr] = s_begin[i % E];
                 }
                 __threadfence_system();
                 __syncthreads();
@@ -222,7 +226,7 @@ __device__ __forceinline__ void ll_dispatch(const struct moeep_ctx &ctx, const i
                 int32_t *info;
                 if (remote) { /* staged: row, scales, then (local expert, packed source info) */
                         dst = px_send_seg(ctx, ctx.px.ll_dispatch[b], ctx.px.ll_dispatch_seg, d) + MOEEP_PX_SEG_HDR +
-                              pos * px_pair_bytes(xrow, H);
+                              MOEEP_PX_LL_COUNTS + pos * px_pair_bytes(xrow, H);
                         sc = (float *)(dst + xrow);
                         sc_stride = 1;
                         info = (int32_t *)(sc + (use_fp8 ? nscales : 0));
@@ -278,8 +282,9 @@ __device__ __forceinline__ void ll_dispatch(const struct moeep_ctx &ctx, const i
                  * inlined, which would otherwise move the kernel's parameter
                  * into local memory for every thread of every launch. */
                 const struct moeep_ctx c = ctx;
-                px_ship(c, c.px.ll_dispatch[b], ctx.px.ll_dispatch_seg, ctx.px.state->ll_claim[b], px_pair_bytes(xrow, H),
-                        MOEEP_PX_COUNTER_LL_DISPATCH(b, 0), px_seg_info(ctx.px.epoch + seq, (uint32_t)xrow, 0, 0));
+                px_ship(c, c.px.ll_dispatch[b], c.px.ll_dispatch_seg, c.px.state->ll_claim[b], px_pair_bytes(xrow, H),
+                        MOEEP_PX_COUNTER_LL_DISPATCH(b, 0), px_seg_info(c.px.epoch + seq, (uint32_t)xrow, 0, 0),
+                        MOEEP_PX_LL_COUNTS);
         }
         /* Without a hook the last block goes on with the receive phase: it
          * waits only for other GPUs, never for blocks of this grid. */
@@ -376,10 +381,21 @@ __global__ void __launch_bounds__(LL_THREADS, 1) ll_pairs_relay(struct moeep_ctx
         const uint64_t seq = ctx.state->ll_seq[b];
         char *own = ctx.peers[ctx.rank];
 
-        /* Remote pairs go after every local source's: wait for the local
-         * sources' counts (their table rows) to know where that is. */
+        /* Remote sources' pairs go after every local source's, one run of
+         * slots per source, in rank order: each starts after the local
+         * sources' counts (their table rows) and the earlier remote
+         * sources' (the counts ahead of their staged pairs). */
+        __shared__ int s_base[MOEEP_KERNEL_MAX_EXPERTS];
         if (threadIdx.x < R && !px_remote(ctx, threadIdx.x))
                 wait_flag(ctx, &my->count_flag[b][threadIdx.x], seq, threadIdx.x);
+        __syncthreads();
+        for (int le = threadIdx.x; le < epr; le += blockDim.x) {
+                int local = 0;
+                for (int r = 0; r < R; r++)
+                        if (!px_remote(ctx, r))
+                                local += *(volatile int32_t *)&my->table[b][r][ctx.rank * epr + le];
+                s_base[le] = local;
+        }
         __syncthreads();
 
         for (int s = 0; s < ctx.ranks; s++) {
@@ -389,24 +405,20 @@ __global__ void __launch_bounds__(LL_THREADS, 1) ll_pairs_relay(struct moeep_ctx
                                                              MOEEP_PX_COUNTER_LL_DISPATCH(b, s), ctx.px.epoch + seq, s);
                 if (!h)
                         break;
+                const int32_t *counts = (const int32_t *)((const char *)h + MOEEP_PX_SEG_HDR);
                 const uint32_t n = min(__ldcv((const int *)&h->count), (int)ctx.px.ll_slots);
                 const size_t xrow = (size_t)__ldcv((const int *)&h->row_bytes), pair_bytes = px_pair_bytes(xrow, H);
                 const bool fp8 = xrow == (size_t)H;
                 for (uint32_t q = gwarp; q < n; q += warps) {
-                        const char *pair = (const char *)h + MOEEP_PX_SEG_HDR + q * pair_bytes;
+                        const char *pair = (const char *)h + MOEEP_PX_SEG_HDR + MOEEP_PX_LL_COUNTS + q * pair_bytes;
                         const float *sc = (const float *)(pair + xrow);
                         const int32_t *info = (const int32_t *)(sc + (fp8 ? nscales : 0));
                         const int le = __ldcv(info), src_info = __ldcv(info + 1);
+                        if (le < 0 || le >= epr)
+                                continue; /* cannot come from our kernels */
                         uint32_t pos = 0;
-                        if (lane == 0) {
-                                const int e = ctx.rank * epr + le;
-                                uint32_t local = 0;
-                                for (int r = 0; r < R; r++)
-                                        if (!px_remote(ctx, r))
-                                                local += *(volatile int32_t *)&my->table[b][r][e];
-                                pos = local + atomicAdd(&my->counter[b][le], 1u);
-                                atomicAdd(&my->table[b][s][e], 1);
-                        }
+                        if (lane == 0) /* table[b][s] of a remote s: the pairs placed so far, then its count */
+                                pos = (uint32_t)s_base[le] + atomicAdd(&my->table[b][s][ctx.rank * epr + le], 1);
                         pos = __shfl_sync(0xffffffffu, pos, 0);
                         if ((size_t)pos >= slots) {
                                 if (lane == 0)
@@ -425,6 +437,10 @@ __global__ void __launch_bounds__(LL_THREADS, 1) ll_pairs_relay(struct moeep_ctx
                                                                              ((src_info >> 20) & 0xff);
                         }
                 }
+                __syncthreads(); /* s_base is read above by every warp of the block */
+                for (int le = threadIdx.x; le < epr; le += blockDim.x)
+                        s_base[le] += __ldcv(counts + le);
+                __syncthreads();
         }
         if (!last_block_done(ctx))
                 return;

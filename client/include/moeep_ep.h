@@ -192,7 +192,8 @@ void moeep_ep_handle_free(struct moeep_ep_handle *handle);
  * dispatch lands at the expert's rank in a per-expert slot:
  * recv_x[local expert][slot], slots 0..recv_count[local expert]-1 in use,
  * holding each source rank's tokens together, sources in rank order
- * (layout_range says where each source's run starts), so the output feeds
+ * (layout_range says where each source's run starts; with ranks at other
+ * daemons, this daemon's sources come first), so the output feeds
  * a masked grouped GEMM directly. Everything stays on the device (no host
  * synchronisation, fixed shapes): dispatch and combine, with or without
  * the receive hook, can be captured in a CUDA graph.

@@ -172,8 +172,18 @@ static int verify_dispatch(char *msg, const struct tcase *tc, int me, int R, con
                                    cudaMemcpyDeviceToHost);
                 free(seen);
                 seen = calloc((size_t)R * tc->max_tokens + 1, 1);
+                /* Sources in rank order; with two daemons, this daemon's
+                 * sources first, then the others' (each still one run). */
+                int order[MOEEP_MAX_RANKS], no = 0;
+                const char *nodes = getenv("MOEEP_HARNESS_NODES");
+                const bool two = nodes && atoi(nodes) == 2;
+                for (int pass = 0; pass < 2; pass++)
+                        for (int s = 0; s < R; s++)
+                                if ((two && harness_node_of(s, R) != harness_node_of(me, R)) == (pass == 1))
+                                        order[no++] = s;
                 int begin = 0;
-                for (int s = 0; s < R && !bad; s++) {
+                for (int oi = 0; oi < R && !bad; oi++) {
+                        const int s = order[oi];
                         int c = 0;
                         for (int t = 0; t < in[s].T; t++)
                                 for (int k = 0; k < K; k++)
@@ -187,9 +197,17 @@ static int verify_dispatch(char *msg, const struct tcase *tc, int me, int R, con
                         begin += c;
                 }
                 for (int p = 0; p < n && !bad; p++) {
-                        int s = 0, t = src[p], k = -1;
-                        while (s + 1 < R && p >= (int)(range[(size_t)le * R + s + 1] >> 32))
-                                s++; /* the source whose run holds slot p */
+                        int s = -1, t = src[p], k = -1;
+                        for (int q = 0; q < R; q++) { /* the source whose run holds slot p */
+                                const int64_t v = range[(size_t)le * R + q];
+                                if (p >= (v >> 32) && p < (v >> 32) + (v & 0xffffffff))
+                                        s = q;
+                        }
+                        if (s < 0) {
+                                snprintf(msg, 200, "expert %d slot %d: in no source's layout_range", e, p);
+                                bad = 1;
+                                break;
+                        }
                         for (int j = 0; t >= 0 && t < in[s].T && j < K; j++)
                                 if (in[s].idx[(size_t)t * K + j] == e)
                                         k = j;
