@@ -17,6 +17,7 @@ struct moeep_ep_handle {
         void *dev_mem;            /* owning: cudaMalloc */
         int *expert_counts_host;  /* owning: [local experts] */
         int num_recv;             /* -1 when only the device knows it */
+        int max_total_tokens;     /* largest whole dispatch of any rank (rounds), from notify */
         int num_topk;
         SLIST_ENTRY(moeep_ep_handle) free_entry;
 };

@@ -29,7 +29,7 @@ static int ll_check(struct moeep_ep *ep, const void *topk_idx, enum moeep_index_
 int moeep_ll_dispatch(struct moeep_ep *ep, const struct moeep_ll_dispatch_args *a,
                       struct moeep_ll_dispatch_result *ret, struct moeep_ll_hook *ret_hook, cudaStream_t stream) {
         char *own;
-        int r, set;
+        int r, set, slots, idx64;
 
         if (!ep)
                 return -EINVAL;
@@ -45,24 +45,32 @@ int moeep_ll_dispatch(struct moeep_ep *ep, const struct moeep_ll_dispatch_args *
         if (!a->use_fp8 && a->round_scale)
                 return ep_fail(ep, -EINVAL, "low-latency dispatch: round_scale needs use_fp8");
 
-        /* Without a hook, one kernel does both phases (a launch less). */
+        if (a->num_max_tokens < 0 || a->num_max_tokens > ep->ctx.ll.max_tokens ||
+            (a->num_max_tokens && a->num_tokens > a->num_max_tokens))
+                return ep_fail(ep, -EINVAL, "low-latency num_max_tokens %d is outside %d..%d", a->num_max_tokens,
+                               a->num_tokens, ep->ctx.ll.max_tokens);
+        slots = ep->ctx.ranks * (a->num_max_tokens ? a->num_max_tokens : ep->ctx.ll.max_tokens);
+        idx64 = a->topk_idx_type == MOEEP_INDEX_INT64;
+
+        /* Without a hook, one launch does both phases. */
         set = (int)(ep->ll_calls & 1);
         r = launch_result(ep, "low-latency dispatch",
-                          moeep_launch_ll_dispatch_send(&ep->ctx, a->x, a->num_tokens, a->topk_idx,
-                                                        a->topk_idx_type == MOEEP_INDEX_INT64, a->num_topk, set,
-                                                        a->use_fp8, a->round_scale,
-                                                        !a->return_recv_hook && !ep->ctx.px.remote,
-                                                        a->cumulative_local_expert_recv_stats, stream));
+                          moeep_launch_ll_dispatch(&ep->ctx, a->x, a->num_tokens, a->topk_idx, idx64, a->num_topk, set,
+                                                   slots, a->use_fp8, a->round_scale,
+                                                   MOEEP_LL_SEND | (!a->return_recv_hook && !ep->ctx.px.remote
+                                                                            ? MOEEP_LL_RECV : 0),
+                                                   a->cumulative_local_expert_recv_stats, stream));
         if (r == 0 && !a->return_recv_hook && ep->ctx.px.remote) /* remote pairs: the relay receives */
                 r = launch_result(ep, "low-latency dispatch relay",
-                                  moeep_launch_ll_dispatch_relay(&ep->ctx, set,
+                                  moeep_launch_ll_dispatch_relay(&ep->ctx, set, slots,
                                                                  a->cumulative_local_expert_recv_stats, stream));
         if (r < 0)
                 return r;
         ep->ll_calls++;
         if (a->return_recv_hook)
                 *ret_hook = (struct moeep_ll_hook){ .kind = HOOK_DISPATCH, .set = set,
-                                                    .stats = a->cumulative_local_expert_recv_stats };
+                                                    .stats = a->cumulative_local_expert_recv_stats,
+                                                    .idx_is_int64 = idx64, .slots = slots };
 
         own = ep->ctx.peers[ep->ctx.rank];
         *ret = (struct moeep_ll_dispatch_result){
@@ -71,8 +79,10 @@ int moeep_ll_dispatch(struct moeep_ep *ep, const struct moeep_ll_dispatch_args *
                 .recv_count = ((const struct moeep_ll_sync *)(own + ep->ctx.ll.sync))->count[set],
                 .recv_src_info = (const int *)(own + ep->ctx.ll.src[set]),
                 .num_local_experts = ep->ctx.num_experts / ep->ctx.ranks,
-                .slots_per_expert = ep->ctx.ranks * ep->ctx.ll.max_tokens,
-                .handle = { .set = set, .num_tokens = a->num_tokens },
+                .slots_per_expert = slots,
+                .handle = { .set = set, .num_tokens = a->num_tokens, .slots_per_expert = slots },
+                .layout_range = (const int64_t *)(own + ep->ctx.ll.range[set]),
+                .combine_buffer = own + ep->ctx.ll.x[set],
         };
         return 0;
 }
@@ -91,16 +101,25 @@ int moeep_ll_combine(struct moeep_ep *ep, const struct moeep_ll_combine_args *a,
                 return r;
         if (!a->x || (a->handle->num_tokens > 0 && (!a->out || !a->topk_weights)))
                 return ep_fail(ep, -EINVAL, "low-latency combine: x, out or topk_weights is NULL");
+        if (a->handle->slots_per_expert < ep->ctx.ranks ||
+            a->handle->slots_per_expert > ep->ctx.ranks * ep->ctx.ll.max_tokens ||
+            a->handle->slots_per_expert % ep->ctx.ranks)
+                return ep_fail(ep, -EINVAL, "low-latency combine: handle has %d slots per expert",
+                               a->handle->slots_per_expert);
 
+        const int idx64 = a->topk_idx_type == MOEEP_INDEX_INT64;
         r = launch_result(ep, "low-latency combine",
-                          moeep_launch_ll_combine_send(&ep->ctx, a->x, a->handle->set, stream));
+                          moeep_launch_ll_combine(&ep->ctx, a->x, a->handle->set, a->handle->slots_per_expert,
+                                                  MOEEP_LL_SEND, a->topk_idx, idx64, a->topk_weights,
+                                                  a->handle->num_tokens, a->num_topk, a->out, stream));
         if (r < 0)
                 return r;
         struct moeep_ll_hook hook = {
                 .kind = HOOK_COMBINE,
                 .set = a->handle->set,
+                .slots = a->handle->slots_per_expert,
                 .topk_idx = a->topk_idx,
-                .idx_is_int64 = a->topk_idx_type == MOEEP_INDEX_INT64,
+                .idx_is_int64 = idx64,
                 .topk_weights = a->topk_weights,
                 .num_tokens = a->handle->num_tokens,
                 .num_topk = a->num_topk,
@@ -124,9 +143,11 @@ int moeep_ll_hook_run(struct moeep_ep *ep, const struct moeep_ll_hook *h, cudaSt
         case HOOK_DISPATCH:
                 if (ep->ctx.px.remote)
                         return launch_result(ep, "low-latency dispatch relay",
-                                             moeep_launch_ll_dispatch_relay(&ep->ctx, h->set, h->stats, stream));
+                                             moeep_launch_ll_dispatch_relay(&ep->ctx, h->set, h->slots, h->stats,
+                                                                            stream));
                 return launch_result(ep, "low-latency dispatch receive",
-                                     moeep_launch_ll_dispatch_recv(&ep->ctx, h->set, h->stats, stream));
+                                     moeep_launch_ll_dispatch(&ep->ctx, NULL, 0, NULL, h->idx_is_int64, 1, h->set,
+                                                              h->slots, 0, 0, MOEEP_LL_RECV, h->stats, stream));
         case HOOK_COMBINE:
                 if (ep->ctx.px.remote) {
                         int r = launch_result(ep, "low-latency combine relay",
@@ -135,9 +156,9 @@ int moeep_ll_hook_run(struct moeep_ep *ep, const struct moeep_ll_hook *h, cudaSt
                                 return r;
                 }
                 return launch_result(ep, "low-latency combine receive",
-                                     moeep_launch_ll_combine_recv(&ep->ctx, h->topk_idx, h->idx_is_int64,
-                                                                  h->topk_weights, h->num_tokens, h->num_topk, h->set,
-                                                                  h->out, stream));
+                                     moeep_launch_ll_combine(&ep->ctx, NULL, h->set, h->slots, MOEEP_LL_RECV,
+                                                             h->topk_idx, h->idx_is_int64, h->topk_weights,
+                                                             h->num_tokens, h->num_topk, h->out, stream));
         }
         return ep_fail(ep, -EINVAL, "low-latency hook of unknown kind %d", h->kind);
 }
@@ -151,9 +172,11 @@ int moeep_ll_clean(struct moeep_ep *ep) {
         if (!ep->ctx.ll.max_tokens)
                 return ep_fail(ep, -EINVAL, "the endpoint has no low-latency buffers (ll_max_tokens 0)");
         own = ep->ctx.peers[ep->ctx.rank];
-        /* Counters only: flags carry sequence numbers and never need it. */
+        /* Counters and counts only: flags carry sequence numbers and never
+         * need it. */
         if (cudaDeviceSynchronize() != cudaSuccess ||
-            cudaMemset(own + ep->ctx.ll.sync, 0, offsetof(struct moeep_ll_sync, dispatch_flag)) != cudaSuccess ||
+            cudaMemset(own + ep->ctx.ll.sync, 0, offsetof(struct moeep_ll_sync, count_flag)) != cudaSuccess ||
+            cudaMemset(ep->ctx.state->ll_pos, 0, sizeof(ep->ctx.state->ll_pos)) != cudaSuccess ||
             cudaDeviceSynchronize() != cudaSuccess)
                 return ep_fail(ep, -EIO, "cleaning the low-latency buffers: %s", cudaGetErrorString(cudaGetLastError()));
         r = moeep_job_barrier(ep->client);

@@ -429,7 +429,8 @@ static int handle_get(struct moeep_ep *ep, cudaStream_t stream, struct moeep_ep_
                 return ep_fail(ep, -ENOMEM, "out of memory for a dispatch handle");
         h->expert_counts_host = calloc((size_t)L, sizeof(int));
         if (!h->expert_counts_host ||
-            cudaMalloc(&h->dev_mem, (n_send + n_recv + R + 1 + R + L + 1 + n_chunks) * sizeof(int32_t)) != cudaSuccess) {
+            cudaMalloc(&h->dev_mem, (n_send + n_recv + R + 1 + R + L + 1 + n_chunks + (size_t)R * R) * sizeof(int32_t)) !=
+                    cudaSuccess) {
                 (void)cudaGetLastError();
                 free(h->expert_counts_host);
                 free(h);
@@ -450,6 +451,8 @@ static int handle_get(struct moeep_ep *ep, cudaStream_t stream, struct moeep_ep_
         h->route.num_recv = (int32_t *)p;
         p += sizeof(int32_t);
         h->route.chunk_expect = (int32_t *)p;
+        p += n_chunks * sizeof(int32_t);
+        h->route.rank_prefix_matrix = (int32_t *)p;
         *ret = h;
         return 0;
 }
@@ -553,7 +556,7 @@ int moeep_dispatch(struct moeep_ep *ep, const struct moeep_dispatch_args *a,
         if (a->handle) {
                 h = a->handle;
                 r = launch_result(ep, "barrier",
-                                  moeep_launch_notify(&ep->ctx, NULL, NULL, 1, 0, 0, 0, NULL, NULL, stream));
+                                  moeep_launch_notify(&ep->ctx, NULL, NULL, 1, 0, 0, NULL, 0, 0, NULL, NULL, stream));
                 if (r < 0)
                         return r;
         } else {
@@ -564,7 +567,9 @@ int moeep_dispatch(struct moeep_ep *ep, const struct moeep_dispatch_args *a,
                 h->num_topk = dispatch_topk(a);
                 r = launch_result(ep, "notify",
                                   moeep_launch_notify(&ep->ctx, a->is_token_in_rank, a->topk_idx, idx64,
-                                                      a->num_tokens, a->num_topk, a->expert_alignment,
+                                                      a->num_tokens, a->num_topk, a->num_tokens_per_expert,
+                                                      a->total_tokens > 0 ? a->total_tokens : a->num_tokens,
+                                                      a->expert_alignment,
                                                       &h->route, a->num_worst_tokens ? NULL : ep->host,
                                                       stream));
                 if (r < 0)
@@ -606,6 +611,7 @@ int moeep_dispatch(struct moeep_ep *ep, const struct moeep_dispatch_args *a,
                 if ((r = state_error(ep, ep->host->error, ep->host->error_rank)) < 0)
                         goto fail;
                 h->num_recv = ep->host->num_recv;
+                h->max_total_tokens = ep->host->max_total_tokens;
                 memcpy(h->expert_counts_host, ep->host->expert_counts,
                        sizeof(int) * (size_t)(ep->ctx.num_experts / ep->ctx.ranks));
         }
@@ -625,6 +631,9 @@ int moeep_dispatch(struct moeep_ep *ep, const struct moeep_dispatch_args *a,
                 .num_recv_tokens_per_expert_dev = h->route.expert_counts,
                 .num_local_experts = ep->ctx.num_experts / ep->ctx.ranks,
                 .handle = h,
+                .rank_prefix_matrix = h->route.rank_prefix_matrix,
+                .max_total_tokens = fresh && !a->num_worst_tokens ? h->max_total_tokens : -1,
+                .send_pos = h->route.send_pos,
         };
         return 0;
 fail:
@@ -654,7 +663,7 @@ int moeep_combine(struct moeep_ep *ep, const struct moeep_combine_args *a, cudaS
         if (a->out_topk_weights && !a->topk_weights)
                 return ep_fail(ep, -EINVAL, "combine: out_topk_weights needs topk_weights");
         r = launch_result(ep, "barrier",
-                          moeep_launch_notify(&ep->ctx, NULL, NULL, 1, 0, 0, 0, NULL, NULL, stream));
+                          moeep_launch_notify(&ep->ctx, NULL, NULL, 1, 0, 0, NULL, 0, 0, NULL, NULL, stream));
         if (r < 0)
                 return r;
         if (ep->remote) { /* rows of ranks at other daemons: staged, shipped, placed (kernels/px_normal.cu) */

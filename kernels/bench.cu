@@ -191,12 +191,12 @@ __global__ void ring_bench_kernel(struct proxy_ring_hdr *hdr, uint64_t *counters
                         d.flags = signal ? PROXY_DESC_SIGNAL : 0;
                         d.signal_id = i & 255;
                         d.signal_value = base + i + 1;
-                        err = ring_put(r, d, timeout);
+                        err = ring_put(r, d, timeout, NULL);
                         if (i % MOEEP_RING_BENCH_BATCH == MOEEP_RING_BENCH_BATCH - 1 || i + 1 == n)
                                 ring_publish(r);
                 }
                 if (!err)
-                        err = ring_wait(&hdr->done, base + n, hdr, timeout);
+                        err = ring_wait(&hdr->done, base + n, hdr, timeout, NULL);
                 out[1] = (int64_t)(globaltimer_ns() - t0);
         } else if (mode == MOEEP_RING_BENCH_LATENCY) {
                 for (uint32_t i = 0; i < n && !err; i++) {
@@ -206,18 +206,18 @@ __global__ void ring_bench_kernel(struct proxy_ring_hdr *hdr, uint64_t *counters
                         d.signal_id = 2;
                         d.signal_value = base + i + 1;
                         const uint64_t t0 = globaltimer_ns();
-                        err = ring_push(r, d, timeout);
+                        err = ring_push(r, d, timeout, NULL);
                         if (!err)
-                                err = ring_wait(&counters[2], base + i + 1, hdr, timeout);
+                                err = ring_wait(&counters[2], base + i + 1, hdr, timeout, NULL);
                         out[1 + i] = (int64_t)(globaltimer_ns() - t0);
                         if (!err) /* the slot is free again before the next round */
-                                err = ring_wait(&hdr->done, base + i + 1, hdr, timeout);
+                                err = ring_wait(&hdr->done, base + i + 1, hdr, timeout, NULL);
                 }
         } else {
                 for (uint32_t i = 0; i < n && !err; i++) {
                         const uint64_t t0 = globaltimer_ns();
                         st_release_sys(&ping[0], i + 1);
-                        err = ring_wait(&ping[8], i + 1, hdr, timeout);
+                        err = ring_wait(&ping[8], i + 1, hdr, timeout, NULL);
                         out[1 + i] = (int64_t)(globaltimer_ns() - t0);
                 }
         }

@@ -175,7 +175,7 @@ __device__ __forceinline__ void combine_produce(const struct moeep_ctx &ctx, con
                         for (int j = 0; j < slices; j++) {
                                 const int bytes = min(slice_bytes, row_bytes - j * slice_bytes);
                                 if (lane == 0) {
-                                        mbar_wait(&empty[stage], phase ^ 1);
+                                        mbar_wait(ctx, &empty[stage], phase ^ 1);
                                         info[stage] = (struct stage_info){ tok, j, n, bytes };
                                         if (n == 0)
                                                 mbar_arrive(&full[stage]);
@@ -216,7 +216,7 @@ __device__ __forceinline__ void combine_consume(const struct moeep_ctx &ctx, con
                         if (u % CONSUMER_GROUPS != g)
                                 continue;
                         const int stage = u % nstages;
-                        mbar_wait(&full[stage], (uint32_t)(u / nstages) & 1);
+                        mbar_wait(ctx, &full[stage], (uint32_t)(u / nstages) & 1);
                         const struct stage_info si = info[stage];
                         const char *buf = stages + stage * stage_bytes;
                         for (int i = wg * 32 + lane; i * 16 < si.bytes; i += GROUP_WARPS * 32) {

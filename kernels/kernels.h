@@ -52,6 +52,7 @@ struct moeep_sync {
          * peer writing round n+1 cannot overwrite round n before we read it. */
         int32_t rank_counts[2][MOEEP_KERNEL_MAX_RANKS][MOEEP_KERNEL_MAX_RANKS]; /* [par][src][dst] */
         int32_t expert_counts[2][MOEEP_KERNEL_MAX_RANKS][MOEEP_KERNEL_MAX_EXPERTS]; /* [par][src][local e] */
+        int32_t total_tokens[2][MOEEP_KERNEL_MAX_RANKS]; /* [par][src]: tokens of src's whole dispatch (rounds) */
 };
 
 /* Per-rank state that only the owning GPU touches (cudaMalloc'ed). */
@@ -63,6 +64,11 @@ struct moeep_local_state {
         int32_t error_rank;    /* the peer that was waited for */
         int32_t pad;
         uint64_t ll_seq[2];    /* low-latency: sequence number of the last dispatch on each buffer set */
+        uint64_t ll_comb_seq[2]; /* low-latency: sequence number of the last combine on each buffer set */
+        /* Low-latency dispatch: pairs of ours claimed so far per (set, global
+         * expert), the position of a pair among our pairs for its expert;
+         * back to 0 after each dispatch. */
+        uint32_t ll_pos[2][MOEEP_KERNEL_MAX_EXPERTS];
 };
 
 /* Diagnostic switches that leave out parts of combine, to time the rest;
@@ -100,10 +106,18 @@ void moeep_buffer_layout_compute(struct moeep_buffer_layout *l, int ranks, int m
 /* Low-latency flags and counters, in every NVLink buffer when the
  * endpoint has low-latency buffers; index [b] is the buffer set. */
 struct moeep_ll_sync {
-        uint32_t counter[2][MOEEP_KERNEL_MAX_EXPERTS];      /* slots taken per local expert (remote atomics) */
+        uint32_t counter[2][MOEEP_KERNEL_MAX_EXPERTS];      /* pairs of remote sources placed per local expert (relay) */
         int32_t count[2][MOEEP_KERNEL_MAX_EXPERTS];         /* received per local expert (owner only) */
+        /* [src][global expert]: pairs src sends to the expert in the set's
+         * current dispatch. Every source writes its whole row to every rank
+         * (before count_flag), so that each rank knows where its pairs start
+         * in every expert's slots (after the pairs of the ranks below it),
+         * and the owner knows each source's range. The relay adds remote
+         * sources' counts into their rows here (zeroed after reading). */
+        int32_t table[2][MOEEP_KERNEL_MAX_RANKS][MOEEP_KERNEL_MAX_EXPERTS];
+        uint64_t count_flag[2][MOEEP_KERNEL_MAX_RANKS];     /* [src]: src's table row of set b landed (seq) */
         uint64_t dispatch_flag[2][MOEEP_KERNEL_MAX_RANKS];  /* [src]: src's pairs of set b landed (seq) */
-        uint64_t combine_flag[2][MOEEP_KERNEL_MAX_RANKS];   /* [src]: src's expert outputs of set b landed */
+        uint64_t combine_flag[2][MOEEP_KERNEL_MAX_RANKS];   /* [src]: src's expert outputs of set b landed (combine seq) */
 };
 
 /* Offsets of the low-latency buffers (after the normal-mode ones). */
@@ -112,7 +126,9 @@ struct moeep_ll_layout {
         size_t sync;     /* struct moeep_ll_sync */
         size_t x[2];     /* [local expert][ranks * max_tokens] rows: bf16, or fp8 with stride hidden */
         size_t scales[2];/* [local expert][ranks * max_tokens][hidden / 128] float */
-        size_t src[2];   /* [local expert][ranks * max_tokens] int32: (rank << 28) | (k << 20) | token */
+        size_t src[2];   /* [local expert][slots] int32: the source token index (DeepEP's src_info) */
+        size_t kinfo[2]; /* [local expert][slots] int32: (source rank << 8) | k, for combine */
+        size_t range[2]; /* [local expert][ranks] int64: begin << 32 | count of each source's slots */
         size_t comb[2];  /* [max_tokens][max_topk] bf16 rows: expert outputs back at the token's rank */
         size_t total;    /* end of the low-latency part */
 };
@@ -135,6 +151,10 @@ void moeep_ll_layout_compute(struct moeep_ll_layout *l, size_t start, int ranks,
  * row, scales, local expert, source info) or ll_row (combine: bf16 row,
  * token, k) bytes. */
 #define MOEEP_PX_SEG_HDR 64
+/* Low-latency dispatch segments: after the header, the sender's pair count
+ * for each of the destination's local experts (int32), then the pairs, so
+ * the receiver can give each remote source its own run of slots. */
+#define MOEEP_PX_LL_COUNTS (MOEEP_KERNEL_MAX_EXPERTS * 4)
 struct moeep_px_seg {
         uint32_t count;    /* slots that follow */
         uint32_t row_bytes;/* dispatch: bytes of each staged row (hidden, or 2 hidden for bf16) */
@@ -228,6 +248,7 @@ struct moeep_route {
         int32_t *expert_counts;  /* [local experts]: received tokens per local expert (aligned) */
         int32_t *num_recv;       /* [1] */
         int32_t *chunk_expect;   /* [ceil(num_tokens / MOEEP_COMBINE_CHUNK)]: rows combine returns per chunk */
+        int32_t *rank_prefix_matrix; /* [ranks][ranks]: rows src' <= src sent to dst, [src][dst] (DeepEP's) */
         int num_tokens;
 };
 
@@ -236,6 +257,7 @@ struct moeep_notify_host {
         uint32_t error;          /* moeep_local_state.error when notify ended */
         int32_t error_rank;
         int32_t num_recv;
+        int32_t max_total_tokens; /* the largest whole dispatch of any rank (rounds) */
         int32_t expert_counts[MOEEP_KERNEL_MAX_EXPERTS];
 };
 
@@ -253,10 +275,14 @@ int moeep_launch_layout(const void *topk_idx, int idx_is_int64, int num_tokens, 
 /* Barrier with every rank (bumps seq). When `route` is not NULL, also
  * computes the routing of a dispatch: per-token positions from
  * is_token_in_rank (or topk_idx when is_token_in_rank is NULL), the count
- * exchange, prefixes and per-expert counts (aligned to `alignment`); copies
+ * exchange, prefixes and per-expert counts (aligned to `alignment`; the
+ * caller's tokens_per_expert [experts] when not NULL, else from topk_idx),
+ * and the exchange of every rank's total_tokens (the whole dispatch that
+ * this call is a round of; the maximum lands in host_out); copies
  * num_recv and the counts to `host_out` when it is not NULL. */
 int moeep_launch_notify(const struct moeep_ctx *ctx, const uint8_t *is_token_in_rank, const void *topk_idx,
-                        int idx_is_int64, int num_tokens, int num_topk, int alignment,
+                        int idx_is_int64, int num_tokens, int num_topk, const int *tokens_per_expert,
+                        int total_tokens, int alignment,
                         const struct moeep_route *route, struct moeep_notify_host *host_out,
                         cudaStream_t stream);
 
@@ -283,17 +309,23 @@ int moeep_launch_combine(const struct moeep_ctx *ctx, const void *x, const float
                          const struct moeep_route *route, void *out, float *out_weights,
                          cudaStream_t stream);
 
-/* Low-latency mode (kernels/ll.cu). `set` is the buffer set (0 or 1). */
-int moeep_launch_ll_dispatch_send(const struct moeep_ctx *ctx, const void *x, int num_tokens, const void *topk_idx,
-                                  int idx_is_int64, int num_topk, int set, int use_fp8, int round_scale,
-                                  int recv, int *stats, cudaStream_t stream); /* recv: and the receive phase */
-int moeep_launch_ll_dispatch_recv(const struct moeep_ctx *ctx, int set, int *stats, cudaStream_t stream);
-int moeep_launch_ll_combine_send(const struct moeep_ctx *ctx, const void *y, int set, cudaStream_t stream);
+/* Low-latency mode (kernels/ll.cu). `set` is the buffer set (0 or 1);
+ * `slots` the slots per expert of the call (ranks * its max tokens), the
+ * stride of every per-expert array. Each phase is one launch of the
+ * kernel moeep_ll::dispatch or moeep_ll::combine (DeepEP's profilers count
+ * kernels by those names). */
+enum { MOEEP_LL_SEND = 1, MOEEP_LL_RECV = 2 };
+int moeep_launch_ll_dispatch(const struct moeep_ctx *ctx, const void *x, int num_tokens, const void *topk_idx,
+                             int idx_is_int64, int num_topk, int set, int slots, int use_fp8, int round_scale,
+                             int phases, int *stats, cudaStream_t stream);
+int moeep_launch_ll_combine(const struct moeep_ctx *ctx, const void *y, int set, int slots, int phases,
+                            const void *topk_idx, int idx_is_int64, const float *weights, int num_tokens,
+                            int num_topk, void *out, cudaStream_t stream);
 /* With ranks at other daemons (ctx->px.remote): after dispatch send, waits
  * for every remote source's staged pairs, places them like NVLink writes,
  * then does the receive phase; after combine send, places the remote
- * expert outputs before moeep_launch_ll_combine_recv. */
-int moeep_launch_ll_dispatch_relay(const struct moeep_ctx *ctx, int set, int *stats, cudaStream_t stream);
+ * expert outputs before the receive phase of moeep_launch_ll_combine. */
+int moeep_launch_ll_dispatch_relay(const struct moeep_ctx *ctx, int set, int slots, int *stats, cudaStream_t stream);
 int moeep_launch_ll_combine_relay(const struct moeep_ctx *ctx, int set, cudaStream_t stream);
 
 /* Normal mode with ranks at other daemons (kernels/px_normal.cu), queued
@@ -307,9 +339,6 @@ int moeep_launch_px_dispatch_relay(const struct moeep_ctx *ctx, const struct moe
 int moeep_launch_px_combine_stage(const struct moeep_ctx *ctx, const void *x, const float *topk_weights, int num_topk,
                                   const struct moeep_route *route, cudaStream_t stream);
 int moeep_launch_px_combine_relay(const struct moeep_ctx *ctx, cudaStream_t stream);
-int moeep_launch_ll_combine_recv(const struct moeep_ctx *ctx, const void *topk_idx, int idx_is_int64,
-                                 const float *weights, int num_tokens, int num_topk, int set, void *out,
-                                 cudaStream_t stream);
 
 /* Benchmark references (kernels/bench.cu). */
 

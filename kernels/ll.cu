@@ -33,10 +33,6 @@ __device__ __forceinline__ struct moeep_ll_sync *ll_sync_of(const struct moeep_c
         return (struct moeep_ll_sync *)(ctx.peers[rank] + ctx.ll.sync);
 }
 
-__device__ __forceinline__ size_t ll_slot_count(const struct moeep_ctx &ctx) {
-        return (size_t)ctx.ranks * ctx.ll.max_tokens;
-}
-
 /* Bytes of one staged dispatch pair: the row as sent (xrow: hidden bytes
  * for FP8, 2 hidden for BF16), its scales when FP8, then the local expert
  * and the source info (two int32), rounded to 16. */
@@ -82,27 +78,37 @@ __device__ __forceinline__ int4 ll_cast16(int4 a, int4 b, bool round_scale, floa
         return q;
 }
 
-/* Waits (in one block) for every source's rows of set b, sequence seq,
- * publishes the counts and zeroes the counters for the set's next use. */
+/* The receive phase, in one block: waits for every source's pairs of set
+ * b, sequence seq, then publishes the counts (count[b]), each source's
+ * range of slots (DeepEP's layout_range: begin << 32 | count, sources in
+ * rank order) and the statistics. Remote sources' pairs were placed by the
+ * relay after every local source's, one run per source, in rank order. */
 __device__ __forceinline__ void ll_recv_counts(const struct moeep_ctx &ctx, int b, uint64_t seq, int *stats) {
         struct moeep_ll_sync *my = ll_sync_of(ctx, ctx.rank);
-        const int tid = threadIdx.x, epr = ctx.num_experts / ctx.ranks;
+        const int tid = threadIdx.x, R = ctx.ranks, epr = ctx.num_experts / R;
+        int64_t *range = (int64_t *)(ctx.peers[ctx.rank] + ctx.ll.range[b]);
 
-        if (tid < ctx.ranks && !px_remote(ctx, tid)) /* remote sources: the relay placed their pairs */
+        if (tid < R && !px_remote(ctx, tid)) /* remote sources: the relay placed their pairs */
                 wait_flag(ctx, &my->dispatch_flag[b][tid], seq, tid);
         __syncthreads();
         for (int le = tid; le < epr; le += blockDim.x) {
-                const uint32_t c = *(volatile uint32_t *)&my->counter[b][le];
-                my->count[b][le] = (int32_t)c;
+                const int e = ctx.rank * epr + le;
+                int64_t begin = 0;
+                for (int pass = 0; pass < 2; pass++) /* local sources in rank order, then remote ones */
+                        for (int s = 0; s < R; s++) {
+                                if (px_remote(ctx, s) != (pass == 1))
+                                        continue;
+                                const int32_t c = *(volatile int32_t *)&my->table[b][s][e];
+                                range[(size_t)le * R + s] = begin << 32 | (uint32_t)c;
+                                begin += c;
+                                if (pass == 1)
+                                        my->table[b][s][e] = 0; /* the relay adds into it */
+                        }
+                my->count[b][le] = (int32_t)begin;
                 my->counter[b][le] = 0;
                 if (stats)
-                        stats[le] += (int)c;
+                        stats[le] += (int)begin;
         }
-}
-
-/* The receive phase alone (a hook): one block. */
-__global__ void ll_dispatch_recv(struct moeep_ctx ctx, int b, int *stats) {
-        ll_recv_counts(ctx, b, ctx.state->ll_seq[b], stats);
 }
 
 /* Loads four steps of a row from int4 `base` on: the int4 pair of step u
@@ -117,19 +123,77 @@ __device__ __forceinline__ void ll_load_steps(const int4 *row, int base, int n16
                 }
 }
 
-/* One warp per (token, k) pair: it claims the pair's slot at the expert's
- * rank (a remote atomic, whose round trip overlaps the first loads), then
- * streams the row there, cast to FP8 on the way when asked. The K warps of
- * a token read the same row (from L2 after the first). */
+/* Where our pairs start in every expert's slots: after the pairs of the
+ * ranks below us, whose counts every rank broadcasts first (table rows,
+ * released by count_flag). Block 0 counts our pairs per expert (a few
+ * thousand ids, in shared memory) and broadcasts them; every block sums
+ * the rows of the ranks below us. s_begin[e] is our first slot at expert e. */
 template <typename Idx>
-__global__ void __launch_bounds__(LL_THREADS, 1)
-        ll_dispatch_send(struct moeep_ctx ctx, const int4 *x, int num_tokens, const Idx *topk_idx, int K, int b,
-                         int use_fp8, int round_scale, int recv, int *stats) {
+__device__ __forceinline__ void ll_exchange_counts(const struct moeep_ctx &ctx, const Idx *topk_idx, int n, int b,
+                                                   uint64_t seq, int *s_begin) {
+        struct moeep_ll_sync *my = ll_sync_of(ctx, ctx.rank);
+        const int tid = threadIdx.x, R = ctx.ranks, E = ctx.num_experts, me = ctx.rank;
+
+        if (blockIdx.x == 0) {
+                for (int e = tid; e < E; e += blockDim.x)
+                        s_begin[e] = 0; /* our counts first */
+                __syncthreads();
+                for (int i = tid; i < n; i += blockDim.x) {
+                        const int64_t e = (int64_t)topk_idx[i];
+                        if (e >= 0 && e < E)
+                                atomicAdd(&s_begin[e], 1);
+                }
+                __syncthreads();
+                const int epr = E / R;
+                for (int i = tid; i < R * E; i += blockDim.x) {
+                        const int d = i / E;
+                        if (!px_remote(ctx, d))
+                                ll_sync_of(ctx, d)->table[b][me][i % E] = s_begin[i % E];
+                        else if (i % E / epr == d) /* d's experts, ahead of the pairs staged for d */
+                                ((int32_t *)(px_send_seg(ctx, ctx.px.ll_dispatch[b], ctx.px.ll_dispatch_seg, d) +
+                                             MOEEP_PX_SEG_HDR))[i % E % epr] = s_begin[i % E];
+                }
+                __threadfence_system();
+                __syncthreads();
+                if (tid < R && !px_remote(ctx, tid))
+                        st_release_sys(&ll_sync_of(ctx, tid)->count_flag[b][me], seq);
+        }
+        if (tid < me && !px_remote(ctx, tid))
+                wait_flag(ctx, &my->count_flag[b][tid], seq, tid);
+        __syncthreads();
+        for (int e = tid; e < E; e += blockDim.x) {
+                int begin = 0;
+                for (int s = 0; s < me; s++)
+                        if (!px_remote(ctx, s))
+                                begin += *(volatile int32_t *)&my->table[b][s][e];
+                s_begin[e] = begin;
+        }
+        __syncthreads();
+}
+
+/* Dispatch. Send phase: one warp per (token, k) pair takes the pair's slot
+ * at the expert's rank (our first slot there plus a position among our
+ * pairs from a local counter) and streams the row there, cast to FP8 on
+ * the way when asked, scales column-major per expert ([scale][slot], as
+ * DeepEP returns them). The K warps of a token read the same row (from L2
+ * after the first). Receive phase (alone in one block for a hook, else by
+ * the send phase's last block): ll_recv_counts. */
+template <typename Idx>
+__device__ __forceinline__ void ll_dispatch(const struct moeep_ctx &ctx, const int4 *x, int num_tokens,
+                                            const Idx *topk_idx, int K, int b, int S, int use_fp8, int round_scale,
+                                            int phases, int *stats) {
+        __shared__ int s_begin[MOEEP_KERNEL_MAX_EXPERTS];
         const int lane = threadIdx.x % 32, R = ctx.ranks, me = ctx.rank, H = ctx.hidden, epr = ctx.num_experts / R;
         const int warps = gridDim.x * LL_WARPS, gwarp = ll_warp_index(), n16 = H / 8;
-        const size_t slots = ll_slot_count(ctx), xrow = (size_t)H * (use_fp8 ? 1 : 2);
+        const size_t slots = (size_t)S, xrow = (size_t)H * (use_fp8 ? 1 : 2);
         const int nscales = H / MOEEP_SCALE_BLOCK;
+
+        if (!(phases & MOEEP_LL_SEND)) {
+                ll_recv_counts(ctx, b, ctx.state->ll_seq[b], stats);
+                return;
+        }
         const uint64_t seq = ctx.state->ll_seq[b] + 1;
+        ll_exchange_counts(ctx, topk_idx, num_tokens * K, b, seq, s_begin);
 
         for (int item = gwarp; item < num_tokens * K; item += warps) {
                 const int t = item / K, k = item % K;
@@ -141,7 +205,7 @@ __global__ void __launch_bounds__(LL_THREADS, 1)
                 uint32_t pos = 0;
                 if (lane == 0)
                         pos = remote ? atomicAdd(&ctx.px.state->ll_claim[b][d], 1u)
-                                     : atomicAdd_system(&ll_sync_of(ctx, d)->counter[b][le], 1u);
+                                     : (uint32_t)s_begin[e] + atomicAdd(&ctx.state->ll_pos[b][e], 1u);
                 const int4 *row = x + (size_t)t * n16;
                 /* Lane i moves 16 channels (two int4 of bf16) per step, 32
                  * steps of the warp per 512 channels; loads of 4 steps in
@@ -158,15 +222,18 @@ __global__ void __launch_bounds__(LL_THREADS, 1)
                 const size_t slot = (size_t)le * slots + pos;
                 char *dst;
                 float *sc;
+                size_t sc_stride; /* between the scales of one slot */
                 int32_t *info;
-                if (remote) { /* staged: row, scales, then (local expert, source info) */
+                if (remote) { /* staged: row, scales, then (local expert, packed source info) */
                         dst = px_send_seg(ctx, ctx.px.ll_dispatch[b], ctx.px.ll_dispatch_seg, d) + MOEEP_PX_SEG_HDR +
-                              pos * px_pair_bytes(xrow, H);
+                              MOEEP_PX_LL_COUNTS + pos * px_pair_bytes(xrow, H);
                         sc = (float *)(dst + xrow);
+                        sc_stride = 1;
                         info = (int32_t *)(sc + (use_fp8 ? nscales : 0));
                 } else {
                         dst = ctx.peers[d] + ctx.ll.x[b] + slot * xrow;
-                        sc = (float *)(ctx.peers[d] + ctx.ll.scales[b]) + slot * nscales;
+                        sc = (float *)(ctx.peers[d] + ctx.ll.scales[b]) + (size_t)le * nscales * slots + pos;
+                        sc_stride = slots;
                         info = (int32_t *)(ctx.peers[d] + ctx.ll.src[b]) + slot;
                 }
                 for (int base = 0; base < n16; base += 4 * 64) {
@@ -183,7 +250,7 @@ __global__ void __launch_bounds__(LL_THREADS, 1)
                                         if (c < n16) {
                                                 st_na_v4((int4 *)dst + c / 2, q);
                                                 if (lane % 8 == 0)
-                                                        sc[c / 16] = scale;
+                                                        sc[(size_t)(c / 16) * sc_stride] = scale;
                                         }
                                 } else if (c < n16) {
                                         st_na_v4((int4 *)dst + c, v[2 * u]);
@@ -192,35 +259,49 @@ __global__ void __launch_bounds__(LL_THREADS, 1)
                         }
                 }
                 if (lane == 0) {
-                        if (remote)
-                                *info++ = le;
-                        *info = (me << 28) | (k << 20) | t;
+                        if (remote) {
+                                info[0] = le;
+                                info[1] = (me << 28) | (k << 20) | t;
+                        } else {
+                                *info = t;
+                                ((int32_t *)(ctx.peers[d] + ctx.ll.kinfo[b]))[slot] = (me << 8) | k;
+                        }
                 }
         }
         if (!last_block_done(ctx))
                 return;
+        /* Every pair of ours is placed: the positions start again at 0. */
+        for (int e = threadIdx.x; e < ctx.num_experts; e += blockDim.x)
+                ctx.state->ll_pos[b][e] = 0;
         if (threadIdx.x == 0)
                 ctx.state->ll_seq[b] = seq;
         if (threadIdx.x < R && !px_remote(ctx, threadIdx.x))
                 st_release_sys(&ll_sync_of(ctx, threadIdx.x)->dispatch_flag[b][me], seq);
-        if (ctx.px.remote && threadIdx.x == 0)
-                px_ship(ctx, ctx.px.ll_dispatch[b], ctx.px.ll_dispatch_seg, ctx.px.state->ll_claim[b], px_pair_bytes(xrow, H),
-                        MOEEP_PX_COUNTER_LL_DISPATCH(b, 0), px_seg_info(ctx.px.epoch + seq, (uint32_t)xrow, 0, 0));
+        if (ctx.px.remote && threadIdx.x == 0) {
+                /* A copy: px_ship takes its context by reference and is not
+                 * inlined, which would otherwise move the kernel's parameter
+                 * into local memory for every thread of every launch. */
+                const struct moeep_ctx c = ctx;
+                px_ship(c, c.px.ll_dispatch[b], c.px.ll_dispatch_seg, c.px.state->ll_claim[b], px_pair_bytes(xrow, H),
+                        MOEEP_PX_COUNTER_LL_DISPATCH(b, 0), px_seg_info(c.px.epoch + seq, (uint32_t)xrow, 0, 0),
+                        MOEEP_PX_LL_COUNTS);
+        }
         /* Without a hook the last block goes on with the receive phase: it
          * waits only for other GPUs, never for blocks of this grid. */
-        if (recv)
+        if (phases & MOEEP_LL_RECV)
                 ll_recv_counts(ctx, b, seq, stats);
 }
 
 /* Expert outputs back to the tokens' ranks: slot (le, pos) of set b goes to
  * row (token, k) of its source's combine area. */
-__global__ void __launch_bounds__(LL_THREADS, 1) ll_combine_send(struct moeep_ctx ctx, const int4 *y, int b) {
+__device__ __forceinline__ void ll_combine_send(const struct moeep_ctx &ctx, const int4 *y, int b, int S) {
         const struct moeep_ll_sync *my = ll_sync_of(ctx, ctx.rank);
         const int lane = threadIdx.x % 32, R = ctx.ranks, me = ctx.rank, H = ctx.hidden, epr = ctx.num_experts / R;
         const int warps = gridDim.x * LL_WARPS, gwarp = ll_warp_index();
-        const size_t slots = ll_slot_count(ctx);
-        const uint64_t seq = ctx.state->ll_seq[b];
+        const size_t slots = (size_t)S;
+        const uint64_t seq = ctx.state->ll_comb_seq[b] + 1;
         const int32_t *src = (const int32_t *)(ctx.peers[me] + ctx.ll.src[b]);
+        const int32_t *kinfo = (const int32_t *)(ctx.peers[me] + ctx.ll.kinfo[b]);
 
         /* The slots in use are the first count[le] of each expert; warps walk
          * them as one list (prefix over the experts in shared memory). */
@@ -234,69 +315,88 @@ __global__ void __launch_bounds__(LL_THREADS, 1) ll_combine_send(struct moeep_ct
                 s_prefix[epr] = sum;
         }
         __syncthreads();
-        {
-                for (int q = gwarp; q < s_prefix[epr]; q += warps) {
-                        int lo = 0, hi = epr - 1;
-                        while (lo < hi) { /* last expert whose prefix <= q */
-                                const int mid = (lo + hi + 1) / 2;
-                                if (s_prefix[mid] <= q)
-                                        lo = mid;
-                                else
-                                        hi = mid - 1;
+        for (int q = gwarp; q < s_prefix[epr]; q += warps) {
+                int lo = 0, hi = epr - 1;
+                while (lo < hi) { /* last expert whose prefix <= q */
+                        const int mid = (lo + hi + 1) / 2;
+                        if (s_prefix[mid] <= q)
+                                lo = mid;
+                        else
+                                hi = mid - 1;
+                }
+                const int le = lo, pos = q - s_prefix[lo];
+                const size_t slot = (size_t)le * slots + pos;
+                const int t = src[slot], ki = kinfo[slot];
+                const int s = (ki >> 8) & 0xff, k = ki & 0xff;
+                int4 *dst;
+                if (px_remote(ctx, s)) { /* staged: row, then (token, k) */
+                        uint32_t p = 0;
+                        if (lane == 0)
+                                p = atomicAdd(&ctx.px.state->ll_comb_claim[b][s], 1u);
+                        p = __shfl_sync(0xffffffffu, p, 0);
+                        char *row = px_send_seg(ctx, ctx.px.ll_combine[b], ctx.px.ll_combine_seg, s) +
+                                    MOEEP_PX_SEG_HDR + p * ctx.px.ll_row;
+                        if (lane == 0) {
+                                ((int32_t *)(row + (size_t)H * 2))[0] = t;
+                                ((int32_t *)(row + (size_t)H * 2))[1] = k;
                         }
-                        const int le = lo, pos = q - s_prefix[lo];
-                        const size_t slot = (size_t)le * slots + pos;
-                        const int info = src[slot];
-                        const int s = (info >> 28) & 0xf, k = (info >> 20) & 0xff, t = info & 0xfffff;
-                        int4 *dst;
-                        if (px_remote(ctx, s)) { /* staged: row, then (token, k) */
-                                uint32_t p = 0;
-                                if (lane == 0)
-                                        p = atomicAdd(&ctx.px.state->ll_comb_claim[b][s], 1u);
-                                p = __shfl_sync(0xffffffffu, p, 0);
-                                char *row = px_send_seg(ctx, ctx.px.ll_combine[b], ctx.px.ll_combine_seg, s) +
-                                            MOEEP_PX_SEG_HDR + p * ctx.px.ll_row;
-                                if (lane == 0) {
-                                        ((int32_t *)(row + (size_t)H * 2))[0] = t;
-                                        ((int32_t *)(row + (size_t)H * 2))[1] = k;
-                                }
-                                dst = (int4 *)row;
-                        } else {
-                                dst = (int4 *)(ctx.peers[s] + ctx.ll.comb[b] + ((size_t)t * ctx.max_topk + k) * (size_t)H * 2);
-                        }
-                        const int4 *row = y + slot * H / 8;
-                        for (int i = lane; i < H / 8; i += 32 * 8) {
-                                int4 v[8];
+                        dst = (int4 *)row;
+                } else {
+                        dst = (int4 *)(ctx.peers[s] + ctx.ll.comb[b] + ((size_t)t * ctx.max_topk + k) * (size_t)H * 2);
+                }
+                const int4 *row = y + slot * H / 8;
+                for (int i = lane; i < H / 8; i += 32 * 8) {
+                        int4 v[8];
 #pragma unroll
-                                for (int u = 0; u < 8; u++)
-                                        if (i + u * 32 < H / 8)
-                                                v[u] = ld_nc_v4(row + i + u * 32);
+                        for (int u = 0; u < 8; u++)
+                                if (i + u * 32 < H / 8)
+                                        v[u] = ld_nc_v4(row + i + u * 32);
 #pragma unroll
-                                for (int u = 0; u < 8; u++)
-                                        if (i + u * 32 < H / 8)
-                                                st_na_v4(dst + i + u * 32, v[u]);
-                        }
+                        for (int u = 0; u < 8; u++)
+                                if (i + u * 32 < H / 8)
+                                        st_na_v4(dst + i + u * 32, v[u]);
                 }
         }
         if (!last_block_done(ctx))
                 return;
+        if (threadIdx.x == 0)
+                ctx.state->ll_comb_seq[b] = seq;
         if (threadIdx.x < R && !px_remote(ctx, threadIdx.x))
                 st_release_sys(&ll_sync_of(ctx, threadIdx.x)->combine_flag[b][me], seq);
-        if (ctx.px.remote && threadIdx.x == 0)
-                px_ship(ctx, ctx.px.ll_combine[b], ctx.px.ll_combine_seg, ctx.px.state->ll_comb_claim[b], ctx.px.ll_row,
-                        MOEEP_PX_COUNTER_LL_COMBINE(b, 0), px_seg_info(ctx.px.epoch + seq, (uint32_t)H * 2, 0, 0));
+        if (ctx.px.remote && threadIdx.x == 0) {
+                const struct moeep_ctx c = ctx; /* see dispatch */
+                px_ship(c, c.px.ll_combine[b], c.px.ll_combine_seg, c.px.state->ll_comb_claim[b], c.px.ll_row,
+                        MOEEP_PX_COUNTER_LL_COMBINE(b, 0), px_seg_info(c.px.epoch + seq, (uint32_t)H * 2, 0, 0));
+        }
 }
 
 /* Places the pairs remote sources staged for us (set b) at slots claimed
  * from our own counters, as their NVLink writes would have, then the last
  * block does the receive phase. */
-__global__ void __launch_bounds__(LL_THREADS, 1) ll_dispatch_relay(struct moeep_ctx ctx, int b, int *stats) {
+__global__ void __launch_bounds__(LL_THREADS, 1) ll_pairs_relay(struct moeep_ctx ctx, int b, int S, int *stats) {
         struct moeep_ll_sync *my = ll_sync_of(ctx, ctx.rank);
-        const int lane = threadIdx.x % 32, H = ctx.hidden, nscales = H / MOEEP_SCALE_BLOCK;
-        const int warps = gridDim.x * LL_WARPS, gwarp = ll_warp_index();
-        const size_t slots = ll_slot_count(ctx);
+        const int lane = threadIdx.x % 32, H = ctx.hidden, nscales = H / MOEEP_SCALE_BLOCK, R = ctx.ranks;
+        const int warps = gridDim.x * LL_WARPS, gwarp = ll_warp_index(), epr = ctx.num_experts / R;
+        const size_t slots = (size_t)S;
         const uint64_t seq = ctx.state->ll_seq[b];
         char *own = ctx.peers[ctx.rank];
+
+        /* Remote sources' pairs go after every local source's, one run of
+         * slots per source, in rank order: each starts after the local
+         * sources' counts (their table rows) and the earlier remote
+         * sources' (the counts ahead of their staged pairs). */
+        __shared__ int s_base[MOEEP_KERNEL_MAX_EXPERTS];
+        if (threadIdx.x < R && !px_remote(ctx, threadIdx.x))
+                wait_flag(ctx, &my->count_flag[b][threadIdx.x], seq, threadIdx.x);
+        __syncthreads();
+        for (int le = threadIdx.x; le < epr; le += blockDim.x) {
+                int local = 0;
+                for (int r = 0; r < R; r++)
+                        if (!px_remote(ctx, r))
+                                local += *(volatile int32_t *)&my->table[b][r][ctx.rank * epr + le];
+                s_base[le] = local;
+        }
+        __syncthreads();
 
         for (int s = 0; s < ctx.ranks; s++) {
                 if (!px_remote(ctx, s))
@@ -305,17 +405,20 @@ __global__ void __launch_bounds__(LL_THREADS, 1) ll_dispatch_relay(struct moeep_
                                                              MOEEP_PX_COUNTER_LL_DISPATCH(b, s), ctx.px.epoch + seq, s);
                 if (!h)
                         break;
+                const int32_t *counts = (const int32_t *)((const char *)h + MOEEP_PX_SEG_HDR);
                 const uint32_t n = min(__ldcv((const int *)&h->count), (int)ctx.px.ll_slots);
                 const size_t xrow = (size_t)__ldcv((const int *)&h->row_bytes), pair_bytes = px_pair_bytes(xrow, H);
                 const bool fp8 = xrow == (size_t)H;
                 for (uint32_t q = gwarp; q < n; q += warps) {
-                        const char *pair = (const char *)h + MOEEP_PX_SEG_HDR + q * pair_bytes;
+                        const char *pair = (const char *)h + MOEEP_PX_SEG_HDR + MOEEP_PX_LL_COUNTS + q * pair_bytes;
                         const float *sc = (const float *)(pair + xrow);
                         const int32_t *info = (const int32_t *)(sc + (fp8 ? nscales : 0));
                         const int le = __ldcv(info), src_info = __ldcv(info + 1);
+                        if (le < 0 || le >= epr)
+                                continue; /* cannot come from our kernels */
                         uint32_t pos = 0;
-                        if (lane == 0)
-                                pos = atomicAdd_system(&my->counter[b][le], 1u);
+                        if (lane == 0) /* table[b][s] of a remote s: the pairs placed so far, then its count */
+                                pos = (uint32_t)s_base[le] + atomicAdd(&my->table[b][s][ctx.rank * epr + le], 1);
                         pos = __shfl_sync(0xffffffffu, pos, 0);
                         if ((size_t)pos >= slots) {
                                 if (lane == 0)
@@ -326,10 +429,18 @@ __global__ void __launch_bounds__(LL_THREADS, 1) ll_dispatch_relay(struct moeep_
                         px_copy((int4 *)(own + ctx.ll.x[b] + slot * xrow), (const int4 *)pair, xrow);
                         if (fp8)
                                 for (int j = lane; j < nscales; j += 32)
-                                        ((float *)(own + ctx.ll.scales[b]))[slot * nscales + j] = __ldcv(sc + j);
-                        if (lane == 0)
-                                ((int32_t *)(own + ctx.ll.src[b]))[slot] = src_info;
+                                        ((float *)(own + ctx.ll.scales[b]))[((size_t)le * nscales + j) * slots + pos] =
+                                                __ldcv(sc + j);
+                        if (lane == 0) {
+                                ((int32_t *)(own + ctx.ll.src[b]))[slot] = src_info & 0xfffff;
+                                ((int32_t *)(own + ctx.ll.kinfo[b]))[slot] = ((src_info >> 28) & 0xf) << 8 |
+                                                                             ((src_info >> 20) & 0xff);
+                        }
                 }
+                __syncthreads(); /* s_base is read above by every warp of the block */
+                for (int le = threadIdx.x; le < epr; le += blockDim.x)
+                        s_base[le] += __ldcv(counts + le);
+                __syncthreads();
         }
         if (!last_block_done(ctx))
                 return;
@@ -337,11 +448,11 @@ __global__ void __launch_bounds__(LL_THREADS, 1) ll_dispatch_relay(struct moeep_
 }
 
 /* Places the expert outputs remote ranks staged for our tokens (set b)
- * into our combine rows; moeep_launch_ll_combine_recv follows. */
-__global__ void __launch_bounds__(LL_THREADS, 1) ll_combine_relay(struct moeep_ctx ctx, int b) {
+ * into our combine rows; the receive phase of combine follows. */
+__global__ void __launch_bounds__(LL_THREADS, 1) ll_rows_relay(struct moeep_ctx ctx, int b) {
         const int H = ctx.hidden;
         const int warps = gridDim.x * LL_WARPS, gwarp = ll_warp_index();
-        const uint64_t seq = ctx.state->ll_seq[b];
+        const uint64_t seq = ctx.state->ll_comb_seq[b];
         char *comb = ctx.peers[ctx.rank] + ctx.ll.comb[b];
 
         for (int s = 0; s < ctx.ranks; s++) {
@@ -367,16 +478,15 @@ __global__ void __launch_bounds__(LL_THREADS, 1) ll_combine_relay(struct moeep_c
 /* Sums each token's expert outputs with its top-k weights (float), after
  * every rank's rows of set b landed. Experts masked (-1) add nothing. */
 template <typename Idx>
-__global__ void __launch_bounds__(LL_THREADS, 1)
-        ll_combine_recv(struct moeep_ctx ctx, const Idx *topk_idx, const float *weights, int num_tokens, int K,
-                        int b, int4 *out) {
+__device__ __forceinline__ void ll_combine_recv(const struct moeep_ctx &ctx, const Idx *topk_idx, const float *weights,
+                                                int num_tokens, int K, int b, int4 *out) {
         const struct moeep_ll_sync *my = ll_sync_of(ctx, ctx.rank);
         const int lane = threadIdx.x % 32, H = ctx.hidden;
         const int warps = gridDim.x * LL_WARPS, gwarp = ll_warp_index();
-        const uint64_t seq = ctx.state->ll_seq[b];
+        const uint64_t seq = ctx.state->ll_comb_seq[b];
         const char *comb = ctx.peers[ctx.rank] + ctx.ll.comb[b];
 
-        if (threadIdx.x < ctx.ranks && !px_remote(ctx, threadIdx.x)) /* remote ranks: ll_combine_relay ran before */
+        if (threadIdx.x < ctx.ranks && !px_remote(ctx, threadIdx.x)) /* remote ranks: ll_rows_relay ran before */
                 wait_flag(ctx, &my->combine_flag[b][threadIdx.x], seq, threadIdx.x);
         __syncthreads();
         /* Work items (token, 512 channels of the row), so that a few tokens
@@ -427,60 +537,80 @@ __global__ void __launch_bounds__(LL_THREADS, 1)
         }
 }
 
-extern "C" int moeep_launch_ll_dispatch_send(const struct moeep_ctx *ctx, const void *x, int num_tokens,
-                                             const void *topk_idx, int idx_is_int64, int num_topk, int set, int use_fp8,
-                                             int round_scale, int recv, int *stats, cudaStream_t stream) {
-        MOEEP_CUDA_LAUNCH_BEGIN();
-        if (idx_is_int64)
-                ll_dispatch_send<int64_t><<<ctx->ll_num_sms, LL_THREADS, 0, stream>>>(
-                        *ctx, (const int4 *)x, num_tokens, (const int64_t *)topk_idx, num_topk, set, use_fp8, round_scale, recv,
-                        stats);
+namespace moeep_ll {
+
+/* The kernels DeepEP's profilers see: one name per operation, each phase
+ * (send, receive, or both) one launch. */
+template <typename Idx>
+__global__ void __launch_bounds__(LL_THREADS, 1)
+        dispatch(struct moeep_ctx ctx, const int4 *x, int num_tokens, const Idx *topk_idx, int K, int b, int S,
+                 int use_fp8, int round_scale, int phases, int *stats) {
+        ll_dispatch<Idx>(ctx, x, num_tokens, topk_idx, K, b, S, use_fp8, round_scale, phases, stats);
+}
+
+/* Combine: the send phase, then (in the same launch only with a single
+ * phase per launch, as the receive waits for every rank's send) the sum. */
+template <typename Idx>
+__global__ void __launch_bounds__(LL_THREADS, 1)
+        combine(struct moeep_ctx ctx, const int4 *y, int b, int S, int phases, const Idx *topk_idx,
+                const float *weights, int num_tokens, int K, int4 *out) {
+        if (phases & MOEEP_LL_SEND)
+                ll_combine_send(ctx, y, b, S);
         else
-                ll_dispatch_send<int32_t><<<ctx->ll_num_sms, LL_THREADS, 0, stream>>>(
-                        *ctx, (const int4 *)x, num_tokens, (const int32_t *)topk_idx, num_topk, set, use_fp8, round_scale, recv,
-                        stats);
+                ll_combine_recv<Idx>(ctx, topk_idx, weights, num_tokens, K, b, out);
+}
+
+} /* namespace moeep_ll */
+
+extern "C" int moeep_launch_ll_dispatch(const struct moeep_ctx *ctx, const void *x, int num_tokens, const void *topk_idx,
+                                        int idx_is_int64, int num_topk, int set, int slots, int use_fp8, int round_scale,
+                                        int phases, int *stats, cudaStream_t stream) {
+        MOEEP_CUDA_LAUNCH_BEGIN();
+        /* The receive phase alone is one block's work. */
+        const int blocks = (phases & MOEEP_LL_SEND) ? ctx->ll_num_sms : 1;
+        if (idx_is_int64)
+                moeep_ll::dispatch<int64_t><<<blocks, LL_THREADS, 0, stream>>>(
+                        *ctx, (const int4 *)x, num_tokens, (const int64_t *)topk_idx, num_topk, set, slots, use_fp8,
+                        round_scale, phases, stats);
+        else
+                moeep_ll::dispatch<int32_t><<<blocks, LL_THREADS, 0, stream>>>(
+                        *ctx, (const int4 *)x, num_tokens, (const int32_t *)topk_idx, num_topk, set, slots, use_fp8,
+                        round_scale, phases, stats);
         MOEEP_CUDA_LAUNCH_CHECK();
         return 0;
 }
 
-extern "C" int moeep_launch_ll_dispatch_recv(const struct moeep_ctx *ctx, int set, int *stats, cudaStream_t stream) {
+extern "C" int moeep_launch_ll_combine(const struct moeep_ctx *ctx, const void *y, int set, int slots, int phases,
+                                       const void *topk_idx, int idx_is_int64, const float *weights, int num_tokens,
+                                       int num_topk, void *out, cudaStream_t stream) {
         MOEEP_CUDA_LAUNCH_BEGIN();
-        ll_dispatch_recv<<<1, 256, 0, stream>>>(*ctx, set, stats);
-        MOEEP_CUDA_LAUNCH_CHECK();
+        for (int p = MOEEP_LL_SEND; p <= MOEEP_LL_RECV; p <<= 1) {
+                if (!(phases & p))
+                        continue;
+                if (idx_is_int64)
+                        moeep_ll::combine<int64_t><<<ctx->ll_num_sms, LL_THREADS, 0, stream>>>(
+                                *ctx, (const int4 *)y, set, slots, p, (const int64_t *)topk_idx, weights, num_tokens,
+                                num_topk, (int4 *)out);
+                else
+                        moeep_ll::combine<int32_t><<<ctx->ll_num_sms, LL_THREADS, 0, stream>>>(
+                                *ctx, (const int4 *)y, set, slots, p, (const int32_t *)topk_idx, weights, num_tokens,
+                                num_topk, (int4 *)out);
+                MOEEP_CUDA_LAUNCH_CHECK();
+        }
         return 0;
 }
 
-extern "C" int moeep_launch_ll_combine_send(const struct moeep_ctx *ctx, const void *y, int set, cudaStream_t stream) {
+extern "C" int moeep_launch_ll_dispatch_relay(const struct moeep_ctx *ctx, int set, int slots, int *stats,
+                                              cudaStream_t stream) {
         MOEEP_CUDA_LAUNCH_BEGIN();
-        ll_combine_send<<<ctx->ll_num_sms, LL_THREADS, 0, stream>>>(*ctx, (const int4 *)y, set);
-        MOEEP_CUDA_LAUNCH_CHECK();
-        return 0;
-}
-
-extern "C" int moeep_launch_ll_dispatch_relay(const struct moeep_ctx *ctx, int set, int *stats, cudaStream_t stream) {
-        MOEEP_CUDA_LAUNCH_BEGIN();
-        ll_dispatch_relay<<<ctx->ll_num_sms, LL_THREADS, 0, stream>>>(*ctx, set, stats);
+        ll_pairs_relay<<<ctx->ll_num_sms, LL_THREADS, 0, stream>>>(*ctx, set, slots, stats);
         MOEEP_CUDA_LAUNCH_CHECK();
         return 0;
 }
 
 extern "C" int moeep_launch_ll_combine_relay(const struct moeep_ctx *ctx, int set, cudaStream_t stream) {
         MOEEP_CUDA_LAUNCH_BEGIN();
-        ll_combine_relay<<<ctx->ll_num_sms, LL_THREADS, 0, stream>>>(*ctx, set);
-        MOEEP_CUDA_LAUNCH_CHECK();
-        return 0;
-}
-
-extern "C" int moeep_launch_ll_combine_recv(const struct moeep_ctx *ctx, const void *topk_idx, int idx_is_int64,
-                                            const float *weights, int num_tokens, int num_topk, int set, void *out,
-                                            cudaStream_t stream) {
-        MOEEP_CUDA_LAUNCH_BEGIN();
-        if (idx_is_int64)
-                ll_combine_recv<int64_t><<<ctx->ll_num_sms, LL_THREADS, 0, stream>>>(
-                        *ctx, (const int64_t *)topk_idx, weights, num_tokens, num_topk, set, (int4 *)out);
-        else
-                ll_combine_recv<int32_t><<<ctx->ll_num_sms, LL_THREADS, 0, stream>>>(
-                        *ctx, (const int32_t *)topk_idx, weights, num_tokens, num_topk, set, (int4 *)out);
+        ll_rows_relay<<<ctx->ll_num_sms, LL_THREADS, 0, stream>>>(*ctx, set);
         MOEEP_CUDA_LAUNCH_CHECK();
         return 0;
 }

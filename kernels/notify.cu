@@ -47,7 +47,7 @@ __device__ __forceinline__ void barrier_all(const struct moeep_ctx &ctx, uint64_
                 __syncthreads();
                 if (tid == 0)
                         px_ship(ctx, ctx.px.nm_sync, ctx.px.nm_sync_seg, s_slots,
-                                (size_t)(R + ctx.num_experts / R) * sizeof(int32_t), MOEEP_PX_COUNTER_NM_SYNC(0),
+                                (size_t)(R + ctx.num_experts / R + 1) * sizeof(int32_t), MOEEP_PX_COUNTER_NM_SYNC(0),
                                 px_seg_info(ctx.px.epoch + seq, 0, 0, 0));
         }
         if (tid < R && !px_remote(ctx, tid))
@@ -66,7 +66,9 @@ __device__ __forceinline__ int32_t *px_counts_out(const struct moeep_ctx &ctx, i
 template <typename Idx>
 __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
         notify_kernel(struct moeep_ctx ctx, const uint8_t *in_rank, const Idx *topk_idx, int num_tokens,
-                      int num_topk, int alignment, struct moeep_route route, int with_route,
+                      int num_topk, const int *tokens_per_expert, int total_tokens, int alignment,
+                      struct moeep_route route,
+                      int with_route,
                       struct moeep_notify_host *host_out) {
         __shared__ int s_warp_sum[NOTIFY_WARPS][MOEEP_KERNEL_MAX_RANKS];
         __shared__ int s_total[MOEEP_KERNEL_MAX_RANKS];
@@ -110,7 +112,10 @@ __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
                                         s_warp_sum[warp][d] = cnt[d];
         }
         __syncthreads();
-        if (topk_idx)
+        if (tokens_per_expert) /* the caller's counts (DeepEP takes them even when no top-k travels) */
+                for (int i = tid; i < E; i += NOTIFY_THREADS)
+                        s_hist[i] = tokens_per_expert[i];
+        else if (topk_idx)
                 for (int i = tid; i < num_tokens * num_topk; i += NOTIFY_THREADS) {
                         int64_t e = (int64_t)topk_idx[i];
                         if (e >= 0 && e < E)
@@ -186,11 +191,17 @@ __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
                         sync_of(ctx, d)->rank_counts[par][me][i % R] = s_total[i % R];
         }
         for (int i = tid; i < E; i += NOTIFY_THREADS) {
-                const int d = i / epr, c = topk_idx ? s_hist[i] : 0;
+                const int d = i / epr, c = topk_idx || tokens_per_expert ? s_hist[i] : 0;
                 if (px_remote(ctx, d))
                         px_counts_out(ctx, d)[R + i % epr] = c;
                 else
                         sync_of(ctx, d)->expert_counts[par][me][i % epr] = c;
+        }
+        if (tid < R) { /* our whole dispatch's size, for the number of rounds */
+                if (px_remote(ctx, tid))
+                        px_counts_out(ctx, tid)[R + epr] = total_tokens;
+                else
+                        sync_of(ctx, tid)->total_tokens[par][me] = total_tokens;
         }
         __threadfence_system();
         __syncthreads();
@@ -202,11 +213,13 @@ __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
                 if (!px_remote(ctx, s))
                         continue;
                 const int32_t *c = (const int32_t *)(px_recv_seg(ctx, ctx.px.nm_sync, ctx.px.nm_sync_seg, s) + MOEEP_PX_SEG_HDR);
-                for (int i = tid; i < R + epr; i += NOTIFY_THREADS) {
+                for (int i = tid; i <= R + epr; i += NOTIFY_THREADS) {
                         if (i < R)
                                 my->rank_counts[par][s][i] = __ldcv(c + i);
-                        else
+                        else if (i < R + epr)
                                 my->expert_counts[par][s][i - R] = __ldcv(c + i);
+                        else
+                                my->total_tokens[par][s] = __ldcv(c + i);
                 }
         }
         __syncthreads();
@@ -216,6 +229,13 @@ __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
                         base += *(const volatile int32_t *)&my->rank_counts[par][s][tid];
                 route.dst_base[tid] = base;
         }
+        if (tid < R) { /* column tid of DeepEP's rank_prefix_matrix */
+                int sum = 0;
+                for (int s = 0; s < R; s++) {
+                        sum += *(const volatile int32_t *)&my->rank_counts[par][s][tid];
+                        route.rank_prefix_matrix[s * R + tid] = sum;
+                }
+        }
         if (tid == 0) {
                 int sum = 0;
                 for (int s = 0; s < R; s++) {
@@ -224,8 +244,13 @@ __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
                 }
                 route.rank_prefix[R] = sum;
                 *route.num_recv = sum;
-                if (host_out)
+                int most = 0;
+                for (int s = 0; s < R; s++)
+                        most = max(most, *(const volatile int32_t *)&my->total_tokens[par][s]);
+                if (host_out) {
                         host_out->num_recv = sum;
+                        host_out->max_total_tokens = most;
+                }
         }
         for (int l = tid; l < epr; l += NOTIFY_THREADS) {
                 int c = 0;
@@ -250,7 +275,8 @@ __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
 
 extern "C" int moeep_launch_notify(const struct moeep_ctx *ctx, const uint8_t *is_token_in_rank,
                                    const void *topk_idx, int idx_is_int64, int num_tokens, int num_topk,
-                                   int alignment, const struct moeep_route *route,
+                                   const int *tokens_per_expert, int total_tokens, int alignment,
+                                   const struct moeep_route *route,
                                    struct moeep_notify_host *host_out, cudaStream_t stream) {
         MOEEP_CUDA_LAUNCH_BEGIN();
         struct moeep_route none = {};
@@ -259,12 +285,14 @@ extern "C" int moeep_launch_notify(const struct moeep_ctx *ctx, const uint8_t *i
         if (idx_is_int64)
                 notify_kernel<int64_t><<<1, NOTIFY_THREADS, 0, stream>>>(*ctx, is_token_in_rank,
                                                                         (const int64_t *)topk_idx, num_tokens,
-                                                                        num_topk, alignment, r, route != NULL,
+                                                                        num_topk, tokens_per_expert, total_tokens, alignment, r,
+                                                                        route != NULL,
                                                                         host_out);
         else
                 notify_kernel<int32_t><<<1, NOTIFY_THREADS, 0, stream>>>(*ctx, is_token_in_rank,
                                                                         (const int32_t *)topk_idx, num_tokens,
-                                                                        num_topk, alignment, r, route != NULL,
+                                                                        num_topk, tokens_per_expert, total_tokens, alignment, r,
+                                                                        route != NULL,
                                                                         host_out);
         MOEEP_CUDA_LAUNCH_CHECK();
         return 0;

@@ -74,10 +74,6 @@ __device__ __forceinline__ bool mbar_try_wait(uint64_t *bar, uint32_t parity) {
         return ok != 0;
 }
 
-__device__ __forceinline__ void mbar_wait(uint64_t *bar, uint32_t parity) {
-        while (!mbar_try_wait(bar, parity))
-                ;
-}
 
 /* Copies `bytes` (multiple of 16, 16-byte aligned ends) from global memory
  * into shared memory; completion is counted on `bar` as transaction bytes. */
@@ -176,6 +172,28 @@ __device__ __forceinline__ bool wait_flag(const struct moeep_ctx &ctx, const uin
 
         while (ld_acquire_sys(flag) < want)
                 if (spin_give_up(ctx, s, peer))
+                        return false;
+        return true;
+}
+
+#define MBAR_SPINS 64
+
+/* Bounded wait for an mbarrier phase (the producer/consumer pipeline of a
+ * block); false when it gave up (see spin_give_up): a failed wait elsewhere
+ * in the launch, the job's abort, or the timeout end it, so a broken
+ * pipeline never hangs the GPU. The caller goes on, the result is wrong and
+ * the recorded error says so. */
+__device__ __forceinline__ bool mbar_wait(const struct moeep_ctx &ctx, uint64_t *bar, uint32_t parity) {
+        if (mbar_try_wait(bar, parity)) /* the common case: no clock read */
+                return true;
+        struct spin s = spin_begin();
+        uint32_t n = 0;
+
+        /* These waits are short and frequent (a block's own copy pipeline):
+         * spin_give_up reads the abort word over PCIe every 32nd call, so it
+         * is called once per MBAR_SPINS tries, not on every one. */
+        while (!mbar_try_wait(bar, parity))
+                if (++n % MBAR_SPINS == 0 && spin_give_up(ctx, s, -1))
                         return false;
         return true;
 }

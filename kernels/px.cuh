@@ -28,7 +28,7 @@ __device__ __forceinline__ const char *px_recv_seg(const struct moeep_ctx &ctx, 
  * block's own __threadfence_system and barrier); the ring's release orders
  * them, and the headers, before the tail. */
 static __device__ __noinline__ void px_ship(const struct moeep_ctx &ctx, size_t area, size_t seg, uint32_t *claim,
-                                            size_t slot, uint32_t counter0, struct moeep_px_seg info) {
+                                            size_t slot, uint32_t counter0, struct moeep_px_seg info, size_t lead = 0) {
         struct moeep_px_state *st = ctx.px.state;
         struct ring_producer r = { (struct proxy_ring_hdr *)st->ring_hdr,
                                    (struct proxy_desc *)((char *)st->ring_hdr + PROXY_RING_HDR_BYTES), st->ring_cap,
@@ -49,12 +49,13 @@ static __device__ __noinline__ void px_ship(const struct moeep_ctx &ctx, size_t 
                 desc.src_offset = area + (size_t)d * seg;
                 desc.dst_offset = area + (size_t)ctx.rank * seg;
                 desc.signal_value = info.value;
-                desc.length = (uint32_t)(MOEEP_PX_SEG_HDR + n * slot);
+                desc.length = (uint32_t)(MOEEP_PX_SEG_HDR + lead + n * slot); /* lead: bytes before the slots */
                 desc.peer = (uint32_t)d;
                 desc.signal_id = counter0 + (uint32_t)ctx.rank;
                 desc.flags = PROXY_DESC_SIGNAL;
-                if (ring_put(r, desc, ctx.timeout_ns) != 0) {
-                        record_error(ctx, MOEEP_KERR_PROXY, d);
+                const int e = ring_put(r, desc, ctx.timeout_ns, ctx.abort_word);
+                if (e != 0) {
+                        record_error(ctx, e == -ENOTCONN ? MOEEP_KERR_ABORT : MOEEP_KERR_PROXY, d);
                         break;
                 }
         }

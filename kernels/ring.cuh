@@ -25,16 +25,19 @@ __device__ __forceinline__ int32_t ring_error(const struct proxy_ring_hdr *hdr) 
 }
 
 /* Waits until *p >= want (a counter a signal sets, or the ring's done),
- * bounded by timeout_ns and watching the ring's error word. Returns 0, the
- * ring's error or -ETIMEDOUT. */
+ * bounded by timeout_ns, watching the ring's error word and the job's abort
+ * word (host memory the daemon sets; NULL: none). Returns 0, the ring's
+ * error, -ENOTCONN (aborted) or -ETIMEDOUT. */
 __device__ __forceinline__ int ring_wait(const uint64_t *p, uint64_t want, const struct proxy_ring_hdr *hdr,
-                                         uint64_t timeout_ns) {
+                                         uint64_t timeout_ns, const volatile uint32_t *abort_word) {
         const uint64_t start = globaltimer_ns();
 
         while (ld_acquire_sys(p) < want) {
                 const int32_t e = ring_error(hdr);
                 if (e)
                         return e;
+                if (abort_word && ld_volatile_u32(abort_word))
+                        return -ENOTCONN;
                 if (globaltimer_ns() - start > timeout_ns)
                         return -ETIMEDOUT;
         }
@@ -46,10 +49,11 @@ __device__ __forceinline__ int ring_wait(const uint64_t *p, uint64_t want, const
  * only when the cached one says the ring is full) and writes the descriptor
  * with four 16-byte stores. The proxy sees it after ring_publish. Returns 0,
  * the ring's error (-errno) or -ETIMEDOUT. */
-__device__ __forceinline__ int ring_put(struct ring_producer &r, const struct proxy_desc &d, uint64_t timeout_ns) {
+__device__ __forceinline__ int ring_put(struct ring_producer &r, const struct proxy_desc &d, uint64_t timeout_ns,
+                                        const volatile uint32_t *abort_word) {
         if (r.tail - r.head >= r.cap) {
                 /* Slot tail is free once head > tail - cap. */
-                const int e = ring_wait(&r.hdr->head, r.tail - r.cap + 1, r.hdr, timeout_ns);
+                const int e = ring_wait(&r.hdr->head, r.tail - r.cap + 1, r.hdr, timeout_ns, abort_word);
                 if (e)
                         return e;
                 r.head = ld_acquire_sys(&r.hdr->head); /* the proxy may be well past it by now */
@@ -73,8 +77,9 @@ __device__ __forceinline__ void ring_publish(struct ring_producer &r) {
 }
 
 /* ring_put, then ring_publish. */
-__device__ __forceinline__ int ring_push(struct ring_producer &r, const struct proxy_desc &d, uint64_t timeout_ns) {
-        const int e = ring_put(r, d, timeout_ns);
+__device__ __forceinline__ int ring_push(struct ring_producer &r, const struct proxy_desc &d, uint64_t timeout_ns,
+                                         const volatile uint32_t *abort_word) {
+        const int e = ring_put(r, d, timeout_ns, abort_word);
         if (e == 0)
                 ring_publish(r);
         return e;

@@ -215,7 +215,7 @@ static void start_together(struct rank_env *env) {
         moeep_job_barrier(env->c);
         moeep_launch_delay(QUEUE_DELAY_NS, env->st);
         if (!env->o->host_start && ep_internal_ctx(env->ep, &ctx) == 0)
-                moeep_launch_notify(&ctx, NULL, NULL, 0, 0, 0, 0, NULL, NULL, env->st);
+                moeep_launch_notify(&ctx, NULL, NULL, 0, 0, 0, NULL, 0, 0, NULL, NULL, env->st);
 }
 
 /* Times fn: warm-ups, then iters runs, each started on every rank together

@@ -114,6 +114,16 @@ struct moeep_dispatch_args {
         /* Non-NULL: reuse the routing of an earlier dispatch with the same
          * topk (cached mode): no layout, no count exchange. */
         struct moeep_ep_handle *handle;
+        /* Optional device [num_experts]: tokens this rank sends to each
+         * expert (DeepEP's num_tokens_per_expert); when given, the received
+         * per-expert counts are summed from it (also without topk_idx). */
+        const int *num_tokens_per_expert;
+        /* A caller that sends a dispatch larger than max_tokens_per_rank in
+         * rounds (each a moeep_dispatch of at most max_tokens_per_rank
+         * tokens) passes the whole dispatch's tokens here; the largest over
+         * the ranks comes back in max_total_tokens, so every rank can run
+         * the same number of rounds. 0 = num_tokens. */
+        int total_tokens;
 };
 
 /* Outputs of a dispatch. The device arrays live in this rank's NVLink
@@ -135,6 +145,14 @@ struct moeep_dispatch_result {
         /* The routing, for combine and cached dispatch. A new handle unless
          * one was passed in; free with moeep_ep_handle_free(). */
         struct moeep_ep_handle *handle;
+        /* Device arrays owned by the handle: [ranks][ranks] int32, element
+         * [s][d] the rows ranks 0..s send to rank d (DeepEP's
+         * rank_prefix_matrix; recv rows from source s start at [s-1][me]);
+         * [num_tokens][ranks] int32: the row of each token among ours at
+         * each destination, -1 when not sent. */
+        const int *rank_prefix_matrix;
+        const int *send_pos;
+        int max_total_tokens;            /* largest total_tokens of any rank; -1 with num_worst_tokens or a handle */
 };
 
 int moeep_dispatch(struct moeep_ep *ep, const struct moeep_dispatch_args *args,
@@ -170,18 +188,23 @@ void moeep_ep_handle_free(struct moeep_ep_handle *handle);
 
 /* ------------------------------------------------------------------ low-latency mode
  *
- * Decode-sized calls. Each (token, expert) pair of a dispatch lands at the
- * expert's rank in a per-expert slot: recv_x[local expert][slot], slots
- * 0..recv_count[local expert]-1 in use (in arrival order), so the output
- * feeds a masked grouped GEMM directly. Everything stays on the device (no
- * host synchronisation, fixed shapes): dispatch and combine, with or
- * without the receive hook, can be captured in a CUDA graph.
+ * Decode-sized calls, with DeepEP's layout. Each (token, expert) pair of a
+ * dispatch lands at the expert's rank in a per-expert slot:
+ * recv_x[local expert][slot], slots 0..recv_count[local expert]-1 in use,
+ * holding each source rank's tokens together, sources in rank order
+ * (layout_range says where each source's run starts; with ranks at other
+ * daemons, this daemon's sources come first), so the output feeds
+ * a masked grouped GEMM directly. Everything stays on the device (no host
+ * synchronisation, fixed shapes): dispatch and combine, with or without
+ * the receive hook, can be captured in a CUDA graph.
  *
- * Two buffer sets alternate between calls (the set is picked at each
+ * Two buffer sets alternate between dispatches (the set is picked at each
  * dispatch, in call order, identically on every rank). Rule: dispatch n+2
- * is issued only after combine n (it reuses dispatch n's set); the outputs
- * of dispatch n stay valid until then. A token must not name one expert
- * twice in its top-k. FP8 dispatch supports hidden sizes up to 8192. */
+ * is issued only after dispatch n's receive phase ran everywhere (its hook,
+ * when it has one); the outputs of dispatch n stay valid until dispatch
+ * n+2. A dispatch need not be combined, and one may be combined more than
+ * once. A token must not name one expert twice in its top-k. FP8 dispatch
+ * supports hidden sizes up to 8192. */
 
 /* What a receive phase still has to do: returned when a call asks for the
  * hook, run later with moeep_ll_hook_run(). Plain data, copyable. */
@@ -194,12 +217,14 @@ struct moeep_ll_hook {
         const float *topk_weights;
         int num_tokens, num_topk;
         void *out;
+        int slots;                  /* slots per expert of the dispatch */
 };
 
 /* Routing of one low-latency dispatch, for its combine. Plain data. */
 struct moeep_ll_handle {
         int set;                    /* buffer set of the dispatch */
         int num_tokens;
+        int slots_per_expert;       /* ranks * the dispatch's num_max_tokens */
 };
 
 struct moeep_ll_dispatch_args {
@@ -212,17 +237,23 @@ struct moeep_ll_dispatch_args {
         bool round_scale;                       /* fp8: scales rounded up to powers of two */
         bool return_recv_hook;                  /* only the send phase now; the rest in *ret_hook */
         int *cumulative_local_expert_recv_stats;/* optional device [local experts]: += received per expert */
+        int num_max_tokens;                     /* slots per expert = ranks * this (num_tokens..ll_max_tokens);
+                                                 * 0 = ll_max_tokens */
 };
 
 /* Device arrays in the endpoint's NVLink buffer (set `handle.set`). */
 struct moeep_ll_dispatch_result {
         void *recv_x;               /* [local experts][slots_per_expert][hidden]: bf16, or e4m3 with stride hidden */
-        float *recv_x_scales;       /* fp8: [local experts][slots_per_expert][hidden / 128]; else NULL */
+        float *recv_x_scales;       /* fp8: [local experts][hidden / 128][slots_per_expert] (column-major per
+                                     * expert, as DeepEP); else NULL */
         const int *recv_count;      /* [local experts]: slots in use */
-        const int *recv_src_info;   /* [local experts][slots_per_expert]: (rank << 28) | (k << 20) | token */
+        const int *recv_src_info;   /* [local experts][slots_per_expert]: the source token index */
         int num_local_experts;
-        int slots_per_expert;       /* ranks * ll_max_tokens */
+        int slots_per_expert;       /* ranks * num_max_tokens */
         struct moeep_ll_handle handle;
+        const int64_t *layout_range;/* [local experts][ranks]: first slot << 32 | count of each source rank */
+        void *combine_buffer;       /* bf16 [local experts][slots_per_expert][hidden]: combine input in
+                                     * place (zero copy; overwrites recv_x of this dispatch) */
 };
 
 int moeep_ll_dispatch(struct moeep_ep *ep, const struct moeep_ll_dispatch_args *args,
@@ -232,7 +263,7 @@ int moeep_ll_dispatch(struct moeep_ep *ep, const struct moeep_ll_dispatch_args *
 struct moeep_ll_combine_args {
         /* Expert outputs, bf16 [local experts][slots_per_expert][hidden] in the
          * dispatch's layout; only the slots in use are read. Any device
-         * memory works, recv_x of the dispatch included (zero copy). */
+         * memory works, combine_buffer of the dispatch included (zero copy). */
         const void *x;
         const void *topk_idx;       /* the dispatch's [num_tokens][num_topk] */
         enum moeep_index_type topk_idx_type;

@@ -125,9 +125,12 @@ static int upload(const struct tcase *tc, const struct input *in, struct devbufs
         return r ? -1 : 0;
 }
 
-/* Checks the receive side; fills `ys` with the expert outputs in slot order
- * (host, [local experts][slots][hidden]) for combine. Returns received pairs
- * per local expert through `counts`. */
+/* Checks the receive side against DeepEP's layout: each expert's slots
+ * hold each source rank's tokens together, sources in rank order, as
+ * layout_range says (begin << 32 | count); src_info is the source token;
+ * FP8 scales are column-major per expert. Fills `ys` with the expert
+ * outputs in slot order (host, [local experts][slots][hidden]) for
+ * combine. Returns received pairs per local expert through `counts`. */
 static int verify_dispatch(char *msg, const struct tcase *tc, int me, int R, const struct input *in,
                            const struct moeep_ll_dispatch_result *res, uint16_t *ys, int *counts) {
         const int H = tc->hidden, K = tc->topk, L = res->num_local_experts, S = res->slots_per_expert, nb = H / 128;
@@ -135,8 +138,15 @@ static int verify_dispatch(char *msg, const struct tcase *tc, int me, int R, con
         uint8_t *rx = malloc(xrow * S + 16);
         float *rsc = malloc(sizeof(float) * (size_t)S * nb + 16);
         int *src = malloc(sizeof(int) * (size_t)S + 16);
+        int64_t *range = malloc(sizeof(int64_t) * (size_t)L * R + 16);
         uint8_t *seen = NULL;
         int bad = 0;
+
+        if (cudaMemcpy(range, res->layout_range, sizeof(int64_t) * (size_t)L * R, cudaMemcpyDeviceToHost) !=
+            cudaSuccess) {
+                snprintf(msg, 200, "reading layout_range failed");
+                bad = 1;
+        }
 
         if (cudaMemcpy(counts, res->recv_count, sizeof(int) * L, cudaMemcpyDeviceToHost) != cudaSuccess) {
                 snprintf(msg, 200, "reading recv_count failed");
@@ -158,20 +168,58 @@ static int verify_dispatch(char *msg, const struct tcase *tc, int me, int R, con
                 cudaMemcpy(rx, (const char *)res->recv_x + (size_t)le * S * xrow, xrow * n, cudaMemcpyDeviceToHost);
                 cudaMemcpy(src, res->recv_src_info + (size_t)le * S, sizeof(int) * n, cudaMemcpyDeviceToHost);
                 if (tc->fp8)
-                        cudaMemcpy(rsc, res->recv_x_scales + (size_t)le * S * nb, sizeof(float) * n * nb,
+                        cudaMemcpy(rsc, res->recv_x_scales + (size_t)le * S * nb, sizeof(float) * S * nb,
                                    cudaMemcpyDeviceToHost);
                 free(seen);
-                seen = calloc((size_t)R * tc->max_tokens * K + 1, 1);
+                seen = calloc((size_t)R * tc->max_tokens + 1, 1);
+                /* Sources in rank order; with two daemons, this daemon's
+                 * sources first, then the others' (each still one run). */
+                int order[MOEEP_MAX_RANKS], no = 0;
+                const char *nodes = getenv("MOEEP_HARNESS_NODES");
+                const bool two = nodes && atoi(nodes) == 2;
+                for (int pass = 0; pass < 2; pass++)
+                        for (int s = 0; s < R; s++)
+                                if ((two && harness_node_of(s, R) != harness_node_of(me, R)) == (pass == 1))
+                                        order[no++] = s;
+                int begin = 0;
+                for (int oi = 0; oi < R && !bad; oi++) {
+                        const int s = order[oi];
+                        int c = 0;
+                        for (int t = 0; t < in[s].T; t++)
+                                for (int k = 0; k < K; k++)
+                                        c += in[s].idx[(size_t)t * K + k] == e;
+                        const int64_t v = range[(size_t)le * R + s];
+                        if ((v >> 32) != begin || (v & 0xffffffff) != c) {
+                                snprintf(msg, 200, "expert %d: layout_range of rank %d is (%lld, %lld), want (%d, %d)", e, s,
+                                         (long long)(v >> 32), (long long)(v & 0xffffffff), begin, c);
+                                bad = 1;
+                        }
+                        begin += c;
+                }
                 for (int p = 0; p < n && !bad; p++) {
-                        const int s = (src[p] >> 28) & 0xf, k = (src[p] >> 20) & 0xff, t = src[p] & 0xfffff;
-                        if (s >= R || t >= in[s].T || k >= K || in[s].idx[(size_t)t * K + k] != e) {
-                                snprintf(msg, 200, "expert %d slot %d: source info 0x%x names no pair of this expert", e, p, src[p]);
+                        int s = -1, t = src[p], k = -1;
+                        for (int q = 0; q < R; q++) { /* the source whose run holds slot p */
+                                const int64_t v = range[(size_t)le * R + q];
+                                if (p >= (v >> 32) && p < (v >> 32) + (v & 0xffffffff))
+                                        s = q;
+                        }
+                        if (s < 0) {
+                                snprintf(msg, 200, "expert %d slot %d: in no source's layout_range", e, p);
                                 bad = 1;
                                 break;
                         }
-                        size_t key = ((size_t)s * tc->max_tokens + t) * K + k;
+                        for (int j = 0; t >= 0 && t < in[s].T && j < K; j++)
+                                if (in[s].idx[(size_t)t * K + j] == e)
+                                        k = j;
+                        if (k < 0) {
+                                snprintf(msg, 200, "expert %d slot %d: rank %d token %d has no pair with this expert", e, p,
+                                         s, src[p]);
+                                bad = 1;
+                                break;
+                        }
+                        size_t key = (size_t)s * tc->max_tokens + t;
                         if (seen[key]++) {
-                                snprintf(msg, 200, "expert %d: pair (rank %d, token %d, k %d) twice", e, s, t, k);
+                                snprintf(msg, 200, "expert %d: pair (rank %d, token %d) twice", e, s, t);
                                 bad = 1;
                                 break;
                         }
@@ -183,7 +231,7 @@ static int verify_dispatch(char *msg, const struct tcase *tc, int me, int R, con
                                 }
                         } else {
                                 for (int g = 0; g < nb && !bad; g++) {
-                                        float amax = 0, sc = rsc[(size_t)p * nb + g], want_sc;
+                                        float amax = 0, sc = rsc[(size_t)g * S + p], want_sc;
                                         for (int c = g * 128; c < (g + 1) * 128; c++)
                                                 amax = fmaxf(amax, fabsf(bf16_to_float(x[c])));
                                         want_sc = amax > 0 ? amax / 448.0f : 1.0f;
@@ -211,6 +259,7 @@ static int verify_dispatch(char *msg, const struct tcase *tc, int me, int R, con
         free(rx);
         free(rsc);
         free(src);
+        free(range);
         free(seen);
         return bad ? -1 : 0;
 }

@@ -178,6 +178,26 @@ static int verify_dispatch(char *msg, const struct tcase *tc, int me, int R, con
                 free(want_pe);
                 return -1;
         }
+        if (check_meta) { /* DeepEP's rank_prefix_matrix: [s][d] = rows ranks 0..s send to d */
+                int got[MOEEP_MAX_RANKS * MOEEP_MAX_RANKS];
+                cudaMemcpy(got, res->rank_prefix_matrix, sizeof(int) * (size_t)R * R, cudaMemcpyDeviceToHost);
+                for (int d = 0; d < R && !bad; d++) {
+                        int sum = 0;
+                        for (int s = 0; s < R && !bad; s++) {
+                                for (int t = 0; t < in[s].T; t++)
+                                        sum += (in[s].mask[t] >> d) & 1;
+                                if (got[s * R + d] != sum) {
+                                        snprintf(msg, 200, "rank_prefix_matrix[%d][%d] is %d, expected %d", s, d,
+                                                 got[s * R + d], sum);
+                                        bad = 1;
+                                }
+                        }
+                }
+                if (bad) {
+                        free(want_pe);
+                        return -1;
+                }
+        }
         rx = malloc(row_bytes * (size_t)num_recv + 1);
         rsrc = malloc(sizeof(int) * (size_t)num_recv + 4);
         cudaMemcpy(rx, res->recv_x, row_bytes * (size_t)num_recv, cudaMemcpyDeviceToHost);

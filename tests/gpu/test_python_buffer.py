@@ -229,16 +229,19 @@ def test_low_latency(rank, R, group, sock):
             check(fn is None, "no hook without return_recv_hook")
         rx = recv[0] if fp8 else recv
         check(rx.shape == (L, R * NT, H), "ll recv_x shape %s" % (rx.shape,))
-        src = handle.src_info
+        src, rng = handle.src_info, handle.layout_range
+        pairs_of = []  # per local expert: (source rank, token) of each slot in use
         for e in range(L):
             ge = rank * L + e
             exp = sorted((s, int(t)) for s in range(R) for t in (all_idx[s] == ge).any(1).nonzero().flatten().tolist())
             n = int(count[e].item())
             check(n == len(exp), "expert %d: %d slots, expected %d" % (ge, n, len(exp)))
-            info = src[e, :n].tolist()
-            got = sorted(((v >> 28) & 0xF, v & 0xFFFFF) for v in info)
-            check(got == exp, "expert %d: received (rank, token) pairs" % ge)
-            ref_rows = torch.stack([all_x[(v >> 28) & 0xF][v & 0xFFFFF] for v in info]) if n else None
+            toks = src[e, :n].tolist()
+            ranks = [s for s in range(R) for _ in range(int(rng[e, s].item()) & 0xFFFFFFFF)]
+            pairs = list(zip(ranks, toks))
+            pairs_of.append(pairs)
+            check(sorted(pairs) == exp, "expert %d: received (rank, token) pairs" % ge)
+            ref_rows = torch.stack([all_x[s][t] for s, t in pairs]) if n else None
             if n and not fp8:
                 check(torch.equal(rx[e, :n], ref_rows), "expert %d: bf16 rows" % ge)
             elif n:
@@ -263,7 +266,7 @@ def test_low_latency(rank, R, group, sock):
             if not n:
                 continue
             rows = deq[e, :n] if deq is not None else torch.stack(
-                [all_x[(v >> 28) & 0xF][v & 0xFFFFF] for v in src[e, :n].tolist()]).float()
+                [all_x[s][t] for s, t in pairs_of[e]]).float()
             y[e, :n] = (rows * scale_of[rank * L + e]).to(torch.bfloat16)
         out, ev, fn2 = buf.low_latency_combine(y, idx, w, handle, return_recv_hook=hook)
         if hook:

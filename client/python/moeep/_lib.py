@@ -86,6 +86,8 @@ class DispatchArgs(ctypes.Structure):
         ("expert_alignment", _int),
         ("num_worst_tokens", _int),
         ("handle", _vp),
+        ("num_tokens_per_expert", _vp),
+        ("total_tokens", _int),
     ]
 
 
@@ -102,6 +104,9 @@ class DispatchResult(ctypes.Structure):
         ("num_recv_tokens_per_expert_dev", _vp),
         ("num_local_experts", _int),
         ("handle", _vp),
+        ("rank_prefix_matrix", _vp),
+        ("send_pos", _vp),
+        ("max_total_tokens", _int),
     ]
 
 
@@ -127,11 +132,12 @@ class LlHook(ctypes.Structure):
         ("num_tokens", _int),
         ("num_topk", _int),
         ("out", _vp),
+        ("slots", _int),
     ]
 
 
 class LlHandle(ctypes.Structure):
-    _fields_ = [("set", _int), ("num_tokens", _int)]
+    _fields_ = [("set", _int), ("num_tokens", _int), ("slots_per_expert", _int)]
 
 
 class LlDispatchArgs(ctypes.Structure):
@@ -145,6 +151,7 @@ class LlDispatchArgs(ctypes.Structure):
         ("round_scale", ctypes.c_bool),
         ("return_recv_hook", ctypes.c_bool),
         ("cumulative_local_expert_recv_stats", _vp),
+        ("num_max_tokens", _int),
     ]
 
 
@@ -157,6 +164,8 @@ class LlDispatchResult(ctypes.Structure):
         ("num_local_experts", _int),
         ("slots_per_expert", _int),
         ("handle", LlHandle),
+        ("layout_range", _vp),
+        ("combine_buffer", _vp),
     ]
 
 

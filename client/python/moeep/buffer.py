@@ -18,12 +18,21 @@ from ._lib import MoeepError
 from .config import Config, Plan, check_num_sms, low_latency_buffer_bytes
 from .event import EventOverlap, _torch
 
-# DeepEP's low-latency handle is a 5-tuple; the first five fields keep its
-# meaning and order, the rest is moeep's.
-LowLatencyHandle = collections.namedtuple(
-    "LowLatencyHandle",
-    ["src_info", "recv_count", "num_max_dispatch_tokens_per_rank", "hidden", "num_experts", "ll_handle",
-     "buffer_id"])
+class LowLatencyHandle(collections.namedtuple(
+        "LowLatencyHandle", ["src_info", "layout_range", "num_max_dispatch_tokens_per_rank", "hidden",
+                             "num_experts"])):
+    """DeepEP's low-latency handle: (src_info int32 [local experts, slots]:
+    the source token index of each slot; layout_range int64 [local experts,
+    ranks]: begin << 32 | count of each source rank's run of slots;
+    num_max_dispatch_tokens_per_rank, hidden, num_experts). moeep's routing
+    rides along as attributes."""
+
+    def __new__(cls, src_info, layout_range, num_max, hidden, num_experts, ll_handle, buffer_id, combine_buffer):
+        self = super().__new__(cls, src_info, layout_range, num_max, hidden, num_experts)
+        self.ll_handle = ll_handle
+        self.buffer_id = buffer_id
+        self.combine_buffer = combine_buffer
+        return self
 
 
 class _DevicePointer:
@@ -35,21 +44,15 @@ class _DevicePointer:
         self._owner = owner  # keeps the Buffer (and so the mapping) referenced
 
 
-class DispatchHandle:
-    """The routing of one normal-mode dispatch (moeep_ep_handle), for combine
-    and for cached dispatch. Opaque; goes back to its Buffer when dropped."""
+class _Route:
+    """The C handle (moeep_ep_handle) of one normal-mode dispatch; goes back
+    to its Buffer when released or dropped. Weakly referenced by the Buffer
+    (tuples cannot be), so destroy() can return every live one."""
 
-    def __init__(self, buffer, ptr, num_tokens, num_recv_tokens, num_topk, topk_idx, topk_weights):
+    def __init__(self, buffer, ptr):
         self._buffer = weakref.ref(buffer)
         self._ep = buffer._ep
         self.ptr = ptr
-        self.num_tokens = num_tokens
-        self.num_recv_tokens = num_recv_tokens  # rows of recv_x (num_worst_tokens when the count stayed on the GPU)
-        self.num_topk = num_topk
-        # A cached dispatch resends the same top-k (moeep_dispatch needs it when
-        # the first call had it); kept so the caller need not pass them again.
-        self.topk_idx = topk_idx
-        self.topk_weights = topk_weights
 
     def release(self):
         if self.ptr:
@@ -63,6 +66,45 @@ class DispatchHandle:
             self.release()
         except Exception:
             pass
+
+
+class DispatchHandle(tuple):
+    """The routing of one normal-mode dispatch, for combine and for cached
+    dispatch. As DeepEP's intranode handle it is a 6-tuple:
+    (rank_prefix_matrix int32 [ranks, ranks], element [s][d] the rows ranks
+    0..s send to rank d, so rank d's rows from source s are
+    [s-1][d]..[s][d]; channel_prefix_matrix and recv_channel_prefix_matrix:
+    None, moeep has no channels; recv_src_idx int32 [num_recv]: (source
+    rank << 24) | source token; is_token_in_rank as given (or None);
+    send_head int32 [tokens, ranks]: a token's row among ours at each rank,
+    -1 = not sent). The tensors are views of the handle's memory, valid
+    while the handle lives."""
+
+    def __new__(cls, route, num_tokens, num_recv_tokens, num_topk, topk_idx, topk_weights, items):
+        return super().__new__(cls, items)
+
+    def __init__(self, route, num_tokens, num_recv_tokens, num_topk, topk_idx, topk_weights, items):
+        self._route = route
+        # A dispatch larger than one call runs in rounds: [(round's handle,
+        # first token, end)] and, per round, the rows of the whole output
+        # that are that round's (index into DeepEP's order).
+        self.rounds = None
+        self.round_index = None
+        self._buffer = route._buffer
+        self.num_tokens = num_tokens
+        self.num_recv_tokens = num_recv_tokens  # rows of recv_x (num_worst_tokens when the count stayed on the GPU)
+        self.num_topk = num_topk
+        # A cached dispatch resends the same top-k (moeep_dispatch needs it when
+        # the first call had it); kept so the caller need not pass them again.
+        self.topk_idx = topk_idx
+        self.topk_weights = topk_weights
+
+    @property
+    def ptr(self):
+        return self._route.ptr
+
+    def release(self):
+        self._route.release()
 
 
 _TYPESTR = None
@@ -222,6 +264,8 @@ class Buffer:
     def __del__(self):
         if sys.is_finalizing():
             return  # the process is ending: the OS and moeepd clean up
+        if getattr(self, "explicitly_destroy", False):
+            return  # DeepEP: the owner calls destroy() (collective); never behind its back
         try:
             self.destroy()
         except Exception:
@@ -238,6 +282,12 @@ class Buffer:
         return self.comm_stream
 
     # ------------------------------------------------------------ static
+
+    @staticmethod
+    def is_sm90_compiled():
+        """True: moeep's kernels are built for sm_90 (DeepEP asks before
+        using its SM90 features, e.g. FP8 dispatch)."""
+        return True
 
     @staticmethod
     def set_num_sms(new_num_sms):
@@ -366,6 +416,8 @@ class Buffer:
             topk_idx, topk_weights = handle.topk_idx, handle.topk_weights
         num_experts = None
         if num_tokens_per_expert is not None:
+            _check_tensor(torch, num_tokens_per_expert, "num_tokens_per_expert", (torch.int32, torch.int64),
+                          self.device, (num_tokens_per_expert.numel(),), need_contiguous=False)
             num_experts = int(num_tokens_per_expert.numel())
         if topk_idx is not None:
             _check_index(torch, topk_idx, "topk_idx", self.device, rows=T)
@@ -387,23 +439,76 @@ class Buffer:
         K = topk_idx.shape[1] if topk_idx is not None else 0
 
         compute = self._begin(previous_event, async_finish, allocate_on_comm_stream)
+        per_expert = None
+        with torch.cuda.stream(self.comm_stream):
+            if x_scales is not None and not x_scales.is_contiguous():
+                x_scales = x_scales.contiguous()
+            if num_tokens_per_expert is not None and handle is None:
+                # DeepEP sums the callers' per-expert counts (also when no
+                # top-k travels), so moeep's notify does too.
+                per_expert = num_tokens_per_expert.to(torch.int32).contiguous()
+        if handle is not None and handle.rounds is not None:
+            outs = self._cached_rounds(x, x_scales, handle, allocate_on_comm_stream)
+            event = self._finish(compute, self.comm_stream, async_finish, allocate_on_comm_stream,
+                                 [x, x_scales] + outs)
+            return (tuple(outs) if x_scales is not None else outs[0]), None, None, None, None, event
+        C = self._plan.max_tokens_per_rank  # rows per source per call: what the NVLink buffer holds
+        if T > C and (handle is not None or num_worst_tokens):
+            raise ValueError("%d tokens are more than the %d per call this Buffer holds; only a fresh dispatch "
+                             "without num_worst_tokens runs in rounds" % (T, C))
+        one = self._dispatch_call(ep, x, x_scales, 0, min(T, C), T, is_token_in_rank, topk_idx, topk_weights,
+                                  per_expert, expert_alignment, num_worst_tokens, handle, K,
+                                  allocate_on_comm_stream)
+        if handle is None and one["max_total"] > C:
+            # Some rank sends more tokens than one call holds: every rank runs
+            # the same number of rounds of C tokens (DeepEP has no cap).
+            return self._dispatch_rounds(compute, one, x, x_scales, T, C, is_token_in_rank, topk_idx,
+                                         topk_weights, expert_alignment, K, async_finish, allocate_on_comm_stream,
+                                         per_expert)
+        outs = one["outs"]
+        event = self._finish(compute, self.comm_stream, async_finish, allocate_on_comm_stream,
+                             [x, x_scales, topk_idx, topk_weights, is_token_in_rank, per_expert] + outs)
+        recv_x, recv_scales, recv_idx, recv_w = outs
+        rx = (recv_x, recv_scales) if x_scales is not None else recv_x
+        if handle is not None:
+            return rx, None, None, None, None, event
+        return rx, recv_idx, recv_w, one["counts"], one["handle"], event
+
+    def _dispatch_call(self, ep, x, x_scales, t0, t1, total, is_token_in_rank, topk_idx, topk_weights, per_expert,
+                       expert_alignment, num_worst_tokens, handle, K, allocate_on_comm_stream, copy=None):
+        """One moeep_dispatch of tokens t0..t1 (a round of a dispatch of
+        `total` tokens, or all of it); queued on the comm stream."""
+        torch = _torch()
+        H = x.shape[1]
+        n = t1 - t0
+        xs = x[t0:t1]
+        sc = x_scales[t0:t1] if x_scales is not None else None
+        ti = topk_idx[t0:t1] if topk_idx is not None else None
+        tw = topk_weights[t0:t1] if topk_weights is not None else None
+        ir = is_token_in_rank[t0:t1] if is_token_in_rank is not None and handle is None else None
         args = _lib.DispatchArgs(
-            x=x.data_ptr(), x_type=_lib.DTYPE_BF16 if x_scales is None else _lib.DTYPE_FP8_E4M3,
-            x_scales=x_scales.data_ptr() if x_scales is not None else None, num_tokens=T,
-            is_token_in_rank=is_token_in_rank.data_ptr() if is_token_in_rank is not None and handle is None
-            else None,
-            topk_idx=topk_idx.data_ptr() if topk_idx is not None else None,
+            x=xs.data_ptr() if n else None, x_type=_lib.DTYPE_BF16 if sc is None else _lib.DTYPE_FP8_E4M3,
+            x_scales=sc.data_ptr() if sc is not None and n else None, num_tokens=n,
+            is_token_in_rank=ir.data_ptr() if ir is not None and n else None,
+            topk_idx=ti.data_ptr() if ti is not None and n else None,
             topk_idx_type=_index_type(torch, topk_idx) if topk_idx is not None else _lib.INDEX_INT64,
-            topk_weights=topk_weights.data_ptr() if topk_weights is not None else None, num_topk=K,
+            topk_weights=tw.data_ptr() if tw is not None and n else None, num_topk=K,
             expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
-            handle=handle.ptr if handle is not None else None)
+            handle=handle.ptr if handle is not None else None,
+            num_tokens_per_expert=per_expert.data_ptr() if per_expert is not None else None, total_tokens=total)
         res = _lib.DispatchResult()
         ep.check(ep.lib.moeep_dispatch(ep.ptr, ctypes.byref(args), ctypes.byref(res), self.comm_stream.cuda_stream),
                  "dispatch")
+        new = None
         if handle is None:
             n_recv = res.num_recv_tokens if res.num_recv_tokens >= 0 else num_worst_tokens
-            new = DispatchHandle(self, res.handle, T, n_recv, K, topk_idx, topk_weights)
-            self._handles.add(new)
+            route = _Route(self, res.handle)
+            self._handles.add(route)
+            R = self.group_size
+            items = (_view(torch, res.rank_prefix_matrix, (R, R), torch.int32, route, self.device), None, None,
+                     _view(torch, res.recv_src_info, (n_recv,), torch.int32, route, self.device),
+                     ir, _view(torch, res.send_pos, (n, R), torch.int32, route, self.device))
+            new = DispatchHandle(route, n, n_recv, K, ti, tw, items)
         else:
             n_recv = handle.num_recv_tokens
         L = res.num_local_experts
@@ -419,7 +524,7 @@ class Buffer:
             recv_w = _view(torch, res.recv_topk_weights, (n_recv, K), torch.float32, self, self.device)
 
         outs = [recv_x, recv_scales, recv_idx, recv_w]
-        if self.copy_outputs or (num_worst_tokens and handle is None):
+        if copy or (copy is None and (self.copy_outputs or (num_worst_tokens and handle is None))):
             with self._alloc_stream(allocate_on_comm_stream):
                 owned = [torch.empty_like(t) if t is not None else None for t in outs]
             with torch.cuda.stream(self.comm_stream):
@@ -434,16 +539,106 @@ class Buffer:
                     owned[2].masked_fill_(pad, -1)
                     owned[3].masked_fill_(pad, 0)
             outs = owned
-        recv_x, recv_scales, recv_idx, recv_w = outs
         counts = []
         if handle is None and res.num_recv_tokens_per_expert:
             counts = [res.num_recv_tokens_per_expert[i] for i in range(L)]
+        return {"outs": outs, "counts": counts, "handle": new, "max_total": res.max_total_tokens}
+
+    def _round_order(self, handles):
+        """For rounds' handles: rows per (round, source) on the host and the
+        gather index that puts the rounds' rows into DeepEP's order (source
+        ranks in order, each source's tokens in order)."""
+        torch = _torch()
+        R, me = self.group_size, self.rank
+        # The notify of each round has finished (the host waited for its
+        # counts), so its prefix matrix can be read without a stream wait.
+        cols = torch.stack([h[0][:, me] for h in handles]).cpu().tolist()  # inclusive prefix per round
+        per = [[c[s] - (c[s - 1] if s else 0) for s in range(R)] for c in cols]  # [round][source]
+        starts, pos = [], 0
+        for c in cols:
+            starts.append(pos)
+            pos += c[R - 1] if R else 0
+        order = []
+        for s in range(R):
+            for j, c in enumerate(cols):
+                b = starts[j] + (c[s - 1] if s else 0)
+                order.append((b, per[j][s]))
+        idx = torch.cat([torch.arange(b, b + n, dtype=torch.int64) for b, n in order]) if order else \
+            torch.empty(0, dtype=torch.int64)
+        return per, idx.to(self.device)
+
+    def _dispatch_rounds(self, compute, first, x, x_scales, T, C, is_token_in_rank, topk_idx, topk_weights,
+                         expert_alignment, K, async_finish, allocate_on_comm_stream, per_expert):
+        torch = _torch()
+        ep = self._ep
+        rounds = (first["max_total"] + C - 1) // C
+        parts = [first]
+        if not self.copy_outputs:
+            # The first round's outputs are views of the buffer the next round overwrites.
+            with self._alloc_stream(allocate_on_comm_stream):
+                owned = [torch.empty_like(t) if t is not None else None for t in first["outs"]]
+            with torch.cuda.stream(self.comm_stream):
+                for o, t in zip(owned, first["outs"]):
+                    if o is not None:
+                        o.copy_(t)
+            first["outs"] = owned
+        for j in range(1, rounds):
+            t0, t1 = min(j * C, T), min((j + 1) * C, T)
+            parts.append(self._dispatch_call(ep, x, x_scales, t0, t1, T, is_token_in_rank, topk_idx, topk_weights,
+                                             None, 1, 0, None, K, allocate_on_comm_stream, copy=True))
+        handles = [p["handle"] for p in parts]
+        per, order = self._round_order(handles)
+        with self._alloc_stream(allocate_on_comm_stream):
+            outs = [torch.empty((order.numel(),) + tuple(t.shape[1:]), dtype=t.dtype, device=self.device)
+                    if t is not None else None for t in first["outs"]]
+        with torch.cuda.stream(self.comm_stream):
+            for i, o in enumerate(outs):
+                if o is not None:
+                    torch.index_select(_raw(torch, torch.cat([p["outs"][i] for p in parts])), 0, order,
+                                       out=_raw(torch, o))
+            srcs = []
+            for j, h in enumerate(handles):  # source token indices of the whole dispatch
+                srcs.append(h[3] + j * C)
+            src = torch.cat(srcs).index_select(0, order)
+            prefix = sum(h[0] for h in handles)
+            send_head = torch.cat([h[5] for h in handles])
+        for t in (src, prefix, send_head):
+            _record(t, compute)
+        if per_expert is not None:
+            counts = first["counts"]  # the callers' totals, summed over ranks by the first round
+        else:
+            counts = [sum(p["counts"][e] for p in parts) for e in range(len(first["counts"]))]
+            if expert_alignment > 1:
+                counts = [(c + expert_alignment - 1) // expert_alignment * expert_alignment for c in counts]
+        n_recv = int(order.numel())
+        items = (prefix, None, None, src, is_token_in_rank, send_head)
+        new = DispatchHandle(handles[0]._route, T, n_recv, K, topk_idx, topk_weights, items)
+        new.rounds = [(h, min(j * C, T), min((j + 1) * C, T)) for j, h in enumerate(handles)]
+        new.round_index = _inverse_rounds(torch, order, [sum(r) for r in per])
         event = self._finish(compute, self.comm_stream, async_finish, allocate_on_comm_stream,
-                             [x, x_scales, topk_idx, topk_weights, is_token_in_rank] + outs)
+                             [x, x_scales, topk_idx, topk_weights, is_token_in_rank, per_expert] + outs)
+        recv_x, recv_scales, recv_idx, recv_w = outs
         rx = (recv_x, recv_scales) if x_scales is not None else recv_x
-        if handle is not None:
-            return rx, None, None, None, None, event
         return rx, recv_idx, recv_w, counts, new, event
+
+    def _cached_rounds(self, x, x_scales, handle, allocate_on_comm_stream):
+        """A cached dispatch of a dispatch that ran in rounds."""
+        torch = _torch()
+        # Each round resends its slice of the top-k (moeep_dispatch checks
+        # that it matches the round's handle).
+        parts = [self._dispatch_call(self._ep, x, x_scales, t0, t1, handle.num_tokens, None, handle.topk_idx,
+                                     handle.topk_weights, None, 1, 0, h, handle.num_topk, allocate_on_comm_stream,
+                                     copy=True)
+                 for (h, t0, t1) in handle.rounds]
+        keep = [i for i in (0, 1) if parts[0]["outs"][i] is not None]
+        with self._alloc_stream(allocate_on_comm_stream):
+            outs = [torch.empty((handle.num_recv_tokens,) + tuple(parts[0]["outs"][i].shape[1:]),
+                                dtype=parts[0]["outs"][i].dtype, device=self.device) for i in keep]
+        with torch.cuda.stream(self.comm_stream):
+            order = torch.cat(handle.round_index)  # round rows (concatenated) -> output rows
+            for i, o in zip(keep, outs):
+                _raw(torch, o).index_copy_(0, order, _raw(torch, torch.cat([p["outs"][i] for p in parts])))
+        return outs
 
     def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
                 async_finish=False, allocate_on_comm_stream=False):
@@ -473,18 +668,29 @@ class Buffer:
         with self._alloc_stream(allocate_on_comm_stream):
             out = torch.empty(handle.num_tokens, H, dtype=torch.bfloat16, device=self.device)
             out_w = torch.empty(handle.num_tokens, K, dtype=torch.float32, device=self.device) if K else None
-        args = _lib.CombineArgs(x=x.data_ptr() if x.numel() else None,
-                                topk_weights=topk_weights.data_ptr() if K else None, num_topk=K,
-                                handle=handle.ptr, out=out.data_ptr() if out.numel() else None,
-                                out_topk_weights=out_w.data_ptr() if out_w is not None and out_w.numel() else None)
-        ep.check(ep.lib.moeep_combine(ep.ptr, ctypes.byref(args), self.comm_stream.cuda_stream), "combine")
+        if handle.rounds is None:
+            pieces = [(handle, x, topk_weights, 0, handle.num_tokens)]
+        else:
+            # Each round's rows, gathered from DeepEP's order, go back by the
+            # round's own routing into that round's tokens of out.
+            with torch.cuda.stream(self.comm_stream):
+                pieces = [(h, x.index_select(0, ix), topk_weights.index_select(0, ix) if K else None, t0, t1)
+                          for (h, t0, t1), ix in zip(handle.rounds, handle.round_index)]
+        for h, xr, wr, t0, t1 in pieces:
+            args = _lib.CombineArgs(x=xr.data_ptr() if xr.numel() else None,
+                                    topk_weights=wr.data_ptr() if K and wr.numel() else None, num_topk=K,
+                                    handle=h.ptr, out=out[t0:t1].data_ptr() if t1 > t0 else None,
+                                    out_topk_weights=out_w[t0:t1].data_ptr() if out_w is not None and t1 > t0
+                                    else None)
+            ep.check(ep.lib.moeep_combine(ep.ptr, ctypes.byref(args), self.comm_stream.cuda_stream), "combine")
         if any(b is not None for b in biases):
             with torch.cuda.stream(self.comm_stream):
                 for b in biases:
                     if b is not None:
                         out.add_(b)
         event = self._finish(compute, self.comm_stream, async_finish, allocate_on_comm_stream,
-                             [x, topk_weights, out, out_w] + [b for b in biases if b is not None])
+                             [x, topk_weights, out, out_w] + [p[1] for p in pieces] + [p[2] for p in pieces] +
+                             [b for b in biases if b is not None])
         return out, out_w, event
 
     # ------------------------------------------------------------ low-latency mode
@@ -546,30 +752,32 @@ class Buffer:
                                    topk_idx_type=_index_type(torch, topk_idx), num_topk=K, use_fp8=use_fp8,
                                    round_scale=round_scale, return_recv_hook=return_recv_hook,
                                    cumulative_local_expert_recv_stats=stats.data_ptr() if stats is not None
-                                   else None)
+                                   else None, num_max_tokens=num_max_dispatch_tokens_per_rank)
         res = _lib.LlDispatchResult()
         hook = _lib.LlHook()
         ep.check(ep.lib.moeep_ll_dispatch(ep.ptr, ctypes.byref(args), ctypes.byref(res), ctypes.byref(hook),
                                           stream.cuda_stream), "low_latency_dispatch")
-        S = res.slots_per_expert
-        n = self.group_size * num_max_dispatch_tokens_per_rank
+        S = res.slots_per_expert  # ranks * num_max_dispatch_tokens_per_rank
+        R = self.group_size
         xdt = torch.float8_e4m3fn if use_fp8 else torch.bfloat16
-        recv_x = _view(torch, res.recv_x, (L, S, H), xdt, self, self.device)[:, :n]
+        recv_x = _view(torch, res.recv_x, (L, S, H), xdt, self, self.device)
         recv_count = _view(torch, res.recv_count, (L,), torch.int32, self, self.device)
-        src_info = _view(torch, res.recv_src_info, (L, S), torch.int32, self, self.device)[:, :n]
+        src_info = _view(torch, res.recv_src_info, (L, S), torch.int32, self, self.device)
+        layout_range = _view(torch, res.layout_range, (L, R), torch.int64, self, self.device)
         scales = packed = None
         if use_fp8:
-            scales = _view(torch, res.recv_x_scales, (L, S, H // _lib.SCALE_BLOCK), torch.float32, self,
-                           self.device)[:, :n]
+            # Column-major per expert, as DeepEP: [L][scale][slot] in memory.
+            scales = _view(torch, res.recv_x_scales, (L, H // _lib.SCALE_BLOCK, S), torch.float32, self,
+                           self.device).transpose(1, 2)
         if use_ue8m0:
             # Allocated on the compute stream, which reads it (as DeepEP's outputs).
-            packed = torch.empty(L, H // 512, n, dtype=torch.int32, device=self.device).transpose(1, 2)
+            packed = torch.empty(L, H // 512, S, dtype=torch.int32, device=self.device).transpose(1, 2)
             if not return_recv_hook:
                 with torch.cuda.stream(stream):
                     _pack_ue8m0(scales, packed)
-        llh = _lib.LlHandle(res.handle.set, res.handle.num_tokens)
-        handle = LowLatencyHandle(src_info, recv_count, num_max_dispatch_tokens_per_rank, H, num_experts, llh,
-                                  id(self))
+        llh = _lib.LlHandle(res.handle.set, res.handle.num_tokens, res.handle.slots_per_expert)
+        handle = LowLatencyHandle(src_info, layout_range, num_max_dispatch_tokens_per_rank, H, num_experts, llh,
+                                  id(self), res.combine_buffer)
         keep = [x, topk_idx, stats, packed]
         event = self._finish(compute, stream, async_finish, False, keep if async_finish else [])
         fn = None
@@ -586,13 +794,27 @@ class Buffer:
             rx = (recv_x, packed if use_ue8m0 else scales)
         return rx, recv_count, handle, event, fn
 
+    def get_next_low_latency_combine_buffer(self, handle):
+        """The bf16 [local experts, slots, hidden] buffer that
+        low_latency_combine(..., zero_copy=True) reads the expert outputs
+        from: write them there instead of passing x. It overlays the
+        dispatch's received rows (as DeepEP's, valid until the next dispatch
+        on the same buffer set)."""
+        if not isinstance(handle, LowLatencyHandle) or handle.buffer_id != id(self):
+            raise ValueError("handle is not a low-latency handle of this Buffer")
+        torch = _torch()
+        L = self._plan.num_experts // self.group_size
+        return _view(torch, handle.combine_buffer, (L, handle.ll_handle.slots_per_expert, self._plan.hidden),
+                     torch.bfloat16, self, self.device)
+
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False, zero_copy=False,
                             async_finish=False, return_recv_hook=False, out=None, combine_wait_recv_cost_stats=None):
         """Sends expert outputs x (bf16 [local experts, slots, hidden], the
         dispatch's layout) back and reduces them with the top-k weights.
-        Returns (combined_x bf16 [tokens, hidden], event, hook). use_logfmt
-        and zero_copy change nothing (BF16 on the wire; x is read wherever it
-        is, recv_x of the dispatch included)."""
+        Returns (combined_x bf16 [tokens, hidden], event, hook). With
+        zero_copy the outputs are read from get_next_low_latency_combine_buffer
+        (x is not read). use_logfmt changes nothing (BF16 on the wire);
+        combine_wait_recv_cost_stats is accepted and left as is."""
         torch = _torch()
         if not self.low_latency_mode:
             raise ValueError("low_latency_combine needs Buffer(..., low_latency_mode=True)")
@@ -602,9 +824,11 @@ class Buffer:
             raise ValueError("handle is not a low-latency handle of this Buffer")
         ep = self._endpoint()
         H, L = self._plan.hidden, self._plan.num_experts // self.group_size
-        S = self.group_size * self._plan.ll_max_tokens
-        n = self.group_size * handle.num_max_dispatch_tokens_per_rank
+        S = handle.ll_handle.slots_per_expert
+        n = S
         T = handle.ll_handle.num_tokens
+        if zero_copy:
+            x = self.get_next_low_latency_combine_buffer(handle)
         _check_index(torch, topk_idx, "topk_idx", self.device, rows=T)
         K = topk_idx.shape[1]
         _check_tensor(torch, topk_weights, "topk_weights", torch.float32, self.device, (T, K))
@@ -620,13 +844,13 @@ class Buffer:
             stream.wait_stream(compute)
         with torch.cuda.stream(stream):
             if x.stride() != (S * H, H, 1):
-                # moeep reads slots with the endpoint's stride: stage.
+                # moeep reads slots with the dispatch's stride: stage.
                 staged = torch.empty(L, S, H, dtype=torch.bfloat16, device=self.device)
-                staged[:, :x.shape[1]].copy_(x)
+                staged.copy_(x)
                 x = staged
         if out is None:
             out = torch.empty(T, H, dtype=torch.bfloat16, device=self.device)
-        llh = _lib.LlHandle(handle.ll_handle.set, T)
+        llh = _lib.LlHandle(handle.ll_handle.set, T, S)
         args = _lib.LlCombineArgs(x=x.data_ptr(), topk_idx=topk_idx.data_ptr() if T else None,
                                   topk_idx_type=_index_type(torch, topk_idx),
                                   topk_weights=topk_weights.data_ptr() if T else None, num_topk=K,
@@ -648,6 +872,20 @@ class Buffer:
 
 # ---------------------------------------------------------------- helpers
 
+def _raw(torch, t):
+    """FP8 rows as bytes, for the index ops (which may lack float8)."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def _inverse_rounds(torch, order, sizes):
+    """Splits `order` (for each output row, its row among the rounds' rows
+    concatenated) into, per round, the output rows holding that round's rows
+    in the round's own order."""
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel(), device=order.device)
+    return list(torch.split(inv, sizes))
+
+
 def _gpu_uuid(torch, device):
     try:
         u = str(torch.cuda.get_device_properties(device).uuid)
@@ -664,7 +902,7 @@ def _record(t, stream):
         pass  # not from the caching allocator (a view into moeep's buffer)
 
 
-def _check_tensor(torch, t, name, dtypes, device, shape=None):
+def _check_tensor(torch, t, name, dtypes, device, shape=None, need_contiguous=True):
     if not isinstance(t, torch.Tensor):
         raise TypeError("%s must be a torch.Tensor, not %s" % (name, type(t).__name__))
     dtypes = dtypes if isinstance(dtypes, tuple) else (dtypes,)
@@ -676,7 +914,7 @@ def _check_tensor(torch, t, name, dtypes, device, shape=None):
         raise ValueError("%s must have shape %s, not %s" % (name, list(shape), list(t.shape)))
     if shape is None and t.dim() != 2:
         raise ValueError("%s must be 2-D, not %s" % (name, list(t.shape)))
-    if not t.is_contiguous():
+    if need_contiguous and not t.is_contiguous():
         raise ValueError("%s must be contiguous" % name)
 
 
@@ -700,8 +938,10 @@ def _split_x(torch, x, device):
         _check_tensor(torch, x, "x", torch.float8_e4m3fn, device)
         if x.shape[1] % _lib.SCALE_BLOCK:
             raise ValueError("FP8 hidden %d is not a multiple of %d" % (x.shape[1], _lib.SCALE_BLOCK))
+        # Scales may come column-major (DeepEP's TMA-aligned layout,
+        # x[1].T.contiguous().T): dispatch makes a row-major copy on its stream.
         _check_tensor(torch, scales, "x scales", torch.float32, device,
-                      (x.shape[0], x.shape[1] // _lib.SCALE_BLOCK))
+                      (x.shape[0], x.shape[1] // _lib.SCALE_BLOCK), need_contiguous=False)
         return x, scales
     _check_tensor(torch, x, "x", torch.bfloat16, device)
     return x, None

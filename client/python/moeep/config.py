@@ -19,7 +19,7 @@ _ALIGN = 4096
 # estimates below need not be exact, only never below the real size by more
 # than these allowances.
 _SYNC_BYTES = 64 << 10
-_LL_SYNC_BYTES = 16 << 10
+_LL_SYNC_BYTES = 64 << 10
 
 
 def _up(v):
@@ -49,8 +49,8 @@ def low_latency_buffer_bytes(max_tokens_per_rank, hidden, num_experts, max_topk=
     if max_tokens_per_rank <= 0:
         return 0
     slots = num_experts * max_tokens_per_rank
-    one_set = (_up(slots * hidden * 2) + _up(slots * (hidden // _lib.SCALE_BLOCK) * 4) + _up(slots * 4) +
-               _up(max_tokens_per_rank * max_topk * hidden * 2))
+    one_set = (_up(slots * hidden * 2) + _up(slots * (hidden // _lib.SCALE_BLOCK) * 4) + 2 * _up(slots * 4) +
+               _up(num_experts * 8) + _up(max_tokens_per_rank * max_topk * hidden * 2))
     return _LL_SYNC_BYTES + 2 * one_set
 
 
@@ -79,6 +79,16 @@ def tokens_for_rdma_bytes(num_rdma_bytes, hidden, num_experts, max_topk=_lib.MAX
                     _lib.MOEEP_LL_MAX_TOKENS)
 
 
+class SizeHint(int):
+    """A byte count from Config.get_nvl_buffer_size_hint that remembers the
+    tokens per rank it was computed for."""
+
+    def __new__(cls, nbytes, tokens):
+        self = super().__new__(cls, nbytes)
+        self.tokens = tokens
+        return self
+
+
 class Config:
     """DeepEP's performance config. Only num_sms means something to moeep
     (blocks of dispatch/combine, moeep_ep_set_num_sms); the chunk sizes are
@@ -96,10 +106,18 @@ class Config:
 
     def get_nvl_buffer_size_hint(self, hidden_bytes, num_ranks):
         """Bytes of moeep's normal-mode buffer for DEFAULT_MAX_TOKENS_PER_RANK
-        (4096) tokens per rank of hidden_bytes / 2 bf16 channels. Passed back
-        as num_nvl_bytes, it gives an endpoint for 4096 tokens per rank."""
+        (4096) tokens per rank. moeep keeps rows at bf16 width, so the bytes
+        are those of hidden_bytes / 2 bf16 channels when hidden_bytes is a
+        bf16 row, which an FP8 row of hidden_bytes = hidden (SGLang's) would
+        read as half the channels: the returned int therefore also carries
+        the token count (SizeHint.tokens), and a Buffer given it (or the
+        larger of several, max() keeps it) sizes for 4096 tokens of its
+        actual hidden size, whatever the element size. A plain byte count
+        (vLLM's 1 GiB) is read as bytes; a dispatch larger than what it
+        holds runs in rounds."""
         hidden = max(int(hidden_bytes) // 2, 1)
-        return normal_buffer_bytes(int(num_ranks), DEFAULT_MAX_TOKENS_PER_RANK, hidden)
+        return SizeHint(normal_buffer_bytes(int(num_ranks), DEFAULT_MAX_TOKENS_PER_RANK, hidden),
+                        DEFAULT_MAX_TOKENS_PER_RANK)
 
     def get_rdma_buffer_size_hint(self, hidden_bytes, num_ranks):
         """0: moeep has no internode RDMA buffer in the client."""
@@ -205,6 +223,8 @@ class Plan:
                 ll = DEFAULT_LL_MAX_TOKENS
             self.ll_max_tokens = ll
         t = self.max_tokens_per_rank
+        if t is None and isinstance(self.num_nvl_bytes, SizeHint):
+            t = self.num_nvl_bytes.tokens  # sized by the hint: its tokens, at the real hidden size
         if t is None and self.num_nvl_bytes:
             t = tokens_for_nvl_bytes(self.num_nvl_bytes, self.num_ranks, self.hidden, self.max_topk)
             if t < 1:

@@ -1,4 +1,5 @@
-"""EventOverlap, as deep_ep.EventOverlap, over torch.cuda.Event."""
+"""EventHandle and EventOverlap, as deep_ep's (deep_ep.utils), over
+torch.cuda.Event."""
 
 
 def _torch():
@@ -11,16 +12,45 @@ def _torch():
     return torch
 
 
+class EventHandle:
+    """A CUDA event recorded on the current stream when created (DeepEP's
+    EventHandle): `EventOverlap(EventHandle())` marks "everything queued so
+    far" for a later call's previous_event."""
+
+    def __init__(self, stream=None):
+        torch = _torch()
+        self.event = torch.cuda.Event()
+        self.event.record(stream if stream is not None else torch.cuda.current_stream())
+
+    def current_stream_wait(self):
+        """Makes the current stream wait for the event (no host wait)."""
+        _torch().cuda.current_stream().wait_event(self.event)
+
+    def wait_on(self, stream):
+        stream.wait_event(self.event)
+
+
+def _wait(event, stream):
+    """Makes `stream` wait for an EventHandle or a torch.cuda.Event."""
+    if isinstance(event, EventHandle):
+        event.wait_on(stream)
+    else:
+        stream.wait_event(event)
+
+
 class EventOverlap:
     """A CUDA event recorded after a communication call (async_finish=True),
     or None when the call already made the current stream wait. Holds the
     tensors the call used until the event is waited for, as DeepEP does.
+    `event` may be an EventHandle or a torch.cuda.Event.
 
         _, _, _, _, handle, event = buffer.dispatch(..., async_finish=True)
         ...                      # overlap other work
         event.current_stream_wait()
 
-    or `with event: ...` (waits at the end of the block)."""
+    or `with event: ...` (waits at the end of the block). Given as a call's
+    previous_event, the call waits for the event, or, when the event is
+    None, for the current stream (DeepEP's rule)."""
 
     def __init__(self, event=None, extra_tensors=None):
         self.event = event
@@ -29,12 +59,15 @@ class EventOverlap:
     def current_stream_wait(self):
         """Makes the current stream wait for the event (no host wait)."""
         assert self.event is not None, "no event: the call ran with async_finish=False"
-        _torch().cuda.current_stream().wait_event(self.event)
+        _wait(self.event, _torch().cuda.current_stream())
 
     def wait_on(self, stream):
-        """Makes `stream` wait for the event (previous_event= of a call)."""
+        """Makes `stream` wait for the event, or for the current stream when
+        there is none (previous_event= of a call)."""
         if self.event is not None:
-            stream.wait_event(self.event)
+            _wait(self.event, stream)
+        else:
+            stream.wait_stream(_torch().cuda.current_stream())
 
     def __enter__(self):
         return self

@@ -43,6 +43,8 @@ int main(void) {
         F(dispatch_args, expert_alignment);
         F(dispatch_args, num_worst_tokens);
         F(dispatch_args, handle);
+        F(dispatch_args, num_tokens_per_expert);
+        F(dispatch_args, total_tokens);
         S(dispatch_result);
         F(dispatch_result, recv_x);
         F(dispatch_result, recv_x_scales);
@@ -55,6 +57,9 @@ int main(void) {
         F(dispatch_result, num_recv_tokens_per_expert_dev);
         F(dispatch_result, num_local_experts);
         F(dispatch_result, handle);
+        F(dispatch_result, rank_prefix_matrix);
+        F(dispatch_result, send_pos);
+        F(dispatch_result, max_total_tokens);
         S(combine_args);
         F(combine_args, x);
         F(combine_args, topk_weights);
@@ -72,9 +77,11 @@ int main(void) {
         F(ll_hook, num_tokens);
         F(ll_hook, num_topk);
         F(ll_hook, out);
+        F(ll_hook, slots);
         S(ll_handle);
         F(ll_handle, set);
         F(ll_handle, num_tokens);
+        F(ll_handle, slots_per_expert);
         S(ll_dispatch_args);
         F(ll_dispatch_args, x);
         F(ll_dispatch_args, num_tokens);
@@ -85,6 +92,7 @@ int main(void) {
         F(ll_dispatch_args, round_scale);
         F(ll_dispatch_args, return_recv_hook);
         F(ll_dispatch_args, cumulative_local_expert_recv_stats);
+        F(ll_dispatch_args, num_max_tokens);
         S(ll_dispatch_result);
         F(ll_dispatch_result, recv_x);
         F(ll_dispatch_result, recv_x_scales);
@@ -93,6 +101,8 @@ int main(void) {
         F(ll_dispatch_result, num_local_experts);
         F(ll_dispatch_result, slots_per_expert);
         F(ll_dispatch_result, handle);
+        F(ll_dispatch_result, layout_range);
+        F(ll_dispatch_result, combine_buffer);
         S(ll_combine_args);
         F(ll_combine_args, x);
         F(ll_combine_args, topk_idx);
