@@ -21,10 +21,7 @@ UTILS_NAMES = ["EventHandle", "EventOverlap"]
 BUFFER_NAMES = ["capture", "set_num_sms", "num_sms", "get_dispatch_config", "get_combine_config",
                 "get_low_latency_rdma_size_hint", "get_dispatch_layout", "dispatch", "combine",
                 "low_latency_dispatch", "low_latency_combine", "clean_low_latency_buffer", "get_comm_stream",
-                "destroy"]
-# Added to moeep.Buffer by issue 16's DeepEP-semantics work (client/python/moeep/buffer.py): checked where
-# present, reported where not yet.
-BUFFER_NAMES_PENDING = ["is_sm90_compiled", "get_next_low_latency_combine_buffer"]
+                "destroy", "is_sm90_compiled", "get_next_low_latency_combine_buffer"]
 
 PRELUDE = "import sys; from moeep import deep_ep_alias; deep_ep_alias.install()\n"
 
@@ -94,13 +91,8 @@ class AliasTest(unittest.TestCase):
         self.assertEqual(out, "True True True")
 
     def test_buffer_names(self):
-        out = self.check("import deep_ep; print([n for n in %r if not hasattr(deep_ep.Buffer, n)]); "
-                         "print([n for n in %r if not hasattr(deep_ep.Buffer, n)])" % (BUFFER_NAMES,
-                                                                                       BUFFER_NAMES_PENDING))
-        missing, pending = out.splitlines()
-        self.assertEqual(missing, "[]")
-        if pending != "[]":
-            self.skipTest("moeep.Buffer does not have %s yet" % pending)
+        out = self.check("import deep_ep; print([n for n in %r if not hasattr(deep_ep.Buffer, n)])" % BUFFER_NAMES)
+        self.assertEqual(out, "[]")
 
     def test_real_deep_ep_is_not_shadowed(self):
         with tempfile.TemporaryDirectory() as d:

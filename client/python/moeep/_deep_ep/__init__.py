@@ -22,15 +22,8 @@ __all__ = ["Buffer", "Config", "EventOverlap", "topk_idx_t", "__version__"]
 
 
 def __getattr__(name):
-    # topk_idx_t is a torch dtype (DeepEP's index type, int64): resolved on
-    # first use so that `import deep_ep` does not import torch by itself.
-    # moeep's own definition wins where moeep has one.
+    # topk_idx_t is a torch dtype: moeep makes it on first use, so that
+    # `import deep_ep` does not import torch by itself.
     if name == "topk_idx_t":
-        for owner in (_moeep, _moeep.buffer):
-            value = getattr(owner, "topk_idx_t", None)
-            if value is not None:
-                return value
-        import torch
-
-        return torch.int64
+        return _moeep.topk_idx_t
     raise AttributeError("module 'deep_ep' (moeep) has no attribute %r" % name)
