@@ -65,7 +65,7 @@ __device__ __forceinline__ int4 pack_bf16x8(const float *acc) {
 
 /* Send role: rows back to their sources. */
 __device__ __forceinline__ void combine_send(const struct moeep_ctx &ctx, const int4 *x, const float *weights, int K,
-                                             const struct moeep_route &route, const int *s_prefix) {
+                                             const struct moeep_route &route, const int *s_prefix, bool self_in_place) {
         const int lane = threadIdx.x % 32, R = ctx.ranks, me = ctx.rank;
         const int sw = blockIdx.x * 32 + threadIdx.x / 32;
         const size_t row_bytes = (size_t)ctx.hidden * 2;
@@ -75,6 +75,8 @@ __device__ __forceinline__ void combine_send(const struct moeep_ctx &ctx, const 
                 const int s = (me + sw + k) % R;
                 if (px_remote(ctx, s))
                         continue; /* staged by px_combine_stage, counted there by its relay */
+                if (self_in_place && s == me)
+                        continue; /* our own rows: the reduce reads them from x */
                 const int count = s_prefix[s + 1] - s_prefix[s];
                 for (;;) {
                         int base = 0;
@@ -136,10 +138,11 @@ __device__ __forceinline__ void row_slices(int row_bytes, int *ret_n, int *ret_b
 /* Producer role (warp 31): the whole warp reads the chunk's routing, lane 0
  * waits for the chunk's rows and issues the bulk copies. */
 __device__ __forceinline__ void combine_produce(const struct moeep_ctx &ctx, const struct moeep_route &route,
+                                                const int4 *x, const int *s_prefix, bool self_in_place,
                                                 char *stages, uint64_t *full, uint64_t *empty,
                                                 struct stage_info *info, int nstages, size_t stage_bytes, int rb,
                                                 int nrb) {
-        const int lane = threadIdx.x % 32, R = ctx.ranks;
+        const int lane = threadIdx.x % 32, R = ctx.ranks, me = ctx.rank;
         const int row_bytes = ctx.hidden * 2;
         const char *slots = ctx.peers[ctx.rank] + ctx.layout.comb_x;
         int stage = 0, slices, slice_bytes;
@@ -153,9 +156,11 @@ __device__ __forceinline__ void combine_produce(const struct moeep_ctx &ctx, con
                 if (t < hi)
                         for (int r = 0; r < R; r++)
                                 mask |= (route.send_pos[(size_t)t * R + r] >= 0 ? 1u : 0u) << r;
+                /* Our own rows are not counted when they are read in place. */
+                const int self = self_in_place ? __popc(__ballot_sync(0xffffffffu, (mask >> me) & 1)) : 0;
                 if (lane == 0) {
                         uint32_t *counter = &sync_of(ctx, ctx.rank)->comb_chunk[c];
-                        const uint32_t want = (uint32_t)route.chunk_expect[c];
+                        const uint32_t want = (uint32_t)(route.chunk_expect[c] - self);
                         struct spin s = spin_begin();
                         while (ok && !(ctx.debug & MOEEP_DEBUG_NO_COUNTS) && ld_acquire_sys_u32(counter) < want)
                                 ok = !spin_give_up(ctx, s, -1);
@@ -171,7 +176,9 @@ __device__ __forceinline__ void combine_produce(const struct moeep_ctx &ctx, con
                         const uint32_t m = __shfl_sync(0xffffffffu, mask, i);
                         const int tok = c0 + i, n = ok ? __popc(m) : 0;
                         const int r = lane < n ? (int)__fns(m, 0, lane + 1) : 0;
-                        const char *row = slots + ((size_t)r * ctx.max_tokens + tok) * row_bytes;
+                        const char *row = self_in_place && r == me && lane < n
+                                                  ? (const char *)x + (size_t)(s_prefix[me] + route.send_pos[(size_t)tok * R + me]) * row_bytes
+                                                  : slots + ((size_t)r * ctx.max_tokens + tok) * row_bytes;
                         for (int j = 0; j < slices; j++) {
                                 const int bytes = min(slice_bytes, row_bytes - j * slice_bytes);
                                 if (lane == 0) {
@@ -201,6 +208,7 @@ __device__ __forceinline__ void combine_produce(const struct moeep_ctx &ctx, con
  * split the slice's columns, sum the staged rows and write them out. The
  * weights of a token are summed with its first slice. */
 __device__ __forceinline__ void combine_consume(const struct moeep_ctx &ctx, const struct moeep_route &route,
+                                                const float *weights, const int *s_prefix, bool self_in_place,
                                                 const char *stages, uint64_t *full, uint64_t *empty,
                                                 const struct stage_info *info, int nstages, size_t stage_bytes,
                                                 int4 *out, float *out_weights, int K, int cw, int rb, int nrb) {
@@ -228,9 +236,15 @@ __device__ __forceinline__ void combine_consume(const struct moeep_ctx &ctx, con
                         if (j == 0 && out_weights && wg == 0 && lane < K) {
                                 float w = 0.0f;
                                 if (si.nrows > 0)
-                                        for (int r = 0; r < R; r++)
-                                                if (route.send_pos[(size_t)t * R + r] >= 0)
+                                        for (int r = 0; r < R; r++) {
+                                                const int pos = route.send_pos[(size_t)t * R + r];
+                                                if (pos < 0)
+                                                        continue;
+                                                if (self_in_place && r == ctx.rank)
+                                                        w += weights[(size_t)(s_prefix[r] + pos) * K + lane];
+                                                else
                                                         w += __ldcg(wslots + ((size_t)r * ctx.max_tokens + t) * ctx.max_topk + lane);
+                                        }
                                 out_weights[(size_t)t * K + lane] = w;
                         }
                         __syncwarp();
@@ -239,15 +253,222 @@ __device__ __forceinline__ void combine_consume(const struct moeep_ctx &ctx, con
                 }
 }
 
+/* Loads of rows written during this kernel by other SMs or GPUs: through
+ * L2 (never the non-coherent path), not kept in L1 (read once). */
+__device__ __forceinline__ int4 ld_cg_v4(const int4 *p) {
+        int4 v;
+        asm volatile("ld.global.cg.v4.s32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                     : "l"(p)
+                     : "memory");
+        return v;
+}
+
+/* The contributing rows of one token: rank r's row is at
+ * slot + r * stride (16-byte units), except our own rank's, at self, when it
+ * is read in place (self not NULL). */
+struct token_rows {
+        const int4 *slot;
+        size_t stride;
+        const int4 *self;
+        uint32_t mask;
+        int me;
+};
+
+/* Sums the n rows of `tr` (n contributing ranks, at most G * 2) of n16
+ * 16-byte columns into dst, G rows at a time: each lane has G * U loads in
+ * flight before their sums. Row addresses are recomputed from the mask in
+ * every pass rather than kept in an array: 8 pointers would take 16 of the
+ * 64 registers a thread has (1024 threads per SM). */
+template <int G, int U>
+static __device__ __noinline__ void sum_rows(const struct token_rows &tr, int n, int4 *dst, int n16, int lane) {
+        for (int i = lane; i < n16; i += 32 * U) {
+                float acc[U][8] = {};
+                uint32_t mm = tr.mask;
+#pragma unroll
+                for (int g = 0; g < 2; g++) {
+                        if (g * G >= n)
+                                break;
+                        int4 v[G][U];
+#pragma unroll
+                        for (int k = 0; k < G; k++) {
+                                const int r = __ffs((int)mm) - 1;
+                                mm &= mm - 1;
+                                const int4 *row = tr.self && r == tr.me ? tr.self : tr.slot + (size_t)r * tr.stride;
+#pragma unroll
+                                for (int u = 0; u < U; u++)
+                                        v[k][u] = g * G + k < n && i + u * 32 < n16 ? ld_cg_v4(row + i + u * 32)
+                                                                                   : make_int4(0, 0, 0, 0);
+                        }
+#pragma unroll
+                        for (int k = 0; k < G; k++)
+#pragma unroll
+                                for (int u = 0; u < U; u++)
+                                        add_bf16x8(acc[u], v[k][u]);
+                }
+#pragma unroll
+                for (int u = 0; u < U; u++)
+                        if (i + u * 32 < n16)
+                                st_na_v4(dst + i + u * 32, pack_bf16x8(acc[u]));
+        }
+}
+
+/* One contributing rank: its row is the sum (8 loads in flight per lane). */
+static __device__ __noinline__ void copy_row(const struct token_rows &tr, int4 *dst, int n16, int lane) {
+        const int r = __ffs((int)tr.mask) - 1;
+        const int4 *row = tr.self && r == tr.me ? tr.self : tr.slot + (size_t)r * tr.stride;
+        enum { U = 8 };
+        for (int i = lane; i < n16; i += 32 * U) {
+                int4 v[U];
+#pragma unroll
+                for (int u = 0; u < U; u++)
+                        if (i + u * 32 < n16)
+                                v[u] = ld_cg_v4(row + i + u * 32);
+#pragma unroll
+                for (int u = 0; u < U; u++)
+                        if (i + u * 32 < n16)
+                                st_na_v4(dst + i + u * 32, v[u]);
+        }
+}
+
+/* Flags in shared memory between the warps of one block. */
+__device__ __forceinline__ void st_release_cta(int *p, int v) {
+        asm volatile("st.release.cta.shared::cta.s32 [%0], %1;" ::"r"(smem_addr(p)), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ int ld_acquire_cta(const int *p) {
+        int v;
+        asm volatile("ld.acquire.cta.shared::cta.s32 %0, [%1];" : "=r"(v) : "r"(smem_addr(p)) : "memory");
+        return v;
+}
+
+/* s_ready past every chunk: the wait failed (the error is recorded), the
+ * reduce writes zeros. */
+#define READY_FAILED (1 << 30)
+
+/* The contributing ranks of token c0 + lane (0 past c1). */
+__device__ __forceinline__ uint32_t token_mask(const struct moeep_route &route, int R, int c0, int c1, int lane) {
+        const int t = c0 + lane;
+        uint32_t mask = 0;
+        if (t < c1)
+                for (int r = 0; r < R; r++)
+                        mask |= (route.send_pos[(size_t)t * R + r] >= 0 ? 1u : 0u) << r;
+        return mask;
+}
+
+/* Waiter role (one warp of each reducing block): lane 0 waits for each of
+ * the block's chunks in turn, zeroes its counter and tells the block's
+ * reduce warps through s_ready (the count of the block's chunks that
+ * arrived). One poller per block: when every reduce warp polled the
+ * counter itself (16 warps per SM), the polls slowed the senders on the
+ * same SMs 25-fold (5.8 ms instead of 0.25). */
+__device__ __forceinline__ void combine_wait(const struct moeep_ctx &ctx, const struct moeep_route &route,
+                                             bool self_in_place, int rb, int nrb, int *s_ready) {
+        const int lane = threadIdx.x % 32, me = ctx.rank;
+        int ci = 0;
+        bool ok = true;
+
+        FOR_EACH_BLOCK_CHUNK(c0, c1, route.num_tokens, rb, nrb) {
+                const int c = c0 / MOEEP_COMBINE_CHUNK;
+                const uint32_t mask = token_mask(route, ctx.ranks, c0, c1, lane);
+                /* Our own rows are not counted when they are read in place. */
+                const int self = self_in_place ? __popc(__ballot_sync(0xffffffffu, (mask >> me) & 1)) : 0;
+                if (lane == 0) {
+                        uint32_t *counter = &sync_of(ctx, me)->comb_chunk[c];
+                        const uint32_t want = (uint32_t)(route.chunk_expect[c] - self);
+                        struct spin s = spin_begin();
+                        while (ok && !(ctx.debug & MOEEP_DEBUG_NO_COUNTS) && ld_acquire_sys_u32(counter) < want)
+                                ok = !spin_give_up(ctx, s, -1);
+                        /* Every row of this round arrived: no more adds come
+                         * until our next combine, which starts after a barrier. */
+                        *counter = 0;
+                        st_release_cta(s_ready, ok ? ci + 1 : READY_FAILED);
+                }
+                ci++;
+        }
+}
+
+/* Reduce role without staging: reduce warp rw of nrw takes the tokens
+ * rw, rw + nrw, ... of each of the block's chunks once the waiter says the
+ * chunk arrived, and sums each token's rows straight from the comb slots
+ * (and, with self_in_place, our own rank's row from x, which was never
+ * copied) into out. */
+__device__ __forceinline__ void combine_reduce(const struct moeep_ctx &ctx, const struct moeep_route &route,
+                                               const int4 *x, const float *weights, int K, const int *s_prefix,
+                                               int4 *out, float *out_weights, bool self_in_place, int rw, int nrw,
+                                               int rb, int nrb, const int *s_ready) {
+        const int lane = threadIdx.x % 32, R = ctx.ranks, me = ctx.rank;
+        const int row_bytes = ctx.hidden * 2, n16 = row_bytes / 16;
+        const int4 *slots = (const int4 *)(ctx.peers[me] + ctx.layout.comb_x);
+        const float *wslots = (const float *)(ctx.peers[me] + ctx.layout.comb_weights);
+        int ci = 0, before = 0;
+
+        /* The block's tokens, over all its chunks, are dealt to the reduce
+         * warps in turn (token j of the block to warp j % nrw): dealt per
+         * chunk, 32 tokens over 31 warps gave one warp two tokens each time,
+         * and that warp set the pace. */
+        FOR_EACH_BLOCK_CHUNK(c0, c1, route.num_tokens, rb, nrb) {
+                const uint32_t mask = token_mask(route, R, c0, c1, lane);
+                const int first = ((rw - before) % nrw + nrw) % nrw;
+                before += c1 - c0;
+                int ready;
+                while ((ready = ld_acquire_cta(s_ready)) <= ci)
+                        __nanosleep(64);
+                __syncwarp();
+                const bool ok = ready != READY_FAILED;
+                ci++;
+                for (int i = first; i < c1 - c0; i += nrw) {
+                        const int tok = c0 + i;
+                        const uint32_t m = ok ? __shfl_sync(0xffffffffu, mask, i) : 0;
+                        const int n = __popc(m);
+                        /* Our own row's place in x (only with self_in_place). */
+                        const int p = self_in_place && ((m >> me) & 1)
+                                              ? s_prefix[me] + route.send_pos[(size_t)tok * R + me]
+                                              : 0;
+                        const struct token_rows tr = { slots + (size_t)tok * n16, (size_t)ctx.max_tokens * n16,
+                                                       self_in_place && ((m >> me) & 1) ? x + (size_t)p * n16 : NULL, m,
+                                                       me };
+                        int4 *dst = out + (size_t)tok * n16;
+                        switch (n) {
+                        case 0: for (int j = lane; j < n16; j += 32) st_na_v4(dst + j, make_int4(0, 0, 0, 0)); break;
+                        case 1: copy_row(tr, dst, n16, lane); break;
+                        case 2: sum_rows<2, 2>(tr, n, dst, n16, lane); break;
+                        default: sum_rows<4, 1>(tr, n, dst, n16, lane); break;
+                        }
+                        if (out_weights && lane < K) {
+                                float w = 0.0f;
+                                for (int r = 0; r < R; r++) {
+                                        if (!((m >> r) & 1))
+                                                continue;
+                                        if (self_in_place && r == me)
+                                                w += weights[(size_t)p * K + lane];
+                                        else
+                                                w += __ldcg(wslots + ((size_t)r * ctx.max_tokens + tok) * ctx.max_topk + lane);
+                                }
+                                out_weights[(size_t)tok * K + lane] = w;
+                        }
+                }
+        }
+}
+
+/* Variants of the reduce (flags of combine_kernel). */
+enum {
+        COMB_DIRECT = 1, /* reduce from the comb slots in global memory, no staging */
+        COMB_SELF = 2,   /* our own rows are read from x in place, never copied */
+};
+
 __global__ void __launch_bounds__(COMBINE_THREADS, 1)
         combine_kernel(struct moeep_ctx ctx, const int4 *x, const float *weights, int num_topk,
-                       struct moeep_route route, int4 *out, float *out_weights, int nstages, int send_blocks) {
+                       struct moeep_route route, int4 *out, float *out_weights, int nstages, int send_blocks,
+                       int flags, int send_warps) {
         extern __shared__ __align__(1024) char stages[];
         __shared__ uint64_t full[MAX_STAGES], empty[MAX_STAGES];
         __shared__ struct stage_info info[MAX_STAGES];
         __shared__ int s_prefix[MOEEP_KERNEL_MAX_RANKS + 1];
+        __shared__ int s_ready;
         const int tid = threadIdx.x, warp = tid / 32;
         const size_t stage_bytes = (size_t)ctx.ranks * SLICE_MAX;
+        const bool direct = flags & COMB_DIRECT, self_in_place = flags & COMB_SELF;
 
         if (ctx.trace && tid == 0)
                 ctx.trace[blockIdx.x * 4] = globaltimer_ns();
@@ -257,26 +478,28 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1)
                 mbar_init(&full[tid], 1);
                 mbar_init(&empty[tid], GROUP_WARPS); /* every warp of the stage's group */
         }
+        if (tid == 0)
+                s_ready = 0;
         fence_mbar_init();
         __syncthreads();
 
-        /* send_blocks == 0: every block mixes the roles (warps 0..SEND_WARPS-1
-         * send); else blocks below send_blocks only send and the others only
-         * reduce. */
+        /* send_blocks == 0: every block mixes the roles (warps
+         * 0..send_warps-1 send); else blocks below send_blocks only send
+         * and the others only reduce. */
         const bool split = send_blocks > 0;
-        const bool sender = split ? (int)blockIdx.x < send_blocks : warp < SEND_WARPS;
+        const bool sender = split ? (int)blockIdx.x < send_blocks : warp < send_warps;
         const int rb = split ? (int)blockIdx.x - send_blocks : (int)blockIdx.x;
         const int nrb = split ? (int)gridDim.x - send_blocks : (int)gridDim.x;
         const int nsend = split ? send_blocks : (int)gridDim.x;
 
         if (sender) {
                 if (!*(volatile uint32_t *)&ctx.state->error && !(ctx.debug & MOEEP_DEBUG_NO_SEND))
-                        combine_send(ctx, x, weights, num_topk, route, s_prefix);
+                        combine_send(ctx, x, weights, num_topk, route, s_prefix, self_in_place);
                 /* Last sender block resets the claim counters for the next call. */
                 if (split)
                         __syncthreads();
                 else
-                        asm volatile("bar.sync 1, %0;" ::"n"(SEND_WARPS * 32));
+                        asm volatile("bar.sync 1, %0;" ::"r"(send_warps * 32));
                 if (ctx.trace && tid == 0)
                         ctx.trace[blockIdx.x * 4 + 1] = globaltimer_ns();
                 if (tid == 0 && atomicAdd(&ctx.state->blocks_done, 1u) == (unsigned)nsend - 1) {
@@ -286,12 +509,24 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1)
                 }
         } else if (ctx.debug & MOEEP_DEBUG_NO_REDUCE) {
                 return;
+        } else if (direct) {
+                /* Warp `first` waits, the warps after it reduce. */
+                const int first = split ? 0 : send_warps;
+                if (warp == first)
+                        combine_wait(ctx, route, self_in_place, rb, nrb, &s_ready);
+                else
+                        combine_reduce(ctx, route, x, weights, num_topk, s_prefix, out, out_weights, self_in_place,
+                                       warp - first - 1, COMBINE_THREADS / 32 - first - 1, rb, nrb, &s_ready);
+                if (ctx.trace && tid % 32 == 0)
+                        atomicMax((unsigned long long *)&ctx.trace[blockIdx.x * 4 + (warp == first ? 2 : 3)],
+                                  (unsigned long long)globaltimer_ns());
         } else if (warp == PRODUCER_WARP) {
-                combine_produce(ctx, route, stages, full, empty, info, nstages, stage_bytes, rb, nrb);
+                combine_produce(ctx, route, x, s_prefix, self_in_place, stages, full, empty, info, nstages, stage_bytes,
+                                rb, nrb);
                 if (ctx.trace && tid % 32 == 0)
                         ctx.trace[blockIdx.x * 4 + 2] = globaltimer_ns();
         } else if (warp >= PRODUCER_WARP - CONSUMER_WARPS) {
-                combine_consume(ctx, route, stages, full, empty, info, nstages, stage_bytes, out, out_weights,
+                combine_consume(ctx, route, weights, s_prefix, self_in_place, stages, full, empty, info, nstages, stage_bytes, out, out_weights,
                                 num_topk, warp - (PRODUCER_WARP - CONSUMER_WARPS), rb, nrb);
                 if (ctx.trace && tid % 32 == 0)
                         atomicMax((unsigned long long *)&ctx.trace[blockIdx.x * 4 + 3], (unsigned long long)globaltimer_ns());
@@ -303,12 +538,29 @@ extern "C" int moeep_kernels_init(void) {
                                          STAGE_SMEM);
 }
 
+/* Experiment switch (temporary): $MOEEP_COMBINE_VARIANT = flags,
+ * $MOEEP_COMBINE_SEND_WARPS = send warps of a mixed block. */
+#include <stdlib.h>
+static int env_int(const char *name, int dflt) {
+        const char *v = getenv(name);
+        return v && *v ? atoi(v) : dflt;
+}
+
 extern "C" int moeep_launch_combine(const struct moeep_ctx *ctx, const void *x, const float *topk_weights,
                                     int num_topk, const struct moeep_route *route, void *out, float *out_weights,
                                     cudaStream_t stream) {
         const size_t stage_bytes = (size_t)ctx->ranks * SLICE_MAX;
-        const int nstages = (int)min((size_t)MAX_STAGES, STAGE_SMEM / stage_bytes) / CONSUMER_GROUPS * CONSUMER_GROUPS;
+        const int flags = env_int("MOEEP_COMBINE_VARIANT", ctx->ranks == 1 ? COMB_DIRECT | COMB_SELF : COMB_SELF);
+        int send_warps = env_int("MOEEP_COMBINE_SEND_WARPS", SEND_WARPS);
+        const int nstages =
+                flags & COMB_DIRECT
+                        ? 0
+                        : (int)min((size_t)MAX_STAGES, STAGE_SMEM / stage_bytes) / CONSUMER_GROUPS * CONSUMER_GROUPS;
 
+        if (!(flags & COMB_DIRECT))
+                send_warps = SEND_WARPS;
+        else if (ctx->ranks == 1 && (flags & COMB_SELF) && !getenv("MOEEP_COMBINE_SEND_WARPS"))
+                send_warps = 0; /* nothing to send: every warp but the waiter reduces */
         MOEEP_CUDA_LAUNCH_BEGIN();
         /* From 4 ranks on, half the blocks only send and half only reduce: on
          * one SM the remote stores stall the reduce's loads (4 ranks, 24 SMs:
@@ -322,7 +574,7 @@ extern "C" int moeep_launch_combine(const struct moeep_ctx *ctx, const void *x, 
                 send_blocks = 0;
         combine_kernel<<<ctx->num_sms, COMBINE_THREADS, nstages * stage_bytes, stream>>>(
                 *ctx, (const int4 *)x, topk_weights, num_topk, *route, (int4 *)out, out_weights, nstages,
-                send_blocks);
+                send_blocks, flags, send_warps);
         MOEEP_CUDA_LAUNCH_CHECK();
         return 0;
 }
