@@ -4,7 +4,12 @@
  * token's chunk; meanwhile every rank reduces its own tokens chunk by chunk
  * as their rows arrive, so the sum overlaps the transfer.
  *
- * Roles inside each block (one block per SM, all resident):
+ * Our own rows (those we received from ourselves) are not sent: the reduce
+ * reads them from x where they are, so neither the copy nor its count
+ * happens (MOEEP_DEBUG_COPY_SELF sends them like a peer's, to measure the
+ * per-rank send work at one rank).
+ *
+ * Roles inside each block (one block per SM, all resident), from 2 ranks:
  *   warps 0..SEND_WARPS-1   send: claim rows source by source (each warp
  *                           starts at another source so that every peer's
  *                           ingress is busy at once), copy, count;
@@ -15,6 +20,10 @@
  *   warp 31                 reduce producer: waits for a chunk's counter and
  *                           bulk-copies (TMA) the slices of its rows into a
  *                           ring of shared-memory stages.
+ * At one rank every token has at most one row, and the reduce is a copy:
+ * one warp waits for the chunks, the others copy rows straight from global
+ * memory (combine_copy), without the staging ring, which was the limit
+ * there (see docs/benchmarks.md, "Normal combine at one rank").
  * Buffers: x (the caller's expert outputs) is read once; comb slots
  * (peers[s] + comb_x) are written only by their contributing rank and read
  * only by their owner after the chunk counter; out is written once. */
@@ -264,68 +273,20 @@ __device__ __forceinline__ int4 ld_cg_v4(const int4 *p) {
         return v;
 }
 
-/* The contributing rows of one token: rank r's row is at
- * slot + r * stride (16-byte units), except our own rank's, at self, when it
- * is read in place (self not NULL). */
-struct token_rows {
-        const int4 *slot;
-        size_t stride;
-        const int4 *self;
-        uint32_t mask;
-        int me;
-};
-
-/* Sums the n rows of `tr` (n contributing ranks, at most G * 2) of n16
- * 16-byte columns into dst, G rows at a time: each lane has G * U loads in
- * flight before their sums. Row addresses are recomputed from the mask in
- * every pass rather than kept in an array: 8 pointers would take 16 of the
- * 64 registers a thread has (1024 threads per SM). */
-template <int G, int U>
-static __device__ __noinline__ void sum_rows(const struct token_rows &tr, int n, int4 *dst, int n16, int lane) {
-        for (int i = lane; i < n16; i += 32 * U) {
-                float acc[U][8] = {};
-                uint32_t mm = tr.mask;
+/* Copies one row of n16 16-byte columns, COPY_UNROLL loads in flight per
+ * lane. Not inlined: inside the kernel its 32 registers of loads pushed
+ * the kernel's other live values (64 registers at 1024 threads) into local
+ * memory; as a call, the spills happen once per row, not per load. */
+enum { COPY_UNROLL = 8 };
+static __device__ __noinline__ void copy_row(const int4 *src, int4 *dst, int n16, int lane) {
+        for (int i = lane; i < n16; i += 32 * COPY_UNROLL) {
+                int4 v[COPY_UNROLL];
 #pragma unroll
-                for (int g = 0; g < 2; g++) {
-                        if (g * G >= n)
-                                break;
-                        int4 v[G][U];
-#pragma unroll
-                        for (int k = 0; k < G; k++) {
-                                const int r = __ffs((int)mm) - 1;
-                                mm &= mm - 1;
-                                const int4 *row = tr.self && r == tr.me ? tr.self : tr.slot + (size_t)r * tr.stride;
-#pragma unroll
-                                for (int u = 0; u < U; u++)
-                                        v[k][u] = g * G + k < n && i + u * 32 < n16 ? ld_cg_v4(row + i + u * 32)
-                                                                                   : make_int4(0, 0, 0, 0);
-                        }
-#pragma unroll
-                        for (int k = 0; k < G; k++)
-#pragma unroll
-                                for (int u = 0; u < U; u++)
-                                        add_bf16x8(acc[u], v[k][u]);
-                }
-#pragma unroll
-                for (int u = 0; u < U; u++)
+                for (int u = 0; u < COPY_UNROLL; u++)
                         if (i + u * 32 < n16)
-                                st_na_v4(dst + i + u * 32, pack_bf16x8(acc[u]));
-        }
-}
-
-/* One contributing rank: its row is the sum (8 loads in flight per lane). */
-static __device__ __noinline__ void copy_row(const struct token_rows &tr, int4 *dst, int n16, int lane) {
-        const int r = __ffs((int)tr.mask) - 1;
-        const int4 *row = tr.self && r == tr.me ? tr.self : tr.slot + (size_t)r * tr.stride;
-        enum { U = 8 };
-        for (int i = lane; i < n16; i += 32 * U) {
-                int4 v[U];
+                                v[u] = ld_cg_v4(src + i + u * 32);
 #pragma unroll
-                for (int u = 0; u < U; u++)
-                        if (i + u * 32 < n16)
-                                v[u] = ld_cg_v4(row + i + u * 32);
-#pragma unroll
-                for (int u = 0; u < U; u++)
+                for (int u = 0; u < COPY_UNROLL; u++)
                         if (i + u * 32 < n16)
                                 st_na_v4(dst + i + u * 32, v[u]);
         }
@@ -343,38 +304,28 @@ __device__ __forceinline__ int ld_acquire_cta(const int *p) {
 }
 
 /* s_ready past every chunk: the wait failed (the error is recorded), the
- * reduce writes zeros. */
+ * copy writes zeros. */
 #define READY_FAILED (1 << 30)
 
-/* The contributing ranks of token c0 + lane (0 past c1). */
-__device__ __forceinline__ uint32_t token_mask(const struct moeep_route &route, int R, int c0, int c1, int lane) {
-        const int t = c0 + lane;
-        uint32_t mask = 0;
-        if (t < c1)
-                for (int r = 0; r < R; r++)
-                        mask |= (route.send_pos[(size_t)t * R + r] >= 0 ? 1u : 0u) << r;
-        return mask;
-}
-
-/* Waiter role (one warp of each reducing block): lane 0 waits for each of
- * the block's chunks in turn, zeroes its counter and tells the block's
- * reduce warps through s_ready (the count of the block's chunks that
- * arrived). One poller per block: when every reduce warp polled the
- * counter itself (16 warps per SM), the polls slowed the senders on the
- * same SMs 25-fold (5.8 ms instead of 0.25). */
+/* Waiter role of the one-rank reduce (one warp per block): lane 0 waits
+ * for each of the block's chunks in turn (only rows copied through the
+ * comb slots are counted), zeroes its counter and tells the block's copy
+ * warps through s_ready, the count of the block's chunks that arrived.
+ * One poller per block: when every copy warp polled the counter itself (16
+ * warps per SM), the polls slowed the senders on the same SMs 25-fold
+ * (5.8 ms instead of 0.25). */
 __device__ __forceinline__ void combine_wait(const struct moeep_ctx &ctx, const struct moeep_route &route,
                                              bool self_in_place, int rb, int nrb, int *s_ready) {
-        const int lane = threadIdx.x % 32, me = ctx.rank;
+        const int lane = threadIdx.x % 32;
         int ci = 0;
         bool ok = true;
 
         FOR_EACH_BLOCK_CHUNK(c0, c1, route.num_tokens, rb, nrb) {
                 const int c = c0 / MOEEP_COMBINE_CHUNK;
-                const uint32_t mask = token_mask(route, ctx.ranks, c0, c1, lane);
-                /* Our own rows are not counted when they are read in place. */
-                const int self = self_in_place ? __popc(__ballot_sync(0xffffffffu, (mask >> me) & 1)) : 0;
+                const bool row = c0 + lane < c1 && route.send_pos[c0 + lane] >= 0;
+                const int self = self_in_place ? __popc(__ballot_sync(0xffffffffu, row)) : 0;
                 if (lane == 0) {
-                        uint32_t *counter = &sync_of(ctx, me)->comb_chunk[c];
+                        uint32_t *counter = &sync_of(ctx, ctx.rank)->comb_chunk[c];
                         const uint32_t want = (uint32_t)(route.chunk_expect[c] - self);
                         struct spin s = spin_begin();
                         while (ok && !(ctx.debug & MOEEP_DEBUG_NO_COUNTS) && ld_acquire_sys_u32(counter) < want)
@@ -388,79 +339,51 @@ __device__ __forceinline__ void combine_wait(const struct moeep_ctx &ctx, const 
         }
 }
 
-/* Reduce role without staging: reduce warp rw of nrw takes the tokens
- * rw, rw + nrw, ... of each of the block's chunks once the waiter says the
- * chunk arrived, and sums each token's rows straight from the comb slots
- * (and, with self_in_place, our own rank's row from x, which was never
- * copied) into out. */
-__device__ __forceinline__ void combine_reduce(const struct moeep_ctx &ctx, const struct moeep_route &route,
-                                               const int4 *x, const float *weights, int K, const int *s_prefix,
-                                               int4 *out, float *out_weights, bool self_in_place, int rw, int nrw,
-                                               int rb, int nrb, const int *s_ready) {
-        const int lane = threadIdx.x % 32, R = ctx.ranks, me = ctx.rank;
-        const int row_bytes = ctx.hidden * 2, n16 = row_bytes / 16;
-        const int4 *slots = (const int4 *)(ctx.peers[me] + ctx.layout.comb_x);
-        const float *wslots = (const float *)(ctx.peers[me] + ctx.layout.comb_weights);
+/* Copy role of the one-rank reduce: each token has at most one row, ours,
+ * which is its sum. The block's tokens, over all its chunks, are dealt to
+ * the copy warps in turn (token j of the block to warp j % nw): dealt per
+ * chunk, 32 tokens over 31 warps gave one warp two tokens each time, and
+ * that warp set the pace. A token without rows gets zeros. */
+__device__ __forceinline__ void combine_copy(const struct moeep_ctx &ctx, const struct moeep_route &route,
+                                             const int4 *x, const float *weights, int K, const int *s_prefix,
+                                             int4 *out, float *out_weights, bool self_in_place, int w, int nw,
+                                             int rb, int nrb, const int *s_ready) {
+        const int lane = threadIdx.x % 32;
+        const int n16 = ctx.hidden * 2 / 16;
+        const int4 *slots = (const int4 *)(ctx.peers[ctx.rank] + ctx.layout.comb_x);
+        const float *wslots = (const float *)(ctx.peers[ctx.rank] + ctx.layout.comb_weights);
         int ci = 0, before = 0;
 
-        /* The block's tokens, over all its chunks, are dealt to the reduce
-         * warps in turn (token j of the block to warp j % nrw): dealt per
-         * chunk, 32 tokens over 31 warps gave one warp two tokens each time,
-         * and that warp set the pace. */
         FOR_EACH_BLOCK_CHUNK(c0, c1, route.num_tokens, rb, nrb) {
-                const uint32_t mask = token_mask(route, R, c0, c1, lane);
-                const int first = ((rw - before) % nrw + nrw) % nrw;
-                before += c1 - c0;
+                const int first = ((w - before) % nw + nw) % nw;
                 int ready;
+                before += c1 - c0;
                 while ((ready = ld_acquire_cta(s_ready)) <= ci)
                         __nanosleep(64);
                 __syncwarp();
-                const bool ok = ready != READY_FAILED;
                 ci++;
-                for (int i = first; i < c1 - c0; i += nrw) {
-                        const int tok = c0 + i;
-                        const uint32_t m = ok ? __shfl_sync(0xffffffffu, mask, i) : 0;
-                        const int n = __popc(m);
-                        /* Our own row's place in x (only with self_in_place). */
-                        const int p = self_in_place && ((m >> me) & 1)
-                                              ? s_prefix[me] + route.send_pos[(size_t)tok * R + me]
-                                              : 0;
-                        const struct token_rows tr = { slots + (size_t)tok * n16, (size_t)ctx.max_tokens * n16,
-                                                       self_in_place && ((m >> me) & 1) ? x + (size_t)p * n16 : NULL, m,
-                                                       me };
-                        int4 *dst = out + (size_t)tok * n16;
-                        switch (n) {
-                        case 0: for (int j = lane; j < n16; j += 32) st_na_v4(dst + j, make_int4(0, 0, 0, 0)); break;
-                        case 1: copy_row(tr, dst, n16, lane); break;
-                        case 2: sum_rows<2, 2>(tr, n, dst, n16, lane); break;
-                        default: sum_rows<4, 1>(tr, n, dst, n16, lane); break;
-                        }
-                        if (out_weights && lane < K) {
-                                float w = 0.0f;
-                                for (int r = 0; r < R; r++) {
-                                        if (!((m >> r) & 1))
-                                                continue;
-                                        if (self_in_place && r == me)
-                                                w += weights[(size_t)p * K + lane];
-                                        else
-                                                w += __ldcg(wslots + ((size_t)r * ctx.max_tokens + tok) * ctx.max_topk + lane);
-                                }
-                                out_weights[(size_t)tok * K + lane] = w;
-                        }
+                for (int i = first; i < c1 - c0; i += nw) {
+                        const int t = c0 + i, pos = ready != READY_FAILED ? route.send_pos[t] : -1;
+                        /* Our row: in x at its receive position, or in the slot. */
+                        const int4 *src = self_in_place ? x + (size_t)(s_prefix[0] + pos) * n16 : slots + (size_t)t * n16;
+                        const float *wsrc = self_in_place ? weights + (size_t)(s_prefix[0] + pos) * K
+                                                          : wslots + (size_t)t * ctx.max_topk;
+                        int4 *dst = out + (size_t)t * n16;
+                        if (pos >= 0)
+                                copy_row(src, dst, n16, lane);
+                        else
+                                for (int j = lane; j < n16; j += 32)
+                                        st_na_v4(dst + j, make_int4(0, 0, 0, 0));
+                        if (out_weights && lane < K)
+                                out_weights[(size_t)t * K + lane] = pos >= 0 ? __ldcg(wsrc + lane) : 0.0f;
                 }
         }
 }
 
-/* Variants of the reduce (flags of combine_kernel). */
-enum {
-        COMB_DIRECT = 1, /* reduce from the comb slots in global memory, no staging */
-        COMB_SELF = 2,   /* our own rows are read from x in place, never copied */
-};
-
 __global__ void __launch_bounds__(COMBINE_THREADS, 1)
         combine_kernel(struct moeep_ctx ctx, const int4 *x, const float *weights, int num_topk,
                        struct moeep_route route, int4 *out, float *out_weights, int nstages, int send_blocks,
-                       int flags, int send_warps) {
+                       int send_warps, bool direct, bool self_in_place) {
         extern __shared__ __align__(1024) char stages[];
         __shared__ uint64_t full[MAX_STAGES], empty[MAX_STAGES];
         __shared__ struct stage_info info[MAX_STAGES];
@@ -468,7 +391,6 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1)
         __shared__ int s_ready;
         const int tid = threadIdx.x, warp = tid / 32;
         const size_t stage_bytes = (size_t)ctx.ranks * SLICE_MAX;
-        const bool direct = flags & COMB_DIRECT, self_in_place = flags & COMB_SELF;
 
         if (ctx.trace && tid == 0)
                 ctx.trace[blockIdx.x * 4] = globaltimer_ns();
@@ -510,13 +432,13 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1)
         } else if (ctx.debug & MOEEP_DEBUG_NO_REDUCE) {
                 return;
         } else if (direct) {
-                /* Warp `first` waits, the warps after it reduce. */
+                /* Warp `first` waits, the warps after it copy. */
                 const int first = split ? 0 : send_warps;
                 if (warp == first)
                         combine_wait(ctx, route, self_in_place, rb, nrb, &s_ready);
                 else
-                        combine_reduce(ctx, route, x, weights, num_topk, s_prefix, out, out_weights, self_in_place,
-                                       warp - first - 1, COMBINE_THREADS / 32 - first - 1, rb, nrb, &s_ready);
+                        combine_copy(ctx, route, x, weights, num_topk, s_prefix, out, out_weights, self_in_place,
+                                     warp - first - 1, COMBINE_THREADS / 32 - first - 1, rb, nrb, &s_ready);
                 if (ctx.trace && tid % 32 == 0)
                         atomicMax((unsigned long long *)&ctx.trace[blockIdx.x * 4 + (warp == first ? 2 : 3)],
                                   (unsigned long long)globaltimer_ns());
@@ -538,29 +460,24 @@ extern "C" int moeep_kernels_init(void) {
                                          STAGE_SMEM);
 }
 
-/* Experiment switch (temporary): $MOEEP_COMBINE_VARIANT = flags,
- * $MOEEP_COMBINE_SEND_WARPS = send warps of a mixed block. */
-#include <stdlib.h>
-static int env_int(const char *name, int dflt) {
-        const char *v = getenv(name);
-        return v && *v ? atoi(v) : dflt;
-}
-
 extern "C" int moeep_launch_combine(const struct moeep_ctx *ctx, const void *x, const float *topk_weights,
                                     int num_topk, const struct moeep_route *route, void *out, float *out_weights,
                                     cudaStream_t stream) {
         const size_t stage_bytes = (size_t)ctx->ranks * SLICE_MAX;
-        const int flags = env_int("MOEEP_COMBINE_VARIANT", ctx->ranks == 1 ? COMB_DIRECT | COMB_SELF : COMB_SELF);
-        int send_warps = env_int("MOEEP_COMBINE_SEND_WARPS", SEND_WARPS);
+        const bool self_in_place = !(ctx->debug & MOEEP_DEBUG_COPY_SELF);
+        /* One rank: the reduce is a copy, straight from global memory (1 rank,
+         * 24 SMs: 89 us against 191 us through the staging ring). From 2
+         * ranks the ring stays: reduce alone on one GPU, 2 / 4 / 8 rows per
+         * token, the direct sum measured 270 / 551 / 981 us against 234 /
+         * 579 / 1204 us staged, no clear gain for a path the multi-GPU
+         * figures have not seen. See docs/benchmarks.md. */
+        const bool direct = ctx->ranks == 1;
+        /* With nothing to send, every warp but the waiter copies. */
+        const int send_warps = direct && self_in_place ? 0 : SEND_WARPS;
         const int nstages =
-                flags & COMB_DIRECT
-                        ? 0
-                        : (int)min((size_t)MAX_STAGES, STAGE_SMEM / stage_bytes) / CONSUMER_GROUPS * CONSUMER_GROUPS;
+                direct ? 0
+                       : (int)min((size_t)MAX_STAGES, STAGE_SMEM / stage_bytes) / CONSUMER_GROUPS * CONSUMER_GROUPS;
 
-        if (!(flags & COMB_DIRECT))
-                send_warps = SEND_WARPS;
-        else if (ctx->ranks == 1 && (flags & COMB_SELF) && !getenv("MOEEP_COMBINE_SEND_WARPS"))
-                send_warps = 0; /* nothing to send: every warp but the waiter reduces */
         MOEEP_CUDA_LAUNCH_BEGIN();
         /* From 4 ranks on, half the blocks only send and half only reduce: on
          * one SM the remote stores stall the reduce's loads (4 ranks, 24 SMs:
@@ -574,7 +491,7 @@ extern "C" int moeep_launch_combine(const struct moeep_ctx *ctx, const void *x, 
                 send_blocks = 0;
         combine_kernel<<<ctx->num_sms, COMBINE_THREADS, nstages * stage_bytes, stream>>>(
                 *ctx, (const int4 *)x, topk_weights, num_topk, *route, (int4 *)out, out_weights, nstages,
-                send_blocks, flags, send_warps);
+                send_blocks, send_warps, direct, self_in_place);
         MOEEP_CUDA_LAUNCH_CHECK();
         return 0;
 }
