@@ -4,7 +4,12 @@
  * token's chunk; meanwhile every rank reduces its own tokens chunk by chunk
  * as their rows arrive, so the sum overlaps the transfer.
  *
- * Roles inside each block (one block per SM, all resident):
+ * Our own rows (those we received from ourselves) are not sent: the reduce
+ * reads them from x where they are, so neither the copy nor its count
+ * happens (MOEEP_DEBUG_COPY_SELF sends them like a peer's, to measure the
+ * per-rank send work at one rank).
+ *
+ * Roles inside each block (one block per SM, all resident), from 2 ranks:
  *   warps 0..SEND_WARPS-1   send: claim rows source by source (each warp
  *                           starts at another source so that every peer's
  *                           ingress is busy at once), copy, count;
@@ -15,6 +20,10 @@
  *   warp 31                 reduce producer: waits for a chunk's counter and
  *                           bulk-copies (TMA) the slices of its rows into a
  *                           ring of shared-memory stages.
+ * At one rank every token has at most one row, and the reduce is a copy:
+ * one warp waits for the chunks, the others copy rows straight from global
+ * memory (combine_copy), without the staging ring, which was the limit
+ * there (see docs/benchmarks.md, "Normal combine at one rank").
  * Buffers: x (the caller's expert outputs) is read once; comb slots
  * (peers[s] + comb_x) are written only by their contributing rank and read
  * only by their owner after the chunk counter; out is written once. */
@@ -65,7 +74,7 @@ __device__ __forceinline__ int4 pack_bf16x8(const float *acc) {
 
 /* Send role: rows back to their sources. */
 __device__ __forceinline__ void combine_send(const struct moeep_ctx &ctx, const int4 *x, const float *weights, int K,
-                                             const struct moeep_route &route, const int *s_prefix) {
+                                             const struct moeep_route &route, const int *s_prefix, bool self_in_place) {
         const int lane = threadIdx.x % 32, R = ctx.ranks, me = ctx.rank;
         const int sw = blockIdx.x * 32 + threadIdx.x / 32;
         const size_t row_bytes = (size_t)ctx.hidden * 2;
@@ -75,6 +84,8 @@ __device__ __forceinline__ void combine_send(const struct moeep_ctx &ctx, const 
                 const int s = (me + sw + k) % R;
                 if (px_remote(ctx, s))
                         continue; /* staged by px_combine_stage, counted there by its relay */
+                if (self_in_place && s == me)
+                        continue; /* our own rows: the reduce reads them from x */
                 const int count = s_prefix[s + 1] - s_prefix[s];
                 for (;;) {
                         int base = 0;
@@ -136,10 +147,11 @@ __device__ __forceinline__ void row_slices(int row_bytes, int *ret_n, int *ret_b
 /* Producer role (warp 31): the whole warp reads the chunk's routing, lane 0
  * waits for the chunk's rows and issues the bulk copies. */
 __device__ __forceinline__ void combine_produce(const struct moeep_ctx &ctx, const struct moeep_route &route,
+                                                const int4 *x, const int *s_prefix, bool self_in_place,
                                                 char *stages, uint64_t *full, uint64_t *empty,
                                                 struct stage_info *info, int nstages, size_t stage_bytes, int rb,
                                                 int nrb) {
-        const int lane = threadIdx.x % 32, R = ctx.ranks;
+        const int lane = threadIdx.x % 32, R = ctx.ranks, me = ctx.rank;
         const int row_bytes = ctx.hidden * 2;
         const char *slots = ctx.peers[ctx.rank] + ctx.layout.comb_x;
         int stage = 0, slices, slice_bytes;
@@ -153,9 +165,11 @@ __device__ __forceinline__ void combine_produce(const struct moeep_ctx &ctx, con
                 if (t < hi)
                         for (int r = 0; r < R; r++)
                                 mask |= (route.send_pos[(size_t)t * R + r] >= 0 ? 1u : 0u) << r;
+                /* Our own rows are not counted when they are read in place. */
+                const int self = self_in_place ? __popc(__ballot_sync(0xffffffffu, (mask >> me) & 1)) : 0;
                 if (lane == 0) {
                         uint32_t *counter = &sync_of(ctx, ctx.rank)->comb_chunk[c];
-                        const uint32_t want = (uint32_t)route.chunk_expect[c];
+                        const uint32_t want = (uint32_t)(route.chunk_expect[c] - self);
                         struct spin s = spin_begin();
                         while (ok && !(ctx.debug & MOEEP_DEBUG_NO_COUNTS) && ld_acquire_sys_u32(counter) < want)
                                 ok = !spin_give_up(ctx, s, -1);
@@ -171,7 +185,9 @@ __device__ __forceinline__ void combine_produce(const struct moeep_ctx &ctx, con
                         const uint32_t m = __shfl_sync(0xffffffffu, mask, i);
                         const int tok = c0 + i, n = ok ? __popc(m) : 0;
                         const int r = lane < n ? (int)__fns(m, 0, lane + 1) : 0;
-                        const char *row = slots + ((size_t)r * ctx.max_tokens + tok) * row_bytes;
+                        const char *row = self_in_place && r == me && lane < n
+                                                  ? (const char *)x + (size_t)(s_prefix[me] + route.send_pos[(size_t)tok * R + me]) * row_bytes
+                                                  : slots + ((size_t)r * ctx.max_tokens + tok) * row_bytes;
                         for (int j = 0; j < slices; j++) {
                                 const int bytes = min(slice_bytes, row_bytes - j * slice_bytes);
                                 if (lane == 0) {
@@ -201,6 +217,7 @@ __device__ __forceinline__ void combine_produce(const struct moeep_ctx &ctx, con
  * split the slice's columns, sum the staged rows and write them out. The
  * weights of a token are summed with its first slice. */
 __device__ __forceinline__ void combine_consume(const struct moeep_ctx &ctx, const struct moeep_route &route,
+                                                const float *weights, const int *s_prefix, bool self_in_place,
                                                 const char *stages, uint64_t *full, uint64_t *empty,
                                                 const struct stage_info *info, int nstages, size_t stage_bytes,
                                                 int4 *out, float *out_weights, int K, int cw, int rb, int nrb) {
@@ -228,9 +245,15 @@ __device__ __forceinline__ void combine_consume(const struct moeep_ctx &ctx, con
                         if (j == 0 && out_weights && wg == 0 && lane < K) {
                                 float w = 0.0f;
                                 if (si.nrows > 0)
-                                        for (int r = 0; r < R; r++)
-                                                if (route.send_pos[(size_t)t * R + r] >= 0)
+                                        for (int r = 0; r < R; r++) {
+                                                const int pos = route.send_pos[(size_t)t * R + r];
+                                                if (pos < 0)
+                                                        continue;
+                                                if (self_in_place && r == ctx.rank)
+                                                        w += weights[(size_t)(s_prefix[r] + pos) * K + lane];
+                                                else
                                                         w += __ldcg(wslots + ((size_t)r * ctx.max_tokens + t) * ctx.max_topk + lane);
+                                        }
                                 out_weights[(size_t)t * K + lane] = w;
                         }
                         __syncwarp();
@@ -239,13 +262,133 @@ __device__ __forceinline__ void combine_consume(const struct moeep_ctx &ctx, con
                 }
 }
 
+/* Loads of rows written during this kernel by other SMs or GPUs: through
+ * L2 (never the non-coherent path), not kept in L1 (read once). */
+__device__ __forceinline__ int4 ld_cg_v4(const int4 *p) {
+        int4 v;
+        asm volatile("ld.global.cg.v4.s32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                     : "l"(p)
+                     : "memory");
+        return v;
+}
+
+/* Copies one row of n16 16-byte columns, COPY_UNROLL loads in flight per
+ * lane. Not inlined: inside the kernel its 32 registers of loads pushed
+ * the kernel's other live values (64 registers at 1024 threads) into local
+ * memory; as a call, the spills happen once per row, not per load. */
+enum { COPY_UNROLL = 8 };
+static __device__ __noinline__ void copy_row(const int4 *src, int4 *dst, int n16, int lane) {
+        for (int i = lane; i < n16; i += 32 * COPY_UNROLL) {
+                int4 v[COPY_UNROLL];
+#pragma unroll
+                for (int u = 0; u < COPY_UNROLL; u++)
+                        if (i + u * 32 < n16)
+                                v[u] = ld_cg_v4(src + i + u * 32);
+#pragma unroll
+                for (int u = 0; u < COPY_UNROLL; u++)
+                        if (i + u * 32 < n16)
+                                st_na_v4(dst + i + u * 32, v[u]);
+        }
+}
+
+/* Flags in shared memory between the warps of one block. */
+__device__ __forceinline__ void st_release_cta(int *p, int v) {
+        asm volatile("st.release.cta.shared::cta.s32 [%0], %1;" ::"r"(smem_addr(p)), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ int ld_acquire_cta(const int *p) {
+        int v;
+        asm volatile("ld.acquire.cta.shared::cta.s32 %0, [%1];" : "=r"(v) : "r"(smem_addr(p)) : "memory");
+        return v;
+}
+
+/* s_ready past every chunk: the wait failed (the error is recorded), the
+ * copy writes zeros. */
+#define READY_FAILED (1 << 30)
+
+/* Waiter role of the one-rank reduce (one warp per block): lane 0 waits
+ * for each of the block's chunks in turn (only rows copied through the
+ * comb slots are counted), zeroes its counter and tells the block's copy
+ * warps through s_ready, the count of the block's chunks that arrived.
+ * One poller per block: when every copy warp polled the counter itself (16
+ * warps per SM), the polls slowed the senders on the same SMs 25-fold
+ * (5.8 ms instead of 0.25). */
+__device__ __forceinline__ void combine_wait(const struct moeep_ctx &ctx, const struct moeep_route &route,
+                                             bool self_in_place, int rb, int nrb, int *s_ready) {
+        const int lane = threadIdx.x % 32;
+        int ci = 0;
+        bool ok = true;
+
+        FOR_EACH_BLOCK_CHUNK(c0, c1, route.num_tokens, rb, nrb) {
+                const int c = c0 / MOEEP_COMBINE_CHUNK;
+                const bool row = c0 + lane < c1 && route.send_pos[c0 + lane] >= 0;
+                const int self = self_in_place ? __popc(__ballot_sync(0xffffffffu, row)) : 0;
+                if (lane == 0) {
+                        uint32_t *counter = &sync_of(ctx, ctx.rank)->comb_chunk[c];
+                        const uint32_t want = (uint32_t)(route.chunk_expect[c] - self);
+                        struct spin s = spin_begin();
+                        while (ok && !(ctx.debug & MOEEP_DEBUG_NO_COUNTS) && ld_acquire_sys_u32(counter) < want)
+                                ok = !spin_give_up(ctx, s, -1);
+                        /* Every row of this round arrived: no more adds come
+                         * until our next combine, which starts after a barrier. */
+                        *counter = 0;
+                        st_release_cta(s_ready, ok ? ci + 1 : READY_FAILED);
+                }
+                ci++;
+        }
+}
+
+/* Copy role of the one-rank reduce: each token has at most one row, ours,
+ * which is its sum. The block's tokens, over all its chunks, are dealt to
+ * the copy warps in turn (token j of the block to warp j % nw): dealt per
+ * chunk, 32 tokens over 31 warps gave one warp two tokens each time, and
+ * that warp set the pace. A token without rows gets zeros. */
+__device__ __forceinline__ void combine_copy(const struct moeep_ctx &ctx, const struct moeep_route &route,
+                                             const int4 *x, const float *weights, int K, const int *s_prefix,
+                                             int4 *out, float *out_weights, bool self_in_place, int w, int nw,
+                                             int rb, int nrb, const int *s_ready) {
+        const int lane = threadIdx.x % 32;
+        const int n16 = ctx.hidden * 2 / 16;
+        const int4 *slots = (const int4 *)(ctx.peers[ctx.rank] + ctx.layout.comb_x);
+        const float *wslots = (const float *)(ctx.peers[ctx.rank] + ctx.layout.comb_weights);
+        int ci = 0, before = 0;
+
+        FOR_EACH_BLOCK_CHUNK(c0, c1, route.num_tokens, rb, nrb) {
+                const int first = ((w - before) % nw + nw) % nw;
+                int ready;
+                before += c1 - c0;
+                while ((ready = ld_acquire_cta(s_ready)) <= ci)
+                        __nanosleep(64);
+                __syncwarp();
+                ci++;
+                for (int i = first; i < c1 - c0; i += nw) {
+                        const int t = c0 + i, pos = ready != READY_FAILED ? route.send_pos[t] : -1;
+                        /* Our row: in x at its receive position, or in the slot. */
+                        const int4 *src = self_in_place ? x + (size_t)(s_prefix[0] + pos) * n16 : slots + (size_t)t * n16;
+                        const float *wsrc = self_in_place ? weights + (size_t)(s_prefix[0] + pos) * K
+                                                          : wslots + (size_t)t * ctx.max_topk;
+                        int4 *dst = out + (size_t)t * n16;
+                        if (pos >= 0)
+                                copy_row(src, dst, n16, lane);
+                        else
+                                for (int j = lane; j < n16; j += 32)
+                                        st_na_v4(dst + j, make_int4(0, 0, 0, 0));
+                        if (out_weights && lane < K)
+                                out_weights[(size_t)t * K + lane] = pos >= 0 ? __ldcg(wsrc + lane) : 0.0f;
+                }
+        }
+}
+
 __global__ void __launch_bounds__(COMBINE_THREADS, 1)
         combine_kernel(struct moeep_ctx ctx, const int4 *x, const float *weights, int num_topk,
-                       struct moeep_route route, int4 *out, float *out_weights, int nstages, int send_blocks) {
+                       struct moeep_route route, int4 *out, float *out_weights, int nstages, int send_blocks,
+                       int send_warps, bool direct, bool self_in_place) {
         extern __shared__ __align__(1024) char stages[];
         __shared__ uint64_t full[MAX_STAGES], empty[MAX_STAGES];
         __shared__ struct stage_info info[MAX_STAGES];
         __shared__ int s_prefix[MOEEP_KERNEL_MAX_RANKS + 1];
+        __shared__ int s_ready;
         const int tid = threadIdx.x, warp = tid / 32;
         const size_t stage_bytes = (size_t)ctx.ranks * SLICE_MAX;
 
@@ -257,26 +400,28 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1)
                 mbar_init(&full[tid], 1);
                 mbar_init(&empty[tid], GROUP_WARPS); /* every warp of the stage's group */
         }
+        if (tid == 0)
+                s_ready = 0;
         fence_mbar_init();
         __syncthreads();
 
-        /* send_blocks == 0: every block mixes the roles (warps 0..SEND_WARPS-1
-         * send); else blocks below send_blocks only send and the others only
-         * reduce. */
+        /* send_blocks == 0: every block mixes the roles (warps
+         * 0..send_warps-1 send); else blocks below send_blocks only send
+         * and the others only reduce. */
         const bool split = send_blocks > 0;
-        const bool sender = split ? (int)blockIdx.x < send_blocks : warp < SEND_WARPS;
+        const bool sender = split ? (int)blockIdx.x < send_blocks : warp < send_warps;
         const int rb = split ? (int)blockIdx.x - send_blocks : (int)blockIdx.x;
         const int nrb = split ? (int)gridDim.x - send_blocks : (int)gridDim.x;
         const int nsend = split ? send_blocks : (int)gridDim.x;
 
         if (sender) {
                 if (!*(volatile uint32_t *)&ctx.state->error && !(ctx.debug & MOEEP_DEBUG_NO_SEND))
-                        combine_send(ctx, x, weights, num_topk, route, s_prefix);
+                        combine_send(ctx, x, weights, num_topk, route, s_prefix, self_in_place);
                 /* Last sender block resets the claim counters for the next call. */
                 if (split)
                         __syncthreads();
                 else
-                        asm volatile("bar.sync 1, %0;" ::"n"(SEND_WARPS * 32));
+                        asm volatile("bar.sync 1, %0;" ::"r"(send_warps * 32));
                 if (ctx.trace && tid == 0)
                         ctx.trace[blockIdx.x * 4 + 1] = globaltimer_ns();
                 if (tid == 0 && atomicAdd(&ctx.state->blocks_done, 1u) == (unsigned)nsend - 1) {
@@ -286,12 +431,24 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1)
                 }
         } else if (ctx.debug & MOEEP_DEBUG_NO_REDUCE) {
                 return;
+        } else if (direct) {
+                /* Warp `first` waits, the warps after it copy. */
+                const int first = split ? 0 : send_warps;
+                if (warp == first)
+                        combine_wait(ctx, route, self_in_place, rb, nrb, &s_ready);
+                else
+                        combine_copy(ctx, route, x, weights, num_topk, s_prefix, out, out_weights, self_in_place,
+                                     warp - first - 1, COMBINE_THREADS / 32 - first - 1, rb, nrb, &s_ready);
+                if (ctx.trace && tid % 32 == 0)
+                        atomicMax((unsigned long long *)&ctx.trace[blockIdx.x * 4 + (warp == first ? 2 : 3)],
+                                  (unsigned long long)globaltimer_ns());
         } else if (warp == PRODUCER_WARP) {
-                combine_produce(ctx, route, stages, full, empty, info, nstages, stage_bytes, rb, nrb);
+                combine_produce(ctx, route, x, s_prefix, self_in_place, stages, full, empty, info, nstages, stage_bytes,
+                                rb, nrb);
                 if (ctx.trace && tid % 32 == 0)
                         ctx.trace[blockIdx.x * 4 + 2] = globaltimer_ns();
         } else if (warp >= PRODUCER_WARP - CONSUMER_WARPS) {
-                combine_consume(ctx, route, stages, full, empty, info, nstages, stage_bytes, out, out_weights,
+                combine_consume(ctx, route, weights, s_prefix, self_in_place, stages, full, empty, info, nstages, stage_bytes, out, out_weights,
                                 num_topk, warp - (PRODUCER_WARP - CONSUMER_WARPS), rb, nrb);
                 if (ctx.trace && tid % 32 == 0)
                         atomicMax((unsigned long long *)&ctx.trace[blockIdx.x * 4 + 3], (unsigned long long)globaltimer_ns());
@@ -307,7 +464,19 @@ extern "C" int moeep_launch_combine(const struct moeep_ctx *ctx, const void *x, 
                                     int num_topk, const struct moeep_route *route, void *out, float *out_weights,
                                     cudaStream_t stream) {
         const size_t stage_bytes = (size_t)ctx->ranks * SLICE_MAX;
-        const int nstages = (int)min((size_t)MAX_STAGES, STAGE_SMEM / stage_bytes) / CONSUMER_GROUPS * CONSUMER_GROUPS;
+        const bool self_in_place = !(ctx->debug & MOEEP_DEBUG_COPY_SELF);
+        /* One rank: the reduce is a copy, straight from global memory (1 rank,
+         * 24 SMs: 89 us against 191 us through the staging ring). From 2
+         * ranks the ring stays: reduce alone on one GPU, 2 / 4 / 8 rows per
+         * token, the direct sum measured 270 / 551 / 981 us against 234 /
+         * 579 / 1204 us staged, no clear gain for a path the multi-GPU
+         * figures have not seen. See docs/benchmarks.md. */
+        const bool direct = ctx->ranks == 1;
+        /* With nothing to send, every warp but the waiter copies. */
+        const int send_warps = direct && self_in_place ? 0 : SEND_WARPS;
+        const int nstages =
+                direct ? 0
+                       : (int)min((size_t)MAX_STAGES, STAGE_SMEM / stage_bytes) / CONSUMER_GROUPS * CONSUMER_GROUPS;
 
         MOEEP_CUDA_LAUNCH_BEGIN();
         /* From 4 ranks on, half the blocks only send and half only reduce: on
@@ -322,7 +491,7 @@ extern "C" int moeep_launch_combine(const struct moeep_ctx *ctx, const void *x, 
                 send_blocks = 0;
         combine_kernel<<<ctx->num_sms, COMBINE_THREADS, nstages * stage_bytes, stream>>>(
                 *ctx, (const int4 *)x, topk_weights, num_topk, *route, (int4 *)out, out_weights, nstages,
-                send_blocks);
+                send_blocks, send_warps, direct, self_in_place);
         MOEEP_CUDA_LAUNCH_CHECK();
         return 0;
 }
