@@ -1,13 +1,35 @@
-/* Looking at a daemon process from outside, for isolation.c and load.c:
+/* A daemon process seen from outside, for isolation.c, load.c and
+ * tests/security/fdattack.c: starting it with its output in a log file,
  * its open descriptors and resident memory, read from /proc. Test code
  * only. */
 #ifndef MOEEP_E2E_ISOLATION_PROC_H
 #define MOEEP_E2E_ISOLATION_PROC_H
 
 #include <dirent.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <sys/types.h>
 #include <time.h>
+#include <unistd.h>
+
+/* Starts argv[0] with argv, its stdout and stderr going to `log_path`
+ * (truncated); returns its pid, or -1. */
+static inline pid_t proc_spawn_logged(char *const argv[], const char *log_path) {
+        int logfd = open(log_path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+        pid_t pid;
+
+        if (logfd < 0)
+                return -1;
+        pid = fork();
+        if (pid == 0) {
+                dup2(logfd, STDOUT_FILENO);
+                dup2(logfd, STDERR_FILENO);
+                execvp(argv[0], argv);
+                _exit(127);
+        }
+        close(logfd);
+        return pid;
+}
 
 static inline void sleep_ms(long ms) {
         struct timespec ts = { .tv_sec = ms / 1000, .tv_nsec = (ms % 1000) * 1000000 };

@@ -846,7 +846,7 @@ static int write_config(void) {
 
 static int start_daemon(char **wrapper, int nwrapper, const char *moeepd) {
         char **argv = calloc((size_t)nwrapper + 4, sizeof(char *));
-        int n = 0, logfd;
+        int n = 0;
 
         if (!argv)
                 return -1;
@@ -855,16 +855,10 @@ static int start_daemon(char **wrapper, int nwrapper, const char *moeepd) {
         argv[n++] = (char *)moeepd;
         argv[n++] = "-c";
         argv[n++] = conf_path;
-        logfd = open(log_path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-        daemon_pid = fork();
-        if (daemon_pid == 0) {
-                dup2(logfd, STDOUT_FILENO);
-                dup2(logfd, STDERR_FILENO);
-                execvp(argv[0], argv);
-                _exit(127);
-        }
-        close(logfd);
+        daemon_pid = proc_spawn_logged(argv, log_path);
         free(argv);
+        if (daemon_pid < 0)
+                return -1;
         for (int waited = 0; waited < START_TIMEOUT_MS; waited += 50) {
                 struct raw raw;
 

@@ -174,7 +174,6 @@ static void *worker_main(void *p) {
 
 static int start_daemon(const char *moeepd) {
         FILE *f = fopen(conf_path, "w");
-        int logfd;
 
         if (!f)
                 return -1;
@@ -188,15 +187,9 @@ static int start_daemon(const char *moeepd) {
                 "max_fds_per_uid = 65536\n",
                 sock_path);
         fclose(f);
-        logfd = open(log_path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-        daemon_pid = fork();
-        if (daemon_pid == 0) {
-                dup2(logfd, STDOUT_FILENO);
-                dup2(logfd, STDERR_FILENO);
-                execl(moeepd, moeepd, "-c", conf_path, (char *)NULL);
-                _exit(127);
-        }
-        close(logfd);
+        daemon_pid = proc_spawn_logged((char *const[]){ (char *)moeepd, "-c", conf_path, NULL }, log_path);
+        if (daemon_pid < 0)
+                return -1;
         for (int i = 0; i < 400; i++) {
                 struct moeep_client *c;
 

@@ -921,7 +921,6 @@ static void case_hello(void) {
 
 static int start_daemon(const char *moeepd) {
         FILE *f = fopen(conf_path, "w");
-        int logfd;
 
         if (!f)
                 return -1;
@@ -931,15 +930,9 @@ static int start_daemon(const char *moeepd) {
                 sock_path, CAP_FDS_PER_UID);
         if (fclose(f) != 0)
                 return -1;
-        logfd = open(log_path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-        daemon_pid = fork();
-        if (daemon_pid == 0) {
-                dup2(logfd, STDOUT_FILENO);
-                dup2(logfd, STDERR_FILENO);
-                execl(moeepd, moeepd, "-c", conf_path, (char *)NULL);
-                _exit(127);
-        }
-        close(logfd);
+        daemon_pid = proc_spawn_logged((char *const[]){ (char *)moeepd, "-c", conf_path, NULL }, log_path);
+        if (daemon_pid < 0)
+                return -1;
         for (int i = 0; i < 400; i++) {
                 struct conn *c = conn_open();
 
