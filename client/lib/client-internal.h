@@ -120,7 +120,7 @@ int moeep_proxy_channel_open(struct moeep_client *client, uint32_t capacity, int
                              uint64_t *ret_ring_id, uint32_t *ret_capacity);
 
 /* State the data plane keeps for the joined job on the handle (the proxy
- * path's regions and ring, client/ep-px.c: registered once per rank and
+ * path's regions and ring, client/lib/ep-px.c: registered once per rank and
  * job, reused by later endpoints). free_fn runs when the handle leaves the
  * job or is freed. */
 void *moeep_client_job_data(const struct moeep_client *client);
