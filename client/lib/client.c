@@ -53,12 +53,12 @@ struct moeep_client {
         struct moeep_record *rec; /* owns; receive buffer, holds the last reply's fds */
         char error[256];
 
-        /* The data plane's state for the joined job (moeep_client_job_data). */
+        /* The data plane's state for the joined job (client_job_data). */
         void *job_data;
         void (*job_data_free)(void *data);
 };
 
-int moeep_client_error_set(struct moeep_client *c, int r, const char *fmt, ...) {
+int client_error_set(struct moeep_client *c, int r, const char *fmt, ...) {
         va_list ap;
 
         va_start(ap, fmt);
@@ -79,27 +79,27 @@ int moeep_client_fd(const struct moeep_client *c) {
         return c->sock;
 }
 
-uint64_t moeep_client_events_dropped(const struct moeep_client *c) {
+uint64_t client_events_dropped(const struct moeep_client *c) {
         return c ? c->events_dropped : 0;
 }
 
-const char *moeep_client_socket_path(const struct moeep_client *c) {
+const char *client_socket_path(const struct moeep_client *c) {
         return c ? c->socket_path : NULL;
 }
 
-const char *moeep_client_daemon_version(const struct moeep_client *c) {
+const char *client_daemon_version(const struct moeep_client *c) {
         return c ? c->daemon_version : NULL;
 }
 
-uint64_t moeep_client_features(const struct moeep_client *c) {
+uint64_t client_features(const struct moeep_client *c) {
         return c ? c->features : 0;
 }
 
-uint64_t moeep_client_session_id(const struct moeep_client *c) {
+uint64_t client_session_id(const struct moeep_client *c) {
         return c ? c->session_id : 0;
 }
 
-int moeep_error_code_to_errno(int code) {
+int client_error_code_to_errno(int code) {
         switch ((Moeep__V1__ErrorCode)code) {
         case MOEEP__V1__ERROR_CODE__ERROR_BAD_RECORD:
                 return -EPROTO;
@@ -143,7 +143,7 @@ int moeep_error_code_to_errno(int code) {
         return -EIO; /* a code newer than this library */
 }
 
-const char *moeep_error_code_to_string(int code) {
+const char *client_error_code_to_string(int code) {
         const ProtobufCEnumValue *v =
                 protobuf_c_enum_descriptor_get_value(&moeep__v1__error_code__descriptor, code);
 
@@ -173,12 +173,12 @@ static int client_check_usable(struct moeep_client *c) {
         if (!c->broken)
                 return 0;
         if (c->broken == -ECONNRESET)
-                return moeep_client_error_set(c, -ECONNRESET, "%s; connect again", CLOSED_TEXT);
+                return client_error_set(c, -ECONNRESET, "%s; connect again", CLOSED_TEXT);
         /* Keep the text of the failure that broke the handle. */
         return c->broken;
 }
 
-int moeep_client_check_alive(struct moeep_client *c) {
+int client_check_alive(struct moeep_client *c) {
         struct pollfd p = { .fd = c->sock, .events = POLLRDHUP };
 
         if (c->broken)
@@ -284,18 +284,17 @@ static int client_recv_one(struct moeep_client *c) {
 
 /* Turns an Error response into -errno and the handle's error text. */
 static int client_error_from_response(struct moeep_client *c, const Moeep__V1__Error *e) {
-        int r = moeep_error_code_to_errno(e->code);
+        int r = client_error_code_to_errno(e->code);
 
         if (e->message && e->message[0])
-                moeep_client_error_set(c, r, "moeepd: %s", e->message);
+                client_error_set(c, r, "moeepd: %s", e->message);
         else
-                moeep_client_error_set(c, r, "moeepd: %s", moeep_error_code_to_string(e->code));
+                client_error_set(c, r, "moeepd: %s", client_error_code_to_string(e->code));
         return r;
 }
 
-int moeep_client_call(struct moeep_client *c, const Moeep__V1__Request *req,
-                      Moeep__V1__Response__BodyCase expect, const int *fds, size_t nfds,
-                      Moeep__V1__Response **ret_resp) {
+int client_call(struct moeep_client *c, const Moeep__V1__Request *req, Moeep__V1__Response__BodyCase expect,
+                const int *fds, size_t nfds, Moeep__V1__Response **ret_resp) {
         Moeep__V1__Response *resp;
         uint64_t id;
         int r;
@@ -312,8 +311,8 @@ int moeep_client_call(struct moeep_client *c, const Moeep__V1__Request *req,
          * e.g. a cap refused at accept) before closing, and the receive
          * reports it, or the close. The peer is gone: it does not block. */
         if (r < 0 && r != -EPIPE && r != -ECONNRESET)
-                return moeep_client_error_set(c, r, "cannot send request of type %d to moeepd at %s: %s",
-                                              (int)req->body_case, c->socket_path, strerror(-r));
+                return client_error_set(c, r, "cannot send request of type %d to moeepd at %s: %s",
+                                        (int)req->body_case, c->socket_path, strerror(-r));
 
         for (;;) {
                 r = client_recv_one(c);
@@ -358,7 +357,7 @@ fail:
         return r;
 }
 
-int *moeep_client_reply_fds(struct moeep_client *c, size_t *ret_nfds) {
+int *client_reply_fds(struct moeep_client *c, size_t *ret_nfds) {
         *ret_nfds = c->rec->nfds;
         return c->rec->fds;
 }
@@ -374,15 +373,15 @@ static int set_rcvtimeo(int sock, unsigned timeout_ms) {
         return 0;
 }
 
-int moeep_client_set_timeout(struct moeep_client *c, unsigned timeout_ms) {
+int client_set_timeout(struct moeep_client *c, unsigned timeout_ms) {
         int r;
 
         if (!c)
                 return -EINVAL;
         r = set_rcvtimeo(c->sock, timeout_ms);
         if (r < 0)
-                return moeep_client_error_set(c, r, "cannot set a receive timeout of %u ms: %s", timeout_ms,
-                                              strerror(-r));
+                return client_error_set(c, r, "cannot set a receive timeout of %u ms: %s", timeout_ms,
+                                        strerror(-r));
         return 0;
 }
 
@@ -444,14 +443,14 @@ static int client_hello(struct moeep_client *c, const char *client_name) {
 
         r = set_rcvtimeo(c->sock, MOEEP_CLIENT_HELLO_TIMEOUT_MS);
         if (r < 0)
-                return moeep_client_error_set(c, r, "cannot set a receive timeout on the socket to %s: %s",
-                                              c->socket_path, strerror(-r));
-        r = moeep_client_call(c, &req, MOEEP__V1__RESPONSE__BODY_WELCOME, NULL, 0, &resp);
+                return client_error_set(c, r, "cannot set a receive timeout on the socket to %s: %s",
+                                        c->socket_path, strerror(-r));
+        r = client_call(c, &req, MOEEP__V1__RESPONSE__BODY_WELCOME, NULL, 0, &resp);
         if (r < 0)
                 return r;
         w = resp->welcome;
         if (w->major != MOEEP_PROTOCOL_MAJOR) {
-                r = moeep_client_error_set(
+                r = client_error_set(
                         c, -EPROTONOSUPPORT, "moeepd at %s speaks protocol %u.%u, this libmoeep speaks %d.%d",
                         c->socket_path, w->major, w->minor, MOEEP_PROTOCOL_MAJOR, MOEEP_PROTOCOL_MINOR);
                 goto out;
@@ -462,15 +461,15 @@ static int client_hello(struct moeep_client *c, const char *client_name) {
                  w->daemon_version ? w->daemon_version : "");
         r = set_rcvtimeo(c->sock, 0);
         if (r < 0)
-                moeep_client_error_set(c, r, "cannot clear the receive timeout on the socket to %s: %s",
-                                       c->socket_path, strerror(-r));
+                client_error_set(c, r, "cannot clear the receive timeout on the socket to %s: %s",
+                                 c->socket_path, strerror(-r));
 out:
         moeep__v1__response__free_unpacked(resp, NULL);
         return r;
 }
 
-int moeep_client_connect(const char *socket_path, const char *client_name, struct moeep_client **ret_client,
-                         char *errbuf, size_t errlen) {
+int client_connect(const char *socket_path, const char *client_name, struct moeep_client **ret_client,
+                   char *errbuf, size_t errlen) {
         struct sockaddr_un sa = { .sun_family = AF_UNIX };
         struct moeep_client *c;
         const char *path;
@@ -493,23 +492,23 @@ int moeep_client_connect(const char *socket_path, const char *client_name, struc
         c->socket_path = strdup(path);
         c->rec = calloc(1, sizeof(*c->rec));
         if (!c->socket_path || !c->rec) {
-                r = moeep_client_error_set(c, -ENOMEM, "out of memory allocating a client handle");
+                r = client_error_set(c, -ENOMEM, "out of memory allocating a client handle");
                 goto fail;
         }
         if (path[0] == '\0' || strlen(path) >= sizeof(sa.sun_path)) {
-                r = moeep_client_error_set(c, -EINVAL, "socket path '%s' is empty or longer than %zu bytes",
-                                           path, sizeof(sa.sun_path) - 1);
+                r = client_error_set(c, -EINVAL, "socket path '%s' is empty or longer than %zu bytes", path,
+                                     sizeof(sa.sun_path) - 1);
                 goto fail;
         }
         memcpy(sa.sun_path, path, strlen(path) + 1);
 
         c->sock = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
         if (c->sock < 0) {
-                r = moeep_client_error_set(c, -errno, "cannot create a socket for %s: %m", path);
+                r = client_error_set(c, -errno, "cannot create a socket for %s: %m", path);
                 goto fail;
         }
         if (connect(c->sock, (struct sockaddr *)&sa, sizeof(sa)) < 0) {
-                r = moeep_client_error_set(c, -errno, "cannot connect to moeepd at %s: %m", path);
+                r = client_error_set(c, -errno, "cannot connect to moeepd at %s: %m", path);
                 goto fail;
         }
         r = client_hello(c, client_name);
@@ -526,7 +525,7 @@ fail:
 }
 
 int moeep_connect(const char *socket_path, struct moeep_client **ret_client) {
-        return moeep_client_connect(socket_path, NULL, ret_client, NULL, 0);
+        return client_connect(socket_path, NULL, ret_client, NULL, 0);
 }
 
 static bool name_valid(const char *name) {
@@ -542,8 +541,8 @@ static bool name_valid(const char *name) {
 
 static int check_world_size(struct moeep_client *c, int world_size) {
         if (world_size < 1 || world_size > MOEEP_MAX_RANKS)
-                return moeep_client_error_set(c, -EINVAL, "world size %d is out of range (1..%d)", world_size,
-                                              MOEEP_MAX_RANKS);
+                return client_error_set(c, -EINVAL, "world size %d is out of range (1..%d)", world_size,
+                                        MOEEP_MAX_RANKS);
         return 0;
 }
 
@@ -558,12 +557,11 @@ int moeep_job_create(struct moeep_client *c, const char *name, int world_size,
         if (!c)
                 return -EINVAL;
         if (!name || !ret_id)
-                return moeep_client_error_set(c, -EINVAL, "job create: %s is NULL",
-                                              !name ? "name" : "ret_id");
+                return client_error_set(c, -EINVAL, "job create: %s is NULL", !name ? "name" : "ret_id");
         if (!name_valid(name))
-                return moeep_client_error_set(c, -EINVAL,
-                                              "job name '%.80s' is invalid (1..%d printable ASCII bytes)",
-                                              name, JOB_NAME_MAX);
+                return client_error_set(c, -EINVAL,
+                                        "job name '%.80s' is invalid (1..%d printable ASCII bytes)", name,
+                                        JOB_NAME_MAX);
         r = check_world_size(c, world_size);
         if (r < 0)
                 return r;
@@ -572,14 +570,13 @@ int moeep_job_create(struct moeep_client *c, const char *name, int world_size,
         jc.world_size = (uint32_t)world_size;
         req.body_case = MOEEP__V1__REQUEST__BODY_JOB_CREATE;
         req.job_create = &jc;
-        r = moeep_client_call(c, &req, MOEEP__V1__RESPONSE__BODY_JOB_CREATED, NULL, 0, &resp);
+        r = client_call(c, &req, MOEEP__V1__RESPONSE__BODY_JOB_CREATED, NULL, 0, &resp);
         if (r < 0)
                 return r;
         uid = &resp->job_created->unique_id;
         if (uid->len == 0 || uid->len > MOEEP_UNIQUE_ID_BYTES) {
-                r = moeep_client_error_set(c, -EPROTO,
-                                           "moeepd returned a unique id of %zu bytes (expected 1..%d)",
-                                           uid->len, MOEEP_UNIQUE_ID_BYTES);
+                r = client_error_set(c, -EPROTO, "moeepd returned a unique id of %zu bytes (expected 1..%d)",
+                                     uid->len, MOEEP_UNIQUE_ID_BYTES);
                 goto out;
         }
         /* Zero-padded to the full size; moeep_job_join() sends all of it. */
@@ -597,22 +594,19 @@ static int control_page_map(struct moeep_client *c, int fd, struct moeep_control
         struct stat st;
 
         if (fstat(fd, &st) < 0)
-                return moeep_client_error_set(c, -errno, "cannot stat the job's control page (fd %d): %m",
-                                              fd);
+                return client_error_set(c, -errno, "cannot stat the job's control page (fd %d): %m", fd);
         if (st.st_size < MOEEP_CONTROL_PAGE_SIZE)
-                return moeep_client_error_set(c, -EPROTO,
-                                              "moeepd sent a control page of %lld bytes (expected %d)",
-                                              (long long)st.st_size, MOEEP_CONTROL_PAGE_SIZE);
+                return client_error_set(c, -EPROTO, "moeepd sent a control page of %lld bytes (expected %d)",
+                                        (long long)st.st_size, MOEEP_CONTROL_PAGE_SIZE);
         page = mmap(NULL, MOEEP_CONTROL_PAGE_SIZE, PROT_READ, MAP_SHARED, fd, 0);
         if (page == MAP_FAILED)
-                return moeep_client_error_set(c, -errno, "cannot map the job's control page (fd %d): %m", fd);
+                return client_error_set(c, -errno, "cannot map the job's control page (fd %d): %m", fd);
         if (page->magic != MOEEP_CONTROL_PAGE_MAGIC) {
                 uint32_t magic = page->magic;
 
                 munmap(page, MOEEP_CONTROL_PAGE_SIZE);
-                return moeep_client_error_set(c, -EPROTO,
-                                              "job control page has magic 0x%08x (expected 0x%08x)", magic,
-                                              MOEEP_CONTROL_PAGE_MAGIC);
+                return client_error_set(c, -EPROTO, "job control page has magic 0x%08x (expected 0x%08x)",
+                                        magic, MOEEP_CONTROL_PAGE_MAGIC);
         }
         *ret_page = page;
         return 0;
@@ -622,7 +616,7 @@ static int client_simple_call(struct moeep_client *c, Moeep__V1__Request *req) {
         Moeep__V1__Response *resp;
         int r;
 
-        r = moeep_client_call(c, req, MOEEP__V1__RESPONSE__BODY_OK, NULL, 0, &resp);
+        r = client_call(c, req, MOEEP__V1__RESPONSE__BODY_OK, NULL, 0, &resp);
         if (r < 0)
                 return r;
         moeep__v1__response__free_unpacked(resp, NULL);
@@ -651,19 +645,18 @@ int moeep_job_join(struct moeep_client *c, const struct moeep_unique_id *id, int
         if (!c)
                 return -EINVAL;
         if (!id)
-                return moeep_client_error_set(c, -EINVAL, "job join: unique id is NULL");
+                return client_error_set(c, -EINVAL, "job join: unique id is NULL");
         r = check_world_size(c, world_size);
         if (r < 0)
                 return r;
         if (rank < 0 || rank >= world_size)
-                return moeep_client_error_set(c, -ERANGE, "rank %d is out of range (0..%d)", rank,
-                                              world_size - 1);
+                return client_error_set(c, -ERANGE, "rank %d is out of range (0..%d)", rank, world_size - 1);
         if (gpu_uuid && strlen(gpu_uuid) > GPU_UUID_MAX)
-                return moeep_client_error_set(c, -EINVAL, "GPU UUID '%.80s' is longer than %d bytes",
-                                              gpu_uuid, GPU_UUID_MAX);
+                return client_error_set(c, -EINVAL, "GPU UUID '%.80s' is longer than %d bytes", gpu_uuid,
+                                        GPU_UUID_MAX);
         if (c->control_page)
-                return moeep_client_error_set(c, -EISCONN, "this session already joined job %llu as rank %d",
-                                              (unsigned long long)c->job_id, c->rank);
+                return client_error_set(c, -EISCONN, "this session already joined job %llu as rank %d",
+                                        (unsigned long long)c->job_id, c->rank);
 
         /* The whole zero-padded id; the daemon ignores trailing zeros. */
         jj.unique_id.data = (uint8_t *)id->bytes;
@@ -673,15 +666,15 @@ int moeep_job_join(struct moeep_client *c, const struct moeep_unique_id *id, int
         jj.gpu_uuid = (char *)(gpu_uuid ? gpu_uuid : "");
         req.body_case = MOEEP__V1__REQUEST__BODY_JOB_JOIN;
         req.job_join = &jj;
-        r = moeep_client_call(c, &req, MOEEP__V1__RESPONSE__BODY_JOB_JOINED, NULL, 0, &resp);
+        r = client_call(c, &req, MOEEP__V1__RESPONSE__BODY_JOB_JOINED, NULL, 0, &resp);
         if (r < 0)
                 return r;
         joined = resp->job_joined;
-        fds = moeep_client_reply_fds(c, &nfds);
+        fds = client_reply_fds(c, &nfds);
         if (joined->rank != (uint32_t)rank || joined->world_size != (uint32_t)world_size) {
-                r = moeep_client_error_set(c, -EPROTO,
-                                           "moeepd joined us as rank %u of %u, we asked for rank %d of %d",
-                                           joined->rank, joined->world_size, rank, world_size);
+                r = client_error_set(c, -EPROTO,
+                                     "moeepd joined us as rank %u of %u, we asked for rank %d of %d",
+                                     joined->rank, joined->world_size, rank, world_size);
                 goto undo;
         }
         /* The record layer guarantees JobJoined carries exactly one fd. */
@@ -712,7 +705,7 @@ undo:
 static int client_require_job(struct moeep_client *c, const char *what) {
         if (c->control_page)
                 return 0;
-        return moeep_client_error_set(c, -ENOTCONN, "%s: this session has not joined a job", what);
+        return client_error_set(c, -ENOTCONN, "%s: this session has not joined a job", what);
 }
 
 int moeep_job_leave(struct moeep_client *c) {
@@ -775,7 +768,7 @@ int moeep_job_ranks(struct moeep_client *c, uint32_t *ret_local, uint32_t *ret_r
                 return r;
         req.body_case = MOEEP__V1__REQUEST__BODY_JOBS_LIST;
         req.jobs_list = &list;
-        r = moeep_client_call(c, &req, MOEEP__V1__RESPONSE__BODY_JOBS, NULL, 0, &resp);
+        r = client_call(c, &req, MOEEP__V1__RESPONSE__BODY_JOBS, NULL, 0, &resp);
         if (r < 0)
                 return r;
         for (size_t i = 0; i < resp->jobs->n_jobs && !found; i++) {
@@ -793,8 +786,8 @@ int moeep_job_ranks(struct moeep_client *c, uint32_t *ret_local, uint32_t *ret_r
         }
         moeep__v1__response__free_unpacked(resp, NULL);
         if (!found)
-                return moeep_client_error_set(c, -ENOTCONN, "job ranks: the daemon lists no job %" PRIu64,
-                                              c->job_id);
+                return client_error_set(c, -ENOTCONN, "job ranks: the daemon lists no job %" PRIu64,
+                                        c->job_id);
         if (ret_local)
                 *ret_local = local & ~remote;
         if (ret_remote)
@@ -830,9 +823,9 @@ static int region_register_call(struct moeep_client *c, int fd, Moeep__V1__Regio
         int r;
 
         if (fd < 0 || fcntl(fd, F_GETFD) < 0)
-                return moeep_client_error_set(c, -EBADF, "region fd %d is not an open descriptor", fd);
+                return client_error_set(c, -EBADF, "region fd %d is not an open descriptor", fd);
         if (size == 0)
-                return moeep_client_error_set(c, -EINVAL, "region size 0 (fd %d) is invalid", fd);
+                return client_error_set(c, -EINVAL, "region size 0 (fd %d) is invalid", fd);
         r = client_require_job(c, "region register");
         if (r < 0)
                 return r;
@@ -843,7 +836,7 @@ static int region_register_call(struct moeep_client *c, int fd, Moeep__V1__Regio
         rr.proxy = proxy;
         req.body_case = MOEEP__V1__REQUEST__BODY_REGION_REGISTER;
         req.region_register = &rr;
-        r = moeep_client_call(c, &req, MOEEP__V1__RESPONSE__BODY_REGION_REGISTERED, &fd, 1, &resp);
+        r = client_call(c, &req, MOEEP__V1__RESPONSE__BODY_REGION_REGISTERED, &fd, 1, &resp);
         if (r < 0)
                 return r;
         if (ret_region_id)
@@ -859,7 +852,7 @@ int moeep_region_register(struct moeep_client *c, int fd, enum moeep_region_kind
         if (!c)
                 return -EINVAL;
         if (k == MOEEP__V1__REGION_KIND__REGION_KIND_UNSPECIFIED)
-                return moeep_client_error_set(c, -EINVAL, "region kind %d is unknown", (int)kind);
+                return client_error_set(c, -EINVAL, "region kind %d is unknown", (int)kind);
         return region_register_call(c, fd, k, size, tag, MOEEP__V1__PROXY_ROLE__PROXY_ROLE_NONE,
                                     ret_region_id);
 }
@@ -868,24 +861,24 @@ int moeep_region_register(struct moeep_client *c, int fd, enum moeep_region_kind
  * FEATURE_PROXY (protocol 1.3). */
 static int client_require_proxy(struct moeep_client *c, const char *what) {
         if (!(c->features & MOEEP__V1__FEATURE__FEATURE_PROXY))
-                return moeep_client_error_set(c, -EOPNOTSUPP,
-                                              "%s: moeepd %s at %s does not offer the internode proxy path "
-                                              "(it needs protocol 1.3)",
-                                              what, c->daemon_version, c->socket_path);
+                return client_error_set(c, -EOPNOTSUPP,
+                                        "%s: moeepd %s at %s does not offer the internode proxy path "
+                                        "(it needs protocol 1.3)",
+                                        what, c->daemon_version, c->socket_path);
         return 0;
 }
 
-void *moeep_client_job_data(const struct moeep_client *c) {
+void *client_job_data(const struct moeep_client *c) {
         return c->job_data;
 }
 
-void moeep_client_job_data_set(struct moeep_client *c, void *data, void (*free_fn)(void *data)) {
+void client_job_data_set(struct moeep_client *c, void *data, void (*free_fn)(void *data)) {
         c->job_data = data;
         c->job_data_free = free_fn;
 }
 
-int moeep_proxy_region_register(struct moeep_client *c, int memfd, uint64_t size, enum moeep_proxy_role role,
-                                uint32_t tag, uint64_t *ret_region_id) {
+int client_proxy_region_register(struct moeep_client *c, int memfd, uint64_t size, enum moeep_proxy_role role,
+                                 uint32_t tag, uint64_t *ret_region_id) {
         Moeep__V1__ProxyRole proxy;
         int r;
 
@@ -902,7 +895,7 @@ int moeep_proxy_region_register(struct moeep_client *c, int memfd, uint64_t size
                 proxy = MOEEP__V1__PROXY_ROLE__PROXY_ROLE_COUNTERS;
                 break;
         default: /* the caller's int may hold anything */
-                return moeep_client_error_set(c, -EINVAL, "proxy role %d is unknown", (int)role);
+                return client_error_set(c, -EINVAL, "proxy role %d is unknown", (int)role);
         }
         r = client_require_proxy(c, "proxy region register");
         if (r < 0)
@@ -911,8 +904,8 @@ int moeep_proxy_region_register(struct moeep_client *c, int memfd, uint64_t size
                                     ret_region_id);
 }
 
-int moeep_proxy_channel_open(struct moeep_client *c, uint32_t capacity, int *ret_ring_fd,
-                             uint64_t *ret_ring_id, uint32_t *ret_capacity) {
+int client_proxy_channel_open(struct moeep_client *c, uint32_t capacity, int *ret_ring_fd,
+                              uint64_t *ret_ring_id, uint32_t *ret_capacity) {
         Moeep__V1__ChannelOpen co = MOEEP__V1__CHANNEL_OPEN__INIT;
         Moeep__V1__Request req = MOEEP__V1__REQUEST__INIT;
         Moeep__V1__Response *resp;
@@ -929,14 +922,14 @@ int moeep_proxy_channel_open(struct moeep_client *c, uint32_t capacity, int *ret
         co.capacity = capacity;
         req.body_case = MOEEP__V1__REQUEST__BODY_CHANNEL_OPEN;
         req.channel_open = &co;
-        r = moeep_client_call(c, &req, MOEEP__V1__RESPONSE__BODY_CHANNEL_OPENED, NULL, 0, &resp);
+        r = client_call(c, &req, MOEEP__V1__RESPONSE__BODY_CHANNEL_OPENED, NULL, 0, &resp);
         if (r < 0)
                 return r;
-        fds = moeep_client_reply_fds(c, &nfds);
+        fds = client_reply_fds(c, &nfds);
         if (nfds != 1 || fds[0] < 0) {
                 moeep__v1__response__free_unpacked(resp, NULL);
-                return moeep_client_error_set(c, -EPROTO,
-                                              "channel open: the reply carried %zu ring fds, not 1", nfds);
+                return client_error_set(c, -EPROTO, "channel open: the reply carried %zu ring fds, not 1",
+                                        nfds);
         }
         *ret_ring_fd = fds[0];
         fds[0] = -1; /* ours now */
@@ -962,7 +955,7 @@ int moeep_region_release(struct moeep_client *c, uint64_t region_id) {
         rr.region_id = region_id;
         req.body_case = MOEEP__V1__REQUEST__BODY_REGION_RELEASE;
         req.region_release = &rr;
-        r = moeep_client_call(c, &req, MOEEP__V1__RESPONSE__BODY_OK, NULL, 0, &resp);
+        r = client_call(c, &req, MOEEP__V1__RESPONSE__BODY_OK, NULL, 0, &resp);
         if (r < 0)
                 return r;
         moeep__v1__response__free_unpacked(resp, NULL);
@@ -1000,38 +993,39 @@ int moeep_regions_fetch(struct moeep_client *c, int rank, int64_t tag, struct mo
         if (!c)
                 return -EINVAL;
         if (!ret_regions || !ret_count)
-                return moeep_client_error_set(c, -EINVAL, "regions fetch: %s is NULL",
-                                              !ret_regions ? "ret_regions" : "ret_count");
+                return client_error_set(c, -EINVAL, "regions fetch: %s is NULL",
+                                        !ret_regions ? "ret_regions" : "ret_count");
         if (tag < -1 || tag > UINT32_MAX)
-                return moeep_client_error_set(c, -EINVAL, "region tag %lld is out of range (-1..%u)",
-                                              (long long)tag, UINT32_MAX);
+                return client_error_set(c, -EINVAL, "region tag %lld is out of range (-1..%u)",
+                                        (long long)tag, UINT32_MAX);
         r = client_require_job(c, "regions fetch");
         if (r < 0)
                 return r;
         if (rank < -1 || rank >= c->world_size)
-                return moeep_client_error_set(c, -ERANGE, "rank %d is out of range (-1..%d)", rank,
-                                              c->world_size - 1);
+                return client_error_set(c, -ERANGE, "rank %d is out of range (-1..%d)", rank,
+                                        c->world_size - 1);
 
         rf.rank = rank;
         rf.tag = tag;
         req.body_case = MOEEP__V1__REQUEST__BODY_REGIONS_FETCH;
         req.regions_fetch = &rf;
-        r = moeep_client_call(c, &req, MOEEP__V1__RESPONSE__BODY_REGIONS, NULL, 0, &resp);
+        r = client_call(c, &req, MOEEP__V1__RESPONSE__BODY_REGIONS, NULL, 0, &resp);
         if (r < 0)
                 return r;
         m = resp->regions;
-        fds = moeep_client_reply_fds(c, &nfds);
+        fds = client_reply_fds(c, &nfds);
         for (size_t i = 0; i < m->n_regions; i++)
                 nlocal += !m->regions[i]->remote;
         if (nlocal != nfds) {
-                r = moeep_client_error_set(c, -EPROTO, "moeepd sent %zu regions of local ranks with %zu descriptors",
-                                           nlocal, nfds);
+                r = client_error_set(c, -EPROTO,
+                                     "moeepd sent %zu regions of local ranks with %zu descriptors", nlocal,
+                                     nfds);
                 goto out;
         }
         /* At least one element, so that success never returns NULL. */
         regions = calloc(m->n_regions ? m->n_regions : 1, sizeof(*regions));
         if (!regions) {
-                r = moeep_client_error_set(c, -ENOMEM, "out of memory for %zu regions", m->n_regions);
+                r = client_error_set(c, -ENOMEM, "out of memory for %zu regions", m->n_regions);
                 goto out;
         }
         for (size_t i = 0; i < m->n_regions; i++) {
@@ -1039,8 +1033,8 @@ int moeep_regions_fetch(struct moeep_client *c, int rank, int64_t tag, struct mo
 
                 r = region_kind_from_proto(ri->kind, &regions[i].kind);
                 if (r < 0) {
-                        moeep_client_error_set(c, r, "moeepd sent region %llu of unknown kind %d",
-                                               (unsigned long long)ri->region_id, (int)ri->kind);
+                        client_error_set(c, r, "moeepd sent region %llu of unknown kind %d",
+                                         (unsigned long long)ri->region_id, (int)ri->kind);
                         goto out;
                 }
                 regions[i].rank = (int)ri->rank;
@@ -1083,7 +1077,7 @@ int moeep_event_next(struct moeep_client *c, struct moeep_event *ret_event) {
         if (!c)
                 return -EINVAL;
         if (!ret_event)
-                return moeep_client_error_set(c, -EINVAL, "event next: ret_event is NULL");
+                return client_error_set(c, -EINVAL, "event next: ret_event is NULL");
 
         /* Drain whatever the socket holds, without blocking. */
         while (!c->broken) {
@@ -1093,8 +1087,8 @@ int moeep_event_next(struct moeep_client *c, struct moeep_event *ret_event) {
                 if (r < 0 && errno == EINTR)
                         continue;
                 if (r < 0)
-                        return moeep_client_error_set(c, -errno, "cannot poll the socket to %s: %m",
-                                                      c->socket_path);
+                        return client_error_set(c, -errno, "cannot poll the socket to %s: %m",
+                                                c->socket_path);
                 if (r == 0)
                         break;
                 r = client_recv_one(c);
