@@ -1,6 +1,6 @@
 /* The daemon object: event base, listening socket, signals, systemd
  * notification, and the registries everything else hangs off. There is one,
- * owned by main(); the event loop thread is the only thread. */
+ * owned by main(); only the event loop thread touches it (not the proxy's or clientfd's threads). */
 #ifndef MOEEPD_DAEMON_H
 #define MOEEPD_DAEMON_H
 

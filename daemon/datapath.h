@@ -87,7 +87,7 @@ int datapath_region_register(struct datapath *dp, struct broker *b, struct job_m
                              const Moeep__V1__RegionRegister *rr, int *fd, uint64_t *ret_id, char *errmsg);
 
 /* Before broker_release(): drops the transport registration when `id` is one
- * of `m`'s proxy regions. -EBUSY for a send region that an open channel
+ * of `m`'s proxy regions. -EINVAL for a send region that an open channel
  * reads. */
 int datapath_region_release(struct datapath *dp, struct job_member *m, uint64_t id, char *errmsg);
 

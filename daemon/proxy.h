@@ -1,7 +1,8 @@
-/* The internode proxy: a thread per NIC that polls descriptor rings in
- * shared memory, posts the RDMA writes they describe through a transport
- * (transport.h), polls completions and makes arrival visible at the receiver
- * by writing a counter there after the data.
+/* The internode proxy: one thread (moeepd starts one, on the one transport
+ * datapath.c opens) that polls descriptor rings in shared memory, posts the
+ * RDMA writes they describe through that transport (transport.h), polls
+ * completions and makes arrival visible at the receiver by writing a counter
+ * there after the data.
  *
  * Who talks to whom: the event loop thread creates the proxy, registers
  * memory and connects peers through the transport, then hands rings over

@@ -99,7 +99,7 @@ void session_fail(struct session *s, int code, uint64_t request_id, const char *
  * the dead list. Call session_fail() first so that it leaves its job. */
 void session_close_now(struct session *s);
 
-/* Drops a reference; the session is freed from the loop once dead and
+/* Takes and drops a reference; the session is freed from the loop once dead and
  * unreferenced. */
 void session_ref(struct session *s);
 void session_unref(struct session *s);

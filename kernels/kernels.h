@@ -1,5 +1,5 @@
 /* Host launchers of moeep's CUDA kernels and the layout of the NVLink buffer
- * they share. Plain C, included by client/ep.c and by the .cu files.
+ * they share. Plain C, included by client/lib/ep.c and by the .cu files.
  *
  * Every rank owns one NVLink buffer (cuMemCreate, mapped by every rank of
  * the job). Peers write into it; its owner reads it. Offsets are the same on
@@ -139,7 +139,7 @@ void moeep_ll_layout_compute(struct moeep_ll_layout *l, size_t start, int ranks,
                              int num_experts, int max_topk);
 
 /* The internode proxy path of the low-latency kernels (proto/ring.h,
- * client/ep-px.c): ranks at another daemon are not mapped; what goes to
+ * client/lib/ep-px.c): ranks at another daemon are not mapped; what goes to
  * them is staged in our send region (host memory, mapped for the device),
  * one segment per (buffer set, destination), and shipped by the daemon's
  * proxy with one descriptor per segment into the same segment of the
@@ -240,7 +240,7 @@ struct moeep_ctx {
 };
 
 /* Routing state of one dispatch, kept for combine and for a cached dispatch.
- * Device arrays, owned by the handle (see client/ep.c). */
+ * Device arrays, owned by the handle (see client/lib/ep.c). */
 struct moeep_route {
         int32_t *send_pos;       /* [num_tokens][ranks]: row among our rows at dst, -1 = not sent */
         int32_t *dst_base;       /* [ranks]: first row of ours in each dst's receive area */

@@ -21,7 +21,10 @@
 /* Largest record (header + payload) either side sends or accepts. Anything
  * bulky travels as a memfd instead. */
 #define MOEEP_RECORD_MAX 65536
-/* Most descriptors one record may carry (Regions: 8 ranks x 8 regions). */
+/* Most descriptors one record may carry. A Regions reply carries at most
+ * this many: MOEEP_MAX_RANKS (8) ranks of 8 regions fit, but
+ * max_regions_per_session may be set up to 64, and a fetch that matches more
+ * fails with -E2BIG (broker_fetch). */
 #define MOEEP_RECORD_MAX_FDS 64
 /* Room for what the kernel may attach to one message (SCM_MAX_FD): a
  * receiver with less room gets MSG_CTRUNC and the kernel closes the rest in

@@ -91,7 +91,7 @@ static int region_new(struct moeep_client *c, struct region *ret, uint64_t size,
         ret->map = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, ret->fd, 0);
         if (ret->map == MAP_FAILED)
                 return fail("%s region: mmap: %s", name, strerror(errno));
-        r = moeep_proxy_region_register(c, ret->fd, size, role, 0, &id);
+        r = client_proxy_region_register(c, ret->fd, size, role, 0, &id);
         if (r < 0)
                 return fail("registering the %s region: %s (%s)", name, strerror(-r), moeep_client_error(c));
         return 0;
@@ -442,7 +442,7 @@ static int run(struct ctx *x, const char *id_file, bool create, const char *mode
         r = moeep_job_barrier(x->c);
         if (r < 0)
                 return fail("barrier after registering: %s (%s)", strerror(-r), moeep_client_error(x->c));
-        r = moeep_proxy_channel_open(x->c, 256, &x->ring_fd, &ring_id, &cap);
+        r = client_proxy_channel_open(x->c, 256, &x->ring_fd, &ring_id, &cap);
         if (r < 0)
                 return fail("channel open: %s (%s)", strerror(-r), moeep_client_error(x->c));
         x->ring_bytes = PROXY_RING_BYTES(cap);

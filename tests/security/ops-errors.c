@@ -65,11 +65,11 @@ int main(int argc, char **argv) {
                 return 1;
         }
 
-        r = moeep_proxy_region_register(c, ro, SIZE, MOEEP_PROXY_RECV, 0, &region);
+        r = client_proxy_region_register(c, ro, SIZE, MOEEP_PROXY_RECV, 0, &region);
         check(r == -EBADF && strstr(moeep_client_error(c), "cannot be mapped for writing"),
               "a read-only proxy region is ERROR_BAD_FDS, not ERROR_BAD_SECRET", c, r);
 
-        r = moeep_proxy_region_register(c, fd, SIZE, MOEEP_PROXY_RECV, 0, &region);
+        r = client_proxy_region_register(c, fd, SIZE, MOEEP_PROXY_RECV, 0, &region);
         check(r == 0, "the same memfd, writable, registers", c, r);
 
         bad = id;

@@ -53,11 +53,11 @@ static int ask(const char *socket, const char *what, char *err, size_t errlen) {
                 req.drain = &dr;
                 expect = MOEEP__V1__RESPONSE__BODY_OK;
         }
-        r = moeep_client_connect(socket, "ops-probe", &c, err, errlen);
+        r = client_connect(socket, "ops-probe", &c, err, errlen);
         if (r < 0)
                 return -1;
-        moeep_client_set_timeout(c, 5000);
-        r = moeep_client_call(c, &req, expect, NULL, 0, &resp);
+        client_set_timeout(c, 5000);
+        r = client_call(c, &req, expect, NULL, 0, &resp);
         if (r < 0)
                 snprintf(err, errlen, "%s", moeep_client_error(c));
         else

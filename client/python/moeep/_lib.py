@@ -1,4 +1,4 @@
-"""ctypes binding of libmoeep.so (client/include/moeep.h and moeep_ep.h).
+"""ctypes binding of libmoeep.so (client/lib/include/moeep.h and moeep_ep.h).
 
 Pure Python and free of torch: the structures below mirror the C headers
 field by field (tests/test_lib.py checks every size and offset against the

@@ -11,7 +11,7 @@
 #include "record.h"
 
 /* Events kept for moeep_event_next(); when the queue is full the oldest is
- * dropped and counted (moeep_client_events_dropped()). */
+ * dropped and counted (client_events_dropped()). */
 #define MOEEP_CLIENT_EVENT_QUEUE 64
 
 /* How long moeep_connect() waits for the daemon's Welcome before giving up,
@@ -23,62 +23,62 @@
  * error text (which names the socket path and, when the daemon refused us,
  * its message) into `errbuf` when that is not NULL. moeepctl uses it to
  * explain failures. */
-int moeep_client_connect(const char *socket_path, const char *client_name, struct moeep_client **ret_client,
-                         char *errbuf, size_t errlen);
+int client_connect(const char *socket_path, const char *client_name, struct moeep_client **ret_client,
+                   char *errbuf, size_t errlen);
 
 /* Sends `req` (its body case is the record type) with `fds` attached (they
  * stay owned by the caller) and waits for the Response carrying the same
  * request id; Events that arrive meanwhile are queued. The Response must be
  * of body case `expect`: an Error response becomes the matching -errno
- * (moeep_error_code_to_errno()) with the daemon's text as the handle's
+ * (client_error_code_to_errno()) with the daemon's text as the handle's
  * error, anything else is -EPROTO. On success the handle's error text is
  * cleared and *ret_resp is the decoded
  * Response (free it with moeep__v1__response__free_unpacked(resp, NULL)) and
  * the descriptors that came with it are left in the handle: see
- * moeep_client_reply_fds().
+ * client_reply_fds().
  *
  * When the daemon closes the connection the call fails with -ECONNRESET, and
  * so does every later call on the handle. */
-int moeep_client_call(struct moeep_client *client, const Moeep__V1__Request *req,
-                      Moeep__V1__Response__BodyCase expect, const int *fds, size_t nfds,
-                      Moeep__V1__Response **ret_resp);
+int client_call(struct moeep_client *client, const Moeep__V1__Request *req,
+                Moeep__V1__Response__BodyCase expect, const int *fds, size_t nfds,
+                Moeep__V1__Response **ret_resp);
 
 /* 0 while the daemon's end of the connection is open, else -ECONNRESET
  * (the handle is then broken, as after a failed call). One poll(2) with no
  * wait and no read: the data plane calls it at every call, so that losing
  * moeepd is an error at once rather than unseen peer failures later. */
-int moeep_client_check_alive(struct moeep_client *client);
+int client_check_alive(struct moeep_client *client);
 
-/* The descriptors received with the last successful moeep_client_call().
+/* The descriptors received with the last successful client_call().
  * The handle owns them: a caller that keeps one sets its slot to -1; the
  * others are closed by the next call or by moeep_client_free(). */
-int *moeep_client_reply_fds(struct moeep_client *client, size_t *ret_nfds);
+int *client_reply_fds(struct moeep_client *client, size_t *ret_nfds);
 
 /* Limits how long one call waits for the daemon's answer (SO_RCVTIMEO);
  * 0 waits for ever, which is the default, since a barrier legitimately
  * waits as long as the slowest rank. A call that times out fails with
  * -ETIMEDOUT and leaves the handle unusable (its answer may still come). */
-int moeep_client_set_timeout(struct moeep_client *client, unsigned timeout_ms);
+int client_set_timeout(struct moeep_client *client, unsigned timeout_ms);
 
 /* Sets the handle's error text and returns `r` (a -errno), so that error
- * paths read `return moeep_client_error_set(c, -EINVAL, "...", ...);`. */
-int moeep_client_error_set(struct moeep_client *client, int r, const char *fmt, ...)
+ * paths read `return client_error_set(c, -EINVAL, "...", ...);`. */
+int client_error_set(struct moeep_client *client, int r, const char *fmt, ...)
         __attribute__((format(printf, 3, 4)));
 
 /* Events dropped because the queue was full. */
-uint64_t moeep_client_events_dropped(const struct moeep_client *client);
+uint64_t client_events_dropped(const struct moeep_client *client);
 
 /* The socket path the handle connected to (after the $MOEEP_SOCKET /
  * default resolution). */
-const char *moeep_client_socket_path(const struct moeep_client *client);
+const char *client_socket_path(const struct moeep_client *client);
 
 /* Daemon's version string and the session id from Welcome. */
-const char *moeep_client_daemon_version(const struct moeep_client *client);
-uint64_t moeep_client_session_id(const struct moeep_client *client);
+const char *client_daemon_version(const struct moeep_client *client);
+uint64_t client_session_id(const struct moeep_client *client);
 
 /* FEATURE_* bits agreed in Welcome: a request behind a bit may be sent only
  * when it is set. */
-uint64_t moeep_client_features(const struct moeep_client *client);
+uint64_t client_features(const struct moeep_client *client);
 
 /* The internode proxy path (protocol 1.3, FEATURE_PROXY; docs/protocol.md,
  * "Internode data path"). A rank that talks to ranks at other daemons
@@ -108,29 +108,29 @@ enum moeep_proxy_role {
  * 1.3, -EIO (ERROR_INTERNAL) from one without an internode transport, -EINVAL
  * for a memfd without F_SEAL_SHRINK or a second region of a role; the
  * handle's error names it. */
-int moeep_proxy_region_register(struct moeep_client *client, int memfd, uint64_t size,
-                                enum moeep_proxy_role role, uint32_t tag, uint64_t *ret_region_id);
+int client_proxy_region_register(struct moeep_client *client, int memfd, uint64_t size,
+                                 enum moeep_proxy_role role, uint32_t tag, uint64_t *ret_region_id);
 
 /* Opens a channel of `capacity` descriptors (a power of two; 0 = 1024):
  * *ret_ring_fd is the ring memfd, the caller's to map and close. -EAGAIN
  * (ERROR_NOT_READY) while a rank at another daemon has not joined or not
  * registered its recv and counters regions: pass a job barrier and retry.
  * The ring goes away when the rank leaves the job or the session ends. */
-int moeep_proxy_channel_open(struct moeep_client *client, uint32_t capacity, int *ret_ring_fd,
-                             uint64_t *ret_ring_id, uint32_t *ret_capacity);
+int client_proxy_channel_open(struct moeep_client *client, uint32_t capacity, int *ret_ring_fd,
+                              uint64_t *ret_ring_id, uint32_t *ret_capacity);
 
 /* State the data plane keeps for the joined job on the handle (the proxy
- * path's regions and ring, client/ep-px.c: registered once per rank and
+ * path's regions and ring, client/lib/ep-px.c: registered once per rank and
  * job, reused by later endpoints). free_fn runs when the handle leaves the
  * job or is freed. */
-void *moeep_client_job_data(const struct moeep_client *client);
-void moeep_client_job_data_set(struct moeep_client *client, void *data, void (*free_fn)(void *data));
+void *client_job_data(const struct moeep_client *client);
+void client_job_data_set(struct moeep_client *client, void *data, void (*free_fn)(void *data));
 
 /* Maps a daemon ErrorCode to a negative errno value; unknown codes (a newer
  * daemon may add some) map to -EIO. */
-int moeep_error_code_to_errno(int code);
+int client_error_code_to_errno(int code);
 
 /* Name of a daemon ErrorCode ("ERROR_RANK_TAKEN"), or "ERROR_UNKNOWN". */
-const char *moeep_error_code_to_string(int code);
+const char *client_error_code_to_string(int code);
 
 #endif

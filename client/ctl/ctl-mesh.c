@@ -24,10 +24,10 @@ int ctl_mesh(struct ctl *ctl) {
         struct ctl_table t;
         int r = 0;
 
-        if (!(moeep_client_features(ctl->client) & MOEEP__V1__FEATURE__FEATURE_MESH)) {
+        if (!(client_features(ctl->client) & MOEEP__V1__FEATURE__FEATURE_MESH)) {
                 fprintf(stderr,
                         "moeepctl: moeepd %s at %s does not offer 'mesh' (it needs protocol 1.2 or later)\n",
-                        moeep_client_daemon_version(ctl->client), moeep_client_socket_path(ctl->client));
+                        client_daemon_version(ctl->client), client_socket_path(ctl->client));
                 return 1;
         }
         req.body_case = MOEEP__V1__REQUEST__BODY_MESH_LIST;

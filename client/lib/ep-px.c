@@ -101,9 +101,10 @@ static int px_region(struct moeep_ep *ep, struct px_map *m, size_t size, enum mo
                 return ep_fail(ep, -errno, "proxy %s region (%zu bytes): %s", what, size, strerror(errno));
         if ((r = px_map_device(ep, m, what)) < 0)
                 return r;
-        r = moeep_proxy_region_register(ep->client, m->fd, size, role, PX_REGION_TAG, &id);
+        r = client_proxy_region_register(ep->client, m->fd, size, role, PX_REGION_TAG, &id);
         if (r < 0)
-                return ep_fail(ep, r, "registering the proxy %s region: %s", what, moeep_client_error(ep->client));
+                return ep_fail(ep, r, "registering the proxy %s region: %s", what,
+                               moeep_client_error(ep->client));
         return 0;
 }
 
@@ -115,7 +116,7 @@ static int px_channel(struct moeep_ep *ep, struct px_job *j) {
         int r;
 
         for (int i = 0;; i++) {
-                r = moeep_proxy_channel_open(ep->client, PX_RING_CAPACITY, &m->fd, &ring_id, &j->ring_cap);
+                r = client_proxy_channel_open(ep->client, PX_RING_CAPACITY, &m->fd, &ring_id, &j->ring_cap);
                 if (r != -EAGAIN || i == 500)
                         break;
                 nanosleep(&(struct timespec){ .tv_nsec = 10 * 1000 * 1000 }, NULL);
@@ -156,7 +157,7 @@ fail:
 
 int ep_px_attach(struct moeep_ep *ep, uint32_t remote) {
         struct moeep_px *px = &ep->ctx.px;
-        struct px_job *j = moeep_client_job_data(ep->client);
+        struct px_job *j = client_job_data(ep->client);
         const struct proxy_ring_hdr *hdr;
         struct moeep_px_state st = { 0 };
         int r;
@@ -166,12 +167,13 @@ int ep_px_attach(struct moeep_ep *ep, uint32_t remote) {
         if (!j) {
                 if ((r = px_job_create(ep, px->bytes, &j)) < 0)
                         return r;
-                moeep_client_job_data_set(ep->client, j, px_job_free);
+                client_job_data_set(ep->client, j, px_job_free);
         } else if (j->map[PX_SEND].size < px->bytes) {
-                return ep_fail(ep, -EINVAL,
-                               "this endpoint needs %zu bytes of proxy staging, the job's first endpoint registered "
-                               "%zu (create the largest endpoint of a job first)",
-                               px->bytes, j->map[PX_SEND].size);
+                return ep_fail(
+                        ep, -EINVAL,
+                        "this endpoint needs %zu bytes of proxy staging, the job's first endpoint registered "
+                        "%zu (create the largest endpoint of a job first)",
+                        px->bytes, j->map[PX_SEND].size);
         }
         px->remote = remote;
         px->send = j->map[PX_SEND].dev;
@@ -196,7 +198,7 @@ void ep_px_detach(struct moeep_ep *ep) {
 }
 
 int ep_px_error(struct moeep_ep *ep, int peer) {
-        const struct px_job *j = moeep_client_job_data(ep->client);
+        const struct px_job *j = client_job_data(ep->client);
         const struct proxy_ring_hdr *hdr = j ? j->map[PX_RING].host : NULL;
         int32_t e = hdr ? __atomic_load_n(&hdr->error, __ATOMIC_ACQUIRE) : 0;
 

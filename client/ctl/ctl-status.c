@@ -33,7 +33,7 @@ int ctl_status(struct ctl *ctl) {
 
         ctl_table_init(&t, columns, sizeof(columns) / sizeof(columns[0]));
         r = ctl_table_add(&t, (const struct ctl_value[]){
-                                      { .s = moeep_client_socket_path(ctl->client) },
+                                      { .s = client_socket_path(ctl->client) },
                                       { .s = s->daemon_version },
                                       { .s = protocol },
                                       { .u = s->uptime_ms },

@@ -65,7 +65,7 @@ int check_index_type(struct moeep_ep *ep, enum moeep_index_type t);
  * state) into ret. */
 int ep_internal_ctx(const struct moeep_ep *ep, struct moeep_ctx *ret);
 
-/* The internode proxy path (client/ep-px.c): registers (or reuses) the
+/* The internode proxy path (client/lib/ep-px.c): registers (or reuses) the
  * job's proxy regions and ring for the ranks in `remote` and fills
  * ep->ctx.px; _detach frees what the endpoint holds (the regions stay with
  * the job); _error names a MOEEP_KERR_PROXY failure. */

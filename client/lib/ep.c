@@ -295,7 +295,7 @@ int moeep_ep_create(struct moeep_client *client, const struct moeep_ep_config *c
 fail:
         /* The endpoint and its error text go away: the reason stays on the
          * client handle (moeep_client_error()). */
-        moeep_client_error_set(client, r, "rank %d: %s", rank, ep->error);
+        client_error_set(client, r, "rank %d: %s", rank, ep->error);
         ep_free(ep);
         return r;
 }
@@ -329,7 +329,7 @@ int ep_check_live(struct moeep_ep *ep) {
 
         if (page && page->abort)
                 return ep_aborted(ep, -1);
-        if ((r = moeep_client_check_alive(ep->client)) < 0)
+        if ((r = client_check_alive(ep->client)) < 0)
                 return ep_fail(ep, r, "rank %d: %s; the job is gone: destroy the endpoint and attach again",
                                ep->ctx.rank, moeep_client_error(ep->client));
         return 0;

@@ -382,7 +382,7 @@ static void test_no_daemon(void) {
         struct moeep_client *c = (struct moeep_client *)0x1;
         char err[256], longpath[200];
 
-        CHECK_ERR(moeep_client_connect("/nonexistent/moeepd.sock", NULL, &c, err, sizeof(err)), -ENOENT);
+        CHECK_ERR(client_connect("/nonexistent/moeepd.sock", NULL, &c, err, sizeof(err)), -ENOENT);
         CHECK(c == (struct moeep_client *)0x1); /* ret_* untouched on failure */
         CHECK(strstr(err, "/nonexistent/moeepd.sock") != NULL);
         CHECK(strstr(err, "No such file or directory") != NULL);
@@ -390,13 +390,13 @@ static void test_no_daemon(void) {
         memset(longpath, 'x', sizeof(longpath) - 1);
         longpath[0] = '/';
         longpath[sizeof(longpath) - 1] = '\0';
-        CHECK_ERR(moeep_client_connect(longpath, NULL, &c, err, sizeof(err)), -EINVAL);
+        CHECK_ERR(client_connect(longpath, NULL, &c, err, sizeof(err)), -EINVAL);
         CHECK(strstr(err, "longer than") != NULL);
         CHECK_ERR(moeep_connect("/tmp", NULL), -EINVAL);
 
         /* $MOEEP_SOCKET picks the default path. */
         setenv("MOEEP_SOCKET", "/nonexistent/env.sock", 1);
-        CHECK_ERR(moeep_client_connect(NULL, NULL, &c, err, sizeof(err)), -ENOENT);
+        CHECK_ERR(client_connect(NULL, NULL, &c, err, sizeof(err)), -ENOENT);
         CHECK(strstr(err, "/nonexistent/env.sock") != NULL);
         unsetenv("MOEEP_SOCKET");
 }
@@ -450,10 +450,10 @@ static void test_error_mapping(void) {
         };
 
         for (size_t i = 0; i < sizeof(map) / sizeof(map[0]); i++)
-                CHECK_ERR(moeep_error_code_to_errno(map[i].code), map[i].err);
-        CHECK(strcmp(moeep_error_code_to_string(MOEEP__V1__ERROR_CODE__ERROR_RANK_TAKEN),
+                CHECK_ERR(client_error_code_to_errno(map[i].code), map[i].err);
+        CHECK(strcmp(client_error_code_to_string(MOEEP__V1__ERROR_CODE__ERROR_RANK_TAKEN),
                      "ERROR_RANK_TAKEN") == 0);
-        CHECK(strcmp(moeep_error_code_to_string(12345), "ERROR_UNKNOWN") == 0);
+        CHECK(strcmp(client_error_code_to_string(12345), "ERROR_UNKNOWN") == 0);
 }
 
 static int region_memfd(const char *content) {
@@ -509,7 +509,7 @@ static void test_job(const char *path) {
         CHECK_ERR(moeep_connect(path, &x), 0);
         if (!a || !b || !x)
                 return;
-        CHECK(moeep_client_session_id(a) != moeep_client_session_id(b));
+        CHECK(client_session_id(a) != client_session_id(b));
         CHECK(moeep_client_fd(a) >= 0 && moeep_client_fd(a) != moeep_client_fd(b));
         test_arguments(a);
 
@@ -567,7 +567,7 @@ static void test_job(const char *path) {
 
         /* A full queue drops the oldest events and counts them. */
         CHECK_ERR(moeep_job_barrier(b), 0);
-        CHECK(moeep_client_events_dropped(b) == FAKE_EVENTS_RANK1 - MOEEP_CLIENT_EVENT_QUEUE);
+        CHECK(client_events_dropped(b) == FAKE_EVENTS_RANK1 - MOEEP_CLIENT_EVENT_QUEUE);
         n_events = 0;
         while (moeep_event_next(b, &ev) == 1) {
                 CHECK(ev.rank == FAKE_EVENTS_RANK1 - MOEEP_CLIENT_EVENT_QUEUE + n_events);

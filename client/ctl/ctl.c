@@ -65,10 +65,10 @@ static void usage(FILE *f) {
 }
 
 bool ctl_require_operator(struct ctl *ctl, const char *command) {
-        if (moeep_client_features(ctl->client) & MOEEP__V1__FEATURE__FEATURE_OPERATOR)
+        if (client_features(ctl->client) & MOEEP__V1__FEATURE__FEATURE_OPERATOR)
                 return true;
         fprintf(stderr, "moeepctl: moeepd %s at %s does not offer '%s' (it needs protocol 1.1 or later)\n",
-                moeep_client_daemon_version(ctl->client), moeep_client_socket_path(ctl->client), command);
+                client_daemon_version(ctl->client), client_socket_path(ctl->client), command);
         return false;
 }
 
@@ -87,7 +87,7 @@ int ctl_admin(struct ctl *ctl, const char *command, const Moeep__V1__Request *re
 
 int ctl_query(struct ctl *ctl, const Moeep__V1__Request *req, Moeep__V1__Response__BodyCase expect,
               Moeep__V1__Response **ret_resp) {
-        int r = moeep_client_call(ctl->client, req, expect, NULL, 0, ret_resp);
+        int r = client_call(ctl->client, req, expect, NULL, 0, ret_resp);
 
         if (r < 0)
                 fprintf(stderr, "moeepctl: %s\n", moeep_client_error(ctl->client));
@@ -178,15 +178,15 @@ static int ctl_connect(struct ctl *ctl, const char *socket_path, const char *adm
                                 admin_path = derived;
                 }
                 if (admin_path) {
-                        r = moeep_client_connect(admin_path, "moeepctl/" MOEEP_VERSION, &ctl->client,
-                                                 ctl->admin_error, sizeof(ctl->admin_error));
+                        r = client_connect(admin_path, "moeepctl/" MOEEP_VERSION, &ctl->client,
+                                           ctl->admin_error, sizeof(ctl->admin_error));
                         if (r == 0) {
                                 ctl->admin = true;
                                 return 0;
                         }
                 }
         }
-        return moeep_client_connect(socket_path, "moeepctl/" MOEEP_VERSION, &ctl->client, err, errlen);
+        return client_connect(socket_path, "moeepctl/" MOEEP_VERSION, &ctl->client, err, errlen);
 }
 
 int main(int argc, char **argv) {
@@ -236,7 +236,7 @@ int main(int argc, char **argv) {
                 ctl_admin_hint(&ctl);
                 return 1;
         }
-        r = moeep_client_set_timeout(ctl.client, CTL_TIMEOUT_MS);
+        r = client_set_timeout(ctl.client, CTL_TIMEOUT_MS);
         if (r < 0)
                 fprintf(stderr, "moeepctl: %s (going on without a timeout)\n",
                         moeep_client_error(ctl.client));
