@@ -53,21 +53,21 @@ struct daemon_listener {
 struct daemon {
         struct event_base *base; /* owns */
         struct daemon_options options;
-        struct config config;           /* the live configuration */
-        struct daemon_listener listen;  /* the client socket */
-        struct daemon_listener admin;   /* the operator socket */
-        struct event *ev_signal[3];     /* owns; SIGTERM, SIGINT, SIGHUP */
-        struct notify notify;           /* owns; sd_notify (notify.h) */
-        struct jobs *jobs;              /* owns */
-        struct broker *broker;          /* owns */
-        struct clientfds *clientfds;    /* owns; checks, counts and closes client fds (clientfd.h) */
-        struct sessions *sessions;      /* owns; the connections (session.h) */
-        struct requests requests;       /* owns; the request layer (requests.h) */
-        struct http *http;              /* owns; NULL unless metrics_listen is set */
-        struct mesh *mesh;              /* owns; NULL unless mesh_listen is set */
-        struct datapath *datapath;      /* owns; NULL unless mesh_listen is set */
-        struct metrics metrics;         /* totals since start-up (requests.c and the reloads write them) */
-        struct view view;               /* what query.c and metrics.c read; filled at start */
+        struct config config;          /* the live configuration */
+        struct daemon_listener listen; /* the client socket */
+        struct daemon_listener admin;  /* the operator socket */
+        struct event *ev_signal[3];    /* owns; SIGTERM, SIGINT, SIGHUP */
+        struct notify notify;          /* owns; sd_notify (notify.h) */
+        struct jobs *jobs;             /* owns */
+        struct broker *broker;         /* owns */
+        struct clientfds *clientfds;   /* owns; checks, counts and closes client fds (clientfd.h) */
+        struct sessions *sessions;     /* owns; the connections (session.h) */
+        struct requests requests;      /* owns; the request layer (requests.h) */
+        struct http *http;             /* owns; NULL unless metrics_listen is set */
+        struct mesh *mesh;             /* owns; NULL unless mesh_listen is set */
+        struct datapath *datapath;     /* owns; NULL unless mesh_listen is set */
+        struct metrics metrics;        /* totals since start-up (requests.c and the reloads write them) */
+        struct view view;              /* what query.c and metrics.c read; filled at start */
         bool stopping;
 };
 

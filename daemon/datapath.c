@@ -42,11 +42,11 @@ TAILQ_HEAD(dp_rank_list, dp_rank);
 
 struct datapath {
         struct datapath_hooks hooks; /* how it tells the mesh */
-        struct transport tp;       /* owns; zeroed when not open */
-        struct proxy *proxy;       /* owns; NULL when not up */
-        struct event *ev_proxy;    /* owns; the proxy's event fd */
-        char why[ERRMSG_MAX];      /* why it is not up */
-        struct dp_rank_list ranks; /* owns */
+        struct transport tp;         /* owns; zeroed when not open */
+        struct proxy *proxy;         /* owns; NULL when not up */
+        struct event *ev_proxy;      /* owns; the proxy's event fd */
+        char why[ERRMSG_MAX];        /* why it is not up */
+        struct dp_rank_list ranks;   /* owns */
         uint64_t next_ring_id;
 };
 
@@ -249,8 +249,8 @@ int datapath_region_register(struct datapath *dp, struct broker *b, struct job_m
         dp->tp.ops->mr_rkey(mr, &rkey);
         log_info("datapath: %s registered (region %" PRIu64 ", %" PRIu64 " bytes)", name, id, rr->size);
         dp->hooks.region_changed(dp->hooks.ctx, m, id, rr->tag, (uint32_t)rr->kind, rr->size, false,
-                            (uint32_t)rr->proxy,
-                            rr->proxy == MOEEP__V1__PROXY_ROLE__PROXY_ROLE_SEND ? NULL : &rkey);
+                                 (uint32_t)rr->proxy,
+                                 rr->proxy == MOEEP__V1__PROXY_ROLE__PROXY_ROLE_SEND ? NULL : &rkey);
         *ret_id = id;
         return 0;
 
@@ -506,8 +506,8 @@ int datapath_start(struct event_base *base, const struct config *c, const struct
         if (r == 0)
                 r = proxy_new(&dp->tp, NULL, "moeepd", &dp->proxy, errmsg);
         if (r == 0) {
-                dp->ev_proxy = event_new(base, proxy_event_fd(dp->proxy), EV_READ | EV_PERSIST,
-                                         proxy_event_cb, dp);
+                dp->ev_proxy =
+                        event_new(base, proxy_event_fd(dp->proxy), EV_READ | EV_PERSIST, proxy_event_cb, dp);
                 if (!dp->ev_proxy || event_add(dp->ev_proxy, NULL) < 0) {
                         datapath_free(dp);
                         return -ENOMEM;

@@ -55,7 +55,7 @@ struct http_conn {
 TAILQ_HEAD(http_conn_list, http_conn);
 
 struct http {
-        struct event_base *base;     /* not owning */
+        struct event_base *base; /* not owning */
         struct http_hooks hooks;
         struct http_counters counters;
         int fd;                      /* owns; the listening socket */

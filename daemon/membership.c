@@ -11,8 +11,8 @@
 #include "mesh.h"
 #include "session.h"
 
-int membership_join(const struct membership *ms, struct session *s, uint64_t rid, const Moeep__V1__JobJoin *jj,
-                    char *errmsg) {
+int membership_join(const struct membership *ms, struct session *s, uint64_t rid,
+                    const Moeep__V1__JobJoin *jj, char *errmsg) {
         const char *here = mesh_address(ms->mesh);
         char home[JOB_NODE_MAX + 1];
         struct job_member *m;

@@ -38,8 +38,8 @@ struct membership {
  * when the unique id names another one (the reply comes later), else
  * joined here, JobJoined queued and the job's other daemons told. Returns
  * 0 or -errno with errmsg. */
-int membership_join(const struct membership *ms, struct session *s, uint64_t rid, const Moeep__V1__JobJoin *jj,
-                    char *errmsg);
+int membership_join(const struct membership *ms, struct session *s, uint64_t rid,
+                    const Moeep__V1__JobJoin *jj, char *errmsg);
 
 /* `s` became member `m`: READY, and JobJoined (request `rid`) with the
  * control page queued. Returns 0 or -errno from session_respond(). */

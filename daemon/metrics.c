@@ -108,8 +108,7 @@ static void snapshot_sessions(struct snapshot *s, const struct view *v) {
         single(s, "moeepd_sessions_accepted_total", COUNTER, "Connections accepted as sessions.",
                (double)v->sessions->accepted);
         single(s, "moeepd_sessions_refused_total", COUNTER,
-               "Connections refused by max_sessions or max_sessions_per_uid.",
-               (double)v->sessions->refused);
+               "Connections refused by max_sessions or max_sessions_per_uid.", (double)v->sessions->refused);
 }
 
 static void snapshot_jobs(struct snapshot *s, const struct view *v) {

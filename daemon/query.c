@@ -34,7 +34,8 @@ static bool job_visible(const struct session *viewer, bool admin, const struct j
 /* Makes a listing fit in one record by dropping trailing entries (`*n`
  * of them); the listing is then partial, which is logged (Status still
  * counts everything visible). */
-static void query_fit_listing(const struct session *s, Moeep__V1__Response *resp, size_t *n, const char *what) {
+static void query_fit_listing(const struct session *s, Moeep__V1__Response *resp, size_t *n,
+                              const char *what) {
         size_t before = *n;
 
         while (*n > 0 &&

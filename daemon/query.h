@@ -33,7 +33,7 @@ struct query_response {
                 Moeep__V1__Clients clients;
                 Moeep__V1__Mesh mesh;
         } body;
-        void *owned[6];             /* owns; the listing's arrays */
+        void *owned[6];              /* owns; the listing's arrays */
         Moeep__V1__Metrics *metrics; /* owns; MetricsGet's snapshot */
         Moeep__V1__Nics *nics;       /* owns; NicsList's scan */
 };

@@ -58,8 +58,8 @@ static int handle_hello(struct requests *rq, struct session *s, uint64_t rid, co
         return session_respond(s, rid, &resp, NULL, 0);
 }
 
-static int handle_job_create(struct requests *rq, struct session *s, uint64_t rid, const Moeep__V1__Request *req,
-                             struct moeep_record *rec, char *errmsg) {
+static int handle_job_create(struct requests *rq, struct session *s, uint64_t rid,
+                             const Moeep__V1__Request *req, struct moeep_record *rec, char *errmsg) {
         const Moeep__V1__JobCreate *jc = req->job_create;
         Moeep__V1__JobCreated created = MOEEP__V1__JOB_CREATED__INIT;
         Moeep__V1__Response resp = MOEEP__V1__RESPONSE__INIT;
@@ -104,8 +104,8 @@ static int handle_barrier(struct requests *rq, struct session *s, uint64_t rid, 
         return r;
 }
 
-static int handle_regions_fetch(struct requests *rq, struct session *s, uint64_t rid, const Moeep__V1__Request *req,
-                                struct moeep_record *rec, char *errmsg) {
+static int handle_regions_fetch(struct requests *rq, struct session *s, uint64_t rid,
+                                const Moeep__V1__Request *req, struct moeep_record *rec, char *errmsg) {
         const Moeep__V1__RegionsFetch *rf = req->regions_fetch;
         Moeep__V1__RegionInfo infos[MOEEP_RECORD_MAX_FDS];
         Moeep__V1__RegionInfo *ptrs[MOEEP_RECORD_MAX_FDS];
@@ -160,18 +160,19 @@ static int handle_regions_fetch(struct requests *rq, struct session *s, uint64_t
         resp.body_case = MOEEP__V1__RESPONSE__BODY_REGIONS;
         resp.regions = &regions;
         r = session_respond(s, rid, &resp, fds, nfds);
-        if (r == -EDQUOT || r == -EMFILE) /* a cap of the uid or the daemon's budget: both a limit to the client */
+        /* A cap of the uid or the daemon's budget: both a limit to the client. */
+        if (r == -EDQUOT || r == -EMFILE)
                 return errmsg_set(errmsg, -EDQUOT, "RegionsFetch: %s", session_send_why());
         return r;
 }
 
-static int handle_job_join(struct requests *rq, struct session *s, uint64_t rid, const Moeep__V1__Request *req,
-                           struct moeep_record *rec, char *errmsg) {
+static int handle_job_join(struct requests *rq, struct session *s, uint64_t rid,
+                           const Moeep__V1__Request *req, struct moeep_record *rec, char *errmsg) {
         return membership_join(&rq->membership, s, rid, req->job_join, errmsg);
 }
 
-static int handle_job_leave(struct requests *rq, struct session *s, uint64_t rid, const Moeep__V1__Request *req,
-                            struct moeep_record *rec, char *errmsg) {
+static int handle_job_leave(struct requests *rq, struct session *s, uint64_t rid,
+                            const Moeep__V1__Request *req, struct moeep_record *rec, char *errmsg) {
         log_info("session %" PRIu64 ": left job %" PRIu64 " (rank %" PRIu32 ")", s->id, s->member->job->id,
                  s->member->rank);
         membership_end(&rq->membership, s, false, "left");
@@ -220,15 +221,15 @@ static int reply_query(struct session *s, uint64_t rid, int r, struct query_resp
         return r;
 }
 
-static int handle_status_get(struct requests *rq, struct session *s, uint64_t rid, const Moeep__V1__Request *req,
-                             struct moeep_record *rec, char *errmsg) {
+static int handle_status_get(struct requests *rq, struct session *s, uint64_t rid,
+                             const Moeep__V1__Request *req, struct moeep_record *rec, char *errmsg) {
         struct query_response q;
 
         return reply_query(s, rid, query_status(rq->view, s, &q, errmsg), &q);
 }
 
-static int handle_jobs_list(struct requests *rq, struct session *s, uint64_t rid, const Moeep__V1__Request *req,
-                            struct moeep_record *rec, char *errmsg) {
+static int handle_jobs_list(struct requests *rq, struct session *s, uint64_t rid,
+                            const Moeep__V1__Request *req, struct moeep_record *rec, char *errmsg) {
         struct query_response q;
 
         return reply_query(s, rid, query_jobs(rq->view, s, &q, errmsg), &q);
@@ -248,15 +249,15 @@ static int handle_metrics_get(struct requests *rq, struct session *s, uint64_t r
         return reply_query(s, rid, query_metrics(rq->view, s, &q, errmsg), &q);
 }
 
-static int handle_nics_list(struct requests *rq, struct session *s, uint64_t rid, const Moeep__V1__Request *req,
-                            struct moeep_record *rec, char *errmsg) {
+static int handle_nics_list(struct requests *rq, struct session *s, uint64_t rid,
+                            const Moeep__V1__Request *req, struct moeep_record *rec, char *errmsg) {
         struct query_response q;
 
         return reply_query(s, rid, query_nics(rq->view, s, &q, errmsg), &q);
 }
 
-static int handle_mesh_list(struct requests *rq, struct session *s, uint64_t rid, const Moeep__V1__Request *req,
-                            struct moeep_record *rec, char *errmsg) {
+static int handle_mesh_list(struct requests *rq, struct session *s, uint64_t rid,
+                            const Moeep__V1__Request *req, struct moeep_record *rec, char *errmsg) {
         struct query_response q;
 
         return reply_query(s, rid, query_mesh(rq->view, s, &q, errmsg), &q);
@@ -276,8 +277,8 @@ static int handle_drain(struct requests *rq, struct session *s, uint64_t rid, co
         return r < 0 ? r : session_send_ok(s, rid);
 }
 
-static int handle_channel_open(struct requests *rq, struct session *s, uint64_t rid, const Moeep__V1__Request *req,
-                               struct moeep_record *rec, char *errmsg) {
+static int handle_channel_open(struct requests *rq, struct session *s, uint64_t rid,
+                               const Moeep__V1__Request *req, struct moeep_record *rec, char *errmsg) {
         Moeep__V1__ChannelOpened opened = MOEEP__V1__CHANNEL_OPENED__INIT;
         Moeep__V1__Response resp = MOEEP__V1__RESPONSE__INIT;
         int fd, r;
@@ -435,7 +436,6 @@ const struct job_callbacks requests_job_callbacks = {
         .barrier_done = requests_barrier_done,
         .peer_lost = requests_peer_lost,
 };
-
 
 /* ------------------------------------------------------------ session hooks */
 

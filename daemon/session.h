@@ -12,13 +12,13 @@
  *    hands every accepted connection to session_new().
  *  - session.c calls upward only through those hooks: a received record
  *    goes to `dispatch` (requests.c), a session that ends to `gone`
- *    (rank.c's lifecycle, through requests.c), a change in the number of
+ *    (membership.c's lifecycle, through requests.c), a change in the number of
  *    sessions to `changed` (the STATUS= line).
- *  - requests.c, rank.c, query.c and mesh.c reply with session_send(),
+ *  - requests.c, membership.c and mesh.c reply with session_send(),
  *    session_respond(), session_send_ok() and session_send_error().
  *
  * Who owns which field of struct session: session.c writes everything but
- * `member` and the READY state, which rank.c writes at join and leave. */
+ * `member` and the READY state, which membership.c writes at join and leave. */
 #ifndef MOEEPD_SESSION_H
 #define MOEEPD_SESSION_H
 
@@ -54,9 +54,9 @@ TAILQ_HEAD(session_out_list, session_out);
 #define SESSION_NAME_MAX 64
 
 struct session {
-        uint64_t id;           /* registry-wide unique */
-        struct sessions *reg;  /* not owning; the registry it is in */
-        int fd;                /* owns; -1 once dead */
+        uint64_t id;          /* registry-wide unique */
+        struct sessions *reg; /* not owning; the registry it is in */
+        int fd;               /* owns; -1 once dead */
         enum session_state state;
         unsigned references; /* the registry's list holds one until death */
         struct ucred cred;   /* SO_PEERCRED at accept */
@@ -65,7 +65,7 @@ struct session {
         size_t ngroups;
         char name[SESSION_NAME_MAX + 1]; /* Hello.client_name, sanitised (session_welcome()) */
         uint64_t features;               /* agreed in Welcome (session_welcome()) */
-        struct job_member *member;       /* owns the membership; NULL unless READY; written by rank.c */
+        struct job_member *member;       /* owns the membership; NULL unless READY; written by membership.c */
         struct event *ev_read;           /* owns */
         struct event *ev_write;          /* owns; pending only while `out` is not empty */
         struct event *ev_linger;         /* owns; bounds how long a CLOSED session flushes */
@@ -111,15 +111,15 @@ struct sessions {
         const struct config *config; /* not owning; the live configuration (caps) */
         struct clientfds *clientfds; /* not owning; checks, counts and closes client fds */
         struct session_hooks hooks;
-        struct event *ev_reap;      /* owns; frees dead sessions from the loop */
-        struct session_list list;   /* owns; live sessions, CLOSED ones that still flush included */
-        struct session_list dead;   /* owns; closed sessions waiting to be freed */
-        uint32_t count;             /* length of `list` */
-        uint32_t nadmin;            /* of them, sessions accepted on the admin socket */
+        struct event *ev_reap;    /* owns; frees dead sessions from the loop */
+        struct session_list list; /* owns; live sessions, CLOSED ones that still flush included */
+        struct session_list dead; /* owns; closed sessions waiting to be freed */
+        uint32_t count;           /* length of `list` */
+        uint32_t nadmin;          /* of them, sessions accepted on the admin socket */
         uint64_t next_id;
-        bool stopping;              /* sessions_shutdown() ran: everybody gets Shutdown */
-        uint64_t accepted;          /* connections that became sessions */
-        uint64_t refused;           /* connections turned away by max_sessions* */
+        bool stopping;                        /* sessions_shutdown() ran: everybody gets Shutdown */
+        uint64_t accepted;                    /* connections that became sessions */
+        uint64_t refused;                     /* connections turned away by max_sessions* */
         uint64_t errors[SESSION_ERROR_CODES]; /* Error responses sent, by code */
 };
 
@@ -204,7 +204,7 @@ Moeep__V1__ErrorCode session_error_code(int r);
 /* `s` became member `m` (a local join, or one its job's home daemon
  * accepted): the session is READY and JobJoined (request `rid`) with the
  * control page is queued. Returns 0 or -errno from session_respond(). A
- * thin entry point for mesh.c: the `joined` hook (rank.c) does it. */
+ * thin entry point for mesh.c: the `joined` hook (membership.c) does it. */
 int session_joined(struct session *s, uint64_t rid, struct job_member *m);
 
 #endif
