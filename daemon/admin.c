@@ -3,7 +3,6 @@
 #include <inttypes.h>
 
 #include "admin.h"
-#include "daemon.h"
 #include "errors.h"
 #include "log.h"
 #include "session.h"
@@ -17,7 +16,7 @@ int admin_check(const struct session *s, const char *what, char *errmsg) {
                           what, s->id, (unsigned)s->cred.uid);
 }
 
-int admin_log_level_set(struct session *s, uint64_t request_id, const char *level, char *errmsg) {
+int admin_log_level_set(const struct session *s, const char *level, char *errmsg) {
         int r, value;
 
         r = admin_check(s, "LogLevelSet", errmsg);
@@ -31,20 +30,19 @@ int admin_log_level_set(struct session *s, uint64_t request_id, const char *leve
         log_notice("session %" PRIu64 " (uid %u): log level %s -> %s", s->id, (unsigned)s->cred.uid,
                    log_level_to_string(log_get_level()), log_level_to_string(value));
         log_set_level(value);
-        return session_send_ok(s, request_id);
+        return 0;
 }
 
-int admin_drain(struct session *s, uint64_t request_id, bool on, char *errmsg) {
-        struct daemon *d = s->daemon;
+int admin_drain(const struct session *s, bool *draining, bool on, char *errmsg) {
         int r;
 
         r = admin_check(s, "Drain", errmsg);
         if (r < 0)
                 return r;
-        if (d->draining != on)
+        if (*draining != on)
                 log_notice("session %" PRIu64 " (uid %u): %s", s->id, (unsigned)s->cred.uid,
                            on ? "draining: new jobs are refused, running jobs go on"
                               : "drain ended: new jobs are accepted");
-        d->draining = on;
-        return session_send_ok(s, request_id);
+        *draining = on;
+        return 0;
 }

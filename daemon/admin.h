@@ -2,7 +2,7 @@
  * sessions accepted on the admin socket may use them (struct session's
  * `admin`, decided at accept): whoever connects to the client socket, uid 0
  * included, gets -EPERM (ERROR_PERMISSION_DENIED). Each logs what changed
- * and who changed it, and queues Ok. */
+ * and who changed it and returns 0; requests.c then sends Ok. */
 #ifndef MOEEPD_ADMIN_H
 #define MOEEPD_ADMIN_H
 
@@ -17,10 +17,11 @@ int admin_check(const struct session *s, const char *what, char *errmsg);
 
 /* Sets the log level until the next SIGHUP (which re-reads log_level) or
  * restart. -EINVAL for a level log_level_from_string() refuses. */
-int admin_log_level_set(struct session *s, uint64_t request_id, const char *level, char *errmsg);
+int admin_log_level_set(const struct session *s, const char *level, char *errmsg);
 
-/* Starts (`on`) or ends draining: while draining, JobCreate is refused with
- * ERROR_DRAINING and jobs that exist go on. Not kept across restarts. */
-int admin_drain(struct session *s, uint64_t request_id, bool on, char *errmsg);
+/* Starts (`on`) or ends draining (*draining, struct requests' flag): while
+ * draining, JobCreate is refused with ERROR_DRAINING and jobs that exist go
+ * on. Not kept across restarts. */
+int admin_drain(const struct session *s, bool *draining, bool on, char *errmsg);
 
 #endif

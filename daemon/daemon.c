@@ -1,4 +1,6 @@
-/* The daemon object; see daemon.h. */
+/* The daemon object; see daemon.h. The hooks it hands out are the small
+ * static functions under "wiring" below: each calls one object on behalf of
+ * another, so that the objects need not know each other. */
 #include <errno.h>
 #include <event2/event.h>
 #include <fcntl.h>
@@ -20,12 +22,16 @@
 #include "daemon.h"
 #include "datapath.h"
 #include "http.h"
-#include "mesh.h"
 #include "job.h"
 #include "log.h"
+#include "mesh.h"
+#include "metrics.h"
 #include "moeep-config.h"
+#include "notify.h"
 #include "record.h"
+#include "requests.h"
 #include "session.h"
+#include "view.h"
 
 /* Connections accepted per callback before others get a turn. */
 #define DAEMON_ACCEPT_BATCH 64
@@ -35,24 +41,64 @@
 static const int daemon_signals[] = { SIGTERM, SIGINT, SIGHUP };
 
 uint64_t daemon_uptime_ms(const struct daemon *d) {
-        struct timespec now;
-
-        clock_gettime(CLOCK_MONOTONIC, &now);
-        return (uint64_t)(now.tv_sec - d->started.tv_sec) * 1000 +
-               (uint64_t)((now.tv_nsec - d->started.tv_nsec) / 1000000);
+        return view_uptime_ms(&d->view);
 }
 
 void daemon_status_changed(struct daemon *d) {
         /* While stopping, STOPPING=1 carried the last STATUS=. */
-        if (!d->jobs || d->stopping)
+        if (!d->jobs || !d->sessions || d->stopping)
                 return;
-        if (d->status_sent && d->status_sessions == d->nsessions && d->status_jobs == d->jobs->count)
-                return;
-        d->status_sent = true;
-        d->status_sessions = d->nsessions;
-        d->status_jobs = d->jobs->count;
-        sd_notifyf(0, "STATUS=%" PRIu32 " sessions, %" PRIu32 " jobs", d->nsessions, d->jobs->count);
+        notify_status(&d->notify, d->sessions->count, d->jobs->count);
 }
+
+/* ------------------------------------------------------------ wiring */
+
+static void daemon_changed(void *ctx) {
+        daemon_status_changed(ctx);
+}
+
+static int daemon_metrics_snapshot(void *ctx, Moeep__V1__Metrics **ret) {
+        struct daemon *d = ctx;
+
+        return metrics_snapshot(&d->view, ret);
+}
+
+/* The data path's hooks: the mesh is started after the data path (its
+ * connections offer the data path's transport), so each looks it up when
+ * called; every mesh_*() accepts NULL (the mesh is off). */
+static void daemon_dp_region_changed(void *ctx, const struct job_member *m, uint64_t region_id, uint32_t tag,
+                                     uint32_t kind, uint64_t size, bool released, uint32_t proxy,
+                                     const struct tp_rkey *rkey) {
+        struct daemon *d = ctx;
+
+        mesh_region_changed(d->mesh, m, region_id, tag, kind, size, released, proxy, rkey);
+}
+
+static int daemon_dp_transport_peer(void *ctx, const char *address, uint32_t *ret_tp_peer) {
+        struct daemon *d = ctx;
+
+        return mesh_transport_peer(d->mesh, address, ret_tp_peer);
+}
+
+static bool daemon_dp_job_nodes(void *ctx, const struct job *job, struct job_node ret[MOEEP_MAX_RANKS]) {
+        struct daemon *d = ctx;
+
+        return mesh_job_nodes(d->mesh, job, ret);
+}
+
+static void daemon_dp_rank_failed(void *ctx, struct job *job, uint32_t rank, const char *reason) {
+        struct daemon *d = ctx;
+
+        mesh_rank_failed(d->mesh, job, rank, reason);
+}
+
+static void daemon_dp_transport_failed(void *ctx, uint32_t tp_peer, const char *why) {
+        struct daemon *d = ctx;
+
+        mesh_transport_failed(d->mesh, tp_peer, why);
+}
+
+/* ------------------------------------------------------------ configuration */
 
 const char *daemon_config_path(const struct daemon_options *o) {
         if (o->no_config)
@@ -353,7 +399,7 @@ static void daemon_accept_cb(evutil_socket_t lfd, short what, void *arg) {
                         log_err("accept: %s", strerror(errno));
                         return;
                 }
-                r = session_new(l->daemon, fd, l->admin, &s);
+                r = session_new(l->daemon->sessions, fd, l->admin, &s);
                 if (r < 0 && r != -EDQUOT) /* refusals were logged with their reason */
                         log_warn("new session: %s", strerror(-r));
         }
@@ -410,16 +456,13 @@ static void daemon_signal_cb(evutil_socket_t sig, short what, void *arg) {
         if (d->stopping)
                 return;
         log_notice("%s: shutting down", strsignal((int)sig));
-        sd_notify(0, "STOPPING=1\nSTATUS=shutting down");
+        notify_stopping();
         event_del(d->listen.ev);
         event_del(d->admin.ev);
         jobs_abort_all(d->jobs, "the daemon is shutting down");
-        sessions_shutdown(d, "the daemon is shutting down");
+        d->stopping = true;
+        sessions_shutdown(d->sessions, "the daemon is shutting down");
         event_base_loopexit(d->base, NULL);
-}
-
-static void daemon_watchdog_cb(evutil_socket_t fd, short what, void *arg) {
-        sd_notify(0, "WATCHDOG=1");
 }
 
 static void daemon_listeners_init(struct daemon *d) {
@@ -440,13 +483,7 @@ static void daemon_listener_done(struct daemon_listener *l) {
         }
 }
 
-static void daemon_reap_cb(evutil_socket_t fd, short what, void *arg) {
-        sessions_reap(arg);
-}
-
 static int daemon_events(struct daemon *d) {
-        uint64_t usec = 0;
-
         struct daemon_listener *listeners[] = { &d->listen, &d->admin };
 
         for (size_t i = 0; i < sizeof(listeners) / sizeof(listeners[0]); i++) {
@@ -457,39 +494,36 @@ static int daemon_events(struct daemon *d) {
                 if (!l->ev || !l->ev_resume || event_add(l->ev, NULL) < 0)
                         return -ENOMEM;
         }
-        d->ev_reap = event_new(d->base, -1, 0, daemon_reap_cb, d);
-        if (!d->ev_reap)
-                return -ENOMEM;
         for (size_t i = 0; i < sizeof(daemon_signals) / sizeof(daemon_signals[0]); i++) {
                 d->ev_signal[i] = evsignal_new(d->base, daemon_signals[i], daemon_signal_cb, d);
                 if (!d->ev_signal[i] || event_add(d->ev_signal[i], NULL) < 0)
                         return -ENOMEM;
         }
-        /* Ping at half the interval systemd expects, as sd_watchdog_enabled(3)
-         * recommends. */
-        if (sd_watchdog_enabled(0, &usec) > 0 && usec > 0) {
-                struct timeval tv = { .tv_sec = (time_t)(usec / 2 / 1000000),
-                                      .tv_usec = (suseconds_t)(usec / 2 % 1000000) };
-
-                d->ev_watchdog = event_new(d->base, -1, EV_PERSIST, daemon_watchdog_cb, d);
-                if (!d->ev_watchdog || event_add(d->ev_watchdog, &tv) < 0)
-                        return -ENOMEM;
-                log_info("watchdog: pinging every %" PRIu64 " ms", usec / 2000);
-        }
-        return 0;
+        return notify_watchdog_start(&d->notify, d->base);
 }
 
 int daemon_init(struct daemon *d, const struct daemon_options *options) {
+        const struct http_hooks http_hooks = {
+                .ctx = d,
+                .snapshot = daemon_metrics_snapshot,
+                .snapshot_free = metrics_snapshot_free,
+        };
+        const struct datapath_hooks dp_hooks = {
+                .ctx = d,
+                .region_changed = daemon_dp_region_changed,
+                .transport_peer = daemon_dp_transport_peer,
+                .job_nodes = daemon_dp_job_nodes,
+                .rank_failed = daemon_dp_rank_failed,
+                .transport_failed = daemon_dp_transport_failed,
+        };
+        struct session_hooks session_hooks;
         char errmsg[ERRMSG_MAX] = "";
         int r;
 
         memset(d, 0, sizeof(*d));
         daemon_listeners_init(d);
         d->options = *options;
-        d->next_session_id = 1;
-        TAILQ_INIT(&d->sessions);
-        TAILQ_INIT(&d->dead);
-        clock_gettime(CLOCK_MONOTONIC, &d->started);
+        clock_gettime(CLOCK_MONOTONIC, &d->view.started);
 
         r = daemon_config_build(options, &d->config, errmsg);
         if (r < 0) {
@@ -511,7 +545,8 @@ int daemon_init(struct daemon *d, const struct daemon_options *options) {
                 log_err("event_base_new failed");
                 return -ENOMEM;
         }
-        r = jobs_new(&d->config, &session_job_callbacks, &d->jobs);
+        /* From the bottom up: each object is handed what it calls. */
+        r = jobs_new(&d->config, &requests_job_callbacks, &d->jobs);
         if (r < 0)
                 goto oom;
         r = clientfds_new(d->base, &d->config, &d->clientfds);
@@ -520,6 +555,23 @@ int daemon_init(struct daemon *d, const struct daemon_options *options) {
         r = broker_new(&d->config, d->clientfds, &d->broker);
         if (r < 0)
                 goto oom;
+        d->requests.membership.jobs = d->jobs;
+        d->requests.membership.broker = d->broker;
+        d->requests.view = &d->view;
+        d->requests.counters = &d->metrics;
+        d->requests.hooks = (struct requests_hooks){ .ctx = d, .changed = daemon_changed };
+        requests_session_hooks(&d->requests, &session_hooks);
+        r = sessions_new(d->base, &d->config, d->clientfds, &session_hooks, &d->sessions);
+        if (r < 0)
+                goto oom;
+        d->view = (struct view){
+                .sessions = d->sessions,
+                .jobs = d->jobs,
+                .broker = d->broker,
+                .counters = &d->metrics,
+                .draining = &d->requests.draining,
+                .started = d->view.started,
+        };
         r = daemon_listen(d);
         if (r < 0)
                 return r;
@@ -527,21 +579,26 @@ int daemon_init(struct daemon *d, const struct daemon_options *options) {
         if (r < 0)
                 goto oom;
         if (d->config.metrics_listen[0]) {
-                r = http_start(d, d->config.metrics_listen, &d->http, errmsg);
+                r = http_start(d->base, d->config.metrics_listen, &http_hooks, &d->http, errmsg);
                 if (r < 0) {
                         log_err("%s", errmsg);
                         return r;
                 }
         }
         /* Before the mesh, whose connections offer its transport. */
-        r = datapath_start(d, &d->datapath);
+        d->view.http = d->http;
+        r = datapath_start(d->base, &d->config, &dp_hooks, &d->datapath);
         if (r < 0)
                 goto oom;
+        d->requests.membership.datapath = d->datapath;
+        /* mesh.c still takes the daemon itself (see daemon.h). */
         r = mesh_start(d, &d->mesh, errmsg);
         if (r < 0) {
                 log_err("%s", errmsg);
                 return r;
         }
+        d->requests.membership.mesh = d->mesh;
+        d->view.mesh = d->mesh;
         return 0;
 
 oom:
@@ -552,7 +609,7 @@ oom:
 int daemon_run(struct daemon *d) {
         log_notice("moeepd %s ready (protocol %d.%d, pid %d)", MOEEP_VERSION, MOEEP_PROTOCOL_MAJOR,
                    MOEEP_PROTOCOL_MINOR, (int)getpid());
-        sd_notify(0, "READY=1");
+        notify_ready();
         daemon_status_changed(d);
         if (event_base_dispatch(d->base) < 0) {
                 log_err("event loop failed");
@@ -562,24 +619,21 @@ int daemon_run(struct daemon *d) {
 }
 
 void daemon_done(struct daemon *d) {
-        struct session *s, *next;
-
         if (!d)
                 return;
         d->stopping = true;
         /* Sessions still flushing their last records are given up now. */
-        for (s = TAILQ_FIRST(&d->sessions); s; s = next) {
-                next = TAILQ_NEXT(s, entry);
-                session_fail(s, 0, 0, "the daemon is exiting");
-                session_close_now(s);
-        }
+        if (d->sessions)
+                sessions_close_all(d->sessions, "the daemon is exiting");
         /* The mesh after the sessions left their jobs (they tell it), and
          * before the reaping: forwarded joins hold session references. */
         mesh_free(d->mesh);
         d->mesh = NULL;
         datapath_free(d->datapath);
         d->datapath = NULL;
-        sessions_reap(d);
+        if (d->sessions)
+                sessions_reap(d->sessions);
+        sessions_free(d->sessions);
         http_free(d->http);
         jobs_free(d->jobs);
         broker_free(d->broker);
@@ -587,10 +641,7 @@ void daemon_done(struct daemon *d) {
         for (size_t i = 0; i < sizeof(d->ev_signal) / sizeof(d->ev_signal[0]); i++)
                 if (d->ev_signal[i])
                         event_free(d->ev_signal[i]);
-        if (d->ev_watchdog)
-                event_free(d->ev_watchdog);
-        if (d->ev_reap)
-                event_free(d->ev_reap);
+        notify_done(&d->notify);
         daemon_listener_done(&d->listen);
         daemon_listener_done(&d->admin);
         if (d->base)

@@ -1,6 +1,13 @@
-/* The daemon object: event base, listening socket, signals, systemd
- * notification, and the registries everything else hangs off. There is one,
- * owned by main(); only the event loop thread touches it (not the proxy's or clientfd's threads). */
+/* The daemon object: the top of moeepd. It owns the event base, the
+ * listening sockets, the signals and every object below, creates them in
+ * order at start and hands each the hooks it needs (struct session_hooks,
+ * requests_hooks, datapath_hooks, http_hooks) and what it reads (struct
+ * view); no object reaches a sibling through struct daemon. There is one,
+ * owned by main(), and only the event loop thread touches it (the proxy's
+ * and clientfd's threads have state of their own). Its fields are written
+ * only by daemon.c; mesh.c still reads base, config, jobs, datapath and
+ * stopping through mesh->daemon (see docs/architecture.md for the hooks it
+ * should take instead). */
 #ifndef MOEEPD_DAEMON_H
 #define MOEEPD_DAEMON_H
 
@@ -11,14 +18,15 @@
 
 #include "config.h"
 #include "metrics.h"
+#include "notify.h"
+#include "requests.h"
+#include "view.h"
 
 struct event;
 struct clientfds;
 struct event_base;
 struct http;
-struct session;
-
-TAILQ_HEAD(session_list, session);
+struct sessions;
 
 /* What the command line said; it wins over the file, also after SIGHUP. */
 struct daemon_options {
@@ -44,37 +52,25 @@ struct daemon_listener {
         struct event *ev_resume; /* owns; re-enables accepting after EMFILE */
 };
 
-/* Admin sessions at once: the operator's own small cap, apart from the
- * client caps, so that no number of client sessions can lock it out. */
-#define DAEMON_ADMIN_SESSIONS_MAX 16
-
 struct daemon {
         struct event_base *base; /* owns */
         struct daemon_options options;
-        struct config config;           /* the live configuration */
-        struct daemon_listener listen;  /* the client socket */
-        struct daemon_listener admin;   /* the operator socket */
-        struct event *ev_signal[3];     /* owns; SIGTERM, SIGINT, SIGHUP */
-        struct event *ev_watchdog;      /* owns; NULL without WatchdogSec */
-        struct event *ev_reap;          /* owns; frees dead sessions from the loop */
-        struct jobs *jobs;              /* owns */
-        struct broker *broker;          /* owns */
-        struct clientfds *clientfds;    /* owns; checks, counts and closes client fds (clientfd.h) */
-        struct http *http;              /* owns; NULL unless metrics_listen is set */
-        struct mesh *mesh;              /* owns; NULL unless mesh_listen is set */
-        struct datapath *datapath;      /* owns; NULL unless mesh_listen is set */
-        struct metrics metrics;         /* totals since start-up */
-        struct session_list sessions;   /* owns; live sessions, CLOSED ones that still flush included */
-        struct session_list dead;       /* owns; closed sessions waiting to be freed */
-        uint32_t nsessions;             /* length of `sessions` */
-        uint32_t nadmin;                /* of them, sessions accepted on the admin socket */
-        uint64_t next_session_id;
-        struct timespec started;  /* CLOCK_MONOTONIC */
-        uint32_t status_sessions; /* what the last STATUS= said, to send only changes */
-        uint32_t status_jobs;
-        bool status_sent;
+        struct config config;          /* the live configuration */
+        struct daemon_listener listen; /* the client socket */
+        struct daemon_listener admin;  /* the operator socket */
+        struct event *ev_signal[3];    /* owns; SIGTERM, SIGINT, SIGHUP */
+        struct notify notify;          /* owns; sd_notify (notify.h) */
+        struct jobs *jobs;             /* owns */
+        struct broker *broker;         /* owns */
+        struct clientfds *clientfds;   /* owns; checks, counts and closes client fds (clientfd.h) */
+        struct sessions *sessions;     /* owns; the connections (session.h) */
+        struct requests requests;      /* owns; the request layer (requests.h) */
+        struct http *http;             /* owns; NULL unless metrics_listen is set */
+        struct mesh *mesh;             /* owns; NULL unless mesh_listen is set */
+        struct datapath *datapath;     /* owns; NULL unless mesh_listen is set */
+        struct metrics metrics;        /* totals since start-up (requests.c and the reloads write them) */
+        struct view view;              /* what query.c and metrics.c read; filled at start */
         bool stopping;
-        bool draining; /* Drain: JobCreate is refused with ERROR_DRAINING */
 };
 
 /* Builds a configuration as start-up and SIGHUP do: embedded defaults, the
@@ -97,7 +93,9 @@ int daemon_run(struct daemon *d);
 /* Frees everything; unlinks a self-bound socket. Accepts a zeroed struct. */
 void daemon_done(struct daemon *d);
 
-/* Updates systemd's STATUS= line after sessions or jobs changed. */
+/* Updates systemd's STATUS= line after sessions or jobs changed. A thin
+ * entry point kept for mesh.c; the other objects reach it through their
+ * hooks. */
 void daemon_status_changed(struct daemon *d);
 
 /* Milliseconds since start-up. */

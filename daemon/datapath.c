@@ -10,10 +10,9 @@
 #include <unistd.h>
 
 #include "broker.h"
-#include "daemon.h"
+#include "config.h"
 #include "datapath.h"
 #include "log.h"
-#include "mesh.h"
 #include "proxy.h"
 
 #define ROLES (MOEEP__V1__PROXY_ROLE__PROXY_ROLE_COUNTERS + 1)
@@ -42,12 +41,12 @@ struct dp_rank {
 TAILQ_HEAD(dp_rank_list, dp_rank);
 
 struct datapath {
-        struct daemon *daemon;     /* not owning */
-        struct transport tp;       /* owns; zeroed when not open */
-        struct proxy *proxy;       /* owns; NULL when not up */
-        struct event *ev_proxy;    /* owns; the proxy's event fd */
-        char why[ERRMSG_MAX];      /* why it is not up */
-        struct dp_rank_list ranks; /* owns */
+        struct datapath_hooks hooks; /* how it tells the mesh */
+        struct transport tp;         /* owns; zeroed when not open */
+        struct proxy *proxy;         /* owns; NULL when not up */
+        struct event *ev_proxy;      /* owns; the proxy's event fd */
+        char why[ERRMSG_MAX];        /* why it is not up */
+        struct dp_rank_list ranks;   /* owns */
         uint64_t next_ring_id;
 };
 
@@ -249,9 +248,9 @@ int datapath_region_register(struct datapath *dp, struct broker *b, struct job_m
         dr->region_id[rr->proxy] = id;
         dp->tp.ops->mr_rkey(mr, &rkey);
         log_info("datapath: %s registered (region %" PRIu64 ", %" PRIu64 " bytes)", name, id, rr->size);
-        mesh_region_changed(dp->daemon->mesh, m, id, rr->tag, (uint32_t)rr->kind, rr->size, false,
-                            (uint32_t)rr->proxy,
-                            rr->proxy == MOEEP__V1__PROXY_ROLE__PROXY_ROLE_SEND ? NULL : &rkey);
+        dp->hooks.region_changed(dp->hooks.ctx, m, id, rr->tag, (uint32_t)rr->kind, rr->size, false,
+                                 (uint32_t)rr->proxy,
+                                 rr->proxy == MOEEP__V1__PROXY_ROLE__PROXY_ROLE_SEND ? NULL : &rkey);
         *ret_id = id;
         return 0;
 
@@ -307,7 +306,7 @@ static int route_fill(struct datapath *dp, const struct job_member *m, const str
         if (!nodes[r].address[0])
                 return errmsg_set(errmsg, -EAGAIN, "rank %" PRIu32 " of job %" PRIu64 " has not joined yet",
                                   r, job->id);
-        e = mesh_transport_peer(dp->daemon->mesh, nodes[r].address, &ret->tp_peer);
+        e = dp->hooks.transport_peer(dp->hooks.ctx, nodes[r].address, &ret->tp_peer);
         if (e < 0)
                 return errmsg_set(
                         errmsg, -EAGAIN,
@@ -358,7 +357,7 @@ int datapath_channel_open(struct datapath *dp, struct job_member *m, uint32_t ca
         if (dr->nchannels >= DATAPATH_MAX_CHANNELS)
                 return errmsg_set(errmsg, -EDQUOT, "channel open: rank %" PRIu32 " already has %d channels",
                                   m->rank, DATAPATH_MAX_CHANNELS);
-        mesh_job_nodes(dp->daemon->mesh, m->job, nodes);
+        dp->hooks.job_nodes(dp->hooks.ctx, m->job, nodes);
         for (uint32_t i = 0; i < m->job->world_size; i++) {
                 r = route_fill(dp, m, nodes, i, &routes[i], errmsg);
                 if (r < 0)
@@ -463,11 +462,11 @@ static void proxy_event(struct datapath *dp, const struct proxy_event *ev) {
                 msg = strncmp(ev->msg, "proxy ", 6) == 0 && strstr(ev->msg, ": ") ? strstr(ev->msg, ": ") + 2
                                                                                   : ev->msg;
                 snprintf(why, sizeof(why), "channel: %s", msg);
-                mesh_rank_failed(dp->daemon->mesh, dr->member->job, dr->member->rank, why);
+                dp->hooks.rank_failed(dp->hooks.ctx, dr->member->job, dr->member->rank, why);
                 return;
         case PROXY_EVENT_PEER_FAILED:
                 log_warn("datapath: %s", ev->msg);
-                mesh_transport_failed(dp->daemon->mesh, ev->tp_peer, ev->msg);
+                dp->hooks.transport_failed(dp->hooks.ctx, ev->tp_peer, ev->msg);
                 return;
         }
 }
@@ -482,8 +481,8 @@ static void proxy_event_cb(evutil_socket_t fd, short what, void *arg) {
 
 /* ------------------------------------------------------------ start, stop */
 
-int datapath_start(struct daemon *d, struct datapath **ret) {
-        const struct config *c = &d->config;
+int datapath_start(struct event_base *base, const struct config *c, const struct datapath_hooks *hooks,
+                   struct datapath **ret) {
         struct tp_config cfg = {
                 .backend = c->transport,
                 .provider = c->fabric_provider,
@@ -501,14 +500,14 @@ int datapath_start(struct daemon *d, struct datapath **ret) {
         dp = calloc(1, sizeof(*dp));
         if (!dp)
                 return -ENOMEM;
-        dp->daemon = d;
+        dp->hooks = *hooks;
         TAILQ_INIT(&dp->ranks);
         r = transport_open(&cfg, &dp->tp, errmsg);
         if (r == 0)
                 r = proxy_new(&dp->tp, NULL, "moeepd", &dp->proxy, errmsg);
         if (r == 0) {
-                dp->ev_proxy = event_new(d->base, proxy_event_fd(dp->proxy), EV_READ | EV_PERSIST,
-                                         proxy_event_cb, dp);
+                dp->ev_proxy =
+                        event_new(base, proxy_event_fd(dp->proxy), EV_READ | EV_PERSIST, proxy_event_cb, dp);
                 if (!dp->ev_proxy || event_add(dp->ev_proxy, NULL) < 0) {
                         datapath_free(dp);
                         return -ENOMEM;

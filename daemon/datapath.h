@@ -5,15 +5,18 @@
  *
  * Who calls what:
  *  - daemon.c starts it when the mesh is on (datapath_start) and frees it
- *    after the sessions and the mesh are gone.
+ *    after the sessions and the mesh are gone. It hands it struct
+ *    datapath_hooks, the only way the data path reaches the mesh (daemon.c's
+ *    hooks call mesh.c), so that datapath.c includes nothing above it.
  *  - mesh.c, when a peer daemon's connection comes up, makes the local half
  *    of a transport connection (datapath_peer_new), sends its address in
  *    PeerTransport and connects with the peer's (datapath_peer_connect);
  *    when the connection goes down it fails the transport peer
  *    (datapath_peer_fail) so rings routing to it get an error.
- *  - session.c registers regions with a proxy role (datapath_region_register),
- *    releases them, opens channels (datapath_channel_open), and tells it when
- *    a member goes or its job is aborted.
+ *  - membership.c registers regions with a proxy role
+ *    (datapath_region_register), releases them and tells it when a member
+ *    goes; requests.c opens channels (datapath_channel_open) and tells it
+ *    when a member's job is aborted.
  *
  * Lifetime of a rank's send region: a ring reads it until the proxy says the
  * ring is removed (PROXY_EVENT_RING_REMOVED), so when its member goes the
@@ -37,8 +40,24 @@
 #include "transport.h"
 
 struct broker;
-struct daemon;
+struct config;
 struct datapath;
+struct event_base;
+
+/* How the data path tells the mesh (mesh.h has each call's meaning: the
+ * hooks are mesh_region_changed, mesh_transport_peer, mesh_job_nodes,
+ * mesh_rank_failed and mesh_transport_failed). Called on the loop with
+ * `ctx`; each must work while the mesh is off. */
+struct datapath_hooks {
+        void *ctx; /* not owning */
+        void (*region_changed)(void *ctx, const struct job_member *m, uint64_t region_id, uint32_t tag,
+                               uint32_t kind, uint64_t size, bool released, uint32_t proxy,
+                               const struct tp_rkey *rkey);
+        int (*transport_peer)(void *ctx, const char *address, uint32_t *ret_tp_peer);
+        bool (*job_nodes)(void *ctx, const struct job *job, struct job_node ret[MOEEP_MAX_RANKS]);
+        void (*rank_failed)(void *ctx, struct job *job, uint32_t rank, const char *reason);
+        void (*transport_failed)(void *ctx, uint32_t tp_peer, const char *why);
+};
 
 /* Descriptors of a ring when ChannelOpen says 0. */
 #define DATAPATH_RING_DEFAULT 1024
@@ -52,7 +71,8 @@ struct datapath;
  * (a warning naming the transport and why) and every request that needs it
  * is answered with the same text. Returns 0 (*ret NULL when the mesh is
  * off) or -ENOMEM. */
-int datapath_start(struct daemon *d, struct datapath **ret);
+int datapath_start(struct event_base *base, const struct config *c, const struct datapath_hooks *hooks,
+                   struct datapath **ret);
 
 /* Stops the proxy, drops every registration and closes the transport.
  * Accepts NULL. */

@@ -13,11 +13,9 @@
 #include <unistd.h>
 
 #include "config.h"
-#include "daemon.h"
 #include "http.h"
 #include "log.h"
 #include "metrics-text.h"
-#include "metrics.h"
 
 /* Connections accepted per callback before others get a turn. */
 #define HTTP_ACCEPT_BATCH 64
@@ -57,23 +55,26 @@ struct http_conn {
 TAILQ_HEAD(http_conn_list, http_conn);
 
 struct http {
-        struct daemon *daemon;       /* not owning */
+        struct event_base *base; /* not owning */
+        struct http_hooks hooks;
+        struct http_counters counters;
         int fd;                      /* owns; the listening socket */
         struct event *ev_accept;     /* owns */
         struct event *ev_resume;     /* owns; re-enables accepting after EMFILE */
         struct http_conn_list conns; /* owns */
-        uint32_t nconns;
 };
 
-uint32_t http_connections(const struct http *h) {
-        return h ? h->nconns : 0;
+const struct http_counters *http_counters(const struct http *h) {
+        static const struct http_counters none;
+
+        return h ? &h->counters : &none;
 }
 
 static void http_conn_free(struct http_conn *c) {
         struct http *h = c->http;
 
         TAILQ_REMOVE(&h->conns, c, entry);
-        h->nconns--;
+        h->counters.connections--;
         if (c->ev_read)
                 event_free(c->ev_read);
         if (c->ev_write)
@@ -120,8 +121,8 @@ static void http_answer_metrics(struct http_conn *c, bool head_only) {
         size_t len = 0;
         FILE *f;
 
-        c->http->daemon->metrics.http_requests++;
-        if (metrics_snapshot(c->http->daemon, &m) < 0) {
+        c->http->counters.requests++;
+        if (c->http->hooks.snapshot(c->http->hooks.ctx, &m) < 0) {
                 http_answer_text(c, 500, "Internal Server Error", "out of memory\n", "");
                 return;
         }
@@ -129,11 +130,11 @@ static void http_answer_metrics(struct http_conn *c, bool head_only) {
         if (!f || moeep_metrics_write_text(m, f) < 0 || fclose(f) != 0) {
                 if (f)
                         free(text);
-                metrics_snapshot_free(m);
+                c->http->hooks.snapshot_free(m);
                 http_answer_text(c, 500, "Internal Server Error", "out of memory\n", "");
                 return;
         }
-        metrics_snapshot_free(m);
+        c->http->hooks.snapshot_free(m);
         http_answer(c, 200, "OK", MOEEP_METRICS_CONTENT_TYPE, text, len, head_only, "");
         free(text);
 }
@@ -233,7 +234,7 @@ static void http_deadline_cb(evutil_socket_t fd, short what, void *arg) {
 
         log_debug("metrics: connection fd %d: %d ms passed, closing it (%s)", c->fd, HTTP_DEADLINE_MS,
                   c->state == HTTP_READING ? "the request never completed" : "the client did not close");
-        c->http->daemon->metrics.http_deadlines++;
+        c->http->counters.deadlines++;
         http_conn_free(c);
 }
 
@@ -242,8 +243,8 @@ static void http_conn_new(struct http *h, int fd) {
                                     .tv_usec = (HTTP_DEADLINE_MS % 1000) * 1000 };
         struct http_conn *c;
 
-        if (h->nconns >= HTTP_MAX_CONNECTIONS) {
-                h->daemon->metrics.http_refused++;
+        if (h->counters.connections >= HTTP_MAX_CONNECTIONS) {
+                h->counters.refused++;
                 (void)send(fd, http_busy, sizeof(http_busy) - 1, MSG_NOSIGNAL | MSG_DONTWAIT);
                 close(fd);
                 return;
@@ -257,10 +258,10 @@ static void http_conn_new(struct http *h, int fd) {
         c->fd = fd;
         c->state = HTTP_READING;
         TAILQ_INSERT_TAIL(&h->conns, c, entry);
-        h->nconns++;
-        c->ev_read = event_new(h->daemon->base, fd, EV_READ | EV_PERSIST, http_read_cb, c);
-        c->ev_write = event_new(h->daemon->base, fd, EV_WRITE | EV_PERSIST, http_write_cb, c);
-        c->ev_deadline = evtimer_new(h->daemon->base, http_deadline_cb, c);
+        h->counters.connections++;
+        c->ev_read = event_new(h->base, fd, EV_READ | EV_PERSIST, http_read_cb, c);
+        c->ev_write = event_new(h->base, fd, EV_WRITE | EV_PERSIST, http_write_cb, c);
+        c->ev_deadline = evtimer_new(h->base, http_deadline_cb, c);
         if (!c->ev_read || !c->ev_write || !c->ev_deadline || event_add(c->ev_read, NULL) < 0 ||
             evtimer_add(c->ev_deadline, &deadline) < 0)
                 http_conn_free(c);
@@ -346,7 +347,8 @@ out:
         return r;
 }
 
-int http_start(struct daemon *d, const char *listen, struct http **ret_http, char *errmsg) {
+int http_start(struct event_base *base, const char *listen, const struct http_hooks *hooks,
+               struct http **ret_http, char *errmsg) {
         char host[CONFIG_HOST_MAX];
         struct http *h;
         uint16_t port;
@@ -363,11 +365,12 @@ int http_start(struct daemon *d, const char *listen, struct http **ret_http, cha
                 close(fd);
                 return errmsg_set(errmsg, -ENOMEM, "metrics_listen '%s': out of memory", listen);
         }
-        h->daemon = d;
+        h->base = base;
+        h->hooks = *hooks;
         h->fd = fd;
         TAILQ_INIT(&h->conns);
-        h->ev_accept = event_new(d->base, fd, EV_READ | EV_PERSIST, http_accept_cb, h);
-        h->ev_resume = evtimer_new(d->base, http_resume_cb, h);
+        h->ev_accept = event_new(base, fd, EV_READ | EV_PERSIST, http_accept_cb, h);
+        h->ev_resume = evtimer_new(base, http_resume_cb, h);
         if (!h->ev_accept || !h->ev_resume || event_add(h->ev_accept, NULL) < 0) {
                 http_free(h);
                 return errmsg_set(errmsg, -ENOMEM, "metrics_listen '%s': out of memory", listen);

@@ -15,7 +15,11 @@
  *   however it trickles (reading the request, writing the answer, waiting
  *   for the client to close);
  * - a request head (request line and headers) is at most HTTP_MAX_REQUEST
- *   bytes (431 beyond). */
+ *   bytes (431 beyond).
+ *
+ * It knows nothing of the daemon: daemon.c starts it with the hooks that
+ * take and free a snapshot (metrics.c), and metrics.c reads its counters
+ * through http_counters(). */
 #ifndef MOEEPD_HTTP_H
 #define MOEEPD_HTTP_H
 
@@ -25,16 +29,35 @@
 #define HTTP_DEADLINE_MS 5000
 #define HTTP_MAX_REQUEST 8192
 
-struct daemon;
+#include "moeep.pb-c.h"
+
+struct event_base;
 struct http;
+
+/* Where the answers come from. Called on the loop with `ctx`. */
+struct http_hooks {
+        void *ctx; /* not owning */
+        /* A snapshot of the metrics: 0 with *ret, or -ENOMEM. */
+        int (*snapshot)(void *ctx, Moeep__V1__Metrics **ret);
+        void (*snapshot_free)(Moeep__V1__Metrics *m);
+};
+
+/* What the listener counts, for the metrics. Written by http.c only. */
+struct http_counters {
+        uint64_t requests;    /* scrapes served */
+        uint64_t refused;     /* connections closed at once: HTTP_MAX_CONNECTIONS were open */
+        uint64_t deadlines;   /* connections closed at HTTP_DEADLINE_MS */
+        uint32_t connections; /* open now */
+};
 
 /* Starts listening on `listen` (as metrics_listen takes it). Logs the
  * address and port it bound. Returns 0 with *ret_http, or -errno with
  * errmsg naming the address. */
-int http_start(struct daemon *d, const char *listen, struct http **ret_http, char *errmsg);
+int http_start(struct event_base *base, const char *listen, const struct http_hooks *hooks,
+               struct http **ret_http, char *errmsg);
 
-/* Connections open now (for the metrics). Accepts NULL. */
-uint32_t http_connections(const struct http *h);
+/* Its counters; all 0 for NULL (no listener). */
+const struct http_counters *http_counters(const struct http *h);
 
 /* Stops listening and closes open connections. Accepts NULL. */
 void http_free(struct http *h);

@@ -6,13 +6,13 @@
 
 #include "broker.h"
 #include "http.h"
-#include "daemon.h"
 #include "job.h"
 #include "log.h"
 #include "mesh.h"
 #include "metrics.h"
 #include "moeep-config.h"
 #include "session.h"
+#include "view.h"
 
 /* Bounds of one snapshot; metrics_snapshot() asserts it stays inside them. */
 #define SNAPSHOT_FAMILIES 32
@@ -34,11 +34,6 @@ struct snapshot {
         bool overflow; /* a bound was hit: a bug here, not a client's doing */
         char protocol[16];
 };
-
-void metrics_count_error(struct metrics *m, int code) {
-        if (code > 0 && code < METRICS_ERROR_CODES)
-                m->errors[code]++;
-}
 
 static Moeep__V1__MetricFamily *family_add(struct snapshot *s, const char *name, Moeep__V1__MetricType type,
                                            const char *help) {
@@ -98,12 +93,12 @@ static void single(struct snapshot *s, const char *name, Moeep__V1__MetricType t
 #define COUNTER MOEEP__V1__METRIC_TYPE__METRIC_TYPE_COUNTER
 #define GAUGE MOEEP__V1__METRIC_TYPE__METRIC_TYPE_GAUGE
 
-static void snapshot_sessions(struct snapshot *s, const struct daemon *d) {
+static void snapshot_sessions(struct snapshot *s, const struct view *v) {
         static const enum session_state states[] = { SESSION_NEW, SESSION_HELLO, SESSION_READY };
         uint32_t count[SESSION_CLOSED + 1] = { 0 };
         const struct session *o;
 
-        TAILQ_FOREACH (o, &d->sessions, entry)
+        TAILQ_FOREACH (o, &v->sessions->list, entry)
                 count[o->state]++;
         family_add(
                 s, "moeepd_sessions", GAUGE,
@@ -111,114 +106,115 @@ static void snapshot_sessions(struct snapshot *s, const struct daemon *d) {
         for (size_t i = 0; i < sizeof(states) / sizeof(states[0]); i++)
                 sample_add(s, count[states[i]], "state", session_state_to_string(states[i]), NULL, NULL);
         single(s, "moeepd_sessions_accepted_total", COUNTER, "Connections accepted as sessions.",
-               (double)d->metrics.sessions_accepted);
+               (double)v->sessions->accepted);
         single(s, "moeepd_sessions_refused_total", COUNTER,
-               "Connections refused by max_sessions or max_sessions_per_uid.",
-               (double)d->metrics.sessions_refused);
+               "Connections refused by max_sessions or max_sessions_per_uid.", (double)v->sessions->refused);
 }
 
-static void snapshot_jobs(struct snapshot *s, const struct daemon *d) {
+static void snapshot_jobs(struct snapshot *s, const struct view *v) {
         static const enum job_state states[] = { JOB_FORMING, JOB_READY, JOB_ABORTED };
         uint32_t count[JOB_ABORTED + 1] = { 0 }, ranks = 0;
         const struct job *job;
 
-        TAILQ_FOREACH (job, &d->jobs->list, entry) {
+        TAILQ_FOREACH (job, &v->jobs->list, entry) {
                 count[job->state]++;
                 ranks += job->njoined;
         }
         family_add(s, "moeepd_jobs", GAUGE, "Live jobs by state.");
         for (size_t i = 0; i < sizeof(states) / sizeof(states[0]); i++)
                 sample_add(s, count[states[i]], "state", job_state_to_string(states[i]), NULL, NULL);
-        single(s, "moeepd_jobs_created_total", COUNTER, "Jobs created.", (double)d->metrics.jobs_created);
+        single(s, "moeepd_jobs_created_total", COUNTER, "Jobs created.", (double)v->counters->jobs_created);
         single(s, "moeepd_ranks", GAUGE, "Ranks joined to live jobs.", ranks);
         single(s, "moeepd_barriers_total", COUNTER, "Barriers that every rank of a job passed.",
-               (double)d->jobs->barriers_completed);
+               (double)v->jobs->barriers_completed);
         single(s, "moeepd_ranks_lost_total", COUNTER,
                "Ranks lost without JobLeave (socket closed, process died, bad record); each aborts its job.",
-               (double)d->jobs->ranks_lost);
+               (double)v->jobs->ranks_lost);
 }
 
-static void snapshot_regions(struct snapshot *s, const struct daemon *d) {
+static void snapshot_regions(struct snapshot *s, const struct view *v) {
         const struct uid_usage *u;
         uint64_t bytes = 0;
 
-        LIST_FOREACH (u, &d->broker->usage, entry)
+        LIST_FOREACH (u, &v->broker->usage, entry)
                 bytes += u->bytes;
-        single(s, "moeepd_regions", GAUGE, "Memory regions registered with the broker.", d->broker->nregions);
+        single(s, "moeepd_regions", GAUGE, "Memory regions registered with the broker.", v->broker->nregions);
         single(s, "moeepd_registered_bytes", GAUGE, "Bytes of the registered memory regions.", (double)bytes);
         single(s, "moeepd_regions_registered_total", COUNTER, "Memory regions registered.",
-               (double)d->metrics.regions_registered);
+               (double)v->counters->regions_registered);
 }
 
-static void snapshot_requests(struct snapshot *s, const struct daemon *d) {
+static void snapshot_requests(struct snapshot *s, const struct view *v) {
         family_add(s, "moeepd_requests_total", COUNTER, "Requests received, by type.");
         for (unsigned t = MOEEP_TYPE_REQUEST_MIN; t <= MOEEP_TYPE_REQUEST_MAX; t++) {
                 const ProtobufCFieldDescriptor *f =
                         protobuf_c_message_descriptor_get_field(&moeep__v1__request__descriptor, t);
 
                 if (f)
-                        sample_add(s, (double)d->metrics.requests[t], "type", f->name, NULL, NULL);
+                        sample_add(s, (double)v->counters->requests[t], "type", f->name, NULL, NULL);
         }
         family_add(s, "moeepd_errors_total", COUNTER, "Error responses sent, by code.");
-        for (int code = 1; code < METRICS_ERROR_CODES; code++) {
-                const ProtobufCEnumValue *v =
+        for (int code = 1; code < SESSION_ERROR_CODES; code++) {
+                const ProtobufCEnumValue *e =
                         protobuf_c_enum_descriptor_get_value(&moeep__v1__error_code__descriptor, code);
 
-                if (v)
-                        sample_add(s, (double)d->metrics.errors[code], "code", v->name, NULL, NULL);
+                if (e)
+                        sample_add(s, (double)v->sessions->errors[code], "code", e->name, NULL, NULL);
         }
 }
 
-static void snapshot_daemon(struct snapshot *s, const struct daemon *d) {
+static void snapshot_daemon(struct snapshot *s, const struct view *v) {
+        const struct http_counters *hc = http_counters(v->http);
+
         snprintf(s->protocol, sizeof(s->protocol), "%d.%d", MOEEP_PROTOCOL_MAJOR, MOEEP_PROTOCOL_MINOR);
         if (family_add(s, "moeepd_build_info", GAUGE, "Always 1; the labels name the daemon's version."))
                 sample_add(s, 1, "version", MOEEP_VERSION, "protocol", s->protocol);
         single(s, "moeepd_uptime_seconds", GAUGE, "Seconds since the daemon started.",
-               (double)daemon_uptime_ms(d) / 1000.0);
+               (double)view_uptime_ms(v) / 1000.0);
         single(s, "moeepd_draining", GAUGE, "1 while new jobs are refused (moeepctl drain), else 0.",
-               d->draining);
+               *v->draining);
         family_add(s, "moeepd_config_reloads_total", COUNTER, "SIGHUP reloads, by result.");
-        sample_add(s, (double)d->metrics.reloads_ok, "result", "ok", NULL, NULL);
-        sample_add(s, (double)d->metrics.reloads_failed, "result", "failed", NULL, NULL);
+        sample_add(s, (double)v->counters->reloads_ok, "result", "ok", NULL, NULL);
+        sample_add(s, (double)v->counters->reloads_failed, "result", "failed", NULL, NULL);
         single(s, "moeepd_http_requests_total", COUNTER, "Requests served by the metrics HTTP listener.",
-               (double)d->metrics.http_requests);
+               (double)hc->requests);
         single(s, "moeepd_http_connections", GAUGE, "Open connections of the metrics HTTP listener.",
-               http_connections(d->http));
+               hc->connections);
         family_add(s, "moeepd_http_closed_total", COUNTER,
                    "Metrics HTTP connections closed by the daemon, by reason: over the connection cap, or "
                    "past the whole-request deadline.");
-        sample_add(s, (double)d->metrics.http_refused, "reason", "cap", NULL, NULL);
-        sample_add(s, (double)d->metrics.http_deadlines, "reason", "deadline", NULL, NULL);
+        sample_add(s, (double)hc->refused, "reason", "cap", NULL, NULL);
+        sample_add(s, (double)hc->deadlines, "reason", "deadline", NULL, NULL);
 }
 
-static void snapshot_mesh(struct snapshot *s, const struct daemon *d) {
+static void snapshot_mesh(struct snapshot *s, const struct view *v) {
         static const enum mesh_peer_state states[] = { MESH_PEER_CONNECTING, MESH_PEER_AUTHENTICATING,
                                                        MESH_PEER_UP, MESH_PEER_DOWN };
         uint32_t count[MESH_PEER_DOWN + 1];
 
-        mesh_count(d->mesh, count);
+        mesh_count(v->mesh, count);
         family_add(s, "moeepd_mesh_peers", GAUGE,
                    "Peer daemons of the internode mesh by state (all 0 while the mesh is off).");
         for (size_t i = 0; i < sizeof(states) / sizeof(states[0]); i++)
                 sample_add(s, count[states[i]], "state", mesh_peer_state_to_string(states[i]), NULL, NULL);
         single(s, "moeepd_mesh_refused_total", COUNTER,
                "Peer connections refused during the handshake (wrong or no cluster key, timeout, cap).",
-               d->mesh ? (double)d->mesh->refused : 0);
+               v->mesh ? (double)v->mesh->refused : 0);
 }
 
-int metrics_snapshot(const struct daemon *d, Moeep__V1__Metrics **ret_metrics) {
+int metrics_snapshot(const struct view *v, Moeep__V1__Metrics **ret_metrics) {
         struct snapshot *s = calloc(1, sizeof(*s));
 
         if (!s)
                 return -ENOMEM;
         moeep__v1__metrics__init(&s->metrics);
         s->metrics.families = s->family_ptrs;
-        snapshot_daemon(s, d);
-        snapshot_sessions(s, d);
-        snapshot_jobs(s, d);
-        snapshot_regions(s, d);
-        snapshot_mesh(s, d);
-        snapshot_requests(s, d);
+        snapshot_daemon(s, v);
+        snapshot_sessions(s, v);
+        snapshot_jobs(s, v);
+        snapshot_regions(s, v);
+        snapshot_mesh(s, v);
+        snapshot_requests(s, v);
         if (s->overflow) /* our own bounds: SNAPSHOT_* must grow with the families */
                 log_err("metrics: snapshot bounds too small, some samples are missing");
         *ret_metrics = &s->metrics;

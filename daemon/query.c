@@ -1,4 +1,5 @@
-/* Status, job and client listings; see query.h. */
+/* Status, job and client listings; see query.h. Each fills a struct
+ * query_response and returns; requests.c sends it. */
 #include <errno.h>
 #include <inttypes.h>
 #include <stdlib.h>
@@ -6,7 +7,6 @@
 #include <unistd.h>
 
 #include "admin.h"
-#include "daemon.h"
 #include "job.h"
 #include "log.h"
 #include "mesh.h"
@@ -16,6 +16,7 @@
 #include "query.h"
 #include "record.h"
 #include "session.h"
+#include "view.h"
 
 /* Whether `viewer` may see session `other`. */
 static bool session_visible(const struct session *viewer, bool admin, const struct session *other) {
@@ -30,10 +31,10 @@ static bool job_visible(const struct session *viewer, bool admin, const struct j
         return admin || (viewer->member && viewer->member->job == job);
 }
 
-/* Sends a listing, first dropping trailing entries (`*n` of them) until it
- * fits in one record; the listing is then partial, which is logged (Status
- * still counts everything visible). */
-static int query_send_listing(struct session *s, uint64_t request_id, Moeep__V1__Response *resp, size_t *n,
+/* Makes a listing fit in one record by dropping trailing entries (`*n`
+ * of them); the listing is then partial, which is logged (Status still
+ * counts everything visible). */
+static void query_fit_listing(const struct session *s, Moeep__V1__Response *resp, size_t *n,
                               const char *what) {
         size_t before = *n;
 
@@ -44,58 +45,77 @@ static int query_send_listing(struct session *s, uint64_t request_id, Moeep__V1_
         if (*n != before)
                 log_warn("session %" PRIu64 ": %s listing cut from %zu to %zu entries to fit one record",
                          s->id, what, before, *n);
-        return session_respond(s, request_id, resp, NULL, 0);
 }
 
-int query_status(struct session *s, uint64_t request_id, char *errmsg) {
-        const struct daemon *d = s->daemon;
+/* Starts an answer: nothing owned yet, so that query_response_done() is
+ * safe whatever happens next. */
+static void query_response_init(struct query_response *q) {
+        memset(q, 0, sizeof(*q));
+        moeep__v1__response__init(&q->resp);
+}
+
+void query_response_done(struct query_response *q) {
+        for (size_t i = 0; i < sizeof(q->owned) / sizeof(q->owned[0]); i++)
+                free(q->owned[i]);
+        metrics_snapshot_free(q->metrics);
+        if (q->nics)
+                nics_free(q->nics);
+        memset(q, 0, sizeof(*q));
+}
+
+int query_status(const struct view *v, const struct session *s, struct query_response *q, char *errmsg) {
         bool admin = s->admin;
-        Moeep__V1__Status st = MOEEP__V1__STATUS__INIT;
-        Moeep__V1__Response resp = MOEEP__V1__RESPONSE__INIT;
+        Moeep__V1__Status *st = &q->body.status;
         const struct session *o;
         const struct job *job;
 
-        TAILQ_FOREACH (o, &d->sessions, entry)
-                st.sessions += session_visible(s, admin, o);
-        TAILQ_FOREACH (job, &d->jobs->list, entry)
-                st.jobs += job_visible(s, admin, job);
-        st.daemon_version = (char *)MOEEP_VERSION;
-        st.major = MOEEP_PROTOCOL_MAJOR;
-        st.minor = MOEEP_PROTOCOL_MINOR;
-        st.uptime_ms = daemon_uptime_ms(d);
-        st.pid = (uint32_t)getpid();
-        st.draining = d->draining;
-        st.log_level = (char *)log_level_to_string(log_get_level());
-        resp.body_case = MOEEP__V1__RESPONSE__BODY_STATUS;
-        resp.status = &st;
-        return session_respond(s, request_id, &resp, NULL, 0);
+        query_response_init(q);
+        moeep__v1__status__init(st);
+        TAILQ_FOREACH (o, &v->sessions->list, entry)
+                st->sessions += session_visible(s, admin, o);
+        TAILQ_FOREACH (job, &v->jobs->list, entry)
+                st->jobs += job_visible(s, admin, job);
+        st->daemon_version = (char *)MOEEP_VERSION;
+        st->major = MOEEP_PROTOCOL_MAJOR;
+        st->minor = MOEEP_PROTOCOL_MINOR;
+        st->uptime_ms = view_uptime_ms(v);
+        st->pid = (uint32_t)getpid();
+        st->draining = *v->draining;
+        st->log_level = (char *)log_level_to_string(log_get_level());
+        q->resp.body_case = MOEEP__V1__RESPONSE__BODY_STATUS;
+        q->resp.status = st;
+        return 0;
 }
 
-int query_jobs(struct session *s, uint64_t request_id, char *errmsg) {
-        const struct daemon *d = s->daemon;
+int query_jobs(const struct view *v, const struct session *s, struct query_response *q, char *errmsg) {
+        const struct jobs *all = v->jobs;
         bool admin = s->admin;
-        Moeep__V1__Jobs jobs = MOEEP__V1__JOBS__INIT;
-        Moeep__V1__Response resp = MOEEP__V1__RESPONSE__INIT;
+        Moeep__V1__Jobs *jobs = &q->body.jobs;
         Moeep__V1__JobInfo *infos = NULL, **ptrs = NULL;
         uint32_t *ranks = NULL, *remote = NULL;
         struct job_node *nodes = NULL;
         char **node_ptrs = NULL;
         struct job *job;
         size_t n = 0;
-        int r;
 
-        infos = calloc(d->jobs->count + 1, sizeof(*infos));
-        ptrs = calloc(d->jobs->count + 1, sizeof(*ptrs));
-        ranks = calloc((d->jobs->count + 1) * MOEEP_MAX_RANKS, sizeof(*ranks));
-        remote = calloc((d->jobs->count + 1) * MOEEP_MAX_RANKS, sizeof(*remote));
-        nodes = calloc((d->jobs->count + 1) * MOEEP_MAX_RANKS, sizeof(*nodes));
-        node_ptrs = calloc((d->jobs->count + 1) * MOEEP_MAX_RANKS, sizeof(*node_ptrs));
-        if (!infos || !ptrs || !ranks || !remote || !nodes || !node_ptrs) {
-                r = errmsg_set(errmsg, -ENOMEM, "JobsList of %" PRIu32 " jobs: out of memory",
-                               d->jobs->count);
-                goto out;
-        }
-        TAILQ_FOREACH (job, &d->jobs->list, entry) {
+        query_response_init(q);
+        moeep__v1__jobs__init(jobs);
+        infos = calloc(all->count + 1, sizeof(*infos));
+        ptrs = calloc(all->count + 1, sizeof(*ptrs));
+        ranks = calloc((all->count + 1) * MOEEP_MAX_RANKS, sizeof(*ranks));
+        remote = calloc((all->count + 1) * MOEEP_MAX_RANKS, sizeof(*remote));
+        nodes = calloc((all->count + 1) * MOEEP_MAX_RANKS, sizeof(*nodes));
+        node_ptrs = calloc((all->count + 1) * MOEEP_MAX_RANKS, sizeof(*node_ptrs));
+        /* Freed by query_response_done(), after the answer went. */
+        q->owned[0] = infos;
+        q->owned[1] = ptrs;
+        q->owned[2] = ranks;
+        q->owned[3] = remote;
+        q->owned[4] = nodes;
+        q->owned[5] = node_ptrs;
+        if (!infos || !ptrs || !ranks || !remote || !nodes || !node_ptrs)
+                return errmsg_set(errmsg, -ENOMEM, "JobsList of %" PRIu32 " jobs: out of memory", all->count);
+        TAILQ_FOREACH (job, &all->list, entry) {
                 Moeep__V1__JobInfo *ji = &infos[n];
 
                 if (!job_visible(s, admin, job))
@@ -109,7 +129,7 @@ int query_jobs(struct session *s, uint64_t request_id, char *errmsg) {
                 ji->home = job->home;
                 /* A job that spans daemons: its ranks joined elsewhere
                  * count as joined too, and say where they are. */
-                if (mesh_job_nodes(d->mesh, job, &nodes[n * MOEEP_MAX_RANKS])) {
+                if (mesh_job_nodes(v->mesh, job, &nodes[n * MOEEP_MAX_RANKS])) {
                         ji->rank_nodes = &node_ptrs[n * MOEEP_MAX_RANKS];
                         ji->n_rank_nodes = job->world_size;
                         for (uint32_t rank = 0; rank < job->world_size; rank++)
@@ -128,39 +148,32 @@ int query_jobs(struct session *s, uint64_t request_id, char *errmsg) {
                 ji->owner_uid = (uint32_t)job->owner_uid;
                 ptrs[n++] = ji;
         }
-        jobs.jobs = ptrs;
-        resp.body_case = MOEEP__V1__RESPONSE__BODY_JOBS;
-        resp.jobs = &jobs;
-        jobs.n_jobs = n;
-        r = query_send_listing(s, request_id, &resp, &jobs.n_jobs, "job");
-out:
-        free(infos);
-        free(ptrs);
-        free(ranks);
-        free(remote);
-        free(nodes);
-        free(node_ptrs);
-        return r;
+        jobs->jobs = ptrs;
+        q->resp.body_case = MOEEP__V1__RESPONSE__BODY_JOBS;
+        q->resp.jobs = jobs;
+        jobs->n_jobs = n;
+        query_fit_listing(s, &q->resp, &jobs->n_jobs, "job");
+        return 0;
 }
 
-int query_clients(struct session *s, uint64_t request_id, char *errmsg) {
-        const struct daemon *d = s->daemon;
+int query_clients(const struct view *v, const struct session *s, struct query_response *q, char *errmsg) {
+        const struct sessions *all = v->sessions;
         bool admin = s->admin;
-        Moeep__V1__Clients clients = MOEEP__V1__CLIENTS__INIT;
-        Moeep__V1__Response resp = MOEEP__V1__RESPONSE__INIT;
+        Moeep__V1__Clients *clients = &q->body.clients;
         Moeep__V1__ClientInfo *infos = NULL, **ptrs = NULL;
         struct session *o;
         size_t n = 0;
-        int r;
 
-        infos = calloc(d->nsessions + 1, sizeof(*infos));
-        ptrs = calloc(d->nsessions + 1, sizeof(*ptrs));
-        if (!infos || !ptrs) {
-                r = errmsg_set(errmsg, -ENOMEM, "ClientsList of %" PRIu32 " sessions: out of memory",
-                               d->nsessions);
-                goto out;
-        }
-        TAILQ_FOREACH (o, &d->sessions, entry) {
+        query_response_init(q);
+        moeep__v1__clients__init(clients);
+        infos = calloc(all->count + 1, sizeof(*infos));
+        ptrs = calloc(all->count + 1, sizeof(*ptrs));
+        q->owned[0] = infos;
+        q->owned[1] = ptrs;
+        if (!infos || !ptrs)
+                return errmsg_set(errmsg, -ENOMEM, "ClientsList of %" PRIu32 " sessions: out of memory",
+                                  all->count);
+        TAILQ_FOREACH (o, &all->list, entry) {
                 Moeep__V1__ClientInfo *ci = &infos[n];
 
                 if (!session_visible(s, admin, o))
@@ -178,45 +191,38 @@ int query_clients(struct session *s, uint64_t request_id, char *errmsg) {
                 ci->regions = o->member ? o->member->nregions : 0;
                 ptrs[n++] = ci;
         }
-        clients.clients = ptrs;
-        resp.body_case = MOEEP__V1__RESPONSE__BODY_CLIENTS;
-        resp.clients = &clients;
-        clients.n_clients = n;
-        r = query_send_listing(s, request_id, &resp, &clients.n_clients, "client");
-out:
-        free(infos);
-        free(ptrs);
-        return r;
+        clients->clients = ptrs;
+        q->resp.body_case = MOEEP__V1__RESPONSE__BODY_CLIENTS;
+        q->resp.clients = clients;
+        clients->n_clients = n;
+        query_fit_listing(s, &q->resp, &clients->n_clients, "client");
+        return 0;
 }
 
-int query_metrics(struct session *s, uint64_t request_id, char *errmsg) {
-        Moeep__V1__Response resp = MOEEP__V1__RESPONSE__INIT;
-        Moeep__V1__Metrics *m;
+int query_metrics(const struct view *v, const struct session *s, struct query_response *q, char *errmsg) {
         int r;
 
-        r = metrics_snapshot(s->daemon, &m);
+        query_response_init(q);
+        r = metrics_snapshot(v, &q->metrics);
         if (r < 0)
                 return errmsg_set(errmsg, r, "MetricsGet: out of memory");
-        resp.body_case = MOEEP__V1__RESPONSE__BODY_METRICS;
-        resp.metrics = m;
-        r = session_respond(s, request_id, &resp, NULL, 0);
-        metrics_snapshot_free(m);
-        return r;
+        q->resp.body_case = MOEEP__V1__RESPONSE__BODY_METRICS;
+        q->resp.metrics = q->metrics;
+        return 0;
 }
 
-int query_nics(struct session *s, uint64_t request_id, char *errmsg) {
-        Moeep__V1__Response resp = MOEEP__V1__RESPONSE__INIT;
-        Moeep__V1__Nics *nics;
+int query_nics(const struct view *v, const struct session *s, struct query_response *q, char *errmsg) {
         int r;
 
-        r = nics_scan(NICS_SYSFS_ROOT, &nics, errmsg);
-        if (r < 0)
+        query_response_init(q);
+        r = nics_scan(NICS_SYSFS_ROOT, &q->nics, errmsg);
+        if (r < 0) {
+                q->nics = NULL;
                 return r;
-        resp.body_case = MOEEP__V1__RESPONSE__BODY_NICS;
-        resp.nics = nics;
-        r = session_respond(s, request_id, &resp, NULL, 0);
-        nics_free(nics);
-        return r;
+        }
+        q->resp.body_case = MOEEP__V1__RESPONSE__BODY_NICS;
+        q->resp.nics = q->nics;
+        return 0;
 }
 
 static int peer_address_cmp(const void *a, const void *b) {
@@ -226,34 +232,36 @@ static int peer_address_cmp(const void *a, const void *b) {
         return strcmp(p->address, q->address);
 }
 
-int query_mesh(struct session *s, uint64_t request_id, char *errmsg) {
-        const struct mesh *mesh = s->daemon->mesh;
-        Moeep__V1__Mesh m = MOEEP__V1__MESH__INIT;
-        Moeep__V1__Response resp = MOEEP__V1__RESPONSE__INIT;
+int query_mesh(const struct view *v, const struct session *s, struct query_response *q, char *errmsg) {
+        const struct mesh *mesh = v->mesh;
+        Moeep__V1__Mesh *m = &q->body.mesh;
         Moeep__V1__MeshPeer *infos = NULL, **ptrs = NULL;
         const struct mesh_peer *p, **sorted = NULL;
         size_t count = 0, n = 0;
         int r;
 
+        query_response_init(q);
+        moeep__v1__mesh__init(m);
         /* The peers' addresses describe the cluster, not the caller's job. */
         r = admin_check(s, "MeshList", errmsg);
         if (r < 0)
                 return r;
-        m.address = (char *)"";
+        m->address = (char *)"";
         if (mesh) {
-                m.enabled = true;
-                m.address = (char *)mesh->address;
-                m.keyed = mesh->keyed;
+                m->enabled = true;
+                m->address = (char *)mesh->address;
+                m->keyed = mesh->keyed;
                 TAILQ_FOREACH (p, &mesh->peers, entry)
                         count++;
         }
         infos = calloc(count + 1, sizeof(*infos));
         ptrs = calloc(count + 1, sizeof(*ptrs));
         sorted = calloc(count + 1, sizeof(*sorted));
-        if (!infos || !ptrs || !sorted) {
-                r = errmsg_set(errmsg, -ENOMEM, "MeshList of %zu peers: out of memory", count);
-                goto out;
-        }
+        q->owned[0] = infos;
+        q->owned[1] = ptrs;
+        q->owned[2] = sorted;
+        if (!infos || !ptrs || !sorted)
+                return errmsg_set(errmsg, -ENOMEM, "MeshList of %zu peers: out of memory", count);
         if (mesh) {
                 size_t i = 0;
 
@@ -286,14 +294,10 @@ int query_mesh(struct session *s, uint64_t request_id, char *errmsg) {
                         ptrs[n++] = mp;
                 }
         }
-        m.peers = ptrs;
-        m.n_peers = n;
-        resp.body_case = MOEEP__V1__RESPONSE__BODY_MESH;
-        resp.mesh = &m;
-        r = query_send_listing(s, request_id, &resp, &m.n_peers, "mesh peer");
-out:
-        free(infos);
-        free(ptrs);
-        free(sorted);
-        return r;
+        m->peers = ptrs;
+        m->n_peers = n;
+        q->resp.body_case = MOEEP__V1__RESPONSE__BODY_MESH;
+        q->resp.mesh = m;
+        query_fit_listing(s, &q->resp, &m->n_peers, "mesh peer");
+        return 0;
 }

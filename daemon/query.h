@@ -8,24 +8,49 @@
  * level. MetricsGet (node-wide totals, the same as the HTTP listener) and
  * NicsList (the node's NICs) are answered on both sockets; MeshList (the
  * peer daemons' addresses) only on the admin socket. The job secret is
- * never part of any answer. Every listing is linear in what it lists. */
+ * never part of any answer. Every listing is linear in what it lists.
+ *
+ * Each query fills a struct query_response from what struct view shows of
+ * the daemon and returns; it sends nothing. requests.c sends `resp` and
+ * then calls query_response_done(). */
 #ifndef MOEEPD_QUERY_H
 #define MOEEPD_QUERY_H
 
 #include <stdbool.h>
 #include <stdint.h>
 
-struct session;
+#include "moeep.pb-c.h"
 
-/* Each queues its response on `s`; 0 or -errno with errmsg. */
-int query_status(struct session *s, uint64_t request_id, char *errmsg);
-int query_jobs(struct session *s, uint64_t request_id, char *errmsg);
-int query_clients(struct session *s, uint64_t request_id, char *errmsg);
+struct session;
+struct view;
+
+/* One answer: `resp` and everything it points to. */
+struct query_response {
+        Moeep__V1__Response resp; /* what to send; its body points into the fields below */
+        union {
+                Moeep__V1__Status status;
+                Moeep__V1__Jobs jobs;
+                Moeep__V1__Clients clients;
+                Moeep__V1__Mesh mesh;
+        } body;
+        void *owned[6];              /* owns; the listing's arrays */
+        Moeep__V1__Metrics *metrics; /* owns; MetricsGet's snapshot */
+        Moeep__V1__Nics *nics;       /* owns; NicsList's scan */
+};
+
+/* Each fills *ret for viewer `s`: 0, or -errno with errmsg (*ret is then
+ * still to be freed). */
+int query_status(const struct view *v, const struct session *s, struct query_response *ret, char *errmsg);
+int query_jobs(const struct view *v, const struct session *s, struct query_response *ret, char *errmsg);
+int query_clients(const struct view *v, const struct session *s, struct query_response *ret, char *errmsg);
 /* MetricsGet: a snapshot of the metrics (metrics.h); the same for everyone. */
-int query_metrics(struct session *s, uint64_t request_id, char *errmsg);
+int query_metrics(const struct view *v, const struct session *s, struct query_response *ret, char *errmsg);
 /* NicsList: the RDMA devices and the GPU -> NIC mapping (nics.h). */
-int query_nics(struct session *s, uint64_t request_id, char *errmsg);
-/* MeshList: the peer daemons of the mesh (mesh.h). */
-int query_mesh(struct session *s, uint64_t request_id, char *errmsg);
+int query_nics(const struct view *v, const struct session *s, struct query_response *ret, char *errmsg);
+/* MeshList: the peer daemons of the mesh (mesh.h); admin sessions only. */
+int query_mesh(const struct view *v, const struct session *s, struct query_response *ret, char *errmsg);
+
+/* Frees what a query filled. */
+void query_response_done(struct query_response *q);
 
 #endif

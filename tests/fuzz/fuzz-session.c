@@ -214,7 +214,7 @@ static void check_consistent(void) {
         uint32_t nsessions = 0, njobs = 0, nregions = 0, usage_fds = 0;
         uint64_t usage_bytes = 0, region_bytes = 0;
 
-        TAILQ_FOREACH (s, &d.sessions, entry) {
+        TAILQ_FOREACH (s, &d.sessions->list, entry) {
                 nsessions++;
                 if ((s->state == SESSION_READY) != (s->member != NULL))
                         abort();
@@ -222,7 +222,7 @@ static void check_consistent(void) {
                     (s->member->owner != s || s->member->job->ranks[s->member->rank] != s->member))
                         abort();
         }
-        if (nsessions != d.nsessions)
+        if (nsessions != d.sessions->count)
                 abort();
         TAILQ_FOREACH (job, &d.jobs->list, entry) {
                 uint32_t joined = 0;
@@ -530,7 +530,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
 
         /* Daemon-wide settings an input may change (Drain, LogLevelSet as
          * root, who is an admin) start each input the same. */
-        d.draining = false;
+        d.requests.draining = false;
         log_set_level(LOG_ERR);
         have_unique_id = false;
         memset(unique_id, 0, sizeof(unique_id));
@@ -545,12 +545,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
                 client_close(c);
         /* Sessions that still flush an error linger at most 1 s; a closed
          * peer ends that at once, so a few rounds are enough. */
-        for (int i = 0; i < 50 && (d.nsessions > 0 || !TAILQ_EMPTY(&d.dead)); i++)
+        for (int i = 0; i < 50 && (d.sessions->count > 0 || !TAILQ_EMPTY(&d.sessions->dead)); i++)
                 pump();
         check_consistent();
-        if (d.nsessions != 0 || !TAILQ_EMPTY(&d.dead) || d.jobs->count != 0 || d.broker->nregions != 0 ||
+        if (d.sessions->count != 0 || !TAILQ_EMPTY(&d.sessions->dead) || d.jobs->count != 0 || d.broker->nregions != 0 ||
             !LIST_EMPTY(&d.broker->usage)) {
-                fprintf(stderr, "fuzz-session: left behind %u sessions, %u jobs, %u regions\n", d.nsessions,
+                fprintf(stderr, "fuzz-session: left behind %u sessions, %u jobs, %u regions\n", d.sessions->count,
                         d.jobs->count, d.broker->nregions);
                 abort();
         }

@@ -107,7 +107,7 @@ rss() { awk '/^VmRSS:/ { print $2 }' "/proc/${daemon_pid[A]}/status"; }
 # within rss_slack of it.
 back_to_baseline() {
         local f r
-        wait_until 5 "A's fds back to $fds0 after $1 (now $(fds))" test "$(fds)" -le "$fds0"
+        wait_until 5 "A's fds back to $fds0 after $1 (it held $(fds) when the wait began)" test "$(fds)" -le "$fds0"
         r=$(rss)
         ((r <= rss0 + rss_slack)) || fail "A's RSS $r KiB after $1, baseline $rss0 KiB (+$rss_slack allowed)"
         echo "ok: after $1, A holds $(fds) fds (baseline $fds0) and $r KiB (baseline $rss0)"

@@ -124,11 +124,11 @@ static void test_hello_then_close(void **state) {
         struct fixture *f = *state;
         int fd = client(f);
 
-        assert_int_equal(f->d.nsessions, 1);
+        assert_int_equal(f->d.sessions->count, 1);
         hello(f, fd);
         close(fd);
         pump(f);
-        assert_int_equal(f->d.nsessions, 0);
+        assert_int_equal(f->d.sessions->count, 0);
 }
 
 static void test_not_welcomed(void **state) {
@@ -262,7 +262,8 @@ static void test_shutdown_event(void **state) {
         int fd = client(f);
 
         hello(f, fd);
-        sessions_shutdown(&f->d, "unit test");
+        f->d.stopping = true;
+        sessions_shutdown(f->d.sessions, "unit test");
         assert_int_equal(next(f, fd, NULL, NULL), MOEEP__V1__EVENT__BODY_SHUTDOWN);
         assert_true(closed_by_daemon(f, fd));
         close(fd);
