@@ -105,9 +105,14 @@ rss() { awk '/^VmRSS:/ { print $2 }' "/proc/${daemon_pid[A]}/status"; }
 
 # back_to_baseline WHAT: A's fds return to the baseline within 5 s, its RSS
 # within rss_slack of it.
+# Conditions for wait_until, which runs its command again on every try: a
+# "$(...)" in its arguments would be counted once, when it is called.
+fds_at_most() { test "$(fds)" -le "$1"; }
+no_peer_up() { test -z "$(up_peers "$1")"; }
+
 back_to_baseline() {
         local f r
-        wait_until 5 "A's fds back to $fds0 after $1 (it held $(fds) when the wait began)" test "$(fds)" -le "$fds0"
+        wait_until 5 "A's fds back to $fds0 after $1 (it held $(fds) when the wait began)" fds_at_most "$fds0"
         r=$(rss)
         ((r <= rss0 + rss_slack)) || fail "A's RSS $r KiB after $1, baseline $rss0 KiB (+$rss_slack allowed)"
         echo "ok: after $1, A holds $(fds) fds (baseline $fds0) and $r KiB (baseline $rss0)"
@@ -187,7 +192,7 @@ n=$(log_count A "does not authenticate: forged, replayed, reordered or from anot
 log_has A "a frame in clear (message 196) after the handshake" || fail "A did not log the PeerPing in clear"
 log_has A "message 192 not allowed after the handshake" || fail "A did not log the sealed PeerHello"
 log_has A "message 208 not allowed after the handshake" || fail "A did not log the sealed frame sealed again"
-wait_until 5 "A to list no peer up after the replays" test -z "$(up_peers A)"
+wait_until 5 "A to list no peer up after the replays" no_peer_up A
 probe_check replay
 back_to_baseline replay
 
@@ -299,7 +304,7 @@ flood_and_connect() {
         echo "ok: during a pre-auth flood from $sources sources, a key holder's handshakes took at most 1 s, B (started meanwhile) was up with A $ms ms after its mesh started, moeepctl mesh took $lms ms, joins naming B respelled went to B"
         kill -KILL "${daemon_pid[B]}"
         wait "${daemon_pid[B]}" 2>/dev/null
-        wait_until 5 "A to see B gone" test -z "$(up_peers A)"
+        wait_until 5 "A to see B gone" no_peer_up A
 }
 flood_and_connect 1
 flood_and_connect 20
