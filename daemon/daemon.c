@@ -20,6 +20,7 @@
 #include "daemon.h"
 #include "datapath.h"
 #include "http.h"
+#include "mesh-jobs.h"
 #include "mesh.h"
 #include "job.h"
 #include "log.h"
@@ -422,6 +423,62 @@ static void daemon_watchdog_cb(evutil_socket_t fd, short what, void *arg) {
         sd_notify(0, "WATCHDOG=1");
 }
 
+/* The mesh's hooks into the daemon and its sessions (mesh-jobs.h). */
+static void daemon_mesh_status_changed(void *arg) {
+        daemon_status_changed(arg);
+}
+
+static bool daemon_mesh_stopping(void *arg) {
+        return ((struct daemon *)arg)->stopping;
+}
+
+static uint64_t daemon_mesh_session_id(const struct session *s) {
+        return s->id;
+}
+
+static bool daemon_mesh_session_can_join(const struct session *s) {
+        return s->state != SESSION_CLOSED && !s->member;
+}
+
+static void daemon_mesh_join_failed(struct session *s, uint64_t request_id, int code, const char *message) {
+        if (s->state != SESSION_CLOSED)
+                session_send_error(s, request_id, code, message);
+}
+
+/* The peers, with the data path's functions, then the jobs across daemons
+ * on them, with the hooks above. */
+static int daemon_mesh_start(struct daemon *d, char *errmsg) {
+        const struct mesh_transport_hooks transport = {
+                .dp = d->datapath,
+                .up = datapath_up,
+                .backend = datapath_backend,
+                .peer_new = datapath_peer_new,
+                .peer_connect = datapath_peer_connect,
+                .peer_fail = datapath_peer_fail,
+        };
+        const struct mesh_jobs_hooks hooks = {
+                .arg = d,
+                .status_changed = daemon_mesh_status_changed,
+                .stopping = daemon_mesh_stopping,
+                .error_code = session_error_code,
+                .session_ref = session_ref,
+                .session_unref = session_unref,
+                .session_id = daemon_mesh_session_id,
+                .session_can_join = daemon_mesh_session_can_join,
+                .join_failed = daemon_mesh_join_failed,
+                .joined = session_joined,
+        };
+        int r;
+
+        r = mesh_start(d->base, &d->config, &transport, &d->mesh, errmsg);
+        if (r < 0)
+                return r;
+        r = mesh_jobs_new(d->mesh, d->jobs, &hooks, &d->mesh_jobs);
+        if (r < 0)
+                return errmsg_set(errmsg, r, "mesh: out of memory");
+        return 0;
+}
+
 static void daemon_listeners_init(struct daemon *d) {
         d->listen = (struct daemon_listener){ .daemon = d, .admin = false, .fd = -1 };
         d->admin = (struct daemon_listener){ .daemon = d, .admin = true, .fd = -1 };
@@ -537,7 +594,7 @@ int daemon_init(struct daemon *d, const struct daemon_options *options) {
         r = datapath_start(d, &d->datapath);
         if (r < 0)
                 goto oom;
-        r = mesh_start(d, &d->mesh, errmsg);
+        r = daemon_mesh_start(d, errmsg);
         if (r < 0) {
                 log_err("%s", errmsg);
                 return r;
@@ -575,6 +632,8 @@ void daemon_done(struct daemon *d) {
         }
         /* The mesh after the sessions left their jobs (they tell it), and
          * before the reaping: forwarded joins hold session references. */
+        mesh_jobs_free(d->mesh_jobs);
+        d->mesh_jobs = NULL;
         mesh_free(d->mesh);
         d->mesh = NULL;
         datapath_free(d->datapath);

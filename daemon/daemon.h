@@ -62,6 +62,7 @@ struct daemon {
         struct clientfds *clientfds;    /* owns; checks, counts and closes client fds (clientfd.h) */
         struct http *http;              /* owns; NULL unless metrics_listen is set */
         struct mesh *mesh;              /* owns; NULL unless mesh_listen is set */
+        struct mesh_jobs *mesh_jobs;    /* owns; jobs across daemons over `mesh`, NULL with it */
         struct datapath *datapath;      /* owns; NULL unless mesh_listen is set */
         struct metrics metrics;         /* totals since start-up */
         struct session_list sessions;   /* owns; live sessions, CLOSED ones that still flush included */

@@ -13,6 +13,7 @@
 #include "daemon.h"
 #include "datapath.h"
 #include "log.h"
+#include "mesh-jobs.h"
 #include "mesh.h"
 #include "proxy.h"
 
@@ -249,9 +250,9 @@ int datapath_region_register(struct datapath *dp, struct broker *b, struct job_m
         dr->region_id[rr->proxy] = id;
         dp->tp.ops->mr_rkey(mr, &rkey);
         log_info("datapath: %s registered (region %" PRIu64 ", %" PRIu64 " bytes)", name, id, rr->size);
-        mesh_region_changed(dp->daemon->mesh, m, id, rr->tag, (uint32_t)rr->kind, rr->size, false,
-                            (uint32_t)rr->proxy,
-                            rr->proxy == MOEEP__V1__PROXY_ROLE__PROXY_ROLE_SEND ? NULL : &rkey);
+        mesh_jobs_region_changed(dp->daemon->mesh_jobs, m, id, rr->tag, (uint32_t)rr->kind, rr->size, false,
+                                 (uint32_t)rr->proxy,
+                                 rr->proxy == MOEEP__V1__PROXY_ROLE__PROXY_ROLE_SEND ? NULL : &rkey);
         *ret_id = id;
         return 0;
 
@@ -287,9 +288,12 @@ int datapath_region_release(struct datapath *dp, struct job_member *m, uint64_t 
 
 /* The remote region of `rank` with proxy role `role` in `job`, or NULL. */
 static const struct job_remote_region *remote_find(const struct job *job, uint32_t rank, uint32_t role) {
-        for (uint32_t i = 0; i < job->nremote_regions; i++)
-                if (job->remote_regions[i].rank == rank && job->remote_regions[i].proxy == role)
-                        return &job->remote_regions[i];
+        uint32_t n;
+        const struct job_remote_region *remote = mesh_jobs_remote_regions(job, &n);
+
+        for (uint32_t i = 0; i < n; i++)
+                if (remote[i].rank == rank && remote[i].proxy == role)
+                        return &remote[i];
         return NULL;
 }
 
@@ -358,7 +362,7 @@ int datapath_channel_open(struct datapath *dp, struct job_member *m, uint32_t ca
         if (dr->nchannels >= DATAPATH_MAX_CHANNELS)
                 return errmsg_set(errmsg, -EDQUOT, "channel open: rank %" PRIu32 " already has %d channels",
                                   m->rank, DATAPATH_MAX_CHANNELS);
-        mesh_job_nodes(dp->daemon->mesh, m->job, nodes);
+        mesh_jobs_nodes(dp->daemon->mesh_jobs, m->job, nodes);
         for (uint32_t i = 0; i < m->job->world_size; i++) {
                 r = route_fill(dp, m, nodes, i, &routes[i], errmsg);
                 if (r < 0)
@@ -463,7 +467,7 @@ static void proxy_event(struct datapath *dp, const struct proxy_event *ev) {
                 msg = strncmp(ev->msg, "proxy ", 6) == 0 && strstr(ev->msg, ": ") ? strstr(ev->msg, ": ") + 2
                                                                                   : ev->msg;
                 snprintf(why, sizeof(why), "channel: %s", msg);
-                mesh_rank_failed(dp->daemon->mesh, dr->member->job, dr->member->rank, why);
+                mesh_jobs_rank_failed(dp->daemon->mesh_jobs, dr->member->job, dr->member->rank, why);
                 return;
         case PROXY_EVENT_PEER_FAILED:
                 log_warn("datapath: %s", ev->msg);

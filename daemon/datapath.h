@@ -6,11 +6,17 @@
  * Who calls what:
  *  - daemon.c starts it when the mesh is on (datapath_start) and frees it
  *    after the sessions and the mesh are gone.
- *  - mesh.c, when a peer daemon's connection comes up, makes the local half
- *    of a transport connection (datapath_peer_new), sends its address in
- *    PeerTransport and connects with the peer's (datapath_peer_connect);
- *    when the connection goes down it fails the transport peer
- *    (datapath_peer_fail) so rings routing to it get an error.
+ *  - mesh-transport.c, when a peer daemon's connection comes up, makes the
+ *    local half of a transport connection (datapath_peer_new), sends its
+ *    address in PeerTransport and connects with the peer's
+ *    (datapath_peer_connect); when the connection goes down it fails the
+ *    transport peer (datapath_peer_fail) so rings routing to it get an
+ *    error. It calls these through the struct mesh_transport_hooks that
+ *    daemon.c fills with them (mesh.h), not directly.
+ *  - This file calls the mesh's peers for a daemon's transport peer
+ *    (mesh_transport_peer, mesh_transport_failed) and the jobs across
+ *    daemons (mesh-jobs.h) for rank -> node maps, remote regions, its
+ *    regions and failed ranks.
  *  - session.c registers regions with a proxy role (datapath_region_register),
  *    releases them, opens channels (datapath_channel_open), and tells it when
  *    a member goes or its job is aborted.
@@ -22,9 +28,9 @@
  *
  * Proxy events come through the proxy's eventfd on the loop: a ring error
  * (a bad descriptor) aborts the producer's job naming its rank; a failed
- * transport peer fails the mesh connection to that daemon (mesh.c), which
- * aborts every job with ranks there and makes a fresh transport connection
- * when the mesh connection comes back. */
+ * transport peer fails the mesh connection to that daemon (mesh.c): its
+ * client (mesh-jobs.c) aborts every job with ranks there, and the mesh
+ * makes a fresh transport connection when the connection comes back. */
 #ifndef MOEEPD_DATAPATH_H
 #define MOEEPD_DATAPATH_H
 

@@ -20,6 +20,7 @@
 #include "moeep-config.h"
 #include "query.h"
 #include "record.h"
+#include "mesh-jobs.h"
 #include "mesh.h"
 #include "session.h"
 
@@ -268,7 +269,7 @@ static void session_detach(struct session *s, bool lost, const char *reason) {
         if (s->member) {
                 datapath_member_gone(d->datapath, s->member);
                 broker_drop_member(d->broker, s->member);
-                mesh_member_gone(d->mesh, s->member, lost, reason);
+                mesh_jobs_member_gone(d->mesh_jobs, s->member, lost, reason);
                 if (lost)
                         job_member_lost(s->member, reason);
                 else
@@ -483,17 +484,17 @@ static int handle_job_join(struct session *s, uint64_t rid, const Moeep__V1__Req
                 return errmsg_set(errmsg, -EISCONN,
                                   "session %" PRIu64 " is already rank %" PRIu32 " of job %" PRIu64, s->id,
                                   s->member->rank, s->member->job->id);
-        /* A job created at another daemon is joined there (mesh.c); this
+        /* A job created at another daemon is joined there (mesh-jobs.c); this
          * daemon named in any spelling is this daemon. */
         if (job_unique_id_node(jj->unique_id.data, jj->unique_id.len, home) == 0 && home[0] &&
             (!here || !mesh_address_is_self(s->daemon->mesh, home)))
-                return mesh_join_forward(s->daemon->mesh, s, rid, jj, home, errmsg);
+                return mesh_jobs_join_forward(s->daemon->mesh_jobs, s, rid, jj, home, errmsg);
         r = jobs_join(s->daemon->jobs, jj->unique_id.data, jj->unique_id.len, jj->rank, jj->world_size,
                       jj->gpu_uuid, s, &m, errmsg);
         if (r < 0)
                 return r;
         r = session_joined(s, rid, m);
-        mesh_job_changed(s->daemon->mesh, m->job);
+        mesh_jobs_changed(s->daemon->mesh_jobs, m->job);
         return r;
 }
 
@@ -525,7 +526,7 @@ static int handle_job_leave(struct session *s, uint64_t rid, const Moeep__V1__Re
                  s->member->rank);
         datapath_member_gone(s->daemon->datapath, s->member);
         broker_drop_member(s->daemon->broker, s->member);
-        mesh_member_gone(s->daemon->mesh, s->member, false, "left");
+        mesh_jobs_member_gone(s->daemon->mesh_jobs, s->member, false, "left");
         job_member_leave(s->member);
         s->member = NULL;
         s->state = SESSION_HELLO;
@@ -539,7 +540,7 @@ static int handle_barrier(struct session *s, uint64_t rid, const Moeep__V1__Requ
         int r = job_barrier(s->member, rid, errmsg);
 
         if (r == 1) {
-                mesh_barrier(s->daemon->mesh, s->member);
+                mesh_jobs_barrier(s->daemon->mesh_jobs, s->member);
                 r = 0;
         }
         return r;
@@ -566,7 +567,7 @@ static int handle_region_register(struct session *s, uint64_t rid, const Moeep__
                 r = broker_register(s->daemon->broker, s->member, s->cred.uid, rr->kind, rr->size, rr->tag,
                                     rec->fds[0], &registered.region_id, errmsg);
                 if (r == 0)
-                        mesh_region_changed(s->daemon->mesh, s->member, registered.region_id, rr->tag,
+                        mesh_jobs_region_changed(s->daemon->mesh_jobs, s->member, registered.region_id, rr->tag,
                                             (uint32_t)rr->kind, rr->size, false, 0, NULL);
         }
         if (r < 0)
@@ -587,8 +588,10 @@ static int handle_regions_fetch(struct session *s, uint64_t rid, const Moeep__V1
         Moeep__V1__Response resp = MOEEP__V1__RESPONSE__INIT;
         int fds[MOEEP_RECORD_MAX_FDS];
         const struct job *job = s->member->job;
+        const struct job_remote_region *remote;
         struct region **found = NULL;
         size_t n = 0, nfds;
+        uint32_t nremote;
         int r;
 
         r = broker_fetch(s->member, rf->rank, rf->tag, MOEEP_RECORD_MAX_FDS, &found, &n, errmsg);
@@ -608,9 +611,9 @@ static int handle_regions_fetch(struct session *s, uint64_t rid, const Moeep__V1
         nfds = n;
         /* Ranks at other daemons: metadata only, to clients that know the
          * field (their memory is reached through the transports). */
-        for (uint32_t i = 0; i < job->nremote_regions && (s->features & MOEEP__V1__FEATURE__FEATURE_MESH);
-             i++) {
-                const struct job_remote_region *rr = &job->remote_regions[i];
+        remote = mesh_jobs_remote_regions(job, &nremote);
+        for (uint32_t i = 0; i < nremote && (s->features & MOEEP__V1__FEATURE__FEATURE_MESH); i++) {
+                const struct job_remote_region *rr = &remote[i];
 
                 if ((rf->rank >= 0 ? rr->rank != (uint32_t)rf->rank : rr->rank == s->member->rank) ||
                     (rf->tag >= 0 && rr->tag != (uint64_t)rf->tag))
@@ -648,7 +651,7 @@ static int handle_region_release(struct session *s, uint64_t rid, const Moeep__V
                 r = broker_release(s->daemon->broker, s->member, id, errmsg);
         if (r < 0)
                 return r;
-        mesh_region_changed(s->daemon->mesh, s->member, id, 0, 0, 0, true, 0, NULL);
+        mesh_jobs_region_changed(s->daemon->mesh_jobs, s->member, id, 0, 0, 0, true, 0, NULL);
         return session_send_ok(s, rid);
 }
 
