@@ -1,5 +1,5 @@
-/* What the peer layer's files share: mesh.c (connections, framing),
- * mesh-handshake.c (identities, admission, handshake) and mesh-transport.c
+/* What the peer layer's files share: mesh.c (connections), mesh-frame.c
+ * (framing and sealing), mesh-handshake.c (identities, admission, handshake) and mesh-transport.c
  * (each connection's transport peer). Not for any other file: the rest of
  * the daemon, the jobs across daemons included, uses mesh.h. */
 #ifndef MOEEPD_MESH_INTERNAL_H
@@ -21,6 +21,12 @@ static inline uint64_t mesh_now_ns(void) {
 }
 
 /* ------------------------------------------------ mesh.c: connections */
+
+/* Handles one message of `p`; `sealed` says whether it came in a sealed
+ * frame. In clear: only the handshake messages, each in its turn. Sealed:
+ * the dialler's PeerWelcome, then anything but a handshake message (job
+ * messages go to the mesh's client). */
+void mesh_peer_handle(struct mesh_peer *p, const Moeep__V1__PeerMessage *msg, bool sealed);
 
 /* The one way a connection ends: logs `fmt` once, closes (flushing a
  * queued PeerRefused when `flush`), fails what depended on it, then
@@ -47,6 +53,16 @@ int mesh_address_resolve(const char *address, struct sockaddr_storage *ret_ss, s
 /* Our advertised address and identity (mesh->address), from the
  * listener's socket. */
 void mesh_address_set(struct mesh *mesh);
+
+/* ------------------------------------------------ mesh-frame.c */
+
+/* Whether messages of case `c` travel in clear (the handshake's, but
+ * PeerWelcome, the acceptor's first sealed frame). */
+bool mesh_is_clear_handshake(Moeep__V1__PeerMessage__BodyCase c);
+
+/* The bufferevent read callback of every connection (arg: its peer): cuts
+ * frames, opens sealed ones, hands each message to mesh_peer_handle(). */
+void mesh_peer_read_cb(struct bufferevent *bev, void *arg);
 
 /* ------------------------------------------------ mesh-transport.c */
 

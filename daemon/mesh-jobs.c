@@ -1,6 +1,7 @@
-/* Jobs across daemons: home and mirror jobs, forwarded joins, and the
- * barrier, region, leave and loss messages between them; see mesh-jobs.h.
- * The connections they travel on are mesh.c's (mesh.h). */
+/* Jobs across daemons: home and mirror jobs and the barrier, region,
+ * leave and loss messages between them; see mesh-jobs.h. Forwarded joins
+ * are in mesh-joins.c. The connections they travel on are mesh.c's
+ * (mesh.h). */
 #include <errno.h>
 #include <inttypes.h>
 #include <stdio.h>
@@ -10,6 +11,7 @@
 
 #include "job.h"
 #include "log.h"
+#include "mesh-jobs-internal.h"
 #include "mesh-jobs.h"
 #include "mesh.h"
 
@@ -20,33 +22,6 @@ struct mesh_rank {
         struct mesh_peer *peer;    /* not owning; the rank is lost when the peer goes down */
         struct job_member *member; /* not owning; the job owns it */
         TAILQ_ENTRY(mesh_rank) entry;
-};
-
-TAILQ_HEAD(mesh_rank_list, mesh_rank);
-
-/* A client's JobJoin forwarded to its job's home. */
-struct mesh_join {
-        uint64_t token;
-        struct session *session; /* holds a reference (hooks.session_ref) */
-        uint64_t request_id;
-        bool sent; /* PeerJoin is out; waiting for PeerJoined */
-        char home[JOB_NODE_MAX + 1];
-        uint8_t unique_id[MOEEP_UNIQUE_ID_BYTES]; /* never logged */
-        size_t unique_id_len;
-        uint32_t rank, world_size;
-        char gpu_uuid[JOB_GPU_UUID_MAX + 1];
-        TAILQ_ENTRY(mesh_join) entry;
-};
-
-TAILQ_HEAD(mesh_join_list, mesh_join);
-
-struct mesh_jobs {
-        struct mesh *mesh;            /* not owning; the peers */
-        struct jobs *jobs;            /* not owning; the registry */
-        struct mesh_jobs_hooks hooks; /* upward: the daemon and its sessions */
-        struct mesh_rank_list ranks;  /* owns; remote ranks of our home jobs, in order of joining */
-        struct mesh_join_list joins;  /* owns; forwarded joins waiting for an answer */
-        uint64_t next_token;
 };
 
 /* The state of one job that spans daemons (job->mesh): one allocation,
@@ -377,157 +352,6 @@ static void peer_ranks_lost(struct mesh_jobs *mj, const struct mesh_peer *p, con
 
 /* ------------------------------------------------------------ jobs, mirror side */
 
-/* Sends the forwarded joins that wait for `p` (UP). */
-static void joins_flush(struct mesh_jobs *mj, struct mesh_peer *p) {
-        struct mesh_join *j;
-
-        TAILQ_FOREACH (j, &mj->joins, entry) {
-                Moeep__V1__PeerJoin pj = MOEEP__V1__PEER_JOIN__INIT;
-                PEER_MSG(msg, join, &pj, JOIN);
-
-                if (j->sent || strcmp(j->home, p->address) != 0)
-                        continue;
-                pj.token = j->token;
-                pj.unique_id.data = j->unique_id;
-                pj.unique_id.len = j->unique_id_len;
-                pj.rank = j->rank;
-                pj.world_size = j->world_size;
-                pj.gpu_uuid = j->gpu_uuid;
-                if (mesh_peer_send(p, &msg) == 0)
-                        j->sent = true;
-        }
-}
-
-static struct mesh_join *join_find(const struct mesh_jobs *mj, uint64_t token) {
-        struct mesh_join *j;
-
-        TAILQ_FOREACH (j, &mj->joins, entry)
-                if (j->token == token)
-                        return j;
-        return NULL;
-}
-
-static void join_free(struct mesh_jobs *mj, struct mesh_join *j) {
-        TAILQ_REMOVE(&mj->joins, j, entry);
-        mj->hooks.session_unref(j->session);
-        explicit_bzero(j->unique_id, sizeof(j->unique_id));
-        free(j);
-}
-
-/* Fails the forwarded joins waiting for `home`. */
-static void joins_fail(struct mesh_jobs *mj, const char *home, const char *why) {
-        struct mesh_join *j, *next;
-        char msg[ERRMSG_MAX + JOB_NODE_MAX + 48];
-
-        for (j = TAILQ_FIRST(&mj->joins); j; j = next) {
-                next = TAILQ_NEXT(j, entry);
-                if (strcmp(j->home, home) != 0)
-                        continue;
-                snprintf(msg, sizeof(msg), "the job's daemon %s cannot be reached: %s", home, why);
-                mj->hooks.join_failed(j->session, j->request_id, MOEEP__V1__ERROR_CODE__ERROR_NO_SUCH_JOB,
-                                      msg);
-                join_free(mj, j);
-        }
-}
-
-int mesh_jobs_join_forward(struct mesh_jobs *mj, struct session *s, uint64_t rid,
-                           const Moeep__V1__JobJoin *jj, const char *home, char *errmsg) {
-        char canon[JOB_NODE_MAX + 1], said[JOB_NODE_MAX + 1];
-        struct mesh_join *j;
-        struct mesh_peer *p;
-
-        mesh_claim_printable(home, said);
-        if (!mj)
-                return errmsg_set(
-                        errmsg, -ENOENT,
-                        "the job was created at daemon %s, and this daemon's mesh is off (mesh_listen)",
-                        said);
-        if (jj->unique_id.len > MOEEP_UNIQUE_ID_BYTES || strlen(jj->gpu_uuid) > JOB_GPU_UUID_MAX)
-                return errmsg_set(errmsg, -EINVAL, "unique id of %zu bytes or gpu uuid of %zu: too long",
-                                  jj->unique_id.len, strlen(jj->gpu_uuid));
-        /* The address comes from the client: it is only ever looked up
-         * among the configured peers, never dialled as it is. */
-        if (mesh_address_canon(home, canon) < 0)
-                return errmsg_set(errmsg, -EINVAL,
-                                  "the unique id names daemon '%s', which is not a mesh address", said);
-        if (strcmp(canon, mesh_address(mj->mesh)) == 0)
-                return errmsg_set(errmsg, -EINVAL, "the unique id names daemon '%s', which is this one (%s)",
-                                  said, mesh_address(mj->mesh));
-        p = mesh_configured_find(mj->mesh, canon);
-        if (!p)
-                return errmsg_set(errmsg, -ENOENT,
-                                  "the job's daemon %s (named in the unique id) is not one of this daemon's "
-                                  "mesh_peers: the join is not forwarded",
-                                  said);
-        TAILQ_FOREACH (j, &mj->joins, entry)
-                if (j->session == s)
-                        return errmsg_set(errmsg, -EALREADY,
-                                          "session %" PRIu64 " already waits for a join at daemon %s",
-                                          mj->hooks.session_id(s), j->home);
-        j = calloc(1, sizeof(*j));
-        if (!j)
-                return errmsg_set(errmsg, -ENOMEM, "out of memory");
-        j->token = ++mj->next_token;
-        j->session = s;
-        mj->hooks.session_ref(s);
-        j->request_id = rid;
-        snprintf(j->home, sizeof(j->home), "%s", canon);
-        memcpy(j->unique_id, jj->unique_id.data, jj->unique_id.len);
-        j->unique_id_len = jj->unique_id.len;
-        j->rank = jj->rank;
-        j->world_size = jj->world_size;
-        snprintf(j->gpu_uuid, sizeof(j->gpu_uuid), "%s", jj->gpu_uuid);
-        TAILQ_INSERT_TAIL(&mj->joins, j, entry);
-        log_info("session %" PRIu64 ": join as rank %" PRIu32 " forwarded to daemon %s",
-                 mj->hooks.session_id(s), j->rank, canon);
-        /* A configured peer that is down is being redialled; the join
-         * goes when it is up, or fails with the next failed dial. */
-        p = mesh_peer_find(mj->mesh, canon);
-        if (p)
-                joins_flush(mj, p);
-        return 0;
-}
-
-static void handle_joined(struct mesh_jobs *mj, struct mesh_peer *p, const Moeep__V1__PeerJoined *pj) {
-        struct mesh_join *j = join_find(mj, pj->token);
-        char errmsg[ERRMSG_MAX] = "";
-        struct job_member *m;
-        struct session *s;
-        int r;
-
-        if (!j || strcmp(j->home, p->address) != 0) {
-                log_debug("mesh: peer %s: PeerJoined for unknown token %" PRIu64, p->address, pj->token);
-                return;
-        }
-        s = j->session;
-        if (pj->error != MOEEP__V1__ERROR_CODE__ERROR_UNSPECIFIED) {
-                snprintf(errmsg, sizeof(errmsg), "at daemon %s: %s", p->address,
-                         pj->message ? pj->message : "");
-                mj->hooks.join_failed(s, j->request_id, pj->error, errmsg);
-                join_free(mj, j);
-                return;
-        }
-        r = -ECANCELED;
-        if (mj->hooks.session_can_join(s))
-                r = jobs_join_mirror(mj->jobs, p->address, pj->job_id, pj->name, pj->world_size, j->rank,
-                                     j->gpu_uuid, s, &m, errmsg);
-        if (r < 0) {
-                Moeep__V1__PeerLeave leave = MOEEP__V1__PEER_LEAVE__INIT;
-                PEER_MSG(msg, leave, &leave, LEAVE);
-
-                leave.job_id = pj->job_id;
-                leave.rank = j->rank;
-                mesh_peer_send(p, &msg);
-                if (r != -ECANCELED)
-                        mj->hooks.join_failed(s, j->request_id, mj->hooks.error_code(r), errmsg);
-                join_free(mj, j);
-                return;
-        }
-        mj->hooks.joined(s, j->request_id, m);
-        mj->hooks.status_changed(mj->hooks.arg);
-        join_free(mj, j);
-}
-
 static void handle_ranks(struct mesh_jobs *mj, struct mesh_peer *p, const Moeep__V1__PeerRanks *pr) {
         struct job *job = jobs_find_mirror(mj->jobs, p->address, pr->job_id);
         struct mesh_job *mjob;
@@ -704,7 +528,7 @@ static void client_message(void *arg, struct mesh_peer *p, const Moeep__V1__Peer
                 handle_join(mj, p, msg->join);
                 return;
         case MOEEP__V1__PEER_MESSAGE__BODY_JOINED:
-                handle_joined(mj, p, msg->joined);
+                mesh_joins_handle_joined(mj, p, msg->joined);
                 return;
         case MOEEP__V1__PEER_MESSAGE__BODY_RANKS:
                 handle_ranks(mj, p, msg->ranks);
@@ -745,7 +569,7 @@ static void client_message(void *arg, struct mesh_peer *p, const Moeep__V1__Peer
 }
 
 static void client_peer_up(void *arg, struct mesh_peer *p) {
-        joins_flush(arg, p);
+        mesh_joins_flush(arg, p);
 }
 
 static void client_peer_down(void *arg, struct mesh_peer *p, bool was_up, bool transport_was_connected,
@@ -766,7 +590,7 @@ static void client_peer_down(void *arg, struct mesh_peer *p, bool was_up, bool t
         /* An inbound connection that never came up has no identity:
          * nothing waits on it. */
         if ((p->outbound || was_up) && !mesh_peer_find(mj->mesh, p->address))
-                joins_fail(mj, p->address, why);
+                mesh_joins_fail(mj, p->address, why);
 }
 
 /* Jobs with ranks at both this daemon and `p`. */
@@ -819,12 +643,10 @@ int mesh_jobs_new(struct mesh *mesh, struct jobs *jobs, const struct mesh_jobs_h
 
 void mesh_jobs_free(struct mesh_jobs *mj) {
         struct mesh_rank *mr;
-        struct mesh_join *j;
 
         if (!mj)
                 return;
-        while ((j = TAILQ_FIRST(&mj->joins)))
-                join_free(mj, j);
+        mesh_joins_free_all(mj);
         /* Every connection down first, so that the members let go below
          * send nothing. */
         mesh_close_all(mj->mesh);

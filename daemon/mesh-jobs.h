@@ -1,5 +1,7 @@
 /* Jobs across daemons: the layer above the mesh's peers (mesh.h) that makes
- * one job of ranks joined at several moeepd daemons.
+ * one job of ranks joined at several moeepd daemons (mesh-jobs.c; the
+ * forwarded joins in mesh-joins.c, mesh-jobs-internal.h is what the two
+ * share).
  *
  * The daemon named in a job's unique id (job.h) is its home. A JobJoin
  * that names another daemon is forwarded there (mesh_jobs_join_forward());
