@@ -24,6 +24,7 @@
 #include "http.h"
 #include "job.h"
 #include "log.h"
+#include "mesh-jobs.h"
 #include "mesh.h"
 #include "metrics.h"
 #include "moeep-config.h"
@@ -44,7 +45,9 @@ uint64_t daemon_uptime_ms(const struct daemon *d) {
         return view_uptime_ms(&d->view);
 }
 
-void daemon_status_changed(struct daemon *d) {
+/* Updates systemd's STATUS= line after sessions or jobs changed; the
+ * objects reach it through their hooks (daemon_changed()). */
+static void daemon_status_changed(struct daemon *d) {
         /* While stopping, STOPPING=1 carried the last STATUS=. */
         if (!d->jobs || !d->sessions || d->stopping)
                 return;
@@ -65,13 +68,13 @@ static int daemon_metrics_snapshot(void *ctx, Moeep__V1__Metrics **ret) {
 
 /* The data path's hooks: the mesh is started after the data path (its
  * connections offer the data path's transport), so each looks it up when
- * called; every mesh_*() accepts NULL (the mesh is off). */
+ * called; every mesh_*() and mesh_jobs_*() accepts NULL (the mesh is off). */
 static void daemon_dp_region_changed(void *ctx, const struct job_member *m, uint64_t region_id, uint32_t tag,
                                      uint32_t kind, uint64_t size, bool released, uint32_t proxy,
                                      const struct tp_rkey *rkey) {
         struct daemon *d = ctx;
 
-        mesh_region_changed(d->mesh, m, region_id, tag, kind, size, released, proxy, rkey);
+        mesh_jobs_region_changed(d->mesh_jobs, m, region_id, tag, kind, size, released, proxy, rkey);
 }
 
 static int daemon_dp_transport_peer(void *ctx, const char *address, uint32_t *ret_tp_peer) {
@@ -83,13 +86,18 @@ static int daemon_dp_transport_peer(void *ctx, const char *address, uint32_t *re
 static bool daemon_dp_job_nodes(void *ctx, const struct job *job, struct job_node ret[MOEEP_MAX_RANKS]) {
         struct daemon *d = ctx;
 
-        return mesh_job_nodes(d->mesh, job, ret);
+        return mesh_jobs_nodes(d->mesh_jobs, job, ret);
+}
+
+static const struct job_remote_region *daemon_dp_remote_regions(void *ctx, const struct job *job,
+                                                                uint32_t *ret_n) {
+        return mesh_jobs_remote_regions(job, ret_n);
 }
 
 static void daemon_dp_rank_failed(void *ctx, struct job *job, uint32_t rank, const char *reason) {
         struct daemon *d = ctx;
 
-        mesh_rank_failed(d->mesh, job, rank, reason);
+        mesh_jobs_rank_failed(d->mesh_jobs, job, rank, reason);
 }
 
 static void daemon_dp_transport_failed(void *ctx, uint32_t tp_peer, const char *why) {
@@ -465,6 +473,58 @@ static void daemon_signal_cb(evutil_socket_t sig, short what, void *arg) {
         event_base_loopexit(d->base, NULL);
 }
 
+/* The mesh's hooks into the daemon and its sessions (mesh-jobs.h). */
+static bool daemon_mesh_stopping(void *arg) {
+        return ((struct daemon *)arg)->stopping;
+}
+
+static uint64_t daemon_mesh_session_id(const struct session *s) {
+        return s->id;
+}
+
+static bool daemon_mesh_session_can_join(const struct session *s) {
+        return s->state != SESSION_CLOSED && !s->member;
+}
+
+static void daemon_mesh_join_failed(struct session *s, uint64_t request_id, int code, const char *message) {
+        if (s->state != SESSION_CLOSED)
+                session_send_error(s, request_id, code, message);
+}
+
+/* The peers, with the data path's functions, then the jobs across daemons
+ * on them, with the hooks above. */
+static int daemon_mesh_start(struct daemon *d, char *errmsg) {
+        const struct mesh_transport_hooks transport = {
+                .dp = d->datapath,
+                .up = datapath_up,
+                .backend = datapath_backend,
+                .peer_new = datapath_peer_new,
+                .peer_connect = datapath_peer_connect,
+                .peer_fail = datapath_peer_fail,
+        };
+        const struct mesh_jobs_hooks hooks = {
+                .arg = d,
+                .status_changed = daemon_changed,
+                .stopping = daemon_mesh_stopping,
+                .error_code = session_error_code,
+                .session_ref = session_ref,
+                .session_unref = session_unref,
+                .session_id = daemon_mesh_session_id,
+                .session_can_join = daemon_mesh_session_can_join,
+                .join_failed = daemon_mesh_join_failed,
+                .joined = session_joined,
+        };
+        int r;
+
+        r = mesh_start(d->base, &d->config, &transport, &d->mesh, errmsg);
+        if (r < 0)
+                return r;
+        r = mesh_jobs_new(d->mesh, d->jobs, &hooks, &d->mesh_jobs);
+        if (r < 0)
+                return errmsg_set(errmsg, r, "mesh: out of memory");
+        return 0;
+}
+
 static void daemon_listeners_init(struct daemon *d) {
         d->listen = (struct daemon_listener){ .daemon = d, .admin = false, .fd = -1 };
         d->admin = (struct daemon_listener){ .daemon = d, .admin = true, .fd = -1 };
@@ -513,6 +573,7 @@ int daemon_init(struct daemon *d, const struct daemon_options *options) {
                 .region_changed = daemon_dp_region_changed,
                 .transport_peer = daemon_dp_transport_peer,
                 .job_nodes = daemon_dp_job_nodes,
+                .remote_regions = daemon_dp_remote_regions,
                 .rank_failed = daemon_dp_rank_failed,
                 .transport_failed = daemon_dp_transport_failed,
         };
@@ -591,14 +652,15 @@ int daemon_init(struct daemon *d, const struct daemon_options *options) {
         if (r < 0)
                 goto oom;
         d->requests.membership.datapath = d->datapath;
-        /* mesh.c still takes the daemon itself (see daemon.h). */
-        r = mesh_start(d, &d->mesh, errmsg);
+        r = daemon_mesh_start(d, errmsg);
         if (r < 0) {
                 log_err("%s", errmsg);
                 return r;
         }
         d->requests.membership.mesh = d->mesh;
+        d->requests.membership.mesh_jobs = d->mesh_jobs;
         d->view.mesh = d->mesh;
+        d->view.mesh_jobs = d->mesh_jobs;
         return 0;
 
 oom:
@@ -627,6 +689,8 @@ void daemon_done(struct daemon *d) {
                 sessions_close_all(d->sessions, "the daemon is exiting");
         /* The mesh after the sessions left their jobs (they tell it), and
          * before the reaping: forwarded joins hold session references. */
+        mesh_jobs_free(d->mesh_jobs);
+        d->mesh_jobs = NULL;
         mesh_free(d->mesh);
         d->mesh = NULL;
         datapath_free(d->datapath);

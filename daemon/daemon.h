@@ -5,9 +5,8 @@
  * view); no object reaches a sibling through struct daemon. There is one,
  * owned by main(), and only the event loop thread touches it (the proxy's
  * and clientfd's threads have state of their own). Its fields are written
- * only by daemon.c; mesh.c still reads base, config, jobs, datapath and
- * stopping through mesh->daemon (see docs/architecture.md for the hooks it
- * should take instead). */
+ * only by daemon.c; the mesh (mesh.h, mesh-jobs.h) takes its hooks too
+ * (struct mesh_transport_hooks, mesh_jobs_hooks). */
 #ifndef MOEEPD_DAEMON_H
 #define MOEEPD_DAEMON_H
 
@@ -67,6 +66,7 @@ struct daemon {
         struct requests requests;      /* owns; the request layer (requests.h) */
         struct http *http;             /* owns; NULL unless metrics_listen is set */
         struct mesh *mesh;             /* owns; NULL unless mesh_listen is set */
+        struct mesh_jobs *mesh_jobs;   /* owns; jobs across daemons over `mesh`, NULL with it */
         struct datapath *datapath;     /* owns; NULL unless mesh_listen is set */
         struct metrics metrics;        /* totals since start-up (requests.c and the reloads write them) */
         struct view view;              /* what query.c and metrics.c read; filled at start */
@@ -92,11 +92,6 @@ int daemon_run(struct daemon *d);
 
 /* Frees everything; unlinks a self-bound socket. Accepts a zeroed struct. */
 void daemon_done(struct daemon *d);
-
-/* Updates systemd's STATUS= line after sessions or jobs changed. A thin
- * entry point kept for mesh.c; the other objects reach it through their
- * hooks. */
-void daemon_status_changed(struct daemon *d);
 
 /* Milliseconds since start-up. */
 uint64_t daemon_uptime_ms(const struct daemon *d);

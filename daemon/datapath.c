@@ -285,10 +285,14 @@ int datapath_region_release(struct datapath *dp, struct job_member *m, uint64_t 
 /* ------------------------------------------------------------ channels */
 
 /* The remote region of `rank` with proxy role `role` in `job`, or NULL. */
-static const struct job_remote_region *remote_find(const struct job *job, uint32_t rank, uint32_t role) {
-        for (uint32_t i = 0; i < job->nremote_regions; i++)
-                if (job->remote_regions[i].rank == rank && job->remote_regions[i].proxy == role)
-                        return &job->remote_regions[i];
+static const struct job_remote_region *remote_find(const struct datapath *dp, const struct job *job,
+                                                   uint32_t rank, uint32_t role) {
+        uint32_t n;
+        const struct job_remote_region *remote = dp->hooks.remote_regions(dp->hooks.ctx, job, &n);
+
+        for (uint32_t i = 0; i < n; i++)
+                if (remote[i].rank == rank && remote[i].proxy == role)
+                        return &remote[i];
         return NULL;
 }
 
@@ -315,8 +319,8 @@ static int route_fill(struct datapath *dp, const struct job_member *m, const str
                         r, job->id, nodes[r].address,
                         e == -ENOTCONN ? "the mesh connection is not up"
                                        : "that daemon sent no transport address: is its transport off?");
-        recv = remote_find(job, r, MOEEP__V1__PROXY_ROLE__PROXY_ROLE_RECV);
-        counters = remote_find(job, r, MOEEP__V1__PROXY_ROLE__PROXY_ROLE_COUNTERS);
+        recv = remote_find(dp, job, r, MOEEP__V1__PROXY_ROLE__PROXY_ROLE_RECV);
+        counters = remote_find(dp, job, r, MOEEP__V1__PROXY_ROLE__PROXY_ROLE_COUNTERS);
         if (!recv || !counters)
                 return errmsg_set(errmsg, -EAGAIN,
                                   "rank %" PRIu32 " of job %" PRIu64

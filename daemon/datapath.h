@@ -7,12 +7,15 @@
  *  - daemon.c starts it when the mesh is on (datapath_start) and frees it
  *    after the sessions and the mesh are gone. It hands it struct
  *    datapath_hooks, the only way the data path reaches the mesh (daemon.c's
- *    hooks call mesh.c), so that datapath.c includes nothing above it.
- *  - mesh.c, when a peer daemon's connection comes up, makes the local half
- *    of a transport connection (datapath_peer_new), sends its address in
- *    PeerTransport and connects with the peer's (datapath_peer_connect);
- *    when the connection goes down it fails the transport peer
- *    (datapath_peer_fail) so rings routing to it get an error.
+ *    hooks call mesh.c and mesh-jobs.c), so that datapath.c includes nothing
+ *    above it.
+ *  - mesh-transport.c, when a peer daemon's connection comes up, makes the
+ *    local half of a transport connection (datapath_peer_new), sends its
+ *    address in PeerTransport and connects with the peer's
+ *    (datapath_peer_connect); when the connection goes down it fails the
+ *    transport peer (datapath_peer_fail) so rings routing to it get an
+ *    error. It calls these through the struct mesh_transport_hooks that
+ *    daemon.c fills with them (mesh.h), not directly.
  *  - membership.c registers regions with a proxy role
  *    (datapath_region_register), releases them and tells it when a member
  *    goes; requests.c opens channels (datapath_channel_open) and tells it
@@ -25,9 +28,9 @@
  *
  * Proxy events come through the proxy's eventfd on the loop: a ring error
  * (a bad descriptor) aborts the producer's job naming its rank; a failed
- * transport peer fails the mesh connection to that daemon (mesh.c), which
- * aborts every job with ranks there and makes a fresh transport connection
- * when the mesh connection comes back. */
+ * transport peer fails the mesh connection to that daemon (mesh.c): its
+ * client (mesh-jobs.c) aborts every job with ranks there, and the mesh
+ * makes a fresh transport connection when the connection comes back. */
 #ifndef MOEEPD_DATAPATH_H
 #define MOEEPD_DATAPATH_H
 
@@ -44,10 +47,11 @@ struct config;
 struct datapath;
 struct event_base;
 
-/* How the data path tells the mesh (mesh.h has each call's meaning: the
- * hooks are mesh_region_changed, mesh_transport_peer, mesh_job_nodes,
- * mesh_rank_failed and mesh_transport_failed). Called on the loop with
- * `ctx`; each must work while the mesh is off. */
+/* How the data path reaches the mesh (mesh.h and mesh-jobs.h have each
+ * call's meaning: the hooks are mesh_jobs_region_changed,
+ * mesh_transport_peer, mesh_jobs_nodes, mesh_jobs_remote_regions,
+ * mesh_jobs_rank_failed and mesh_transport_failed). Called on the loop
+ * with `ctx`; each must work while the mesh is off. */
 struct datapath_hooks {
         void *ctx; /* not owning */
         void (*region_changed)(void *ctx, const struct job_member *m, uint64_t region_id, uint32_t tag,
@@ -55,6 +59,7 @@ struct datapath_hooks {
                                const struct tp_rkey *rkey);
         int (*transport_peer)(void *ctx, const char *address, uint32_t *ret_tp_peer);
         bool (*job_nodes)(void *ctx, const struct job *job, struct job_node ret[MOEEP_MAX_RANKS]);
+        const struct job_remote_region *(*remote_regions)(void *ctx, const struct job *job, uint32_t *ret_n);
         void (*rank_failed)(void *ctx, struct job *job, uint32_t rank, const char *reason);
         void (*transport_failed)(void *ctx, uint32_t tp_peer, const char *why);
 };

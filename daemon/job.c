@@ -55,7 +55,7 @@ static void job_free(struct job *job) {
         if (job->control_ro_fd >= 0)
                 close(job->control_ro_fd);
         explicit_bzero(job->secret, sizeof(job->secret));
-        free(job->remote_regions);
+        free(job->mesh);
         free(job);
 }
 

@@ -16,6 +16,7 @@
 #include "transport.h" /* struct tp_rkey */
 
 struct config;
+struct mesh_job;
 struct region;
 
 #define JOB_NAME_MAX 64
@@ -31,7 +32,7 @@ struct region;
  * (clients may send their zero-padded 128-byte copy). When the creating
  * daemon's mesh is on, byte 41 is the length L (1..JOB_NODE_MAX) of its mesh
  * address and bytes 42..41+L the address ("HOST:PORT"): a daemon that gets
- * a JobJoin naming another daemon forwards it there (mesh.c). Byte 41 zero
+ * a JobJoin naming another daemon forwards it there (mesh-jobs.c). Byte 41 zero
  * (or absent) means "the daemon that receives the join". */
 #define JOB_UNIQUE_ID_VERSION 1
 #define JOB_UNIQUE_ID_BYTES (1 + 8 + JOB_SECRET_BYTES)
@@ -67,7 +68,7 @@ struct job_node {
 
 TAILQ_HEAD(region_list, region);
 
-/* A region of a rank joined at another daemon: metadata only (mesh.c). */
+/* A region of a rank joined at another daemon: metadata only (mesh-jobs.c). */
 struct job_remote_region {
         uint32_t rank;
         uint32_t tag;
@@ -116,19 +117,20 @@ struct job {
         void *creator;                      /* not owning; holds a reference until jobs_creator_gone() */
         unsigned references;                /* creator + one per member */
         struct jobs *jobs;                  /* not owning; the registry */
-        /* Jobs that span daemons (mesh.c). On the daemon of rank 0 (the
-         * "home") every rank is a member, the remote ones with
+        /* Jobs that span daemons (mesh-jobs.h). On the daemon of rank 0
+         * (the "home") every rank is a member, the remote ones with
          * member->remote set. Another daemon holds a "mirror" of the job
          * with only its own ranks as members, `home` naming the home daemon
          * and `home_id` the job's id there; barrier, leave and loss go
-         * through the home. `nodes` is the rank -> daemon map, filled for a
-         * job once a rank joined elsewhere (all "" for a job of one daemon). */
+         * through the home. */
         char home[JOB_NODE_MAX + 1]; /* "" for a job created here */
         uint64_t home_id;            /* the id at `home`; == id when home is "" */
-        struct job_node nodes[MOEEP_MAX_RANKS];
-        uint32_t lost_notified;                   /* mirror: bit r set once PeerLost(r) went to the members */
-        struct job_remote_region *remote_regions; /* owns; regions of ranks at other daemons (mesh.c) */
-        uint32_t nremote_regions;
+        uint32_t lost_notified;      /* mirror: bit r set once PeerLost(r) went to the members */
+        /* Owns; what mesh-jobs.c keeps of a job that spans daemons (the
+         * mirror's rank -> daemon map, the remote ranks' regions), opaque
+         * here and NULL until it is needed. One allocation: job.c frees it
+         * with the job. */
+        struct mesh_job *mesh;
         TAILQ_ENTRY(job) entry;
 };
 

@@ -8,6 +8,7 @@
 #include "job.h"
 #include "log.h"
 #include "membership.h"
+#include "mesh-jobs.h"
 #include "mesh.h"
 #include "session.h"
 
@@ -22,17 +23,17 @@ int membership_join(const struct membership *ms, struct session *s, uint64_t rid
                 return errmsg_set(errmsg, -EISCONN,
                                   "session %" PRIu64 " is already rank %" PRIu32 " of job %" PRIu64, s->id,
                                   s->member->rank, s->member->job->id);
-        /* A job created at another daemon is joined there (mesh.c); this
+        /* A job created at another daemon is joined there (mesh-jobs.c); this
          * daemon named in any spelling is this daemon. */
         if (job_unique_id_node(jj->unique_id.data, jj->unique_id.len, home) == 0 && home[0] &&
             (!here || !mesh_address_is_self(ms->mesh, home)))
-                return mesh_join_forward(ms->mesh, s, rid, jj, home, errmsg);
+                return mesh_jobs_join_forward(ms->mesh_jobs, s, rid, jj, home, errmsg);
         r = jobs_join(ms->jobs, jj->unique_id.data, jj->unique_id.len, jj->rank, jj->world_size, jj->gpu_uuid,
                       s, &m, errmsg);
         if (r < 0)
                 return r;
         r = membership_joined(s, rid, m);
-        mesh_job_changed(ms->mesh, m->job);
+        mesh_jobs_changed(ms->mesh_jobs, m->job);
         return r;
 }
 
@@ -71,8 +72,8 @@ int membership_register(const struct membership *ms, struct session *s, const Mo
         if (r < 0)
                 return r;
         *fd = -1; /* the broker owns it now */
-        mesh_region_changed(ms->mesh, s->member, *ret_id, rr->tag, (uint32_t)rr->kind, rr->size, false, 0,
-                            NULL);
+        mesh_jobs_region_changed(ms->mesh_jobs, s->member, *ret_id, rr->tag, (uint32_t)rr->kind, rr->size,
+                                 false, 0, NULL);
         return 0;
 }
 
@@ -83,7 +84,7 @@ int membership_release(const struct membership *ms, struct session *s, uint64_t 
                 r = broker_release(ms->broker, s->member, id, errmsg);
         if (r < 0)
                 return r;
-        mesh_region_changed(ms->mesh, s->member, id, 0, 0, 0, true, 0, NULL);
+        mesh_jobs_region_changed(ms->mesh_jobs, s->member, id, 0, 0, 0, true, 0, NULL);
         return 0;
 }
 
@@ -92,7 +93,7 @@ void membership_end(const struct membership *ms, struct session *s, bool lost, c
                 return;
         datapath_member_gone(ms->datapath, s->member);
         broker_drop_member(ms->broker, s->member);
-        mesh_member_gone(ms->mesh, s->member, lost, reason);
+        mesh_jobs_member_gone(ms->mesh_jobs, s->member, lost, reason);
         if (lost)
                 job_member_lost(s->member, reason);
         else

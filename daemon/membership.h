@@ -7,8 +7,8 @@
  *
  * Who calls what: requests.c calls these for JobJoin, RegionRegister,
  * RegionRelease and JobLeave, and (through the session hooks) when a
- * session fails; mesh.c reaches membership_joined() through
- * session_joined() when a forwarded join is accepted. membership.c writes
+ * session fails; mesh-joins.c reaches membership_joined() through
+ * session_joined() (its hooks->joined) when a forwarded join is accepted. membership.c writes
  * struct session's `member` and its READY state, nothing else of it. */
 #ifndef MOEEPD_MEMBERSHIP_H
 #define MOEEPD_MEMBERSHIP_H
@@ -23,6 +23,7 @@ struct datapath;
 struct job_member;
 struct jobs;
 struct mesh;
+struct mesh_jobs;
 struct session;
 
 /* The objects a lifecycle step tells. Filled by daemon.c at start; none
@@ -30,8 +31,9 @@ struct session;
 struct membership {
         struct jobs *jobs;
         struct broker *broker;
-        struct datapath *datapath; /* NULL unless the mesh is on */
-        struct mesh *mesh;         /* NULL unless the mesh is on */
+        struct datapath *datapath;   /* NULL unless the mesh is on */
+        struct mesh *mesh;           /* NULL unless the mesh is on */
+        struct mesh_jobs *mesh_jobs; /* NULL unless the mesh is on */
 };
 
 /* JobJoin from `s` (request `rid`): forwarded to the job's home daemon

@@ -1,8 +1,9 @@
 /* The node mesh's identities, admission and handshake; see mesh.h and
- * auth.h. Split from mesh.c, which keeps the connections, their framing and
- * the jobs across daemons; mesh-internal.h is what the two share. */
+ * auth.h. mesh.c keeps the connections and their framing; mesh-internal.h
+ * is what the peer layer's files share. */
 #include <arpa/inet.h>
 #include <errno.h>
+#include <event2/listener.h>
 #include <inttypes.h>
 #include <netinet/in.h>
 #include <stdio.h>
@@ -120,6 +121,24 @@ void mesh_claim_printable(const char *claim, char ret[static JOB_NODE_MAX + 1]) 
         for (n = 0; ret[n]; n++)
                 if (ret[n] < 0x21 || ret[n] > 0x7e)
                         ret[n] = '?';
+}
+
+/* Our advertised address and identity: mesh_listen, canonical (as
+ * mesh_address_canon()), with the port the kernel chose when it said 0. */
+void mesh_address_set(struct mesh *mesh) {
+        struct sockaddr_storage ss;
+        socklen_t len = sizeof(ss);
+        char spelled[JOB_NODE_MAX + 1];
+
+        if (getsockname(evconnlistener_get_fd(mesh->listener), (struct sockaddr *)&ss, &len) < 0)
+                ss.ss_family = AF_UNSPEC;
+        mesh_sockaddr_string((struct sockaddr *)&ss, spelled, sizeof(spelled));
+        if (mesh_address_canon(spelled, mesh->address) < 0)
+                snprintf(mesh->address, sizeof(mesh->address), "%s", spelled);
+        if (strncmp(mesh->address, "0.0.0.0:", 8) == 0 || strncmp(mesh->address, "[::]:", 5) == 0)
+                log_warn("mesh: mesh_listen %s is a wildcard: peers must dial this daemon at the address it "
+                         "names itself by, so name one that they reach",
+                         mesh->address);
 }
 
 /* ------------------------------------------------------------ handshake */

@@ -1,6 +1,7 @@
-/* What mesh.c (connections, framing, jobs across daemons) and
- * mesh-handshake.c (identities, admission, handshake) share. Not for any
- * other file: the rest of the daemon uses mesh.h. */
+/* What the peer layer's files share: mesh.c (connections), mesh-frame.c
+ * (framing and sealing), mesh-handshake.c (identities, admission, handshake) and mesh-transport.c
+ * (each connection's transport peer). Not for any other file: the rest of
+ * the daemon, the jobs across daemons included, uses mesh.h. */
 #ifndef MOEEPD_MESH_INTERNAL_H
 #define MOEEPD_MESH_INTERNAL_H
 
@@ -12,12 +13,6 @@
 #include "mesh.h"
 #include "moeep.pb-c.h"
 
-/* Declares PeerMessage `var` whose body is `value` (of case `Case`). */
-#define PEER_MSG(var, field, value, Case)                           \
-        Moeep__V1__PeerMessage var = MOEEP__V1__PEER_MESSAGE__INIT; \
-        var.body_case = MOEEP__V1__PEER_MESSAGE__BODY_##Case;       \
-        var.field = (value)
-
 static inline uint64_t mesh_now_ns(void) {
         struct timespec ts;
 
@@ -27,11 +22,11 @@ static inline uint64_t mesh_now_ns(void) {
 
 /* ------------------------------------------------ mesh.c: connections */
 
-/* Queues one message to `p`: in clear for PeerHello, PeerChallenge,
- * PeerProof and PeerRefused (only before the handshake is done), sealed
- * for everything else (only after). Returns 0 or -errno (-ENOTCONN when
- * the connection cannot carry it). */
-int mesh_peer_send(struct mesh_peer *p, Moeep__V1__PeerMessage *msg);
+/* Handles one message of `p`; `sealed` says whether it came in a sealed
+ * frame. In clear: only the handshake messages, each in its turn. Sealed:
+ * the dialler's PeerWelcome, then anything but a handshake message (job
+ * messages go to the mesh's client). */
+void mesh_peer_handle(struct mesh_peer *p, const Moeep__V1__PeerMessage *msg, bool sealed);
 
 /* The one way a connection ends: logs `fmt` once, closes (flushing a
  * queued PeerRefused when `flush`), fails what depended on it, then
@@ -55,16 +50,33 @@ void mesh_sockaddr_string(const struct sockaddr *sa, char *buf, size_t size);
  * Returns 0 or -EINVAL. */
 int mesh_address_resolve(const char *address, struct sockaddr_storage *ret_ss, socklen_t *ret_len);
 
-/* The canonical spelling of `address` (see the definition). Returns 0 or
- * -EINVAL. */
-int mesh_address_canon(const char *address, char ret[static JOB_NODE_MAX + 1]);
+/* Our advertised address and identity (mesh->address), from the
+ * listener's socket. */
+void mesh_address_set(struct mesh *mesh);
 
-/* The configured peer (mesh_peers) at canonical address `canon`, or NULL. */
-struct mesh_peer *mesh_configured_find(const struct mesh *mesh, const char *canon);
+/* ------------------------------------------------ mesh-frame.c */
 
-/* An identity as someone said it, made printable for a log line or an
- * error (never believed, only shown). */
-void mesh_claim_printable(const char *claim, char ret[static JOB_NODE_MAX + 1]);
+/* Whether messages of case `c` travel in clear (the handshake's, but
+ * PeerWelcome, the acceptor's first sealed frame). */
+bool mesh_is_clear_handshake(Moeep__V1__PeerMessage__BodyCase c);
+
+/* The bufferevent read callback of every connection (arg: its peer): cuts
+ * frames, opens sealed ones, hands each message to mesh_peer_handle(). */
+void mesh_peer_read_cb(struct bufferevent *bev, void *arg);
+
+/* ------------------------------------------------ mesh-transport.c */
+
+/* `p` came up: makes our half of a transport connection to that daemon
+ * and offers it (PeerTransport). */
+void mesh_transport_offer(struct mesh_peer *p);
+
+/* The peer's PeerTransport: connects our half with its address. */
+void mesh_transport_handle(struct mesh_peer *p, const Moeep__V1__PeerTransport *pt);
+
+/* Forgets the connection's transport peer, failing it in the proxy when
+ * `fail` (rings routing to it get an error). Returns whether it was
+ * connected. */
+bool mesh_transport_drop(struct mesh_peer *p, bool fail);
 
 /* ------------------------------------------------ mesh-handshake.c: handshake */
 

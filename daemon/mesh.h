@@ -1,6 +1,8 @@
-/* The internode mesh: TCP connections between moeepd daemons, their mutual
- * authentication with the cluster key (auth.h), liveness and round-trip
- * time (PeerPing), and the jobs whose ranks joined at several daemons.
+/* The internode mesh's peers: TCP connections between moeepd daemons,
+ * their mutual authentication with the cluster key (auth.h), liveness and
+ * round-trip time (PeerPing), and the transport connection made over each
+ * (mesh-transport.c). What travels over them for jobs is the business of
+ * the layer above, the jobs across daemons (mesh-jobs.h).
  *
  * Wire: every frame is a 4-byte big-endian length and one PeerMessage
  * (moeep.proto, "mesh"); docs/protocol.md, "Mesh", has the whole exchange.
@@ -26,17 +28,20 @@
  * (mesh_peer_fail() in mesh.c), which logs once (pre-authentication
  * refusals at most MESH_PREAUTH_LOGS_PER_S lines a second, then a count).
  *
- * Jobs: the daemon named in a job's unique id (job.h) is its home. A JobJoin
- * that names another daemon is forwarded there (mesh_join_forward()); the
- * home adds a member with `remote` set whose owner is a struct mesh_rank,
- * and the joining daemon adds its session to a mirror of the job
- * (jobs_join_mirror()). Barrier, leave and loss of a mirror's members go to
- * the home; the home's answers (barrier done, rank lost, the rank -> node
- * map) come back. When a peer goes down, the home declares every rank that
- * joined through it lost, and a mirror whose home went down is aborted with
- * PeerLost for every remote rank. Only metadata crosses the mesh: memory of
- * remote ranks is reached through the transports (transport.h), never as
- * fds. */
+ * Who calls what:
+ *  - daemon.c starts the mesh (mesh_start()) after the data path, handing
+ *    it the data path's functions as struct mesh_transport_hooks, and frees
+ *    it last of the mesh (after mesh_jobs_free()).
+ *  - The jobs across daemons (mesh-jobs.c) register as the mesh's one
+ *    client (struct mesh_client): the mesh hands them every job message of
+ *    a connection that is up and tells them when a peer comes up or goes
+ *    down; they send with mesh_peer_send() to peers they find with
+ *    mesh_peer_find(). The mesh includes nothing of theirs.
+ *  - datapath.c, through daemon.c's datapath_hooks, asks for the transport
+ *    peer of a daemon (mesh_transport_peer()) and reports a failed one
+ *    (mesh_transport_failed()); query.c and metrics.c read the peers
+ *    (struct view).
+ * The mesh owns its peers, their connections, timers and keys. */
 #ifndef MOEEPD_MESH_H
 #define MOEEPD_MESH_H
 
@@ -45,14 +50,15 @@
 #include <sys/queue.h>
 
 #include "auth.h"
-#include "job.h"
+#include "job.h" /* JOB_NODE_MAX */
 #include "moeep.pb-c.h"
 
 struct bufferevent;
-struct daemon;
+struct config;
+struct datapath;
 struct event;
+struct event_base;
 struct evconnlistener;
-struct session;
 
 #define MESH_FRAME_MAX 65536 /* largest PeerMessage either side seals or opens */
 /* Largest frame on the wire: a sealed PeerMessage of MESH_FRAME_MAX bytes,
@@ -89,9 +95,6 @@ enum mesh_peer_state {
 
 const char *mesh_peer_state_to_string(enum mesh_peer_state s);
 
-struct mesh_rank;
-TAILQ_HEAD(mesh_rank_list, mesh_rank);
-
 struct mesh_peer {
         struct mesh *mesh; /* not owning */
         enum mesh_peer_state state;
@@ -124,17 +127,51 @@ struct mesh_peer {
          * its PeerTransport arrived and connected it. */
         uint32_t tp_peer; /* MESH_NO_TP_PEER while none */
         bool tp_connected;
-        struct mesh_rank_list ranks; /* owns; ranks of our home jobs that joined through this peer */
         TAILQ_ENTRY(mesh_peer) entry;
 };
 
 TAILQ_HEAD(mesh_peer_list, mesh_peer);
 
-struct mesh_join; /* a JobJoin forwarded to a home, waiting for PeerJoined */
-TAILQ_HEAD(mesh_join_list, mesh_join);
+/* The data path's side of each connection's transport peer (datapath.h's
+ * functions of the same names, handed in by daemon.c). */
+struct mesh_transport_hooks {
+        struct datapath *dp; /* not owning; may be NULL (then `up` says no) */
+        bool (*up)(const struct datapath *dp, const char **ret_why);
+        const char *(*backend)(const struct datapath *dp);
+        int (*peer_new)(struct datapath *dp, uint32_t *ret_tp_peer, uint8_t ret_blob[TP_ADDR_MAX],
+                        size_t *ret_len, char *errmsg);
+        int (*peer_connect)(struct datapath *dp, uint32_t tp_peer, const void *blob, size_t len,
+                            char *errmsg);
+        void (*peer_fail)(struct datapath *dp, uint32_t tp_peer, int error);
+};
+
+/* The layer above (the jobs across daemons, mesh-jobs.c), registered with
+ * mesh_client_set(). Each member may be NULL. Called from the loop, from
+ * inside the mesh's own callbacks: they may send, and must not free a
+ * peer (the mesh does, from the loop). */
+struct mesh_client {
+        void *arg; /* handed to each */
+        /* A job message (PeerJoin, PeerJoined, PeerRanks, PeerBarrier,
+         * PeerBarrierDone, PeerLeave, PeerRegion, PeerRankLost) from `p`,
+         * which is UP; the mesh frees `msg` after. */
+        void (*message)(void *arg, struct mesh_peer *p, const Moeep__V1__PeerMessage *msg);
+        /* `p` came up. */
+        void (*peer_up)(void *arg, struct mesh_peer *p);
+        /* `p` failed (mesh_peer_fail(), already DOWN). `was_up`: it was UP,
+         * `lost` says so ("daemon X lost: why"), and `transport_was_connected`
+         * whether its transport peer was connected (it was failed just
+         * before). `why` is the failure as logged. Not called for a
+         * duplicate connection dropped without a word. */
+        void (*peer_down)(void *arg, struct mesh_peer *p, bool was_up, bool transport_was_connected,
+                          const char *lost, const char *why);
+        /* Jobs with ranks at both this daemon and `p`. */
+        uint32_t (*peer_jobs)(void *arg, const struct mesh_peer *p);
+};
 
 struct mesh {
-        struct daemon *daemon;           /* not owning */
+        struct event_base *base; /* not owning */
+        struct mesh_transport_hooks transport;
+        struct mesh_client client;       /* the jobs across daemons; all NULL until one registers */
         struct evconnlistener *listener; /* owns */
         char address[JOB_NODE_MAX + 1];  /* ours: mesh_listen, with the real port when it said 0 */
         bool keyed;                      /* `key` was loaded from cluster_key_file */
@@ -144,21 +181,28 @@ struct mesh {
         uint64_t log_second;             /* CLOCK_MONOTONIC second of the pre-auth log budget */
         uint32_t log_lines;              /* pre-auth refusals logged in that second */
         uint32_t log_suppressed;         /* and those not logged */
-        struct mesh_join_list joins;     /* owns; forwarded joins waiting for an answer */
-        uint64_t next_token;
-        struct event *ev_reap;          /* owns; frees dead inbound peers from the loop */
-        struct event *ev_accept_resume; /* owns; re-enables the listener after a full turn */
-        uint32_t accepted_this_turn;    /* since the listener was last (re-)enabled */
-        uint64_t refused;               /* connections refused (bad key, no key, timeout, cap) */
+        struct event *ev_reap;           /* owns; frees dead inbound peers from the loop */
+        struct event *ev_accept_resume;  /* owns; re-enables the listener after a full turn */
+        uint32_t accepted_this_turn;     /* since the listener was last (re-)enabled */
+        uint64_t refused;                /* connections refused (bad key, no key, timeout, cap) */
 };
 
-/* Starts the mesh when mesh_listen is set: loads the key, listens, dials
- * mesh_peers. Returns 0 (with *ret_mesh NULL when the mesh is off) or -errno
- * with errmsg naming the key or value. */
-int mesh_start(struct daemon *d, struct mesh **ret_mesh, char *errmsg);
+/* Starts the mesh when config's mesh_listen is set: loads the key,
+ * listens, dials mesh_peers, on loop `base`. Returns 0 (with *ret_mesh NULL
+ * when the mesh is off) or -errno with errmsg naming the key or value. */
+int mesh_start(struct event_base *base, const struct config *config,
+               const struct mesh_transport_hooks *transport, struct mesh **ret_mesh, char *errmsg);
 
-/* Closes every connection; fails forwarded joins. Accepts NULL. */
+/* Takes every connection down without a word (no client hook is called,
+ * nothing is logged): the daemon is stopping. */
+void mesh_close_all(struct mesh *mesh);
+
+/* Closes every connection and frees every peer. Accepts NULL. */
 void mesh_free(struct mesh *mesh);
+
+/* Registers the mesh's one client (a copy of `client` is kept), or
+ * unregisters it (NULL). */
+void mesh_client_set(struct mesh *mesh, const struct mesh_client *client);
 
 /* Our mesh address, or NULL when the mesh is off (mesh NULL). */
 const char *mesh_address(const struct mesh *mesh);
@@ -168,65 +212,49 @@ const char *mesh_address(const struct mesh *mesh);
  * this daemon's own. False when the mesh is off or it is no address. */
 bool mesh_address_is_self(const struct mesh *mesh, const char *address);
 
-/* Forwards session `s`'s JobJoin (request `rid`) to the job's home daemon
- * `home` (from the unique id, as the client sent it), which must be one of
- * mesh_peers in some spelling: nothing else is ever dialled. Returns 0 when
- * the reply is held back (session_joined() or an Error follows), or -errno
- * with errmsg naming the address: -ENOENT when the mesh is off or `home` is
- * not a configured peer, -EINVAL when it is no address or this daemon,
- * -EALREADY when `s` already waits for one. */
-int mesh_join_forward(struct mesh *mesh, struct session *s, uint64_t rid, const Moeep__V1__JobJoin *jj,
-                      const char *home, char *errmsg);
+/* The canonical spelling of `address` (see mesh-handshake.c). Returns 0 or
+ * -EINVAL. */
+int mesh_address_canon(const char *address, char ret[static JOB_NODE_MAX + 1]);
 
-/* Member `m` of a mirror entered its barrier (job_barrier() returned 1):
- * asks the home. */
-void mesh_barrier(struct mesh *mesh, struct job_member *m);
+/* An identity as someone said it, made printable for a log line or an
+ * error (never believed, only shown). */
+void mesh_claim_printable(const char *claim, char ret[static JOB_NODE_MAX + 1]);
 
-/* Member `m` of a mirror is about to leave (`lost` false) or be lost: tells
- * the home. Call before job_member_leave() / job_member_lost(). */
-void mesh_member_gone(struct mesh *mesh, struct job_member *m, bool lost, const char *reason);
+/* The configured peer (mesh_peers) at canonical address `canon`, or NULL. */
+struct mesh_peer *mesh_configured_find(const struct mesh *mesh, const char *canon);
 
-/* Member `m` (a rank at this daemon) registered (`released` false) or
- * released a region: tells the home, or for a home job the daemons with
- * ranks of it, so that their RegionsFetch lists it as remote. `proxy` is
- * its Moeep__V1__ProxyRole and `rkey` (NULL: none) where the other
- * daemons' transports write into it (datapath.h). */
-void mesh_region_changed(struct mesh *mesh, const struct job_member *m, uint64_t region_id, uint32_t tag,
-                         uint32_t kind, uint64_t size, bool released, uint32_t proxy,
-                         const struct tp_rkey *rkey);
+/* The connection that is UP to the daemon at canonical address `address`,
+ * or NULL. */
+struct mesh_peer *mesh_peer_find(const struct mesh *mesh, const char *address);
+
+/* Declares PeerMessage `var` whose body is `value` (of case `Case`). */
+#define PEER_MSG(var, field, value, Case)                           \
+        Moeep__V1__PeerMessage var = MOEEP__V1__PEER_MESSAGE__INIT; \
+        var.body_case = MOEEP__V1__PEER_MESSAGE__BODY_##Case;       \
+        var.field = (value)
+
+/* Queues one message to `p`: in clear for PeerHello, PeerChallenge,
+ * PeerProof and PeerRefused (only before the handshake is done), sealed
+ * for everything else (only after). Returns 0 or -errno (-ENOTCONN when
+ * the connection cannot carry it, as to a peer that is down). */
+int mesh_peer_send(struct mesh_peer *p, Moeep__V1__PeerMessage *msg);
 
 /* The transport peer (datapath.h) that reaches daemon `address`: 0 and
  * *ret_tp_peer, -ENOTCONN when no connection to it is up, -ENODEV when it
  * is up but no transport connection was made over it. */
 int mesh_transport_peer(const struct mesh *mesh, const char *address, uint32_t *ret_tp_peer);
 
-/* The proxy failed transport peer `tp_peer` (`why` says how): every job
- * with ranks at that daemon is aborted naming one, and the mesh connection
- * is failed, so that a fresh transport connection is made when it comes
- * back. */
+/* The proxy failed transport peer `tp_peer` (`why` says how): the mesh
+ * connection is failed (the client aborts every job with ranks at that
+ * daemon, naming one), so that a fresh transport connection is made when
+ * it comes back. */
 void mesh_transport_failed(struct mesh *mesh, uint32_t tp_peer, const char *why);
-
-/* Rank `rank` of `job` (at this daemon) cannot go on (its channel failed):
- * aborts the job here naming it and tells the home, which tells the other
- * daemons, as a lost rank. The member stays until its session leaves. */
-void mesh_rank_failed(struct mesh *mesh, struct job *job, uint32_t rank, const char *reason);
-
-/* A local rank of home job `job` joined: tells the daemons with ranks of it
- * the new rank -> node map. */
-void mesh_job_changed(struct mesh *mesh, const struct job *job);
-
-/* The rank -> node map of `job` as this daemon knows it: for a home job
- * from its members, for a mirror as the home last said. Returns false for
- * a job that does not span daemons (every entry ""). */
-bool mesh_job_nodes(const struct mesh *mesh, const struct job *job, struct job_node ret[MOEEP_MAX_RANKS]);
 
 /* Peers in each state, for the metrics. */
 void mesh_count(const struct mesh *mesh, uint32_t ret_counts[MESH_PEER_DOWN + 1]);
 
-/* Jobs with ranks at both this daemon and `p`. */
+/* Jobs with ranks at both this daemon and `p` (the client's count; 0
+ * without one). */
 uint32_t mesh_peer_jobs(const struct mesh *mesh, const struct mesh_peer *p);
-
-/* The callbacks of the members that stand for remote ranks. */
-extern const struct job_callbacks mesh_rank_callbacks;
 
 #endif

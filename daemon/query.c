@@ -9,6 +9,7 @@
 #include "admin.h"
 #include "job.h"
 #include "log.h"
+#include "mesh-jobs.h"
 #include "mesh.h"
 #include "metrics.h"
 #include "nics.h"
@@ -129,7 +130,7 @@ int query_jobs(const struct view *v, const struct session *s, struct query_respo
                 ji->home = job->home;
                 /* A job that spans daemons: its ranks joined elsewhere
                  * count as joined too, and say where they are. */
-                if (mesh_job_nodes(v->mesh, job, &nodes[n * MOEEP_MAX_RANKS])) {
+                if (mesh_jobs_nodes(v->mesh_jobs, job, &nodes[n * MOEEP_MAX_RANKS])) {
                         ji->rank_nodes = &node_ptrs[n * MOEEP_MAX_RANKS];
                         ji->n_rank_nodes = job->world_size;
                         for (uint32_t rank = 0; rank < job->world_size; rank++)

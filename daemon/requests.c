@@ -12,6 +12,7 @@
 #include "errors.h"
 #include "job.h"
 #include "log.h"
+#include "mesh-jobs.h"
 #include "mesh.h"
 #include "metrics.h"
 #include "moeep-config.h"
@@ -98,7 +99,7 @@ static int handle_barrier(struct requests *rq, struct session *s, uint64_t rid, 
         int r = job_barrier(s->member, rid, errmsg);
 
         if (r == 1) {
-                mesh_barrier(rq->membership.mesh, s->member);
+                mesh_jobs_barrier(rq->membership.mesh_jobs, s->member);
                 r = 0;
         }
         return r;
@@ -113,8 +114,10 @@ static int handle_regions_fetch(struct requests *rq, struct session *s, uint64_t
         Moeep__V1__Response resp = MOEEP__V1__RESPONSE__INIT;
         int fds[MOEEP_RECORD_MAX_FDS];
         const struct job *job = s->member->job;
+        const struct job_remote_region *remote;
         struct region **found = NULL;
         size_t n = 0, nfds;
+        uint32_t nremote;
         int r;
 
         r = broker_fetch(s->member, rf->rank, rf->tag, MOEEP_RECORD_MAX_FDS, &found, &n, errmsg);
@@ -134,9 +137,9 @@ static int handle_regions_fetch(struct requests *rq, struct session *s, uint64_t
         nfds = n;
         /* Ranks at other daemons: metadata only, to clients that know the
          * field (their memory is reached through the transports). */
-        for (uint32_t i = 0; i < job->nremote_regions && (s->features & MOEEP__V1__FEATURE__FEATURE_MESH);
-             i++) {
-                const struct job_remote_region *rr = &job->remote_regions[i];
+        remote = mesh_jobs_remote_regions(job, &nremote);
+        for (uint32_t i = 0; i < nremote && (s->features & MOEEP__V1__FEATURE__FEATURE_MESH); i++) {
+                const struct job_remote_region *rr = &remote[i];
 
                 if ((rf->rank >= 0 ? rr->rank != (uint32_t)rf->rank : rr->rank == s->member->rank) ||
                     (rf->tag >= 0 && rr->tag != (uint64_t)rf->tag))

@@ -13,6 +13,7 @@ struct broker;
 struct http;
 struct jobs;
 struct mesh;
+struct mesh_jobs;
 struct metrics;
 struct sessions;
 
@@ -20,11 +21,12 @@ struct view {
         const struct sessions *sessions;
         const struct jobs *jobs;
         const struct broker *broker;
-        const struct mesh *mesh;        /* NULL unless the mesh is on */
-        const struct http *http;        /* NULL unless metrics_listen is set */
-        const struct metrics *counters; /* the request and reload counters (metrics.h) */
-        const bool *draining;           /* Drain is on (struct requests) */
-        struct timespec started;        /* CLOCK_MONOTONIC at start-up */
+        const struct mesh *mesh;           /* NULL unless the mesh is on */
+        const struct mesh_jobs *mesh_jobs; /* jobs across daemons; NULL unless the mesh is on */
+        const struct http *http;           /* NULL unless metrics_listen is set */
+        const struct metrics *counters;    /* the request and reload counters (metrics.h) */
+        const bool *draining;              /* Drain is on (struct requests) */
+        struct timespec started;           /* CLOCK_MONOTONIC at start-up */
 };
 
 /* Milliseconds since start-up. */
