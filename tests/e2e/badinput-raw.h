@@ -26,7 +26,9 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "isolation-proc.h"
 #include "record.h"
+#include "say.h"
 
 #define REPLY_TIMEOUT_MS 3000  /* for a reply or for the daemon to close */
 #define SETTLE_TIMEOUT_MS 3000 /* for the fd count to come back */
@@ -42,17 +44,6 @@ static pid_t daemon_pid = -1;
 static uint64_t next_request_id = 1;
 /* One receive buffer; the test is single-threaded. */
 static struct moeep_record rec;
-
-static void say(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static void say(const char *fmt, ...) {
-        va_list ap;
-
-        va_start(ap, fmt);
-        vprintf(fmt, ap);
-        va_end(ap);
-        putchar('\n');
-        fflush(stdout);
-}
 
 /* Async-signal-safe: the alarm handler calls it too. */
 static void remove_tmpdir(void) {
@@ -102,12 +93,6 @@ static long now_ms(void) {
 
         clock_gettime(CLOCK_MONOTONIC, &ts);
         return ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
-static void sleep_ms(long ms) {
-        struct timespec ts = { .tv_sec = ms / 1000, .tv_nsec = (ms % 1000) * 1000000 };
-
-        nanosleep(&ts, NULL);
 }
 
 static int daemon_alive(void) {

@@ -31,6 +31,7 @@
 #include "isolation-proc.h"
 #include "moeep.h"
 #include "record.h"
+#include "say.h"
 
 #define ISO_UID_A 64000 /* job A's uid, and the same-uid outsider's */
 #define ISO_UID_B 65534 /* another uid (nobody) */
@@ -63,17 +64,6 @@ struct job_a_state {
 static struct job_a_state *job_a;
 
 /* ---------------------------------------------------------------- helpers */
-
-static void say(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static void say(const char *fmt, ...) {
-        va_list ap;
-
-        va_start(ap, fmt);
-        vprintf(fmt, ap);
-        va_end(ap);
-        putchar('\n');
-        fflush(stdout);
-}
 
 #define CHECK(cond, ...)                                                       \
         do {                                                                   \
