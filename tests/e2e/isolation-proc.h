@@ -1,4 +1,4 @@
-/* A daemon process seen from outside, for isolation.c, load.c and
+/* A daemon process seen from outside, for isolation.c, load.c, badinput.c and
  * tests/security/fdattack.c: starting it with its output in a log file,
  * its open descriptors and resident memory, read from /proc. Test code
  * only. */
