@@ -26,6 +26,8 @@ moeep_packages=(
         procps
         # Reliability runs: libFuzzer targets (clang + its runtimes) and memcheck.
         clang-14 libclang-rt-14-dev valgrind
+        # The format check (scripts/check-format.sh, test "format").
+        clang-format-14
 )
 
 moeep_missing_packages() {
