@@ -68,11 +68,11 @@ int broker_register(struct broker *b, struct job_member *m, uid_t uid, Moeep__V1
         /* The receiver charged `fd` already: past the cap, this one is
          * the fd too many. */
         if (clientfds_held(b->fds, uid) > c->max_fds_per_uid)
-                return errmsg_set(errmsg, -EDQUOT,
-                                  "uid %u holds %" PRIu32 " descriptors in the daemon with this one "
-                                  "(sessions, regions, unsent replies, closes pending; max_fds_per_uid = %" PRIu32
-                                  ")",
-                                  (unsigned)uid, clientfds_held(b->fds, uid), c->max_fds_per_uid);
+                return errmsg_set(
+                        errmsg, -EDQUOT,
+                        "uid %u holds %" PRIu32 " descriptors in the daemon with this one "
+                        "(sessions, regions, unsent replies, closes pending; max_fds_per_uid = %" PRIu32 ")",
+                        (unsigned)uid, clientfds_held(b->fds, uid), c->max_fds_per_uid);
         u = usage_find(b, uid);
         if (size > c->max_region_bytes_per_uid || (u && u->bytes > c->max_region_bytes_per_uid - size))
                 return errmsg_set(errmsg, -EDQUOT,

@@ -10,15 +10,15 @@
 #include <sys/types.h>
 
 struct config {
-        char *socket;                      /* owns; listening socket path when self-bound */
-        mode_t socket_mode;                /* chmod of a self-bound socket (octal in the file) */
-        char *socket_group;                /* owns; chgrp of a self-bound socket, "" = leave it */
-        char *admin_socket; /* owns; operator socket path when self-bound, "" = next to socket */
-        char *admin_group;  /* owns; obsolete (the admin socket decides), read and ignored */
-        int log_level;                     /* LOG_ERR..LOG_DEBUG */
-        uint32_t max_sessions;             /* connected sessions, all uids */
-        uint32_t max_sessions_per_uid;     /* connected sessions of one uid */
-        uint32_t max_jobs_per_uid;         /* live jobs created by one uid */
+        char *socket;                  /* owns; listening socket path when self-bound */
+        mode_t socket_mode;            /* chmod of a self-bound socket (octal in the file) */
+        char *socket_group;            /* owns; chgrp of a self-bound socket, "" = leave it */
+        char *admin_socket;            /* owns; operator socket path when self-bound, "" = next to socket */
+        char *admin_group;             /* owns; obsolete (the admin socket decides), read and ignored */
+        int log_level;                 /* LOG_ERR..LOG_DEBUG */
+        uint32_t max_sessions;         /* connected sessions, all uids */
+        uint32_t max_sessions_per_uid; /* connected sessions of one uid */
+        uint32_t max_jobs_per_uid;     /* live jobs created by one uid */
         uint32_t max_regions_per_session;  /* regions one job member may register */
         uint64_t max_region_bytes_per_uid; /* sum of registered region sizes of one uid */
         uint32_t max_fds_per_uid;          /* region descriptors the daemon holds for one uid */
@@ -26,11 +26,11 @@ struct config {
         char *transport;                   /* owns; internode backend: "fabric" or "verbs" (transport.h) */
         char *fabric_provider;             /* owns; libfabric provider: "efa", "verbs", "tcp" (tests) */
         char *transport_device;            /* owns; fabric domain or verbs device, "" = the first */
-        char *transport_address; /* owns; fabric: local address to bind (e.g. 127.0.0.1), "" = provider's */
-        uint32_t verbs_gid_index;          /* GID table index for verbs RC (RoCE) */
-        char *mesh_listen;                 /* owns; "HOST:PORT" peer daemons connect to, "" = mesh off */
-        char *mesh_peers;                  /* owns; comma list of "HOST:PORT" to connect to, "" = none */
-        char *cluster_key_file;            /* owns; absolute path of the cluster key, "" = none */
+        char *transport_address;  /* owns; fabric: local address to bind (e.g. 127.0.0.1), "" = provider's */
+        uint32_t verbs_gid_index; /* GID table index for verbs RC (RoCE) */
+        char *mesh_listen;        /* owns; "HOST:PORT" peer daemons connect to, "" = mesh off */
+        char *mesh_peers;         /* owns; comma list of "HOST:PORT" to connect to, "" = none */
+        char *cluster_key_file;   /* owns; absolute path of the cluster key, "" = none */
 };
 
 /* Room for the host part of a listen address (an IPv6 literal at most). */

@@ -486,7 +486,7 @@ void job_abort(struct job *job, uint32_t rank, const char *reason) {
 void jobs_abort_all(struct jobs *jobs, const char *reason) {
         struct job *job;
 
-        TAILQ_FOREACH(job, &jobs->list, entry)
+        TAILQ_FOREACH (job, &jobs->list, entry)
                 job_abort(job, JOB_NO_RANK, reason);
 }
 

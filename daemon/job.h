@@ -74,8 +74,8 @@ struct job_remote_region {
         uint32_t tag;
         uint32_t kind; /* Moeep__V1__RegionKind */
         uint64_t size;
-        uint64_t region_id; /* at the rank's daemon */
-        uint32_t proxy;     /* Moeep__V1__ProxyRole; RECV and COUNTERS come with `rkey` */
+        uint64_t region_id;  /* at the rank's daemon */
+        uint32_t proxy;      /* Moeep__V1__ProxyRole; RECV and COUNTERS come with `rkey` */
         struct tp_rkey rkey; /* where the rank's daemon registered it with its transport */
 };
 

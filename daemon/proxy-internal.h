@@ -35,34 +35,42 @@ struct ring {
         struct proxy_desc *desc;    /* inside the mapping */
         size_t map_len;
         uint32_t cap, mask;
-        uint64_t head;       /* our copy of hdr->head */
-        uint64_t done;       /* our copy of hdr->done */
-        uint8_t *finished;   /* owns; finished[s & mask] for s in [done, head] */
-        struct tp_mr *src;   /* borrowed: the loop keeps it registered */
+        uint64_t head;              /* our copy of hdr->head */
+        uint64_t done;              /* our copy of hdr->done */
+        uint8_t *finished;          /* owns; finished[s & mask] for s in [done, head] */
+        struct tp_mr *src;          /* borrowed: the loop keeps it registered */
         struct proxy_route *routes; /* owns */
         uint32_t nroutes;
-        uint32_t inflight;   /* slots busy for this ring */
+        uint32_t inflight; /* slots busy for this ring */
         bool removing;
-        bool reported;       /* a RING_ERROR event was sent */
+        bool reported; /* a RING_ERROR event was sent */
 };
 
-enum slot_state { SLOT_FREE, SLOT_BUSY, SLOT_ABANDONED };
+enum slot_state {
+        SLOT_FREE,
+        SLOT_BUSY,
+        SLOT_ABANDONED
+};
 
 /* One descriptor in flight: up to two writes (data, then signal). The
  * cookie of a write is slot index * 2 + (0 data, 1 signal). */
 struct slot {
         enum slot_state state;
-        struct ring *ring;   /* borrowed; NULL once abandoned */
+        struct ring *ring; /* borrowed; NULL once abandoned */
         uint64_t seq;
         uint64_t posted_ns;
         uint32_t route;
         uint32_t tp_peer;
-        uint32_t signal_id;  /* counter index of a signal still to post */
-        uint8_t pending;     /* writes posted and not completed */
-        bool need_signal;    /* signal write refused with -EAGAIN; retried */
+        uint32_t signal_id; /* counter index of a signal still to post */
+        uint8_t pending;    /* writes posted and not completed */
+        bool need_signal;   /* signal write refused with -EAGAIN; retried */
 };
 
-enum cmd_type { CMD_RING_ADD, CMD_RING_REMOVE, CMD_PEER_FAIL };
+enum cmd_type {
+        CMD_RING_ADD,
+        CMD_RING_REMOVE,
+        CMD_PEER_FAIL
+};
 
 struct cmd {
         TAILQ_ENTRY(cmd) entry;
@@ -101,14 +109,14 @@ struct proxy {
 
         /* The thread's alone. */
         TAILQ_HEAD(, ring) rings;
-        struct slot *slots;     /* owns; max_inflight */
-        uint32_t *free_slots;   /* owns; stack of free slot indexes */
+        struct slot *slots;   /* owns; max_inflight */
+        uint32_t *free_slots; /* owns; stack of free slot indexes */
         uint32_t nfree;
-        uint32_t *retry;        /* owns; slots whose signal write waits */
+        uint32_t *retry; /* owns; slots whose signal write waits */
         uint32_t nretry;
-        uint64_t *staging;      /* owns; signal values, one per slot */
+        uint64_t *staging;        /* owns; signal values, one per slot */
         struct tp_mr *staging_mr; /* owns */
-        int *peer_error;        /* owns; per transport peer, 0 or -errno */
+        int *peer_error;          /* owns; per transport peer, 0 or -errno */
         uint64_t last_scan_ns;
 
         struct {

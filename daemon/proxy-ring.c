@@ -26,11 +26,11 @@ static uint64_t now_ns(void) {
         return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
-static void event_push(struct proxy *p, enum proxy_event_type type, uint64_t ring_id, uint32_t tp_peer, int error,
-                       const char *fmt, ...) __attribute__((format(printf, 6, 7)));
+static void event_push(struct proxy *p, enum proxy_event_type type, uint64_t ring_id, uint32_t tp_peer,
+                       int error, const char *fmt, ...) __attribute__((format(printf, 6, 7)));
 
-static void event_push(struct proxy *p, enum proxy_event_type type, uint64_t ring_id, uint32_t tp_peer, int error,
-                       const char *fmt, ...) {
+static void event_push(struct proxy *p, enum proxy_event_type type, uint64_t ring_id, uint32_t tp_peer,
+                       int error, const char *fmt, ...) {
         struct evt *e = calloc(1, sizeof(*e));
         uint64_t one = 1;
         va_list ap;
@@ -99,7 +99,7 @@ static void peer_failed(struct proxy *p, uint32_t tp_peer, int error, const char
         if (tp_peer >= PROXY_MAX_TP_PEERS || p->peer_error[tp_peer])
                 return;
         p->peer_error[tp_peer] = error;
-        TAILQ_FOREACH(ring, &p->rings, entry)
+        TAILQ_FOREACH (ring, &p->rings, entry)
                 for (uint32_t r = 0; r < ring->nroutes; r++)
                         if (ring->routes[r].tp_peer == tp_peer) {
                                 ring_set_error(ring, ring->head, r, error);
@@ -113,8 +113,8 @@ static void peer_failed(struct proxy *p, uint32_t tp_peer, int error, const char
                         p->slots[i].need_signal = false;
                         slot_finish(p, i, true);
                 }
-        event_push(p, PROXY_EVENT_PEER_FAILED, 0, tp_peer, error, "proxy %s: transport peer %u failed: %s (%s)",
-                   p->name, tp_peer, strerror(-error), why);
+        event_push(p, PROXY_EVENT_PEER_FAILED, 0, tp_peer, error,
+                   "proxy %s: transport peer %u failed: %s (%s)", p->name, tp_peer, strerror(-error), why);
 }
 
 static void ring_bad_desc(struct proxy *p, struct ring *ring, uint64_t seq, uint32_t route, int error,
@@ -123,8 +123,8 @@ static void ring_bad_desc(struct proxy *p, struct ring *ring, uint64_t seq, uint
         if (!ring->reported) {
                 ring->reported = true;
                 event_push(p, PROXY_EVENT_RING_ERROR, ring->id, UINT32_MAX, error,
-                           "proxy %s: ring %" PRIu64 " descriptor %" PRIu64 " (peer %u): %s", p->name, ring->id,
-                           seq, route, what);
+                           "proxy %s: ring %" PRIu64 " descriptor %" PRIu64 " (peer %u): %s", p->name,
+                           ring->id, seq, route, what);
         }
 }
 
@@ -179,11 +179,13 @@ static int desc_start(struct proxy *p, struct ring *ring, uint64_t seq, const st
                 return -EAGAIN;
         i = p->free_slots[--p->nfree];
         s = &p->slots[i];
-        *s = (struct slot){ .state = SLOT_BUSY, .ring = ring, .seq = seq, .route = d->peer, .tp_peer = route->tp_peer };
+        *s = (struct slot){
+                .state = SLOT_BUSY, .ring = ring, .seq = seq, .route = d->peer, .tp_peer = route->tp_peer
+        };
         ring->inflight++;
         if (d->length) {
-                r = p->ops->write(p->tp, route->tp_peer, ring->src, d->src_offset, &route->data, d->dst_offset,
-                                  d->length, (uint64_t)i * 2, 0, 0);
+                r = p->ops->write(p->tp, route->tp_peer, ring->src, d->src_offset, &route->data,
+                                  d->dst_offset, d->length, (uint64_t)i * 2, 0, 0);
                 if (r == -EAGAIN) {
                         atomic_fetch_add_explicit(&p->stats.eagain, 1, memory_order_relaxed);
                         ring->inflight--;
@@ -258,8 +260,8 @@ static int ring_poll(struct proxy *p, struct ring *ring) {
 
                         TAILQ_REMOVE(&p->rings, ring, entry);
                         ring_drop(p, ring);
-                        event_push(p, PROXY_EVENT_RING_REMOVED, id, UINT32_MAX, 0, "proxy %s: ring %" PRIu64
-                                   " removed", p->name, id);
+                        event_push(p, PROXY_EVENT_RING_REMOVED, id, UINT32_MAX, 0,
+                                   "proxy %s: ring %" PRIu64 " removed", p->name, id);
                         return 1;
                 }
                 return 0;
@@ -344,7 +346,7 @@ static void run_commands(struct proxy *p) {
                                 }
                         break;
                 case CMD_RING_REMOVE:
-                        TAILQ_FOREACH(ring, &p->rings, entry)
+                        TAILQ_FOREACH (ring, &p->rings, entry)
                                 if (ring->id == c->ring_id)
                                         ring->removing = true;
                         break;
@@ -370,7 +372,7 @@ void *proxy_main(void *arg) {
                         run_commands(p);
                 if (p->nretry)
                         work += retry_signals(p);
-                TAILQ_FOREACH_SAFE(ring, &p->rings, entry, next)
+                TAILQ_FOREACH_SAFE (ring, &p->rings, entry, next)
                         work += ring_poll(p, ring);
                 n = p->ops->poll(p->tp, comps, PROXY_POLL_MAX);
                 for (int k = 0; k < n; k++)

@@ -76,7 +76,7 @@ err_fd:
 static struct ring_id *ring_id_find(struct proxy *p, uint64_t id) {
         struct ring_id *it;
 
-        TAILQ_FOREACH(it, &p->ids, entry)
+        TAILQ_FOREACH (it, &p->ids, entry)
                 if (it->id == id)
                         return it;
         return NULL;
@@ -112,8 +112,8 @@ static void proxy_arrays_free(struct proxy *p) {
         free(p);
 }
 
-int proxy_new(const struct transport *t, const struct proxy_params *params, const char *name, struct proxy **ret,
-              char *errmsg) {
+int proxy_new(const struct transport *t, const struct proxy_params *params, const char *name,
+              struct proxy **ret, char *errmsg) {
         struct tp_mem mem = { .kind = TP_MEM_HOST };
         struct proxy *p;
         int r;
@@ -228,25 +228,28 @@ int proxy_ring_add(struct proxy *p, uint64_t ring_id, int ring_fd, struct tp_mr 
         int r;
 
         if (!p || !src || (!routes && nroutes) || nroutes > PROXY_MAX_ROUTES)
-                return errmsg_set(errmsg, -EINVAL, "proxy: ring %" PRIu64 ": bad arguments (%u routes)", ring_id,
-                                  nroutes);
+                return errmsg_set(errmsg, -EINVAL, "proxy: ring %" PRIu64 ": bad arguments (%u routes)",
+                                  ring_id, nroutes);
         for (uint32_t i = 0; i < nroutes; i++)
                 if (routes[i].tp_peer >= PROXY_MAX_TP_PEERS && routes[i].tp_peer != PROXY_ROUTE_NONE)
-                        return errmsg_set(errmsg, -EINVAL, "proxy %s: ring %" PRIu64 ": route %u: transport peer %u "
-                                          "out of range", p->name, ring_id, i, routes[i].tp_peer);
+                        return errmsg_set(errmsg, -EINVAL,
+                                          "proxy %s: ring %" PRIu64 ": route %u: transport peer %u "
+                                          "out of range",
+                                          p->name, ring_id, i, routes[i].tp_peer);
         if (fstat(ring_fd, &st) < 0)
-                return errmsg_set(errmsg, -errno, "proxy %s: ring %" PRIu64 ": fd %d: %s", p->name, ring_id, ring_fd,
-                                  strerror(errno));
+                return errmsg_set(errmsg, -errno, "proxy %s: ring %" PRIu64 ": fd %d: %s", p->name, ring_id,
+                                  ring_fd, strerror(errno));
         ring = calloc(1, sizeof(*ring));
         rid = calloc(1, sizeof(*rid));
         c = calloc(1, sizeof(*c));
         if (!ring || !rid || !c) {
-                r = errmsg_set(errmsg, -ENOMEM, "proxy %s: ring %" PRIu64 ": out of memory", p->name, ring_id);
+                r = errmsg_set(errmsg, -ENOMEM, "proxy %s: ring %" PRIu64 ": out of memory", p->name,
+                               ring_id);
                 goto err_alloc;
         }
         if ((uint64_t)st.st_size < PROXY_RING_HDR_BYTES) {
-                r = errmsg_set(errmsg, -EINVAL, "proxy %s: ring %" PRIu64 ": fd of %lld bytes is no ring", p->name,
-                               ring_id, (long long)st.st_size);
+                r = errmsg_set(errmsg, -EINVAL, "proxy %s: ring %" PRIu64 ": fd of %lld bytes is no ring",
+                               p->name, ring_id, (long long)st.st_size);
                 goto err_alloc;
         }
         ring->map_len = (size_t)st.st_size;
@@ -258,10 +261,13 @@ int proxy_ring_add(struct proxy *p, uint64_t ring_id, int ring_fd, struct tp_mr 
         }
         cap = ring->hdr->capacity;
         if (ring->hdr->magic != PROXY_RING_MAGIC || ring->hdr->version != PROXY_RING_VERSION || cap == 0 ||
-            cap > PROXY_RING_MAX_CAPACITY || (cap & (cap - 1)) || PROXY_RING_BYTES(cap) != (uint64_t)st.st_size) {
-                r = errmsg_set(errmsg, -EINVAL, "proxy %s: ring %" PRIu64 ": bad header (magic %#" PRIx64
-                               ", version %u, capacity %u, %lld bytes)", p->name, ring_id, ring->hdr->magic,
-                               ring->hdr->version, cap, (long long)st.st_size);
+            cap > PROXY_RING_MAX_CAPACITY || (cap & (cap - 1)) ||
+            PROXY_RING_BYTES(cap) != (uint64_t)st.st_size) {
+                r = errmsg_set(errmsg, -EINVAL,
+                               "proxy %s: ring %" PRIu64 ": bad header (magic %#" PRIx64
+                               ", version %u, capacity %u, %lld bytes)",
+                               p->name, ring_id, ring->hdr->magic, ring->hdr->version, cap,
+                               (long long)st.st_size);
                 goto err_map;
         }
         ring->id = ring_id;
@@ -275,7 +281,8 @@ int proxy_ring_add(struct proxy *p, uint64_t ring_id, int ring_fd, struct tp_mr 
         ring->finished = calloc(cap, 1);
         ring->routes = calloc(nroutes ? nroutes : 1, sizeof(*routes));
         if (!ring->finished || !ring->routes) {
-                r = errmsg_set(errmsg, -ENOMEM, "proxy %s: ring %" PRIu64 ": out of memory", p->name, ring_id);
+                r = errmsg_set(errmsg, -ENOMEM, "proxy %s: ring %" PRIu64 ": out of memory", p->name,
+                               ring_id);
                 goto err_arrays;
         }
         if (nroutes)
@@ -284,7 +291,8 @@ int proxy_ring_add(struct proxy *p, uint64_t ring_id, int ring_fd, struct tp_mr 
         pthread_mutex_lock(&p->lock);
         if (ring_id_find(p, ring_id)) {
                 pthread_mutex_unlock(&p->lock);
-                r = errmsg_set(errmsg, -EEXIST, "proxy %s: ring %" PRIu64 ": already added", p->name, ring_id);
+                r = errmsg_set(errmsg, -EEXIST, "proxy %s: ring %" PRIu64 ": already added", p->name,
+                               ring_id);
                 goto err_arrays;
         }
         TAILQ_INSERT_TAIL(&p->ids, rid, entry);

@@ -61,9 +61,9 @@ const char *proxy_event_type_to_string(enum proxy_event_type t);
 
 struct proxy_event {
         enum proxy_event_type type;
-        uint64_t ring_id;  /* RING_REMOVED, RING_ERROR */
-        uint32_t tp_peer;  /* PEER_FAILED */
-        int error;         /* -errno (PEER_FAILED, RING_ERROR) */
+        uint64_t ring_id; /* RING_REMOVED, RING_ERROR */
+        uint32_t tp_peer; /* PEER_FAILED */
+        int error;        /* -errno (PEER_FAILED, RING_ERROR) */
         char msg[ERRMSG_MAX];
 };
 
@@ -77,8 +77,8 @@ int proxy_ring_create(uint32_t capacity, int *ret_fd, char *errmsg);
 /* Starts a proxy thread named `name` (for messages) over `t`, which must
  * outlive it. Registers its own 8-byte staging slots with the transport.
  * *ret is freed with proxy_free. */
-int proxy_new(const struct transport *t, const struct proxy_params *params, const char *name, struct proxy **ret,
-              char *errmsg);
+int proxy_new(const struct transport *t, const struct proxy_params *params, const char *name,
+              struct proxy **ret, char *errmsg);
 
 /* Stops and joins the thread, drops every ring (unmapping them) and frees
  * what proxy_new made. Writes still in flight are abandoned: close the

@@ -46,21 +46,21 @@ struct tp_mr {
 };
 
 struct tp {
-        char prov[64];          /* provider name, for messages */
-        char who[96];           /* "transport fabric 'PROV'", for messages */
-        struct fi_info *info;   /* owns */
+        char prov[64];             /* provider name, for messages */
+        char who[96];              /* "transport fabric 'PROV'", for messages */
+        struct fi_info *info;      /* owns */
         struct fid_fabric *fabric; /* owns */
         struct fid_domain *domain; /* owns */
-        struct fid_cq *cq;      /* owns */
-        struct fid_av *av;      /* owns */
-        struct fid_ep *ep;      /* owns */
-        char name[TP_ADDR_MAX]; /* our endpoint name */
+        struct fid_cq *cq;         /* owns */
+        struct fid_av *av;         /* owns */
+        struct fid_ep *ep;         /* owns */
+        char name[TP_ADDR_MAX];    /* our endpoint name */
         size_t name_len;
         bool virt_addr, prov_key, local_mr, waw;
-        uint64_t complete;      /* FI_DELIVERY_COMPLETE where completions are local (tcp), else 0 */
-        uint64_t next_key;      /* next requested_key when !prov_key */
+        uint64_t complete; /* FI_DELIVERY_COMPLETE where completions are local (tcp), else 0 */
+        uint64_t next_key; /* next requested_key when !prov_key */
         uint32_t npeers;
-        fi_addr_t *peers;       /* owns; FI_ADDR_NOTAVAIL until connected */
+        fi_addr_t *peers; /* owns; FI_ADDR_NOTAVAIL until connected */
 };
 
 static int fabric_open(const struct tp_config *cfg, struct tp **ret, char *errmsg) {
@@ -117,7 +117,8 @@ static int fabric_open(const struct tp_config *cfg, struct tp **ret, char *errms
 
         r = fi_fabric(tp->info->fabric_attr, &tp->fabric, NULL);
         if (r) {
-                r = errmsg_set(errmsg, r, "transport fabric: provider '%s': fi_fabric: %s", prov, fi_strerror(-r));
+                r = errmsg_set(errmsg, r, "transport fabric: provider '%s': fi_fabric: %s", prov,
+                               fi_strerror(-r));
                 goto err_info;
         }
         r = fi_domain(tp->fabric, tp->info, &tp->domain, NULL);
@@ -130,18 +131,21 @@ static int fabric_open(const struct tp_config *cfg, struct tp **ret, char *errms
         cq_attr.size = 4 * hints->tx_attr->size;
         r = fi_cq_open(tp->domain, &cq_attr, &tp->cq, NULL);
         if (r) {
-                r = errmsg_set(errmsg, r, "transport fabric: provider '%s': fi_cq_open: %s", prov, fi_strerror(-r));
+                r = errmsg_set(errmsg, r, "transport fabric: provider '%s': fi_cq_open: %s", prov,
+                               fi_strerror(-r));
                 goto err_domain;
         }
         av_attr.type = FI_AV_TABLE;
         r = fi_av_open(tp->domain, &av_attr, &tp->av, NULL);
         if (r) {
-                r = errmsg_set(errmsg, r, "transport fabric: provider '%s': fi_av_open: %s", prov, fi_strerror(-r));
+                r = errmsg_set(errmsg, r, "transport fabric: provider '%s': fi_av_open: %s", prov,
+                               fi_strerror(-r));
                 goto err_cq;
         }
         r = fi_endpoint(tp->domain, tp->info, &tp->ep, NULL);
         if (r) {
-                r = errmsg_set(errmsg, r, "transport fabric: provider '%s': fi_endpoint: %s", prov, fi_strerror(-r));
+                r = errmsg_set(errmsg, r, "transport fabric: provider '%s': fi_endpoint: %s", prov,
+                               fi_strerror(-r));
                 goto err_av;
         }
         r = fi_ep_bind(tp->ep, &tp->cq->fid, FI_TRANSMIT | FI_RECV);
@@ -157,7 +161,8 @@ static int fabric_open(const struct tp_config *cfg, struct tp **ret, char *errms
         tp->name_len = sizeof(tp->name);
         r = fi_getname(&tp->ep->fid, tp->name, &tp->name_len);
         if (r) {
-                r = errmsg_set(errmsg, r, "transport fabric: provider '%s': fi_getname: %s", prov, fi_strerror(-r));
+                r = errmsg_set(errmsg, r, "transport fabric: provider '%s': fi_getname: %s", prov,
+                               fi_strerror(-r));
                 goto err_ep;
         }
         fi_freeinfo(hints);
@@ -206,7 +211,8 @@ static int fabric_mr_new(struct tp *tp, const struct tp_mem *mem, struct tp_mr *
 
         mr = calloc(1, sizeof(*mr));
         if (!mr)
-                return errmsg_set(errmsg, -ENOMEM, "transport fabric '%s': %s: out of memory", tp->prov, name);
+                return errmsg_set(errmsg, -ENOMEM, "transport fabric '%s': %s: out of memory", tp->prov,
+                                  name);
         mr->length = mem->length;
         mr->map_len = mem->length;
         r = tp_mem_map(mem, tp->who, &mr->addr, &mr->map, errmsg);
@@ -215,7 +221,9 @@ static int fabric_mr_new(struct tp *tp, const struct tp_mem *mem, struct tp_mr *
         if (mem->kind == TP_MEM_DMABUF) {
 #ifdef FI_MR_DMABUF
                 {
-                        struct fi_mr_dmabuf dmabuf = { .fd = mem->fd, .offset = mem->offset, .len = mem->length };
+                        struct fi_mr_dmabuf dmabuf = { .fd = mem->fd,
+                                                       .offset = mem->offset,
+                                                       .len = mem->length };
                         struct fi_mr_attr attr = { .dmabuf = &dmabuf,
                                                    .iov_count = 1,
                                                    .access = access,
@@ -224,22 +232,23 @@ static int fabric_mr_new(struct tp *tp, const struct tp_mem *mem, struct tp_mr *
 
                         r = fi_mr_regattr(tp->domain, &attr, FI_MR_DMABUF, &mr->mr);
                         if (r) {
-                                r = errmsg_set(errmsg, r, "transport fabric '%s': %s: dma-buf fd %d: %s", tp->prov,
-                                               name, mem->fd, fi_strerror(-r));
+                                r = errmsg_set(errmsg, r, "transport fabric '%s': %s: dma-buf fd %d: %s",
+                                               tp->prov, name, mem->fd, fi_strerror(-r));
                                 goto err_mr;
                         }
                 }
 #else
                 r = errmsg_set(errmsg, -EOPNOTSUPP,
-                               "transport fabric '%s': %s: this libfabric (%u.%u) has no FI_MR_DMABUF", tp->prov,
-                               name, FI_MAJOR(fi_version()), FI_MINOR(fi_version()));
+                               "transport fabric '%s': %s: this libfabric (%u.%u) has no FI_MR_DMABUF",
+                               tp->prov, name, FI_MAJOR(fi_version()), FI_MINOR(fi_version()));
                 goto err_mr;
 #endif
         }
         if (!mr->mr) {
                 r = fi_mr_reg(tp->domain, mr->addr, mem->length, access, 0, tp->next_key, 0, &mr->mr, NULL);
                 if (r) {
-                        r = errmsg_set(errmsg, r, "transport fabric '%s': %s (%s, %" PRIu64 " bytes): fi_mr_reg: %s",
+                        r = errmsg_set(errmsg, r,
+                                       "transport fabric '%s': %s (%s, %" PRIu64 " bytes): fi_mr_reg: %s",
                                        tp->prov, name, tp_mem_kind_to_string(mem->kind), mem->length,
                                        fi_strerror(-r));
                         goto err_map;
@@ -296,18 +305,21 @@ static int fabric_peer_connect(struct tp *tp, uint32_t peer, const void *blob, s
         int r;
 
         if (peer >= tp->npeers || len == 0 || len > TP_ADDR_MAX)
-                return errmsg_set(errmsg, -EINVAL, "transport fabric '%s': peer %u: bad address blob (%zu bytes)",
-                                  tp->prov, peer, len);
+                return errmsg_set(errmsg, -EINVAL,
+                                  "transport fabric '%s': peer %u: bad address blob (%zu bytes)", tp->prov,
+                                  peer, len);
         r = fi_av_insert(tp->av, blob, 1, &addr, 0, NULL);
         if (r != 1)
-                return errmsg_set(errmsg, r < 0 ? r : -EINVAL, "transport fabric '%s': peer %u: fi_av_insert: %s",
-                                  tp->prov, peer, r < 0 ? fi_strerror(-r) : "address rejected");
+                return errmsg_set(errmsg, r < 0 ? r : -EINVAL,
+                                  "transport fabric '%s': peer %u: fi_av_insert: %s", tp->prov, peer,
+                                  r < 0 ? fi_strerror(-r) : "address rejected");
         tp->peers[peer] = addr;
         return 0;
 }
 
-static int fabric_write(struct tp *tp, uint32_t peer, struct tp_mr *src, uint64_t src_off, const struct tp_rkey *dst,
-                        uint64_t dst_off, uint64_t len, uint64_t cookie, uint64_t imm, unsigned flags) {
+static int fabric_write(struct tp *tp, uint32_t peer, struct tp_mr *src, uint64_t src_off,
+                        const struct tp_rkey *dst, uint64_t dst_off, uint64_t len, uint64_t cookie,
+                        uint64_t imm, unsigned flags) {
         struct iovec iov;
         struct fi_rma_iov rma;
         struct fi_msg_rma msg = { 0 };

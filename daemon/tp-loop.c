@@ -20,16 +20,16 @@
 #define LOOP_MAX_PEERS 1024
 
 struct tp_mr {
-        uint64_t key;   /* unique per transport: what the rkey names */
-        void *addr;     /* host address of offset 0 */
+        uint64_t key; /* unique per transport: what the rkey names */
+        void *addr;   /* host address of offset 0 */
         uint64_t length;
-        void *map;      /* owns when not NULL: our mmap of a memfd */
+        void *map; /* owns when not NULL: our mmap of a memfd */
         size_t map_len;
 };
 
 struct tp {
         uint32_t npeers;
-        uint32_t depth;        /* capacity of cq (power of two) */
+        uint32_t depth; /* capacity of cq (power of two) */
         uint64_t cq_head, cq_tail;
         struct tp_completion *cq; /* owns; completions not yet polled */
         pthread_mutex_t lock;     /* guards mrs, nmrs against write */
@@ -145,8 +145,9 @@ static int loop_peer_connect(struct tp *tp, uint32_t peer, const void *blob, siz
         return 0;
 }
 
-static int loop_write(struct tp *tp, uint32_t peer, struct tp_mr *src, uint64_t src_off, const struct tp_rkey *dst,
-                      uint64_t dst_off, uint64_t len, uint64_t cookie, uint64_t imm, unsigned flags) {
+static int loop_write(struct tp *tp, uint32_t peer, struct tp_mr *src, uint64_t src_off,
+                      const struct tp_rkey *dst, uint64_t dst_off, uint64_t len, uint64_t cookie,
+                      uint64_t imm, unsigned flags) {
         struct tp_completion *c;
 
         (void)imm;

@@ -45,7 +45,7 @@ struct tp_mr {
 
 struct tp {
         char dev[64];
-        char who[96]; /* "transport verbs DEV", for messages */
+        char who[96];            /* "transport verbs DEV", for messages */
         struct ibv_context *ctx; /* owns */
         struct ibv_pd *pd;       /* owns */
         struct ibv_cq *cq;       /* owns */
@@ -75,7 +75,8 @@ static int verbs_open(const struct tp_config *cfg, struct tp **ret, char *errmsg
         }
         list = ibv_get_device_list(&n);
         if (!list || n == 0) {
-                r = errmsg_set(errmsg, -ENODEV, "transport verbs: no RDMA device (ibv_get_device_list found none)");
+                r = errmsg_set(errmsg, -ENODEV,
+                               "transport verbs: no RDMA device (ibv_get_device_list found none)");
                 goto err_list;
         }
         for (int i = 0; i < n && !dev; i++)
@@ -92,13 +93,14 @@ static int verbs_open(const struct tp_config *cfg, struct tp **ret, char *errmsg
         tp->depth = cfg->queue_depth ? cfg->queue_depth : 1024;
         tp->ctx = ibv_open_device(dev);
         if (!tp->ctx) {
-                r = errmsg_set(errmsg, -errno, "transport verbs: %s: ibv_open_device: %s", tp->dev, strerror(errno));
+                r = errmsg_set(errmsg, -errno, "transport verbs: %s: ibv_open_device: %s", tp->dev,
+                               strerror(errno));
                 goto err_list;
         }
         if (ibv_query_port(tp->ctx, tp->port, &tp->port_attr) ||
             ibv_query_gid(tp->ctx, tp->port, (int)tp->gid_index, &tp->gid)) {
-                r = errmsg_set(errmsg, -EINVAL, "transport verbs: %s port %u gid index %u: cannot query", tp->dev,
-                               tp->port, tp->gid_index);
+                r = errmsg_set(errmsg, -EINVAL, "transport verbs: %s port %u gid index %u: cannot query",
+                               tp->dev, tp->port, tp->gid_index);
                 goto err_ctx;
         }
         tp->pd = ibv_alloc_pd(tp->ctx);
@@ -174,7 +176,8 @@ static int verbs_mr_new(struct tp *tp, const struct tp_mem *mem, struct tp_mr **
         if (!mr->mr) {
                 mr->mr = ibv_reg_mr(tp->pd, mr->addr, mem->length, access);
                 if (!mr->mr) {
-                        r = errmsg_set(errmsg, -errno, "transport verbs %s: %s (%s, %" PRIu64 " bytes): ibv_reg_mr: %s",
+                        r = errmsg_set(errmsg, -errno,
+                                       "transport verbs %s: %s (%s, %" PRIu64 " bytes): ibv_reg_mr: %s",
                                        tp->dev, name, tp_mem_kind_to_string(mem->kind), mem->length,
                                        strerror(errno));
                         goto err_map;
@@ -241,8 +244,8 @@ static int verbs_peer_new(struct tp *tp, uint32_t *ret_peer, void *ret_blob, siz
                 int r = -errno;
 
                 ibv_destroy_qp(qp);
-                return errmsg_set(errmsg, r, "transport verbs %s: peer %u: QP to INIT: %s", tp->dev, tp->npeers,
-                                  strerror(-r));
+                return errmsg_set(errmsg, r, "transport verbs %s: peer %u: QP to INIT: %s", tp->dev,
+                                  tp->npeers, strerror(-r));
         }
         blob.magic = VERBS_BLOB_MAGIC;
         blob.qpn = qp->qp_num;
@@ -264,14 +267,16 @@ static int verbs_peer_connect(struct tp *tp, uint32_t peer, const void *blobp, s
         int r;
 
         if (peer >= tp->npeers || len != sizeof(blob))
-                return errmsg_set(errmsg, -EINVAL, "transport verbs %s: peer %u: bad address blob (%zu bytes)",
-                                  tp->dev, peer, len);
+                return errmsg_set(errmsg, -EINVAL,
+                                  "transport verbs %s: peer %u: bad address blob (%zu bytes)", tp->dev, peer,
+                                  len);
         memcpy(&blob, blobp, sizeof(blob));
         if (blob.magic != VERBS_BLOB_MAGIC)
                 return errmsg_set(errmsg, -EINVAL, "transport verbs %s: peer %u: address blob has bad magic",
                                   tp->dev, peer);
         attr.qp_state = IBV_QPS_RTR;
-        attr.path_mtu = blob.mtu < tp->port_attr.active_mtu ? (enum ibv_mtu)blob.mtu : tp->port_attr.active_mtu;
+        attr.path_mtu =
+                blob.mtu < tp->port_attr.active_mtu ? (enum ibv_mtu)blob.mtu : tp->port_attr.active_mtu;
         attr.dest_qp_num = blob.qpn;
         attr.rq_psn = blob.psn;
         attr.max_dest_rd_atomic = 1;
@@ -288,8 +293,8 @@ static int verbs_peer_connect(struct tp *tp, uint32_t peer, const void *blobp, s
                           IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
                                   IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER);
         if (r)
-                return errmsg_set(errmsg, -r, "transport verbs %s: peer %u (qpn %u): QP to RTR: %s", tp->dev, peer,
-                                  blob.qpn, strerror(r));
+                return errmsg_set(errmsg, -r, "transport verbs %s: peer %u (qpn %u): QP to RTR: %s", tp->dev,
+                                  peer, blob.qpn, strerror(r));
         attr.qp_state = IBV_QPS_RTS;
         attr.timeout = 14;
         attr.retry_cnt = 7;
@@ -297,17 +302,18 @@ static int verbs_peer_connect(struct tp *tp, uint32_t peer, const void *blobp, s
         attr.sq_psn = tp->psn[peer]; /* the PSN our blob told the peer to expect */
         attr.max_rd_atomic = 1;
         r = ibv_modify_qp(tp->qps[peer], &attr,
-                          IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN |
-                                  IBV_QP_MAX_QP_RD_ATOMIC);
+                          IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY |
+                                  IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC);
         if (r)
-                return errmsg_set(errmsg, -r, "transport verbs %s: peer %u (qpn %u): QP to RTS: %s", tp->dev, peer,
-                                  blob.qpn, strerror(r));
+                return errmsg_set(errmsg, -r, "transport verbs %s: peer %u (qpn %u): QP to RTS: %s", tp->dev,
+                                  peer, blob.qpn, strerror(r));
         tp->connected[peer] = true;
         return 0;
 }
 
-static int verbs_write(struct tp *tp, uint32_t peer, struct tp_mr *src, uint64_t src_off, const struct tp_rkey *dst,
-                       uint64_t dst_off, uint64_t len, uint64_t cookie, uint64_t imm, unsigned flags) {
+static int verbs_write(struct tp *tp, uint32_t peer, struct tp_mr *src, uint64_t src_off,
+                       const struct tp_rkey *dst, uint64_t dst_off, uint64_t len, uint64_t cookie,
+                       uint64_t imm, unsigned flags) {
         struct ibv_sge sge;
         struct ibv_send_wr wr = { 0 }, *bad;
         int r;
@@ -344,7 +350,7 @@ static int verbs_poll(struct tp *tp, struct tp_completion *out, int max) {
                 bool remote = wc[i].opcode == IBV_WC_RECV_RDMA_WITH_IMM;
 
                 out[i].cookie = remote ? wc[i].imm_data : wc[i].wr_id;
-                out[i].status = wc[i].status == IBV_WC_SUCCESS ? 0
+                out[i].status = wc[i].status == IBV_WC_SUCCESS         ? 0
                                 : wc[i].status == IBV_WC_RETRY_EXC_ERR ? -ETIMEDOUT
                                                                        : -ECONNRESET;
                 out[i].remote = remote;

@@ -35,7 +35,8 @@ int tp_mem_map(const struct tp_mem *mem, const char *who, void **ret_addr, void 
                 *ret_addr = mem->addr;
                 return 0;
         case TP_MEM_MEMFD:
-                map = mmap(NULL, mem->length, PROT_READ | PROT_WRITE, MAP_SHARED, mem->fd, (off_t)mem->offset);
+                map = mmap(NULL, mem->length, PROT_READ | PROT_WRITE, MAP_SHARED, mem->fd,
+                           (off_t)mem->offset);
                 /* The client's fd does not let us write: opened read-only
                  * (EACCES) or sealed against writes (EPERM). Its fault,
                  * and said as such, not as whatever those errnos alias. */
@@ -46,8 +47,8 @@ int tp_mem_map(const struct tp_mem *mem, const char *who, void **ret_addr, void 
                                 "sealed against writes, and the daemon writes into this region",
                                 who, name, mem->fd, strerror(errno));
                 if (map == MAP_FAILED)
-                        return errmsg_set(errmsg, -errno, "%s: %s: mmap of fd %d (%llu bytes at %llu): %s", who, name,
-                                          mem->fd, (unsigned long long)mem->length,
+                        return errmsg_set(errmsg, -errno, "%s: %s: mmap of fd %d (%llu bytes at %llu): %s",
+                                          who, name, mem->fd, (unsigned long long)mem->length,
                                           (unsigned long long)mem->offset, strerror(errno));
                 *ret_addr = *ret_map = map;
                 return 0;

@@ -29,8 +29,9 @@ struct tp_mr; /* one registered memory region; backend-defined */
 struct tp_config {
         const char *backend;  /* "fabric", "verbs" or "loop" */
         const char *provider; /* fabric: libfabric provider ("efa", "verbs", "tcp"); others: unused */
-        const char *device;   /* fabric: domain (e.g. "lo"), verbs: device (e.g. "mlx5_0"); NULL or "" = first */
-        const char *node;     /* fabric: local address to bind (e.g. "127.0.0.1"); NULL = provider's choice */
+        const char
+                *device;  /* fabric: domain (e.g. "lo"), verbs: device (e.g. "mlx5_0"); NULL or "" = first */
+        const char *node; /* fabric: local address to bind (e.g. "127.0.0.1"); NULL = provider's choice */
         uint32_t gid_index;   /* verbs: GID table index of the port (RoCE); unused by the others */
         uint32_t port;        /* verbs: port number (1-based); 0 = 1 */
         uint32_t queue_depth; /* writes in flight at once; 0 = 1024 (loop: 8192) */
@@ -48,10 +49,10 @@ const char *tp_mem_kind_to_string(enum tp_mem_kind k);
 
 struct tp_mem {
         enum tp_mem_kind kind;
-        void *addr;      /* TP_MEM_HOST only */
-        int fd;          /* TP_MEM_MEMFD, TP_MEM_DMABUF: borrowed; the backend dups what it keeps */
-        uint64_t offset; /* into the fd */
-        uint64_t length; /* bytes; > 0 */
+        void *addr;       /* TP_MEM_HOST only */
+        int fd;           /* TP_MEM_MEMFD, TP_MEM_DMABUF: borrowed; the backend dups what it keeps */
+        uint64_t offset;  /* into the fd */
+        uint64_t length;  /* bytes; > 0 */
         const char *name; /* for messages, e.g. "job 3 rank 1 send region"; borrowed */
 };
 
@@ -131,8 +132,9 @@ struct tp_ops {
          * then retry), -EINVAL for a range outside a region, -ENOTCONN for a
          * peer not connected, or another -errno. No errmsg: this is the hot
          * path; the proxy names the descriptor. */
-        int (*write)(struct tp *tp, uint32_t peer, struct tp_mr *src, uint64_t src_off, const struct tp_rkey *dst,
-                     uint64_t dst_off, uint64_t len, uint64_t cookie, uint64_t imm, unsigned flags);
+        int (*write)(struct tp *tp, uint32_t peer, struct tp_mr *src, uint64_t src_off,
+                     const struct tp_rkey *dst, uint64_t dst_off, uint64_t len, uint64_t cookie, uint64_t imm,
+                     unsigned flags);
 
         /* Makes progress (both as initiator and as target: libfabric tcp
          * moves target-side data only while the target polls) and returns up
@@ -154,8 +156,10 @@ int tp_mem_map(const struct tp_mem *mem, const char *who, void **ret_addr, void 
 
 /* For backends: whether [src_off, src_off + len) fits in src_len bytes and
  * [dst_off, dst_off + len) in dst_len, without overflow. */
-static inline int tp_range_ok(uint64_t src_len, uint64_t src_off, uint64_t dst_len, uint64_t dst_off, uint64_t len) {
-        return src_off <= src_len && len <= src_len - src_off && dst_off <= dst_len && len <= dst_len - dst_off;
+static inline int tp_range_ok(uint64_t src_len, uint64_t src_off, uint64_t dst_len, uint64_t dst_off,
+                              uint64_t len) {
+        return src_off <= src_len && len <= src_len - src_off && dst_off <= dst_len &&
+               len <= dst_len - dst_off;
 }
 
 /* The backend named `name` ("fabric", "verbs", "loop"), or NULL. */

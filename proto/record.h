@@ -56,7 +56,7 @@ _Static_assert(sizeof(struct moeep_record_header) == 24, "header layout is part 
  * caller takes them (set the slot to -1). */
 struct moeep_record {
         struct moeep_record_header hdr;
-        uint8_t *payload;              /* points into buf */
+        uint8_t *payload;               /* points into buf */
         int fds[MOEEP_RECORD_RECV_FDS]; /* -1 in slots taken by the caller */
         size_t nfds;
         uint8_t buf[MOEEP_RECORD_MAX];

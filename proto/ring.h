@@ -85,7 +85,8 @@ struct proxy_ring_hdr {
         uint64_t error_seq;               /* descriptor number that failed */
         uint8_t pad3[48];
 };
-MOEEP_RING_STATIC_ASSERT(sizeof(struct proxy_ring_hdr) == PROXY_RING_HDR_BYTES, "ring header is 4 cache lines");
+MOEEP_RING_STATIC_ASSERT(sizeof(struct proxy_ring_hdr) == PROXY_RING_HDR_BYTES,
+                         "ring header is 4 cache lines");
 
 /* desc.flags */
 enum {

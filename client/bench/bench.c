@@ -65,22 +65,38 @@ enum op {
 
 static const char *op_to_string(enum op o) {
         switch (o) {
-        case OP_DISPATCH_BF16: return "dispatch bf16";
-        case OP_DISPATCH_FP8: return "dispatch fp8";
-        case OP_DISPATCH_CACHED: return "dispatch bf16 cached";
-        case OP_COMBINE: return "combine bf16";
-        case OP_NVL_FLOOR: return "nvlink floor (same SMs)";
-        case OP_NVL_FLOOR_ALL: return "nvlink floor (all SMs)";
-        case OP_NCCL_DISPATCH: return "nccl dispatch (counts+pack+a2a)";
-        case OP_NCCL_DATA: return "nccl a2a data only";
-        case OP_NCCL_COMBINE: return "nccl combine (a2a+sum)";
-        case OP_LL_DISPATCH: return "ll dispatch fp8";
-        case OP_LL_COMBINE: return "ll combine bf16";
-        case OP_LL_BOTH: return "ll dispatch + combine";
-        case OP_LL_DISPATCH_SEND: return "ll dispatch send (hook)";
-        case OP_LL_DISPATCH_RECV: return "ll dispatch recv (hook)";
-        case OP_LL_COMBINE_SEND: return "ll combine send (hook)";
-        case OP_LL_COMBINE_RECV: return "ll combine recv (hook)";
+        case OP_DISPATCH_BF16:
+                return "dispatch bf16";
+        case OP_DISPATCH_FP8:
+                return "dispatch fp8";
+        case OP_DISPATCH_CACHED:
+                return "dispatch bf16 cached";
+        case OP_COMBINE:
+                return "combine bf16";
+        case OP_NVL_FLOOR:
+                return "nvlink floor (same SMs)";
+        case OP_NVL_FLOOR_ALL:
+                return "nvlink floor (all SMs)";
+        case OP_NCCL_DISPATCH:
+                return "nccl dispatch (counts+pack+a2a)";
+        case OP_NCCL_DATA:
+                return "nccl a2a data only";
+        case OP_NCCL_COMBINE:
+                return "nccl combine (a2a+sum)";
+        case OP_LL_DISPATCH:
+                return "ll dispatch fp8";
+        case OP_LL_COMBINE:
+                return "ll combine bf16";
+        case OP_LL_BOTH:
+                return "ll dispatch + combine";
+        case OP_LL_DISPATCH_SEND:
+                return "ll dispatch send (hook)";
+        case OP_LL_DISPATCH_RECV:
+                return "ll dispatch recv (hook)";
+        case OP_LL_COMBINE_SEND:
+                return "ll combine send (hook)";
+        case OP_LL_COMBINE_RECV:
+                return "ll combine recv (hook)";
         }
         return "?";
 }
@@ -176,7 +192,8 @@ static void make_routing(int64_t *idx, int T, int K, int E, uint64_t seed) {
         float *score = malloc(sizeof(float) * (size_t)E);
         for (int t = 0; t < T; t++) {
                 for (int e = 0; e < E; e++) {
-                        double u1 = ((mix(&seed) >> 11) + 1.0) / 9007199254740993.0, u2 = (mix(&seed) >> 11) / 9007199254740992.0;
+                        double u1 = ((mix(&seed) >> 11) + 1.0) / 9007199254740993.0,
+                               u2 = (mix(&seed) >> 11) / 9007199254740992.0;
                         score[e] = (float)(fabs(sqrt(-2 * log(u1)) * cos(2 * M_PI * u2)) + 1.0);
                 }
                 for (int k = 0; k < K; k++) {
@@ -335,7 +352,9 @@ struct copy_arg {
 
 static int op_copy(struct rank_env *env, void *arg) {
         struct copy_arg *c = arg;
-        return cudaMemcpyAsync(c->dst, c->src, c->bytes, cudaMemcpyDeviceToDevice, env->st) == cudaSuccess ? 0 : -1;
+        return cudaMemcpyAsync(c->dst, c->src, c->bytes, cudaMemcpyDeviceToDevice, env->st) == cudaSuccess
+                       ? 0
+                       : -1;
 }
 
 static int op_launch(struct rank_env *env, void *arg) {
@@ -360,7 +379,8 @@ static void nccl_a2a(struct nccl_case *n, const void *send, const int *scount, v
         size_t so = 0, ro = 0;
         n->api->group_start();
         for (int d = 0; d < n->ranks; d++) {
-                n->api->send((const char *)send + so * row, (size_t)scount[d] * row, ncclUint8, d, n->comm, st);
+                n->api->send((const char *)send + so * row, (size_t)scount[d] * row, ncclUint8, d, n->comm,
+                             st);
                 n->api->recv((char *)recv + ro * row, (size_t)rcount[d] * row, ncclUint8, d, n->comm, st);
                 so += (size_t)scount[d];
                 ro += (size_t)rcount[d];
@@ -383,7 +403,8 @@ static int op_nccl_dispatch(struct rank_env *env, void *arg) {
         }
         n->api->group_end();
         cudaMemcpyAsync(n->counts, n->counts_dev, sizeof(int) * n->ranks, cudaMemcpyDeviceToHost, env->st);
-        cudaMemcpyAsync(n->recv_counts, n->recv_counts_dev, sizeof(int) * n->ranks, cudaMemcpyDeviceToHost, env->st);
+        cudaMemcpyAsync(n->recv_counts, n->recv_counts_dev, sizeof(int) * n->ranks, cudaMemcpyDeviceToHost,
+                        env->st);
         cudaStreamSynchronize(env->st);
         for (int d = 0; d < n->ranks; d++) {
                 offs[d] = sum;
@@ -404,17 +425,18 @@ static int op_nccl_data(struct rank_env *env, void *arg) {
 static int op_nccl_combine(struct rank_env *env, void *arg) {
         struct nccl_case *n = arg;
         nccl_a2a(n, n->recvbuf, n->recv_counts, n->backbuf, n->counts, (size_t)n->hidden * 2, env->st);
-        moeep_launch_ref_unpack(n->backbuf, n->hidden, n->T, n->ranks, n->pos, n->offsets_dev, n->out, n->sms, env->st);
+        moeep_launch_ref_unpack(n->backbuf, n->hidden, n->T, n->ranks, n->pos, n->offsets_dev, n->out, n->sms,
+                                env->st);
         return 0;
 }
 
-#define CUDA_OK(call)                                                                                      \
-        do {                                                                                               \
-                cudaError_t e_ = (call);                                                                   \
-                if (e_ != cudaSuccess) {                                                                   \
-                        fprintf(stderr, "rank %d: %s: %s\n", env->rank, #call, cudaGetErrorString(e_));    \
-                        return -1;                                                                         \
-                }                                                                                          \
+#define CUDA_OK(call)                                                                                   \
+        do {                                                                                            \
+                cudaError_t e_ = (call);                                                                \
+                if (e_ != cudaSuccess) {                                                                \
+                        fprintf(stderr, "rank %d: %s: %s\n", env->rank, #call, cudaGetErrorString(e_)); \
+                        return -1;                                                                      \
+                }                                                                                       \
         } while (0)
 
 /* Inputs of one token count, on the device. */
@@ -437,7 +459,8 @@ static int inputs_make(struct rank_env *env, struct inputs *in, int T) {
         uint64_t s = o->seed ^ ((uint64_t)env->rank << 32) ^ (uint64_t)T;
 
         for (size_t i = 0; i < nx; i++)
-                hx[i] = (uint16_t)(0x3c00 + (mix(&s) & 0x3ff) - (mix(&s) & 0x8000)); /* random bf16 in about ±[0.0078, 0.016) */
+                hx[i] = (uint16_t)(0x3c00 + (mix(&s) & 0x3ff) -
+                                   (mix(&s) & 0x8000)); /* random bf16 in about ±[0.0078, 0.016) */
         for (size_t i = 0; i < (size_t)T * o->topk; i++)
                 hw[i] = (float)((mix(&s) >> 40) / 16777216.0);
         make_routing(hidx, T, o->topk, o->experts, s);
@@ -460,15 +483,16 @@ static int inputs_make(struct rank_env *env, struct inputs *in, int T) {
         free(hx);
         free(hidx);
         free(hw);
-        if (moeep_get_dispatch_layout(env->ep, in->idx, MOEEP_INDEX_INT64, T, o->topk, in->per_rank, in->per_expert,
-                                      in->in_rank, env->st) < 0)
+        if (moeep_get_dispatch_layout(env->ep, in->idx, MOEEP_INDEX_INT64, T, o->topk, in->per_rank,
+                                      in->per_expert, in->in_rank, env->st) < 0)
                 return -1;
         CUDA_OK(cudaStreamSynchronize(env->st));
         return 0;
 }
 
 static void inputs_free(struct inputs *in) {
-        void *p[] = { in->x, in->xq, in->sc, in->idx, in->w, in->in_rank, in->per_rank, in->per_expert, in->y, in->out };
+        void *p[] = { in->x,       in->xq,       in->sc,         in->idx, in->w,
+                      in->in_rank, in->per_rank, in->per_expert, in->y,   in->out };
         for (size_t i = 0; i < sizeof(p) / sizeof(p[0]); i++)
                 cudaFree(p[i]);
         memset(in, 0, sizeof(*in));
@@ -504,8 +528,14 @@ static int bench_moeep(struct rank_env *env, int *slot, int T, int sms, bool ful
         if (moeep_ep_set_num_sms(env->ep, sms) < 0 || inputs_make(env, &in, T) < 0)
                 return -1;
         m.da = (struct moeep_dispatch_args){
-                .x = in.x, .x_type = MOEEP_DTYPE_BF16, .num_tokens = T, .is_token_in_rank = in.in_rank,
-                .topk_idx = in.idx, .topk_idx_type = MOEEP_INDEX_INT64, .topk_weights = in.w, .num_topk = o->topk,
+                .x = in.x,
+                .x_type = MOEEP_DTYPE_BF16,
+                .num_tokens = T,
+                .is_token_in_rank = in.in_rank,
+                .topk_idx = in.idx,
+                .topk_idx_type = MOEEP_INDEX_INT64,
+                .topk_weights = in.w,
+                .num_topk = o->topk,
         };
         us = time_op(env, op_dispatch, &m, &err);
         nrecv = m.dr.num_recv_tokens;
@@ -606,7 +636,8 @@ static int bench_floor(struct rank_env *env, int *slot, int T) {
         size_t bytes = (size_t)T * o->hidden * 2 * 9 / 10; /* about what each peer gets with top-8 of 256 */
         double us, total;
 
-        if (env->ranks < 2 || ep_internal_ctx(env->ep, &ctx) < 0 || ctx.px.remote) /* NVLink to every rank only */
+        if (env->ranks < 2 || ep_internal_ctx(env->ep, &ctx) < 0 ||
+            ctx.px.remote) /* NVLink to every rank only */
                 return 0;
         bytes = bytes / 16 * 16;
         total = (double)bytes * env->ranks; /* one share from each rank, own included */
@@ -640,12 +671,20 @@ static int bench_ll(struct rank_env *env, int *slot, int T) {
         for (int i = 0; i < 5; i++)
                 CUDA_OK(cudaEventCreate(&ev[i]));
         struct moeep_ll_dispatch_args da = {
-                .x = in.x, .num_tokens = T, .topk_idx = in.idx, .topk_idx_type = MOEEP_INDEX_INT64,
-                .num_topk = o->topk, .use_fp8 = true,
+                .x = in.x,
+                .num_tokens = T,
+                .topk_idx = in.idx,
+                .topk_idx_type = MOEEP_INDEX_INT64,
+                .num_topk = o->topk,
+                .use_fp8 = true,
         };
         struct moeep_ll_combine_args ca = {
-                .x = y, .topk_idx = in.idx, .topk_idx_type = MOEEP_INDEX_INT64, .topk_weights = in.w,
-                .num_topk = o->topk, .out = in.out,
+                .x = y,
+                .topk_idx = in.idx,
+                .topk_idx_type = MOEEP_INDEX_INT64,
+                .topk_weights = in.w,
+                .num_topk = o->topk,
+                .out = in.out,
         };
         struct moeep_ll_dispatch_result res;
         struct moeep_ll_hook hook;
@@ -692,8 +731,9 @@ static int bench_ll(struct rank_env *env, int *slot, int T) {
                 pairs_in += counts[le];
         /* Bytes: FP8 rows + scales received; BF16 rows sent back. */
         const double disp_bytes = (double)pairs_in * (H + H / 128 * 4), comb_bytes = (double)pairs_in * H * 2;
-        const enum op ops[7] = { OP_LL_DISPATCH, OP_LL_COMBINE, OP_LL_BOTH, OP_LL_DISPATCH_SEND, OP_LL_DISPATCH_RECV,
-                                 OP_LL_COMBINE_SEND, OP_LL_COMBINE_RECV };
+        const enum op ops[7] = { OP_LL_DISPATCH,      OP_LL_COMBINE,       OP_LL_BOTH,
+                                 OP_LL_DISPATCH_SEND, OP_LL_DISPATCH_RECV, OP_LL_COMBINE_SEND,
+                                 OP_LL_COMBINE_RECV };
         const double bytes[7] = { disp_bytes, comb_bytes, disp_bytes + comb_bytes, disp_bytes, disp_bytes,
                                   comb_bytes, comb_bytes };
         struct moeep_ctx ctx = { 0 };
@@ -722,8 +762,11 @@ static int rank_fn(struct moeep_client *c, int rank, int ranks, void *shared, vo
         struct rank_env *env = calloc(1, sizeof(*env));
         int max_tokens = o->sweep ? (o->tokens > 8192 ? o->tokens : 8192) : o->tokens, slot = 0, err = 0;
         struct moeep_ep_config cfg = {
-                .max_tokens_per_rank = max_tokens, .hidden = o->hidden, .num_experts = o->experts,
-                .max_topk = o->topk, .num_sms = o->sms,
+                .max_tokens_per_rank = max_tokens,
+                .hidden = o->hidden,
+                .num_experts = o->experts,
+                .max_topk = o->topk,
+                .num_sms = o->sms,
         };
         if (o->ll) {
                 /* Low-latency buffers for the largest call; normal buffers
@@ -791,35 +834,40 @@ static void stats(const double *v, int n, double *mn, double *md, double *mx) {
 
 static void report(const struct opts *o, const struct shared *sh, int ranks) {
         if (o->json)
-                printf("{\"ranks\": %d, \"hidden\": %d, \"topk\": %d, \"experts\": %d, \"iters\": %d, \"seed\": %" PRIu64
-                       ", \"buffer_bytes\": %zu, \"start\": \"%s\", \"copy_gbps\": %.1f, \"launch_us\": %.2f, "
+                printf("{\"ranks\": %d, \"hidden\": %d, \"topk\": %d, \"experts\": %d, \"iters\": %d, "
+                       "\"seed\": %" PRIu64 ", \"buffer_bytes\": %zu, \"start\": \"%s\", \"copy_gbps\": "
+                       "%.1f, \"launch_us\": %.2f, "
                        "\"results\": [\n",
                        ranks, o->hidden, o->topk, o->experts, o->iters, o->seed, sh->buffer_bytes,
                        o->host_start ? "host" : "gpu", sh->speed[0].copy_gbps, sh->speed[0].launch_us);
         else
-                printf("moeep-bench: %d ranks, hidden %d, top-%d of %d experts, %d iters (median per rank; min/median/max over ranks)\n"
+                printf("moeep-bench: %d ranks, hidden %d, top-%d of %d experts, %d iters (median per rank; "
+                       "min/median/max over ranks)\n"
                        "NVLink buffer: %.1f MiB per rank; each call starts after %s\n"
-                       "memory floor = bytes the call must read and write in one GPU's memory / device copy speed\n"
+                       "memory floor = bytes the call must read and write in one GPU's memory / device copy "
+                       "speed\n"
                        "+ its kernel launches; rank 0: copy %.0f GB/s (read + write), one launch %.1f us\n"
                        "%-34s %6s %4s %26s %26s %9s %7s\n",
                        ranks, o->hidden, o->topk, o->experts, o->iters, sh->buffer_bytes / 1048576.0,
-                       o->host_start ? "a daemon barrier (--host-start)" : "a GPU barrier", sh->speed[0].copy_gbps,
-                       sh->speed[0].launch_us, "operation", "tokens", "SMs", "time us (min/med/max)",
-                       "GB/s (min/med/max)", "floor us", "x floor");
+                       o->host_start ? "a daemon barrier (--host-start)" : "a GPU barrier",
+                       sh->speed[0].copy_gbps, sh->speed[0].launch_us, "operation", "tokens", "SMs",
+                       "time us (min/med/max)", "GB/s (min/med/max)", "floor us", "x floor");
         if (!o->json && o->nodes == 2)
-                printf("ranks 0..%d at daemon A, %d..%d at daemon B (two simulated nodes): NVLink inside a node, the "
+                printf("ranks 0..%d at daemon A, %d..%d at daemon B (two simulated nodes): NVLink inside a "
+                       "node, the "
                        "proxy path (libfabric tcp over 127.0.0.1) between them\n",
                        ranks - ranks / 2 - 1, ranks - ranks / 2, ranks - 1);
         for (int i = 0; i < sh->nres; i++) {
                 const struct result *r = &sh->res[i];
-                double gb[MOEEP_MAX_RANKS], fl[MOEEP_MAX_RANKS], xf[MOEEP_MAX_RANKS], tmn, tmd, tmx, gmn, gmd, gmx,
-                        fmd = 0, xmd = 0, dummy;
+                double gb[MOEEP_MAX_RANKS], fl[MOEEP_MAX_RANKS], xf[MOEEP_MAX_RANKS], tmn, tmd, tmx, gmn, gmd,
+                        gmx, fmd = 0, xmd = 0, dummy;
                 bool has_floor = true;
                 for (int k = 0; k < ranks; k++) {
                         const struct device_speed *d = &sh->speed[k];
                         gb[k] = r->us[k] > 0 ? r->bytes[k] / (r->us[k] * 1e3) : 0;
                         has_floor &= r->moved[k] > 0 && d->copy_gbps > 0;
-                        fl[k] = has_floor ? r->moved[k] / (d->copy_gbps * 1e3) + r->launches * d->launch_us : 0;
+                        fl[k] = has_floor ? r->moved[k] / (d->copy_gbps * 1e3) + r->launches * d->launch_us
+                                          : 0;
                         xf[k] = has_floor ? r->us[k] / fl[k] : 0;
                 }
                 stats(r->us, ranks, &tmn, &tmd, &tmx);
@@ -829,65 +877,120 @@ static void report(const struct opts *o, const struct shared *sh, int ranks) {
                         stats(xf, ranks, &dummy, &xmd, &dummy);
                 }
                 if (o->json)
-                        printf("  {\"op\": \"%s\", \"tokens\": %d, \"sms\": %d, \"us\": [%.1f, %.1f, %.1f], \"gbps\": [%.1f, %.1f, %.1f], "
+                        printf("  {\"op\": \"%s\", \"tokens\": %d, \"sms\": %d, \"us\": [%.1f, %.1f, %.1f], "
+                               "\"gbps\": [%.1f, %.1f, %.1f], "
                                "\"floor_us\": %.2f, \"x_floor\": %.2f}%s\n",
                                op_to_string(r->op), r->tokens, r->sms, tmn, tmd, tmx, gmn, gmd, gmx, fmd, xmd,
                                i + 1 < sh->nres ? "," : "");
                 else if (has_floor)
-                        printf("%-34s %6d %4d %8.1f /%8.1f /%8.1f %8.1f /%8.1f /%8.1f %9.1f %7.2f\n", op_to_string(r->op),
-                               r->tokens, r->sms, tmn, tmd, tmx, gmn, gmd, gmx, fmd, xmd);
+                        printf("%-34s %6d %4d %8.1f /%8.1f /%8.1f %8.1f /%8.1f /%8.1f %9.1f %7.2f\n",
+                               op_to_string(r->op), r->tokens, r->sms, tmn, tmd, tmx, gmn, gmd, gmx, fmd,
+                               xmd);
                 else
-                        printf("%-34s %6d %4d %8.1f /%8.1f /%8.1f %8.1f /%8.1f /%8.1f %9s %7s\n", op_to_string(r->op),
-                               r->tokens, r->sms, tmn, tmd, tmx, gmn, gmd, gmx, "-", "-");
+                        printf("%-34s %6d %4d %8.1f /%8.1f /%8.1f %8.1f /%8.1f /%8.1f %9s %7s\n",
+                               op_to_string(r->op), r->tokens, r->sms, tmn, tmd, tmx, gmn, gmd, gmx, "-",
+                               "-");
         }
         if (o->json)
                 printf("]}\n");
 }
 
 static void usage(FILE *f) {
-        fprintf(f, "usage: moeep-bench [ll] [--ranks N] [--tokens N] [--hidden N] [--topk N] [--experts N] [--sms N]\n"
-                   "                   [--iters N] [--warmup N] [--sweep] [--no-nccl] [--json] [--seed N] [--host-start]\n"
+        fprintf(f, "usage: moeep-bench [ll] [--ranks N] [--tokens N] [--hidden N] [--topk N] [--experts N] "
+                   "[--sms N]\n"
+                   "                   [--iters N] [--warmup N] [--sweep] [--no-nccl] [--json] [--seed N] "
+                   "[--host-start]\n"
                    "                   [--moeepd PATH | --socket PATH]\n");
 }
 
 int main(int argc, char **argv) {
-        struct opts o = { .tokens = 4096, .hidden = 7168, .topk = 8, .experts = 256, .sms = MOEEP_DEFAULT_NUM_SMS,
-                          .iters = 30, .warmup = 5, .nccl = true };
+        struct opts o = { .tokens = 4096,
+                          .hidden = 7168,
+                          .topk = 8,
+                          .experts = 256,
+                          .sms = MOEEP_DEFAULT_NUM_SMS,
+                          .iters = 30,
+                          .warmup = 5,
+                          .nccl = true };
         const char *moeepd = NULL, *socket = NULL;
         struct harness h;
         int opt, ngpu, failed;
         bool tokens_set = false, experts_set = false;
         static const struct option lo[] = {
-                { "ranks", required_argument, NULL, 'r' },  { "tokens", required_argument, NULL, 't' },
-                { "hidden", required_argument, NULL, 'H' }, { "topk", required_argument, NULL, 'k' },
-                { "experts", required_argument, NULL, 'e' }, { "sms", required_argument, NULL, 'm' },
-                { "iters", required_argument, NULL, 'i' },  { "warmup", required_argument, NULL, 'w' },
-                { "sweep", no_argument, NULL, 'S' },        { "no-nccl", no_argument, NULL, 'N' },
-                { "json", no_argument, NULL, 'j' },         { "seed", required_argument, NULL, 's' },
-                { "moeepd", required_argument, NULL, 'd' }, { "socket", required_argument, NULL, 'x' },
-                { "host-start", no_argument, NULL, 'B' },   { "help", no_argument, NULL, 'h' },
+                { "ranks", required_argument, NULL, 'r' },
+                { "tokens", required_argument, NULL, 't' },
+                { "hidden", required_argument, NULL, 'H' },
+                { "topk", required_argument, NULL, 'k' },
+                { "experts", required_argument, NULL, 'e' },
+                { "sms", required_argument, NULL, 'm' },
+                { "iters", required_argument, NULL, 'i' },
+                { "warmup", required_argument, NULL, 'w' },
+                { "sweep", no_argument, NULL, 'S' },
+                { "no-nccl", no_argument, NULL, 'N' },
+                { "json", no_argument, NULL, 'j' },
+                { "seed", required_argument, NULL, 's' },
+                { "moeepd", required_argument, NULL, 'd' },
+                { "socket", required_argument, NULL, 'x' },
+                { "host-start", no_argument, NULL, 'B' },
+                { "help", no_argument, NULL, 'h' },
                 { NULL, 0, NULL, 0 },
         };
 
         while ((opt = getopt_long(argc, argv, "", lo, NULL)) != -1) {
                 switch (opt) {
-                case 'r': o.ranks = atoi(optarg); break;
-                case 't': o.tokens = atoi(optarg); tokens_set = true; break;
-                case 'H': o.hidden = atoi(optarg); break;
-                case 'k': o.topk = atoi(optarg); break;
-                case 'e': o.experts = atoi(optarg); experts_set = true; break;
-                case 'm': o.sms = atoi(optarg); break;
-                case 'i': o.iters = atoi(optarg); break;
-                case 'w': o.warmup = atoi(optarg); break;
-                case 'S': o.sweep = true; break;
-                case 'N': o.nccl = false; break;
-                case 'B': o.host_start = true; break;
-                case 'j': o.json = true; break;
-                case 's': o.seed = strtoull(optarg, NULL, 0); break;
-                case 'd': moeepd = optarg; break;
-                case 'x': socket = optarg; break;
-                case 'h': usage(stdout); return 0;
-                default: usage(stderr); return 2;
+                case 'r':
+                        o.ranks = atoi(optarg);
+                        break;
+                case 't':
+                        o.tokens = atoi(optarg);
+                        tokens_set = true;
+                        break;
+                case 'H':
+                        o.hidden = atoi(optarg);
+                        break;
+                case 'k':
+                        o.topk = atoi(optarg);
+                        break;
+                case 'e':
+                        o.experts = atoi(optarg);
+                        experts_set = true;
+                        break;
+                case 'm':
+                        o.sms = atoi(optarg);
+                        break;
+                case 'i':
+                        o.iters = atoi(optarg);
+                        break;
+                case 'w':
+                        o.warmup = atoi(optarg);
+                        break;
+                case 'S':
+                        o.sweep = true;
+                        break;
+                case 'N':
+                        o.nccl = false;
+                        break;
+                case 'B':
+                        o.host_start = true;
+                        break;
+                case 'j':
+                        o.json = true;
+                        break;
+                case 's':
+                        o.seed = strtoull(optarg, NULL, 0);
+                        break;
+                case 'd':
+                        moeepd = optarg;
+                        break;
+                case 'x':
+                        socket = optarg;
+                        break;
+                case 'h':
+                        usage(stdout);
+                        return 0;
+                default:
+                        usage(stderr);
+                        return 2;
                 }
         }
         if (optind < argc && strcmp(argv[optind], "ll") == 0) {
@@ -904,7 +1007,8 @@ int main(int argc, char **argv) {
                 return 2;
         }
         if (o.iters < 1 || o.iters > MAX_ITERS || o.warmup < 0 || o.tokens < 1) {
-                fprintf(stderr, "moeep-bench: --iters must be in 1..%d, --warmup >= 0, --tokens >= 1\n", MAX_ITERS);
+                fprintf(stderr, "moeep-bench: --iters must be in 1..%d, --warmup >= 0, --tokens >= 1\n",
+                        MAX_ITERS);
                 return 2;
         }
         ngpu = harness_gpu_count();

@@ -47,7 +47,8 @@ static bool mps_running(void) {
         const char *dir = getenv("CUDA_MPS_PIPE_DIRECTORY");
         char path[PATH_MAX];
 
-        if (snprintf(path, sizeof(path), "%s/control", dir && *dir ? dir : "/tmp/nvidia-mps") >= (int)sizeof(path))
+        if (snprintf(path, sizeof(path), "%s/control", dir && *dir ? dir : "/tmp/nvidia-mps") >=
+            (int)sizeof(path))
                 return false;
         return access(path, F_OK) == 0;
 }
@@ -154,7 +155,8 @@ static int two_nodes_configure(struct harness *h) {
                 if (!(f = fopen(path, "w")))
                         return -errno;
                 fprintf(f,
-                        "[moeepd]\nlog_level = warning\nmesh_listen = 127.0.0.1:%d\nmesh_peers = 127.0.0.1:%d\n"
+                        "[moeepd]\nlog_level = warning\nmesh_listen = 127.0.0.1:%d\nmesh_peers = "
+                        "127.0.0.1:%d\n"
                         "cluster_key_file = %s/key\ntransport = fabric\nfabric_provider = tcp\n"
                         "transport_address = 127.0.0.1\n",
                         port[i], port[1 - i], h->dir);
@@ -179,8 +181,8 @@ static int daemon_spawn(struct harness *h, const char *socket, const char *node,
                         execl(h->moeepd, h->moeepd, "--config", conf, "--socket", socket, "--foreground",
                               (char *)NULL);
                 else
-                        execl(h->moeepd, h->moeepd, "--socket", socket, "--foreground", "--log-level", "warning",
-                              (char *)NULL);
+                        execl(h->moeepd, h->moeepd, "--socket", socket, "--foreground", "--log-level",
+                              "warning", (char *)NULL);
                 fprintf(stderr, "harness: exec %s: %s\n", h->moeepd, strerror(errno));
                 _exit(127);
         }
@@ -224,8 +226,8 @@ int harness_daemon_stop(struct harness *h, int sig) {
         return -ETIMEDOUT;
 }
 
-static int rank_main(struct harness *h, const struct moeep_unique_id *id, int rank, int ranks, harness_rank_fn fn,
-                     void *arg) {
+static int rank_main(struct harness *h, const struct moeep_unique_id *id, int rank, int ranks,
+                     harness_rank_fn fn, void *arg) {
         struct moeep_client *c = NULL;
         char uuid[64] = "";
         struct cudaDeviceProp prop;
@@ -240,8 +242,9 @@ static int rank_main(struct harness *h, const struct moeep_unique_id *id, int ra
         if (cudaGetDeviceProperties(&prop, rank % n) == cudaSuccess) {
                 const unsigned char *u = (const unsigned char *)prop.uuid.bytes;
                 snprintf(uuid, sizeof(uuid),
-                         "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", u[0], u[1],
-                         u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13], u[14], u[15]);
+                         "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", u[0],
+                         u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13],
+                         u[14], u[15]);
         }
         const char *sock = h->nodes == 2 && harness_node_of(rank, ranks) ? h->socket_b : h->socket;
         r = moeep_connect(sock, &c);
@@ -251,7 +254,8 @@ static int rank_main(struct harness *h, const struct moeep_unique_id *id, int ra
         }
         /* At the second node the join goes through the mesh, which may
          * still be connecting right after the daemons started. */
-        for (int i = 0; (r = moeep_job_join(c, id, rank, ranks, uuid)) < 0 && sock == h->socket_b && i < 100; i++) {
+        for (int i = 0; (r = moeep_job_join(c, id, rank, ranks, uuid)) < 0 && sock == h->socket_b && i < 100;
+             i++) {
                 moeep_client_free(c);
                 sleep_ms(100);
                 if (moeep_connect(sock, &c) < 0)
@@ -268,12 +272,13 @@ static int rank_main(struct harness *h, const struct moeep_unique_id *id, int ra
         return r ? 1 : 0;
 }
 
-int harness_run(struct harness *h, int ranks, const char *name, harness_rank_fn fn, void *arg, int timeout_s) {
+int harness_run(struct harness *h, int ranks, const char *name, harness_rank_fn fn, void *arg,
+                int timeout_s) {
         return harness_run_watched(h, ranks, name, fn, arg, timeout_s, NULL);
 }
 
-int harness_run_watched(struct harness *h, int ranks, const char *name, harness_rank_fn fn, void *arg, int timeout_s,
-                        harness_watch_fn watch) {
+int harness_run_watched(struct harness *h, int ranks, const char *name, harness_rank_fn fn, void *arg,
+                        int timeout_s, harness_watch_fn watch) {
         struct moeep_client *creator = NULL;
         struct moeep_unique_id id;
         pid_t pids[MOEEP_MAX_RANKS];
@@ -288,11 +293,14 @@ int harness_run_watched(struct harness *h, int ranks, const char *name, harness_
         mps_pct = mps_percentage(share);
         if (share > 1)
                 fprintf(stderr,
-                        "harness: WARNING: %d ranks share %d GPU%s (rank i on GPU i %% %d, up to %d a GPU): times "
+                        "harness: WARNING: %d ranks share %d GPU%s (rank i on GPU i %% %d, up to %d a GPU): "
+                        "times "
                         "measured in this run are not performance figures\n",
                         ranks, ngpu, ngpu > 1 ? "s" : "", ngpu, share);
         if (mps_pct)
-                fprintf(stderr, "harness: MPS is running: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=%d for each rank\n", mps_pct);
+                fprintf(stderr,
+                        "harness: MPS is running: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=%d for each rank\n",
+                        mps_pct);
         r = moeep_connect(h->socket, &creator);
         if (r < 0) {
                 fprintf(stderr, "harness: connect %s: %s\n", h->socket, strerror(-r));
@@ -408,7 +416,8 @@ static void limit_gpus(void) {
                         size_t k = strcspn(p, ",");
                         if (len + k + 2 > sizeof(list))
                                 break;
-                        len += (size_t)snprintf(list + len, sizeof(list) - len, "%s%.*s", i ? "," : "", (int)k, p);
+                        len += (size_t)snprintf(list + len, sizeof(list) - len, "%s%.*s", i ? "," : "",
+                                                (int)k, p);
                         p += k + (p[k] == ',');
                 }
         } else {
@@ -438,7 +447,8 @@ static void free_per_gpu(void *out, size_t len) {
 }
 
 int harness_gpu_free(size_t *ret_free, int n) {
-        return in_child(free_per_gpu, ret_free, sizeof(size_t) * (size_t)n) == (ssize_t)(sizeof(size_t) * (size_t)n)
+        return in_child(free_per_gpu, ret_free, sizeof(size_t) * (size_t)n) ==
+                               (ssize_t)(sizeof(size_t) * (size_t)n)
                        ? 0
                        : -1;
 }
@@ -452,7 +462,8 @@ void harness_fini(struct harness *h) {
                         waitpid(pids[i], NULL, 0);
                 }
         if (h->dir[0]) {
-                static const char *const files[] = { "moeepd.sock", "moeepd-b.sock", "key", "a.conf", "b.conf" };
+                static const char *const files[] = { "moeepd.sock", "moeepd-b.sock", "key", "a.conf",
+                                                     "b.conf" };
                 char path[160];
                 for (size_t i = 0; i < sizeof(files) / sizeof(files[0]); i++) {
                         snprintf(path, sizeof(path), "%s/%s", h->dir, files[i]);

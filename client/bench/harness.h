@@ -10,17 +10,17 @@
 #include "moeep.h"
 
 struct harness {
-        char dir[64];              /* private temporary directory */
-        char socket[128];          /* daemon socket in use */
-        pid_t daemon_pid;          /* our moeepd, 0 when attached to a running one */
+        char dir[64];     /* private temporary directory */
+        char socket[128]; /* daemon socket in use */
+        pid_t daemon_pid; /* our moeepd, 0 when attached to a running one */
         /* Two simulated nodes ($MOEEP_HARNESS_NODES=2): a second private
          * moeepd, meshed with the first over 127.0.0.1 (cluster key, libfabric
          * tcp transport); the upper half of the ranks attach to it. */
-        int nodes;                 /* 1 or 2 */
+        int nodes; /* 1 or 2 */
         char socket_b[128];
         pid_t daemon_b_pid;
-        char moeepd[4096];         /* its program, for harness_daemon_restart() */
-        void *shared;              /* MAP_SHARED anonymous memory, seen by every rank */
+        char moeepd[4096]; /* its program, for harness_daemon_restart() */
+        void *shared;      /* MAP_SHARED anonymous memory, seen by every rank */
         size_t shared_bytes;
 };
 
@@ -54,8 +54,8 @@ int harness_run(struct harness *h, int ranks, const char *name, harness_rank_fn 
 typedef void (*harness_watch_fn)(struct harness *h, void *arg);
 
 /* harness_run() with a watch function (NULL: none). */
-int harness_run_watched(struct harness *h, int ranks, const char *name, harness_rank_fn fn, void *arg, int timeout_s,
-                        harness_watch_fn watch);
+int harness_run_watched(struct harness *h, int ranks, const char *name, harness_rank_fn fn, void *arg,
+                        int timeout_s, harness_watch_fn watch);
 
 /* Our (first) moeepd (parent only; 0 or -errno): _stop sends `sig` (SIGTERM,
  * SIGKILL) and reaps it (SIGKILL after 10 s: -ETIMEDOUT); _start starts it again on the same socket and

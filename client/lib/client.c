@@ -23,7 +23,6 @@
 
 #define CLOSED_TEXT "moeepd closed the connection (daemon stopped or restarted?)"
 
-
 int client_error_set(struct moeep_client *c, int r, const char *fmt, ...) {
         va_list ap;
 

@@ -31,12 +31,12 @@ struct moeep_ep {
         struct moeep_notify_host *host; /* owning: cudaHostAlloc, mapped */
         cudaEvent_t notify_done;
         int device;
-        uint64_t region_id;              /* our buffer at the broker; 0 = not registered */
+        uint64_t region_id; /* our buffer at the broker; 0 = not registered */
         bool control_page_registered;
         void *control_page; /* not owning: the client's mapping, NULL when the client has none */
         SLIST_HEAD(, moeep_ep_handle) free_handles;
-        unsigned ll_calls;               /* low-latency dispatches so far: picks the buffer set */
-        uint32_t remote;                 /* bit r: rank r is at another daemon (ctx.px.remote, also without a proxy path) */
+        unsigned ll_calls; /* low-latency dispatches so far: picks the buffer set */
+        uint32_t remote;   /* bit r: rank r is at another daemon (ctx.px.remote, also without a proxy path) */
         char error[512];
 };
 

@@ -4,7 +4,11 @@
 
 #include "ep-internal.h"
 
-enum { HOOK_NONE = 0, HOOK_DISPATCH = 1, HOOK_COMBINE = 2 };
+enum {
+        HOOK_NONE = 0,
+        HOOK_DISPATCH = 1,
+        HOOK_COMBINE = 2
+};
 
 static int ll_check(struct moeep_ep *ep, const void *topk_idx, enum moeep_index_type idx_type, int num_tokens,
                     int num_topk) {
@@ -18,7 +22,8 @@ static int ll_check(struct moeep_ep *ep, const void *topk_idx, enum moeep_index_
                 return ep_fail(ep, -EINVAL, "low-latency num_tokens %d is outside 0..%d", num_tokens,
                                ep->ctx.ll.max_tokens);
         if (num_topk < 1 || num_topk > ep->ctx.max_topk)
-                return ep_fail(ep, -EINVAL, "low-latency num_topk %d is outside 1..%d", num_topk, ep->ctx.max_topk);
+                return ep_fail(ep, -EINVAL, "low-latency num_topk %d is outside 1..%d", num_topk,
+                               ep->ctx.max_topk);
         if ((r = check_index_type(ep, idx_type)) < 0)
                 return r;
         if (num_tokens > 0 && !topk_idx)
@@ -27,7 +32,8 @@ static int ll_check(struct moeep_ep *ep, const void *topk_idx, enum moeep_index_
 }
 
 int moeep_ll_dispatch(struct moeep_ep *ep, const struct moeep_ll_dispatch_args *a,
-                      struct moeep_ll_dispatch_result *ret, struct moeep_ll_hook *ret_hook, cudaStream_t stream) {
+                      struct moeep_ll_dispatch_result *ret, struct moeep_ll_hook *ret_hook,
+                      cudaStream_t stream) {
         char *own;
         int r, set, slots, idx64;
 
@@ -47,30 +53,34 @@ int moeep_ll_dispatch(struct moeep_ep *ep, const struct moeep_ll_dispatch_args *
 
         if (a->num_max_tokens < 0 || a->num_max_tokens > ep->ctx.ll.max_tokens ||
             (a->num_max_tokens && a->num_tokens > a->num_max_tokens))
-                return ep_fail(ep, -EINVAL, "low-latency num_max_tokens %d is outside %d..%d", a->num_max_tokens,
-                               a->num_tokens, ep->ctx.ll.max_tokens);
+                return ep_fail(ep, -EINVAL, "low-latency num_max_tokens %d is outside %d..%d",
+                               a->num_max_tokens, a->num_tokens, ep->ctx.ll.max_tokens);
         slots = ep->ctx.ranks * (a->num_max_tokens ? a->num_max_tokens : ep->ctx.ll.max_tokens);
         idx64 = a->topk_idx_type == MOEEP_INDEX_INT64;
 
         /* Without a hook, one launch does both phases. */
         set = (int)(ep->ll_calls & 1);
-        r = launch_result(ep, "low-latency dispatch",
-                          moeep_launch_ll_dispatch(&ep->ctx, a->x, a->num_tokens, a->topk_idx, idx64, a->num_topk, set,
-                                                   slots, a->use_fp8, a->round_scale,
-                                                   MOEEP_LL_SEND | (!a->return_recv_hook && !ep->ctx.px.remote
-                                                                            ? MOEEP_LL_RECV : 0),
-                                                   a->cumulative_local_expert_recv_stats, stream));
+        r = launch_result(
+                ep, "low-latency dispatch",
+                moeep_launch_ll_dispatch(
+                        &ep->ctx, a->x, a->num_tokens, a->topk_idx, idx64, a->num_topk, set, slots,
+                        a->use_fp8, a->round_scale,
+                        MOEEP_LL_SEND | (!a->return_recv_hook && !ep->ctx.px.remote ? MOEEP_LL_RECV : 0),
+                        a->cumulative_local_expert_recv_stats, stream));
         if (r == 0 && !a->return_recv_hook && ep->ctx.px.remote) /* remote pairs: the relay receives */
                 r = launch_result(ep, "low-latency dispatch relay",
                                   moeep_launch_ll_dispatch_relay(&ep->ctx, set, slots,
-                                                                 a->cumulative_local_expert_recv_stats, stream));
+                                                                 a->cumulative_local_expert_recv_stats,
+                                                                 stream));
         if (r < 0)
                 return r;
         ep->ll_calls++;
         if (a->return_recv_hook)
-                *ret_hook = (struct moeep_ll_hook){ .kind = HOOK_DISPATCH, .set = set,
+                *ret_hook = (struct moeep_ll_hook){ .kind = HOOK_DISPATCH,
+                                                    .set = set,
                                                     .stats = a->cumulative_local_expert_recv_stats,
-                                                    .idx_is_int64 = idx64, .slots = slots };
+                                                    .idx_is_int64 = idx64,
+                                                    .slots = slots };
 
         own = ep->ctx.peers[ep->ctx.rank];
         *ret = (struct moeep_ll_dispatch_result){
@@ -87,8 +97,8 @@ int moeep_ll_dispatch(struct moeep_ep *ep, const struct moeep_ll_dispatch_args *
         return 0;
 }
 
-int moeep_ll_combine(struct moeep_ep *ep, const struct moeep_ll_combine_args *a, struct moeep_ll_hook *ret_hook,
-                     cudaStream_t stream) {
+int moeep_ll_combine(struct moeep_ep *ep, const struct moeep_ll_combine_args *a,
+                     struct moeep_ll_hook *ret_hook, cudaStream_t stream) {
         int r;
 
         if (!ep)
@@ -96,7 +106,8 @@ int moeep_ll_combine(struct moeep_ep *ep, const struct moeep_ll_combine_args *a,
         if (!a || !a->handle || (a->return_recv_hook && !ret_hook))
                 return ep_fail(ep, -EINVAL, "low-latency combine: args, handle or hook is NULL");
         if (a->handle->set != 0 && a->handle->set != 1)
-                return ep_fail(ep, -EINVAL, "low-latency combine: handle names buffer set %d", a->handle->set);
+                return ep_fail(ep, -EINVAL, "low-latency combine: handle names buffer set %d",
+                               a->handle->set);
         if ((r = ll_check(ep, a->topk_idx, a->topk_idx_type, a->handle->num_tokens, a->num_topk)) < 0)
                 return r;
         if (!a->x || (a->handle->num_tokens > 0 && (!a->out || !a->topk_weights)))
@@ -142,12 +153,13 @@ int moeep_ll_hook_run(struct moeep_ep *ep, const struct moeep_ll_hook *h, cudaSt
                 return 0;
         case HOOK_DISPATCH:
                 if (ep->ctx.px.remote)
-                        return launch_result(ep, "low-latency dispatch relay",
-                                             moeep_launch_ll_dispatch_relay(&ep->ctx, h->set, h->slots, h->stats,
-                                                                            stream));
+                        return launch_result(
+                                ep, "low-latency dispatch relay",
+                                moeep_launch_ll_dispatch_relay(&ep->ctx, h->set, h->slots, h->stats, stream));
                 return launch_result(ep, "low-latency dispatch receive",
-                                     moeep_launch_ll_dispatch(&ep->ctx, NULL, 0, NULL, h->idx_is_int64, 1, h->set,
-                                                              h->slots, 0, 0, MOEEP_LL_RECV, h->stats, stream));
+                                     moeep_launch_ll_dispatch(&ep->ctx, NULL, 0, NULL, h->idx_is_int64, 1,
+                                                              h->set, h->slots, 0, 0, MOEEP_LL_RECV, h->stats,
+                                                              stream));
         case HOOK_COMBINE:
                 if (ep->ctx.px.remote) {
                         int r = launch_result(ep, "low-latency combine relay",
@@ -178,7 +190,8 @@ int moeep_ll_clean(struct moeep_ep *ep) {
             cudaMemset(own + ep->ctx.ll.sync, 0, offsetof(struct moeep_ll_sync, count_flag)) != cudaSuccess ||
             cudaMemset(ep->ctx.state->ll_pos, 0, sizeof(ep->ctx.state->ll_pos)) != cudaSuccess ||
             cudaDeviceSynchronize() != cudaSuccess)
-                return ep_fail(ep, -EIO, "cleaning the low-latency buffers: %s", cudaGetErrorString(cudaGetLastError()));
+                return ep_fail(ep, -EIO, "cleaning the low-latency buffers: %s",
+                               cudaGetErrorString(cudaGetLastError()));
         r = moeep_job_barrier(ep->client);
         if (r < 0)
                 return ep_fail(ep, r, "barrier after cleaning: %s", moeep_client_error(ep->client));

@@ -24,7 +24,13 @@
 #include "ep-internal.h"
 #include "proto/ring.h"
 
-enum { PX_SEND, PX_RECV, PX_COUNTERS, PX_RING, PX_MAPS };
+enum {
+        PX_SEND,
+        PX_RECV,
+        PX_COUNTERS,
+        PX_RING,
+        PX_MAPS
+};
 
 /* One mapped memfd, registered for the device. */
 struct px_map {
@@ -79,12 +85,13 @@ static int px_map_device(struct moeep_ep *ep, struct px_map *m, const char *what
         }
         e = cudaHostRegister(m->host, m->size, cudaHostRegisterMapped);
         if (e != cudaSuccess)
-                return ep_fail(ep, -EIO, "registering the proxy %s region (%zu bytes) with CUDA: %s", what, m->size,
-                               cudaGetErrorString(e));
+                return ep_fail(ep, -EIO, "registering the proxy %s region (%zu bytes) with CUDA: %s", what,
+                               m->size, cudaGetErrorString(e));
         m->registered = true;
         e = cudaHostGetDevicePointer(&m->dev, m->host, 0);
         if (e != cudaSuccess)
-                return ep_fail(ep, -EIO, "device pointer of the proxy %s region: %s", what, cudaGetErrorString(e));
+                return ep_fail(ep, -EIO, "device pointer of the proxy %s region: %s", what,
+                               cudaGetErrorString(e));
         return 0;
 }
 
@@ -137,8 +144,8 @@ static int px_job_create(struct moeep_ep *ep, size_t bytes, struct px_job **ret)
                 j->map[i].fd = -1;
         if ((r = px_region(ep, &j->map[PX_SEND], bytes, MOEEP_PROXY_SEND, "send")) < 0 ||
             (r = px_region(ep, &j->map[PX_RECV], bytes, MOEEP_PROXY_RECV, "receive")) < 0 ||
-            (r = px_region(ep, &j->map[PX_COUNTERS], MOEEP_PX_COUNTERS * sizeof(uint64_t), MOEEP_PROXY_COUNTERS,
-                           "counters")) < 0)
+            (r = px_region(ep, &j->map[PX_COUNTERS], MOEEP_PX_COUNTERS * sizeof(uint64_t),
+                           MOEEP_PROXY_COUNTERS, "counters")) < 0)
                 goto fail;
         /* Every rank's regions must have reached every daemon before a channel opens. */
         r = moeep_job_barrier(ep->client);
@@ -162,8 +169,8 @@ int ep_px_attach(struct moeep_ep *ep, uint32_t remote) {
         struct moeep_px_state st = { 0 };
         int r;
 
-        moeep_px_layout_compute(px, ep->ctx.ranks, ep->ctx.max_tokens, ep->ctx.num_experts, &ep->ctx.ll, ep->ctx.hidden,
-                                ep->ctx.max_topk);
+        moeep_px_layout_compute(px, ep->ctx.ranks, ep->ctx.max_tokens, ep->ctx.num_experts, &ep->ctx.ll,
+                                ep->ctx.hidden, ep->ctx.max_topk);
         if (!j) {
                 if ((r = px_job_create(ep, px->bytes, &j)) < 0)
                         return r;
@@ -203,8 +210,9 @@ int ep_px_error(struct moeep_ep *ep, int peer) {
         int32_t e = hdr ? __atomic_load_n(&hdr->error, __ATOMIC_ACQUIRE) : 0;
 
         if (e)
-                return ep_fail(ep, -ECONNABORTED, "rank %d: the proxy path to rank %d failed: %s", ep->ctx.rank, peer,
-                               strerror(-e));
-        return ep_fail(ep, -ETIMEDOUT, "rank %d: the proxy ring stayed full for more than %llu ms (sending to rank %d)",
+                return ep_fail(ep, -ECONNABORTED, "rank %d: the proxy path to rank %d failed: %s",
+                               ep->ctx.rank, peer, strerror(-e));
+        return ep_fail(ep, -ETIMEDOUT,
+                       "rank %d: the proxy ring stayed full for more than %llu ms (sending to rank %d)",
                        ep->ctx.rank, (unsigned long long)(ep->ctx.timeout_ns / 1000000), peer);
 }

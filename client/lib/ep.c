@@ -16,7 +16,6 @@
 
 #define NVL_REGION_TAG 0 /* tag of the NVLink buffer among a rank's regions */
 
-
 static int handle_get(struct moeep_ep *ep, cudaStream_t stream, struct moeep_ep_handle **ret);
 int ep_fail(struct moeep_ep *ep, int r, const char *fmt, ...) {
         va_list ap;
@@ -64,7 +63,8 @@ static int config_check(struct moeep_ep *ep, const struct moeep_ep_config *c, in
         if (c->num_sms < 0 || c->num_sms > 1024)
                 return ep_fail(ep, -EINVAL, "num_sms %d is outside 0..1024", c->num_sms);
         if (c->ll_max_tokens < 0 || c->ll_max_tokens > MOEEP_LL_MAX_TOKENS)
-                return ep_fail(ep, -EINVAL, "ll_max_tokens %d is outside 0..%d", c->ll_max_tokens, MOEEP_LL_MAX_TOKENS);
+                return ep_fail(ep, -EINVAL, "ll_max_tokens %d is outside 0..%d", c->ll_max_tokens,
+                               MOEEP_LL_MAX_TOKENS);
         if (c->timeout_ms < 0)
                 return ep_fail(ep, -EINVAL, "timeout_ms %d is negative", c->timeout_ms);
         return 0;
@@ -109,8 +109,9 @@ static int map_peers(struct moeep_ep *ep, uint32_t remote) {
         }
         for (int p = 0; p < ep->ctx.ranks; p++)
                 if (p != ep->ctx.rank && !((remote >> p) & 1) && !ep->ctx.peers[p]) {
-                        r = ep_fail(ep, -EPROTO, "daemon returned %zu peer buffers, none of rank %d (expected %d)", n,
-                                    p, expect);
+                        r = ep_fail(ep, -EPROTO,
+                                    "daemon returned %zu peer buffers, none of rank %d (expected %d)", n, p,
+                                    expect);
                         goto out;
                 }
         r = 0;
@@ -281,7 +282,8 @@ int moeep_ep_create(struct moeep_client *client, const struct moeep_ep_config *c
          * and a fixed split of its blocks between sending and reducing. */
         if (getenv("MOEEP_KERNEL_DEBUG"))
                 ep->ctx.debug = atoi(getenv("MOEEP_KERNEL_DEBUG"));
-        if (getenv("MOEEP_KERNEL_TRACE") && cudaMalloc((void **)&ep->ctx.trace, 4096 * sizeof(uint64_t)) == cudaSuccess)
+        if (getenv("MOEEP_KERNEL_TRACE") &&
+            cudaMalloc((void **)&ep->ctx.trace, 4096 * sizeof(uint64_t)) == cudaSuccess)
                 cudaMemset(ep->ctx.trace, 0, 4096 * sizeof(uint64_t));
         if (getenv("MOEEP_COMBINE_SEND_BLOCKS"))
                 ep->ctx.combine_send_blocks = atoi(getenv("MOEEP_COMBINE_SEND_BLOCKS"));
@@ -343,8 +345,10 @@ static int state_error(struct moeep_ep *ep, uint32_t err, int peer) {
                 return ep_fail(ep, -ETIMEDOUT, "rank %d: waited more than %llu ms for rank %d", ep->ctx.rank,
                                (unsigned long long)(ep->ctx.timeout_ns / 1000000), peer);
         case MOEEP_KERR_OVERFLOW:
-                return ep_fail(ep, -EINVAL, "rank %d: a low-latency expert on rank %d got more pairs than its %d slots "
-                               "(a token names one expert twice?)", ep->ctx.rank, peer, ep->ctx.ranks * ep->ctx.ll.max_tokens);
+                return ep_fail(ep, -EINVAL,
+                               "rank %d: a low-latency expert on rank %d got more pairs than its %d slots "
+                               "(a token names one expert twice?)",
+                               ep->ctx.rank, peer, ep->ctx.ranks * ep->ctx.ll.max_tokens);
         case MOEEP_KERR_ABORT:
                 return ep_aborted(ep, peer);
         case MOEEP_KERR_PROXY:
@@ -429,8 +433,8 @@ static int handle_get(struct moeep_ep *ep, cudaStream_t stream, struct moeep_ep_
                 return ep_fail(ep, -ENOMEM, "out of memory for a dispatch handle");
         h->expert_counts_host = calloc((size_t)L, sizeof(int));
         if (!h->expert_counts_host ||
-            cudaMalloc(&h->dev_mem, (n_send + n_recv + R + 1 + R + L + 1 + n_chunks + (size_t)R * R) * sizeof(int32_t)) !=
-                    cudaSuccess) {
+            cudaMalloc(&h->dev_mem, (n_send + n_recv + R + 1 + R + L + 1 + n_chunks + (size_t)R * R) *
+                                            sizeof(int32_t)) != cudaSuccess) {
                 (void)cudaGetLastError();
                 free(h->expert_counts_host);
                 free(h);
@@ -555,8 +559,9 @@ int moeep_dispatch(struct moeep_ep *ep, const struct moeep_dispatch_args *a,
 
         if (a->handle) {
                 h = a->handle;
-                r = launch_result(ep, "barrier",
-                                  moeep_launch_notify(&ep->ctx, NULL, NULL, 1, 0, 0, NULL, 0, 0, NULL, NULL, stream));
+                r = launch_result(
+                        ep, "barrier",
+                        moeep_launch_notify(&ep->ctx, NULL, NULL, 1, 0, 0, NULL, 0, 0, NULL, NULL, stream));
                 if (r < 0)
                         return r;
         } else {
@@ -569,14 +574,14 @@ int moeep_dispatch(struct moeep_ep *ep, const struct moeep_dispatch_args *a,
                                   moeep_launch_notify(&ep->ctx, a->is_token_in_rank, a->topk_idx, idx64,
                                                       a->num_tokens, a->num_topk, a->num_tokens_per_expert,
                                                       a->total_tokens > 0 ? a->total_tokens : a->num_tokens,
-                                                      a->expert_alignment,
-                                                      &h->route, a->num_worst_tokens ? NULL : ep->host,
-                                                      stream));
+                                                      a->expert_alignment, &h->route,
+                                                      a->num_worst_tokens ? NULL : ep->host, stream));
                 if (r < 0)
                         goto fail;
                 h->num_recv = -1;
                 if (!a->num_worst_tokens && cudaEventRecord(ep->notify_done, stream) != cudaSuccess) {
-                        r = ep_fail(ep, -EIO, "recording the count exchange: %s", cudaGetErrorString(cudaGetLastError()));
+                        r = ep_fail(ep, -EIO, "recording the count exchange: %s",
+                                    cudaGetErrorString(cudaGetLastError()));
                         goto fail;
                 }
         }
@@ -591,7 +596,8 @@ int moeep_dispatch(struct moeep_ep *ep, const struct moeep_dispatch_args *a,
                 .num_topk = dispatch_topk(a),
         };
         if (ep->remote) { /* rows for ranks at other daemons: staged, shipped, placed (kernels/px_normal.cu) */
-                r = launch_result(ep, "dispatch staging", moeep_launch_px_dispatch_stage(&ep->ctx, &l, &h->route, stream));
+                r = launch_result(ep, "dispatch staging",
+                                  moeep_launch_px_dispatch_stage(&ep->ctx, &l, &h->route, stream));
                 if (r == 0)
                         r = launch_result(ep, "dispatch relay",
                                           moeep_launch_px_dispatch_relay(&ep->ctx, &h->route, stream));
@@ -605,7 +611,8 @@ int moeep_dispatch(struct moeep_ep *ep, const struct moeep_dispatch_args *a,
                 goto fail;
         if (fresh && !a->num_worst_tokens) {
                 if (cudaEventSynchronize(ep->notify_done) != cudaSuccess) {
-                        r = ep_fail(ep, -EIO, "waiting for the count exchange: %s", cudaGetErrorString(cudaGetLastError()));
+                        r = ep_fail(ep, -EIO, "waiting for the count exchange: %s",
+                                    cudaGetErrorString(cudaGetLastError()));
                         goto fail;
                 }
                 if ((r = state_error(ep, ep->host->error, ep->host->error_rank)) < 0)
@@ -623,7 +630,8 @@ int moeep_dispatch(struct moeep_ep *ep, const struct moeep_dispatch_args *a,
                                          ? (float *)(own + ep->ctx.layout.recv_scales)
                                          : NULL,
                 .recv_topk_idx = dispatch_topk(a) ? own + ep->ctx.layout.recv_topk_idx : NULL,
-                .recv_topk_weights = dispatch_topk(a) ? (float *)(own + ep->ctx.layout.recv_topk_weights) : NULL,
+                .recv_topk_weights =
+                        dispatch_topk(a) ? (float *)(own + ep->ctx.layout.recv_topk_weights) : NULL,
                 .recv_src_info = h->route.recv_src,
                 .num_recv_tokens = h->num_recv,
                 .num_recv_tokens_dev = h->route.num_recv,
@@ -669,8 +677,8 @@ int moeep_combine(struct moeep_ep *ep, const struct moeep_combine_args *a, cudaS
         if (ep->remote) { /* rows of ranks at other daemons: staged, shipped, placed (kernels/px_normal.cu) */
                 const int k = a->topk_weights ? a->num_topk : 0;
                 r = launch_result(ep, "combine staging",
-                                  moeep_launch_px_combine_stage(&ep->ctx, a->x, a->topk_weights, k, &a->handle->route,
-                                                                stream));
+                                  moeep_launch_px_combine_stage(&ep->ctx, a->x, a->topk_weights, k,
+                                                                &a->handle->route, stream));
                 if (r == 0)
                         r = launch_result(ep, "combine relay",
                                           moeep_launch_px_combine_relay(&ep->ctx, stream));

@@ -173,7 +173,8 @@ static int mesh_connect(void) {
         /* Our close resets the connection: a run opens a hundred thousand of
          * them, and closes that leave TIME-WAIT behind (on either side, the
          * reset ends the daemon's too) ran the loopback out of ports. */
-        setsockopt(fd, SOL_SOCKET, SO_LINGER, &(struct linger){ .l_onoff = 1, .l_linger = 0 }, sizeof(struct linger));
+        setsockopt(fd, SOL_SOCKET, SO_LINGER, &(struct linger){ .l_onoff = 1, .l_linger = 0 },
+                   sizeof(struct linger));
         pump();
         return fd;
 }

@@ -548,10 +548,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         for (int i = 0; i < 50 && (d.sessions->count > 0 || !TAILQ_EMPTY(&d.sessions->dead)); i++)
                 pump();
         check_consistent();
-        if (d.sessions->count != 0 || !TAILQ_EMPTY(&d.sessions->dead) || d.jobs->count != 0 || d.broker->nregions != 0 ||
-            !LIST_EMPTY(&d.broker->usage)) {
-                fprintf(stderr, "fuzz-session: left behind %u sessions, %u jobs, %u regions\n", d.sessions->count,
-                        d.jobs->count, d.broker->nregions);
+        if (d.sessions->count != 0 || !TAILQ_EMPTY(&d.sessions->dead) || d.jobs->count != 0 ||
+            d.broker->nregions != 0 || !LIST_EMPTY(&d.broker->usage)) {
+                fprintf(stderr, "fuzz-session: left behind %u sessions, %u jobs, %u regions\n",
+                        d.sessions->count, d.jobs->count, d.broker->nregions);
                 abort();
         }
         /* libFuzzer's RSS watcher thread opens /proc files for a moment:

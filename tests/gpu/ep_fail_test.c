@@ -77,11 +77,11 @@ struct shared {
         volatile int daemon_signal;   /* set by rank 0: the driver stops moeepd with it */
         volatile int daemon_restarts; /* bumped by the driver once moeepd is back */
         volatile int job_ready;
-        volatile int destroyed;       /* survivors that freed their endpoint */
-        volatile int checked;         /* survivors that checked their GPU memory came back */
-        volatile int allocated;       /* ranks whose context and test buffers exist */
-        struct moeep_unique_id job;   /* the job made after the restart */
-        int rc[MOEEP_MAX_RANKS];      /* 0 pass, 1 fail, -1 not reached */
+        volatile int destroyed;     /* survivors that freed their endpoint */
+        volatile int checked;       /* survivors that checked their GPU memory came back */
+        volatile int allocated;     /* ranks whose context and test buffers exist */
+        struct moeep_unique_id job; /* the job made after the restart */
+        int rc[MOEEP_MAX_RANKS];    /* 0 pass, 1 fail, -1 not reached */
         double delay_ms[MOEEP_MAX_RANKS];
         char msg[MOEEP_MAX_RANKS][240];
 };
@@ -107,21 +107,26 @@ static bool wait_shared(volatile int *v, int want, int timeout_ms) {
         return false;
 }
 
-#define FAIL(...)                                                   \
-        do {                                                        \
+#define FAIL(...)                                                        \
+        do {                                                             \
                 snprintf(sh->msg[me], sizeof(sh->msg[me]), __VA_ARGS__); \
-                goto out;                                           \
+                goto out;                                                \
         } while (0)
 
 /* ---- One checked normal-mode round, and the buffers it uses. ---- */
 
-enum { H = 7168, K = 4, MAX_T = 256, EPR = 8 /* experts per rank */ };
+enum {
+        H = 7168,
+        K = 4,
+        MAX_T = 256,
+        EPR = 8 /* experts per rank */
+};
 
 struct io {
         void *x, *idx, *y, *out;
         int T;
-        uint16_t *hx;   /* host x */
-        int64_t *hidx;  /* host top-k */
+        uint16_t *hx;  /* host x */
+        int64_t *hidx; /* host top-k */
 };
 
 static void io_free(struct io *io) {
@@ -165,15 +170,20 @@ static int io_alloc(struct io *io, int R) {
 
 static struct moeep_dispatch_args dispatch_args(const struct io *io) {
         return (struct moeep_dispatch_args){
-                .x = io->x, .x_type = MOEEP_DTYPE_BF16, .num_tokens = io->T, .topk_idx = io->idx,
-                .topk_idx_type = MOEEP_INDEX_INT64, .num_topk = K, .expert_alignment = 1,
+                .x = io->x,
+                .x_type = MOEEP_DTYPE_BF16,
+                .num_tokens = io->T,
+                .topk_idx = io->idx,
+                .topk_idx_type = MOEEP_INDEX_INT64,
+                .num_topk = K,
+                .expert_alignment = 1,
         };
 }
 
 /* Dispatch and combine (y = the received rows): every token comes back
  * as x times the number of ranks it reached. 0, or -1 with msg set. */
-static int round_normal(struct moeep_ep *ep, struct io *io, int me, int R, uint64_t seed, int round, char *msg,
-                        size_t len) {
+static int round_normal(struct moeep_ep *ep, struct io *io, int me, int R, uint64_t seed, int round,
+                        char *msg, size_t len) {
         struct moeep_dispatch_args a;
         struct moeep_dispatch_result res;
         uint16_t *got = NULL;
@@ -184,8 +194,8 @@ static int round_normal(struct moeep_ep *ep, struct io *io, int me, int R, uint6
         a = dispatch_args(io);
         if ((r = moeep_dispatch(ep, &a, &res, 0)) < 0)
                 return snprintf(msg, len, "dispatch: %s", moeep_ep_error(ep)), -1;
-        if (res.num_recv_tokens > 0 &&
-            cudaMemcpy(io->y, res.recv_x, (size_t)res.num_recv_tokens * H * 2, cudaMemcpyDeviceToDevice) != cudaSuccess)
+        if (res.num_recv_tokens > 0 && cudaMemcpy(io->y, res.recv_x, (size_t)res.num_recv_tokens * H * 2,
+                                                  cudaMemcpyDeviceToDevice) != cudaSuccess)
                 return snprintf(msg, len, "copying recv_x failed"), -1;
         struct moeep_combine_args c = { .x = io->y, .handle = res.handle, .out = io->out };
         if ((r = moeep_combine(ep, &c, 0)) < 0 || (r = moeep_ep_check(ep)) < 0) {
@@ -205,10 +215,12 @@ static int round_normal(struct moeep_ep *ep, struct io *io, int me, int R, uint6
                         if (io->hidx[(size_t)t * K + k] >= 0)
                                 hit |= 1u << (io->hidx[(size_t)t * K + k] / EPR);
                 for (int ch = 0; ch < H; ch++) {
-                        float want = bf16_to_float(io->hx[(size_t)t * H + ch]) * (float)__builtin_popcount(hit);
+                        float want =
+                                bf16_to_float(io->hx[(size_t)t * H + ch]) * (float)__builtin_popcount(hit);
                         float have = bf16_to_float(got[(size_t)t * H + ch]);
                         if (have != want) {
-                                snprintf(msg, len, "round %d: out[%d][%d] = %g, want %g", round, t, ch, have, want);
+                                snprintf(msg, len, "round %d: out[%d][%d] = %g, want %g", round, t, ch, have,
+                                         want);
                                 bad = 1;
                                 break;
                         }
@@ -220,8 +232,12 @@ static int round_normal(struct moeep_ep *ep, struct io *io, int me, int R, uint6
 
 static struct moeep_ep_config ep_config(int R, bool ll, int timeout_ms) {
         return (struct moeep_ep_config){
-                .max_tokens_per_rank = MAX_T, .hidden = H, .num_experts = EPR * R, .max_topk = K,
-                .timeout_ms = timeout_ms, .ll_max_tokens = ll ? MAX_T : 0,
+                .max_tokens_per_rank = MAX_T,
+                .hidden = H,
+                .num_experts = EPR * R,
+                .max_topk = K,
+                .timeout_ms = timeout_ms,
+                .ll_max_tokens = ll ? MAX_T : 0,
         };
 }
 
@@ -237,8 +253,8 @@ static size_t gpu_free_bytes(void) {
  * the peers' mappings and the daemon's descriptor of it are gone too; the
  * modules are loaded eagerly, so nothing else should stay) and the context
  * still runs work. */
-static int after_destroy(volatile int *destroyed, volatile int *checked, int survivors, size_t free_before, char *msg,
-                         size_t len) {
+static int after_destroy(volatile int *destroyed, volatile int *checked, int survivors, size_t free_before,
+                         char *msg, size_t len) {
         size_t free_after = 0;
         void *p = NULL;
         int r = 0;
@@ -269,7 +285,8 @@ static int after_destroy(volatile int *destroyed, volatile int *checked, int sur
         if (cudaMalloc(&p, 1 << 20) != cudaSuccess || cudaMemset(p, 0, 1 << 20) != cudaSuccess ||
             cudaDeviceSynchronize() != cudaSuccess || cudaFree(p) != cudaSuccess)
                 return snprintf(msg, len, "the CUDA context is unusable: %s",
-                                cudaGetErrorString(cudaGetLastError())), -1;
+                                cudaGetErrorString(cudaGetLastError())),
+                       -1;
         return 0;
 }
 
@@ -297,18 +314,24 @@ static int call_stuck(struct moeep_ep *ep, int ci, struct io *io, struct moeep_e
                 break;
         }
         case KILL_IN_LL_DISPATCH: {
-                struct moeep_ll_dispatch_args la = { .x = io->x, .num_tokens = io->T, .topk_idx = io->idx,
-                                                     .topk_idx_type = MOEEP_INDEX_INT64, .num_topk = K };
+                struct moeep_ll_dispatch_args la = { .x = io->x,
+                                                     .num_tokens = io->T,
+                                                     .topk_idx = io->idx,
+                                                     .topk_idx_type = MOEEP_INDEX_INT64,
+                                                     .num_topk = K };
                 struct moeep_ll_dispatch_result lr;
                 r = moeep_ll_dispatch(ep, &la, &lr, NULL, 0);
                 break;
         }
         default: {
                 /* Zero copy from the dispatch's slots; y (zeroed) as weights. */
-                struct moeep_ll_combine_args lc = { .x = lres->recv_x, .topk_idx = io->idx,
+                struct moeep_ll_combine_args lc = { .x = lres->recv_x,
+                                                    .topk_idx = io->idx,
                                                     .topk_idx_type = MOEEP_INDEX_INT64,
-                                                    .topk_weights = (const float *)io->y, .num_topk = K,
-                                                    .handle = &lres->handle, .out = io->out };
+                                                    .topk_weights = (const float *)io->y,
+                                                    .num_topk = K,
+                                                    .handle = &lres->handle,
+                                                    .out = io->out };
                 r = moeep_ll_combine(ep, &lc, NULL, 0);
                 break;
         }
@@ -360,8 +383,11 @@ static int rank_case(struct moeep_client *c, int me, int R, void *shared, void *
                 if (moeep_dispatch(ep, &a, &dres, 0) < 0)
                         FAIL("dispatch before the kill: %s", moeep_ep_error(ep));
         } else if (ci == KILL_IN_LL_DISPATCH || ci == KILL_IN_LL_COMBINE) {
-                struct moeep_ll_dispatch_args la = { .x = io.x, .num_tokens = io.T, .topk_idx = io.idx,
-                                                     .topk_idx_type = MOEEP_INDEX_INT64, .num_topk = K };
+                struct moeep_ll_dispatch_args la = { .x = io.x,
+                                                     .num_tokens = io.T,
+                                                     .topk_idx = io.idx,
+                                                     .topk_idx_type = MOEEP_INDEX_INT64,
+                                                     .num_topk = K };
                 if (moeep_ll_dispatch(ep, &la, &lres, NULL, 0) < 0 || moeep_ep_check(ep) < 0)
                         FAIL("low-latency dispatch before the kill: %s", moeep_ep_error(ep));
                 if (cudaMemset(io.y, 0, (size_t)R * MAX_T * H * 2) != cudaSuccess)
@@ -379,7 +405,8 @@ static int rank_case(struct moeep_client *c, int me, int R, void *shared, void *
                 sleep_ms(3 * HUNG_TIMEOUT_MS); /* "busy in user code" */
                 moeep_ep_destroy(ep);
                 ep = NULL;
-                if (after_destroy(&sh->destroyed, &sh->checked, R, free0, sh->msg[me], sizeof(sh->msg[me])) == 0)
+                if (after_destroy(&sh->destroyed, &sh->checked, R, free0, sh->msg[me], sizeof(sh->msg[me])) ==
+                    0)
                         sh->rc[me] = 0;
                 goto out;
         }
@@ -406,8 +433,8 @@ static int rank_case(struct moeep_client *c, int me, int R, void *shared, void *
         else if (ci == DAEMON_SIGKILL)
                 snprintf(want, sizeof(want), "moeepd closed the connection");
         else if (ci == DAEMON_SIGTERM) /* the abort word, or the socket when it is seen first */
-                snprintf(want, sizeof(want), strstr(err, "stopping") ? "the daemon is stopping"
-                                                                     : "moeepd closed the connection");
+                snprintf(want, sizeof(want),
+                         strstr(err, "stopping") ? "the daemon is stopping" : "moeepd closed the connection");
         else
                 snprintf(want, sizeof(want), "(rank %d lost)", victim);
         if (r == 0)
@@ -425,8 +452,8 @@ static int rank_case(struct moeep_client *c, int me, int R, void *shared, void *
         dres.handle = NULL;
         moeep_ep_destroy(ep);
         ep = NULL;
-        if (after_destroy(&sh->destroyed, &sh->checked, ci == HUNG_RANK || daemon_case ? R : R - 1, free0, sh->msg[me],
-                          sizeof(sh->msg[me])) < 0)
+        if (after_destroy(&sh->destroyed, &sh->checked, ci == HUNG_RANK || daemon_case ? R : R - 1, free0,
+                          sh->msg[me], sizeof(sh->msg[me])) < 0)
                 goto out;
         if (!daemon_case) {
                 sh->rc[me] = 0;
@@ -564,11 +591,13 @@ static int run_case(struct harness *h, int R, int ci, uint64_t seed) {
                 for (int g = 0; g < R; g++)
                         if (gpu1[g] + MEM_SLACK < gpu0[g]) {
                                 bad = 1;
-                                printf("  GPU %d: %zu MiB free after the case, %zu before\n", g, gpu1[g] >> 20,
-                                       gpu0[g] >> 20);
+                                printf("  GPU %d: %zu MiB free after the case, %zu before\n", g,
+                                       gpu1[g] >> 20, gpu0[g] >> 20);
                         }
         printf("%s ranks=%d %s: %s %.1f ms\n", bad ? "FAIL" : "ok  ", R, case_names[ci],
-               ci == HUNG_RANK ? "error past the timeout after" : daemon_case ? "next call failed in" : "error after",
+               ci == HUNG_RANK ? "error past the timeout after"
+               : daemon_case   ? "next call failed in"
+                               : "error after",
                worst);
         fflush(stdout);
         return bad;
@@ -592,9 +621,16 @@ int main(int argc, char **argv) {
         setenv("CUDA_MODULE_LOADING", "EAGER", 1);
         while ((opt = getopt_long(argc, argv, "", lo, NULL)) != -1) {
                 switch (opt) {
-                case 'r': ranks_list = optarg; break;
-                case 's': seed = strtoull(optarg, NULL, 0); have_seed = true; break;
-                case 'd': moeepd = optarg; break;
+                case 'r':
+                        ranks_list = optarg;
+                        break;
+                case 's':
+                        seed = strtoull(optarg, NULL, 0);
+                        have_seed = true;
+                        break;
+                case 'd':
+                        moeepd = optarg;
+                        break;
                 default:
                         fprintf(stderr, "usage: %s [--ranks 2,4] [--seed N] [--moeepd PATH]\n", argv[0]);
                         return 2;

@@ -27,23 +27,23 @@ struct tcase {
         const char *name;
         int hidden, experts, topk, max_tokens;
         bool fp8, round_scale, hook, idx32;
-        int fixed_tokens;   /* > 0: every rank sends exactly this many */
-        bool empty_rank;    /* rank 1 sends nothing */
-        bool graph;         /* captured once (hook + zero-copy combine), replayed with new data */
+        int fixed_tokens; /* > 0: every rank sends exactly this many */
+        bool empty_rank;  /* rank 1 sends nothing */
+        bool graph;       /* captured once (hook + zero-copy combine), replayed with new data */
 };
 
-#define CASE(n, h, e, k, t, ...) { .name = n, .hidden = h, .experts = e, .topk = k, .max_tokens = t, __VA_ARGS__ }
+#define CASE(n, h, e, k, t, ...) \
+        { .name = n, .hidden = h, .experts = e, .topk = k, .max_tokens = t, __VA_ARGS__ }
 static const struct tcase cases[] = {
         CASE("bf16-h7168-top8-e288", 7168, 288, 8, 128),
         CASE("fp8-h7168-top8-e288-hook", 7168, 288, 8, 128, .fp8 = true, .hook = true),
-        CASE("fp8-round-scale-h4096-top6-e64", 4096, 64, 6, 96, .fp8 = true, .round_scale = true, .idx32 = true),
+        CASE("fp8-round-scale-h4096-top6-e64", 4096, 64, 6, 96, .fp8 = true, .round_scale = true,
+             .idx32 = true),
         CASE("bf16-h2048-one-token", 2048, 32, 4, 64, .fixed_tokens = 1, .hook = true),
         CASE("fp8-h7168-rank1-empty", 7168, 128, 8, 128, .fp8 = true, .empty_rank = true),
         CASE("bf16-h7168-graph-zero-copy", 7168, 288, 8, 128, .hook = true, .graph = true),
 };
 #define NCASES (int)(sizeof(cases) / sizeof(cases[0]))
-
-
 
 struct input {
         int T;
@@ -88,16 +88,16 @@ static uint16_t expert_fn(uint16_t x, int e) {
         return float_to_bf16(bf16_to_float(x) * (0.5f + (float)(e % 7) * 0.25f) + 0.125f * (float)(e % 5));
 }
 
-#define FAIL(...)                                                                                          \
-        do {                                                                                               \
-                snprintf(msg, 200, __VA_ARGS__);                                                           \
-                goto out;                                                                                  \
+#define FAIL(...)                                \
+        do {                                     \
+                snprintf(msg, 200, __VA_ARGS__); \
+                goto out;                        \
         } while (0)
-#define CK(call)                                                                                           \
-        do {                                                                                               \
-                cudaError_t e_ = (call);                                                                   \
-                if (e_ != cudaSuccess)                                                                     \
-                        FAIL("%s: %s", #call, cudaGetErrorString(e_));                                     \
+#define CK(call)                                                       \
+        do {                                                           \
+                cudaError_t e_ = (call);                               \
+                if (e_ != cudaSuccess)                                 \
+                        FAIL("%s: %s", #call, cudaGetErrorString(e_)); \
         } while (0)
 
 struct devbufs {
@@ -133,7 +133,8 @@ static int upload(const struct tcase *tc, const struct input *in, struct devbufs
  * combine. Returns received pairs per local expert through `counts`. */
 static int verify_dispatch(char *msg, const struct tcase *tc, int me, int R, const struct input *in,
                            const struct moeep_ll_dispatch_result *res, uint16_t *ys, int *counts) {
-        const int H = tc->hidden, K = tc->topk, L = res->num_local_experts, S = res->slots_per_expert, nb = H / 128;
+        const int H = tc->hidden, K = tc->topk, L = res->num_local_experts, S = res->slots_per_expert,
+                  nb = H / 128;
         const size_t xrow = (size_t)H * (tc->fp8 ? 1 : 2);
         uint8_t *rx = malloc(xrow * S + 16);
         float *rsc = malloc(sizeof(float) * (size_t)S * nb + 16);
@@ -160,12 +161,14 @@ static int verify_dispatch(char *msg, const struct tcase *tc, int me, int R, con
                                 for (int k = 0; k < K; k++)
                                         want += in[s].idx[(size_t)t * K + k] == e;
                 if (counts[le] != want) {
-                        snprintf(msg, 200, "expert %d (local %d): %d slots, expected %d", e, le, counts[le], want);
+                        snprintf(msg, 200, "expert %d (local %d): %d slots, expected %d", e, le, counts[le],
+                                 want);
                         bad = 1;
                         break;
                 }
                 const int n = counts[le];
-                cudaMemcpy(rx, (const char *)res->recv_x + (size_t)le * S * xrow, xrow * n, cudaMemcpyDeviceToHost);
+                cudaMemcpy(rx, (const char *)res->recv_x + (size_t)le * S * xrow, xrow * n,
+                           cudaMemcpyDeviceToHost);
                 cudaMemcpy(src, res->recv_src_info + (size_t)le * S, sizeof(int) * n, cudaMemcpyDeviceToHost);
                 if (tc->fp8)
                         cudaMemcpy(rsc, res->recv_x_scales + (size_t)le * S * nb, sizeof(float) * S * nb,
@@ -190,8 +193,9 @@ static int verify_dispatch(char *msg, const struct tcase *tc, int me, int R, con
                                         c += in[s].idx[(size_t)t * K + k] == e;
                         const int64_t v = range[(size_t)le * R + s];
                         if ((v >> 32) != begin || (v & 0xffffffff) != c) {
-                                snprintf(msg, 200, "expert %d: layout_range of rank %d is (%lld, %lld), want (%d, %d)", e, s,
-                                         (long long)(v >> 32), (long long)(v & 0xffffffff), begin, c);
+                                snprintf(msg, 200,
+                                         "expert %d: layout_range of rank %d is (%lld, %lld), want (%d, %d)",
+                                         e, s, (long long)(v >> 32), (long long)(v & 0xffffffff), begin, c);
                                 bad = 1;
                         }
                         begin += c;
@@ -212,8 +216,9 @@ static int verify_dispatch(char *msg, const struct tcase *tc, int me, int R, con
                                 if (in[s].idx[(size_t)t * K + j] == e)
                                         k = j;
                         if (k < 0) {
-                                snprintf(msg, 200, "expert %d slot %d: rank %d token %d has no pair with this expert", e, p,
-                                         s, src[p]);
+                                snprintf(msg, 200,
+                                         "expert %d slot %d: rank %d token %d has no pair with this expert",
+                                         e, p, s, src[p]);
                                 bad = 1;
                                 break;
                         }
@@ -226,7 +231,9 @@ static int verify_dispatch(char *msg, const struct tcase *tc, int me, int R, con
                         const uint16_t *x = in[s].x + (size_t)t * H;
                         if (!tc->fp8) {
                                 if (memcmp(rx + (size_t)p * xrow, x, xrow)) {
-                                        snprintf(msg, 200, "expert %d slot %d (rank %d token %d): row differs", e, p, s, t);
+                                        snprintf(msg, 200,
+                                                 "expert %d slot %d (rank %d token %d): row differs", e, p, s,
+                                                 t);
                                         bad = 1;
                                 }
                         } else {
@@ -238,14 +245,19 @@ static int verify_dispatch(char *msg, const struct tcase *tc, int me, int R, con
                                         if (tc->round_scale)
                                                 want_sc = exp2f(ceilf(log2f(want_sc)));
                                         if (!(fabsf(sc - want_sc) <= 1e-6f * want_sc)) {
-                                                snprintf(msg, 200, "expert %d slot %d group %d: scale %g, want %g", e, p, g, sc, want_sc);
+                                                snprintf(msg, 200,
+                                                         "expert %d slot %d group %d: scale %g, want %g", e,
+                                                         p, g, sc, want_sc);
                                                 bad = 1;
                                         }
                                         for (int c = g * 128; c < (g + 1) * 128 && !bad; c++) {
                                                 float xv = bf16_to_float(x[c]);
                                                 float d = e4m3_to_float(rx[(size_t)p * xrow + c]) * sc;
                                                 if (!(fabsf(d - xv) <= 0.0625f * fabsf(xv) + sc / 512.0f)) {
-                                                        snprintf(msg, 200, "expert %d slot %d ch %d: dequantised %g vs %g", e, p, c, d, xv);
+                                                        snprintf(msg, 200,
+                                                                 "expert %d slot %d ch %d: dequantised %g vs "
+                                                                 "%g",
+                                                                 e, p, c, d, xv);
                                                         bad = 1;
                                                 }
                                         }
@@ -281,7 +293,8 @@ static int verify_combine(char *msg, const struct tcase *tc, const struct input 
                                 if (e < 0)
                                         continue;
                                 uint16_t v = mine->x[(size_t)t * H + c];
-                                ref += (double)mine->w[(size_t)t * K + k] * bf16_to_float(identity ? v : expert_fn(v, (int)e));
+                                ref += (double)mine->w[(size_t)t * K + k] *
+                                       bf16_to_float(identity ? v : expert_fn(v, (int)e));
                         }
                         float got = bf16_to_float(out[(size_t)t * H + c]);
                         if (!(fabs(got - ref) <= fmax(fabs(ref), 1.0) / 64.0)) {
@@ -303,8 +316,12 @@ static void poison_ll(const struct moeep_ll_dispatch_result *area, const struct 
 static int run_case(struct moeep_client *c, int me, int R, int ci, uint64_t seed, char *msg) {
         const struct tcase *tc = &cases[ci];
         const struct moeep_ep_config cfg = {
-                .max_tokens_per_rank = 16, .hidden = tc->hidden, .num_experts = tc->experts, .max_topk = tc->topk,
-                .timeout_ms = 20000, .ll_max_tokens = tc->max_tokens,
+                .max_tokens_per_rank = 16,
+                .hidden = tc->hidden,
+                .num_experts = tc->experts,
+                .max_topk = tc->topk,
+                .timeout_ms = 20000,
+                .ll_max_tokens = tc->max_tokens,
         };
         const int H = tc->hidden, K = tc->topk, L = tc->experts / R, S = R * tc->max_tokens;
         struct input in[MOEEP_MAX_RANKS] = { 0 };
@@ -335,13 +352,23 @@ static int run_case(struct moeep_client *c, int me, int R, int ci, uint64_t seed
         ys = malloc(sizeof(uint16_t) * (size_t)L * S * H + 2);
 
         struct moeep_ll_dispatch_args da = {
-                .topk_idx_type = tc->idx32 ? MOEEP_INDEX_INT32 : MOEEP_INDEX_INT64, .num_topk = K,
-                .use_fp8 = tc->fp8, .round_scale = tc->round_scale, .return_recv_hook = tc->hook,
-                .cumulative_local_expert_recv_stats = d.stats, .x = d.x, .topk_idx = d.idx,
+                .topk_idx_type = tc->idx32 ? MOEEP_INDEX_INT32 : MOEEP_INDEX_INT64,
+                .num_topk = K,
+                .use_fp8 = tc->fp8,
+                .round_scale = tc->round_scale,
+                .return_recv_hook = tc->hook,
+                .cumulative_local_expert_recv_stats = d.stats,
+                .x = d.x,
+                .topk_idx = d.idx,
         };
         struct moeep_ll_combine_args ca = {
-                .x = d.y, .topk_idx = d.idx, .topk_idx_type = da.topk_idx_type, .topk_weights = d.w, .num_topk = K,
-                .out = d.out, .return_recv_hook = tc->hook,
+                .x = d.y,
+                .topk_idx = d.idx,
+                .topk_idx_type = da.topk_idx_type,
+                .topk_weights = d.w,
+                .num_topk = K,
+                .out = d.out,
+                .return_recv_hook = tc->hook,
         };
         struct moeep_ll_dispatch_result res = { 0 };
         struct moeep_ll_hook hook = { 0 };
@@ -398,7 +425,8 @@ static int run_case(struct moeep_client *c, int me, int R, int ci, uint64_t seed
                         if (tc->graph) {
                                 ca.x = res.recv_x;
                         } else {
-                                CK(cudaMemcpy(d.y, ys, sizeof(uint16_t) * (size_t)L * S * H, cudaMemcpyHostToDevice));
+                                CK(cudaMemcpy(d.y, ys, sizeof(uint16_t) * (size_t)L * S * H,
+                                              cudaMemcpyHostToDevice));
                                 ca.x = d.y;
                         }
                         ca.handle = &res.handle;

@@ -27,19 +27,20 @@
 struct tcase {
         const char *name;
         int hidden, experts, topk, max_tokens;
-        bool fp8;        /* dispatch FP8 with scales */
-        bool idx32;      /* int32 top-k indices */
-        bool no_topk;    /* route by is_token_in_rank only, no top-k travels */
-        bool uneven;     /* every expert on rank 0: the others receive nothing */
-        bool zero_rank;  /* rank 1 sends no tokens */
-        bool reuse;      /* second dispatch with the cached handle and new data */
-        bool worst;      /* num_worst_tokens: no host synchronisation */
-        bool graph;      /* dispatch + combine captured once in a CUDA graph, replayed with new routing and data */
-        bool bad_args;   /* unsupported shapes and arguments must be -EINVAL */
-        int align;       /* expert_alignment */
+        bool fp8;       /* dispatch FP8 with scales */
+        bool idx32;     /* int32 top-k indices */
+        bool no_topk;   /* route by is_token_in_rank only, no top-k travels */
+        bool uneven;    /* every expert on rank 0: the others receive nothing */
+        bool zero_rank; /* rank 1 sends no tokens */
+        bool reuse;     /* second dispatch with the cached handle and new data */
+        bool worst;     /* num_worst_tokens: no host synchronisation */
+        bool graph; /* dispatch + combine captured once in a CUDA graph, replayed with new routing and data */
+        bool bad_args; /* unsupported shapes and arguments must be -EINVAL */
+        int align;     /* expert_alignment */
 };
 
-#define CASE(n, h, e, k, t, ...) { .name = n, .hidden = h, .experts = e, .topk = k, .max_tokens = t, __VA_ARGS__ }
+#define CASE(n, h, e, k, t, ...) \
+        { .name = n, .hidden = h, .experts = e, .topk = k, .max_tokens = t, __VA_ARGS__ }
 static const struct tcase cases[] = {
         CASE("bf16-h7168-top8-e256", 7168, 256, 8, 256),
         CASE("fp8-h7168-top8-e256", 7168, 256, 8, 256, .fp8 = true),
@@ -54,8 +55,6 @@ static const struct tcase cases[] = {
         CASE("bad-arguments", 2048, 64, 4, 64, .bad_args = true),
 };
 #define NCASES (int)(sizeof(cases) / sizeof(cases[0]))
-
-
 
 /* One rank's inputs, regenerated identically by every rank. */
 struct input {
@@ -78,11 +77,13 @@ static void input_free(struct input *in) {
         memset(in, 0, sizeof(*in));
 }
 
-static void gen_input(struct input *in, const struct tcase *tc, int R, uint64_t seed, int ci, int s, int variant) {
+static void gen_input(struct input *in, const struct tcase *tc, int R, uint64_t seed, int ci, int s,
+                      int variant) {
         /* T depends on the rank only; routing changes with the variant
          * except where a cached handle must see the same routing. */
         struct rng r = rng_make(seed, (uint64_t)ci * 64 + (uint64_t)s, 0);
-        struct rng rr = rng_make(seed, (uint64_t)ci * 64 + (uint64_t)s, 100 + (tc->reuse ? 0 : (uint64_t)variant));
+        struct rng rr =
+                rng_make(seed, (uint64_t)ci * 64 + (uint64_t)s, 100 + (tc->reuse ? 0 : (uint64_t)variant));
         struct rng rx = rng_make(seed, (uint64_t)ci * 64 + (uint64_t)s, 1 + (uint64_t)variant);
         int H = tc->hidden, K = tc->topk, epr = tc->experts / R;
 
@@ -118,7 +119,8 @@ static void gen_input(struct input *in, const struct tcase *tc, int R, uint64_t 
                                 scale = amax > 0 ? amax / 448.0f : 1.0f;
                                 in->sc[(size_t)t * nb + b] = scale;
                                 for (int j = 0; j < 128; j++)
-                                        in->xq[(size_t)t * H + b * 128 + j] = float_to_e4m3(bf16_to_float(v[j]) / scale);
+                                        in->xq[(size_t)t * H + b * 128 + j] =
+                                                float_to_e4m3(bf16_to_float(v[j]) / scale);
                         }
         }
 }
@@ -129,22 +131,22 @@ static uint16_t expert_out(uint16_t x, int r) {
         return float_to_bf16(bf16_to_float(x) * (float)(1 + r) + 0.25f * (float)r);
 }
 
-#define FAIL(...)                                                                                          \
-        do {                                                                                               \
-                snprintf(msg, 200, __VA_ARGS__);                                                           \
-                goto out;                                                                                  \
+#define FAIL(...)                                \
+        do {                                     \
+                snprintf(msg, 200, __VA_ARGS__); \
+                goto out;                        \
         } while (0)
-#define CK(call)                                                                                           \
-        do {                                                                                               \
-                cudaError_t e_ = (call);                                                                   \
-                if (e_ != cudaSuccess)                                                                     \
-                        FAIL("%s: %s", #call, cudaGetErrorString(e_));                                     \
+#define CK(call)                                                       \
+        do {                                                           \
+                cudaError_t e_ = (call);                               \
+                if (e_ != cudaSuccess)                                 \
+                        FAIL("%s: %s", #call, cudaGetErrorString(e_)); \
         } while (0)
-#define MK(call)                                                                                           \
-        do {                                                                                               \
-                int r_ = (call);                                                                           \
-                if (r_ < 0)                                                                                \
-                        FAIL("%s: %s", #call, moeep_ep_error(ep));                                         \
+#define MK(call)                                                   \
+        do {                                                       \
+                int r_ = (call);                                   \
+                if (r_ < 0)                                        \
+                        FAIL("%s: %s", #call, moeep_ep_error(ep)); \
         } while (0)
 
 static void *dev_upload(const void *src, size_t bytes) {
@@ -187,8 +189,8 @@ static int verify_dispatch(char *msg, const struct tcase *tc, int me, int R, con
                                 for (int t = 0; t < in[s].T; t++)
                                         sum += (in[s].mask[t] >> d) & 1;
                                 if (got[s * R + d] != sum) {
-                                        snprintf(msg, 200, "rank_prefix_matrix[%d][%d] is %d, expected %d", s, d,
-                                                 got[s * R + d], sum);
+                                        snprintf(msg, 200, "rank_prefix_matrix[%d][%d] is %d, expected %d", s,
+                                                 d, got[s * R + d], sum);
                                         bad = 1;
                                 }
                         }
@@ -204,7 +206,8 @@ static int verify_dispatch(char *msg, const struct tcase *tc, int me, int R, con
         cudaMemcpy(rsrc, res->recv_src_info, sizeof(int) * (size_t)num_recv, cudaMemcpyDeviceToHost);
         if (tc->fp8) {
                 rsc = malloc(sizeof(float) * (size_t)num_recv * nb + 4);
-                cudaMemcpy(rsc, res->recv_x_scales, sizeof(float) * (size_t)num_recv * nb, cudaMemcpyDeviceToHost);
+                cudaMemcpy(rsc, res->recv_x_scales, sizeof(float) * (size_t)num_recv * nb,
+                           cudaMemcpyDeviceToHost);
         }
         if (!tc->no_topk && check_meta) {
                 size_t isz = tc->idx32 ? 4 : 8;
@@ -213,8 +216,10 @@ static int verify_dispatch(char *msg, const struct tcase *tc, int me, int R, con
                 rw = malloc(sizeof(float) * (size_t)num_recv * K + 4);
                 pe = malloc(sizeof(int) * (size_t)epr);
                 cudaMemcpy(raw, res->recv_topk_idx, isz * (size_t)num_recv * K, cudaMemcpyDeviceToHost);
-                cudaMemcpy(rw, res->recv_topk_weights, sizeof(float) * (size_t)num_recv * K, cudaMemcpyDeviceToHost);
-                cudaMemcpy(pe, res->num_recv_tokens_per_expert_dev, sizeof(int) * (size_t)epr, cudaMemcpyDeviceToHost);
+                cudaMemcpy(rw, res->recv_topk_weights, sizeof(float) * (size_t)num_recv * K,
+                           cudaMemcpyDeviceToHost);
+                cudaMemcpy(pe, res->num_recv_tokens_per_expert_dev, sizeof(int) * (size_t)epr,
+                           cudaMemcpyDeviceToHost);
                 for (size_t i = 0; i < (size_t)num_recv * K; i++)
                         ridx[i] = tc->idx32 ? ((int32_t *)raw)[i] : ((int64_t *)raw)[i];
                 free(raw);
@@ -230,13 +235,15 @@ static int verify_dispatch(char *msg, const struct tcase *tc, int me, int R, con
                 for (int t = 0; t < in[s].T && !bad; t++) {
                         if (!((in[s].mask[t] >> me) & 1))
                                 continue;
-                        const void *want = tc->fp8 ? (const void *)(in[s].xq + (size_t)t * H) : (const void *)(in[s].x + (size_t)t * H);
+                        const void *want = tc->fp8 ? (const void *)(in[s].xq + (size_t)t * H)
+                                                   : (const void *)(in[s].x + (size_t)t * H);
                         if (memcmp(rx + (size_t)p * row_bytes, want, row_bytes)) {
                                 snprintf(msg, 200, "recv_x row %d (rank %d token %d) differs", p, s, t);
                                 bad = 1;
                         }
                         if (rsrc[p] != ((s << 24) | t)) {
-                                snprintf(msg, 200, "row %d source info 0x%x, expected rank %d token %d", p, rsrc[p], s, t);
+                                snprintf(msg, 200, "row %d source info 0x%x, expected rank %d token %d", p,
+                                         rsrc[p], s, t);
                                 bad = 1;
                         }
                         if (tc->fp8) {
@@ -252,7 +259,8 @@ static int verify_dispatch(char *msg, const struct tcase *tc, int me, int R, con
                                         float sc = rsc[(size_t)p * nb + c / 128];
                                         float d = e4m3_to_float(rx[(size_t)p * row_bytes + c]) * sc;
                                         if (!(fabsf(d - x) <= 0.0625f * fabsf(x) + sc / 1024.0f)) {
-                                                snprintf(msg, 200, "row %d ch %d dequantised %g vs %g", p, c, d, x);
+                                                snprintf(msg, 200, "row %d ch %d dequantised %g vs %g", p, c,
+                                                         d, x);
                                                 bad = 1;
                                         }
                                 }
@@ -260,11 +268,16 @@ static int verify_dispatch(char *msg, const struct tcase *tc, int me, int R, con
                         if (ridx) {
                                 for (int k = 0; k < K && !bad; k++) {
                                         int64_t e = in[s].idx[(size_t)t * K + k];
-                                        int64_t local = e >= (int64_t)me * epr && e < (int64_t)(me + 1) * epr ? e - me * epr : -1;
+                                        int64_t local = e >= (int64_t)me * epr && e < (int64_t)(me + 1) * epr
+                                                                ? e - me * epr
+                                                                : -1;
                                         float w = local >= 0 ? in[s].w[(size_t)t * K + k] : 0.0f;
                                         if (ridx[(size_t)p * K + k] != local || rw[(size_t)p * K + k] != w) {
-                                                snprintf(msg, 200, "row %d topk %d: got (%" PRId64 ", %g) want (%" PRId64 ", %g)", p, k,
-                                                         ridx[(size_t)p * K + k], rw[(size_t)p * K + k], local, w);
+                                                snprintf(msg, 200,
+                                                         "row %d topk %d: got (%" PRId64
+                                                         ", %g) want (%" PRId64 ", %g)",
+                                                         p, k, ridx[(size_t)p * K + k], rw[(size_t)p * K + k],
+                                                         local, w);
                                                 bad = 1;
                                         }
                                         if (local >= 0)
@@ -275,10 +288,15 @@ static int verify_dispatch(char *msg, const struct tcase *tc, int me, int R, con
                 }
         if (!bad && pe)
                 for (int l = 0; l < epr; l++) {
-                        int w = tc->align > 1 ? (want_pe[l] + tc->align - 1) / tc->align * tc->align : want_pe[l];
-                        if (pe[l] != w || (res->num_recv_tokens_per_expert && res->num_recv_tokens_per_expert[l] != w)) {
-                                snprintf(msg, 200, "local expert %d count %d (host %d), expected %d", l, pe[l],
-                                         res->num_recv_tokens_per_expert ? res->num_recv_tokens_per_expert[l] : -1, w);
+                        int w = tc->align > 1 ? (want_pe[l] + tc->align - 1) / tc->align * tc->align
+                                              : want_pe[l];
+                        if (pe[l] != w ||
+                            (res->num_recv_tokens_per_expert && res->num_recv_tokens_per_expert[l] != w)) {
+                                snprintf(msg, 200, "local expert %d count %d (host %d), expected %d", l,
+                                         pe[l],
+                                         res->num_recv_tokens_per_expert ? res->num_recv_tokens_per_expert[l]
+                                                                         : -1,
+                                         w);
                                 bad = 1;
                                 break;
                         }
@@ -334,12 +352,16 @@ static int combine_prepare(const struct tcase *tc, int me, int R, const struct i
                                 y[(size_t)p * H + c] = expert_out(in[s].x[(size_t)t * H + c], me);
                         for (int k = 0; k < K; k++) {
                                 int64_t e = in[s].idx[(size_t)t * K + k];
-                                w[(size_t)p * K + k] = e >= (int64_t)me * epr && e < (int64_t)(me + 1) * epr ? in[s].w[(size_t)t * K + k] : 0.0f;
+                                w[(size_t)p * K + k] = e >= (int64_t)me * epr && e < (int64_t)(me + 1) * epr
+                                                               ? in[s].w[(size_t)t * K + k]
+                                                               : 0.0f;
                         }
                         p++;
                 }
-        if (cudaMemcpy(io->y, y, sizeof(uint16_t) * (size_t)num_recv * H, cudaMemcpyHostToDevice) != cudaSuccess ||
-            cudaMemcpy(io->w, w, sizeof(float) * (size_t)num_recv * K, cudaMemcpyHostToDevice) != cudaSuccess ||
+        if (cudaMemcpy(io->y, y, sizeof(uint16_t) * (size_t)num_recv * H, cudaMemcpyHostToDevice) !=
+                    cudaSuccess ||
+            cudaMemcpy(io->w, w, sizeof(float) * (size_t)num_recv * K, cudaMemcpyHostToDevice) !=
+                    cudaSuccess ||
             cudaMemset(io->out, 0xff, sizeof(uint16_t) * (size_t)T * H) != cudaSuccess || /* NaN poison */
             cudaMemset(io->ow, 0xff, sizeof(float) * (size_t)T * K) != cudaSuccess)
                 r = -1;
@@ -371,7 +393,8 @@ static int combine_verify(char *msg, const struct tcase *tc, int me, int R, cons
                 for (int k = 0; k < K && weights && !bad; k++) {
                         float want = in[me].idx[(size_t)t * K + k] >= 0 ? in[me].w[(size_t)t * K + k] : 0.0f;
                         if (ow[(size_t)t * K + k] != want) {
-                                snprintf(msg, 200, "combined weight t %d k %d: got %g want %g", t, k, ow[(size_t)t * K + k], want);
+                                snprintf(msg, 200, "combined weight t %d k %d: got %g want %g", t, k,
+                                         ow[(size_t)t * K + k], want);
                                 bad = 1;
                         }
                 }
@@ -382,8 +405,9 @@ static int combine_verify(char *msg, const struct tcase *tc, int me, int R, cons
 }
 
 /* Runs combine with a rank-dependent expert function and checks my tokens. */
-static int run_combine(char *msg, struct moeep_ep *ep, const struct tcase *tc, int me, int R, const struct input *in,
-                       struct moeep_ep_handle *handle, int num_recv, cudaStream_t st) {
+static int run_combine(char *msg, struct moeep_ep *ep, const struct tcase *tc, int me, int R,
+                       const struct input *in, struct moeep_ep_handle *handle, int num_recv,
+                       cudaStream_t st) {
         struct comb_io io;
         bool weights = !tc->no_topk;
         int r = -1;
@@ -431,18 +455,22 @@ static int poison_and_sync(struct moeep_ep *ep, struct moeep_client *c, const st
 }
 
 /* Unsupported shapes and bad arguments: -EINVAL, before anything collective. */
-static int check_bad_args(char *msg, struct moeep_client *c, struct moeep_ep *ep, const struct tcase *tc, void *d_x,
-                          void *d_idx, cudaStream_t st) {
+static int check_bad_args(char *msg, struct moeep_client *c, struct moeep_ep *ep, const struct tcase *tc,
+                          void *d_x, void *d_idx, cudaStream_t st) {
         const struct moeep_dispatch_args good = {
-                .x = d_x, .x_type = MOEEP_DTYPE_BF16, .num_tokens = 1, .topk_idx = d_idx,
-                .topk_idx_type = MOEEP_INDEX_INT64, .num_topk = tc->topk,
+                .x = d_x,
+                .x_type = MOEEP_DTYPE_BF16,
+                .num_tokens = 1,
+                .topk_idx = d_idx,
+                .topk_idx_type = MOEEP_INDEX_INT64,
+                .num_topk = tc->topk,
         };
         struct {
                 const char *what;
                 struct moeep_dispatch_args a;
         } bad[] = {
-                { "num_tokens > max", good }, { "num_topk > max_topk", good }, { "unknown x_type", good },
-                { "unknown index type", good }, { "fp8 without scales", good }, { "no routing", good },
+                { "num_tokens > max", good },    { "num_topk > max_topk", good },  { "unknown x_type", good },
+                { "unknown index type", good },  { "fp8 without scales", good },   { "no routing", good },
                 { "negative num_tokens", good }, { "weights without topk", good },
         };
         bad[0].a.num_tokens = tc->max_tokens + 1;
@@ -469,7 +497,8 @@ static int check_bad_args(char *msg, struct moeep_client *c, struct moeep_ep *ep
                 return -1;
         }
         int *d_pr = NULL;
-        if ((r = moeep_get_dispatch_layout(ep, d_idx, MOEEP_INDEX_INT64, 1, 0, d_pr, d_pr, NULL, st)) != -EINVAL) {
+        if ((r = moeep_get_dispatch_layout(ep, d_idx, MOEEP_INDEX_INT64, 1, 0, d_pr, d_pr, NULL, st)) !=
+            -EINVAL) {
                 snprintf(msg, 200, "layout with num_topk 0 returned %d, want -EINVAL", r);
                 return -1;
         }
@@ -479,11 +508,16 @@ static int check_bad_args(char *msg, struct moeep_client *c, struct moeep_ep *ep
                 { .max_tokens_per_rank = 64, .hidden = 2048, .num_experts = 64, .max_topk = 10 },
                 { .max_tokens_per_rank = 0, .hidden = 2048, .num_experts = 64, .max_topk = 4 },
                 { .max_tokens_per_rank = 70000, .hidden = 2048, .num_experts = 64, .max_topk = 4 },
-                { .max_tokens_per_rank = 64, .hidden = 2048, .num_experts = 64, .max_topk = 4, .num_sms = -1 },
+                { .max_tokens_per_rank = 64,
+                  .hidden = 2048,
+                  .num_experts = 64,
+                  .max_topk = 4,
+                  .num_sms = -1 },
         };
         for (size_t i = 0; i < sizeof(cfgs) / sizeof(cfgs[0]); i++)
                 if ((r = moeep_ep_create(c, &cfgs[i], &ep2)) != -EINVAL) {
-                        snprintf(msg, 200, "moeep_ep_create with bad config %zu returned %d, want -EINVAL", i, r);
+                        snprintf(msg, 200, "moeep_ep_create with bad config %zu returned %d, want -EINVAL", i,
+                                 r);
                         moeep_ep_destroy(ep2);
                         return -1;
                 }
@@ -492,12 +526,18 @@ static int check_bad_args(char *msg, struct moeep_client *c, struct moeep_ep *ep
 
 /* Dispatch + combine (worst-case mode) captured once in a CUDA graph, then
  * replayed twice with new routing and new data in the same input buffers. */
-static int run_graph(char *msg, struct moeep_client *c, struct moeep_ep *ep, const struct tcase *tc, int me, int R,
-                     int ci, uint64_t seed, struct input *in, void *d_x, void *d_idx, void *d_w, cudaStream_t st) {
+static int run_graph(char *msg, struct moeep_client *c, struct moeep_ep *ep, const struct tcase *tc, int me,
+                     int R, int ci, uint64_t seed, struct input *in, void *d_x, void *d_idx, void *d_w,
+                     cudaStream_t st) {
         const int T = in[me].T, H = tc->hidden, K = tc->topk;
         struct moeep_dispatch_args a = {
-                .x = d_x, .x_type = MOEEP_DTYPE_BF16, .num_tokens = T, .topk_idx = d_idx,
-                .topk_idx_type = MOEEP_INDEX_INT64, .topk_weights = d_w, .num_topk = K,
+                .x = d_x,
+                .x_type = MOEEP_DTYPE_BF16,
+                .num_tokens = T,
+                .topk_idx = d_idx,
+                .topk_idx_type = MOEEP_INDEX_INT64,
+                .topk_weights = d_w,
+                .num_topk = K,
                 .num_worst_tokens = R * tc->max_tokens,
         };
         struct moeep_dispatch_result res = { 0 }, warm;
@@ -517,13 +557,18 @@ static int run_graph(char *msg, struct moeep_client *c, struct moeep_ep *ep, con
         CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
         int r1 = moeep_dispatch(ep, &a, &res, st);
         struct moeep_combine_args ca = {
-                .x = io.y, .topk_weights = io.w, .num_topk = K, .handle = res.handle, .out = io.out,
+                .x = io.y,
+                .topk_weights = io.w,
+                .num_topk = K,
+                .handle = res.handle,
+                .out = io.out,
                 .out_topk_weights = io.ow,
         };
         int r2 = r1 < 0 ? r1 : moeep_combine(ep, &ca, st);
         cudaError_t ce = cudaStreamEndCapture(st, &graph);
         if (r1 < 0 || r2 < 0 || ce != cudaSuccess)
-                FAIL("capture: %s (%s)", r1 < 0 || r2 < 0 ? moeep_ep_error(ep) : "ok", cudaGetErrorString(ce));
+                FAIL("capture: %s (%s)", r1 < 0 || r2 < 0 ? moeep_ep_error(ep) : "ok",
+                     cudaGetErrorString(ce));
         CK(cudaGraphInstantiate(&exec, graph, 0));
 
         for (int v = 1; v <= 2; v++) {
@@ -626,10 +671,12 @@ static int run_case(struct moeep_client *c, int me, int R, int ci, uint64_t seed
         CK(cudaMalloc((void **)&d_pe, sizeof(int) * E));
         CK(cudaMalloc((void **)&d_lin, (size_t)T * R + 1));
         CK(cudaMemset(d_lin, 0xa5, (size_t)T * R + 1));
-        MK(moeep_get_dispatch_layout(ep, d_idx, tc->idx32 ? MOEEP_INDEX_INT32 : MOEEP_INDEX_INT64, T, K, d_pr, d_pe, d_lin, st));
+        MK(moeep_get_dispatch_layout(ep, d_idx, tc->idx32 ? MOEEP_INDEX_INT32 : MOEEP_INDEX_INT64, T, K, d_pr,
+                                     d_pe, d_lin, st));
         CK(cudaStreamSynchronize(st));
         {
-                int *pr = malloc(sizeof(int) * R), *pe = malloc(sizeof(int) * E), *wpr = calloc(R, sizeof(int)), *wpe = calloc(E, sizeof(int));
+                int *pr = malloc(sizeof(int) * R), *pe = malloc(sizeof(int) * E),
+                    *wpr = calloc(R, sizeof(int)), *wpe = calloc(E, sizeof(int));
                 uint8_t *lin = malloc((size_t)T * R + 1);
                 int bad = 0;
                 cudaMemcpy(pr, d_pr, sizeof(int) * R, cudaMemcpyDeviceToHost);

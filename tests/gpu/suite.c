@@ -48,8 +48,10 @@ int suite_main(const struct suite *s, int argc, char **argv) {
         int ngpu, passed = 0, failed = 0, opt;
         bool have_seed = false;
         static const struct option lo[] = {
-                { "ranks", required_argument, NULL, 'r' }, { "seed", required_argument, NULL, 's' },
-                { "case", required_argument, NULL, 'c' },  { "moeepd", required_argument, NULL, 'd' },
+                { "ranks", required_argument, NULL, 'r' },
+                { "seed", required_argument, NULL, 's' },
+                { "case", required_argument, NULL, 'c' },
+                { "moeepd", required_argument, NULL, 'd' },
                 { NULL, 0, NULL, 0 },
         };
 
@@ -59,13 +61,22 @@ int suite_main(const struct suite *s, int argc, char **argv) {
         }
         while ((opt = getopt_long(argc, argv, "", lo, NULL)) != -1) {
                 switch (opt) {
-                case 'r': ranks_list = optarg; break;
-                case 's': run.seed = strtoull(optarg, NULL, 0); have_seed = true; break;
-                case 'c': run.only = optarg; break;
-                case 'd': moeepd = optarg; break;
+                case 'r':
+                        ranks_list = optarg;
+                        break;
+                case 's':
+                        run.seed = strtoull(optarg, NULL, 0);
+                        have_seed = true;
+                        break;
+                case 'c':
+                        run.only = optarg;
+                        break;
+                case 'd':
+                        moeepd = optarg;
+                        break;
                 default:
-                        fprintf(stderr, "usage: %s [--ranks %s] [--seed N] [--case NAME] [--moeepd PATH]\n", argv[0],
-                                s->default_ranks);
+                        fprintf(stderr, "usage: %s [--ranks %s] [--seed N] [--case NAME] [--moeepd PATH]\n",
+                                argv[0], s->default_ranks);
                         return 2;
                 }
         }
@@ -100,7 +111,8 @@ int suite_main(const struct suite *s, int argc, char **argv) {
                         for (int r = 0; r < R; r++)
                                 if (sh->result[ci][r] != 0) {
                                         bad = 1;
-                                        printf("  rank %d: %s\n", r, sh->result[ci][r] < 0 ? "did not run" : sh->msg[ci][r]);
+                                        printf("  rank %d: %s\n", r,
+                                               sh->result[ci][r] < 0 ? "did not run" : sh->msg[ci][r]);
                                 }
                         printf("%s ranks=%d %s\n", bad ? "FAIL" : "ok  ", R, s->case_name(ci));
                         bad ? failed++ : passed++;

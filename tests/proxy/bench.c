@@ -202,8 +202,8 @@ static void rate(struct bench *b, bool signal) {
         printf("rate %-6s %-13s %5u B: %8.3f M descriptors/s (%" PRIu64 " in %.3f s, %" PRIu64
                " writes, %" PRIu64 " EAGAIN)\n",
                b->t.ops->name, signal ? "data+signal" : "data only", opt.size,
-               (double)opt.count / ((double)(t1 - t0) / 1e9) / 1e6, opt.count, (double)(t1 - t0) / 1e9, st.writes,
-               st.eagain);
+               (double)opt.count / ((double)(t1 - t0) / 1e9) / 1e6, opt.count, (double)(t1 - t0) / 1e9,
+               st.writes, st.eagain);
         proxy_free(p);
         munmap(ring.hdr, PROXY_RING_BYTES(4096));
         close(fd);
@@ -217,8 +217,9 @@ static double proxy_latency(struct bench *b, uint64_t *ns) {
         p = start_proxy(b, &fd, &ring, 2);
         memset(b->ctr, 0, 4096);
         for (uint32_t i = 0; i < opt.iters; i++) {
-                struct proxy_desc d = { .length = opt.size, .flags = PROXY_DESC_SIGNAL, .signal_id = 2,
-                                        .signal_value = i + 1 };
+                struct proxy_desc d = {
+                        .length = opt.size, .flags = PROXY_DESC_SIGNAL, .signal_id = 2, .signal_value = i + 1
+                };
                 uint64_t t0 = drv_now_ns(), deadline = t0 + 10ull * 1000000000u;
 
                 if ((r = drv_push(&ring, &d, deadline)) < 0 ||
@@ -248,13 +249,14 @@ static void *gpu_map(void *host, size_t len) {
 
 /* Runs one mode of ring_bench_kernel; its out[] back in ret (2 entries for
  * RATE, 1 + n for the others). */
-static void gpu_launch(void *ring_dev, uint64_t *ctr_dev, uint64_t *ping_dev, int mode, uint32_t n, bool signal,
-                       int64_t *ret) {
+static void gpu_launch(void *ring_dev, uint64_t *ctr_dev, uint64_t *ping_dev, int mode, uint32_t n,
+                       bool signal, int64_t *ret) {
         const size_t entries = mode == MOEEP_RING_BENCH_RATE ? 2 : 1 + (size_t)n;
         int64_t *out;
 
         if (cudaMalloc((void **)&out, entries * sizeof(*out)) != cudaSuccess ||
-            moeep_launch_ring_bench(ring_dev, ctr_dev, ping_dev, mode, n, opt.size, REGION, signal, out, 0) != 0 ||
+            moeep_launch_ring_bench(ring_dev, ctr_dev, ping_dev, mode, n, opt.size, REGION, signal, out, 0) !=
+                    0 ||
             cudaDeviceSynchronize() != cudaSuccess ||
             cudaMemcpy(ret, out, entries * sizeof(*out), cudaMemcpyDeviceToHost) != cudaSuccess)
                 die("ring kernel", cudaGetErrorString(cudaGetLastError()));
@@ -313,11 +315,13 @@ static int gpu_bench(struct bench *b) {
         ping_dev = gpu_map(ping, 4096);
         for (int signal = 0; signal < 2; signal++) {
                 p = start_proxy(b, &fd, &ring, 10 + (uint64_t)signal);
-                gpu_launch(gpu_map(ring.hdr, PROXY_RING_BYTES(4096)), ctr_dev, ping_dev, MOEEP_RING_BENCH_RATE,
-                           (uint32_t)opt.count, signal, out);
-                printf("rate gpu    %-13s %5u B: %8.3f M descriptors/s (%" PRIu64 " in %.3f ms, tail published every %d)\n",
-                       signal ? "data+signal" : "data only", opt.size, (double)opt.count / ((double)out[1] / 1e3),
-                       opt.count, (double)out[1] / 1e6, MOEEP_RING_BENCH_BATCH);
+                gpu_launch(gpu_map(ring.hdr, PROXY_RING_BYTES(4096)), ctr_dev, ping_dev,
+                           MOEEP_RING_BENCH_RATE, (uint32_t)opt.count, signal, out);
+                printf("rate gpu    %-13s %5u B: %8.3f M descriptors/s (%" PRIu64
+                       " in %.3f ms, tail published every %d)\n",
+                       signal ? "data+signal" : "data only", opt.size,
+                       (double)opt.count / ((double)out[1] / 1e3), opt.count, (double)out[1] / 1e6,
+                       MOEEP_RING_BENCH_BATCH);
                 cudaHostUnregister(ring.hdr);
                 proxy_free(p);
                 munmap(ring.hdr, PROXY_RING_BYTES(4096));
@@ -370,8 +374,10 @@ int main(int argc, char **argv) {
                 else if (strcmp(argv[i], "--producer") == 0 && strcmp(argv[i + 1], "gpu") == 0)
                         opt.gpu = true;
                 else {
-                        fprintf(stderr, "usage: %s [--transport loop|fabric] [--provider P] [--count N] "
-                                        "[--size B] [--iters N] [--producer cpu|gpu]\n", argv[0]);
+                        fprintf(stderr,
+                                "usage: %s [--transport loop|fabric] [--provider P] [--count N] "
+                                "[--size B] [--iters N] [--producer cpu|gpu]\n",
+                                argv[0]);
                         return 2;
                 }
         }

@@ -32,17 +32,17 @@
 #include "proxy.h"
 #include "transport.h"
 
-#define SLOT 4096u           /* payload slot size */
-#define SEND_SLOTS 64u       /* send region: SEND_SLOTS * SLOT */
+#define SLOT 4096u     /* payload slot size */
+#define SEND_SLOTS 64u /* send region: SEND_SLOTS * SLOT */
 #define NCOUNTERS 512u
 #define SEC 1000000000ull
 
-#define FAIL(...)                                                      \
-        do {                                                           \
-                fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);   \
-                fprintf(stderr, __VA_ARGS__);                          \
-                fprintf(stderr, "\n");                                 \
-                exit(1);                                               \
+#define FAIL(...)                                                    \
+        do {                                                         \
+                fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
+                fprintf(stderr, __VA_ARGS__);                        \
+                fprintf(stderr, "\n");                               \
+                exit(1);                                             \
         } while (0)
 
 static uint8_t pattern(uint64_t seq, uint32_t k) {
@@ -104,7 +104,8 @@ static void xfer(int sock, struct oob *mine, struct oob *theirs) {
                 FAIL("out-of-band exchange: %s", strerror(errno));
 }
 
-static void side_setup(struct side *s, const struct tp_config *cfg, int sock, uint64_t count, uint32_t timeout_ms) {
+static void side_setup(struct side *s, const struct tp_config *cfg, int sock, uint64_t count,
+                       uint32_t timeout_ms) {
         struct proxy_params params = { .timeout_ms = timeout_ms, .idle_spins = 2000 };
         struct oob mine = { 0 }, theirs;
         struct proxy_route route;
@@ -320,7 +321,8 @@ static int fabric_side(int sock, uint64_t count) {
         if (write(sock, &done, 1) != 1 || read(sock, &done, 1) != 1)
                 FAIL("final handshake: %s", strerror(errno));
         printf("fabric tcp (pid %d): sent %" PRIu64 " descriptors; received %" PRIu64
-               ", every byte and counter arrived\n", (int)getpid(), count, count);
+               ", every byte and counter arrived\n",
+               (int)getpid(), count, count);
         side_teardown(&s);
         return 0;
 }
@@ -392,8 +394,12 @@ static int kill_side(int sock, uint64_t count, pid_t other) {
         if (drv_wait_counter(&s.ctr[499], 500, s.ring.hdr, deadline) < 0)
                 FAIL("the victim's first 500 descriptors did not arrive");
         for (uint64_t i = 0; i < 500; i++) {
-                struct proxy_desc d = { .src_offset = 0, .dst_offset = i * 64, .length = 64, .flags = PROXY_DESC_SIGNAL,
-                                        .signal_id = 0, .signal_value = i + 1 };
+                struct proxy_desc d = { .src_offset = 0,
+                                        .dst_offset = i * 64,
+                                        .length = 64,
+                                        .flags = PROXY_DESC_SIGNAL,
+                                        .signal_id = 0,
+                                        .signal_value = i + 1 };
                 if (drv_push(&s.ring, &d, deadline) < 0)
                         FAIL("push before the kill");
         }
@@ -406,7 +412,9 @@ static int kill_side(int sock, uint64_t count, pid_t other) {
          * The producer must see an error: from the transport, the proxy's
          * write timeout, or the mesh report, whichever comes first. */
         for (uint64_t i = 500; !t_prod; i++) {
-                struct proxy_desc d = { .dst_offset = (i % 1000) * 64, .length = 64, .flags = PROXY_DESC_SIGNAL,
+                struct proxy_desc d = { .dst_offset = (i % 1000) * 64,
+                                        .length = 64,
+                                        .flags = PROXY_DESC_SIGNAL,
                                         .signal_value = i + 1 };
 
                 r_prod = drv_push(&s.ring, &d, t_kill + 30 * SEC);
@@ -425,8 +433,8 @@ static int kill_side(int sock, uint64_t count, pid_t other) {
         /* The receive side: a counter the dead peer will never set. */
         r_wait = drv_wait_counter(&s.ctr[NCOUNTERS - 1], UINT64_MAX, s.ring.hdr, drv_now_ns() + 10 * SEC);
         t_wait = drv_now_ns();
-        printf("kill: producer got %s after %.3f s (error_peer %u, %s); counter waiter got %s\n", strerror(-r_prod),
-               (double)(t_prod - t_kill) / 1e9, s.ring.hdr->error_peer,
+        printf("kill: producer got %s after %.3f s (error_peer %u, %s); counter waiter got %s\n",
+               strerror(-r_prod), (double)(t_prod - t_kill) / 1e9, s.ring.hdr->error_peer,
                told ? "reported by the mesh stand-in" : "found by the proxy", strerror(-r_wait));
         if (r_wait == -ETIMEDOUT || r_wait == 0)
                 FAIL("counter waiter did not see the error");

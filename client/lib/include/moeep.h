@@ -62,7 +62,7 @@ enum moeep_event_type {
 struct moeep_event {
         enum moeep_event_type type;
         uint64_t job_id;
-        int rank;         /* the lost rank, for MOEEP_EVENT_PEER_LOST */
+        int rank; /* the lost rank, for MOEEP_EVENT_PEER_LOST */
         char reason[128];
 };
 
@@ -70,10 +70,10 @@ struct moeep_event {
  * every rank at join (read-only for clients). Kernels poll `abort` inside
  * every spin-wait (the page is cudaHostRegister'ed by the data plane). */
 struct moeep_control_page {
-        uint32_t magic;     /* MOEEP_CONTROL_PAGE_MAGIC */
-        uint32_t version;   /* 1 */
-        uint32_t abort;     /* 0 while the job is healthy; set to 1 by the daemon */
-        int32_t lost_rank;  /* the first rank lost, -1 while none */
+        uint32_t magic;    /* MOEEP_CONTROL_PAGE_MAGIC */
+        uint32_t version;  /* 1 */
+        uint32_t abort;    /* 0 while the job is healthy; set to 1 by the daemon */
+        int32_t lost_rank; /* the first rank lost, -1 while none */
         uint64_t job_id;
 };
 
@@ -102,8 +102,8 @@ int moeep_job_create(struct moeep_client *client, const char *name, int world_si
  * page is mapped (moeep_job_control_page()). Errors: -EACCES wrong secret,
  * -ENOENT no such job, -ERANGE rank out of range, -EEXIST rank taken,
  * -EINVAL world size mismatch or bad argument, -EISCONN already in a job. */
-int moeep_job_join(struct moeep_client *client, const struct moeep_unique_id *id, int rank,
-                   int world_size, const char *gpu_uuid);
+int moeep_job_join(struct moeep_client *client, const struct moeep_unique_id *id, int rank, int world_size,
+                   const char *gpu_uuid);
 
 /* Leaves the job; our regions go away at the daemon. */
 int moeep_job_leave(struct moeep_client *client);
@@ -131,8 +131,8 @@ const volatile struct moeep_control_page *moeep_job_control_page(const struct mo
 
 /* Registers a memory region with the job. `fd` stays owned by the caller
  * (the daemon keeps its own duplicate). */
-int moeep_region_register(struct moeep_client *client, int fd, enum moeep_region_kind kind,
-                          uint64_t size, uint32_t tag, uint64_t *ret_region_id);
+int moeep_region_register(struct moeep_client *client, int fd, enum moeep_region_kind kind, uint64_t size,
+                          uint32_t tag, uint64_t *ret_region_id);
 
 /* Releases a region registered by this client. -EINVAL when no region of
  * this session has that id. */
@@ -142,8 +142,8 @@ int moeep_region_release(struct moeep_client *client, uint64_t region_id);
  * with tag `tag` (or every tag when tag == -1); those of remote ranks with
  * fd -1. The caller owns the array
  * and its fds; free with moeep_regions_free(). */
-int moeep_regions_fetch(struct moeep_client *client, int rank, int64_t tag,
-                        struct moeep_region **ret_regions, size_t *ret_count);
+int moeep_regions_fetch(struct moeep_client *client, int rank, int64_t tag, struct moeep_region **ret_regions,
+                        size_t *ret_count);
 
 /* Closes the fds still >= 0 and frees the array. Accepts NULL. */
 void moeep_regions_free(struct moeep_region *regions, size_t count);

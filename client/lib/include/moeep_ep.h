@@ -54,7 +54,7 @@ struct moeep_ep_config {
         int num_sms;             /* blocks of normal-mode dispatch/combine; 0 = MOEEP_DEFAULT_NUM_SMS
                                   * (low-latency kernels use every SM of the device) */
         int timeout_ms;          /* bound of every device wait; 0 = MOEEP_DEFAULT_TIMEOUT_MS */
-        int ll_max_tokens;       /* low-latency mode: tokens per rank per call (0..1024); 0 = no low-latency buffers */
+        int ll_max_tokens; /* low-latency mode: tokens per rank per call (0..1024); 0 = no low-latency buffers */
 };
 
 /* Attaches to the job `client` joined (collective over the job's ranks) on
@@ -92,20 +92,20 @@ int moeep_get_dispatch_layout(struct moeep_ep *ep, const void *topk_idx, enum mo
                               int *num_tokens_per_expert, uint8_t *is_token_in_rank, cudaStream_t stream);
 
 struct moeep_dispatch_args {
-        const void *x;                  /* [num_tokens][hidden], bf16 or fp8 e4m3 */
+        const void *x; /* [num_tokens][hidden], bf16 or fp8 e4m3 */
         enum moeep_dtype x_type;
-        const float *x_scales;          /* fp8 only: [num_tokens][hidden / 128] */
+        const float *x_scales; /* fp8 only: [num_tokens][hidden / 128] */
         int num_tokens;
         /* Routing: is_token_in_rank [num_tokens][ranks] (0/1 bytes) when not
          * NULL, else the ranks of the top-k experts. Ignored with a handle. */
         const uint8_t *is_token_in_rank;
-        const void *topk_idx;           /* [num_tokens][num_topk], -1 = masked; optional (NULL with
+        const void *topk_idx; /* [num_tokens][num_topk], -1 = masked; optional (NULL with
                                          * num_tokens 0 and num_topk set: a rank with no tokens
                                          * in a dispatch whose top-k travels) */
         enum moeep_index_type topk_idx_type;
-        const float *topk_weights;      /* [num_tokens][num_topk]; optional, only with topk_idx */
+        const float *topk_weights; /* [num_tokens][num_topk]; optional, only with topk_idx */
         int num_topk;
-        int expert_alignment;           /* per-expert counts rounded up to this; 0 or 1 = exact */
+        int expert_alignment; /* per-expert counts rounded up to this; 0 or 1 = exact */
         /* > 0: no host synchronisation at all (graph capturable); the caller
          * sizes for this many received tokens (at most ranks * max_tokens,
          * which is what the buffer holds) and reads the real count from
@@ -129,13 +129,13 @@ struct moeep_dispatch_args {
 /* Outputs of a dispatch. The device arrays live in this rank's NVLink
  * buffer: they are valid until the next dispatch on this endpoint. */
 struct moeep_dispatch_result {
-        void *recv_x;                    /* [num_recv][hidden], ordered by source rank then token */
-        float *recv_x_scales;            /* fp8: [num_recv][hidden / 128]; else NULL */
-        void *recv_topk_idx;             /* [num_recv][num_topk] local expert ids (-1 elsewhere); NULL without topk */
-        float *recv_topk_weights;        /* [num_recv][num_topk], 0 for experts elsewhere; NULL without topk */
-        const int *recv_src_info;        /* [num_recv]: (source rank << 24) | source token */
-        int num_recv_tokens;             /* -1 with num_worst_tokens */
-        const int *num_recv_tokens_dev;  /* device int */
+        void *recv_x;         /* [num_recv][hidden], ordered by source rank then token */
+        float *recv_x_scales; /* fp8: [num_recv][hidden / 128]; else NULL */
+        void *recv_topk_idx;  /* [num_recv][num_topk] local expert ids (-1 elsewhere); NULL without topk */
+        float *recv_topk_weights;       /* [num_recv][num_topk], 0 for experts elsewhere; NULL without topk */
+        const int *recv_src_info;       /* [num_recv]: (source rank << 24) | source token */
+        int num_recv_tokens;            /* -1 with num_worst_tokens */
+        const int *num_recv_tokens_dev; /* device int */
         /* Received tokens per local expert (aligned): host copy (NULL with
          * num_worst_tokens) and device array, both [num_local_experts];
          * owned by the handle. */
@@ -152,19 +152,19 @@ struct moeep_dispatch_result {
          * each destination, -1 when not sent. */
         const int *rank_prefix_matrix;
         const int *send_pos;
-        int max_total_tokens;            /* largest total_tokens of any rank; -1 with num_worst_tokens or a handle */
+        int max_total_tokens; /* largest total_tokens of any rank; -1 with num_worst_tokens or a handle */
 };
 
 int moeep_dispatch(struct moeep_ep *ep, const struct moeep_dispatch_args *args,
                    struct moeep_dispatch_result *ret_result, cudaStream_t stream);
 
 struct moeep_combine_args {
-        const void *x;               /* bf16 [num_recv][hidden]: one row per received row, same order */
-        const float *topk_weights;   /* optional [num_recv][num_topk] */
+        const void *x;             /* bf16 [num_recv][hidden]: one row per received row, same order */
+        const float *topk_weights; /* optional [num_recv][num_topk] */
         int num_topk;
         struct moeep_ep_handle *handle;
-        void *out;                   /* bf16 [num_tokens][hidden] of the dispatch */
-        float *out_topk_weights;     /* optional [num_tokens][num_topk]: sum over ranks */
+        void *out;               /* bf16 [num_tokens][hidden] of the dispatch */
+        float *out_topk_weights; /* optional [num_tokens][num_topk]: sum over ranks */
 };
 
 /* The fixed receive area of the endpoint, which every dispatch result
@@ -209,7 +209,7 @@ void moeep_ep_handle_free(struct moeep_ep_handle *handle);
 /* What a receive phase still has to do: returned when a call asks for the
  * hook, run later with moeep_ll_hook_run(). Plain data, copyable. */
 struct moeep_ll_hook {
-        int kind;                   /* 1 = dispatch receive, 2 = combine receive, 0 = nothing pending */
+        int kind; /* 1 = dispatch receive, 2 = combine receive, 0 = nothing pending */
         int set;
         int *stats;
         const void *topk_idx;
@@ -217,42 +217,43 @@ struct moeep_ll_hook {
         const float *topk_weights;
         int num_tokens, num_topk;
         void *out;
-        int slots;                  /* slots per expert of the dispatch */
+        int slots; /* slots per expert of the dispatch */
 };
 
 /* Routing of one low-latency dispatch, for its combine. Plain data. */
 struct moeep_ll_handle {
-        int set;                    /* buffer set of the dispatch */
+        int set; /* buffer set of the dispatch */
         int num_tokens;
-        int slots_per_expert;       /* ranks * the dispatch's num_max_tokens */
+        int slots_per_expert; /* ranks * the dispatch's num_max_tokens */
 };
 
 struct moeep_ll_dispatch_args {
-        const void *x;                          /* bf16 [num_tokens][hidden] */
-        int num_tokens;                         /* 0..ll_max_tokens */
-        const void *topk_idx;                   /* [num_tokens][num_topk], -1 = masked */
+        const void *x;        /* bf16 [num_tokens][hidden] */
+        int num_tokens;       /* 0..ll_max_tokens */
+        const void *topk_idx; /* [num_tokens][num_topk], -1 = masked */
         enum moeep_index_type topk_idx_type;
-        int num_topk;                           /* 1..max_topk */
-        bool use_fp8;                           /* cast to e4m3 with one float scale per 128 channels */
-        bool round_scale;                       /* fp8: scales rounded up to powers of two */
-        bool return_recv_hook;                  /* only the send phase now; the rest in *ret_hook */
-        int *cumulative_local_expert_recv_stats;/* optional device [local experts]: += received per expert */
-        int num_max_tokens;                     /* slots per expert = ranks * this (num_tokens..ll_max_tokens);
+        int num_topk;                            /* 1..max_topk */
+        bool use_fp8;                            /* cast to e4m3 with one float scale per 128 channels */
+        bool round_scale;                        /* fp8: scales rounded up to powers of two */
+        bool return_recv_hook;                   /* only the send phase now; the rest in *ret_hook */
+        int *cumulative_local_expert_recv_stats; /* optional device [local experts]: += received per expert */
+        int num_max_tokens; /* slots per expert = ranks * this (num_tokens..ll_max_tokens);
                                                  * 0 = ll_max_tokens */
 };
 
 /* Device arrays in the endpoint's NVLink buffer (set `handle.set`). */
 struct moeep_ll_dispatch_result {
-        void *recv_x;               /* [local experts][slots_per_expert][hidden]: bf16, or e4m3 with stride hidden */
-        float *recv_x_scales;       /* fp8: [local experts][hidden / 128][slots_per_expert] (column-major per
+        void *recv_x; /* [local experts][slots_per_expert][hidden]: bf16, or e4m3 with stride hidden */
+        float *recv_x_scales;     /* fp8: [local experts][hidden / 128][slots_per_expert] (column-major per
                                      * expert, as DeepEP); else NULL */
-        const int *recv_count;      /* [local experts]: slots in use */
-        const int *recv_src_info;   /* [local experts][slots_per_expert]: the source token index */
+        const int *recv_count;    /* [local experts]: slots in use */
+        const int *recv_src_info; /* [local experts][slots_per_expert]: the source token index */
         int num_local_experts;
-        int slots_per_expert;       /* ranks * num_max_tokens */
+        int slots_per_expert; /* ranks * num_max_tokens */
         struct moeep_ll_handle handle;
-        const int64_t *layout_range;/* [local experts][ranks]: first slot << 32 | count of each source rank */
-        void *combine_buffer;       /* bf16 [local experts][slots_per_expert][hidden]: combine input in
+        const int64_t
+                *layout_range; /* [local experts][ranks]: first slot << 32 | count of each source rank */
+        void *combine_buffer;  /* bf16 [local experts][slots_per_expert][hidden]: combine input in
                                      * place (zero copy; overwrites recv_x of this dispatch) */
 };
 
@@ -265,17 +266,17 @@ struct moeep_ll_combine_args {
          * dispatch's layout; only the slots in use are read. Any device
          * memory works, combine_buffer of the dispatch included (zero copy). */
         const void *x;
-        const void *topk_idx;       /* the dispatch's [num_tokens][num_topk] */
+        const void *topk_idx; /* the dispatch's [num_tokens][num_topk] */
         enum moeep_index_type topk_idx_type;
-        const float *topk_weights;  /* [num_tokens][num_topk] */
+        const float *topk_weights; /* [num_tokens][num_topk] */
         int num_topk;
         const struct moeep_ll_handle *handle;
-        void *out;                  /* bf16 [num_tokens][hidden]: sum over k of weight * expert output */
+        void *out; /* bf16 [num_tokens][hidden]: sum over k of weight * expert output */
         bool return_recv_hook;
 };
 
-int moeep_ll_combine(struct moeep_ep *ep, const struct moeep_ll_combine_args *args, struct moeep_ll_hook *ret_hook,
-                     cudaStream_t stream);
+int moeep_ll_combine(struct moeep_ep *ep, const struct moeep_ll_combine_args *args,
+                     struct moeep_ll_hook *ret_hook, cudaStream_t stream);
 
 /* Runs the receive phase a hook describes (no-op for an empty hook). */
 int moeep_ll_hook_run(struct moeep_ep *ep, const struct moeep_ll_hook *hook, cudaStream_t stream);
