@@ -125,17 +125,6 @@ static int control_page_create(struct job *job, char *errmsg) {
         return 0;
 }
 
-static bool name_valid(const char *name) {
-        size_t n = strlen(name);
-
-        if (n < 1 || n > JOB_NAME_MAX)
-                return false;
-        for (size_t i = 0; i < n; i++)
-                if (name[i] < 0x20 || name[i] > 0x7e)
-                        return false;
-        return true;
-}
-
 /* A new job with a secret and a control page, in the registry, without
  * references. */
 static int job_alloc(struct jobs *jobs, const char *name, uint32_t world_size, uid_t uid,
@@ -185,10 +174,10 @@ int jobs_create(struct jobs *jobs, const char *name, uint32_t world_size, uid_t 
         uint32_t have;
         int r;
 
-        if (!name_valid(name))
+        if (!moeep_job_name_valid(name))
                 return errmsg_set(errmsg, -EINVAL,
                                   "job name of %zu bytes: need 1 to %d printable ASCII bytes", strlen(name),
-                                  JOB_NAME_MAX);
+                                  MOEEP_JOB_NAME_MAX);
         if (world_size < 1 || world_size > MOEEP_MAX_RANKS)
                 return errmsg_set(errmsg, -EINVAL, "world size %" PRIu32 ": need 1 to %d", world_size,
                                   MOEEP_MAX_RANKS);
@@ -299,7 +288,7 @@ static bool owner_in_a_job(const struct jobs *jobs, const void *owner) {
 static bool uuid_valid(const char *s) {
         size_t n = strlen(s);
 
-        if (n > JOB_GPU_UUID_MAX)
+        if (n > MOEEP_GPU_UUID_MAX)
                 return false;
         for (size_t i = 0; i < n; i++)
                 if (s[i] < 0x21 || s[i] > 0x7e)
@@ -324,7 +313,7 @@ int jobs_join(struct jobs *jobs, const uint8_t *unique_id, size_t len, uint32_t 
                 gpu_uuid = "";
         if (!uuid_valid(gpu_uuid))
                 return errmsg_set(errmsg, -EINVAL, "gpu uuid of %zu bytes: need up to %d printable bytes",
-                                  strlen(gpu_uuid), JOB_GPU_UUID_MAX);
+                                  strlen(gpu_uuid), MOEEP_GPU_UUID_MAX);
         for (int i = 0; i < 8; i++)
                 id |= (uint64_t)unique_id[1 + i] << (8 * i);
         job = jobs_find(jobs, id);
@@ -369,7 +358,7 @@ int jobs_join_mirror(struct jobs *jobs, const char *home, uint64_t home_id, cons
                 gpu_uuid = "";
         if (!uuid_valid(gpu_uuid))
                 return errmsg_set(errmsg, -EINVAL, "gpu uuid of %zu bytes: need up to %d printable bytes",
-                                  strlen(gpu_uuid), JOB_GPU_UUID_MAX);
+                                  strlen(gpu_uuid), MOEEP_GPU_UUID_MAX);
         if (owner_in_a_job(jobs, owner))
                 return errmsg_set(errmsg, -EISCONN,
                                   "job %" PRIu64 " at %s: the session already belongs to a job", home_id,
@@ -383,7 +372,8 @@ int jobs_join_mirror(struct jobs *jobs, const char *home, uint64_t home_id, cons
                                   "job %" PRIu64 " at %s: rank %" PRIu32 " is already taken here", home_id,
                                   home, rank);
         if (!job) {
-                r = job_alloc(jobs, name && name_valid(name) ? name : "remote", world_size, 0, &job, errmsg);
+                r = job_alloc(jobs, name && moeep_job_name_valid(name) ? name : "remote", world_size, 0, &job,
+                              errmsg);
                 if (r < 0)
                         return r;
                 snprintf(job->home, sizeof(job->home), "%s", home);

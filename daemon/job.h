@@ -13,14 +13,13 @@
 
 #include "log.h" /* ERRMSG_MAX */
 #include "moeep.h"
+#include "names.h"     /* MOEEP_JOB_NAME_MAX, MOEEP_GPU_UUID_MAX */
 #include "transport.h" /* struct tp_rkey */
 
 struct config;
 struct mesh_job;
 struct region;
 
-#define JOB_NAME_MAX 64
-#define JOB_GPU_UUID_MAX 64
 #define JOB_SECRET_BYTES 32
 /* Room for a daemon's mesh address ("HOST:PORT", an IPv6 literal at most). */
 #define JOB_NODE_MAX 71
@@ -86,7 +85,7 @@ struct job_remote_region {
 struct job_member {
         struct job *job; /* holds a reference */
         uint32_t rank;
-        char gpu_uuid[JOB_GPU_UUID_MAX + 1];
+        char gpu_uuid[MOEEP_GPU_UUID_MAX + 1];
         void *owner; /* not owning; handed to the callbacks */
         /* Not owning; the callbacks for this member, NULL = the registry's
          * (sessions). The mesh sets its own for the members that stand for
@@ -101,7 +100,7 @@ struct job_member {
 
 struct job {
         uint64_t id; /* public, daemon-wide unique, never reused */
-        char name[JOB_NAME_MAX + 1];
+        char name[MOEEP_JOB_NAME_MAX + 1];
         uint32_t world_size;
         uid_t owner_uid; /* uid of the creator, counted against max_jobs_per_uid */
         enum job_state state;

@@ -23,7 +23,7 @@ struct mesh_join {
         uint8_t unique_id[MOEEP_UNIQUE_ID_BYTES]; /* never logged */
         size_t unique_id_len;
         uint32_t rank, world_size;
-        char gpu_uuid[JOB_GPU_UUID_MAX + 1];
+        char gpu_uuid[MOEEP_GPU_UUID_MAX + 1];
         TAILQ_ENTRY(mesh_join) entry;
 };
 
@@ -90,7 +90,7 @@ int mesh_jobs_join_forward(struct mesh_jobs *mj, struct session *s, uint64_t rid
                         errmsg, -ENOENT,
                         "the job was created at daemon %s, and this daemon's mesh is off (mesh_listen)",
                         said);
-        if (jj->unique_id.len > MOEEP_UNIQUE_ID_BYTES || strlen(jj->gpu_uuid) > JOB_GPU_UUID_MAX)
+        if (jj->unique_id.len > MOEEP_UNIQUE_ID_BYTES || strlen(jj->gpu_uuid) > MOEEP_GPU_UUID_MAX)
                 return errmsg_set(errmsg, -EINVAL, "unique id of %zu bytes or gpu uuid of %zu: too long",
                                   jj->unique_id.len, strlen(jj->gpu_uuid));
         /* The address comes from the client: it is only ever looked up

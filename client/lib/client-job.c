@@ -9,9 +9,7 @@
 #include <sys/stat.h>
 
 #include "client-handle.h"
-
-#define JOB_NAME_MAX 64
-#define GPU_UUID_MAX 64
+#include "names.h"
 
 void client_job_forget(struct moeep_client *c) {
         if (c->job_data_free)
@@ -24,17 +22,6 @@ void client_job_forget(struct moeep_client *c) {
         c->job_id = 0;
         c->rank = -1;
         c->world_size = 0;
-}
-
-static bool name_valid(const char *name) {
-        size_t n = strlen(name);
-
-        if (n < 1 || n > JOB_NAME_MAX)
-                return false;
-        for (size_t i = 0; i < n; i++)
-                if ((unsigned char)name[i] < 0x20 || (unsigned char)name[i] > 0x7e)
-                        return false;
-        return true;
 }
 
 static int check_world_size(struct moeep_client *c, int world_size) {
@@ -56,10 +43,10 @@ int moeep_job_create(struct moeep_client *c, const char *name, int world_size,
                 return -EINVAL;
         if (!name || !ret_id)
                 return client_error_set(c, -EINVAL, "job create: %s is NULL", !name ? "name" : "ret_id");
-        if (!name_valid(name))
+        if (!moeep_job_name_valid(name))
                 return client_error_set(c, -EINVAL,
                                         "job name '%.80s' is invalid (1..%d printable ASCII bytes)", name,
-                                        JOB_NAME_MAX);
+                                        MOEEP_JOB_NAME_MAX);
         r = check_world_size(c, world_size);
         if (r < 0)
                 return r;
@@ -149,9 +136,9 @@ int moeep_job_join(struct moeep_client *c, const struct moeep_unique_id *id, int
                 return r;
         if (rank < 0 || rank >= world_size)
                 return client_error_set(c, -ERANGE, "rank %d is out of range (0..%d)", rank, world_size - 1);
-        if (gpu_uuid && strlen(gpu_uuid) > GPU_UUID_MAX)
+        if (gpu_uuid && strlen(gpu_uuid) > MOEEP_GPU_UUID_MAX)
                 return client_error_set(c, -EINVAL, "GPU UUID '%.80s' is longer than %d bytes", gpu_uuid,
-                                        GPU_UUID_MAX);
+                                        MOEEP_GPU_UUID_MAX);
         if (c->control_page)
                 return client_error_set(c, -EISCONN, "this session already joined job %llu as rank %d",
                                         (unsigned long long)c->job_id, c->rank);

@@ -99,7 +99,7 @@ static int join(struct fixture *f, const uint8_t *uid, uint32_t rank, uint32_t w
 
 static void test_create_validation(void **state) {
         struct fixture *f = *state;
-        char errmsg[ERRMSG_MAX], long_name[JOB_NAME_MAX + 2];
+        char errmsg[ERRMSG_MAX], long_name[MOEEP_JOB_NAME_MAX + 2];
         struct job *job;
 
         memset(long_name, 'x', sizeof(long_name) - 1);
@@ -110,7 +110,7 @@ static void test_create_validation(void **state) {
         assert_int_equal(jobs_create(f->jobs, "ok", 0, 1000, f, &job, errmsg), -EINVAL);
         assert_int_equal(jobs_create(f->jobs, "ok", MOEEP_MAX_RANKS + 1, 1000, f, &job, errmsg), -EINVAL);
         assert_non_null(strstr(errmsg, "9")); /* names the value */
-        long_name[JOB_NAME_MAX] = '\0';
+        long_name[MOEEP_JOB_NAME_MAX] = '\0';
         assert_int_equal(jobs_create(f->jobs, long_name, MOEEP_MAX_RANKS, 1000, f, &job, errmsg), 0);
         assert_int_equal(f->jobs->count, 1);
 }
