@@ -52,27 +52,8 @@ fail() {
 
 # shellcheck source=../wait.sh
 source "$(dirname "$(realpath "${BASH_SOURCE[0]}")")/../wait.sh"
-
-# ctl NAME ARGS...: moeepctl against $sock; stdout in $tmp/NAME.out, must
-# exit 0.
-ctl() {
-        local name=$1 rc
-        shift
-        timeout 20 "$moeepctl" --socket "$sock" "$@" >"$tmp/$name.out" 2>"$tmp/$name.err"
-        rc=$?
-        [[ $rc -eq 0 ]] || fail "moeepctl $* exited $rc: $(cat "$tmp/$name.err")"
-}
-
-# json FILE PYTHON-EXPR: the expression, with `d` the parsed document, must
-# hold.
-json() {
-        python3 - "$1" "$2" <<'PY' || fail "JSON check '$2' on $(basename "$1"): $(head -c 400 "$1")"
-import json, sys
-d = json.load(open(sys.argv[1]))
-if not eval(sys.argv[2]):
-    sys.exit(1)
-PY
-}
+# shellcheck source=../ctl.sh
+source "$(dirname "$(realpath "${BASH_SOURCE[0]}")")/../ctl.sh"
 
 # http PATH OUT: GET http://127.0.0.1:$port/PATH; prints the status code.
 http() {

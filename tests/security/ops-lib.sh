@@ -37,6 +37,8 @@ fail() {
 
 # shellcheck source=../wait.sh
 source "$here/../wait.sh"
+# shellcheck source=../ctl.sh
+source "$here/../ctl.sh"
 
 # start_daemon [PREFIX...]: moeepd on $conf, run under PREFIX (prlimit);
 # waits for both sockets.
@@ -59,27 +61,6 @@ probe() {
         local out
         out=$("$probe" "$1" "$2" 100 "${3:-status}" 2>&1) || fail "a well-behaved client on $1: $out"
         echo "$out"
-}
-
-# ctl NAME ARGS...: moeepctl (admin socket by default); stdout in
-# $tmp/NAME.out, must exit 0.
-ctl() {
-        local name=$1 rc
-        shift
-        timeout 20 "$moeepctl" --socket "$sock" "$@" >"$tmp/$name.out" 2>"$tmp/$name.err"
-        rc=$?
-        [[ $rc -eq 0 ]] || fail "moeepctl $* exited $rc: $(cat "$tmp/$name.err")"
-}
-
-# json FILE PYTHON-EXPR: the expression, with `d` the parsed document, must
-# hold.
-json() {
-        python3 - "$1" "$2" <<'PY' || fail "JSON check '$2' on $(basename "$1"): $(head -c 400 "$1")"
-import json, sys
-d = json.load(open(sys.argv[1]))
-if not eval(sys.argv[2]):
-    sys.exit(1)
-PY
 }
 
 stop_daemon() {
