@@ -160,15 +160,31 @@ static Moeep__V1__PeerMessage *recv_msg(int fd) {
 
 static int mesh_connect(void) {
         struct sockaddr_in sa = { .sin_family = AF_INET, .sin_port = htons(mesh_port) };
-        int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0), one = 1;
+        int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0), one = 1, err = 0;
+        socklen_t len = sizeof(err);
 
         inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
         if (fd < 0)
                 abort();
-        /* Blocking connect on loopback completes at once (the listener's
-         * backlog queues it); the daemon accepts it in the next pump. */
-        if (connect(fd, (struct sockaddr *)&sa, sizeof(sa)) < 0)
+        /* Non-blocking, and waited for here with the loop pumped: a SYN that
+         * meets a daemon-side TIME-WAIT of the same ports is retried by the
+         * kernel a second later, and a blocking connect() then ends in
+         * EINTR when libFuzzer's timer signal arrives. 10 s at most. */
+        if (connect(fd, (struct sockaddr *)&sa, sizeof(sa)) < 0 && errno != EINPROGRESS) {
+                fprintf(stderr, "fuzz-mesh: connect: %s\n", strerror(errno));
                 abort();
+        }
+        for (int i = 0; i < 1000; i++) {
+                struct pollfd p = { .fd = fd, .events = POLLOUT };
+
+                pump();
+                if (poll(&p, 1, 10) == 1)
+                        break;
+        }
+        if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) < 0 || err != 0) {
+                fprintf(stderr, "fuzz-mesh: connect: %s\n", strerror(err ? err : errno));
+                abort();
+        }
         setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
         /* Our close resets the connection: a run opens a hundred thousand of
          * them, and closes that leave TIME-WAIT behind (on either side, the
