@@ -39,8 +39,8 @@ extern "C" int moeep_launch_p2p_put(const struct moeep_ctx *ctx, size_t bytes, i
 /* Reference pack, step 1: per destination, the position of every token in
  * a send buffer grouped by destination (one block; exclusive scan over
  * tokens as torch.nonzero would give). offsets[d] = first row of d. */
-__global__ void __launch_bounds__(1024) ref_scan_kernel(const uint8_t *in_rank, int T, int R, int32_t *pos,
-                                                        int32_t *counts) {
+__global__ void __launch_bounds__(1024)
+        ref_scan_kernel(const uint8_t *in_rank, int T, int R, int32_t *pos, int32_t *counts) {
         __shared__ int s_run[MOEEP_KERNEL_MAX_RANKS];
         __shared__ int s_warp[32][MOEEP_KERNEL_MAX_RANKS];
         const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
@@ -174,8 +174,8 @@ extern "C" int moeep_launch_delay(uint64_t ns, cudaStream_t stream) {
  * seen; PINGPONG: out[1 + i] = ns from storing ping = i + 1 to a host word
  * until a CPU thread's echo pong = i + 1 is seen (the host memory round trip
  * that any path through a CPU proxy pays). */
-__global__ void ring_bench_kernel(struct proxy_ring_hdr *hdr, uint64_t *counters, uint64_t *ping, int mode,
-                                  uint32_t n, uint32_t size, uint32_t region, int signal, int64_t *out) {
+__global__ void ring_bench_kernel(struct proxy_ring_hdr *hdr, uint64_t *counters, uint64_t *ping, int mode, uint32_t n,
+                                  uint32_t size, uint32_t region, int signal, int64_t *out) {
         struct ring_producer r = { hdr, (struct proxy_desc *)((char *)hdr + PROXY_RING_HDR_BYTES), hdr->capacity,
                                    ld_acquire_sys(&hdr->tail), ld_acquire_sys(&hdr->head) };
         const uint64_t timeout = 10ull * 1000000000u;
@@ -225,11 +225,10 @@ __global__ void ring_bench_kernel(struct proxy_ring_hdr *hdr, uint64_t *counters
 }
 
 extern "C" int moeep_launch_ring_bench(void *ring_hdr, uint64_t *counters, uint64_t *ping, int mode, uint32_t n,
-                                       uint32_t size, uint32_t region, int signal, int64_t *out,
-                                       cudaStream_t stream) {
+                                       uint32_t size, uint32_t region, int signal, int64_t *out, cudaStream_t stream) {
         MOEEP_CUDA_LAUNCH_BEGIN();
-        ring_bench_kernel<<<1, 1, 0, stream>>>((struct proxy_ring_hdr *)ring_hdr, counters, ping, mode, n, size,
-                                               region, signal, out);
+        ring_bench_kernel<<<1, 1, 0, stream>>>((struct proxy_ring_hdr *)ring_hdr, counters, ping, mode, n, size, region,
+                                               signal, out);
         MOEEP_CUDA_LAUNCH_CHECK();
         return 0;
 }

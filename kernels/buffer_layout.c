@@ -5,8 +5,7 @@ static size_t align_up(size_t v, size_t a) {
         return (v + a - 1) / a * a;
 }
 
-void moeep_buffer_layout_compute(struct moeep_buffer_layout *l, int ranks, int max_tokens, int hidden,
-                                 int max_topk) {
+void moeep_buffer_layout_compute(struct moeep_buffer_layout *l, int ranks, int max_tokens, int hidden, int max_topk) {
         size_t rows = (size_t)ranks * (size_t)max_tokens;
         size_t off = 0;
 
@@ -66,8 +65,8 @@ void moeep_px_layout_compute(struct moeep_px *px, int ranks, int max_tokens, int
                                        (size_t)max_topk * (sizeof(int64_t) + sizeof(float)) + sizeof(int32_t),
                                16);
         px->nm_row = align_up((size_t)hidden * 2 + (size_t)max_topk * sizeof(float) + sizeof(int32_t), 16);
-        px->nm_sync_seg = align_up(
-                MOEEP_PX_SEG_HDR + (size_t)(ranks + num_experts / ranks + 1) * sizeof(int32_t), 4096);
+        px->nm_sync_seg =
+                align_up(MOEEP_PX_SEG_HDR + (size_t)(ranks + num_experts / ranks + 1) * sizeof(int32_t), 4096);
         px->nm_dispatch_seg = align_up(MOEEP_PX_SEG_HDR + (size_t)max_tokens * px->nm_pair, 4096);
         px->nm_combine_seg = align_up(MOEEP_PX_SEG_HDR + (size_t)max_tokens * px->nm_row, 4096);
         px->nm_sync = off;
@@ -79,11 +78,9 @@ void moeep_px_layout_compute(struct moeep_px *px, int ranks, int max_tokens, int
 
         px->ll_slots = (uint32_t)(ll->max_tokens * max_topk);
         /* Dispatch: row (bf16 size, FP8 rows use half), scales, local expert and source info. */
-        px->ll_pair =
-                align_up((size_t)hidden * 2 + (size_t)(hidden / MOEEP_SCALE_BLOCK) * sizeof(float) + 8, 16);
+        px->ll_pair = align_up((size_t)hidden * 2 + (size_t)(hidden / MOEEP_SCALE_BLOCK) * sizeof(float) + 8, 16);
         px->ll_row = (size_t)hidden * 2 + 16; /* combine: bf16 row, token, k */
-        px->ll_dispatch_seg =
-                align_up(MOEEP_PX_SEG_HDR + MOEEP_PX_LL_COUNTS + px->ll_slots * px->ll_pair, 4096);
+        px->ll_dispatch_seg = align_up(MOEEP_PX_SEG_HDR + MOEEP_PX_LL_COUNTS + px->ll_slots * px->ll_pair, 4096);
         px->ll_combine_seg = align_up(MOEEP_PX_SEG_HDR + px->ll_slots * px->ll_row, 4096);
         for (int b = 0; b < 2; b++) {
                 px->ll_dispatch[b] = off;

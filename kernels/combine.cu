@@ -36,14 +36,14 @@
 enum {
         COMBINE_THREADS = 1024,
         SEND_WARPS = 16,
-        CONSUMER_WARPS = 12,      /* in groups of GROUP_WARPS, one group per stage */
+        CONSUMER_WARPS = 12, /* in groups of GROUP_WARPS, one group per stage */
         GROUP_WARPS = 4,
         CONSUMER_GROUPS = CONSUMER_WARPS / GROUP_WARPS,
         PRODUCER_WARP = 31,
-        SLICE_MAX = 8192,         /* bytes of one row slice; a stage holds ranks of them */
+        SLICE_MAX = 8192, /* bytes of one row slice; a stage holds ranks of them */
         MAX_STAGES = 16,
-        STAGE_SMEM = 192 * 1024,  /* ring of stages */
-        CLAIM_ROWS = 4,           /* rows a send warp claims (and counts) at once */
+        STAGE_SMEM = 192 * 1024, /* ring of stages */
+        CLAIM_ROWS = 4,          /* rows a send warp claims (and counts) at once */
 };
 
 struct stage_info {
@@ -114,7 +114,8 @@ __device__ __forceinline__ void combine_send(const struct moeep_ctx &ctx, const 
                                                         st_na_v4(dst + i + u * 32, v[u]);
                                 }
                                 if (weights && lane < K)
-                                        ((float *)(ctx.peers[s] + ctx.layout.comb_weights))[slot * ctx.max_topk + lane] =
+                                        ((float *)(ctx.peers[s] +
+                                                   ctx.layout.comb_weights))[slot * ctx.max_topk + lane] =
                                                 weights[(size_t)p * K + lane];
                         }
                         /* Lane i counts row base + i: the warp barrier orders
@@ -139,18 +140,16 @@ __device__ __forceinline__ void row_slices(int row_bytes, int *ret_n, int *ret_b
 /* Block b reduces chunks b, b + grid, b + 2 grid, ...: exactly one block
  * waits for (and resets) each chunk counter, and every block's work follows
  * the senders, who move through each source's tokens in order. */
-#define FOR_EACH_BLOCK_CHUNK(c0, c1, num_tokens, rb, nrb)                                                 \
-        for (int c0 = (rb) * MOEEP_COMBINE_CHUNK, c1 = min(c0 + MOEEP_COMBINE_CHUNK, (num_tokens));        \
-             c0 < (num_tokens);                                                                            \
-             c0 += (nrb) * MOEEP_COMBINE_CHUNK, c1 = min(c0 + MOEEP_COMBINE_CHUNK, (num_tokens)))
+#define FOR_EACH_BLOCK_CHUNK(c0, c1, num_tokens, rb, nrb)                                                            \
+        for (int c0 = (rb)*MOEEP_COMBINE_CHUNK, c1 = min(c0 + MOEEP_COMBINE_CHUNK, (num_tokens)); c0 < (num_tokens); \
+             c0 += (nrb)*MOEEP_COMBINE_CHUNK, c1 = min(c0 + MOEEP_COMBINE_CHUNK, (num_tokens)))
 
 /* Producer role (warp 31): the whole warp reads the chunk's routing, lane 0
  * waits for the chunk's rows and issues the bulk copies. */
 __device__ __forceinline__ void combine_produce(const struct moeep_ctx &ctx, const struct moeep_route &route,
-                                                const int4 *x, const int *s_prefix, bool self_in_place,
-                                                char *stages, uint64_t *full, uint64_t *empty,
-                                                struct stage_info *info, int nstages, size_t stage_bytes, int rb,
-                                                int nrb) {
+                                                const int4 *x, const int *s_prefix, bool self_in_place, char *stages,
+                                                uint64_t *full, uint64_t *empty, struct stage_info *info, int nstages,
+                                                size_t stage_bytes, int rb, int nrb) {
         const int lane = threadIdx.x % 32, R = ctx.ranks, me = ctx.rank;
         const int row_bytes = ctx.hidden * 2;
         const char *slots = ctx.peers[ctx.rank] + ctx.layout.comb_x;
@@ -186,7 +185,9 @@ __device__ __forceinline__ void combine_produce(const struct moeep_ctx &ctx, con
                         const int tok = c0 + i, n = ok ? __popc(m) : 0;
                         const int r = lane < n ? (int)__fns(m, 0, lane + 1) : 0;
                         const char *row = self_in_place && r == me && lane < n
-                                                  ? (const char *)x + (size_t)(s_prefix[me] + route.send_pos[(size_t)tok * R + me]) * row_bytes
+                                                  ? (const char *)x + (size_t)(s_prefix[me] +
+                                                                               route.send_pos[(size_t)tok * R + me]) *
+                                                                              row_bytes
                                                   : slots + ((size_t)r * ctx.max_tokens + tok) * row_bytes;
                         for (int j = 0; j < slices; j++) {
                                 const int bytes = min(slice_bytes, row_bytes - j * slice_bytes);
@@ -252,7 +253,9 @@ __device__ __forceinline__ void combine_consume(const struct moeep_ctx &ctx, con
                                                 if (self_in_place && r == ctx.rank)
                                                         w += weights[(size_t)(s_prefix[r] + pos) * K + lane];
                                                 else
-                                                        w += __ldcg(wslots + ((size_t)r * ctx.max_tokens + t) * ctx.max_topk + lane);
+                                                        w += __ldcg(wslots +
+                                                                    ((size_t)r * ctx.max_tokens + t) * ctx.max_topk +
+                                                                    lane);
                                         }
                                 out_weights[(size_t)t * K + lane] = w;
                         }
@@ -277,7 +280,9 @@ __device__ __forceinline__ int4 ld_cg_v4(const int4 *p) {
  * lane. Not inlined: inside the kernel its 32 registers of loads pushed
  * the kernel's other live values (64 registers at 1024 threads) into local
  * memory; as a call, the spills happen once per row, not per load. */
-enum { COPY_UNROLL = 8 };
+enum {
+        COPY_UNROLL = 8
+};
 static __device__ __noinline__ void copy_row(const int4 *src, int4 *dst, int n16, int lane) {
         for (int i = lane; i < n16; i += 32 * COPY_UNROLL) {
                 int4 v[COPY_UNROLL];
@@ -345,9 +350,9 @@ __device__ __forceinline__ void combine_wait(const struct moeep_ctx &ctx, const 
  * chunk, 32 tokens over 31 warps gave one warp two tokens each time, and
  * that warp set the pace. A token without rows gets zeros. */
 __device__ __forceinline__ void combine_copy(const struct moeep_ctx &ctx, const struct moeep_route &route,
-                                             const int4 *x, const float *weights, int K, const int *s_prefix,
-                                             int4 *out, float *out_weights, bool self_in_place, int w, int nw,
-                                             int rb, int nrb, const int *s_ready) {
+                                             const int4 *x, const float *weights, int K, const int *s_prefix, int4 *out,
+                                             float *out_weights, bool self_in_place, int w, int nw, int rb, int nrb,
+                                             const int *s_ready) {
         const int lane = threadIdx.x % 32;
         const int n16 = ctx.hidden * 2 / 16;
         const int4 *slots = (const int4 *)(ctx.peers[ctx.rank] + ctx.layout.comb_x);
@@ -365,7 +370,8 @@ __device__ __forceinline__ void combine_copy(const struct moeep_ctx &ctx, const 
                 for (int i = first; i < c1 - c0; i += nw) {
                         const int t = c0 + i, pos = ready != READY_FAILED ? route.send_pos[t] : -1;
                         /* Our row: in x at its receive position, or in the slot. */
-                        const int4 *src = self_in_place ? x + (size_t)(s_prefix[0] + pos) * n16 : slots + (size_t)t * n16;
+                        const int4 *src =
+                                self_in_place ? x + (size_t)(s_prefix[0] + pos) * n16 : slots + (size_t)t * n16;
                         const float *wsrc = self_in_place ? weights + (size_t)(s_prefix[0] + pos) * K
                                                           : wslots + (size_t)t * ctx.max_topk;
                         int4 *dst = out + (size_t)t * n16;
@@ -448,20 +454,21 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1)
                 if (ctx.trace && tid % 32 == 0)
                         ctx.trace[blockIdx.x * 4 + 2] = globaltimer_ns();
         } else if (warp >= PRODUCER_WARP - CONSUMER_WARPS) {
-                combine_consume(ctx, route, weights, s_prefix, self_in_place, stages, full, empty, info, nstages, stage_bytes, out, out_weights,
-                                num_topk, warp - (PRODUCER_WARP - CONSUMER_WARPS), rb, nrb);
+                combine_consume(ctx, route, weights, s_prefix, self_in_place, stages, full, empty, info, nstages,
+                                stage_bytes, out, out_weights, num_topk, warp - (PRODUCER_WARP - CONSUMER_WARPS), rb,
+                                nrb);
                 if (ctx.trace && tid % 32 == 0)
-                        atomicMax((unsigned long long *)&ctx.trace[blockIdx.x * 4 + 3], (unsigned long long)globaltimer_ns());
+                        atomicMax((unsigned long long *)&ctx.trace[blockIdx.x * 4 + 3],
+                                  (unsigned long long)globaltimer_ns());
         }
 }
 
 extern "C" int moeep_kernels_init(void) {
-        return (int)cudaFuncSetAttribute(combine_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         STAGE_SMEM);
+        return (int)cudaFuncSetAttribute(combine_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, STAGE_SMEM);
 }
 
-extern "C" int moeep_launch_combine(const struct moeep_ctx *ctx, const void *x, const float *topk_weights,
-                                    int num_topk, const struct moeep_route *route, void *out, float *out_weights,
+extern "C" int moeep_launch_combine(const struct moeep_ctx *ctx, const void *x, const float *topk_weights, int num_topk,
+                                    const struct moeep_route *route, void *out, float *out_weights,
                                     cudaStream_t stream) {
         const size_t stage_bytes = (size_t)ctx->ranks * SLICE_MAX;
         const bool self_in_place = !(ctx->debug & MOEEP_DEBUG_COPY_SELF);
@@ -475,8 +482,7 @@ extern "C" int moeep_launch_combine(const struct moeep_ctx *ctx, const void *x, 
         /* With nothing to send, every warp but the waiter copies. */
         const int send_warps = direct && self_in_place ? 0 : SEND_WARPS;
         const int nstages =
-                direct ? 0
-                       : (int)min((size_t)MAX_STAGES, STAGE_SMEM / stage_bytes) / CONSUMER_GROUPS * CONSUMER_GROUPS;
+                direct ? 0 : (int)min((size_t)MAX_STAGES, STAGE_SMEM / stage_bytes) / CONSUMER_GROUPS * CONSUMER_GROUPS;
 
         MOEEP_CUDA_LAUNCH_BEGIN();
         /* From 4 ranks on, half the blocks only send and half only reduce: on
@@ -490,8 +496,8 @@ extern "C" int moeep_launch_combine(const struct moeep_ctx *ctx, const void *x, 
         if (send_blocks >= ctx->num_sms || ctx->combine_send_blocks < 0)
                 send_blocks = 0;
         combine_kernel<<<ctx->num_sms, COMBINE_THREADS, nstages * stage_bytes, stream>>>(
-                *ctx, (const int4 *)x, topk_weights, num_topk, *route, (int4 *)out, out_weights, nstages,
-                send_blocks, send_warps, direct, self_in_place);
+                *ctx, (const int4 *)x, topk_weights, num_topk, *route, (int4 *)out, out_weights, nstages, send_blocks,
+                send_warps, direct, self_in_place);
         MOEEP_CUDA_LAUNCH_CHECK();
         return 0;
 }

@@ -10,7 +10,10 @@
 #include "ptx.cuh"
 #include "px.cuh"
 
-enum { DISPATCH_THREADS = 1024, DISPATCH_UNROLL = 4 };
+enum {
+        DISPATCH_THREADS = 1024,
+        DISPATCH_UNROLL = 4
+};
 
 template <typename Idx>
 __global__ void __launch_bounds__(DISPATCH_THREADS, 1)
@@ -65,8 +68,8 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1)
                                 float s = a.x_scales[(size_t)t * n_scales + j];
                                 for (int d = 0; d < R; d++)
                                         if (pos[d] >= 0)
-                                                ((float *)(ctx.peers[d] + ctx.layout.recv_scales))
-                                                        [(size_t)pos[d] * n_scales + j] = s;
+                                                ((float *)(ctx.peers[d] +
+                                                           ctx.layout.recv_scales))[(size_t)pos[d] * n_scales + j] = s;
                         }
                 if (topk_idx && lane < K) {
                         int64_t e = (int64_t)topk_idx[(size_t)t * K + lane];
@@ -76,7 +79,8 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1)
                                         continue;
                                 /* Expert ids become the destination's local ids; experts
                                  * elsewhere read -1 with weight 0. */
-                                int64_t local = e >= (int64_t)d * epr && e < (int64_t)(d + 1) * epr ? e - (int64_t)d * epr : -1;
+                                int64_t local =
+                                        e >= (int64_t)d * epr && e < (int64_t)(d + 1) * epr ? e - (int64_t)d * epr : -1;
                                 size_t k = (size_t)pos[d] * K + lane;
                                 ((Idx *)(ctx.peers[d] + ctx.layout.recv_topk_idx))[k] = (Idx)local;
                                 ((float *)(ctx.peers[d] + ctx.layout.recv_topk_weights))[k] = local >= 0 ? w : 0.0f;
@@ -116,11 +120,11 @@ extern "C" int moeep_launch_dispatch(const struct moeep_ctx *ctx, const struct m
                                      const struct moeep_route *route, cudaStream_t stream) {
         MOEEP_CUDA_LAUNCH_BEGIN();
         if (a->idx_is_int64 || !a->topk_idx)
-                dispatch_kernel<int64_t><<<ctx->num_sms, DISPATCH_THREADS, 0, stream>>>(*ctx, *a, route->num_tokens,
-                                                                                        *route);
+                dispatch_kernel<int64_t>
+                        <<<ctx->num_sms, DISPATCH_THREADS, 0, stream>>>(*ctx, *a, route->num_tokens, *route);
         else
-                dispatch_kernel<int32_t><<<ctx->num_sms, DISPATCH_THREADS, 0, stream>>>(*ctx, *a, route->num_tokens,
-                                                                                        *route);
+                dispatch_kernel<int32_t>
+                        <<<ctx->num_sms, DISPATCH_THREADS, 0, stream>>>(*ctx, *a, route->num_tokens, *route);
         MOEEP_CUDA_LAUNCH_CHECK();
         return 0;
 }

@@ -88,8 +88,7 @@ enum moeep_kernel_error {
         MOEEP_KERR_TIMEOUT = 1,  /* a peer's flag did not arrive within the wait bound */
         MOEEP_KERR_ABORT = 2,    /* the daemon set the job's abort word */
         MOEEP_KERR_OVERFLOW = 3, /* low-latency: an expert got more pairs than it has slots */
-        MOEEP_KERR_PROXY =
-                4, /* the proxy ring to a remote rank failed (its error word), or was full too long */
+        MOEEP_KERR_PROXY = 4,    /* the proxy ring to a remote rank failed (its error word), or was full too long */
 };
 
 /* Offsets inside every NVLink buffer, derived from the configuration. */
@@ -105,8 +104,7 @@ struct moeep_buffer_layout {
         size_t total;
 };
 
-void moeep_buffer_layout_compute(struct moeep_buffer_layout *l, int ranks, int max_tokens, int hidden,
-                                 int max_topk);
+void moeep_buffer_layout_compute(struct moeep_buffer_layout *l, int ranks, int max_tokens, int hidden, int max_topk);
 
 /* Low-latency flags and counters, in every NVLink buffer when the
  * endpoint has low-latency buffers; index [b] is the buffer set. */
@@ -186,12 +184,12 @@ struct moeep_px_state {
         void *ring_hdr;    /* struct proxy_ring_hdr *: device pointer of the mapped ring */
         uint32_t ring_cap; /* descriptors, a power of two */
         uint32_t pad;
-        uint64_t ring_tail;                           /* descriptors published */
-        uint64_t ring_head;                           /* the proxy's head as last read */
-        uint32_t ll_claim[2][MOEEP_KERNEL_MAX_RANKS]; /* dispatch pairs staged, per set and destination */
+        uint64_t ring_tail;                                /* descriptors published */
+        uint64_t ring_head;                                /* the proxy's head as last read */
+        uint32_t ll_claim[2][MOEEP_KERNEL_MAX_RANKS];      /* dispatch pairs staged, per set and destination */
         uint32_t ll_comb_claim[2][MOEEP_KERNEL_MAX_RANKS]; /* combine rows staged */
-        uint32_t nm_claim[MOEEP_KERNEL_MAX_RANKS]; /* normal mode: rows staged by the running kernel */
-        uint32_t nm_blocks;                        /* normal mode: blocks done staging */
+        uint32_t nm_claim[MOEEP_KERNEL_MAX_RANKS];         /* normal mode: rows staged by the running kernel */
+        uint32_t nm_blocks;                                /* normal mode: blocks done staging */
 };
 
 struct moeep_px {
@@ -200,10 +198,10 @@ struct moeep_px {
         const char *recv;
         const uint64_t *counters; /* device pointer of the mapped counters */
         struct moeep_px_state *state;
-        uint64_t epoch;    /* added to every signal value: endpoints of one job reuse the regions */
-        size_t ll_pair;    /* bytes of a staged dispatch pair, at most (a BF16 row; FP8 pairs are smaller) */
-        size_t ll_row;     /* bytes of a staged combine row */
-        uint32_t ll_slots; /* slots of a segment: ll max_tokens * max_topk */
+        uint64_t epoch;        /* added to every signal value: endpoints of one job reuse the regions */
+        size_t ll_pair;        /* bytes of a staged dispatch pair, at most (a BF16 row; FP8 pairs are smaller) */
+        size_t ll_row;         /* bytes of a staged combine row */
+        uint32_t ll_slots;     /* slots of a segment: ll max_tokens * max_topk */
         size_t ll_dispatch[2]; /* offsets of set b's segments, [rank] of ll_dispatch_seg bytes */
         size_t ll_combine[2];
         size_t ll_dispatch_seg, ll_combine_seg;
@@ -236,25 +234,25 @@ struct moeep_ctx {
         int hidden;
         int max_tokens;
         int max_topk;
-        int num_sms;    /* blocks of normal-mode dispatch/combine */
-        int ll_num_sms; /* blocks of the low-latency kernels: every SM */
+        int num_sms;             /* blocks of normal-mode dispatch/combine */
+        int ll_num_sms;          /* blocks of the low-latency kernels: every SM */
         int combine_send_blocks; /* 0: half the blocks send, half reduce; < 0: every block does both; else that many send */
-        uint64_t *trace;     /* diagnostics: [block][4] globaltimer stamps of combine, or NULL */
-        int debug;           /* MOEEP_DEBUG_* bits (diagnostics, from $MOEEP_KERNEL_DEBUG) */
-        uint64_t timeout_ns; /* bound of every spin-wait (globaltimer ns) */
-        struct moeep_px px;  /* ranks at other daemons; px.remote 0 when none */
+        uint64_t *trace;         /* diagnostics: [block][4] globaltimer stamps of combine, or NULL */
+        int debug;               /* MOEEP_DEBUG_* bits (diagnostics, from $MOEEP_KERNEL_DEBUG) */
+        uint64_t timeout_ns;     /* bound of every spin-wait (globaltimer ns) */
+        struct moeep_px px;      /* ranks at other daemons; px.remote 0 when none */
 };
 
 /* Routing state of one dispatch, kept for combine and for a cached dispatch.
  * Device arrays, owned by the handle (see client/lib/ep.c). */
 struct moeep_route {
-        int32_t *send_pos;      /* [num_tokens][ranks]: row among our rows at dst, -1 = not sent */
-        int32_t *dst_base;      /* [ranks]: first row of ours in each dst's receive area */
-        int32_t *recv_src;      /* [ranks * max_tokens]: (src rank << 24) | src token, per received row */
-        int32_t *rank_prefix;   /* [ranks + 1]: first received row of each source rank */
-        int32_t *expert_counts; /* [local experts]: received tokens per local expert (aligned) */
-        int32_t *num_recv;      /* [1] */
-        int32_t *chunk_expect;  /* [ceil(num_tokens / MOEEP_COMBINE_CHUNK)]: rows combine returns per chunk */
+        int32_t *send_pos;           /* [num_tokens][ranks]: row among our rows at dst, -1 = not sent */
+        int32_t *dst_base;           /* [ranks]: first row of ours in each dst's receive area */
+        int32_t *recv_src;           /* [ranks * max_tokens]: (src rank << 24) | src token, per received row */
+        int32_t *rank_prefix;        /* [ranks + 1]: first received row of each source rank */
+        int32_t *expert_counts;      /* [local experts]: received tokens per local expert (aligned) */
+        int32_t *num_recv;           /* [1] */
+        int32_t *chunk_expect;       /* [ceil(num_tokens / MOEEP_COMBINE_CHUNK)]: rows combine returns per chunk */
         int32_t *rank_prefix_matrix; /* [ranks][ranks]: rows src' <= src sent to dst, [src][dst] (DeepEP's) */
         int num_tokens;
 };
@@ -276,8 +274,8 @@ int moeep_kernels_init(void);
 
 /* Layout (DeepEP's get_dispatch_layout): outputs are fully written. */
 int moeep_launch_layout(const void *topk_idx, int idx_is_int64, int num_tokens, int num_topk, int num_experts,
-                        int ranks, int *num_tokens_per_rank, int *num_tokens_per_expert,
-                        uint8_t *is_token_in_rank, cudaStream_t stream);
+                        int ranks, int *num_tokens_per_rank, int *num_tokens_per_expert, uint8_t *is_token_in_rank,
+                        cudaStream_t stream);
 
 /* Barrier with every rank (bumps seq). When `route` is not NULL, also
  * computes the routing of a dispatch: per-token positions from
@@ -288,9 +286,9 @@ int moeep_launch_layout(const void *topk_idx, int idx_is_int64, int num_tokens, 
  * this call is a round of; the maximum lands in host_out); copies
  * num_recv and the counts to `host_out` when it is not NULL. */
 int moeep_launch_notify(const struct moeep_ctx *ctx, const uint8_t *is_token_in_rank, const void *topk_idx,
-                        int idx_is_int64, int num_tokens, int num_topk, const int *tokens_per_expert,
-                        int total_tokens, int alignment, const struct moeep_route *route,
-                        struct moeep_notify_host *host_out, cudaStream_t stream);
+                        int idx_is_int64, int num_tokens, int num_topk, const int *tokens_per_expert, int total_tokens,
+                        int alignment, const struct moeep_route *route, struct moeep_notify_host *host_out,
+                        cudaStream_t stream);
 
 struct moeep_dispatch_launch {
         const void *x;         /* [num_tokens][hidden], row bytes = hidden * elem_size */
@@ -327,14 +325,13 @@ int moeep_launch_ll_dispatch(const struct moeep_ctx *ctx, const void *x, int num
                              int idx_is_int64, int num_topk, int set, int slots, int use_fp8, int round_scale,
                              int phases, int *stats, cudaStream_t stream);
 int moeep_launch_ll_combine(const struct moeep_ctx *ctx, const void *y, int set, int slots, int phases,
-                            const void *topk_idx, int idx_is_int64, const float *weights, int num_tokens,
-                            int num_topk, void *out, cudaStream_t stream);
+                            const void *topk_idx, int idx_is_int64, const float *weights, int num_tokens, int num_topk,
+                            void *out, cudaStream_t stream);
 /* With ranks at other daemons (ctx->px.remote): after dispatch send, waits
  * for every remote source's staged pairs, places them like NVLink writes,
  * then does the receive phase; after combine send, places the remote
  * expert outputs before the receive phase of moeep_launch_ll_combine. */
-int moeep_launch_ll_dispatch_relay(const struct moeep_ctx *ctx, int set, int slots, int *stats,
-                                   cudaStream_t stream);
+int moeep_launch_ll_dispatch_relay(const struct moeep_ctx *ctx, int set, int slots, int *stats, cudaStream_t stream);
 int moeep_launch_ll_combine_relay(const struct moeep_ctx *ctx, int set, cudaStream_t stream);
 
 /* Normal mode with ranks at other daemons (kernels/px_normal.cu), queued
@@ -344,10 +341,9 @@ int moeep_launch_ll_combine_relay(const struct moeep_ctx *ctx, int set, cudaStre
  * combine alike. Neither waits for anything but remote ranks' segments. */
 int moeep_launch_px_dispatch_stage(const struct moeep_ctx *ctx, const struct moeep_dispatch_launch *a,
                                    const struct moeep_route *route, cudaStream_t stream);
-int moeep_launch_px_dispatch_relay(const struct moeep_ctx *ctx, const struct moeep_route *route,
-                                   cudaStream_t stream);
-int moeep_launch_px_combine_stage(const struct moeep_ctx *ctx, const void *x, const float *topk_weights,
-                                  int num_topk, const struct moeep_route *route, cudaStream_t stream);
+int moeep_launch_px_dispatch_relay(const struct moeep_ctx *ctx, const struct moeep_route *route, cudaStream_t stream);
+int moeep_launch_px_combine_stage(const struct moeep_ctx *ctx, const void *x, const float *topk_weights, int num_topk,
+                                  const struct moeep_route *route, cudaStream_t stream);
 int moeep_launch_px_combine_relay(const struct moeep_ctx *ctx, cudaStream_t stream);
 
 /* Benchmark references (kernels/bench.cu). */
@@ -361,8 +357,8 @@ int moeep_launch_p2p_put(const struct moeep_ctx *ctx, size_t bytes, int blocks, 
 /* What a user would run around an NCCL all-to-all: positions of each token
  * in a send buffer grouped by destination, the pack, and the sum of the
  * rows that come back (offsets: device [ranks], first row of each dst). */
-int moeep_launch_ref_scan(const uint8_t *is_token_in_rank, int num_tokens, int ranks, int32_t *pos,
-                          int32_t *counts, cudaStream_t stream);
+int moeep_launch_ref_scan(const uint8_t *is_token_in_rank, int num_tokens, int ranks, int32_t *pos, int32_t *counts,
+                          cudaStream_t stream);
 int moeep_launch_ref_pack(const void *x, size_t row_bytes, int num_tokens, int ranks, const int32_t *pos,
                           const int32_t *offsets, void *sendbuf, int blocks, cudaStream_t stream);
 int moeep_launch_ref_unpack(const void *back, int hidden, int num_tokens, int ranks, const int32_t *pos,
@@ -377,8 +373,8 @@ enum {
         MOEEP_RING_BENCH_PINGPONG
 };
 #define MOEEP_RING_BENCH_BATCH 32 /* RATE: descriptors per published tail */
-int moeep_launch_ring_bench(void *ring_hdr, uint64_t *counters, uint64_t *ping, int mode, uint32_t n,
-                            uint32_t size, uint32_t region, int signal, int64_t *out, cudaStream_t stream);
+int moeep_launch_ring_bench(void *ring_hdr, uint64_t *counters, uint64_t *ping, int mode, uint32_t n, uint32_t size,
+                            uint32_t region, int signal, int64_t *out, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

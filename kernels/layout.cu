@@ -6,9 +6,8 @@
 /* One thread per token. Counts are accumulated per block in shared memory
  * and then added to the (zeroed) outputs with one atomic per block and bin. */
 template <typename Idx>
-__global__ void __launch_bounds__(256) layout_kernel(const Idx *topk_idx, int num_tokens, int num_topk,
-                                                     int num_experts, int ranks, int *per_rank, int *per_expert,
-                                                     uint8_t *in_rank) {
+__global__ void __launch_bounds__(256) layout_kernel(const Idx *topk_idx, int num_tokens, int num_topk, int num_experts,
+                                                     int ranks, int *per_rank, int *per_expert, uint8_t *in_rank) {
         __shared__ int s_rank[MOEEP_KERNEL_MAX_RANKS];
         __shared__ int s_expert[MOEEP_KERNEL_MAX_EXPERTS];
         int experts_per_rank = num_experts / ranks;
@@ -46,9 +45,8 @@ __global__ void __launch_bounds__(256) layout_kernel(const Idx *topk_idx, int nu
 }
 
 extern "C" int moeep_launch_layout(const void *topk_idx, int idx_is_int64, int num_tokens, int num_topk,
-                                   int num_experts, int ranks, int *num_tokens_per_rank,
-                                   int *num_tokens_per_expert, uint8_t *is_token_in_rank,
-                                   cudaStream_t stream) {
+                                   int num_experts, int ranks, int *num_tokens_per_rank, int *num_tokens_per_expert,
+                                   uint8_t *is_token_in_rank, cudaStream_t stream) {
         MOEEP_CUDA_LAUNCH_BEGIN();
         cudaError_t e;
 

@@ -433,8 +433,8 @@ __global__ void __launch_bounds__(LL_THREADS, 1) ll_pairs_relay(struct moeep_ctx
                                                 __ldcv(sc + j);
                         if (lane == 0) {
                                 ((int32_t *)(own + ctx.ll.src[b]))[slot] = src_info & 0xfffff;
-                                ((int32_t *)(own + ctx.ll.kinfo[b]))[slot] = ((src_info >> 28) & 0xf) << 8 |
-                                                                             ((src_info >> 20) & 0xff);
+                                ((int32_t *)(own + ctx.ll.kinfo[b]))[slot] =
+                                        ((src_info >> 28) & 0xf) << 8 | ((src_info >> 20) & 0xff);
                         }
                 }
                 __syncthreads(); /* s_base is read above by every warp of the block */
@@ -562,9 +562,9 @@ __global__ void __launch_bounds__(LL_THREADS, 1)
 
 } /* namespace moeep_ll */
 
-extern "C" int moeep_launch_ll_dispatch(const struct moeep_ctx *ctx, const void *x, int num_tokens, const void *topk_idx,
-                                        int idx_is_int64, int num_topk, int set, int slots, int use_fp8, int round_scale,
-                                        int phases, int *stats, cudaStream_t stream) {
+extern "C" int moeep_launch_ll_dispatch(const struct moeep_ctx *ctx, const void *x, int num_tokens,
+                                        const void *topk_idx, int idx_is_int64, int num_topk, int set, int slots,
+                                        int use_fp8, int round_scale, int phases, int *stats, cudaStream_t stream) {
         MOEEP_CUDA_LAUNCH_BEGIN();
         /* The receive phase alone is one block's work. */
         const int blocks = (phases & MOEEP_LL_SEND) ? ctx->ll_num_sms : 1;

@@ -5,7 +5,10 @@
 #include "ptx.cuh"
 #include "px.cuh"
 
-enum { NOTIFY_THREADS = 1024, NOTIFY_WARPS = NOTIFY_THREADS / 32 };
+enum {
+        NOTIFY_THREADS = 1024,
+        NOTIFY_WARPS = NOTIFY_THREADS / 32
+};
 static_assert(MOEEP_COMBINE_CHUNK == 32, "notify counts a combine chunk per warp round of 32 tokens");
 
 /* Bit d set when token t goes to rank d: from is_token_in_rank when given,
@@ -65,11 +68,9 @@ __device__ __forceinline__ int32_t *px_counts_out(const struct moeep_ctx &ctx, i
 
 template <typename Idx>
 __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
-        notify_kernel(struct moeep_ctx ctx, const uint8_t *in_rank, const Idx *topk_idx, int num_tokens,
-                      int num_topk, const int *tokens_per_expert, int total_tokens, int alignment,
-                      struct moeep_route route,
-                      int with_route,
-                      struct moeep_notify_host *host_out) {
+        notify_kernel(struct moeep_ctx ctx, const uint8_t *in_rank, const Idx *topk_idx, int num_tokens, int num_topk,
+                      const int *tokens_per_expert, int total_tokens, int alignment, struct moeep_route route,
+                      int with_route, struct moeep_notify_host *host_out) {
         __shared__ int s_warp_sum[NOTIFY_WARPS][MOEEP_KERNEL_MAX_RANKS];
         __shared__ int s_total[MOEEP_KERNEL_MAX_RANKS];
         __shared__ int s_hist[MOEEP_KERNEL_MAX_EXPERTS];
@@ -100,7 +101,8 @@ __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
         {
                 int cnt[MOEEP_KERNEL_MAX_RANKS] = {};
                 for (int t0 = wlo; t0 < whi; t0 += 32) {
-                        const uint32_t m = t0 + lane < whi ? token_mask(in_rank, topk_idx, t0 + lane, num_topk, R, epr) : 0;
+                        const uint32_t m =
+                                t0 + lane < whi ? token_mask(in_rank, topk_idx, t0 + lane, num_topk, R, epr) : 0;
 #pragma unroll
                         for (int d = 0; d < MOEEP_KERNEL_MAX_RANKS; d++)
                                 cnt[d] += __popc(__ballot_sync(0xffffffffu, (m >> d) & 1));
@@ -185,8 +187,7 @@ __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
         for (int i = tid; i < R * R; i += NOTIFY_THREADS) {
                 const int d = i / R;
                 if (px_remote(ctx, d))
-                        px_counts_out(ctx, d)[i % R] =
-                                s_total[i % R];
+                        px_counts_out(ctx, d)[i % R] = s_total[i % R];
                 else
                         sync_of(ctx, d)->rank_counts[par][me][i % R] = s_total[i % R];
         }
@@ -212,7 +213,8 @@ __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
         for (int s = 0; s < R; s++) {
                 if (!px_remote(ctx, s))
                         continue;
-                const int32_t *c = (const int32_t *)(px_recv_seg(ctx, ctx.px.nm_sync, ctx.px.nm_sync_seg, s) + MOEEP_PX_SEG_HDR);
+                const int32_t *c =
+                        (const int32_t *)(px_recv_seg(ctx, ctx.px.nm_sync, ctx.px.nm_sync_seg, s) + MOEEP_PX_SEG_HDR);
                 for (int i = tid; i <= R + epr; i += NOTIFY_THREADS) {
                         if (i < R)
                                 my->rank_counts[par][s][i] = __ldcv(c + i);
@@ -273,27 +275,22 @@ __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
         }
 }
 
-extern "C" int moeep_launch_notify(const struct moeep_ctx *ctx, const uint8_t *is_token_in_rank,
-                                   const void *topk_idx, int idx_is_int64, int num_tokens, int num_topk,
-                                   const int *tokens_per_expert, int total_tokens, int alignment,
-                                   const struct moeep_route *route,
+extern "C" int moeep_launch_notify(const struct moeep_ctx *ctx, const uint8_t *is_token_in_rank, const void *topk_idx,
+                                   int idx_is_int64, int num_tokens, int num_topk, const int *tokens_per_expert,
+                                   int total_tokens, int alignment, const struct moeep_route *route,
                                    struct moeep_notify_host *host_out, cudaStream_t stream) {
         MOEEP_CUDA_LAUNCH_BEGIN();
         struct moeep_route none = {};
         const struct moeep_route &r = route ? *route : none;
 
         if (idx_is_int64)
-                notify_kernel<int64_t><<<1, NOTIFY_THREADS, 0, stream>>>(*ctx, is_token_in_rank,
-                                                                        (const int64_t *)topk_idx, num_tokens,
-                                                                        num_topk, tokens_per_expert, total_tokens, alignment, r,
-                                                                        route != NULL,
-                                                                        host_out);
+                notify_kernel<int64_t><<<1, NOTIFY_THREADS, 0, stream>>>(
+                        *ctx, is_token_in_rank, (const int64_t *)topk_idx, num_tokens, num_topk, tokens_per_expert,
+                        total_tokens, alignment, r, route != NULL, host_out);
         else
-                notify_kernel<int32_t><<<1, NOTIFY_THREADS, 0, stream>>>(*ctx, is_token_in_rank,
-                                                                        (const int32_t *)topk_idx, num_tokens,
-                                                                        num_topk, tokens_per_expert, total_tokens, alignment, r,
-                                                                        route != NULL,
-                                                                        host_out);
+                notify_kernel<int32_t><<<1, NOTIFY_THREADS, 0, stream>>>(
+                        *ctx, is_token_in_rank, (const int32_t *)topk_idx, num_tokens, num_topk, tokens_per_expert,
+                        total_tokens, alignment, r, route != NULL, host_out);
         MOEEP_CUDA_LAUNCH_CHECK();
         return 0;
 }

@@ -74,7 +74,6 @@ __device__ __forceinline__ bool mbar_try_wait(uint64_t *bar, uint32_t parity) {
         return ok != 0;
 }
 
-
 /* Copies `bytes` (multiple of 16, 16-byte aligned ends) from global memory
  * into shared memory; completion is counted on `bar` as transaction bytes. */
 __device__ __forceinline__ void tma_load_1d(void *smem_dst, const void *src, uint32_t bytes, uint64_t *bar) {
@@ -110,8 +109,8 @@ __device__ __forceinline__ int4 ld_nc_v4(const int4 *p) {
 }
 
 __device__ __forceinline__ void st_na_v4(int4 *p, int4 v) {
-        asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y),
-                     "r"(v.z), "r"(v.w)
+        asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
+                     "r"(v.w)
                      : "memory");
 }
 
@@ -166,8 +165,7 @@ __device__ __forceinline__ bool spin_give_up(const struct moeep_ctx &ctx, struct
 
 /* Bounded wait until *flag >= want; false when it gave up (see
  * spin_give_up). */
-__device__ __forceinline__ bool wait_flag(const struct moeep_ctx &ctx, const uint64_t *flag, uint64_t want,
-                                          int peer) {
+__device__ __forceinline__ bool wait_flag(const struct moeep_ctx &ctx, const uint64_t *flag, uint64_t want, int peer) {
         struct spin s = spin_begin();
 
         while (ld_acquire_sys(flag) < want)
@@ -229,9 +227,9 @@ __device__ __forceinline__ struct moeep_sync *sync_of(const struct moeep_ctx &ct
  * errors of earlier runtime calls, which are not ours to report. */
 #define MOEEP_CUDA_LAUNCH_BEGIN() (void)cudaGetLastError()
 
-#define MOEEP_CUDA_LAUNCH_CHECK()                                                                          \
-        do {                                                                                               \
-                cudaError_t e_ = cudaGetLastError();                                                       \
-                if (e_ != cudaSuccess)                                                                     \
-                        return (int)e_;                                                            \
+#define MOEEP_CUDA_LAUNCH_CHECK()                    \
+        do {                                         \
+                cudaError_t e_ = cudaGetLastError(); \
+                if (e_ != cudaSuccess)               \
+                        return (int)e_;              \
         } while (0)

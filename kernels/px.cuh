@@ -82,7 +82,7 @@ static __device__ __noinline__ bool px_wait(const struct moeep_ctx &ctx, uint32_
 }
 
 __device__ __forceinline__ struct moeep_px_seg px_seg_info(uint64_t value, uint32_t row_bytes, uint32_t topk,
-                                                            uint32_t scales) {
+                                                           uint32_t scales) {
         struct moeep_px_seg h = {};
         h.value = value;
         h.row_bytes = row_bytes;
@@ -94,7 +94,8 @@ __device__ __forceinline__ struct moeep_px_seg px_seg_info(uint64_t value, uint3
 /* Every thread of the block: waits for source s's segment (thread 0) and
  * returns its header, or NULL when the wait failed. */
 __device__ __forceinline__ const struct moeep_px_seg *px_block_wait(const struct moeep_ctx &ctx, size_t area,
-                                                                   size_t seg, uint32_t counter, uint64_t value, int s) {
+                                                                    size_t seg, uint32_t counter, uint64_t value,
+                                                                    int s) {
         __shared__ int s_ok;
         if (threadIdx.x == 0)
                 s_ok = px_wait(ctx, counter, value, s);
@@ -121,4 +122,3 @@ __device__ __forceinline__ void px_copy(int4 *dst, const int4 *src, size_t bytes
                                 dst[i + u * 32] = v[u];
         }
 }
-

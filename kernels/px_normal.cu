@@ -20,12 +20,18 @@
 #include "ptx.cuh"
 #include "px.cuh"
 
-enum { PX_THREADS = 512, PX_WARPS = PX_THREADS / 32 };
+enum {
+        PX_THREADS = 512,
+        PX_WARPS = PX_THREADS / 32
+};
 
 /* moeep_px_seg.scales bits of a dispatch segment: FP8 scales follow the
  * rows; the sender's top-k ids are int32 (the receive array holds the
  * sender's type, as its NVLink writes would). */
-enum { PX_SEG_SCALES = 1, PX_SEG_IDX32 = 2 };
+enum {
+        PX_SEG_SCALES = 1,
+        PX_SEG_IDX32 = 2
+};
 
 /* A staged dispatch row: the row (row_bytes), its scales (FP8), the top-k
  * ids as the destination's local ids (int64), the weights, the source
@@ -72,15 +78,16 @@ __global__ void __launch_bounds__(PX_THREADS, 1)
                         const int pos = route.send_pos[(size_t)t * R + d];
                         if (pos < 0)
                                 continue;
-                        char *pair = px_send_seg(ctx, ctx.px.nm_dispatch, ctx.px.nm_dispatch_seg, d) + MOEEP_PX_SEG_HDR +
-                                     (size_t)pos * pl.bytes;
+                        char *pair = px_send_seg(ctx, ctx.px.nm_dispatch, ctx.px.nm_dispatch_seg, d) +
+                                     MOEEP_PX_SEG_HDR + (size_t)pos * pl.bytes;
                         for (int i = lane; i < (int)(row_bytes / 16); i += 32)
                                 st_na_v4((int4 *)pair + i, ld_nc_v4(src + i));
                         for (int j = lane; j < n_scales; j += 32)
                                 ((float *)(pair + pl.scales))[j] = a.x_scales[(size_t)t * n_scales + j];
                         if (lane < K) {
                                 const int64_t e = (int64_t)topk_idx[(size_t)t * K + lane];
-                                const int64_t local = e >= (int64_t)d * epr && e < (int64_t)(d + 1) * epr ? e - (int64_t)d * epr : -1;
+                                const int64_t local =
+                                        e >= (int64_t)d * epr && e < (int64_t)(d + 1) * epr ? e - (int64_t)d * epr : -1;
                                 const float w = a.topk_weights ? a.topk_weights[(size_t)t * K + lane] : 0.0f;
                                 ((int64_t *)(pair + pl.idx))[lane] = local;
                                 ((float *)(pair + pl.weights))[lane] = local >= 0 ? w : 0.0f;
@@ -110,8 +117,9 @@ __global__ void __launch_bounds__(PX_THREADS, 1) px_dispatch_relay(struct moeep_
         for (int s = 0; s < ctx.ranks; s++) {
                 if (!px_remote(ctx, s))
                         continue;
-                const struct moeep_px_seg *h = px_block_wait(ctx, ctx.px.nm_dispatch, ctx.px.nm_dispatch_seg,
-                                                             MOEEP_PX_COUNTER_NM_DISPATCH(s), ctx.px.epoch + ctx.state->seq, s);
+                const struct moeep_px_seg *h =
+                        px_block_wait(ctx, ctx.px.nm_dispatch, ctx.px.nm_dispatch_seg, MOEEP_PX_COUNTER_NM_DISPATCH(s),
+                                      ctx.px.epoch + ctx.state->seq, s);
                 if (!h)
                         break;
                 const int base = route.rank_prefix[s];
@@ -128,7 +136,8 @@ __global__ void __launch_bounds__(PX_THREADS, 1) px_dispatch_relay(struct moeep_
                         const size_t p = (size_t)base + q;
                         px_copy((int4 *)(own + ctx.layout.recv_x + p * row_bytes), (const int4 *)pair, row_bytes);
                         for (int j = lane; j < n_scales; j += 32)
-                                ((float *)(own + ctx.layout.recv_scales))[p * n_scales + j] = __ldcv((const float *)(pair + pl.scales) + j);
+                                ((float *)(own + ctx.layout.recv_scales))[p * n_scales + j] =
+                                        __ldcv((const float *)(pair + pl.scales) + j);
                         if (lane < K) {
                                 const long long e = __ldcv((const long long *)(pair + pl.idx) + lane);
                                 if (bits & PX_SEG_IDX32)
@@ -171,7 +180,8 @@ __global__ void __launch_bounds__(PX_THREADS, 1)
         if (!last_block_done(ctx))
                 return;
         if (threadIdx.x < ctx.ranks && px_remote(ctx, threadIdx.x))
-                ctx.px.state->nm_claim[threadIdx.x] = route.rank_prefix[threadIdx.x + 1] - route.rank_prefix[threadIdx.x];
+                ctx.px.state->nm_claim[threadIdx.x] =
+                        route.rank_prefix[threadIdx.x + 1] - route.rank_prefix[threadIdx.x];
         __syncthreads();
         if (threadIdx.x == 0)
                 px_ship(ctx, ctx.px.nm_combine, ctx.px.nm_combine_seg, ctx.px.state->nm_claim, rb,
@@ -188,8 +198,9 @@ __global__ void __launch_bounds__(PX_THREADS, 1) px_combine_relay(struct moeep_c
         for (int s = 0; s < ctx.ranks; s++) {
                 if (!px_remote(ctx, s))
                         continue;
-                const struct moeep_px_seg *h = px_block_wait(ctx, ctx.px.nm_combine, ctx.px.nm_combine_seg,
-                                                             MOEEP_PX_COUNTER_NM_COMBINE(s), ctx.px.epoch + ctx.state->seq, s);
+                const struct moeep_px_seg *h =
+                        px_block_wait(ctx, ctx.px.nm_combine, ctx.px.nm_combine_seg, MOEEP_PX_COUNTER_NM_COMBINE(s),
+                                      ctx.px.epoch + ctx.state->seq, s);
                 if (!h)
                         break;
                 const int n = min(__ldcv((const int *)&h->count), ctx.max_tokens);
@@ -239,7 +250,8 @@ extern "C" int moeep_launch_px_dispatch_relay(const struct moeep_ctx *ctx, const
 extern "C" int moeep_launch_px_combine_stage(const struct moeep_ctx *ctx, const void *x, const float *topk_weights,
                                              int num_topk, const struct moeep_route *route, cudaStream_t stream) {
         MOEEP_CUDA_LAUNCH_BEGIN();
-        px_combine_stage<<<px_blocks(ctx), PX_THREADS, 0, stream>>>(*ctx, (const int4 *)x, topk_weights, num_topk, *route);
+        px_combine_stage<<<px_blocks(ctx), PX_THREADS, 0, stream>>>(*ctx, (const int4 *)x, topk_weights, num_topk,
+                                                                    *route);
         MOEEP_CUDA_LAUNCH_CHECK();
         return 0;
 }
