@@ -4,14 +4,14 @@
  * producer. */
 #include <cuda_bf16.h>
 
-#include "kernels.h"
+#include "bench_kernels.h"
 #include "ptx.cuh"
 #include "ring.cuh"
 
 /* Every rank stores `bytes` into each peer's combine area at the slot of
  * its rank, reading from its own receive area; blocks are split evenly over
  * the peers. 16-byte stores, as the data kernels use. */
-__global__ void __launch_bounds__(1024) p2p_put_kernel(struct moeep_ctx ctx, size_t bytes) {
+__global__ void __launch_bounds__(MOEEP_BENCH_THREADS) p2p_put_kernel(struct moeep_ctx ctx, size_t bytes) {
         const int R = ctx.ranks, peers = R - 1;
         const int per = max(1, (int)gridDim.x / peers);
         const int k = blockIdx.x / per, b = blockIdx.x % per;
@@ -31,7 +31,7 @@ extern "C" int moeep_launch_p2p_put(const struct moeep_ctx *ctx, size_t bytes, i
         MOEEP_CUDA_LAUNCH_BEGIN();
         if (ctx->ranks < 2)
                 return 0;
-        p2p_put_kernel<<<blocks, 1024, 0, stream>>>(*ctx, bytes);
+        p2p_put_kernel<<<blocks, MOEEP_BENCH_THREADS, 0, stream>>>(*ctx, bytes);
         MOEEP_CUDA_LAUNCH_CHECK();
         return 0;
 }
@@ -39,7 +39,7 @@ extern "C" int moeep_launch_p2p_put(const struct moeep_ctx *ctx, size_t bytes, i
 /* Reference pack, step 1: per destination, the position of every token in
  * a send buffer grouped by destination (one block; exclusive scan over
  * tokens as torch.nonzero would give). offsets[d] = first row of d. */
-__global__ void __launch_bounds__(1024)
+__global__ void __launch_bounds__(MOEEP_BENCH_THREADS)
         ref_scan_kernel(const uint8_t *in_rank, int T, int R, int32_t *pos, int32_t *counts) {
         __shared__ int s_run[MOEEP_KERNEL_MAX_RANKS];
         __shared__ int s_warp[32][MOEEP_KERNEL_MAX_RANKS];
@@ -48,8 +48,8 @@ __global__ void __launch_bounds__(1024)
         if (tid < R)
                 s_run[tid] = 0;
         __syncthreads();
-        /* Walks the tokens in tiles of 1024, one token per thread. */
-        for (int base = 0; base < T; base += 1024) {
+        /* Walks the tokens in tiles of MOEEP_BENCH_THREADS, one token per thread. */
+        for (int base = 0; base < T; base += MOEEP_BENCH_THREADS) {
                 int t = base + tid;
                 for (int d = 0; d < R; d++) {
                         int v = t < T ? in_rank[(size_t)t * R + d] : 0, x = v;
@@ -78,8 +78,9 @@ __global__ void __launch_bounds__(1024)
 }
 
 /* Step 2: copies token rows to pos + offset of each destination. */
-__global__ void __launch_bounds__(1024) ref_pack_kernel(const int4 *x, int n16, int T, int R, const int32_t *pos,
-                                                        const int32_t *offsets, int4 *sendbuf) {
+__global__ void __launch_bounds__(MOEEP_BENCH_THREADS)
+        ref_pack_kernel(const int4 *x, int n16, int T, int R, const int32_t *pos, const int32_t *offsets,
+                        int4 *sendbuf) {
         const int lane = threadIdx.x % 32, warps = gridDim.x * 32;
         for (int t = blockIdx.x * 32 + threadIdx.x / 32; t < T; t += warps)
                 for (int d = 0; d < R; d++) {
@@ -94,8 +95,9 @@ __global__ void __launch_bounds__(1024) ref_pack_kernel(const int4 *x, int n16, 
 
 /* Combine reference: every token sums the rows the all-to-all brought
  * back to its send positions (index_add over the destinations). */
-__global__ void __launch_bounds__(1024) ref_unpack_kernel(const int4 *back, int n16, int T, int R, const int32_t *pos,
-                                                          const int32_t *offsets, int4 *out) {
+__global__ void __launch_bounds__(MOEEP_BENCH_THREADS)
+        ref_unpack_kernel(const int4 *back, int n16, int T, int R, const int32_t *pos, const int32_t *offsets,
+                          int4 *out) {
         const int lane = threadIdx.x % 32, warps = gridDim.x * 32;
         for (int t = blockIdx.x * 32 + threadIdx.x / 32; t < T; t += warps)
                 for (int i = lane; i < n16; i += 32) {
@@ -123,7 +125,7 @@ __global__ void __launch_bounds__(1024) ref_unpack_kernel(const int4 *back, int 
 extern "C" int moeep_launch_ref_scan(const uint8_t *in_rank, int T, int R, int32_t *pos, int32_t *counts,
                                      cudaStream_t stream) {
         MOEEP_CUDA_LAUNCH_BEGIN();
-        ref_scan_kernel<<<1, 1024, 0, stream>>>(in_rank, T, R, pos, counts);
+        ref_scan_kernel<<<1, MOEEP_BENCH_THREADS, 0, stream>>>(in_rank, T, R, pos, counts);
         MOEEP_CUDA_LAUNCH_CHECK();
         return 0;
 }
@@ -133,8 +135,8 @@ extern "C" int moeep_launch_ref_pack(const void *x, size_t row_bytes, int T, int
         MOEEP_CUDA_LAUNCH_BEGIN();
         if (T == 0)
                 return 0;
-        ref_pack_kernel<<<blocks, 1024, 0, stream>>>((const int4 *)x, (int)(row_bytes / 16), T, R, pos, offsets,
-                                                     (int4 *)sendbuf);
+        ref_pack_kernel<<<blocks, MOEEP_BENCH_THREADS, 0, stream>>>((const int4 *)x, (int)(row_bytes / 16), T, R, pos,
+                                                                    offsets, (int4 *)sendbuf);
         MOEEP_CUDA_LAUNCH_CHECK();
         return 0;
 }
@@ -144,8 +146,8 @@ extern "C" int moeep_launch_ref_unpack(const void *back, int hidden, int T, int 
         MOEEP_CUDA_LAUNCH_BEGIN();
         if (T == 0)
                 return 0;
-        ref_unpack_kernel<<<blocks, 1024, 0, stream>>>((const int4 *)back, hidden * 2 / 16, T, R, pos, offsets,
-                                                       (int4 *)out);
+        ref_unpack_kernel<<<blocks, MOEEP_BENCH_THREADS, 0, stream>>>((const int4 *)back, hidden * 2 / 16, T, R, pos,
+                                                                      offsets, (int4 *)out);
         MOEEP_CUDA_LAUNCH_CHECK();
         return 0;
 }
@@ -178,7 +180,7 @@ __global__ void ring_bench_kernel(struct proxy_ring_hdr *hdr, uint64_t *counters
                                   uint32_t size, uint32_t region, int signal, int64_t *out) {
         struct ring_producer r = { hdr, (struct proxy_desc *)((char *)hdr + PROXY_RING_HDR_BYTES), hdr->capacity,
                                    ld_acquire_sys(&hdr->tail), ld_acquire_sys(&hdr->head) };
-        const uint64_t timeout = 10ull * 1000000000u;
+        const uint64_t timeout = MOEEP_RING_BENCH_TIMEOUT_NS;
         const uint64_t base = r.tail;
         int err = 0;
 

@@ -1,5 +1,5 @@
-/* Offsets inside the NVLink buffer; see kernels.h. */
-#include "kernels.h"
+/* Offsets inside the NVLink buffer; see buffers.h. */
+#include "buffers.h"
 
 static size_t align_up(size_t v, size_t a) {
         return (v + a - 1) / a * a;
@@ -9,12 +9,12 @@ void moeep_buffer_layout_compute(struct moeep_buffer_layout *l, int ranks, int m
         size_t rows = (size_t)ranks * (size_t)max_tokens;
         size_t off = 0;
 
-        /* 4 KiB alignment keeps every array 16-byte aligned for vector
-         * stores and separates the flags from the payload. */
-#define PLACE(field, bytes)                          \
-        do {                                         \
-                l->field = off;                      \
-                off = align_up(off + (bytes), 4096); \
+        /* MOEEP_BUFFER_ALIGN (4 KiB) keeps every array 16-byte aligned for
+         * vector stores and separates the flags from the payload. */
+#define PLACE(field, bytes)                                        \
+        do {                                                       \
+                l->field = off;                                    \
+                off = align_up(off + (bytes), MOEEP_BUFFER_ALIGN); \
         } while (0)
         PLACE(sync, sizeof(struct moeep_sync));
         PLACE(recv_x, rows * (size_t)hidden * 2);
@@ -31,7 +31,7 @@ void moeep_buffer_layout_compute(struct moeep_buffer_layout *l, int ranks, int m
 void moeep_ll_layout_compute(struct moeep_ll_layout *l, size_t start, int ranks, int max_tokens, int hidden,
                              int num_experts, int max_topk) {
         size_t slots = (size_t)num_experts * (size_t)max_tokens; /* local experts x ranks x max_tokens */
-        size_t off = align_up(start, 4096);
+        size_t off = align_up(start, MOEEP_BUFFER_ALIGN);
 
         *l = (struct moeep_ll_layout){ .max_tokens = max_tokens };
         if (max_tokens == 0) {
@@ -39,10 +39,10 @@ void moeep_ll_layout_compute(struct moeep_ll_layout *l, size_t start, int ranks,
                 return;
         }
         (void)ranks;
-#define PLACE(field, bytes)                          \
-        do {                                         \
-                l->field = off;                      \
-                off = align_up(off + (bytes), 4096); \
+#define PLACE(field, bytes)                                        \
+        do {                                                       \
+                l->field = off;                                    \
+                off = align_up(off + (bytes), MOEEP_BUFFER_ALIGN); \
         } while (0)
         PLACE(sync, sizeof(struct moeep_ll_sync));
         for (int b = 0; b < 2; b++) {
@@ -65,10 +65,10 @@ void moeep_px_layout_compute(struct moeep_px *px, int ranks, int max_tokens, int
                                        (size_t)max_topk * (sizeof(int64_t) + sizeof(float)) + sizeof(int32_t),
                                16);
         px->nm_row = align_up((size_t)hidden * 2 + (size_t)max_topk * sizeof(float) + sizeof(int32_t), 16);
-        px->nm_sync_seg =
-                align_up(MOEEP_PX_SEG_HDR + (size_t)(ranks + num_experts / ranks + 1) * sizeof(int32_t), 4096);
-        px->nm_dispatch_seg = align_up(MOEEP_PX_SEG_HDR + (size_t)max_tokens * px->nm_pair, 4096);
-        px->nm_combine_seg = align_up(MOEEP_PX_SEG_HDR + (size_t)max_tokens * px->nm_row, 4096);
+        px->nm_sync_seg = align_up(MOEEP_PX_SEG_HDR + (size_t)(ranks + num_experts / ranks + 1) * sizeof(int32_t),
+                                   MOEEP_BUFFER_ALIGN);
+        px->nm_dispatch_seg = align_up(MOEEP_PX_SEG_HDR + (size_t)max_tokens * px->nm_pair, MOEEP_BUFFER_ALIGN);
+        px->nm_combine_seg = align_up(MOEEP_PX_SEG_HDR + (size_t)max_tokens * px->nm_row, MOEEP_BUFFER_ALIGN);
         px->nm_sync = off;
         off += (size_t)ranks * px->nm_sync_seg;
         px->nm_dispatch = off;
@@ -80,8 +80,9 @@ void moeep_px_layout_compute(struct moeep_px *px, int ranks, int max_tokens, int
         /* Dispatch: row (bf16 size, FP8 rows use half), scales, local expert and source info. */
         px->ll_pair = align_up((size_t)hidden * 2 + (size_t)(hidden / MOEEP_SCALE_BLOCK) * sizeof(float) + 8, 16);
         px->ll_row = (size_t)hidden * 2 + 16; /* combine: bf16 row, token, k */
-        px->ll_dispatch_seg = align_up(MOEEP_PX_SEG_HDR + MOEEP_PX_LL_COUNTS + px->ll_slots * px->ll_pair, 4096);
-        px->ll_combine_seg = align_up(MOEEP_PX_SEG_HDR + px->ll_slots * px->ll_row, 4096);
+        px->ll_dispatch_seg =
+                align_up(MOEEP_PX_SEG_HDR + MOEEP_PX_LL_COUNTS + px->ll_slots * px->ll_pair, MOEEP_BUFFER_ALIGN);
+        px->ll_combine_seg = align_up(MOEEP_PX_SEG_HDR + px->ll_slots * px->ll_row, MOEEP_BUFFER_ALIGN);
         for (int b = 0; b < 2; b++) {
                 px->ll_dispatch[b] = off;
                 off += (size_t)ranks * px->ll_dispatch_seg;

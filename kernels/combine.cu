@@ -10,9 +10,10 @@
  * per-rank send work at one rank).
  *
  * Roles inside each block (one block per SM, all resident), from 2 ranks:
- *   warps 0..SEND_WARPS-1   send: claim rows source by source (each warp
+ *   warps 0..15             send: claim rows source by source (each warp
  *                           starts at another source so that every peer's
  *                           ingress is busy at once), copy, count;
+ *                           (the counts are COMBINE_* in params.h)
  *   warps 19..30            reduce consumers, in groups of 4 warps, each
  *                           group on its own stages: sum the staged rows of
  *                           a (token, slice of at most 8 KiB) from shared
@@ -33,18 +34,7 @@
 #include "ptx.cuh"
 #include "px.cuh"
 
-enum {
-        COMBINE_THREADS = 1024,
-        SEND_WARPS = 16,
-        CONSUMER_WARPS = 12, /* in groups of GROUP_WARPS, one group per stage */
-        GROUP_WARPS = 4,
-        CONSUMER_GROUPS = CONSUMER_WARPS / GROUP_WARPS,
-        PRODUCER_WARP = 31,
-        SLICE_MAX = 8192, /* bytes of one row slice; a stage holds ranks of them */
-        MAX_STAGES = 16,
-        STAGE_SMEM = 192 * 1024, /* ring of stages */
-        CLAIM_ROWS = 4,          /* rows a send warp claims (and counts) at once */
-};
+/* The warp roles and their sizes (COMBINE_*) are in params.h. */
 
 struct stage_info {
         int token;
@@ -90,26 +80,26 @@ __device__ __forceinline__ void combine_send(const struct moeep_ctx &ctx, const 
                 for (;;) {
                         int base = 0;
                         if (lane == 0)
-                                base = (int)atomicAdd(&ctx.state->claim[s], (unsigned)CLAIM_ROWS);
+                                base = (int)atomicAdd(&ctx.state->claim[s], (unsigned)COMBINE_CLAIM_ROWS);
                         base = __shfl_sync(0xffffffffu, base, 0);
                         if (base >= count)
                                 break;
-                        const int end = min(base + CLAIM_ROWS, count);
+                        const int end = min(base + COMBINE_CLAIM_ROWS, count);
                         for (int q = base; q < end; q++) {
                                 const int p = s_prefix[s] + q;
-                                const int t = route.recv_src[p] & 0xffffff;
+                                const int t = moeep_recv_src_token(route.recv_src[p]);
                                 const size_t slot = (size_t)me * ctx.max_tokens + t;
                                 int4 *dst = (int4 *)(ctx.peers[s] + ctx.layout.comb_x + slot * row_bytes);
                                 const int4 *src = x + (size_t)p * n16;
 
-                                for (int i = lane; i < n16; i += 32 * 4) {
-                                        int4 v[4];
+                                for (int i = lane; i < n16; i += 32 * COMBINE_SEND_UNROLL) {
+                                        int4 v[COMBINE_SEND_UNROLL];
 #pragma unroll
-                                        for (int u = 0; u < 4; u++)
+                                        for (int u = 0; u < COMBINE_SEND_UNROLL; u++)
                                                 if (i + u * 32 < n16)
                                                         v[u] = ld_nc_v4(src + i + u * 32);
 #pragma unroll
-                                        for (int u = 0; u < 4; u++)
+                                        for (int u = 0; u < COMBINE_SEND_UNROLL; u++)
                                                 if (i + u * 32 < n16)
                                                         st_na_v4(dst + i + u * 32, v[u]);
                                 }
@@ -123,16 +113,16 @@ __device__ __forceinline__ void combine_send(const struct moeep_ctx &ctx, const 
                          * lane's release. */
                         __syncwarp();
                         if (lane < end - base && !(ctx.debug & MOEEP_DEBUG_NO_COUNTS)) {
-                                const int t = route.recv_src[s_prefix[s] + base + lane] & 0xffffff;
+                                const int t = moeep_recv_src_token(route.recv_src[s_prefix[s] + base + lane]);
                                 red_release_sys_add(&sync_of(ctx, s)->comb_chunk[t / MOEEP_COMBINE_CHUNK], 1);
                         }
                 }
         }
 }
 
-/* Rows are reduced in slices of at most SLICE_MAX bytes, 16-byte multiples. */
+/* Rows are reduced in slices of at most COMBINE_SLICE_MAX bytes, 16-byte multiples. */
 __device__ __forceinline__ void row_slices(int row_bytes, int *ret_n, int *ret_bytes) {
-        const int n = (row_bytes + SLICE_MAX - 1) / SLICE_MAX;
+        const int n = (row_bytes + COMBINE_SLICE_MAX - 1) / COMBINE_SLICE_MAX;
         *ret_n = n;
         *ret_bytes = ((row_bytes + n - 1) / n + 15) / 16 * 16;
 }
@@ -201,7 +191,7 @@ __device__ __forceinline__ void combine_produce(const struct moeep_ctx &ctx, con
                                 }
                                 __syncwarp();
                                 if (lane < n)
-                                        tma_load_1d(stages + stage * stage_bytes + (size_t)lane * SLICE_MAX,
+                                        tma_load_1d(stages + stage * stage_bytes + (size_t)lane * COMBINE_SLICE_MAX,
                                                     row + (size_t)j * slice_bytes, (uint32_t)bytes, &full[stage]);
                                 if (++stage == nstages) {
                                         stage = 0;
@@ -213,8 +203,8 @@ __device__ __forceinline__ void combine_produce(const struct moeep_ctx &ctx, con
         }
 }
 
-/* Consumer role: group g of GROUP_WARPS warps takes every
- * CONSUMER_GROUPS-th stage of the sequence the producer fills; its warps
+/* Consumer role: group g of COMBINE_GROUP_WARPS warps takes every
+ * COMBINE_CONSUMER_GROUPS-th stage of the sequence the producer fills; its warps
  * split the slice's columns, sum the staged rows and write them out. The
  * weights of a token are summed with its first slice. */
 __device__ __forceinline__ void combine_consume(const struct moeep_ctx &ctx, const struct moeep_route &route,
@@ -222,7 +212,7 @@ __device__ __forceinline__ void combine_consume(const struct moeep_ctx &ctx, con
                                                 const char *stages, uint64_t *full, uint64_t *empty,
                                                 const struct stage_info *info, int nstages, size_t stage_bytes,
                                                 int4 *out, float *out_weights, int K, int cw, int rb, int nrb) {
-        const int lane = threadIdx.x % 32, R = ctx.ranks, g = cw / GROUP_WARPS, wg = cw % GROUP_WARPS;
+        const int lane = threadIdx.x % 32, R = ctx.ranks, g = cw / COMBINE_GROUP_WARPS, wg = cw % COMBINE_GROUP_WARPS;
         const int row_bytes = ctx.hidden * 2;
         const float *wslots = (const float *)(ctx.peers[ctx.rank] + ctx.layout.comb_weights);
         int slices, slice_bytes, u = 0;
@@ -231,16 +221,16 @@ __device__ __forceinline__ void combine_consume(const struct moeep_ctx &ctx, con
         FOR_EACH_BLOCK_CHUNK(c0, c1, route.num_tokens, rb, nrb)
         for (int t = c0; t < c1; t++)
                 for (int j = 0; j < slices; j++, u++) {
-                        if (u % CONSUMER_GROUPS != g)
+                        if (u % COMBINE_CONSUMER_GROUPS != g)
                                 continue;
                         const int stage = u % nstages;
                         mbar_wait(ctx, &full[stage], (uint32_t)(u / nstages) & 1);
                         const struct stage_info si = info[stage];
                         const char *buf = stages + stage * stage_bytes;
-                        for (int i = wg * 32 + lane; i * 16 < si.bytes; i += GROUP_WARPS * 32) {
+                        for (int i = wg * 32 + lane; i * 16 < si.bytes; i += COMBINE_GROUP_WARPS * 32) {
                                 float acc[8] = {};
                                 for (int k = 0; k < si.nrows; k++)
-                                        add_bf16x8(acc, *(const int4 *)(buf + (size_t)k * SLICE_MAX + i * 16));
+                                        add_bf16x8(acc, *(const int4 *)(buf + (size_t)k * COMBINE_SLICE_MAX + i * 16));
                                 out[((size_t)t * row_bytes + (size_t)j * slice_bytes) / 16 + i] = pack_bf16x8(acc);
                         }
                         if (j == 0 && out_weights && wg == 0 && lane < K) {
@@ -276,22 +266,19 @@ __device__ __forceinline__ int4 ld_cg_v4(const int4 *p) {
         return v;
 }
 
-/* Copies one row of n16 16-byte columns, COPY_UNROLL loads in flight per
+/* Copies one row of n16 16-byte columns, COMBINE_COPY_UNROLL loads in flight per
  * lane. Not inlined: inside the kernel its 32 registers of loads pushed
  * the kernel's other live values (64 registers at 1024 threads) into local
  * memory; as a call, the spills happen once per row, not per load. */
-enum {
-        COPY_UNROLL = 8
-};
 static __device__ __noinline__ void copy_row(const int4 *src, int4 *dst, int n16, int lane) {
-        for (int i = lane; i < n16; i += 32 * COPY_UNROLL) {
-                int4 v[COPY_UNROLL];
+        for (int i = lane; i < n16; i += 32 * COMBINE_COPY_UNROLL) {
+                int4 v[COMBINE_COPY_UNROLL];
 #pragma unroll
-                for (int u = 0; u < COPY_UNROLL; u++)
+                for (int u = 0; u < COMBINE_COPY_UNROLL; u++)
                         if (i + u * 32 < n16)
                                 v[u] = ld_cg_v4(src + i + u * 32);
 #pragma unroll
-                for (int u = 0; u < COPY_UNROLL; u++)
+                for (int u = 0; u < COMBINE_COPY_UNROLL; u++)
                         if (i + u * 32 < n16)
                                 st_na_v4(dst + i + u * 32, v[u]);
         }
@@ -391,20 +378,20 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1)
                        struct moeep_route route, int4 *out, float *out_weights, int nstages, int send_blocks,
                        int send_warps, bool direct, bool self_in_place) {
         extern __shared__ __align__(1024) char stages[];
-        __shared__ uint64_t full[MAX_STAGES], empty[MAX_STAGES];
-        __shared__ struct stage_info info[MAX_STAGES];
+        __shared__ uint64_t full[COMBINE_MAX_STAGES], empty[COMBINE_MAX_STAGES];
+        __shared__ struct stage_info info[COMBINE_MAX_STAGES];
         __shared__ int s_prefix[MOEEP_KERNEL_MAX_RANKS + 1];
         __shared__ int s_ready;
         const int tid = threadIdx.x, warp = tid / 32;
-        const size_t stage_bytes = (size_t)ctx.ranks * SLICE_MAX;
+        const size_t stage_bytes = (size_t)ctx.ranks * COMBINE_SLICE_MAX;
 
         if (ctx.trace && tid == 0)
-                ctx.trace[blockIdx.x * 4] = globaltimer_ns();
+                ctx.trace[blockIdx.x * MOEEP_TRACE_STAMPS] = globaltimer_ns();
         if (tid <= ctx.ranks)
                 s_prefix[tid] = route.rank_prefix[tid];
         if (tid < nstages) {
                 mbar_init(&full[tid], 1);
-                mbar_init(&empty[tid], GROUP_WARPS); /* every warp of the stage's group */
+                mbar_init(&empty[tid], COMBINE_GROUP_WARPS); /* every warp of the stage's group */
         }
         if (tid == 0)
                 s_ready = 0;
@@ -429,7 +416,7 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1)
                 else
                         asm volatile("bar.sync 1, %0;" ::"r"(send_warps * 32));
                 if (ctx.trace && tid == 0)
-                        ctx.trace[blockIdx.x * 4 + 1] = globaltimer_ns();
+                        ctx.trace[blockIdx.x * MOEEP_TRACE_STAMPS + 1] = globaltimer_ns();
                 if (tid == 0 && atomicAdd(&ctx.state->blocks_done, 1u) == (unsigned)nsend - 1) {
                         for (int s = 0; s < ctx.ranks; s++)
                                 ctx.state->claim[s] = 0;
@@ -446,31 +433,33 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1)
                         combine_copy(ctx, route, x, weights, num_topk, s_prefix, out, out_weights, self_in_place,
                                      warp - first - 1, COMBINE_THREADS / 32 - first - 1, rb, nrb, &s_ready);
                 if (ctx.trace && tid % 32 == 0)
-                        atomicMax((unsigned long long *)&ctx.trace[blockIdx.x * 4 + (warp == first ? 2 : 3)],
+                        atomicMax((unsigned long long *)&ctx
+                                          .trace[blockIdx.x * MOEEP_TRACE_STAMPS + (warp == first ? 2 : 3)],
                                   (unsigned long long)globaltimer_ns());
-        } else if (warp == PRODUCER_WARP) {
+        } else if (warp == COMBINE_PRODUCER_WARP) {
                 combine_produce(ctx, route, x, s_prefix, self_in_place, stages, full, empty, info, nstages, stage_bytes,
                                 rb, nrb);
                 if (ctx.trace && tid % 32 == 0)
-                        ctx.trace[blockIdx.x * 4 + 2] = globaltimer_ns();
-        } else if (warp >= PRODUCER_WARP - CONSUMER_WARPS) {
+                        ctx.trace[blockIdx.x * MOEEP_TRACE_STAMPS + 2] = globaltimer_ns();
+        } else if (warp >= COMBINE_PRODUCER_WARP - COMBINE_CONSUMER_WARPS) {
                 combine_consume(ctx, route, weights, s_prefix, self_in_place, stages, full, empty, info, nstages,
-                                stage_bytes, out, out_weights, num_topk, warp - (PRODUCER_WARP - CONSUMER_WARPS), rb,
-                                nrb);
+                                stage_bytes, out, out_weights, num_topk,
+                                warp - (COMBINE_PRODUCER_WARP - COMBINE_CONSUMER_WARPS), rb, nrb);
                 if (ctx.trace && tid % 32 == 0)
-                        atomicMax((unsigned long long *)&ctx.trace[blockIdx.x * 4 + 3],
+                        atomicMax((unsigned long long *)&ctx.trace[blockIdx.x * MOEEP_TRACE_STAMPS + 3],
                                   (unsigned long long)globaltimer_ns());
         }
 }
 
 extern "C" int moeep_kernels_init(void) {
-        return (int)cudaFuncSetAttribute(combine_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, STAGE_SMEM);
+        return (int)cudaFuncSetAttribute(combine_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         COMBINE_STAGE_SMEM);
 }
 
 extern "C" int moeep_launch_combine(const struct moeep_ctx *ctx, const void *x, const float *topk_weights, int num_topk,
                                     const struct moeep_route *route, void *out, float *out_weights,
                                     cudaStream_t stream) {
-        const size_t stage_bytes = (size_t)ctx->ranks * SLICE_MAX;
+        const size_t stage_bytes = (size_t)ctx->ranks * COMBINE_SLICE_MAX;
         const bool self_in_place = !(ctx->debug & MOEEP_DEBUG_COPY_SELF);
         /* One rank: the reduce is a copy, straight from global memory (1 rank,
          * 24 SMs: 89 us against 191 us through the staging ring). From 2
@@ -480,9 +469,10 @@ extern "C" int moeep_launch_combine(const struct moeep_ctx *ctx, const void *x, 
          * figures have not seen. See docs/benchmarks.md. */
         const bool direct = ctx->ranks == 1;
         /* With nothing to send, every warp but the waiter copies. */
-        const int send_warps = direct && self_in_place ? 0 : SEND_WARPS;
-        const int nstages =
-                direct ? 0 : (int)min((size_t)MAX_STAGES, STAGE_SMEM / stage_bytes) / CONSUMER_GROUPS * CONSUMER_GROUPS;
+        const int send_warps = direct && self_in_place ? 0 : COMBINE_SEND_WARPS;
+        const int nstages = direct ? 0
+                                   : (int)min((size_t)COMBINE_MAX_STAGES, COMBINE_STAGE_SMEM / stage_bytes) /
+                                             COMBINE_CONSUMER_GROUPS * COMBINE_CONSUMER_GROUPS;
 
         MOEEP_CUDA_LAUNCH_BEGIN();
         /* From 4 ranks on, half the blocks only send and half only reduce: on

@@ -10,11 +10,6 @@
 #include "ptx.cuh"
 #include "px.cuh"
 
-enum {
-        DISPATCH_THREADS = 1024,
-        DISPATCH_UNROLL = 4
-};
-
 template <typename Idx>
 __global__ void __launch_bounds__(DISPATCH_THREADS, 1)
         dispatch_kernel(struct moeep_ctx ctx, struct moeep_dispatch_launch a, int num_tokens,
@@ -112,7 +107,7 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1)
                 int s = 0;
                 while (s + 1 < R && p >= s_prefix[s + 1])
                         s++;
-                route.recv_src[p] = (s << 24) | __ldcg(buf_src + p);
+                route.recv_src[p] = moeep_recv_src_pack(s, __ldcg(buf_src + p));
         }
 }
 

@@ -6,8 +6,9 @@
 /* One thread per token. Counts are accumulated per block in shared memory
  * and then added to the (zeroed) outputs with one atomic per block and bin. */
 template <typename Idx>
-__global__ void __launch_bounds__(256) layout_kernel(const Idx *topk_idx, int num_tokens, int num_topk, int num_experts,
-                                                     int ranks, int *per_rank, int *per_expert, uint8_t *in_rank) {
+__global__ void __launch_bounds__(LAYOUT_THREADS)
+        layout_kernel(const Idx *topk_idx, int num_tokens, int num_topk, int num_experts, int ranks, int *per_rank,
+                      int *per_expert, uint8_t *in_rank) {
         __shared__ int s_rank[MOEEP_KERNEL_MAX_RANKS];
         __shared__ int s_expert[MOEEP_KERNEL_MAX_EXPERTS];
         int experts_per_rank = num_experts / ranks;
@@ -56,15 +57,15 @@ extern "C" int moeep_launch_layout(const void *topk_idx, int idx_is_int64, int n
                 return (int)e;
         if (num_tokens == 0)
                 return 0;
-        int blocks = (num_tokens + 255) / 256;
+        int blocks = (num_tokens + LAYOUT_THREADS - 1) / LAYOUT_THREADS;
         if (idx_is_int64)
-                layout_kernel<int64_t><<<blocks, 256, 0, stream>>>((const int64_t *)topk_idx, num_tokens, num_topk,
-                                                                   num_experts, ranks, num_tokens_per_rank,
-                                                                   num_tokens_per_expert, is_token_in_rank);
+                layout_kernel<int64_t><<<blocks, LAYOUT_THREADS, 0, stream>>>(
+                        (const int64_t *)topk_idx, num_tokens, num_topk, num_experts, ranks, num_tokens_per_rank,
+                        num_tokens_per_expert, is_token_in_rank);
         else
-                layout_kernel<int32_t><<<blocks, 256, 0, stream>>>((const int32_t *)topk_idx, num_tokens, num_topk,
-                                                                   num_experts, ranks, num_tokens_per_rank,
-                                                                   num_tokens_per_expert, is_token_in_rank);
+                layout_kernel<int32_t><<<blocks, LAYOUT_THREADS, 0, stream>>>(
+                        (const int32_t *)topk_idx, num_tokens, num_topk, num_experts, ranks, num_tokens_per_rank,
+                        num_tokens_per_expert, is_token_in_rank);
         MOEEP_CUDA_LAUNCH_CHECK();
         return 0;
 }

@@ -23,24 +23,6 @@
 #include "ptx.cuh"
 #include "px.cuh"
 
-enum {
-        LL_THREADS = 512,
-        LL_WARPS = LL_THREADS / 32,
-        LL_RECV_PIECE = 64, /* int4 of a row one warp of the combine receive sums: 512 channels */
-};
-
-__device__ __forceinline__ struct moeep_ll_sync *ll_sync_of(const struct moeep_ctx &ctx, int rank) {
-        return (struct moeep_ll_sync *)(ctx.peers[rank] + ctx.ll.sync);
-}
-
-/* Bytes of one staged dispatch pair: the row as sent (xrow: hidden bytes
- * for FP8, 2 hidden for BF16), its scales when FP8, then the local expert
- * and the source info (two int32), rounded to 16. */
-__device__ __forceinline__ size_t px_pair_bytes(size_t xrow, int H) {
-        const size_t scales = xrow == (size_t)H ? (size_t)(H / MOEEP_SCALE_BLOCK) * sizeof(float) : 0;
-        return (xrow + scales + 8 + 15) / 16 * 16;
-}
-
 /* Warps numbered across blocks first: the few hundred work items of a
  * decode step spread over every SM instead of filling the first blocks. */
 __device__ __forceinline__ int ll_warp_index(void) {
@@ -49,7 +31,7 @@ __device__ __forceinline__ int ll_warp_index(void) {
 
 /* FP8 cast of 16 bf16 channels (two int4 of a row) into one int4 of e4m3,
  * with the scale of their 128-channel group: the 8 lanes of an aligned
- * lane octet hold one group (amax / 448, or its power of two above when
+ * lane octet hold one group (amax / MOEEP_E4M3_MAX, or its power of two above when
  * round_scale). Every lane of the warp must call it. */
 __device__ __forceinline__ int4 ll_cast16(int4 a, int4 b, bool round_scale, float *ret_scale) {
         const __nv_bfloat162 *h[2] = { (const __nv_bfloat162 *)&a, (const __nv_bfloat162 *)&b };
@@ -64,7 +46,7 @@ __device__ __forceinline__ int4 ll_cast16(int4 a, int4 b, bool round_scale, floa
 #pragma unroll
         for (int o = 4; o >= 1; o /= 2)
                 amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-        float scale = amax > 0.0f ? amax / 448.0f : 1.0f;
+        float scale = amax > 0.0f ? amax / MOEEP_E4M3_MAX : 1.0f;
         if (round_scale)
                 scale = exp2f(ceilf(log2f(scale)));
         const float inv = 1.0f / scale;
@@ -99,7 +81,7 @@ __device__ __forceinline__ void ll_recv_counts(const struct moeep_ctx &ctx, int 
                                 if (px_remote(ctx, s) != (pass == 1))
                                         continue;
                                 const int32_t c = *(volatile int32_t *)&my->table[b][s][e];
-                                range[(size_t)le * R + s] = begin << 32 | (uint32_t)c;
+                                range[(size_t)le * R + s] = moeep_ll_range_pack(begin, c);
                                 begin += c;
                                 if (pass == 1)
                                         my->table[b][s][e] = 0; /* the relay adds into it */
@@ -261,10 +243,10 @@ __device__ __forceinline__ void ll_dispatch(const struct moeep_ctx &ctx, const i
                 if (lane == 0) {
                         if (remote) {
                                 info[0] = le;
-                                info[1] = (me << 28) | (k << 20) | t;
+                                info[1] = moeep_px_src_pack(me, k, t);
                         } else {
                                 *info = t;
-                                ((int32_t *)(ctx.peers[d] + ctx.ll.kinfo[b]))[slot] = (me << 8) | k;
+                                ((int32_t *)(ctx.peers[d] + ctx.ll.kinfo[b]))[slot] = moeep_ll_kinfo_pack(me, k);
                         }
                 }
         }
@@ -327,7 +309,7 @@ __device__ __forceinline__ void ll_combine_send(const struct moeep_ctx &ctx, con
                 const int le = lo, pos = q - s_prefix[lo];
                 const size_t slot = (size_t)le * slots + pos;
                 const int t = src[slot], ki = kinfo[slot];
-                const int s = (ki >> 8) & 0xff, k = ki & 0xff;
+                const int s = moeep_ll_kinfo_rank(ki), k = moeep_ll_kinfo_k(ki);
                 int4 *dst;
                 if (px_remote(ctx, s)) { /* staged: row, then (token, k) */
                         uint32_t p = 0;
@@ -345,14 +327,14 @@ __device__ __forceinline__ void ll_combine_send(const struct moeep_ctx &ctx, con
                         dst = (int4 *)(ctx.peers[s] + ctx.ll.comb[b] + ((size_t)t * ctx.max_topk + k) * (size_t)H * 2);
                 }
                 const int4 *row = y + slot * H / 8;
-                for (int i = lane; i < H / 8; i += 32 * 8) {
-                        int4 v[8];
+                for (int i = lane; i < H / 8; i += 32 * LL_COMBINE_SEND_UNROLL) {
+                        int4 v[LL_COMBINE_SEND_UNROLL];
 #pragma unroll
-                        for (int u = 0; u < 8; u++)
+                        for (int u = 0; u < LL_COMBINE_SEND_UNROLL; u++)
                                 if (i + u * 32 < H / 8)
                                         v[u] = ld_nc_v4(row + i + u * 32);
 #pragma unroll
-                        for (int u = 0; u < 8; u++)
+                        for (int u = 0; u < LL_COMBINE_SEND_UNROLL; u++)
                                 if (i + u * 32 < H / 8)
                                         st_na_v4(dst + i + u * 32, v[u]);
                 }
@@ -432,9 +414,9 @@ __global__ void __launch_bounds__(LL_THREADS, 1) ll_pairs_relay(struct moeep_ctx
                                         ((float *)(own + ctx.ll.scales[b]))[((size_t)le * nscales + j) * slots + pos] =
                                                 __ldcv(sc + j);
                         if (lane == 0) {
-                                ((int32_t *)(own + ctx.ll.src[b]))[slot] = src_info & 0xfffff;
-                                ((int32_t *)(own + ctx.ll.kinfo[b]))[slot] =
-                                        ((src_info >> 28) & 0xf) << 8 | ((src_info >> 20) & 0xff);
+                                const int src_rank = moeep_px_src_rank(src_info), k = moeep_px_src_k(src_info);
+                                ((int32_t *)(own + ctx.ll.src[b]))[slot] = moeep_px_src_token(src_info);
+                                ((int32_t *)(own + ctx.ll.kinfo[b]))[slot] = moeep_ll_kinfo_pack(src_rank, k);
                         }
                 }
                 __syncthreads(); /* s_base is read above by every warp of the block */

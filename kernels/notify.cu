@@ -5,10 +5,6 @@
 #include "ptx.cuh"
 #include "px.cuh"
 
-enum {
-        NOTIFY_THREADS = 1024,
-        NOTIFY_WARPS = NOTIFY_THREADS / 32
-};
 static_assert(MOEEP_COMBINE_CHUNK == 32, "notify counts a combine chunk per warp round of 32 tokens");
 
 /* Bit d set when token t goes to rank d: from is_token_in_rank when given,
@@ -58,12 +54,6 @@ __device__ __forceinline__ void barrier_all(const struct moeep_ctx &ctx, uint64_
         if (tid < R && px_remote(ctx, tid))
                 px_wait(ctx, MOEEP_PX_COUNTER_NM_SYNC(tid), ctx.px.epoch + seq, tid);
         __syncthreads();
-}
-
-/* Our counts segment for remote rank d: our rank counts [R], then the
- * counts of d's experts. */
-__device__ __forceinline__ int32_t *px_counts_out(const struct moeep_ctx &ctx, int d) {
-        return (int32_t *)(px_send_seg(ctx, ctx.px.nm_sync, ctx.px.nm_sync_seg, d) + MOEEP_PX_SEG_HDR);
 }
 
 template <typename Idx>

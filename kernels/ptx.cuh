@@ -134,11 +134,6 @@ struct spin {
         uint32_t n;     /* spins so far */
 };
 
-/* Spins between the checks of spin_give_up: the abort word lives in host
- * memory, and reading it on every spin would put a PCIe round trip into
- * every poll of the flag the wait is for. */
-#define SPIN_CHECK_EVERY 32
-
 __device__ __forceinline__ struct spin spin_begin(void) {
         return { globaltimer_ns(), 0 };
 }
@@ -173,8 +168,6 @@ __device__ __forceinline__ bool wait_flag(const struct moeep_ctx &ctx, const uin
                         return false;
         return true;
 }
-
-#define MBAR_SPINS 64
 
 /* Bounded wait for an mbarrier phase (the producer/consumer pipeline of a
  * block); false when it gave up (see spin_give_up): a failed wait elsewhere
@@ -217,10 +210,6 @@ __device__ __forceinline__ bool last_block_done(const struct moeep_ctx &ctx) {
         if (tid == 0)
                 ctx.state->blocks_done = 0;
         return true;
-}
-
-__device__ __forceinline__ struct moeep_sync *sync_of(const struct moeep_ctx &ctx, int rank) {
-        return (struct moeep_sync *)(ctx.peers[rank] + ctx.layout.sync);
 }
 
 /* Launchers call this before a launch: cudaGetLastError() also returns

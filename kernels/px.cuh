@@ -8,18 +8,6 @@
 #include "ptx.cuh"
 #include "ring.cuh"
 
-__device__ __forceinline__ bool px_remote(const struct moeep_ctx &ctx, int rank) {
-        return (ctx.px.remote >> rank) & 1;
-}
-
-/* Our staging segment for `peer` (send), or `peer`'s segment here (receive). */
-__device__ __forceinline__ char *px_send_seg(const struct moeep_ctx &ctx, size_t area, size_t seg, int peer) {
-        return ctx.px.send + area + (size_t)peer * seg;
-}
-__device__ __forceinline__ const char *px_recv_seg(const struct moeep_ctx &ctx, size_t area, size_t seg, int peer) {
-        return ctx.px.recv + area + (size_t)peer * seg;
-}
-
 /* Ships what the kernel staged for every remote rank (claim[d] slots of
  * `slot` bytes in our segment d of `area`; claim[d] is zeroed) into our
  * segment at d, with the header `info` (count set here) and the signal
@@ -110,14 +98,14 @@ __device__ __forceinline__ const struct moeep_px_seg *px_block_wait(const struct
  * by the daemon after the last use of these lines. */
 __device__ __forceinline__ void px_copy(int4 *dst, const int4 *src, size_t bytes) {
         const int lane = threadIdx.x % 32, n16 = (int)(bytes / 16);
-        for (int i = lane; i < n16; i += 32 * 4) {
-                int4 v[4];
+        for (int i = lane; i < n16; i += 32 * PX_COPY_UNROLL) {
+                int4 v[PX_COPY_UNROLL];
 #pragma unroll
-                for (int u = 0; u < 4; u++)
+                for (int u = 0; u < PX_COPY_UNROLL; u++)
                         if (i + u * 32 < n16)
                                 v[u] = __ldcv(src + i + u * 32);
 #pragma unroll
-                for (int u = 0; u < 4; u++)
+                for (int u = 0; u < PX_COPY_UNROLL; u++)
                         if (i + u * 32 < n16)
                                 dst[i + u * 32] = v[u];
         }

@@ -20,41 +20,8 @@
 #include "ptx.cuh"
 #include "px.cuh"
 
-enum {
-        PX_THREADS = 512,
-        PX_WARPS = PX_THREADS / 32
-};
-
-/* moeep_px_seg.scales bits of a dispatch segment: FP8 scales follow the
- * rows; the sender's top-k ids are int32 (the receive array holds the
- * sender's type, as its NVLink writes would). */
-enum {
-        PX_SEG_SCALES = 1,
-        PX_SEG_IDX32 = 2
-};
-
-/* A staged dispatch row: the row (row_bytes), its scales (FP8), the top-k
- * ids as the destination's local ids (int64), the weights, the source
- * token; rounded to 16 bytes. */
-struct px_pair_layout {
-        size_t scales, idx, weights, src, bytes;
-};
-
-__device__ __forceinline__ struct px_pair_layout px_pair(size_t row_bytes, int n_scales, int K) {
-        struct px_pair_layout l;
-        l.scales = row_bytes;
-        l.idx = l.scales + (size_t)n_scales * sizeof(float);
-        l.weights = l.idx + (size_t)K * sizeof(int64_t);
-        l.src = l.weights + (size_t)K * sizeof(float);
-        l.bytes = (l.src + sizeof(int32_t) + 15) / 16 * 16;
-        return l;
-}
-
-/* A staged combine row: bf16 row, K weights, the token; rounded to 16. */
-__device__ __forceinline__ size_t px_comb_row_bytes(int H, int K) {
-        return ((size_t)H * 2 + (size_t)K * sizeof(float) + sizeof(int32_t) + 15) / 16 * 16;
-}
-
+/* The staged rows' layouts (px_pair, px_comb_row_bytes) and the segment
+ * header bits (PX_SEG_*) are in buffers.h. */
 __device__ __forceinline__ int px_warp(void) {
         return (int)(blockIdx.x * PX_WARPS + threadIdx.x / 32);
 }
@@ -174,7 +141,7 @@ __global__ void __launch_bounds__(PX_THREADS, 1)
                                 ((float *)(row + (size_t)H * 2))[lane] = weights[p * K + lane];
                         if (lane == 0)
                                 *(int32_t *)(row + (size_t)H * 2 + (size_t)K * sizeof(float)) =
-                                        route.recv_src[p] & 0xffffff;
+                                        moeep_recv_src_token(route.recv_src[p]);
                 }
         }
         if (!last_block_done(ctx))

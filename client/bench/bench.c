@@ -35,7 +35,7 @@
 
 #include "ep-internal.h"
 #include "harness.h"
-#include "kernels.h"
+#include "bench_kernels.h"
 #include "moeep_ep.h"
 
 #define MAX_RESULTS 64

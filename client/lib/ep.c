@@ -52,16 +52,18 @@ static int config_check(struct moeep_ep *ep, const struct moeep_ep_config *c, in
         if (c->max_tokens_per_rank < 1 || c->max_tokens_per_rank > MOEEP_KERNEL_MAX_TOKENS)
                 return ep_fail(ep, -EINVAL, "max_tokens_per_rank %d is outside 1..%d", c->max_tokens_per_rank,
                                MOEEP_KERNEL_MAX_TOKENS);
-        if (c->hidden < 256 || c->hidden > 16384 || c->hidden % 256)
-                return ep_fail(ep, -EINVAL, "hidden %d is not a multiple of 256 in 256..16384", c->hidden);
+        if (c->hidden < MOEEP_HIDDEN_MULTIPLE || c->hidden > MOEEP_KERNEL_MAX_HIDDEN ||
+            c->hidden % MOEEP_HIDDEN_MULTIPLE)
+                return ep_fail(ep, -EINVAL, "hidden %d is not a multiple of %d in %d..%d", c->hidden,
+                               MOEEP_HIDDEN_MULTIPLE, MOEEP_HIDDEN_MULTIPLE, MOEEP_KERNEL_MAX_HIDDEN);
         if (c->num_experts < 1 || c->num_experts > MOEEP_KERNEL_MAX_EXPERTS || c->num_experts % ranks)
                 return ep_fail(ep, -EINVAL, "num_experts %d must be in 1..%d and divisible by the %d ranks",
                                c->num_experts, MOEEP_KERNEL_MAX_EXPERTS, ranks);
         if (c->max_topk < 1 || c->max_topk > MOEEP_KERNEL_MAX_TOPK)
                 return ep_fail(ep, -EINVAL, "max_topk %d is outside 1..%d", c->max_topk,
                                MOEEP_KERNEL_MAX_TOPK);
-        if (c->num_sms < 0 || c->num_sms > 1024)
-                return ep_fail(ep, -EINVAL, "num_sms %d is outside 0..1024", c->num_sms);
+        if (c->num_sms < 0 || c->num_sms > MOEEP_KERNEL_MAX_SMS)
+                return ep_fail(ep, -EINVAL, "num_sms %d is outside 0..%d", c->num_sms, MOEEP_KERNEL_MAX_SMS);
         if (c->ll_max_tokens < 0 || c->ll_max_tokens > MOEEP_LL_MAX_TOKENS)
                 return ep_fail(ep, -EINVAL, "ll_max_tokens %d is outside 0..%d", c->ll_max_tokens,
                                MOEEP_LL_MAX_TOKENS);
@@ -283,8 +285,8 @@ int moeep_ep_create(struct moeep_client *client, const struct moeep_ep_config *c
         if (getenv("MOEEP_KERNEL_DEBUG"))
                 ep->ctx.debug = atoi(getenv("MOEEP_KERNEL_DEBUG"));
         if (getenv("MOEEP_KERNEL_TRACE") &&
-            cudaMalloc((void **)&ep->ctx.trace, 4096 * sizeof(uint64_t)) == cudaSuccess)
-                cudaMemset(ep->ctx.trace, 0, 4096 * sizeof(uint64_t));
+            cudaMalloc((void **)&ep->ctx.trace, MOEEP_TRACE_WORDS * sizeof(uint64_t)) == cudaSuccess)
+                cudaMemset(ep->ctx.trace, 0, MOEEP_TRACE_WORDS * sizeof(uint64_t));
         if (getenv("MOEEP_COMBINE_SEND_BLOCKS"))
                 ep->ctx.combine_send_blocks = atoi(getenv("MOEEP_COMBINE_SEND_BLOCKS"));
         ep->ctx.timeout_ns =
@@ -309,8 +311,8 @@ void moeep_ep_destroy(struct moeep_ep *ep) {
 int moeep_ep_set_num_sms(struct moeep_ep *ep, int num_sms) {
         if (!ep)
                 return -EINVAL;
-        if (num_sms < 1 || num_sms > 1024)
-                return ep_fail(ep, -EINVAL, "num_sms %d is outside 1..1024", num_sms);
+        if (num_sms < 1 || num_sms > MOEEP_KERNEL_MAX_SMS)
+                return ep_fail(ep, -EINVAL, "num_sms %d is outside 1..%d", num_sms, MOEEP_KERNEL_MAX_SMS);
         ep->ctx.num_sms = num_sms;
         return 0;
 }
@@ -531,8 +533,9 @@ static int dispatch_check(struct moeep_ep *ep, const struct moeep_dispatch_args 
                 return ep_fail(ep, -EINVAL, "topk_weights given without topk_idx");
         if (!a->handle && !a->is_token_in_rank && !a->topk_idx && a->num_tokens > 0)
                 return ep_fail(ep, -EINVAL, "no routing: give is_token_in_rank, topk_idx or a handle");
-        if (a->expert_alignment < 0 || a->expert_alignment > 4096)
-                return ep_fail(ep, -EINVAL, "expert_alignment %d is outside 0..4096", a->expert_alignment);
+        if (a->expert_alignment < 0 || a->expert_alignment > MOEEP_MAX_EXPERT_ALIGNMENT)
+                return ep_fail(ep, -EINVAL, "expert_alignment %d is outside 0..%d", a->expert_alignment,
+                               MOEEP_MAX_EXPERT_ALIGNMENT);
         if (a->num_worst_tokens < 0 || a->num_worst_tokens > ep->ctx.ranks * ep->ctx.max_tokens)
                 return ep_fail(ep, -EINVAL, "num_worst_tokens %d is outside 0..%d", a->num_worst_tokens,
                                ep->ctx.ranks * ep->ctx.max_tokens);

@@ -39,7 +39,7 @@
 #if MOEEP_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
-#include "kernels.h"
+#include "bench_kernels.h"
 #endif
 
 #define REGION (1u << 20)

@@ -1,0 +1,191 @@
+/* Every limit, tunable and magic number of moeep's kernels, and the bit
+ * packings of the words they exchange, with their pack/unpack helpers
+ * (host and device). Plain C, no CUDA headers: included by the kernels
+ * (through buffers.h and kernels.h), by the client library and by
+ * client/python/tests/abi.c, which prints these values so that the Python
+ * package's copies (moeep/_lib.py, moeep/config.py) are checked against
+ * them. */
+#ifndef MOEEP_KERNEL_PARAMS_H
+#define MOEEP_KERNEL_PARAMS_H
+
+#include <assert.h>
+#include <stdint.h>
+
+#include "moeep.h"
+
+/* ---- Limits: the shapes the kernels' fixed arrays are sized for. */
+
+#define MOEEP_KERNEL_MAX_RANKS 8
+/* A job's ranks are a product limit (moeep.h); the kernels' per-rank arrays
+ * (flags, counts, peer pointers) must hold every one of them. */
+static_assert(MOEEP_KERNEL_MAX_RANKS == MOEEP_MAX_RANKS, "kernel rank arrays must match the job's rank limit");
+#define MOEEP_KERNEL_MAX_EXPERTS 512
+#define MOEEP_KERNEL_MAX_TOPK 9
+#define MOEEP_KERNEL_MAX_TOKENS 65536
+/* Blocks of a normal-mode launch (moeep_ep_config.num_sms, moeep_ep_set_num_sms). */
+#define MOEEP_KERNEL_MAX_SMS 1024
+/* Hidden sizes: a multiple of MOEEP_HIDDEN_MULTIPLE so that a bf16 row is
+ * a whole number of warp steps (32 lanes x 16 bytes of int4 pairs: the
+ * low-latency kernels rely on H / 8 being a multiple of 32). */
+#define MOEEP_HIDDEN_MULTIPLE 256
+#define MOEEP_KERNEL_MAX_HIDDEN 16384
+#define MOEEP_LL_FP8_MAX_HIDDEN 8192 /* low-latency FP8: largest hidden size supported (and tested) */
+/* moeep_dispatch_args.expert_alignment: largest rounding of the per-expert counts. */
+#define MOEEP_MAX_EXPERT_ALIGNMENT 4096
+
+/* ---- Formats. */
+
+#define MOEEP_SCALE_BLOCK 128 /* FP8: one float scale per 128 channels */
+#define MOEEP_E4M3_MAX 448.0f /* largest finite float8 e4m3 value: FP8 scale = amax / this */
+/* Every array of the NVLink buffer and every proxy segment starts at a
+ * multiple of this: 16-byte aligned for vector stores, and the flags apart
+ * from the payload. */
+#define MOEEP_BUFFER_ALIGN 4096
+
+/* ---- Tunables of the normal-mode combine. */
+
+#define MOEEP_COMBINE_CHUNK 32 /* tokens per combine arrival counter */
+#define MOEEP_COMBINE_CHUNKS (MOEEP_KERNEL_MAX_TOKENS / MOEEP_COMBINE_CHUNK)
+
+/* Warp roles of the combine kernel (kernels/combine.cu describes them). */
+enum {
+        COMBINE_THREADS = 1024,
+        COMBINE_SEND_WARPS = 16,
+        COMBINE_CONSUMER_WARPS = 12, /* in groups of COMBINE_GROUP_WARPS, one group per stage */
+        COMBINE_GROUP_WARPS = 4,
+        COMBINE_CONSUMER_GROUPS = COMBINE_CONSUMER_WARPS / COMBINE_GROUP_WARPS,
+        COMBINE_PRODUCER_WARP = 31,
+        COMBINE_SLICE_MAX = 8192, /* bytes of one row slice; a stage holds ranks of them */
+        COMBINE_MAX_STAGES = 16,
+        COMBINE_STAGE_SMEM = 192 * 1024, /* ring of stages */
+        COMBINE_CLAIM_ROWS = 4,          /* rows a send warp claims (and counts) at once */
+        COMBINE_SEND_UNROLL = 4,         /* 16-byte loads in flight per lane of a send warp */
+        COMBINE_COPY_UNROLL = 8,         /* loads in flight per lane of the one-rank copy (copy_row) */
+};
+
+/* ---- Tunables of the other kernels. */
+
+enum {
+        DISPATCH_THREADS = 1024,
+        DISPATCH_UNROLL = 4, /* 16-byte loads in flight per lane */
+};
+
+enum {
+        NOTIFY_THREADS = 1024, /* one block does all of notify */
+        NOTIFY_WARPS = NOTIFY_THREADS / 32
+};
+
+enum {
+        LAYOUT_THREADS = 256 /* one token per thread */
+};
+
+enum {
+        LL_THREADS = 512,
+        LL_WARPS = LL_THREADS / 32,
+        LL_RECV_PIECE = 64,         /* int4 of a row one warp of the combine receive sums: 512 channels */
+        LL_COMBINE_SEND_UNROLL = 8, /* 16-byte loads in flight per lane of the combine send */
+};
+
+enum {
+        PX_THREADS = 512, /* the normal-mode proxy kernels (kernels/px_normal.cu) */
+        PX_WARPS = PX_THREADS / 32,
+        PX_COPY_UNROLL = 4, /* 16-byte loads in flight per lane of px_copy (staged rows into the buffer) */
+};
+
+/* ---- Bounded device waits (kernels/ptx.cuh). */
+
+/* Spins between the checks of spin_give_up: the abort word lives in host
+ * memory, and reading it on every spin would put a PCIe round trip into
+ * every poll of the flag the wait is for. */
+#define SPIN_CHECK_EVERY 32
+/* mbarrier waits call spin_give_up once per this many tries. */
+#define MBAR_SPINS 64
+
+/* ---- Diagnostics. */
+
+/* $MOEEP_KERNEL_TRACE: globaltimer stamps per block of combine, for every
+ * block a launch may have. */
+#define MOEEP_TRACE_STAMPS 4
+#define MOEEP_TRACE_WORDS (MOEEP_KERNEL_MAX_SMS * MOEEP_TRACE_STAMPS)
+
+/* ---- Packed words. Each has its pack and unpack helpers below; the
+ * fields' widths are checked against the limits. */
+
+#ifdef __CUDACC__
+#define MOEEP_HD __host__ __device__ __forceinline__
+#else
+#define MOEEP_HD static inline
+#endif
+
+/* Normal mode, moeep_route.recv_src (and moeep_dispatch_result.recv_src_info,
+ * DeepEP's): (source rank << 24) | source token, per received row. */
+#define MOEEP_RECV_SRC_RANK_SHIFT 24
+#define MOEEP_RECV_SRC_TOKEN_MASK 0xffffff
+static_assert(MOEEP_KERNEL_MAX_TOKENS - 1 <= MOEEP_RECV_SRC_TOKEN_MASK, "recv_src: token field too narrow");
+static_assert(MOEEP_KERNEL_MAX_RANKS - 1 <= INT32_MAX >> MOEEP_RECV_SRC_RANK_SHIFT, "recv_src: rank field too narrow");
+
+MOEEP_HD int moeep_recv_src_pack(int rank, int token) {
+        return (rank << MOEEP_RECV_SRC_RANK_SHIFT) | token;
+}
+
+MOEEP_HD int moeep_recv_src_token(int recv_src) {
+        return recv_src & MOEEP_RECV_SRC_TOKEN_MASK;
+}
+
+MOEEP_HD int moeep_recv_src_rank(int recv_src) {
+        return recv_src >> MOEEP_RECV_SRC_RANK_SHIFT;
+}
+
+/* Low-latency, moeep_ll_layout.kinfo: (source rank << 8) | k, per slot, for
+ * combine to find the row (token, k) of the token's rank. */
+#define MOEEP_LL_KINFO_RANK_SHIFT 8
+#define MOEEP_LL_KINFO_MASK 0xff
+static_assert(MOEEP_KERNEL_MAX_TOPK - 1 <= MOEEP_LL_KINFO_MASK, "kinfo: k field too narrow");
+static_assert(MOEEP_KERNEL_MAX_RANKS - 1 <= MOEEP_LL_KINFO_MASK, "kinfo: rank field too narrow");
+
+MOEEP_HD int moeep_ll_kinfo_pack(int rank, int k) {
+        return (rank << MOEEP_LL_KINFO_RANK_SHIFT) | k;
+}
+
+MOEEP_HD int moeep_ll_kinfo_rank(int kinfo) {
+        return (kinfo >> MOEEP_LL_KINFO_RANK_SHIFT) & MOEEP_LL_KINFO_MASK;
+}
+
+MOEEP_HD int moeep_ll_kinfo_k(int kinfo) {
+        return kinfo & MOEEP_LL_KINFO_MASK;
+}
+
+/* Low-latency proxy path, the source info of a staged dispatch pair:
+ * (source rank << 28) | (k << 20) | source token, one int32 that the
+ * receiver's relay splits into its src and kinfo words. */
+#define MOEEP_PX_SRC_RANK_SHIFT 28
+#define MOEEP_PX_SRC_RANK_MASK 0xf
+#define MOEEP_PX_SRC_K_SHIFT 20
+#define MOEEP_PX_SRC_K_MASK 0xff
+#define MOEEP_PX_SRC_TOKEN_MASK 0xfffff
+static_assert(MOEEP_KERNEL_MAX_RANKS - 1 <= MOEEP_PX_SRC_RANK_MASK, "px source info: rank field too narrow");
+static_assert(MOEEP_KERNEL_MAX_TOPK - 1 <= MOEEP_PX_SRC_K_MASK, "px source info: k field too narrow");
+
+MOEEP_HD int moeep_px_src_pack(int rank, int k, int token) {
+        return (rank << MOEEP_PX_SRC_RANK_SHIFT) | (k << MOEEP_PX_SRC_K_SHIFT) | token;
+}
+
+MOEEP_HD int moeep_px_src_token(int src_info) {
+        return src_info & MOEEP_PX_SRC_TOKEN_MASK;
+}
+
+MOEEP_HD int moeep_px_src_rank(int src_info) {
+        return (src_info >> MOEEP_PX_SRC_RANK_SHIFT) & MOEEP_PX_SRC_RANK_MASK;
+}
+
+MOEEP_HD int moeep_px_src_k(int src_info) {
+        return (src_info >> MOEEP_PX_SRC_K_SHIFT) & MOEEP_PX_SRC_K_MASK;
+}
+
+/* Low-latency, moeep_ll_layout.range (DeepEP's layout_range): the first
+ * slot << 32 | the count of slots of each source rank at a local expert. */
+MOEEP_HD int64_t moeep_ll_range_pack(int64_t begin, int32_t count) {
+        return begin << 32 | (uint32_t)count;
+}
+
+#endif
