@@ -1,11 +1,17 @@
 /* Prints the size and field offsets of every structure the ctypes binding
  * (moeep/_lib.py) mirrors, as "struct field offset" and "struct sizeof N"
  * lines, for tests/test_lib.py. With MOEEP_ABI_EP (a CUDA build) the data
- * plane's structures of moeep_ep.h too. */
+ * plane's structures of moeep_ep.h too. With --constants, instead, the
+ * C values of the constants that the Python package repeats, as
+ * "NAME value" lines: the public ones and the kernels' (kernels/params.h,
+ * kernels/buffers.h, plain C, so also in a build without CUDA). */
 #include <stddef.h>
 #include <stdio.h>
+#include <string.h>
 
+#include "buffers.h"
 #include "moeep.h"
+#include "params.h"
 #ifdef MOEEP_ABI_EP
 #include "moeep_ep.h"
 #endif
@@ -13,7 +19,30 @@
 #define S(s) printf("moeep_" #s " sizeof %zu\n", sizeof(struct moeep_##s))
 #define F(s, f) printf("moeep_" #s " " #f " %zu\n", offsetof(struct moeep_##s, f))
 
-int main(void) {
+#define C(name) printf(#name " %lld\n", (long long)(name))
+
+static void constants(void) {
+        C(MOEEP_UNIQUE_ID_BYTES);
+        C(MOEEP_MAX_RANKS);
+        C(MOEEP_KERNEL_MAX_TOPK);
+        C(MOEEP_KERNEL_MAX_EXPERTS);
+        C(MOEEP_KERNEL_MAX_TOKENS);
+        C(MOEEP_SCALE_BLOCK);
+        C(MOEEP_BUFFER_ALIGN);
+        printf("sizeof_moeep_sync %zu\n", sizeof(struct moeep_sync));
+        printf("sizeof_moeep_ll_sync %zu\n", sizeof(struct moeep_ll_sync));
+#ifdef MOEEP_ABI_EP
+        C(MOEEP_DEFAULT_NUM_SMS);
+        C(MOEEP_DEFAULT_TIMEOUT_MS);
+        C(MOEEP_LL_MAX_TOKENS);
+#endif
+}
+
+int main(int argc, char **argv) {
+        if (argc > 1 && strcmp(argv[1], "--constants") == 0) {
+                constants();
+                return 0;
+        }
         S(unique_id);
         F(unique_id, bytes);
         S(event);

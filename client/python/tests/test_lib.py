@@ -6,7 +6,7 @@ import subprocess
 import tempfile
 import unittest
 
-from moeep import _lib
+from moeep import _lib, config
 
 
 class LoadTest(unittest.TestCase):
@@ -112,6 +112,37 @@ class AbiTest(unittest.TestCase):
         for struct in seen:
             names = [ln.split()[1] for ln in out.splitlines() if ln.split()[0] == struct and ln.split()[1] != "sizeof"]
             self.assertEqual(names, [f[0] for f in _lib.STRUCTS[struct]._fields_], struct)
+
+    def test_constants(self):
+        """The constants moeep/_lib.py and moeep/config.py repeat have the C
+        headers' values (moeep.h, moeep_ep.h, kernels/params.h), and the
+        sync areas fit the allowances config.py sizes buffers with."""
+        prog = os.environ.get("MOEEP_TEST_ABI")
+        if not prog:
+            self.skipTest("MOEEP_TEST_ABI is not set (run through meson test)")
+        out = subprocess.run([prog, "--constants"], capture_output=True, text=True, check=True).stdout
+        c = {name: int(value) for name, value in (line.split() for line in out.splitlines())}
+        mirrors = {
+            "MOEEP_UNIQUE_ID_BYTES": _lib.MOEEP_UNIQUE_ID_BYTES,
+            "MOEEP_MAX_RANKS": _lib.MOEEP_MAX_RANKS,
+            "MOEEP_KERNEL_MAX_TOPK": _lib.MAX_TOPK,
+            "MOEEP_KERNEL_MAX_EXPERTS": _lib.MAX_EXPERTS,
+            "MOEEP_KERNEL_MAX_TOKENS": _lib.MAX_TOKENS_PER_RANK,
+            "MOEEP_SCALE_BLOCK": _lib.SCALE_BLOCK,
+            "MOEEP_BUFFER_ALIGN": config._ALIGN,
+        }
+        if os.environ.get("MOEEP_TEST_CUDA") == "1":
+            mirrors.update({
+                "MOEEP_DEFAULT_NUM_SMS": _lib.MOEEP_DEFAULT_NUM_SMS,
+                "MOEEP_DEFAULT_TIMEOUT_MS": _lib.MOEEP_DEFAULT_TIMEOUT_MS,
+                "MOEEP_LL_MAX_TOKENS": _lib.MOEEP_LL_MAX_TOKENS,
+            })
+        for name, py in mirrors.items():
+            self.assertIn(name, c)
+            self.assertEqual(py, c[name], "%s: Python has %d, the C header %d" % (name, py, c[name]))
+        self.assertLessEqual(c["sizeof_moeep_sync"], config._SYNC_BYTES, "struct moeep_sync outgrew _SYNC_BYTES")
+        self.assertLessEqual(c["sizeof_moeep_ll_sync"], config._LL_SYNC_BYTES,
+                             "struct moeep_ll_sync outgrew _LL_SYNC_BYTES")
 
 
 if __name__ == "__main__":
