@@ -153,7 +153,7 @@ for cmd in status jobs clients nics mesh metrics; do
 done
 grep -q '^draining: *no$' "$tmp/status.out" || fail "status: no 'draining: no' line"
 grep -q '^log level: *info$' "$tmp/status.out" || fail "status: no 'log level: info' line"
-grep -q '^protocol: *1\.3$' "$tmp/status.out" || fail "status: protocol is not 1.3"
+grep -q '^protocol: *1\.4$' "$tmp/status.out" || fail "status: protocol is not 1.4"
 json "$tmp/status-json.out" 'd["draining"] is False and d["log_level"] == "info" and d["jobs"] == 1'
 grep -q 'ops-job' "$tmp/jobs.out" || fail "jobs: ops-job missing"
 json "$tmp/jobs-json.out" '[j["joined_ranks"] for j in d if j["name"] == "ops-job"] == [[0, 1]]'
