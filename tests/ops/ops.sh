@@ -165,6 +165,15 @@ json "$tmp/nics-json.out" '(len(d["nics"]) == 0) == (d["note"] != "") and all(se
 if python3 -c 'import json,sys; sys.exit(len(json.load(open(sys.argv[1]))["nics"]) != 0)' "$tmp/nics-json.out"; then
         grep -q '^no RDMA devices' "$tmp/nics.out" || fail "nics without devices: no 'no RDMA devices' note"
 fi
+# GDRCopy's /dev/gdrdrv: reported exactly where the node has it (1.4).
+if [ -c /dev/gdrdrv ]; then
+        grep -q '^gdrdrv: /dev/gdrdrv (module ' "$tmp/nics.out" || fail "nics: /dev/gdrdrv exists but is not shown"
+        json "$tmp/nics-json.out" 'd["gdrdrv"]["path"] == "/dev/gdrdrv" and isinstance(d["gdrdrv"]["accessible"], bool)'
+else
+        grep -q '^gdrdrv: none$' "$tmp/nics.out" || fail "nics: no /dev/gdrdrv but no 'gdrdrv: none' line"
+        grep -q 'containers never need it' "$tmp/nics.out" || fail "nics: the gdrdrv note is missing"
+        json "$tmp/nics-json.out" 'd["gdrdrv"] is None'
+fi
 grep -q '^PEER  *STATE  *DIALLED  *RTT_US  *JOBS$' "$tmp/mesh.out" || fail "mesh: header"
 grep -q '^internode mesh off' "$tmp/mesh.out" || fail "mesh: note"
 json "$tmp/mesh-json.out" 'd == {"configured": False, "address": "", "keyed": False, "peers": [], "note": d["note"]} and d["note"].startswith("internode mesh off")'
