@@ -40,7 +40,8 @@ static void region_take_done(void *ctx, int fd, int error, const char *errmsg) {
         }
         if (fd >= 0) {
                 r = membership_register(rt->ms, s, &rt->rr, &fd, &registered.region_id, why);
-                /* Refused: the fd is still ours, charged like an attached one. */
+                /* Taken by the broker, fd is -1 now; refused, it is still
+                 * ours, charged like an attached one, and closed. */
                 clientfd_close(s->reg->clientfds, s->cred.uid, fd);
                 if (r < 0) {
                         snprintf(msg, sizeof(msg), "fd %" PRId64 " of pid %d: %s", rt->number,
