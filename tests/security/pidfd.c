@@ -27,6 +27,11 @@
  *              inherited the socket) asks for a take: refused, naming the
  *              process as exited (SO_PEERPIDFD never names the child, nor a
  *              process that got the pid later)
+ *   late       the same between the request and the take: the take waits
+ *              in the uid's closer queue behind a close that lingers 2 s
+ *              (a socket with SO_LINGER the client sent), the connecting
+ *              process exits meanwhile; the take then finds it gone, and
+ *              everyone else is served during the wait
  *   noptrace   a second moeepd started without CAP_SYS_PTRACE (setpriv):
  *              the take is refused with ERROR_PERMISSION_DENIED naming the
  *              capability; the session serves on
@@ -474,6 +479,144 @@ static void case_exited(void) {
         check_baseline("exited");
 }
 
+/* ------------------------------------------------------------ late */
+
+/* A TCP listener on loopback that never reads: a socket connected to it,
+ * its send buffer full and SO_LINGER set, blocks its last close() for the
+ * linger time (as in fdattack.c). */
+#define LINGER_S 2
+static int tarpit_fd = -1;
+static struct sockaddr_in tarpit_addr;
+
+static int tarpit_open(void) {
+        socklen_t len = sizeof(tarpit_addr);
+        int small = 4096;
+
+        tarpit_fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        tarpit_addr.sin_family = AF_INET;
+        tarpit_addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        setsockopt(tarpit_fd, SOL_SOCKET, SO_RCVBUF, &small, sizeof(small));
+        if (tarpit_fd < 0 || bind(tarpit_fd, (struct sockaddr *)&tarpit_addr, sizeof(tarpit_addr)) < 0 ||
+            listen(tarpit_fd, 8) < 0 || getsockname(tarpit_fd, (struct sockaddr *)&tarpit_addr, &len) < 0)
+                return -1;
+        return 0;
+}
+
+static int lingering_socket(void) {
+        struct linger lg = { .l_onoff = 1, .l_linger = LINGER_S };
+        char chunk[16384] = { 0 };
+        int small = 4096;
+        int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+
+        if (fd < 0)
+                return -1;
+        setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &small, sizeof(small));
+        if (connect(fd, (struct sockaddr *)&tarpit_addr, sizeof(tarpit_addr)) < 0) {
+                close(fd);
+                return -1;
+        }
+        fcntl(fd, F_SETFL, O_NONBLOCK);
+        for (int i = 0; i < 10000; i++)
+                if (send(fd, chunk, sizeof(chunk), MSG_NOSIGNAL) < 0)
+                        break;
+        setsockopt(fd, SOL_SOCKET, SO_LINGER, &lg, sizeof(lg));
+        return fd;
+}
+
+/* The process exits between the request and the take. P (the connecting
+ * process) sends a lingering socket as a region: refused, and its close
+ * holds the uid's closer queue for LINGER_S. Q, P's child with the socket,
+ * then asks to take P's memfd; the take waits in the queue, P exits
+ * meanwhile, and when its turn comes the take finds P gone. */
+static int late_client(void *arg) {
+        const uint64_t pidfd_bit = MOEEP__V1__FEATURE__FEATURE_PIDFD;
+        int sent[2], st = 0;
+        pid_t p;
+
+        CHECK(pipe2(sent, O_CLOEXEC) == 0, "late: pipe");
+        p = fork();
+        if (p == 0) {
+                struct conn *c = conn_open();
+                int fd = memfd_of(4096), sock = lingering_socket(), code;
+                char byte, msg[512];
+                pid_t q;
+
+                if (!c || enter_job_with(c, pidfd_bit) != 0 || sock < 0)
+                        _exit(1);
+                give_fds = true; /* the daemon's close is the last one, and it lingers */
+                code = region_register(c, MOEEP__V1__REGION_KIND__REGION_KIND_MEMFD, 4096, sock, NULL, msg,
+                                       sizeof(msg));
+                give_fds = false;
+                if (code != MOEEP__V1__ERROR_CODE__ERROR_BAD_FDS) {
+                        say("FAIL late: the lingering socket got code %d (%s)", code, msg);
+                        _exit(1);
+                }
+                q = fork();
+                if (q == 0) {
+                        long t0 = now_ms();
+
+                        failures = 0;
+                        close(sent[0]);
+                        /* Tell P the request is out, then wait for the answer. */
+                        {
+                                Moeep__V1__RegionRegister rr = MOEEP__V1__REGION_REGISTER__INIT;
+                                Moeep__V1__TakeFd take = MOEEP__V1__TAKE_FD__INIT;
+                                Moeep__V1__Request req = MOEEP__V1__REQUEST__INIT;
+
+                                take.fd_number = fd;
+                                rr.kind = MOEEP__V1__REGION_KIND__REGION_KIND_MEMFD;
+                                rr.size = 4096;
+                                rr.take = &take;
+                                req.body_case = MOEEP__V1__REQUEST__BODY_REGION_REGISTER;
+                                req.region_register = &rr;
+                                CHECK(moeep_record_send(c->fd, (uint16_t)req.body_case, ++c->rid, &req.base,
+                                                        NULL, 0) == 0,
+                                      "late: send");
+                        }
+                        (void)!write(sent[1], "s", 1);
+                        code = code_of(conn_response(c), msg, sizeof(msg));
+                        CHECK(code == MOEEP__V1__ERROR_CODE__ERROR_BAD_FDS && strstr(msg, "has exited"),
+                              "late: code %d '%s'", code, msg);
+                        /* It waited behind the lingering close: the request
+                         * came before the exit, the take after it. */
+                        CHECK(now_ms() - t0 >= 1000, "late: answered after %ld ms, before the close let go",
+                              now_ms() - t0);
+                        fflush(stdout);
+                        _exit(failures ? 1 : 0);
+                }
+                close(sent[1]);
+                (void)!read(sent[0], &byte, 1);
+                _exit(0); /* P exits with the take still queued */
+        }
+        CHECK(waitpid(p, &st, 0) == p && WIFEXITED(st) && WEXITSTATUS(st) == 0, "late: P failed");
+        /* Q is ours now (pid 1 of the namespace); it exits once answered. */
+        for (int i = 0; i < 200; i++) {
+                pid_t w = waitpid(-1, &st, WNOHANG);
+
+                if (w > 0) {
+                        CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0, "late: Q failed (status 0x%x)", st);
+                        break;
+                }
+                CHECK(i < 199, "late: Q did not finish within 10 s");
+                sleep_ms(50);
+        }
+        close(sent[0]);
+        close(sent[1]);
+        return 0;
+}
+
+static void case_late(void) {
+        if (tarpit_open() < 0) {
+                CHECK(0, "late: tarpit: %s", strerror(errno));
+                return;
+        }
+        failures += run_namespaced("late", late_client, NULL, 20000);
+        close(tarpit_fd);
+        tarpit_fd = -1;
+        check_served("late, after", 5);
+        check_baseline("late");
+}
+
 /* ------------------------------------------------------------ noptrace */
 
 static int noptrace_client(void *arg) {
@@ -591,11 +734,8 @@ int main(int argc, char **argv) {
         static const struct {
                 const char *name;
                 void (*fn)(void);
-        } cases[] = { { "share", case_share },
-                      { "hostile", case_hostile },
-                      { "frame", case_frame },
-                      { "exited", case_exited },
-                      { "noptrace", case_noptrace } };
+        } cases[] = { { "share", case_share },   { "hostile", case_hostile }, { "frame", case_frame },
+                      { "exited", case_exited }, { "late", case_late },       { "noptrace", case_noptrace } };
 
         if (argc < 3) {
                 fprintf(stderr, "usage: %s MOEEPD MOEEPCTL [CASE]\n", argv[0]);
