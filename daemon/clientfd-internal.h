@@ -11,6 +11,7 @@
 #include <sys/types.h>
 
 #include "clientfd.h"
+#include "log.h" /* ERRMSG_MAX */
 
 /* Closer threads, started as work arrives. Each serves one uid at a time,
  * so this many uids with a stuck close stall closing for everyone; a
@@ -52,17 +53,50 @@
 #define NVIDIA_CTL_MINOR 255
 #define DMA_BUF_MAGIC 0x444d4142
 
-/* One fd waiting for a closer. */
+/* A descriptor taken from a client's process with pidfd_getfd()
+ * (clientfd-take.c). Made on the loop, run by a closer in its uid's queue
+ * (the take can wait on a lock the client holds, see clientfd_take()),
+ * handed back to the loop through clientfds.takes_done. */
+struct cf_take {
+        int pidfd;  /* owns until the closer closes it */
+        int number; /* the descriptor number in the client's process */
+        pid_t pid;  /* SO_PEERCRED's, for messages */
+        uid_t uid;  /* SO_PEERCRED's: the process must still have these ids */
+        gid_t gid;
+        int fd;    /* the result: owns, charged to `uid`; -1 on error */
+        int error; /* 0 or -errno (-ERROR_KIND_* for a permission refusal) */
+        char errmsg[ERRMSG_MAX];
+        clientfd_take_fn *done; /* called on the loop, exactly once */
+        void *ctx;              /* not owning */
+        TAILQ_ENTRY(cf_take) entry;
+};
+TAILQ_HEAD(cf_take_list, cf_take);
+
+/* One fd waiting for a closer, or a take. */
 struct cf_job {
         int fd;
         enum cf_cost {
                 CF_QUICK,   /* cannot block: in the quick queue, charged to nobody */
                 CF_CHARGED, /* its uid's fd charge stays until close() returns */
                 CF_SOCKET,  /* a session socket: counts as closing for its uid */
+                CF_TAKE,    /* a take (`take`), not a close; `fd` unused */
         } cost;
+        struct cf_take *take; /* owns until the closer puts it on takes_done; CF_TAKE only */
         TAILQ_ENTRY(cf_job) entry;
 };
 TAILQ_HEAD(cf_job_list, cf_job);
+
+/* clientfd-take.c, on a closer thread: does `t` (pidfd_getfd and the
+ * checks of the process), filling t->fd or t->error and t->errmsg, and
+ * closes t->pidfd. Never logs. */
+void clientfd_take_run(struct cf_take *t);
+
+/* clientfd.c, on the loop: queues `t` in its uid's closer queue. Returns
+ * 0 or -ENOMEM. */
+int clientfd_queue_take(struct clientfds *cf, struct cf_take *t);
+
+/* clientfd-take.c, on the loop: calls t->done and frees `t`. */
+void clientfd_take_finish(struct clientfds *cf, struct cf_take *t);
 
 /* What one uid is charged, and its closing queue. */
 struct cf_uid {
@@ -92,13 +126,15 @@ struct clientfds {
         dev_t memfd_dev;             /* st_dev of a memfd of ours; 0 = unknown */
         bool memfd_dev_known;
         pthread_mutex_t lock;
-        pthread_cond_t wake;        /* closers wait here for work */
-        pthread_cond_t settled;     /* the loop waits here in clientfds_settle() */
-        LIST_HEAD(, cf_uid) uids;   /* owns; entries added and removed by the loop, under lock */
-        TAILQ_HEAD(, cf_uid) ready; /* uids with queued fds and no closer */
-        uint32_t pending;           /* fds queued or in close() */
+        pthread_cond_t wake;            /* closers wait here for work */
+        pthread_cond_t settled;         /* the loop waits here in clientfds_settle() */
+        LIST_HEAD(, cf_uid) uids;       /* owns; entries added and removed by the loop, under lock */
+        TAILQ_HEAD(, cf_uid) ready;     /* uids with queued fds and no closer */
+        struct cf_take_list takes_done; /* owns; takes the loop has yet to hand back */
+        uint32_t pending;               /* fds queued or in close(), takes queued or running */
         unsigned nworkers, nidle;
         bool stopping;
+        bool takes_dropped; /* loop only: clientfds_free() began; finished takes are dropped */
         pthread_t workers[CF_WORKERS_MAX];
 };
 

@@ -174,14 +174,19 @@ static void *closer_main(void *arg) {
                 pthread_mutex_unlock(&cf->lock);
 
                 t0 = now_ms();
-                close(job->fd); /* may block for as long as the sender arranged */
+                if (job->take)
+                        clientfd_take_run(job->take); /* may wait on the client's execve() */
+                else
+                        close(job->fd); /* may block for as long as the sender arranged */
                 took = now_ms() - t0;
                 job_cost = job->cost;
-                free(job);
 
                 pthread_mutex_lock(&cf->lock);
+                if (job->take)
+                        TAILQ_INSERT_TAIL(&cf->takes_done, job->take, entry);
+                free(job);
                 u->busy = false;
-                u->done += job_cost != CF_QUICK;
+                u->done += job_cost != CF_QUICK && job_cost != CF_TAKE;
                 u->done_charged += job_cost == CF_CHARGED;
                 if (took > CF_SLOW_CLOSE_MS && (uint32_t)took > u->slow_ms)
                         u->slow_ms = (uint32_t)took;
@@ -211,13 +216,17 @@ static void closer_spawn_locked(struct clientfds *cf) {
         pthread_sigmask(SIG_SETMASK, &old, NULL);
 }
 
-/* Returns the charges of finished closes (the loop, on the eventfd). */
+/* Returns the charges of finished closes and hands back finished takes
+ * (the loop, on the eventfd). */
 static void clientfds_collect(struct clientfds *cf) {
+        struct cf_take_list takes = TAILQ_HEAD_INITIALIZER(takes);
         struct cf_uid *u, *next;
+        struct cf_take *t;
         uint64_t n;
 
         (void)!read(cf->efd, &n, sizeof(n));
         pthread_mutex_lock(&cf->lock);
+        TAILQ_CONCAT(&takes, &cf->takes_done, entry);
         for (u = LIST_FIRST(&cf->uids); u; u = next) {
                 next = LIST_NEXT(u, entry);
                 if (!u->done) {
@@ -236,6 +245,11 @@ static void clientfds_collect(struct clientfds *cf) {
                 uid_maybe_free_locked(u);
         }
         pthread_mutex_unlock(&cf->lock);
+        /* Outside the lock: the callbacks charge, close and reply. */
+        while ((t = TAILQ_FIRST(&takes))) {
+                TAILQ_REMOVE(&takes, t, entry);
+                clientfd_take_finish(cf, t);
+        }
 }
 
 static void clientfds_done_cb(evutil_socket_t fd, short what, void *arg) {
@@ -269,6 +283,7 @@ static void close_queue(struct clientfds *cf, uid_t uid, int fd, enum cf_cost co
         }
         job->fd = fd;
         job->cost = cost;
+        job->take = NULL;
         u->closing += cost != CF_QUICK;
         pthread_mutex_lock(&cf->lock);
         TAILQ_INSERT_TAIL(&u->queue, job, entry);
@@ -281,6 +296,31 @@ static void close_queue(struct clientfds *cf, uid_t uid, int fd, enum cf_cost co
                 closer_spawn_locked(cf);
         pthread_cond_signal(&cf->wake);
         pthread_mutex_unlock(&cf->lock);
+}
+
+int clientfd_queue_take(struct clientfds *cf, struct cf_take *t) {
+        struct cf_uid *u = uid_get(cf, t->uid);
+        struct cf_job *job = malloc(sizeof(*job));
+
+        if (!u || !job) {
+                free(job);
+                return -ENOMEM;
+        }
+        job->fd = -1;
+        job->cost = CF_TAKE;
+        job->take = t;
+        pthread_mutex_lock(&cf->lock);
+        TAILQ_INSERT_TAIL(&u->queue, job, entry);
+        cf->pending++;
+        if (!u->busy && !u->ready) {
+                TAILQ_INSERT_TAIL(&cf->ready, u, ready_entry);
+                u->ready = true;
+        }
+        if (cf->nidle == 0)
+                closer_spawn_locked(cf);
+        pthread_cond_signal(&cf->wake);
+        pthread_mutex_unlock(&cf->lock);
+        return 0;
 }
 
 void clientfd_close(struct clientfds *cf, uid_t uid, int fd) {
@@ -408,6 +448,7 @@ int clientfds_new(struct event_base *base, const struct config *config, struct c
         cf->efd = -1;
         LIST_INIT(&cf->uids);
         TAILQ_INIT(&cf->ready);
+        TAILQ_INIT(&cf->takes_done);
         pthread_mutex_init(&cf->lock, NULL);
         pthread_cond_init(&cf->wake, NULL);
         pthread_cond_init(&cf->settled, NULL);
@@ -449,11 +490,14 @@ fail:
 }
 
 void clientfds_free(struct clientfds *cf, int timeout_ms) {
+        struct cf_take *t;
         struct cf_uid *u;
         bool stuck = false;
 
         if (!cf)
                 return;
+        /* The sessions that asked for takes are gone by now. */
+        cf->takes_dropped = true;
         if (clientfds_settle(cf, timeout_ms) < 0)
                 log_warn("%" PRIu32 " client descriptors are still being closed: leaving them to the exit",
                          cf->pending);
@@ -478,10 +522,20 @@ void clientfds_free(struct clientfds *cf, int timeout_ms) {
 
                 while ((job = TAILQ_FIRST(&u->queue))) {
                         TAILQ_REMOVE(&u->queue, job, entry);
+                        if (job->take) /* never run: its caller is gone with the loop */
+                                close(job->take->pidfd);
+                        free(job->take);
                         free(job);
                 }
                 LIST_REMOVE(u, entry);
                 free(u);
+        }
+        /* Takes done that nobody collected: their callers are gone too. */
+        while ((t = TAILQ_FIRST(&cf->takes_done))) {
+                TAILQ_REMOVE(&cf->takes_done, t, entry);
+                if (t->fd >= 0)
+                        close(t->fd);
+                free(t);
         }
         if (cf->ev_done)
                 event_free(cf->ev_done);

@@ -30,6 +30,7 @@
 
 #include <stdbool.h>
 #include <stdint.h>
+#include <sys/socket.h>
 #include <sys/types.h>
 
 #include "moeep.pb-c.h"
@@ -108,6 +109,34 @@ int clientfds_budget_check(const struct clientfds *cf, uint32_t n, char *errmsg)
  * unknown kind. */
 int clientfd_check(const struct clientfds *cf, int fd, Moeep__V1__RegionKind kind, uint64_t size,
                    char *errmsg);
+
+/* What a finished take hands back, on the loop: `fd` >= 0 (owned by the
+ * callee now, charged to the uid, not yet checked for kind: pass it to
+ * clientfd_check() like an attached fd), or -1 with `error` (-errno, or
+ * -ERROR_KIND_PERMISSION_DENIED) and `errmsg` naming the fd number and why. */
+typedef void clientfd_take_fn(void *ctx, int fd, int error, const char *errmsg);
+
+/* Takes descriptor `number` of the process that connected the session
+ * socket `sock` (credentials `cred`, SO_PEERCRED) with pidfd_getfd(), for
+ * RegionRegister.take. The process is named by SO_PEERPIDFD (Linux 6.5+),
+ * so a recycled pid cannot stand in for it; after the take, its user and
+ * group ids (real, effective, saved, filesystem) must still be cred's, so
+ * that nothing is taken from a set-id program the client started on the
+ * connection. The descriptor is charged to cred->uid before it is taken.
+ * pidfd_getfd() waits for an execve() in progress in the client (its
+ * exec_update_lock), which a client can make last as long as it likes (a
+ * close-on-exec FUSE file), so the take runs in the uid's own closer
+ * queue: it stalls only that uid. `done` is called later on the loop,
+ * exactly once (with `base` NULL: before this returns). Returns 0, or
+ * -errno with errmsg (then `done` is never called): -EINVAL for a number
+ * outside 0..INT_MAX, -EOPNOTSUPP where the kernel lacks SO_PEERPIDFD,
+ * -ESRCH when the connecting process is gone, -EDQUOT/-EMFILE for the
+ * caps. What `done` may get: -EBADF (nothing open at `number`), -ESRCH
+ * (the process exited), -ERROR_KIND_PERMISSION_DENIED (the daemon may not
+ * ptrace the client: CAP_SYS_PTRACE missing, or the process's ids
+ * changed). */
+int clientfd_take(struct clientfds *cf, int sock, const struct ucred *cred, int64_t number,
+                  clientfd_take_fn *done, void *ctx, char *errmsg);
 
 /* A short name of a region kind ("memfd", "cumem-fd", "dma-buf"). */
 const char *clientfd_kind_to_string(Moeep__V1__RegionKind kind);

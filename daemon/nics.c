@@ -2,6 +2,7 @@
 #include <ctype.h>
 #include <dirent.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <infiniband/verbs.h>
 #include <limits.h>
 #include <rdma/fabric.h>
@@ -9,6 +10,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "log.h"
 #include "nics.h"
@@ -306,6 +309,34 @@ int nics_map_gpus(const char *root, Moeep__V1__Nics *n) {
         return r;
 }
 
+int nics_gdrdrv(const char *dev_path, const char *root, Moeep__V1__Nics *n) {
+        Moeep__V1__Gdrdrv *g;
+        char version[64] = "";
+        struct stat st;
+        int fd;
+
+        if (stat(dev_path, &st) < 0 || !S_ISCHR(st.st_mode))
+                return 0;
+        g = malloc(sizeof(*g));
+        if (!g)
+                return -ENOMEM;
+        moeep__v1__gdrdrv__init(g);
+        read_line(root, "module/gdrdrv/version", version, sizeof(version));
+        /* Opening makes a gdrdrv context and nothing more; the driver's
+         * open does not wait for anyone. O_NONBLOCK all the same. */
+        fd = open(dev_path, O_RDWR | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
+        g->accessible = fd >= 0;
+        g->path = strdup(dev_path);
+        g->module_version = strdup(version);
+        g->error = strdup(fd >= 0 ? "" : strerror(errno));
+        if (fd >= 0)
+                close(fd);
+        n->gdrdrv = g;
+        if (!g->path || !g->module_version || !g->error)
+                return -ENOMEM;
+        return 0;
+}
+
 int nics_scan(const char *root, Moeep__V1__Nics **ret_nics, char *errmsg) {
         Moeep__V1__Nics *n = malloc(sizeof(*n));
         int r;
@@ -318,6 +349,8 @@ int nics_scan(const char *root, Moeep__V1__Nics **ret_nics, char *errmsg) {
                 r = scan_libfabric(root, n);
         if (r == 0)
                 r = nics_map_gpus(root, n);
+        if (r == 0)
+                r = nics_gdrdrv(NICS_GDRDRV_PATH, root, n);
         if (r < 0) {
                 nics_free(n);
                 return errmsg_set(errmsg, r, "NicsList: out of memory");
@@ -341,6 +374,12 @@ void nics_free(Moeep__V1__Nics *n) {
                 free(n->gpus[i]->nic);
                 free(n->gpus[i]->distance);
                 free(n->gpus[i]);
+        }
+        if (n->gdrdrv) {
+                free(n->gdrdrv->path);
+                free(n->gdrdrv->module_version);
+                free(n->gdrdrv->error);
+                free(n->gdrdrv);
         }
         free(n->nics);
         free(n->gpus);

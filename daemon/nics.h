@@ -3,7 +3,8 @@
  * Devices come from libibverbs (ibv_get_device_list) and libfabric
  * (fi_getinfo, hardware providers only: tcp, udp, shm and the like are no
  * RDMA devices); their PCIe places and the GPUs (NVIDIA display and 3D
- * controllers) come from sysfs. A machine without RDMA devices gets empty
+ * controllers) come from sysfs, and GDRCopy's /dev/gdrdrv is reported where
+ * it exists. A machine without RDMA devices gets empty
  * lists, not an error. Nothing here is cached: an operator asks rarely and
  * wants what is true now. */
 #ifndef MOEEPD_NICS_H
@@ -17,6 +18,16 @@
  * tests pass a fake tree). Returns 0 with *ret_nics (free with
  * nics_free()), or -ENOMEM with errmsg. */
 int nics_scan(const char *sysfs_root, Moeep__V1__Nics **ret_nics, char *errmsg);
+
+/* Where GDRCopy's driver puts its device node. */
+#define NICS_GDRDRV_PATH "/dev/gdrdrv"
+
+/* Fills ret_nics->gdrdrv when `dev_path` (NICS_GDRDRV_PATH; unit tests pass
+ * another character device) is a character device: its module version
+ * from `sysfs_root`/module/gdrdrv/version, and whether the daemon can open
+ * it read-write. Leaves it NULL otherwise. nics_scan() calls it. Returns 0
+ * or -ENOMEM. */
+int nics_gdrdrv(const char *dev_path, const char *sysfs_root, Moeep__V1__Nics *nics);
 
 /* Fills ret_nics->gpus for the NVIDIA GPUs under `sysfs_root`, each with
  * the nearest of ret_nics->nics that has a PCI address. nics_scan() calls

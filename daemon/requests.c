@@ -18,6 +18,7 @@
 #include "moeep-config.h"
 #include "query.h"
 #include "record.h"
+#include "region-take.h"
 #include "requests.h"
 #include "session.h"
 
@@ -26,7 +27,7 @@
         ((uint64_t)MOEEP__V1__FEATURE__FEATURE_REGIONS |                                               \
          (uint64_t)MOEEP__V1__FEATURE__FEATURE_CONTROL_PAGE |                                          \
          (uint64_t)MOEEP__V1__FEATURE__FEATURE_OPERATOR | (uint64_t)MOEEP__V1__FEATURE__FEATURE_MESH | \
-         (uint64_t)MOEEP__V1__FEATURE__FEATURE_PROXY)
+         (uint64_t)MOEEP__V1__FEATURE__FEATURE_PROXY | (uint64_t)MOEEP__V1__FEATURE__FEATURE_PIDFD)
 
 /* ------------------------------------------------------------ handlers */
 
@@ -197,6 +198,15 @@ static int handle_region_register(struct requests *rq, struct session *s, uint64
                                   "RegionRegister: proxy role %d, but session %" PRIu64
                                   " did not offer FEATURE_PROXY in Hello",
                                   (int)rr->proxy, s->id);
+        if (rr->take) {
+                if (!(s->features & MOEEP__V1__FEATURE__FEATURE_PIDFD))
+                        return errmsg_set(errmsg, -EINVAL,
+                                          "RegionRegister: fd number %" PRId64
+                                          " to take, but session %" PRIu64
+                                          " did not offer FEATURE_PIDFD in Hello",
+                                          rr->take->fd_number, s->id);
+                return region_take_start(&rq->membership, rq->counters, s, rid, rr, errmsg);
+        }
         r = membership_register(&rq->membership, s, rr, &rec->fds[0], &registered.region_id, errmsg);
         if (r < 0)
                 return r;
@@ -374,6 +384,16 @@ static int requests_dispatch(void *ctx, struct session *s, struct moeep_record *
                 session_fail(s, MOEEP__V1__ERROR_CODE__ERROR_BAD_RECORD, rid,
                              "%s request (type %u) of %" PRIu32 " payload bytes does not decode", h->name,
                              type, rec->hdr.length);
+                return 0;
+        }
+        /* RegionRegister carries its fd, or names one to take (1.4) and
+         * carries none: the framing let both through (record.h). */
+        if (type == MOEEP__V1__REQUEST__BODY_REGION_REGISTER &&
+            rec->nfds != (req->region_register->take ? 0 : 1)) {
+                session_fail(s, MOEEP__V1__ERROR_CODE__ERROR_BAD_FDS, rid, "bad record: %s",
+                             rec->nfds ? "RegionRegister names an fd number to take but carries a descriptor"
+                                       : "record type needs exactly one descriptor but carries none");
+                moeep__v1__request__free_unpacked(req, NULL);
                 return 0;
         }
         if (h->needs_job && !s->member)

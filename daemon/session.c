@@ -418,11 +418,22 @@ static int session_read_one(struct session *s) {
         return r;
 }
 
+void session_pause(struct session *s) {
+        s->paused = true;
+        event_del(s->ev_read);
+}
+
+void session_resume(struct session *s) {
+        s->paused = false;
+        if (s->state != SESSION_CLOSED && s->fd >= 0)
+                event_add(s->ev_read, NULL);
+}
+
 static void session_read_cb(evutil_socket_t fd, short what, void *arg) {
         struct session *s = arg;
 
         session_ref(s);
-        for (int i = 0; i < SESSION_READ_BATCH && s->state != SESSION_CLOSED; i++)
+        for (int i = 0; i < SESSION_READ_BATCH && s->state != SESSION_CLOSED && !s->paused; i++)
                 if (!session_read_one(s))
                         break;
         session_unref(s);

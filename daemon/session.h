@@ -75,6 +75,7 @@ struct session {
         uint32_t out_fds; /* duplicates in `out`, charged to cred.uid (clientfd.h) */
         size_t out_bytes;
         const char *broken; /* static; set when output overflowed, acted on from the loop */
+        bool paused;        /* reads nothing until session_resume() (a request in progress) */
         TAILQ_ENTRY(session) entry;
 };
 
@@ -172,6 +173,13 @@ void session_fail(struct session *s, int code, uint64_t request_id, const char *
 /* Closes the socket now, dropping unsent output, and moves the session to
  * the dead list. Call session_fail() first so that it leaves its job. */
 void session_close_now(struct session *s);
+
+/* Stops reading `s` until session_resume(): a request whose reply comes
+ * later (RegionRegister with `take`) keeps the next requests behind it, so
+ * that they see its outcome and one session has one such request at a
+ * time. Resuming a CLOSED session does nothing. */
+void session_pause(struct session *s);
+void session_resume(struct session *s);
 
 /* Takes and drops a reference; the session is freed from the loop once
  * dead and unreferenced. */

@@ -50,6 +50,7 @@ int moeep_record_type_known(uint16_t type) {
 int moeep_record_fds_expected(uint16_t type) {
         switch (type) {
         case MOEEP__V1__REQUEST__BODY_REGION_REGISTER:
+                return MOEEP_RECORD_FDS_ONE_OR_NONE;
         case MOEEP__V1__RESPONSE__BODY_JOB_JOINED:
         case MOEEP__V1__RESPONSE__BODY_CHANNEL_OPENED:
                 return 1;
@@ -243,6 +244,10 @@ int moeep_record_recv_keep(int sock, struct moeep_record *rec, const char **ret_
                 goto fail;
         }
         expected = moeep_record_fds_expected(rec->hdr.type);
+        if (expected == MOEEP_RECORD_FDS_ONE_OR_NONE && rec->nfds > 1) {
+                why = "record type needs exactly one descriptor but carries several";
+                goto fail;
+        }
         if ((expected >= 0 && rec->nfds != (size_t)expected)) {
                 why = expected == 0    ? "descriptors on a record type that may not carry them"
                       : rec->nfds == 0 ? "record type needs exactly one descriptor but carries none"

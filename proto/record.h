@@ -16,7 +16,7 @@
 
 #define MOEEP_RECORD_MAGIC 0x5045454du /* "MEEP" read as little-endian bytes */
 #define MOEEP_PROTOCOL_MAJOR 1
-#define MOEEP_PROTOCOL_MINOR 3
+#define MOEEP_PROTOCOL_MINOR 4
 
 /* Largest record (header + payload) either side sends or accepts. Anything
  * bulky travels as a memfd instead. */
@@ -64,7 +64,10 @@ struct moeep_record {
 
 /* How many descriptors a record type must carry: returns 0 for "none",
  * 1 for "exactly one", -1 for "any number up to MOEEP_RECORD_MAX_FDS"
- * (Regions: one per entry, checked after decoding). */
+ * (Regions: one per entry, checked after decoding), MOEEP_RECORD_FDS_ONE_OR_NONE
+ * for "one, or none when the message says so" (RegionRegister: none with
+ * `take`, 1.4; the daemon checks which after decoding). */
+#define MOEEP_RECORD_FDS_ONE_OR_NONE (-2)
 int moeep_record_fds_expected(uint16_t type);
 
 /* Whether `type` names a message this protocol version knows. */

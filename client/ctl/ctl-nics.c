@@ -1,12 +1,14 @@
 /* moeepctl nics: the RDMA devices moeepd sees (libibverbs, libfabric) and
- * the NIC nearest each GPU by PCIe topology. A node without RDMA devices
- * gets empty tables and a note saying so. */
+ * the NIC nearest each GPU by PCIe topology, then GDRCopy's /dev/gdrdrv
+ * where the node has it. A node without RDMA devices gets empty tables and
+ * a note saying so. */
 #include <stdio.h>
 
 #include "ctl.h"
 
 #define NO_NICS "no RDMA devices: neither libibverbs nor libfabric reports one"
 #define NO_GPUS "no NVIDIA GPUs in sysfs"
+#define NO_GDRDRV "no /dev/gdrdrv (GDRCopy): not needed; containers never need it"
 
 static const struct ctl_column nic_columns[] = {
         { "NIC", "name", CTL_STRING },        { "SOURCE", "source", CTL_STRING },
@@ -42,6 +44,33 @@ static int fill(const Moeep__V1__Nics *n, struct ctl_table *nics, struct ctl_tab
         return r;
 }
 
+/* GDRCopy's driver: where it is, its version, whether the daemon can open
+ * it; or that there is none (containers never need it). */
+static void print_gdrdrv(const Moeep__V1__Gdrdrv *g) {
+        if (!g) {
+                printf("gdrdrv: none\n");
+                ctl_note("%s", NO_GDRDRV);
+                return;
+        }
+        printf("gdrdrv: %s (module %s)%s%s\n", g->path,
+               g->module_version[0] ? g->module_version : "version unknown",
+               g->accessible ? "" : ", the daemon cannot open it: ", g->accessible ? "" : g->error);
+}
+
+static void print_gdrdrv_json(const Moeep__V1__Gdrdrv *g) {
+        if (!g) {
+                fputs("null", stdout);
+                return;
+        }
+        fputs("{\"path\": ", stdout);
+        ctl_json_string(stdout, g->path);
+        fputs(", \"module_version\": ", stdout);
+        ctl_json_string(stdout, g->module_version);
+        printf(", \"accessible\": %s, \"error\": ", g->accessible ? "true" : "false");
+        ctl_json_string(stdout, g->error);
+        fputc('}', stdout);
+}
+
 int ctl_nics(struct ctl *ctl) {
         Moeep__V1__NicsList list = MOEEP__V1__NICS_LIST__INIT;
         Moeep__V1__Request req = MOEEP__V1__REQUEST__INIT;
@@ -67,6 +96,8 @@ int ctl_nics(struct ctl *ctl) {
                 ctl_table_print_json(&gpus, stdout);
                 fputs(", \"note\": ", stdout);
                 ctl_json_string(stdout, nics.nrows == 0 ? NO_NICS : "");
+                fputs(", \"gdrdrv\": ", stdout);
+                print_gdrdrv_json(resp->nics->gdrdrv);
                 fputs("}\n", stdout);
         } else {
                 ctl_table_print_list(&nics, false, stdout);
@@ -76,6 +107,8 @@ int ctl_nics(struct ctl *ctl) {
                 ctl_table_print_list(&gpus, false, stdout);
                 if (gpus.nrows == 0)
                         ctl_note("%s", NO_GPUS);
+                fputc('\n', stdout);
+                print_gdrdrv(resp->nics->gdrdrv);
         }
         ctl_table_done(&gpus);
         ctl_table_done(&nics);

@@ -66,6 +66,48 @@ int moeep_region_register(struct moeep_client *c, int fd, enum moeep_region_kind
                                     ret_region_id);
 }
 
+int moeep_region_register_pidfd(struct moeep_client *c, int fd_number, enum moeep_region_kind kind,
+                                uint64_t size, uint32_t tag, uint64_t *ret_region_id) {
+        Moeep__V1__RegionKind k = region_kind_to_proto(kind);
+        Moeep__V1__RegionRegister rr = MOEEP__V1__REGION_REGISTER__INIT;
+        Moeep__V1__TakeFd take = MOEEP__V1__TAKE_FD__INIT;
+        Moeep__V1__Request req = MOEEP__V1__REQUEST__INIT;
+        Moeep__V1__Response *resp;
+        int r;
+
+        if (!c)
+                return -EINVAL;
+        if (k == MOEEP__V1__REGION_KIND__REGION_KIND_UNSPECIFIED)
+                return client_error_set(c, -EINVAL, "region kind %d is unknown", (int)kind);
+        if (fd_number < 0 || fcntl(fd_number, F_GETFD) < 0)
+                return client_error_set(c, -EBADF, "region fd %d is not an open descriptor", fd_number);
+        if (size == 0)
+                return client_error_set(c, -EINVAL, "region size 0 (fd %d) is invalid", fd_number);
+        if (!(c->features & MOEEP__V1__FEATURE__FEATURE_PIDFD))
+                return client_error_set(c, -EOPNOTSUPP,
+                                        "region register by fd number: moeepd %s at %s does not offer it "
+                                        "(it needs protocol 1.4)",
+                                        c->daemon_version, c->socket_path);
+        r = client_require_job(c, "region register");
+        if (r < 0)
+                return r;
+
+        take.fd_number = fd_number;
+        rr.kind = k;
+        rr.size = size;
+        rr.tag = tag;
+        rr.take = &take;
+        req.body_case = MOEEP__V1__REQUEST__BODY_REGION_REGISTER;
+        req.region_register = &rr;
+        r = client_call(c, &req, MOEEP__V1__RESPONSE__BODY_REGION_REGISTERED, NULL, 0, &resp);
+        if (r < 0)
+                return r;
+        if (ret_region_id)
+                *ret_region_id = resp->region_registered->region_id;
+        moeep__v1__response__free_unpacked(resp, NULL);
+        return 0;
+}
+
 /* The daemon takes proxy regions and channels only after agreeing on
  * FEATURE_PROXY (protocol 1.3). */
 static int client_require_proxy(struct moeep_client *c, const char *what) {

@@ -386,7 +386,7 @@ static int client_hello(struct moeep_client *c, const char *client_name) {
         hello.minor = MOEEP_PROTOCOL_MINOR;
         hello.features = MOEEP__V1__FEATURE__FEATURE_REGIONS | MOEEP__V1__FEATURE__FEATURE_CONTROL_PAGE |
                          MOEEP__V1__FEATURE__FEATURE_OPERATOR | MOEEP__V1__FEATURE__FEATURE_MESH |
-                         MOEEP__V1__FEATURE__FEATURE_PROXY;
+                         MOEEP__V1__FEATURE__FEATURE_PROXY | MOEEP__V1__FEATURE__FEATURE_PIDFD;
         hello.pid = (uint32_t)getpid();
         hello.client_name = (char *)(client_name ? client_name : "libmoeep/" MOEEP_VERSION);
         req.body_case = MOEEP__V1__REQUEST__BODY_HELLO;

@@ -153,7 +153,7 @@ for cmd in status jobs clients nics mesh metrics; do
 done
 grep -q '^draining: *no$' "$tmp/status.out" || fail "status: no 'draining: no' line"
 grep -q '^log level: *info$' "$tmp/status.out" || fail "status: no 'log level: info' line"
-grep -q '^protocol: *1\.3$' "$tmp/status.out" || fail "status: protocol is not 1.3"
+grep -q '^protocol: *1\.4$' "$tmp/status.out" || fail "status: protocol is not 1.4"
 json "$tmp/status-json.out" 'd["draining"] is False and d["log_level"] == "info" and d["jobs"] == 1'
 grep -q 'ops-job' "$tmp/jobs.out" || fail "jobs: ops-job missing"
 json "$tmp/jobs-json.out" '[j["joined_ranks"] for j in d if j["name"] == "ops-job"] == [[0, 1]]'
@@ -164,6 +164,15 @@ json "$tmp/nics-json.out" 'isinstance(d["nics"], list) and isinstance(d["gpus"],
 json "$tmp/nics-json.out" '(len(d["nics"]) == 0) == (d["note"] != "") and all(set(n) == {"name", "source", "pci_address", "numa_node", "link"} for n in d["nics"])'
 if python3 -c 'import json,sys; sys.exit(len(json.load(open(sys.argv[1]))["nics"]) != 0)' "$tmp/nics-json.out"; then
         grep -q '^no RDMA devices' "$tmp/nics.out" || fail "nics without devices: no 'no RDMA devices' note"
+fi
+# GDRCopy's /dev/gdrdrv: reported exactly where the node has it (1.4).
+if [ -c /dev/gdrdrv ]; then
+        grep -q '^gdrdrv: /dev/gdrdrv (module ' "$tmp/nics.out" || fail "nics: /dev/gdrdrv exists but is not shown"
+        json "$tmp/nics-json.out" 'd["gdrdrv"]["path"] == "/dev/gdrdrv" and isinstance(d["gdrdrv"]["accessible"], bool)'
+else
+        grep -q '^gdrdrv: none$' "$tmp/nics.out" || fail "nics: no /dev/gdrdrv but no 'gdrdrv: none' line"
+        grep -q 'containers never need it' "$tmp/nics.out" || fail "nics: the gdrdrv note is missing"
+        json "$tmp/nics-json.out" 'd["gdrdrv"] is None'
 fi
 grep -q '^PEER  *STATE  *DIALLED  *RTT_US  *JOBS$' "$tmp/mesh.out" || fail "mesh: header"
 grep -q '^internode mesh off' "$tmp/mesh.out" || fail "mesh: note"

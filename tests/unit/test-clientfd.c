@@ -8,17 +8,20 @@
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cmocka.h>
 
 #include "clientfd.h"
 #include "config.h"
+#include "errors.h"
 #include "log.h"
 #include "unit.h"
 
@@ -175,11 +178,108 @@ static void test_closes(void **state) {
         clientfd_close(f->cf, 1000, -1); /* accepted, nothing happens */
 }
 
+/* What a take handed back. */
+struct take_result {
+        int calls, fd, error;
+        char msg[ERRMSG_MAX];
+};
+
+static void take_cb(void *ctx, int fd, int error, const char *errmsg) {
+        struct take_result *res = ctx;
+
+        res->calls++;
+        res->fd = fd;
+        res->error = error;
+        snprintf(res->msg, sizeof(res->msg), "%s", errmsg);
+}
+
+/* Starts a take of `number` from the peer of `sock` as `cred` and pumps
+ * the loop until it is handed back (at most 2 s). */
+static struct take_result take(struct fixture *f, int sock, const struct ucred *cred, int64_t number) {
+        struct take_result res = { .fd = -1 };
+        char msg[ERRMSG_MAX];
+
+        assert_int_equal(clientfd_take(f->cf, sock, cred, number, take_cb, &res, msg), 0);
+        for (int i = 0; i < 400 && res.calls == 0; i++) {
+                event_base_loop(f->base, EVLOOP_NONBLOCK);
+                if (res.calls == 0)
+                        usleep(5000);
+        }
+        assert_int_equal(res.calls, 1);
+        return res;
+}
+
+/* Takes (clientfd-take.c) from this very process: the peer of a
+ * socketpair is the process that made it. */
+static void test_takes(void **state) {
+        struct fixture *f = *state;
+        struct ucred me = { .pid = getpid(), .uid = getuid(), .gid = getgid() };
+        struct ucred changed = me;
+        struct take_result res;
+        struct stat a, b;
+        char msg[ERRMSG_MAX];
+        int sp[2], mem = unit_memfd(4096, "taken"), closed;
+
+        assert_int_equal(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sp), 0);
+        /* Not a descriptor number: refused before anything, nothing charged. */
+        assert_int_equal(clientfd_take(f->cf, sp[0], &me, -1, take_cb, NULL, msg), -EINVAL);
+        assert_non_null(strstr(msg, "fd number -1 is outside 0..2147483647"));
+        assert_int_equal(clientfd_take(f->cf, sp[0], &me, (int64_t)INT32_MAX + 1, take_cb, NULL, msg),
+                         -EINVAL);
+        assert_int_equal(clientfds_held(f->cf, me.uid), 0);
+
+        /* The memfd itself, charged while the daemon holds it, and of the
+         * kind it is. */
+        res = take(f, sp[0], &me, mem);
+        assert_int_equal(res.error, 0);
+        assert_true(res.fd >= 0 && res.fd != mem);
+        assert_int_equal(fstat(mem, &a), 0);
+        assert_int_equal(fstat(res.fd, &b), 0);
+        assert_true(a.st_dev == b.st_dev && a.st_ino == b.st_ino);
+        assert_true(fcntl(res.fd, F_GETFD) & FD_CLOEXEC);
+        assert_int_equal(clientfd_check(f->cf, res.fd, MEMFD, 4096, msg), 0);
+        assert_int_equal(clientfds_held(f->cf, me.uid), 1);
+        clientfd_close(f->cf, me.uid, res.fd);
+        assert_int_equal(clientfds_settle(f->cf, 2000), 0);
+        assert_int_equal(clientfds_held(f->cf, me.uid), 0);
+
+        /* Nothing open at the number: named, and the charge returned. */
+        /* (A high number: a low free one would be the pidfd the take
+         * opens in this same process.) */
+        closed = 900;
+        assert_int_equal(fcntl(closed, F_GETFD), -1);
+        res = take(f, sp[0], &me, closed);
+        assert_int_equal(res.error, -EBADF);
+        assert_int_equal(res.fd, -1);
+        assert_non_null(strstr(res.msg, "no such open descriptor"));
+        assert_int_equal(clientfds_held(f->cf, me.uid), 0);
+
+        /* The process no longer has the ids it connected with (a set-id
+         * program it exec'd): nothing is kept. */
+        changed.uid = me.uid + 1;
+        res = take(f, sp[0], &changed, mem);
+        assert_int_equal(res.error, -ERROR_KIND_PERMISSION_DENIED);
+        assert_int_equal(res.fd, -1);
+        assert_non_null(strstr(res.msg, "are no longer the uid"));
+        assert_int_equal(clientfds_settle(f->cf, 2000), 0);
+        assert_int_equal(clientfds_held(f->cf, changed.uid), 0);
+
+        /* The uid's cap counts the fd to come. */
+        f->config.max_fds_per_uid = 1;
+        clientfds_charge_held(f->cf, me.uid, 1);
+        assert_int_equal(clientfd_take(f->cf, sp[0], &me, mem, take_cb, NULL, msg), -EDQUOT);
+        clientfds_uncharge(f->cf, me.uid, 1);
+        close(sp[0]);
+        close(sp[1]);
+        close(mem);
+}
+
 int main(void) {
         const struct CMUnitTest tests[] = {
                 cmocka_unit_test_setup_teardown(test_kinds, setup, teardown),
                 cmocka_unit_test_setup_teardown(test_charges, setup, teardown),
                 cmocka_unit_test_setup_teardown(test_closes, setup, teardown),
+                cmocka_unit_test_setup_teardown(test_takes, setup, teardown),
         };
 
         log_set_level(LOG_ERR);

@@ -129,6 +129,53 @@ static void test_map_fake_tree(void **state) {
         assert_int_equal(system(cmd), 0);
 }
 
+/* GDRCopy's driver: reported with its module version where the device
+ * node is a character device (here /dev/null stands in for /dev/gdrdrv),
+ * not at all where there is none or where the path is no device. */
+static void test_gdrdrv(void **state) {
+        Moeep__V1__Nics *n = calloc(1, sizeof(*n));
+        char cmd[128], file[96];
+        FILE *f;
+
+        snprintf(root, sizeof(root), "/tmp/moeep-unit-sysfs-XXXXXX");
+        assert_non_null(mkdtemp(root));
+        mkdirs("module/gdrdrv");
+        put("module/gdrdrv/version", "2.4.1\n");
+        assert_non_null(n);
+        moeep__v1__nics__init(n);
+        assert_int_equal(nics_gdrdrv("/dev/null", root, n), 0);
+        assert_non_null(n->gdrdrv);
+        assert_string_equal(n->gdrdrv->path, "/dev/null");
+        assert_string_equal(n->gdrdrv->module_version, "2.4.1");
+        assert_true(n->gdrdrv->accessible);
+        assert_string_equal(n->gdrdrv->error, "");
+        nics_free(n);
+
+        /* No module directory: present, version unknown. */
+        n = calloc(1, sizeof(*n));
+        moeep__v1__nics__init(n);
+        assert_int_equal(nics_gdrdrv("/dev/null", "/nonexistent", n), 0);
+        assert_non_null(n->gdrdrv);
+        assert_string_equal(n->gdrdrv->module_version, "");
+        nics_free(n);
+
+        /* Absent, and a regular file where the node should be: nothing. */
+        snprintf(file, sizeof(file), "%s/gdrdrv", root);
+        f = fopen(file, "w");
+        assert_non_null(f);
+        fclose(f);
+        n = calloc(1, sizeof(*n));
+        moeep__v1__nics__init(n);
+        assert_int_equal(nics_gdrdrv("/nonexistent/gdrdrv", root, n), 0);
+        assert_null(n->gdrdrv);
+        assert_int_equal(nics_gdrdrv(file, root, n), 0);
+        assert_null(n->gdrdrv);
+        nics_free(n);
+
+        snprintf(cmd, sizeof(cmd), "rm -rf '%s'", root);
+        assert_int_equal(system(cmd), 0);
+}
+
 /* The real machine: whatever it has, the scan succeeds and every entry is
  * filled in. */
 static void test_scan_here(void **state) {
@@ -140,6 +187,8 @@ static void test_scan_here(void **state) {
                 assert_true(n->nics[i]->name[0] && n->nics[i]->source[0]);
         for (size_t i = 0; i < n->n_gpus; i++)
                 assert_true(n->gpus[i]->gpu_pci_address[0]);
+        /* gdrdrv exactly where the node has one. */
+        assert_int_equal(n->gdrdrv != NULL, access(NICS_GDRDRV_PATH, F_OK) == 0);
         nics_free(n);
 }
 
@@ -147,6 +196,7 @@ int main(void) {
         const struct CMUnitTest tests[] = {
                 cmocka_unit_test(test_distance),
                 cmocka_unit_test(test_map_fake_tree),
+                cmocka_unit_test(test_gdrdrv),
                 cmocka_unit_test(test_scan_here),
         };
 

@@ -134,6 +134,19 @@ const volatile struct moeep_control_page *moeep_job_control_page(const struct mo
 int moeep_region_register(struct moeep_client *client, int fd, enum moeep_region_kind kind, uint64_t size,
                           uint32_t tag, uint64_t *ret_region_id);
 
+/* Registers a memory region by naming descriptor `fd_number` of the calling
+ * process instead of sending it: the daemon takes it with pidfd_getfd()
+ * from exactly the process that connected `client` (SO_PEERPIDFD), checks
+ * it like a sent fd, and peers receive it as from moeep_region_register().
+ * Call it from the process that made the connection (not a child forked
+ * afterwards); the daemon needs CAP_SYS_PTRACE and Linux 6.5+, this process
+ * nothing. -EOPNOTSUPP when the daemon does not offer it (protocol 1.4),
+ * -EBADF when `fd_number` is not open here or not of kind `kind`, -EPERM
+ * when the daemon may not take it (moeep_client_error() names the
+ * capability it lacks). */
+int moeep_region_register_pidfd(struct moeep_client *client, int fd_number, enum moeep_region_kind kind,
+                                uint64_t size, uint32_t tag, uint64_t *ret_region_id);
+
 /* Releases a region registered by this client. -EINVAL when no region of
  * this session has that id. */
 int moeep_region_release(struct moeep_client *client, uint64_t region_id);
