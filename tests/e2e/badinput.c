@@ -525,14 +525,12 @@ int main(int argc, char **argv) {
                 return 2;
         }
         signal(SIGPIPE, SIG_IGN);
-        signal(SIGALRM, on_alarm);
-        alarm(TOTAL_TIMEOUT_S);
+        cleanup_setup();
         if (!mkdtemp(tmpdir)) {
                 perror("mkdtemp");
                 return 1;
         }
-        have_tmpdir = 1;
-        atexit(cleanup);
+        cleanup_add_dir(tmpdir);
         if (daemon_start(argv[1]) < 0) {
                 show_log();
                 return 1;
