@@ -88,18 +88,6 @@ static uint16_t expert_fn(uint16_t x, int e) {
         return float_to_bf16(bf16_to_float(x) * (0.5f + (float)(e % 7) * 0.25f) + 0.125f * (float)(e % 5));
 }
 
-#define FAIL(...)                                \
-        do {                                     \
-                snprintf(msg, 200, __VA_ARGS__); \
-                goto out;                        \
-        } while (0)
-#define CK(call)                                                       \
-        do {                                                           \
-                cudaError_t e_ = (call);                               \
-                if (e_ != cudaSuccess)                                 \
-                        FAIL("%s: %s", #call, cudaGetErrorString(e_)); \
-        } while (0)
-
 struct devbufs {
         void *x, *idx;
         float *w;

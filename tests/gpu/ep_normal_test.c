@@ -131,24 +131,6 @@ static uint16_t expert_out(uint16_t x, int r) {
         return float_to_bf16(bf16_to_float(x) * (float)(1 + r) + 0.25f * (float)r);
 }
 
-#define FAIL(...)                                \
-        do {                                     \
-                snprintf(msg, 200, __VA_ARGS__); \
-                goto out;                        \
-        } while (0)
-#define CK(call)                                                       \
-        do {                                                           \
-                cudaError_t e_ = (call);                               \
-                if (e_ != cudaSuccess)                                 \
-                        FAIL("%s: %s", #call, cudaGetErrorString(e_)); \
-        } while (0)
-#define MK(call)                                                   \
-        do {                                                       \
-                int r_ = (call);                                   \
-                if (r_ < 0)                                        \
-                        FAIL("%s: %s", #call, moeep_ep_error(ep)); \
-        } while (0)
-
 static void *dev_upload(const void *src, size_t bytes) {
         void *d = NULL;
         if (cudaMalloc(&d, bytes ? bytes : 16) != cudaSuccess)
