@@ -139,24 +139,6 @@ static int daemon_start(const char *moeepd) {
         return -ETIMEDOUT;
 }
 
-/* Number of descriptors the daemon holds, or -errno. */
-static int daemon_fd_count(void) {
-        char path[64];
-        struct dirent *de;
-        DIR *d;
-        int n = 0;
-
-        snprintf(path, sizeof(path), "/proc/%d/fd", (int)daemon_pid);
-        d = opendir(path);
-        if (!d)
-                return -errno;
-        while ((de = readdir(d)))
-                if (de->d_name[0] != '.')
-                        n++;
-        closedir(d);
-        return n;
-}
-
 static void daemon_fd_list(void) {
         char path[64], target[256];
         struct dirent *de;
@@ -186,7 +168,7 @@ static int fds_settle(int want) {
         int n;
 
         do {
-                n = daemon_fd_count();
+                n = proc_count_fds(daemon_pid);
                 if (n == want)
                         return 0;
                 sleep_ms(20);

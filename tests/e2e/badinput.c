@@ -543,7 +543,7 @@ int main(int argc, char **argv) {
                 return 1;
         }
         sleep_ms(200);
-        baseline = daemon_fd_count();
+        baseline = proc_count_fds(daemon_pid);
         say("moeepd pid %d holds %d descriptors", (int)daemon_pid, baseline);
 
         for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
