@@ -21,6 +21,7 @@
 
 #include "harness.h"
 #include "suite.h"
+#include "case.h"
 #include "moeep_ep.h"
 #include "ref.h"
 

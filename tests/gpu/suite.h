@@ -1,14 +1,20 @@
 /* The driver shared by the GPU test programs: options, the skip without a
  * GPU, one job per rank count with one process per rank (harness.h), and
- * the per-case result table ending in "N passed, N failed". */
+ * the per-case result table ending in "N passed, N failed". ep_fail_test.c,
+ * which drives its jobs itself, shares the start (suite_start) and the
+ * --ranks list (suite_next_ranks). */
 #ifndef MOEEP_TEST_SUITE_H
 #define MOEEP_TEST_SUITE_H
 
+#include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "moeep.h"
 
 #define SUITE_MAX_CASES 32
+
+struct harness;
 
 struct suite {
         const char *name;          /* program name, for messages and the job name */
@@ -20,30 +26,28 @@ struct suite {
         int (*run_case)(struct moeep_client *c, int me, int R, int ci, uint64_t seed, char *msg);
 };
 
-/* Inside run_case, whose `msg` they fill and whose cleanup label is `out`:
- * FAIL(fmt, ...) records the failure and goes to out; CK(call) fails with
- * the CUDA error of a cuda* call, MK(call) with moeep_ep_error(ep) when a
- * moeep call returns -errno. */
-#define FAIL(...)                                \
-        do {                                     \
-                snprintf(msg, 200, __VA_ARGS__); \
-                goto out;                        \
-        } while (0)
-#define CK(call)                                                       \
-        do {                                                           \
-                cudaError_t e_ = (call);                               \
-                if (e_ != cudaSuccess)                                 \
-                        FAIL("%s: %s", #call, cudaGetErrorString(e_)); \
-        } while (0)
-#define MK(call)                                                   \
-        do {                                                       \
-                int r_ = (call);                                   \
-                if (r_ < 0)                                        \
-                        FAIL("%s: %s", #call, moeep_ep_error(ep)); \
-        } while (0)
-
 /* Usage: PROGRAM [--ranks LIST] [--seed N] [--case NAME] [--moeepd PATH].
  * Exits 77 (meson: skipped) without a GPU; 0 when every case passed. */
 int suite_main(const struct suite *s, int argc, char **argv);
+
+/* The command line of a GPU test program, after suite_start(). */
+struct suite_args {
+        const char *ranks;  /* --ranks: comma-separated rank counts */
+        uint64_t seed;      /* --seed, else random */
+        const char *only;   /* --case: run only the case of this name; NULL: all */
+        const char *moeepd; /* --moeepd, NULL: the build's */
+};
+
+/* Reads --ranks (default `default_ranks`), --seed, --moeepd and, with
+ * `with_case`, --case; without a GPU prints "SKIP: no CUDA device"; then
+ * prints "NAME: seed 0x..., N GPUs" and starts the harness `h` with
+ * `shared_bytes` of shared memory. Returns 0 to go on, else the program's
+ * exit status: 2 (usage), 77 (skipped) or 1 (no harness). */
+int suite_start(const char *name, const char *default_ranks, bool with_case, int argc, char **argv,
+                size_t shared_bytes, struct harness *h, struct suite_args *ret);
+
+/* The next count of a --ranks list at *list, which moves past it and its
+ * commas; false at the list's end. */
+bool suite_next_ranks(const char **list, int *ret_ranks);
 
 #endif
