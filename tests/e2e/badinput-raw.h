@@ -26,6 +26,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "../cleanup.h"
 #include "isolation-proc.h"
 #include "record.h"
 #include "say.h"
@@ -39,29 +40,18 @@ extern char **environ;
 static char tmpdir[] = "/tmp/moeep-badinput.XXXXXX";
 static char sock_path[sizeof(tmpdir) + 32];
 static char log_path[sizeof(tmpdir) + 32];
-static int have_tmpdir; /* mkdtemp() succeeded: remove it at exit */
 static pid_t daemon_pid = -1;
 static uint64_t next_request_id = 1;
 /* One receive buffer; the test is single-threaded. */
 static struct moeep_record rec;
 
-/* Async-signal-safe: the alarm handler calls it too. */
-static void remove_tmpdir(void) {
-        if (log_path[0])
-                unlink(log_path);
-        if (sock_path[0])
-                unlink(sock_path);
-        if (have_tmpdir)
-                rmdir(tmpdir);
-}
-
-static void cleanup(void) {
-        if (daemon_pid > 0) {
-                kill(daemon_pid, SIGKILL);
-                waitpid(daemon_pid, NULL, 0);
-                daemon_pid = -1;
-        }
-        remove_tmpdir();
+/* The daemon and the temporary directory go on every way out
+ * (tests/cleanup.h), within TOTAL_TIMEOUT_S. */
+static void cleanup_setup(void) {
+        cleanup_add_pid(&daemon_pid);
+        cleanup_add_file(log_path);
+        cleanup_add_file(sock_path);
+        cleanup_arm(TOTAL_TIMEOUT_S, "badinput: timed out, killing moeepd\n");
 }
 
 static void show_log(void) {
@@ -73,19 +63,6 @@ static void show_log(void) {
         fflush(stdout);
         snprintf(cmd, sizeof(cmd), "tail -n 40 '%s'", log_path);
         (void)!system(cmd);
-}
-
-static void on_alarm(int sig) {
-        static const char msg[] = "badinput: timed out, killing moeepd\n";
-
-        (void)sig;
-        (void)!write(STDOUT_FILENO, msg, sizeof(msg) - 1);
-        if (daemon_pid > 0) {
-                kill(daemon_pid, SIGKILL);
-                waitpid(daemon_pid, NULL, 0);
-        }
-        remove_tmpdir();
-        _exit(1);
 }
 
 static long now_ms(void) {
@@ -162,24 +139,6 @@ static int daemon_start(const char *moeepd) {
         return -ETIMEDOUT;
 }
 
-/* Number of descriptors the daemon holds, or -errno. */
-static int daemon_fd_count(void) {
-        char path[64];
-        struct dirent *de;
-        DIR *d;
-        int n = 0;
-
-        snprintf(path, sizeof(path), "/proc/%d/fd", (int)daemon_pid);
-        d = opendir(path);
-        if (!d)
-                return -errno;
-        while ((de = readdir(d)))
-                if (de->d_name[0] != '.')
-                        n++;
-        closedir(d);
-        return n;
-}
-
 static void daemon_fd_list(void) {
         char path[64], target[256];
         struct dirent *de;
@@ -209,7 +168,7 @@ static int fds_settle(int want) {
         int n;
 
         do {
-                n = daemon_fd_count();
+                n = proc_count_fds(daemon_pid);
                 if (n == want)
                         return 0;
                 sleep_ms(20);

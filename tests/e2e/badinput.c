@@ -525,14 +525,12 @@ int main(int argc, char **argv) {
                 return 2;
         }
         signal(SIGPIPE, SIG_IGN);
-        signal(SIGALRM, on_alarm);
-        alarm(TOTAL_TIMEOUT_S);
+        cleanup_setup();
         if (!mkdtemp(tmpdir)) {
                 perror("mkdtemp");
                 return 1;
         }
-        have_tmpdir = 1;
-        atexit(cleanup);
+        cleanup_add_dir(tmpdir);
         if (daemon_start(argv[1]) < 0) {
                 show_log();
                 return 1;
@@ -545,7 +543,7 @@ int main(int argc, char **argv) {
                 return 1;
         }
         sleep_ms(200);
-        baseline = daemon_fd_count();
+        baseline = proc_count_fds(daemon_pid);
         say("moeepd pid %d holds %d descriptors", (int)daemon_pid, baseline);
 
         for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {

@@ -25,24 +25,12 @@ here=$(dirname "$(realpath "$0")")
 listen=$here/notify-listen.py
 check=$here/ctl-check.py
 
-tmp=$(mktemp -d "${TMPDIR:-/tmp}/moeep-e2e.XXXXXX")
-pids=()        # every background process this script started
-daemon_pid=""  # the current moeepd (or systemd-socket-activate that becomes it)
+test_name=e2e
+# shellcheck source=../tmpdir.sh
+source "$here/../tmpdir.sh" # $tmp, and pids: every background process this script started
+daemon_pid=""               # the current moeepd (or systemd-socket-activate that becomes it)
 daemon_log=""
 phase="start"
-
-cleanup() {
-        local p
-        for p in "${pids[@]}"; do
-                kill -KILL "$p" 2>/dev/null
-        done
-        for p in "${pids[@]}"; do
-                wait "$p" 2>/dev/null
-        done
-        rm -rf "$tmp"
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
 
 fail() {
         echo "FAIL [$phase]: $*"

@@ -28,6 +28,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "../cleanup.h"
 #include "isolation-proc.h"
 #include "moeep.h"
 #include "record.h"
@@ -47,7 +48,6 @@
 
 static char tmpdir[] = "/tmp/moeep-isolation.XXXXXX";
 static char sock_path[96], conf_path[96], log_path[96];
-static bool have_tmpdir;
 static pid_t daemon_pid = -1, job_a_pid = -1;
 static int failures;
 
@@ -76,36 +76,15 @@ static struct job_a_state *job_a;
                 }                                                              \
         } while (0)
 
-static void cleanup(void) {
-        if (job_a_pid > 0) {
-                kill(job_a_pid, SIGKILL);
-                waitpid(job_a_pid, NULL, 0);
-                job_a_pid = -1;
-        }
-        if (daemon_pid > 0) {
-                kill(daemon_pid, SIGKILL);
-                waitpid(daemon_pid, NULL, 0);
-                daemon_pid = -1;
-        }
-        if (have_tmpdir) {
-                unlink(sock_path);
-                unlink(conf_path);
-                unlink(log_path);
-                rmdir(tmpdir);
-                have_tmpdir = false;
-        }
-}
-
-static void on_alarm(int sig) {
-        static const char msg[] = "isolation: timed out\n";
-
-        (void)sig;
-        (void)!write(STDOUT_FILENO, msg, sizeof(msg) - 1);
-        if (job_a_pid > 0)
-                kill(job_a_pid, SIGKILL);
-        if (daemon_pid > 0)
-                kill(daemon_pid, SIGKILL);
-        _exit(1);
+/* Job A, the daemon and the temporary directory go on every way out
+ * (tests/cleanup.h), within TOTAL_TIMEOUT_S. */
+static void cleanup_setup(void) {
+        cleanup_add_pid(&job_a_pid);
+        cleanup_add_pid(&daemon_pid);
+        cleanup_add_file(sock_path);
+        cleanup_add_file(conf_path);
+        cleanup_add_file(log_path);
+        cleanup_arm(TOTAL_TIMEOUT_S, "isolation: timed out\n");
 }
 
 static void show_log(void) {

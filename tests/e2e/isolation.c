@@ -591,16 +591,14 @@ int main(int argc, char **argv) {
                 return 77;
         }
         setvbuf(stdout, NULL, _IOLBF, 0);
-        signal(SIGALRM, on_alarm);
+        cleanup_setup();
         signal(SIGPIPE, SIG_IGN);
-        alarm(TOTAL_TIMEOUT_S);
         srand(7);
         if (!mkdtemp(tmpdir) || chmod(tmpdir, 0711) < 0) {
                 perror("isolation: temp dir");
                 return 1;
         }
-        have_tmpdir = true;
-        atexit(cleanup);
+        cleanup_add_dir(tmpdir);
         snprintf(sock_path, sizeof(sock_path), "%s/moeepd.sock", tmpdir);
         snprintf(conf_path, sizeof(conf_path), "%s/moeepd.conf", tmpdir);
         snprintf(log_path, sizeof(log_path), "%s/moeepd.log", tmpdir);

@@ -38,6 +38,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "../cleanup.h"
 #include "isolation-proc.h"
 #include "moeep.h"
 
@@ -60,7 +61,6 @@
 
 static char tmpdir[] = "/tmp/moeep-load.XXXXXX";
 static char sock_path[96], conf_path[96], log_path[96];
-static bool have_tmpdir;
 static pid_t daemon_pid = -1;
 
 struct worker {
@@ -78,31 +78,6 @@ static struct moeep_unique_id *job_ids; /* one per job, written by its rank 0 */
 static pthread_barrier_t start_line, connected, checked, created, done_cycles;
 static atomic_int failures;
 static atomic_int finished; /* workers done with their cycles */
-
-static void cleanup(void) {
-        if (daemon_pid > 0) {
-                kill(daemon_pid, SIGKILL);
-                waitpid(daemon_pid, NULL, 0);
-                daemon_pid = -1;
-        }
-        if (have_tmpdir) {
-                unlink(sock_path);
-                unlink(conf_path);
-                unlink(log_path);
-                rmdir(tmpdir);
-                have_tmpdir = false;
-        }
-}
-
-static void on_alarm(int sig) {
-        static const char msg[] = "load: timed out\n";
-
-        (void)sig;
-        (void)!write(STDOUT_FILENO, msg, sizeof(msg) - 1);
-        if (daemon_pid > 0)
-                kill(daemon_pid, SIGKILL);
-        _exit(1);
-}
 
 static double now_us(void) {
         struct timespec ts;
@@ -285,9 +260,14 @@ int main(int argc, char **argv) {
                 return 2;
         }
         setvbuf(stdout, NULL, _IOLBF, 0);
-        signal(SIGALRM, on_alarm);
+        /* The daemon and the temporary directory go on every way out
+         * (tests/cleanup.h), within TOTAL_TIMEOUT_S. */
+        cleanup_add_pid(&daemon_pid);
+        cleanup_add_file(sock_path);
+        cleanup_add_file(conf_path);
+        cleanup_add_file(log_path);
+        cleanup_arm(TOTAL_TIMEOUT_S, "load: timed out\n");
         signal(SIGPIPE, SIG_IGN);
-        alarm(TOTAL_TIMEOUT_S);
         /* Each client holds a socket and a memfd here. */
         if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < rl.rlim_max) {
                 rl.rlim_cur = rl.rlim_max;
@@ -297,8 +277,7 @@ int main(int argc, char **argv) {
                 perror("load: mkdtemp");
                 return 1;
         }
-        have_tmpdir = true;
-        atexit(cleanup);
+        cleanup_add_dir(tmpdir);
         snprintf(sock_path, sizeof(sock_path), "%s/moeepd.sock", tmpdir);
         snprintf(conf_path, sizeof(conf_path), "%s/moeepd.conf", tmpdir);
         snprintf(log_path, sizeof(log_path), "%s/moeepd.log", tmpdir);

@@ -58,39 +58,9 @@ static char id_self[JOB_NODE_MAX + 1], id_peer[JOB_NODE_MAX + 1];
 static uint16_t mesh_port;
 static int peer_listen = -1;
 
-/* The input, consumed front to back; reads past its end give zeros. */
-struct input {
-        const uint8_t *p;
-        size_t left;
-};
-
-static uint8_t take8(struct input *in) {
-        if (in->left == 0)
-                return 0;
-        in->left--;
-        return *in->p++;
-}
-
-static uint32_t take32(struct input *in) {
-        uint32_t v = 0;
-
-        for (int i = 0; i < 4; i++)
-                v |= (uint32_t)take8(in) << (8 * i);
-        return v;
-}
-
 /* Up to `max` bytes of the input, as they are (length from one byte). */
 static size_t take_bytes(struct input *in, size_t max, const uint8_t **ret) {
-        size_t n = take8(in);
-
-        if (n > max)
-                n %= max + 1;
-        if (n > in->left)
-                n = in->left;
-        *ret = in->p;
-        in->p += n;
-        in->left -= n;
-        return n;
+        return take_span(in, take8(in), max, ret);
 }
 
 static void pump(void) {

@@ -56,44 +56,12 @@ static uint64_t region_ids[MAX_IDS];
 static size_t nregion_ids;
 static uint64_t next_rid;
 
-/* The input, consumed front to back; reads past its end give zeros. */
-struct input {
-        const uint8_t *p;
-        size_t left;
-};
-
-static uint8_t take8(struct input *in) {
-        if (in->left == 0)
-                return 0;
-        in->left--;
-        return *in->p++;
-}
-
-static uint32_t take32(struct input *in) {
-        uint32_t v = 0;
-
-        for (int i = 0; i < 4; i++)
-                v |= (uint32_t)take8(in) << (8 * i);
-        return v;
-}
-
-static uint64_t take64(struct input *in) {
-        return take32(in) | (uint64_t)take32(in) << 32;
-}
-
-/* Up to `max` bytes of the input, as they are. */
+/* Up to `max` bytes of the input, as they are (length from two bytes). */
 static size_t take_bytes(struct input *in, size_t max, const uint8_t **ret) {
         size_t n = take8(in);
 
         n = n | (size_t)take8(in) << 8;
-        if (n > max)
-                n %= max + 1;
-        if (n > in->left)
-                n = in->left;
-        *ret = in->p;
-        in->p += n;
-        in->left -= n;
-        return n;
+        return take_span(in, n, max, ret);
 }
 
 static int count_fds(void) {

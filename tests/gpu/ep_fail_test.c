@@ -23,14 +23,11 @@
  * (meson: skipped) without a GPU; ranks beyond the GPUs share them. */
 #include <dirent.h>
 #include <errno.h>
-#include <getopt.h>
-#include <inttypes.h>
 #include <signal.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/random.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -39,6 +36,7 @@
 #include "harness.h"
 #include "moeep_ep.h"
 #include "ref.h"
+#include "suite.h"
 
 #define DETECT_LIMIT_MS 100.0
 #define HUNG_TIMEOUT_MS 300
@@ -604,52 +602,17 @@ static int run_case(struct harness *h, int R, int ci, uint64_t seed) {
 }
 
 int main(int argc, char **argv) {
-        const char *ranks_list = "2,4", *moeepd = NULL;
-        uint64_t seed = 0;
-        bool have_seed = false;
+        struct suite_args a;
         struct harness h;
-        int ngpu, passed = 0, failed = 0, opt;
-        static const struct option lo[] = {
-                { "ranks", required_argument, NULL, 'r' },
-                { "seed", required_argument, NULL, 's' },
-                { "moeepd", required_argument, NULL, 'd' },
-                { NULL, 0, NULL, 0 },
-        };
+        int passed = 0, failed = 0, R, rc;
 
         /* Every kernel loaded up front, so GPU memory is comparable before
          * and after an endpoint. */
         setenv("CUDA_MODULE_LOADING", "EAGER", 1);
-        while ((opt = getopt_long(argc, argv, "", lo, NULL)) != -1) {
-                switch (opt) {
-                case 'r':
-                        ranks_list = optarg;
-                        break;
-                case 's':
-                        seed = strtoull(optarg, NULL, 0);
-                        have_seed = true;
-                        break;
-                case 'd':
-                        moeepd = optarg;
-                        break;
-                default:
-                        fprintf(stderr, "usage: %s [--ranks 2,4] [--seed N] [--moeepd PATH]\n", argv[0]);
-                        return 2;
-                }
-        }
-        ngpu = harness_gpu_count();
-        if (ngpu < 1) {
-                printf("SKIP: no CUDA device\n");
-                return 77;
-        }
-        if (!have_seed && getrandom(&seed, sizeof(seed), 0) != sizeof(seed))
-                seed = 0x5eed;
-        printf("ep_fail_test: seed 0x%" PRIx64 ", %d GPUs\n", seed, ngpu);
-        if (harness_init(&h, moeepd, NULL, sizeof(struct shared)) < 0)
-                return 1;
-        for (const char *q = ranks_list; *q;) {
-                int R = (int)strtol(q, (char **)&q, 10);
-                while (*q == ',')
-                        q++;
+        rc = suite_start("ep_fail_test", "2,4", false, argc, argv, sizeof(struct shared), &h, &a);
+        if (rc != 0)
+                return rc;
+        for (const char *q = a.ranks; suite_next_ranks(&q, &R);) {
                 /* Ranks beyond the GPUs share them (harness_run). */
                 if (R < 2 || R > MOEEP_MAX_RANKS) {
                         printf("SKIP ranks=%d: the failure cases need 2..%d ranks\n", R, MOEEP_MAX_RANKS);
@@ -660,9 +623,9 @@ int main(int argc, char **argv) {
                  * the first transfer, then keeps them) are in the count of
                  * descriptors every case is compared with. */
                 if (h.nodes == 2)
-                        run_case(&h, R, HEALTHY, seed) ? failed++ : passed++;
+                        run_case(&h, R, HEALTHY, a.seed) ? failed++ : passed++;
                 for (int ci = 0; ci < NCASES; ci++)
-                        run_case(&h, R, ci, seed) ? failed++ : passed++;
+                        run_case(&h, R, ci, a.seed) ? failed++ : passed++;
         }
         harness_fini(&h);
         printf("%d passed, %d failed\n", passed, failed);

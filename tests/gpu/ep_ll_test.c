@@ -20,6 +20,7 @@
 
 #include "harness.h"
 #include "suite.h"
+#include "case.h"
 #include "moeep_ep.h"
 #include "ref.h"
 
@@ -87,18 +88,6 @@ static void gen_input(struct input *in, const struct tcase *tc, uint64_t seed, i
 static uint16_t expert_fn(uint16_t x, int e) {
         return float_to_bf16(bf16_to_float(x) * (0.5f + (float)(e % 7) * 0.25f) + 0.125f * (float)(e % 5));
 }
-
-#define FAIL(...)                                \
-        do {                                     \
-                snprintf(msg, 200, __VA_ARGS__); \
-                goto out;                        \
-        } while (0)
-#define CK(call)                                                       \
-        do {                                                           \
-                cudaError_t e_ = (call);                               \
-                if (e_ != cudaSuccess)                                 \
-                        FAIL("%s: %s", #call, cudaGetErrorString(e_)); \
-        } while (0)
 
 struct devbufs {
         void *x, *idx;

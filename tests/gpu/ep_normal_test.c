@@ -21,6 +21,7 @@
 
 #include "harness.h"
 #include "suite.h"
+#include "case.h"
 #include "moeep_ep.h"
 #include "ref.h"
 
@@ -130,24 +131,6 @@ static void gen_input(struct input *in, const struct tcase *tc, int R, uint64_t 
 static uint16_t expert_out(uint16_t x, int r) {
         return float_to_bf16(bf16_to_float(x) * (float)(1 + r) + 0.25f * (float)r);
 }
-
-#define FAIL(...)                                \
-        do {                                     \
-                snprintf(msg, 200, __VA_ARGS__); \
-                goto out;                        \
-        } while (0)
-#define CK(call)                                                       \
-        do {                                                           \
-                cudaError_t e_ = (call);                               \
-                if (e_ != cudaSuccess)                                 \
-                        FAIL("%s: %s", #call, cudaGetErrorString(e_)); \
-        } while (0)
-#define MK(call)                                                   \
-        do {                                                       \
-                int r_ = (call);                                   \
-                if (r_ < 0)                                        \
-                        FAIL("%s: %s", #call, moeep_ep_error(ep)); \
-        } while (0)
 
 static void *dev_upload(const void *src, size_t bytes) {
         void *d = NULL;

@@ -41,42 +41,39 @@ static int rank_fn(struct moeep_client *c, int rank, int ranks, void *shared, vo
         return failed;
 }
 
-int suite_main(const struct suite *s, int argc, char **argv) {
-        const char *ranks_list = s->default_ranks, *moeepd = NULL;
-        struct suite_run run = { .s = s };
-        struct harness h;
-        int ngpu, passed = 0, failed = 0, opt;
+int suite_start(const char *name, const char *default_ranks, bool with_case, int argc, char **argv,
+                size_t shared_bytes, struct harness *h, struct suite_args *ret) {
+        struct suite_args a = { .ranks = default_ranks };
         bool have_seed = false;
-        static const struct option lo[] = {
+        int ngpu, opt;
+        struct option lo[] = {
                 { "ranks", required_argument, NULL, 'r' },
                 { "seed", required_argument, NULL, 's' },
-                { "case", required_argument, NULL, 'c' },
                 { "moeepd", required_argument, NULL, 'd' },
+                { "case", required_argument, NULL, 'c' },
                 { NULL, 0, NULL, 0 },
         };
 
-        if (s->ncases > SUITE_MAX_CASES) {
-                fprintf(stderr, "%s: %d cases, the driver holds %d\n", s->name, s->ncases, SUITE_MAX_CASES);
-                return 2;
-        }
+        if (!with_case)
+                lo[3] = (struct option){ NULL, 0, NULL, 0 };
         while ((opt = getopt_long(argc, argv, "", lo, NULL)) != -1) {
                 switch (opt) {
                 case 'r':
-                        ranks_list = optarg;
+                        a.ranks = optarg;
                         break;
                 case 's':
-                        run.seed = strtoull(optarg, NULL, 0);
+                        a.seed = strtoull(optarg, NULL, 0);
                         have_seed = true;
                         break;
                 case 'c':
-                        run.only = optarg;
+                        a.only = optarg;
                         break;
                 case 'd':
-                        moeepd = optarg;
+                        a.moeepd = optarg;
                         break;
                 default:
-                        fprintf(stderr, "usage: %s [--ranks %s] [--seed N] [--case NAME] [--moeepd PATH]\n",
-                                argv[0], s->default_ranks);
+                        fprintf(stderr, "usage: %s [--ranks %s] [--seed N]%s [--moeepd PATH]\n", argv[0],
+                                default_ranks, with_case ? " [--case NAME]" : "");
                         return 2;
                 }
         }
@@ -85,16 +82,45 @@ int suite_main(const struct suite *s, int argc, char **argv) {
                 printf("SKIP: no CUDA device\n");
                 return 77;
         }
-        if (!have_seed && getrandom(&run.seed, sizeof(run.seed), 0) != sizeof(run.seed))
-                run.seed = 0x5eed;
-        printf("%s: seed 0x%" PRIx64 ", %d GPUs\n", s->name, run.seed, ngpu);
-        if (harness_init(&h, moeepd, NULL, sizeof(struct suite_shared)) < 0)
+        if (!have_seed && getrandom(&a.seed, sizeof(a.seed), 0) != sizeof(a.seed))
+                a.seed = 0x5eed;
+        printf("%s: seed 0x%" PRIx64 ", %d GPUs\n", name, a.seed, ngpu);
+        if (harness_init(h, a.moeepd, NULL, shared_bytes) < 0)
                 return 1;
-        for (const char *q = ranks_list; *q;) {
-                int R = (int)strtol(q, (char **)&q, 10);
+        *ret = a;
+        return 0;
+}
+
+bool suite_next_ranks(const char **list, int *ret_ranks) {
+        const char *q = *list;
+
+        if (!*q)
+                return false;
+        *ret_ranks = (int)strtol(q, (char **)&q, 10);
+        while (*q == ',')
+                q++;
+        *list = q;
+        return true;
+}
+
+int suite_main(const struct suite *s, int argc, char **argv) {
+        struct suite_args a;
+        struct suite_run run = { .s = s };
+        struct harness h;
+        int passed = 0, failed = 0, R, rc;
+
+        if (s->ncases > SUITE_MAX_CASES) {
+                fprintf(stderr, "%s: %d cases, the driver holds %d\n", s->name, s->ncases, SUITE_MAX_CASES);
+                return 2;
+        }
+        rc = suite_start(s->name, s->default_ranks, true, argc, argv, sizeof(struct suite_shared), &h, &a);
+        if (rc != 0)
+                return rc;
+        run.seed = a.seed;
+        run.only = a.only;
+        for (const char *q = a.ranks; suite_next_ranks(&q, &R);) {
                 struct suite_shared *sh = h.shared;
-                while (*q == ',')
-                        q++;
+
                 /* More ranks than GPUs share them, rank i on GPU i % ngpu
                  * (harness_run, which also sets the MPS share). */
                 if (R < 1 || R > MOEEP_MAX_RANKS) {

@@ -30,35 +30,18 @@ Environment: MOEEP_LIBRARY, MOEEP_TEST_MOEEPD; MOEEP_TEST_RANKS ("2,4").
 """
 
 import os
-import shutil
-import socket as _socket
-import subprocess
 import sys
-import tempfile
 import time
-import traceback
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.normpath(os.path.join(HERE, "..", ".."))
-sys.path.insert(0, os.path.join(REPO, "client", "python"))
-
-try:
-    import torch
-    import torch.distributed as dist
-    import torch.multiprocessing as mp
-except ImportError:
-    print("SKIP: torch is not installed")
-    sys.exit(77)
+from launch import check, exit_on_failure, free_port, no_cuda, with_moeepd  # first: exits 77 without torch
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
 
 import moeep  # noqa: E402
 from moeep.utils import EventHandle, EventOverlap  # noqa: E402
 
 POISON_BF16 = float("nan")
-
-
-def check(cond, what):
-    if not cond:
-        raise AssertionError(what)
 
 
 def allgather(t, group, R):
@@ -495,7 +478,7 @@ def rank_main(rank, R, port, sock, which):
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % port, rank=rank, world_size=R)
     group = dist.group.WORLD
     gen = torch.Generator(device="cuda").manual_seed(4321 + rank)
-    try:
+    with exit_on_failure():
         test_names()
         if "normal" in which:
             test_normal(rank, R, group, sock, gen)
@@ -507,46 +490,23 @@ def rank_main(rank, R, port, sock, which):
             test_megatron_sglang(rank, R, group, sock, gen)
         if rank == 0:
             print("deepep semantics: %d ranks OK (%s)" % (R, ",".join(which)), flush=True)
-    except BaseException:
-        traceback.print_exc()
-        sys.stdout.flush()
-        os._exit(1)  # do not wait in a collective for ranks that passed
     dist.destroy_process_group()
 
 
-def free_port():
-    with _socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main():
-    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
-        print("SKIP: no CUDA device")
+    if no_cuda():
         return 77
     ranks = [int(r) for r in os.environ.get("MOEEP_TEST_RANKS", "2,4").split(",")]
     which = os.environ.get("MOEEP_TEST_PARTS", "normal,rounds,ll,engines").split(",")
-    moeepd = os.environ.get("MOEEP_TEST_MOEEPD") or os.path.join(REPO, "build", "daemon", "moeepd")
-    tmp = tempfile.mkdtemp(prefix="moeep-deepep-")
-    sock = os.path.join(tmp, "moeepd.sock")
-    daemon = subprocess.Popen([moeepd, "--socket", sock, "--foreground", "--no-config", "--log-level", "warning"])
-    try:
-        for _ in range(100):
-            if os.path.exists(sock):
-                break
-            time.sleep(0.05)
+
+    def run(sock):
         for R in ranks:
             t0 = time.monotonic()
             mp.spawn(rank_main, args=(R, free_port(), sock, which), nprocs=R, join=True)
             print("ranks=%d: %.1f s" % (R, time.monotonic() - t0), flush=True)
         return 0
-    except mp.ProcessExitedException as e:
-        print("FAIL: %s" % e)
-        return 1
-    finally:
-        daemon.terminate()
-        daemon.wait(10)
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    return with_moeepd("moeep-deepep-", run)
 
 
 if __name__ == "__main__":

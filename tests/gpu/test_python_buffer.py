@@ -26,34 +26,17 @@ Environment: MOEEP_LIBRARY, MOEEP_TEST_MOEEPD (meson sets both).
 """
 
 import argparse
-
 import os
-import shutil
 import socket as _socket
-import subprocess
 import sys
-import tempfile
 import time
-import traceback
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.normpath(os.path.join(HERE, "..", ".."))
-sys.path.insert(0, os.path.join(REPO, "client", "python"))
-
-try:
-    import torch
-    import torch.distributed as dist
-    import torch.multiprocessing as mp
-except ImportError:
-    print("SKIP: torch is not installed")
-    sys.exit(77)
+from launch import check, exit_on_failure, free_port, no_cuda, with_moeepd  # first: exits 77 without torch
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
 
 import moeep  # noqa: E402
-
-
-def check(cond, what):
-    if not cond:
-        raise AssertionError(what)
 
 
 def same(got, want, what):
@@ -328,23 +311,13 @@ def test_peer_lost(rank, R, group, sock):
 def rank_main(rank, R, ngpu, port, sock, backend):
     torch.cuda.set_device(rank % ngpu)
     dist.init_process_group(backend, init_method="tcp://127.0.0.1:%d" % port, rank=rank, world_size=R)
-    try:
+    with exit_on_failure():
         test_normal(rank, R, dist.group.WORLD, sock)
         test_low_latency(rank, R, dist.group.WORLD, sock)
         test_peer_lost(rank, R, dist.group.WORLD, sock)
         if rank == 0:
             print("python buffer: %d ranks OK" % R, flush=True)
-    except BaseException:
-        traceback.print_exc()
-        sys.stdout.flush()
-        os._exit(1)  # do not wait in a collective for ranks that passed
     dist.destroy_process_group()
-
-
-def free_port():
-    with _socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def limit_gpus(n):
@@ -394,8 +367,7 @@ def main():
         if a.gpus < 1:
             p.error("--gpus must be at least 1")
         limit_gpus(a.gpus)
-    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
-        print("SKIP: no CUDA device")
+    if no_cuda():
         return 77
     ngpu = torch.cuda.device_count()
     try:
@@ -405,15 +377,8 @@ def main():
     for R in counts:
         if not 1 <= R <= 8:
             p.error("--ranks: %d is not in 1..8" % R)
-    moeepd = os.environ.get("MOEEP_TEST_MOEEPD") or os.path.join(REPO, "build", "daemon", "moeepd")
-    tmp = tempfile.mkdtemp(prefix="moeep-pybuf-")
-    sock = os.path.join(tmp, "moeepd.sock")
-    daemon = subprocess.Popen([moeepd, "--socket", sock, "--foreground", "--no-config", "--log-level", "warning"])
-    try:
-        for _ in range(100):
-            if os.path.exists(sock):
-                break
-            time.sleep(0.05)
+
+    def run(sock):
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         for R in counts:
             shared = share_gpus(R, ngpu) > 1
@@ -427,13 +392,8 @@ def main():
                     os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = _mps_user
                 _mps_set.clear()
         return 0
-    except mp.ProcessExitedException as e:
-        print("FAIL: %s" % e)
-        return 1
-    finally:
-        daemon.terminate()
-        daemon.wait(10)
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    return with_moeepd("moeep-pybuf-", run)
 
 
 if __name__ == "__main__":

@@ -44,14 +44,7 @@ source "$(dirname "$(realpath "$0")")/lib.sh"
 [[ $(id -u) -eq 0 ]] || { echo "SKIP: the attackers run as uid 65534, which needs root"; exit 77; }
 chmod 0755 "$tmp" # uid 65534 must reach the socket (mode 0666 below)
 
-read -r port_a port_b port_s < <(python3 - <<'PY'
-import socket
-socks = [socket.socket() for _ in range(3)]
-for s in socks:
-    s.bind(("127.0.0.1", 0))
-print(" ".join(str(s.getsockname()[1]) for s in socks))
-PY
-) || fail "no free ports"
+read -r port_a port_b port_s < <(free_ports 3) || fail "no free ports"
 a=127.0.0.1:$port_a b=127.0.0.1:$port_b
 printf '%s\n' "moeep-mesh-attack-key-4e1d8b07c26a9f35" >"$tmp/good.key"
 chmod 600 "$tmp/good.key"

@@ -1,26 +1,14 @@
-# Shared by the mesh tests (mesh.sh, proxy.sh), sourced after their
+# Shared by the mesh tests (mesh.sh, proxy.sh, attack.sh), sourced after their
 # argument checks with `test_name` set: a temp dir, the processes a test
-# starts (pids, daemon_pid[NAME]) killed and the dir removed on any exit,
-# fail() with the last lines of every *.out and *.log, and bounded waits.
+# starts (pids, daemon_pid[NAME]) killed and the dir removed on any exit
+# (../tmpdir.sh), fail() with the last lines of every *.out and *.log, free
+# ports and bounded waits.
 # shellcheck shell=bash
 
-tmp=$(mktemp -d "${TMPDIR:-/tmp}/moeep-$test_name.XXXXXX")
+# shellcheck source=../tmpdir.sh
+source "$(dirname "$(realpath "${BASH_SOURCE[0]}")")/../tmpdir.sh"
 declare -A daemon_pid=()
-pids=()
 phase=start
-
-cleanup() {
-        local p
-        for p in "${pids[@]}" "${daemon_pid[@]}"; do
-                kill -KILL "$p" 2>/dev/null
-        done
-        for p in "${pids[@]}" "${daemon_pid[@]}"; do
-                wait "$p" 2>/dev/null
-        done
-        rm -rf "$tmp"
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
 
 fail() {
         local f
@@ -31,6 +19,18 @@ fail() {
                 tail -n 25 "$f"
         done
         exit 1
+}
+
+# free_ports N: N free TCP ports on 127.0.0.1, on one line.
+free_ports() {
+        python3 - "$1" <<'PY'
+import socket
+import sys
+socks = [socket.socket() for _ in range(int(sys.argv[1]))]
+for s in socks:
+    s.bind(("127.0.0.1", 0))
+print(" ".join(str(s.getsockname()[1]) for s in socks))
+PY
 }
 
 # shellcheck source=../wait.sh

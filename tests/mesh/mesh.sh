@@ -39,15 +39,7 @@ alive() {
         [[ -n $st && ${st:0:1} != Z ]]
 }
 
-# Four free TCP ports on 127.0.0.1.
-read -r port_a port_b port_c port_d < <(python3 - <<'PY'
-import socket
-socks = [socket.socket() for _ in range(4)]
-for s in socks:
-    s.bind(("127.0.0.1", 0))
-print(" ".join(str(s.getsockname()[1]) for s in socks))
-PY
-) || fail "no free ports"
+read -r port_a port_b port_c port_d < <(free_ports 4) || fail "no free ports"
 
 key_text="moeep-mesh-test-key-7f3a9c21d5e8b046"
 printf '%s\n' "$key_text" >"$tmp/good.key"

@@ -32,14 +32,7 @@ test_name=proxy
 # shellcheck source=lib.sh
 source "$(dirname "$(realpath "$0")")/lib.sh"
 
-read -r port_a port_b < <(python3 - <<'PY'
-import socket
-socks = [socket.socket() for _ in range(2)]
-for s in socks:
-    s.bind(("127.0.0.1", 0))
-print(" ".join(str(s.getsockname()[1]) for s in socks))
-PY
-) || fail "no free ports"
+read -r port_a port_b < <(free_ports 2) || fail "no free ports"
 a=127.0.0.1:$port_a b=127.0.0.1:$port_b
 printf '%s\n' "moeep-proxy-test-key-5b1e0c7d9a2f4e63" >"$tmp/key"
 chmod 600 "$tmp/key"

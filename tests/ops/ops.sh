@@ -29,20 +29,12 @@ moeepd=$(realpath "$1") moeepctl=$(realpath "$2") rank=$(realpath "$3")
 here=$(dirname "$(realpath "$0")")
 prom=$here/prom-parse.py
 
-tmp=$(mktemp -d "${TMPDIR:-/tmp}/moeep-ops.XXXXXX")
-pids=()
+test_name=ops
+# shellcheck source=../tmpdir.sh
+source "$here/../tmpdir.sh"
 daemon_pid=""
 log=$tmp/moeepd.log
 phase=start
-
-cleanup() {
-        local p
-        for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null; done
-        for p in "${pids[@]}"; do wait "$p" 2>/dev/null; done
-        rm -rf "$tmp"
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
 
 fail() {
         echo "FAIL [$phase]: $*"

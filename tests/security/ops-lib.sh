@@ -10,24 +10,16 @@ fi
 moeepd=$(realpath "$1") moeepctl=$(realpath "$2") rank=$(realpath "$3") probe=$(realpath "$4")
 here=$(dirname "$(realpath "$0")")
 
-tmp=$(mktemp -d "${TMPDIR:-/tmp}/moeep-sec-ops.XXXXXX")
+test_name=sec-ops
+# shellcheck source=../tmpdir.sh
+source "$here/../tmpdir.sh"
 chmod 0755 "$tmp" # uid 65534 must reach the client socket
 sock=$tmp/moeepd.sock
 admin=$tmp/moeepd-admin.sock
 log=$tmp/moeepd.log
 conf=$tmp/moeepd.conf
-pids=()
 daemon_pid=""
 phase=start
-
-cleanup() {
-        local p
-        for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null; done
-        for p in "${pids[@]}"; do wait "$p" 2>/dev/null; done
-        rm -rf "$tmp"
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
 
 fail() {
         echo "FAIL [$phase]: $*"

@@ -1,0 +1,151 @@
+/* moeep-bench (bench.c): the normal-mode figures (dispatch BF16, FP8 and
+ * cached, combine) and the NVLink floor beside them. */
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "bench.h"
+#include "ep-internal.h"
+#include "bench_kernels.h"
+
+/* Arguments of one configuration of the moeep operations. */
+struct moe_case {
+        struct moeep_dispatch_args da;
+        struct moeep_dispatch_result dr;
+        struct moeep_combine_args ca;
+};
+
+static int op_dispatch(struct rank_env *env, void *arg) {
+        struct moe_case *m = arg;
+        struct moeep_dispatch_result r;
+        int rc = moeep_dispatch(env->ep, &m->da, &r, env->st);
+        if (rc < 0) {
+                fprintf(stderr, "rank %d: dispatch: %s\n", env->rank, moeep_ep_error(env->ep));
+                return rc;
+        }
+        if (m->da.handle == NULL) {
+                moeep_ep_handle_free(m->dr.handle);
+                m->dr = r;
+        }
+        return 0;
+}
+
+/* With $MOEEP_KERNEL_TRACE, rank 0 prints when each block of its last
+ * combine ended its roles (us after the first block started). */
+static void print_trace(struct rank_env *env, int T, int sms) {
+        struct moeep_ctx ctx;
+        uint64_t t[4 * 64], t0 = UINT64_MAX;
+
+        if (env->rank != 0 || ep_internal_ctx(env->ep, &ctx) < 0 || !ctx.trace || sms > 64)
+                return;
+        cudaDeviceSynchronize();
+        cudaMemcpy(t, ctx.trace, sizeof(uint64_t) * 4 * (size_t)sms, cudaMemcpyDeviceToHost);
+        for (int b = 0; b < sms; b++)
+                if (t[4 * b] && t[4 * b] < t0)
+                        t0 = t[4 * b];
+        fprintf(stderr, "trace tokens %d: block start/send/produce/consume us:", T);
+        for (int b = 0; b < sms; b++) {
+                fprintf(stderr, " [%d %.0f", b, (t[4 * b] - t0) / 1e3);
+                for (int k = 1; k < 4; k++)
+                        if (t[4 * b + k] > t0)
+                                fprintf(stderr, " %.0f", (t[4 * b + k] - t0) / 1e3);
+                fprintf(stderr, "]");
+        }
+        fprintf(stderr, "\n");
+        cudaMemset(ctx.trace, 0, sizeof(uint64_t) * 4 * (size_t)sms);
+}
+
+static int op_combine(struct rank_env *env, void *arg) {
+        struct moe_case *m = arg;
+        int rc = moeep_combine(env->ep, &m->ca, env->st);
+        if (rc < 0)
+                fprintf(stderr, "rank %d: combine: %s\n", env->rank, moeep_ep_error(env->ep));
+        return rc;
+}
+
+struct floor_arg {
+        struct moeep_ctx *ctx;
+        size_t bytes;
+        int blocks;
+};
+
+static int op_floor(struct rank_env *env, void *arg) {
+        struct floor_arg *f = arg;
+        return moeep_launch_p2p_put(f->ctx, f->bytes, f->blocks, env->st) ? -1 : 0;
+}
+
+/* The moeep figures of one (tokens, SMs) point. */
+int bench_moeep(struct rank_env *env, int *slot, int T, int sms, bool full) {
+        const struct opts *o = env->o;
+        struct inputs in = { 0 };
+        struct moe_case m = { 0 };
+        int err = 0, nrecv;
+        double us, fp8_row = o->hidden + (o->hidden / 128) * 4.0;
+
+        if (moeep_ep_set_num_sms(env->ep, sms) < 0 || inputs_make(env, &in, T) < 0)
+                return -1;
+        m.da = (struct moeep_dispatch_args){
+                .x = in.x,
+                .x_type = MOEEP_DTYPE_BF16,
+                .num_tokens = T,
+                .is_token_in_rank = in.in_rank,
+                .topk_idx = in.idx,
+                .topk_idx_type = MOEEP_INDEX_INT64,
+                .topk_weights = in.w,
+                .num_topk = o->topk,
+        };
+        us = time_op(env, op_dispatch, &m, &err);
+        nrecv = m.dr.num_recv_tokens;
+        record(env, *slot, OP_DISPATCH_BF16, T, sms, us, (double)nrecv * o->hidden * 2);
+        record_floor(env, (*slot)++, (double)(T + nrecv) * o->hidden * 2, 1);
+
+        m.ca = (struct moeep_combine_args){ .x = in.y, .handle = m.dr.handle, .out = in.out };
+        us = time_op(env, op_combine, &m, &err);
+        record(env, *slot, OP_COMBINE, T, sms, us, (double)nrecv * o->hidden * 2);
+        record_floor(env, (*slot)++, (double)(T + nrecv) * o->hidden * 2, 1);
+        print_trace(env, T, sms);
+        if (full) {
+                struct moeep_ep_handle *h = m.dr.handle;
+                m.da.handle = h;
+                us = time_op(env, op_dispatch, &m, &err);
+                record(env, *slot, OP_DISPATCH_CACHED, T, sms, us, (double)nrecv * o->hidden * 2);
+                record_floor(env, (*slot)++, (double)(T + nrecv) * o->hidden * 2, 1);
+                m.da.handle = NULL;
+                m.da.x = in.xq;
+                m.da.x_type = MOEEP_DTYPE_FP8_E4M3;
+                m.da.x_scales = in.sc;
+                us = time_op(env, op_dispatch, &m, &err);
+                record(env, *slot, OP_DISPATCH_FP8, T, sms, us, (double)m.dr.num_recv_tokens * fp8_row);
+                record_floor(env, (*slot)++, (double)(T + m.dr.num_recv_tokens) * fp8_row, 1);
+        }
+        moeep_ep_handle_free(m.dr.handle);
+        inputs_free(&in);
+        return err;
+}
+
+/* NVLink floor: every rank writes the same bytes a dispatch of T tokens
+ * sends to each peer, with the dispatch's SM budget and with every SM;
+ * reported in the dispatch convention (bytes a rank receives in total,
+ * own share included, per second). */
+int bench_floor(struct rank_env *env, int *slot, int T) {
+        const struct opts *o = env->o;
+        struct moeep_ctx ctx;
+        struct floor_arg f;
+        int err = 0, nsm = 0, dev = 0;
+        size_t bytes = (size_t)T * o->hidden * 2 * 9 / 10; /* about what each peer gets with top-8 of 256 */
+        double us, total;
+
+        if (env->ranks < 2 || ep_internal_ctx(env->ep, &ctx) < 0 ||
+            ctx.px.remote) /* NVLink to every rank only */
+                return 0;
+        bytes = bytes / 16 * 16;
+        total = (double)bytes * env->ranks; /* one share from each rank, own included */
+        cudaGetDevice(&dev);
+        cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, dev);
+        f = (struct floor_arg){ .ctx = &ctx, .bytes = bytes, .blocks = o->sms };
+        us = time_op(env, op_floor, &f, &err);
+        record(env, (*slot)++, OP_NVL_FLOOR, T, o->sms, us, total);
+        f.blocks = nsm;
+        us = time_op(env, op_floor, &f, &err);
+        record(env, (*slot)++, OP_NVL_FLOOR_ALL, T, nsm, us, total);
+        return err;
+}

@@ -1,0 +1,200 @@
+"""moeep.Buffer's low-latency mode (part of moeep.buffer): decode dispatch
+into per-expert slots and combine back, with receive hooks, as DeepEP's
+low_latency_* calls. A mixin of Buffer, which owns the endpoint, the
+streams and the plan that these methods use."""
+
+import ctypes
+
+from . import _lib
+from ._handles import LowLatencyHandle
+from ._tensors import _check_index, _check_tensor, _index_type, _view
+from .event import _torch
+
+
+class _LowLatencyMode:
+    """Buffer's low-latency calls. They use what Buffer sets up: _ep and
+    _endpoint(), _plan, device, group_size, low_latency_mode, comm_stream,
+    _finish()."""
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
+        """Resets the low-latency counters (collective). No-op before the
+        endpoint exists."""
+        if not self.low_latency_mode:
+            raise ValueError("clean_low_latency_buffer needs low_latency_mode=True")
+        if self._ep is not None:
+            self._ep.check(self._ep.lib.moeep_ll_clean(self._ep.ptr), "clean_low_latency_buffer")
+
+    def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                             cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
+                             use_fp8=True, round_scale=False, use_ue8m0=False, async_finish=False,
+                             return_recv_hook=False):
+        """Decode dispatch into per-expert slots. Returns (recv_x, recv_count,
+        handle, event, hook) as DeepEP: recv_x is bf16 [local experts,
+        ranks * num_max_dispatch_tokens_per_rank, hidden] or, with use_fp8,
+        (e4m3 tensor of that shape, float32 scales [.., .., hidden / 128]);
+        with use_ue8m0 the scales are int32 [.., .., hidden / 512], four
+        UE8M0 exponents each, in DeepEP's layout. The tensors are views into
+        moeep's buffer set (README: lifetimes)."""
+        torch = _torch()
+        if not self.low_latency_mode:
+            raise ValueError("low_latency_dispatch needs Buffer(..., low_latency_mode=True)")
+        if use_ue8m0 and not (use_fp8 and round_scale):
+            raise ValueError("use_ue8m0 needs use_fp8=True and round_scale=True (power-of-two scales)")
+        if round_scale and not use_fp8:
+            raise ValueError("round_scale needs use_fp8=True")
+        if async_finish and return_recv_hook:
+            raise ValueError("async_finish and return_recv_hook cannot both be set (as DeepEP)")
+        _check_tensor(torch, x, "x", torch.bfloat16, self.device)
+        T, H = x.shape
+        if use_ue8m0 and H % 512:
+            raise ValueError("use_ue8m0 needs hidden divisible by 512, not %d" % H)
+        _check_index(torch, topk_idx, "topk_idx", self.device, rows=T)
+        K = topk_idx.shape[1]
+        ep = self._endpoint(hidden=H, num_experts=num_experts, ll_tokens=num_max_dispatch_tokens_per_rank)
+        ll_max = self._plan.ll_max_tokens
+        if not 1 <= num_max_dispatch_tokens_per_rank <= ll_max:
+            raise ValueError("num_max_dispatch_tokens_per_rank %d is outside 1..%d, what this Buffer was "
+                             "created for (Buffer(..., num_max_dispatch_tokens_per_rank=))" %
+                             (num_max_dispatch_tokens_per_rank, ll_max))
+        if T > num_max_dispatch_tokens_per_rank:
+            raise ValueError("x has %d tokens, more than num_max_dispatch_tokens_per_rank %d" %
+                             (T, num_max_dispatch_tokens_per_rank))
+        L = self._plan.num_experts // self.group_size
+        stats = cumulative_local_expert_recv_stats
+        if stats is not None:
+            _check_tensor(torch, stats, "cumulative_local_expert_recv_stats", torch.int32, self.device, (L,))
+
+        compute = torch.cuda.current_stream(self.device)
+        stream = compute if return_recv_hook else self.comm_stream
+        if not return_recv_hook:
+            stream.wait_stream(compute)
+        args = _lib.LlDispatchArgs(x=x.data_ptr() if T else None, num_tokens=T,
+                                   topk_idx=topk_idx.data_ptr() if T else None,
+                                   topk_idx_type=_index_type(torch, topk_idx), num_topk=K, use_fp8=use_fp8,
+                                   round_scale=round_scale, return_recv_hook=return_recv_hook,
+                                   cumulative_local_expert_recv_stats=stats.data_ptr() if stats is not None
+                                   else None, num_max_tokens=num_max_dispatch_tokens_per_rank)
+        res = _lib.LlDispatchResult()
+        hook = _lib.LlHook()
+        ep.check(ep.lib.moeep_ll_dispatch(ep.ptr, ctypes.byref(args), ctypes.byref(res), ctypes.byref(hook),
+                                          stream.cuda_stream), "low_latency_dispatch")
+        S = res.slots_per_expert  # ranks * num_max_dispatch_tokens_per_rank
+        R = self.group_size
+        xdt = torch.float8_e4m3fn if use_fp8 else torch.bfloat16
+        recv_x = _view(torch, res.recv_x, (L, S, H), xdt, self, self.device)
+        recv_count = _view(torch, res.recv_count, (L,), torch.int32, self, self.device)
+        src_info = _view(torch, res.recv_src_info, (L, S), torch.int32, self, self.device)
+        layout_range = _view(torch, res.layout_range, (L, R), torch.int64, self, self.device)
+        scales = packed = None
+        if use_fp8:
+            # Column-major per expert, as DeepEP: [L][scale][slot] in memory.
+            scales = _view(torch, res.recv_x_scales, (L, H // _lib.SCALE_BLOCK, S), torch.float32, self,
+                           self.device).transpose(1, 2)
+        if use_ue8m0:
+            # Allocated on the compute stream, which reads it (as DeepEP's outputs).
+            packed = torch.empty(L, H // 512, S, dtype=torch.int32, device=self.device).transpose(1, 2)
+            if not return_recv_hook:
+                with torch.cuda.stream(stream):
+                    _pack_ue8m0(scales, packed)
+        llh = _lib.LlHandle(res.handle.set, res.handle.num_tokens, res.handle.slots_per_expert)
+        handle = LowLatencyHandle(src_info, layout_range, num_max_dispatch_tokens_per_rank, H, num_experts, llh,
+                                  id(self), res.combine_buffer)
+        keep = [x, topk_idx, stats, packed]
+        event = self._finish(compute, stream, async_finish, False, keep if async_finish else [])
+        fn = None
+        if return_recv_hook:
+            def fn():
+                self._ep.check(self._ep.lib.moeep_ll_hook_run(self._ep.ptr, ctypes.byref(hook), stream.cuda_stream),
+                               "low-latency dispatch receive hook")
+                if packed is not None:
+                    with torch.cuda.stream(stream):
+                        _pack_ue8m0(scales, packed)
+                del keep[:]
+        rx = recv_x
+        if use_fp8:
+            rx = (recv_x, packed if use_ue8m0 else scales)
+        return rx, recv_count, handle, event, fn
+
+    def get_next_low_latency_combine_buffer(self, handle):
+        """The bf16 [local experts, slots, hidden] buffer that
+        low_latency_combine(..., zero_copy=True) reads the expert outputs
+        from: write them there instead of passing x. It overlays the
+        dispatch's received rows (as DeepEP's, valid until the next dispatch
+        on the same buffer set)."""
+        if not isinstance(handle, LowLatencyHandle) or handle.buffer_id != id(self):
+            raise ValueError("handle is not a low-latency handle of this Buffer")
+        torch = _torch()
+        L = self._plan.num_experts // self.group_size
+        return _view(torch, handle.combine_buffer, (L, handle.ll_handle.slots_per_expert, self._plan.hidden),
+                     torch.bfloat16, self, self.device)
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False, zero_copy=False,
+                            async_finish=False, return_recv_hook=False, out=None, combine_wait_recv_cost_stats=None):
+        """Sends expert outputs x (bf16 [local experts, slots, hidden], the
+        dispatch's layout) back and reduces them with the top-k weights.
+        Returns (combined_x bf16 [tokens, hidden], event, hook). With
+        zero_copy the outputs are read from get_next_low_latency_combine_buffer
+        (x is not read). use_logfmt changes nothing (BF16 on the wire);
+        combine_wait_recv_cost_stats is accepted and left as is."""
+        torch = _torch()
+        if not self.low_latency_mode:
+            raise ValueError("low_latency_combine needs Buffer(..., low_latency_mode=True)")
+        if async_finish and return_recv_hook:
+            raise ValueError("async_finish and return_recv_hook cannot both be set (as DeepEP)")
+        if not isinstance(handle, LowLatencyHandle) or handle.buffer_id != id(self):
+            raise ValueError("handle is not a low-latency handle of this Buffer")
+        ep = self._endpoint()
+        H, L = self._plan.hidden, self._plan.num_experts // self.group_size
+        S = handle.ll_handle.slots_per_expert
+        n = S
+        T = handle.ll_handle.num_tokens
+        if zero_copy:
+            x = self.get_next_low_latency_combine_buffer(handle)
+        _check_index(torch, topk_idx, "topk_idx", self.device, rows=T)
+        K = topk_idx.shape[1]
+        _check_tensor(torch, topk_weights, "topk_weights", torch.float32, self.device, (T, K))
+        if x.dtype != torch.bfloat16 or x.dim() != 3 or tuple(x.shape[::2]) != (L, H) or x.shape[1] not in (n, S) \
+                or x.device != self.device:
+            raise ValueError("x must be bf16 [%d, %d, %d] on %s, not %s %s" %
+                             (L, n, H, self.device, x.dtype, list(x.shape)))
+        if out is not None:
+            _check_tensor(torch, out, "out", torch.bfloat16, self.device, (T, H))
+        compute = torch.cuda.current_stream(self.device)
+        stream = compute if return_recv_hook else self.comm_stream
+        if not return_recv_hook:
+            stream.wait_stream(compute)
+        with torch.cuda.stream(stream):
+            if x.stride() != (S * H, H, 1):
+                # moeep reads slots with the dispatch's stride: stage.
+                staged = torch.empty(L, S, H, dtype=torch.bfloat16, device=self.device)
+                staged.copy_(x)
+                x = staged
+        if out is None:
+            out = torch.empty(T, H, dtype=torch.bfloat16, device=self.device)
+        llh = _lib.LlHandle(handle.ll_handle.set, T, S)
+        args = _lib.LlCombineArgs(x=x.data_ptr(), topk_idx=topk_idx.data_ptr() if T else None,
+                                  topk_idx_type=_index_type(torch, topk_idx),
+                                  topk_weights=topk_weights.data_ptr() if T else None, num_topk=K,
+                                  handle=ctypes.pointer(llh), out=out.data_ptr() if T else None,
+                                  return_recv_hook=return_recv_hook)
+        hook = _lib.LlHook()
+        ep.check(ep.lib.moeep_ll_combine(ep.ptr, ctypes.byref(args), ctypes.byref(hook), stream.cuda_stream),
+                 "low_latency_combine")
+        keep = [x, topk_idx, topk_weights, out, llh]
+        event = self._finish(compute, stream, async_finish, False, keep[:4] if async_finish else [])
+        fn = None
+        if return_recv_hook:
+            def fn():
+                self._ep.check(self._ep.lib.moeep_ll_hook_run(self._ep.ptr, ctypes.byref(hook), stream.cuda_stream),
+                               "low-latency combine receive hook")
+                del keep[:]
+        return out, event, fn
+
+
+def _pack_ue8m0(scales, packed):
+    """Power-of-two float scales [L, n, H/128] -> UE8M0 bytes (the float's
+    exponent field), four per int32, little-endian, into packed [L, n, H/512]."""
+    torch = _torch()
+    e = (scales.contiguous().view(torch.int32) >> 23) & 0xFF
+    e = e.view(e.shape[0], e.shape[1], -1, 4)
+    packed.copy_(e[..., 0] | (e[..., 1] << 8) | (e[..., 2] << 16) | (e[..., 3] << 24))

@@ -1,0 +1,391 @@
+"""moeep.Buffer's normal mode (part of moeep.buffer): get_dispatch_layout,
+dispatch (also cached, and in rounds when it is larger than one call holds)
+and combine, as DeepEP's intranode calls. A mixin of Buffer, which owns the
+endpoint, the streams and the plan that these methods use."""
+
+import ctypes
+
+from . import _lib
+from ._handles import DispatchHandle, _Route
+from ._tensors import _check_index, _check_tensor, _index_type, _record, _view
+from .event import _torch
+
+
+class _NormalMode:
+    """Buffer's normal-mode calls. They use what Buffer sets up: _ep and
+    _endpoint(), _plan, device, group_size, rank, comm_stream, copy_outputs,
+    _handles, _apply_num_sms(), _begin(), _finish(), _alloc_stream()."""
+
+    def get_dispatch_layout(self, topk_idx, num_experts, previous_event=None, async_finish=False,
+                            allocate_on_comm_stream=False):
+        """(num_tokens_per_rank int32 [ranks], None, num_tokens_per_expert
+        int32 [num_experts], is_token_in_rank bool [tokens, ranks], event).
+        Local (not collective). Before the endpoint exists it runs as torch
+        ops; afterwards as moeep's layout kernel."""
+        torch = _torch()
+        _check_index(torch, topk_idx, "topk_idx", self.device)
+        if self._ep is not None:
+            self._endpoint(num_experts=num_experts)
+        else:
+            self._plan.set_num_experts(num_experts)
+        T, K = topk_idx.shape
+        R = self.group_size
+        compute = self._begin(previous_event, async_finish, allocate_on_comm_stream)
+        with self._alloc_stream(allocate_on_comm_stream):
+            per_rank = torch.empty(R, dtype=torch.int32, device=self.device)
+            per_expert = torch.empty(num_experts, dtype=torch.int32, device=self.device)
+            in_rank = torch.empty(T, R, dtype=torch.bool, device=self.device)
+        with torch.cuda.stream(self.comm_stream):
+            if self._ep is not None:
+                ep = self._ep
+                ep.check(ep.lib.moeep_get_dispatch_layout(
+                    ep.ptr, topk_idx.data_ptr(), _index_type(torch, topk_idx), T, K, per_rank.data_ptr(),
+                    per_expert.data_ptr(), in_rank.data_ptr(), self.comm_stream.cuda_stream),
+                    "get_dispatch_layout")
+            else:
+                _torch_layout(torch, topk_idx, num_experts, R, per_rank, per_expert, in_rank)
+        event = self._finish(compute, self.comm_stream, async_finish, allocate_on_comm_stream,
+                             [topk_idx, per_rank, per_expert, in_rank])
+        return per_rank, None, per_expert, in_rank, event
+
+    def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
+                 is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
+                 expert_alignment=1, num_worst_tokens=0, config=None, previous_event=None, async_finish=False,
+                 allocate_on_comm_stream=False):
+        """Sends each token to the ranks of its experts. Returns (recv_x,
+        recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list,
+        handle, event) as DeepEP; recv_x is (fp8, scales) for an FP8 input.
+        With a handle (cached): (recv_x, None, None, None, None, event)."""
+        torch = _torch()
+        x, x_scales = _split_x(torch, x, self.device)
+        T, H = x.shape
+        if handle is not None:
+            if not isinstance(handle, DispatchHandle) or handle._buffer() is not self or not handle.ptr:
+                raise ValueError("handle is not a live dispatch handle of this Buffer")
+            if T != handle.num_tokens:
+                raise ValueError("x has %d tokens, the handle's dispatch had %d" % (T, handle.num_tokens))
+            topk_idx, topk_weights = handle.topk_idx, handle.topk_weights
+        num_experts = None
+        if num_tokens_per_expert is not None:
+            _check_tensor(torch, num_tokens_per_expert, "num_tokens_per_expert", (torch.int32, torch.int64),
+                          self.device, (num_tokens_per_expert.numel(),), need_contiguous=False)
+            num_experts = int(num_tokens_per_expert.numel())
+        if topk_idx is not None:
+            _check_index(torch, topk_idx, "topk_idx", self.device, rows=T)
+            if topk_weights is not None:
+                _check_tensor(torch, topk_weights, "topk_weights", torch.float32, self.device, topk_idx.shape)
+        elif topk_weights is not None:
+            raise ValueError("topk_weights needs topk_idx")
+        if is_token_in_rank is not None and handle is None:
+            _check_tensor(torch, is_token_in_rank, "is_token_in_rank", (torch.bool, torch.uint8), self.device,
+                          (T, self.group_size))
+        if handle is None and topk_idx is None and is_token_in_rank is None:
+            raise ValueError("dispatch needs a handle, or is_token_in_rank / topk_idx (get_dispatch_layout)")
+        if isinstance(expert_alignment, bool) or not isinstance(expert_alignment, int) or expert_alignment < 0:
+            raise ValueError("expert_alignment must be a non-negative int, not %r" % (expert_alignment,))
+        if isinstance(num_worst_tokens, bool) or not isinstance(num_worst_tokens, int) or num_worst_tokens < 0:
+            raise ValueError("num_worst_tokens must be a non-negative int, not %r" % (num_worst_tokens,))
+        ep = self._endpoint(hidden=H, num_experts=num_experts)
+        self._apply_num_sms(config)
+        K = topk_idx.shape[1] if topk_idx is not None else 0
+
+        compute = self._begin(previous_event, async_finish, allocate_on_comm_stream)
+        per_expert = None
+        with torch.cuda.stream(self.comm_stream):
+            if x_scales is not None and not x_scales.is_contiguous():
+                x_scales = x_scales.contiguous()
+            if num_tokens_per_expert is not None and handle is None:
+                # DeepEP sums the callers' per-expert counts (also when no
+                # top-k travels), so moeep's notify does too.
+                per_expert = num_tokens_per_expert.to(torch.int32).contiguous()
+        if handle is not None and handle.rounds is not None:
+            outs = self._cached_rounds(x, x_scales, handle, allocate_on_comm_stream)
+            event = self._finish(compute, self.comm_stream, async_finish, allocate_on_comm_stream,
+                                 [x, x_scales] + outs)
+            return (tuple(outs) if x_scales is not None else outs[0]), None, None, None, None, event
+        C = self._plan.max_tokens_per_rank  # rows per source per call: what the NVLink buffer holds
+        if T > C and (handle is not None or num_worst_tokens):
+            raise ValueError("%d tokens are more than the %d per call this Buffer holds; only a fresh dispatch "
+                             "without num_worst_tokens runs in rounds" % (T, C))
+        one = self._dispatch_call(ep, x, x_scales, 0, min(T, C), T, is_token_in_rank, topk_idx, topk_weights,
+                                  per_expert, expert_alignment, num_worst_tokens, handle, K,
+                                  allocate_on_comm_stream)
+        if handle is None and one["max_total"] > C:
+            # Some rank sends more tokens than one call holds: every rank runs
+            # the same number of rounds of C tokens (DeepEP has no cap).
+            return self._dispatch_rounds(compute, one, x, x_scales, T, C, is_token_in_rank, topk_idx,
+                                         topk_weights, expert_alignment, K, async_finish, allocate_on_comm_stream,
+                                         per_expert)
+        outs = one["outs"]
+        event = self._finish(compute, self.comm_stream, async_finish, allocate_on_comm_stream,
+                             [x, x_scales, topk_idx, topk_weights, is_token_in_rank, per_expert] + outs)
+        recv_x, recv_scales, recv_idx, recv_w = outs
+        rx = (recv_x, recv_scales) if x_scales is not None else recv_x
+        if handle is not None:
+            return rx, None, None, None, None, event
+        return rx, recv_idx, recv_w, one["counts"], one["handle"], event
+
+    def _dispatch_call(self, ep, x, x_scales, t0, t1, total, is_token_in_rank, topk_idx, topk_weights, per_expert,
+                       expert_alignment, num_worst_tokens, handle, K, allocate_on_comm_stream, copy=None):
+        """One moeep_dispatch of tokens t0..t1 (a round of a dispatch of
+        `total` tokens, or all of it); queued on the comm stream."""
+        torch = _torch()
+        H = x.shape[1]
+        n = t1 - t0
+        xs = x[t0:t1]
+        sc = x_scales[t0:t1] if x_scales is not None else None
+        ti = topk_idx[t0:t1] if topk_idx is not None else None
+        tw = topk_weights[t0:t1] if topk_weights is not None else None
+        ir = is_token_in_rank[t0:t1] if is_token_in_rank is not None and handle is None else None
+        args = _lib.DispatchArgs(
+            x=xs.data_ptr() if n else None, x_type=_lib.DTYPE_BF16 if sc is None else _lib.DTYPE_FP8_E4M3,
+            x_scales=sc.data_ptr() if sc is not None and n else None, num_tokens=n,
+            is_token_in_rank=ir.data_ptr() if ir is not None and n else None,
+            topk_idx=ti.data_ptr() if ti is not None and n else None,
+            topk_idx_type=_index_type(torch, topk_idx) if topk_idx is not None else _lib.INDEX_INT64,
+            topk_weights=tw.data_ptr() if tw is not None and n else None, num_topk=K,
+            expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
+            handle=handle.ptr if handle is not None else None,
+            num_tokens_per_expert=per_expert.data_ptr() if per_expert is not None else None, total_tokens=total)
+        res = _lib.DispatchResult()
+        ep.check(ep.lib.moeep_dispatch(ep.ptr, ctypes.byref(args), ctypes.byref(res), self.comm_stream.cuda_stream),
+                 "dispatch")
+        new = None
+        if handle is None:
+            n_recv = res.num_recv_tokens if res.num_recv_tokens >= 0 else num_worst_tokens
+            route = _Route(self, res.handle)
+            self._handles.add(route)
+            R = self.group_size
+            items = (_view(torch, res.rank_prefix_matrix, (R, R), torch.int32, route, self.device), None, None,
+                     _view(torch, res.recv_src_info, (n_recv,), torch.int32, route, self.device),
+                     ir, _view(torch, res.send_pos, (n, R), torch.int32, route, self.device))
+            new = DispatchHandle(route, n, n_recv, K, ti, tw, items)
+        else:
+            n_recv = handle.num_recv_tokens
+        L = res.num_local_experts
+        idx_dtype = topk_idx.dtype if topk_idx is not None else torch.int64
+        recv_x = _view(torch, res.recv_x, (n_recv, H), x.dtype, self, self.device)
+        recv_scales = None
+        if x_scales is not None:
+            recv_scales = _view(torch, res.recv_x_scales, (n_recv, H // _lib.SCALE_BLOCK), torch.float32, self,
+                                self.device)
+        recv_idx = recv_w = None
+        if handle is None and topk_idx is not None:
+            recv_idx = _view(torch, res.recv_topk_idx, (n_recv, K), idx_dtype, self, self.device)
+            recv_w = _view(torch, res.recv_topk_weights, (n_recv, K), torch.float32, self, self.device)
+
+        outs = [recv_x, recv_scales, recv_idx, recv_w]
+        if copy or (copy is None and (self.copy_outputs or (num_worst_tokens and handle is None))):
+            with self._alloc_stream(allocate_on_comm_stream):
+                owned = [torch.empty_like(t) if t is not None else None for t in outs]
+            with torch.cuda.stream(self.comm_stream):
+                for o, t in zip(owned, outs):
+                    if o is not None:
+                        o.copy_(t)
+                if num_worst_tokens and recv_idx is not None:
+                    # Rows past the real count hold stale data: as DeepEP,
+                    # they name no expert.
+                    n_dev = _view(torch, res.num_recv_tokens_dev, (1,), torch.int32, self, self.device)
+                    pad = (torch.arange(n_recv, device=self.device) >= n_dev).unsqueeze(1)
+                    owned[2].masked_fill_(pad, -1)
+                    owned[3].masked_fill_(pad, 0)
+            outs = owned
+        counts = []
+        if handle is None and res.num_recv_tokens_per_expert:
+            counts = [res.num_recv_tokens_per_expert[i] for i in range(L)]
+        return {"outs": outs, "counts": counts, "handle": new, "max_total": res.max_total_tokens}
+
+    def _round_order(self, handles):
+        """For rounds' handles: rows per (round, source) on the host and the
+        gather index that puts the rounds' rows into DeepEP's order (source
+        ranks in order, each source's tokens in order)."""
+        torch = _torch()
+        R, me = self.group_size, self.rank
+        # The notify of each round has finished (the host waited for its
+        # counts), so its prefix matrix can be read without a stream wait.
+        cols = torch.stack([h[0][:, me] for h in handles]).cpu().tolist()  # inclusive prefix per round
+        per = [[c[s] - (c[s - 1] if s else 0) for s in range(R)] for c in cols]  # [round][source]
+        starts, pos = [], 0
+        for c in cols:
+            starts.append(pos)
+            pos += c[R - 1] if R else 0
+        order = []
+        for s in range(R):
+            for j, c in enumerate(cols):
+                b = starts[j] + (c[s - 1] if s else 0)
+                order.append((b, per[j][s]))
+        idx = torch.cat([torch.arange(b, b + n, dtype=torch.int64) for b, n in order]) if order else \
+            torch.empty(0, dtype=torch.int64)
+        return per, idx.to(self.device)
+
+    def _dispatch_rounds(self, compute, first, x, x_scales, T, C, is_token_in_rank, topk_idx, topk_weights,
+                         expert_alignment, K, async_finish, allocate_on_comm_stream, per_expert):
+        torch = _torch()
+        ep = self._ep
+        rounds = (first["max_total"] + C - 1) // C
+        parts = [first]
+        if not self.copy_outputs:
+            # The first round's outputs are views of the buffer the next round overwrites.
+            with self._alloc_stream(allocate_on_comm_stream):
+                owned = [torch.empty_like(t) if t is not None else None for t in first["outs"]]
+            with torch.cuda.stream(self.comm_stream):
+                for o, t in zip(owned, first["outs"]):
+                    if o is not None:
+                        o.copy_(t)
+            first["outs"] = owned
+        for j in range(1, rounds):
+            t0, t1 = min(j * C, T), min((j + 1) * C, T)
+            parts.append(self._dispatch_call(ep, x, x_scales, t0, t1, T, is_token_in_rank, topk_idx, topk_weights,
+                                             None, 1, 0, None, K, allocate_on_comm_stream, copy=True))
+        handles = [p["handle"] for p in parts]
+        per, order = self._round_order(handles)
+        with self._alloc_stream(allocate_on_comm_stream):
+            outs = [torch.empty((order.numel(),) + tuple(t.shape[1:]), dtype=t.dtype, device=self.device)
+                    if t is not None else None for t in first["outs"]]
+        with torch.cuda.stream(self.comm_stream):
+            for i, o in enumerate(outs):
+                if o is not None:
+                    torch.index_select(_raw(torch, torch.cat([p["outs"][i] for p in parts])), 0, order,
+                                       out=_raw(torch, o))
+            srcs = []
+            for j, h in enumerate(handles):  # source token indices of the whole dispatch
+                srcs.append(h[3] + j * C)
+            src = torch.cat(srcs).index_select(0, order)
+            prefix = sum(h[0] for h in handles)
+            send_head = torch.cat([h[5] for h in handles])
+        for t in (src, prefix, send_head):
+            _record(t, compute)
+        if per_expert is not None:
+            counts = first["counts"]  # the callers' totals, summed over ranks by the first round
+        else:
+            counts = [sum(p["counts"][e] for p in parts) for e in range(len(first["counts"]))]
+            if expert_alignment > 1:
+                counts = [(c + expert_alignment - 1) // expert_alignment * expert_alignment for c in counts]
+        n_recv = int(order.numel())
+        items = (prefix, None, None, src, is_token_in_rank, send_head)
+        new = DispatchHandle(handles[0]._route, T, n_recv, K, topk_idx, topk_weights, items)
+        new.rounds = [(h, min(j * C, T), min((j + 1) * C, T)) for j, h in enumerate(handles)]
+        new.round_index = _inverse_rounds(torch, order, [sum(r) for r in per])
+        event = self._finish(compute, self.comm_stream, async_finish, allocate_on_comm_stream,
+                             [x, x_scales, topk_idx, topk_weights, is_token_in_rank, per_expert] + outs)
+        recv_x, recv_scales, recv_idx, recv_w = outs
+        rx = (recv_x, recv_scales) if x_scales is not None else recv_x
+        return rx, recv_idx, recv_w, counts, new, event
+
+    def _cached_rounds(self, x, x_scales, handle, allocate_on_comm_stream):
+        """A cached dispatch of a dispatch that ran in rounds."""
+        torch = _torch()
+        # Each round resends its slice of the top-k (moeep_dispatch checks
+        # that it matches the round's handle).
+        parts = [self._dispatch_call(self._ep, x, x_scales, t0, t1, handle.num_tokens, None, handle.topk_idx,
+                                     handle.topk_weights, None, 1, 0, h, handle.num_topk, allocate_on_comm_stream,
+                                     copy=True)
+                 for (h, t0, t1) in handle.rounds]
+        keep = [i for i in (0, 1) if parts[0]["outs"][i] is not None]
+        with self._alloc_stream(allocate_on_comm_stream):
+            outs = [torch.empty((handle.num_recv_tokens,) + tuple(parts[0]["outs"][i].shape[1:]),
+                                dtype=parts[0]["outs"][i].dtype, device=self.device) for i in keep]
+        with torch.cuda.stream(self.comm_stream):
+            order = torch.cat(handle.round_index)  # round rows (concatenated) -> output rows
+            for i, o in zip(keep, outs):
+                _raw(torch, o).index_copy_(0, order, _raw(torch, torch.cat([p["outs"][i] for p in parts])))
+        return outs
+
+    def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
+                async_finish=False, allocate_on_comm_stream=False):
+        """Sends the received rows back and sums them per token: returns
+        (combined_x bf16 [tokens, hidden], combined_topk_weights or None,
+        event). bias (a tensor or a pair) is added to combined_x."""
+        torch = _torch()
+        if not isinstance(handle, DispatchHandle) or handle._buffer() is not self or not handle.ptr:
+            raise ValueError("handle is not a live dispatch handle of this Buffer")
+        ep = self._endpoint()
+        H = self._plan.hidden
+        _check_tensor(torch, x, "x", torch.bfloat16, self.device, (handle.num_recv_tokens, H))
+        K = 0
+        if topk_weights is not None:
+            if topk_weights.dim() != 2 or topk_weights.shape[0] != handle.num_recv_tokens:
+                raise ValueError("topk_weights must be [%d, num_topk], not %s" %
+                                 (handle.num_recv_tokens, list(topk_weights.shape)))
+            K = topk_weights.shape[1]
+            _check_tensor(torch, topk_weights, "topk_weights", torch.float32, self.device,
+                          (handle.num_recv_tokens, K))
+        biases = () if bias is None else (bias if isinstance(bias, (tuple, list)) else (bias,))
+        for b in biases:
+            if b is not None:
+                _check_tensor(torch, b, "bias", torch.bfloat16, self.device, (handle.num_tokens, H))
+        self._apply_num_sms(config)
+        compute = self._begin(previous_event, async_finish, allocate_on_comm_stream)
+        with self._alloc_stream(allocate_on_comm_stream):
+            out = torch.empty(handle.num_tokens, H, dtype=torch.bfloat16, device=self.device)
+            out_w = torch.empty(handle.num_tokens, K, dtype=torch.float32, device=self.device) if K else None
+        if handle.rounds is None:
+            pieces = [(handle, x, topk_weights, 0, handle.num_tokens)]
+        else:
+            # Each round's rows, gathered from DeepEP's order, go back by the
+            # round's own routing into that round's tokens of out.
+            with torch.cuda.stream(self.comm_stream):
+                pieces = [(h, x.index_select(0, ix), topk_weights.index_select(0, ix) if K else None, t0, t1)
+                          for (h, t0, t1), ix in zip(handle.rounds, handle.round_index)]
+        for h, xr, wr, t0, t1 in pieces:
+            args = _lib.CombineArgs(x=xr.data_ptr() if xr.numel() else None,
+                                    topk_weights=wr.data_ptr() if K and wr.numel() else None, num_topk=K,
+                                    handle=h.ptr, out=out[t0:t1].data_ptr() if t1 > t0 else None,
+                                    out_topk_weights=out_w[t0:t1].data_ptr() if out_w is not None and t1 > t0
+                                    else None)
+            ep.check(ep.lib.moeep_combine(ep.ptr, ctypes.byref(args), self.comm_stream.cuda_stream), "combine")
+        if any(b is not None for b in biases):
+            with torch.cuda.stream(self.comm_stream):
+                for b in biases:
+                    if b is not None:
+                        out.add_(b)
+        event = self._finish(compute, self.comm_stream, async_finish, allocate_on_comm_stream,
+                             [x, topk_weights, out, out_w] + [p[1] for p in pieces] + [p[2] for p in pieces] +
+                             [b for b in biases if b is not None])
+        return out, out_w, event
+
+
+def _raw(torch, t):
+    """FP8 rows as bytes, for the index ops (which may lack float8)."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def _inverse_rounds(torch, order, sizes):
+    """Splits `order` (for each output row, its row among the rounds' rows
+    concatenated) into, per round, the output rows holding that round's rows
+    in the round's own order."""
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel(), device=order.device)
+    return list(torch.split(inv, sizes))
+
+
+def _split_x(torch, x, device):
+    if isinstance(x, tuple):
+        if len(x) != 2:
+            raise ValueError("FP8 x must be a pair (e4m3 tensor, float32 scales)")
+        x, scales = x
+        _check_tensor(torch, x, "x", torch.float8_e4m3fn, device)
+        if x.shape[1] % _lib.SCALE_BLOCK:
+            raise ValueError("FP8 hidden %d is not a multiple of %d" % (x.shape[1], _lib.SCALE_BLOCK))
+        # Scales may come column-major (DeepEP's TMA-aligned layout,
+        # x[1].T.contiguous().T): dispatch makes a row-major copy on its stream.
+        _check_tensor(torch, scales, "x scales", torch.float32, device,
+                      (x.shape[0], x.shape[1] // _lib.SCALE_BLOCK), need_contiguous=False)
+        return x, scales
+    _check_tensor(torch, x, "x", torch.bfloat16, device)
+    return x, None
+
+
+def _torch_layout(torch, topk_idx, num_experts, num_ranks, per_rank, per_expert, in_rank):
+    """get_dispatch_layout in torch ops (no host synchronisation)."""
+    idx = topk_idx.long()
+    valid = idx >= 0
+    e = torch.where(valid, idx, torch.full_like(idx, num_experts))
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=idx.device)
+    counts.index_add_(0, e.flatten(), torch.ones_like(e.flatten()))
+    per_expert.copy_(counts[:num_experts])
+    r = torch.where(valid, idx // (num_experts // num_ranks), torch.full_like(idx, num_ranks))
+    hit = torch.zeros(idx.shape[0], num_ranks + 1, dtype=torch.bool, device=idx.device)
+    hit.scatter_(1, r, True)
+    in_rank.copy_(hit[:, :num_ranks])
+    per_rank.copy_(in_rank.sum(0))

@@ -1,0 +1,68 @@
+"""torch tensors for moeep.Buffer (part of moeep.buffer): views over moeep's
+device memory without copying, and the checks of the tensors a caller
+passes, each error naming the argument and what was wrong."""
+
+from . import _lib
+
+
+class _DevicePointer:
+    """A device array for torch.as_tensor (__cuda_array_interface__ v2)."""
+
+    def __init__(self, ptr, shape, typestr, owner):
+        self.__cuda_array_interface__ = {"shape": tuple(shape), "typestr": typestr, "data": (int(ptr), False),
+                                         "version": 2, "strides": None}
+        self._owner = owner  # keeps the Buffer (and so the mapping) referenced
+
+
+_TYPESTR = None
+
+
+def _view(torch, ptr, shape, dtype, owner, device):
+    """A torch tensor over device memory at ptr, without copying."""
+    global _TYPESTR
+    if _TYPESTR is None:
+        _TYPESTR = {torch.bfloat16: ("<i2", torch.int16), torch.float8_e4m3fn: ("|u1", torch.uint8),
+                    torch.float32: ("<f4", None), torch.int32: ("<i4", None), torch.int64: ("<i8", None)}
+    n = 1
+    for s in shape:
+        n *= s
+    if n == 0 or not ptr:
+        return torch.empty(shape, dtype=dtype, device=device)
+    typestr, raw = _TYPESTR[dtype]
+    t = torch.as_tensor(_DevicePointer(ptr, shape, typestr, owner), device=device)
+    return t.view(dtype) if raw is not None else t
+
+
+def _record(t, stream):
+    try:
+        t.record_stream(stream)
+    except RuntimeError:
+        pass  # not from the caching allocator (a view into moeep's buffer)
+
+
+def _check_tensor(torch, t, name, dtypes, device, shape=None, need_contiguous=True):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError("%s must be a torch.Tensor, not %s" % (name, type(t).__name__))
+    dtypes = dtypes if isinstance(dtypes, tuple) else (dtypes,)
+    if t.dtype not in dtypes:
+        raise TypeError("%s must be %s, not %s" % (name, " or ".join(map(str, dtypes)), t.dtype))
+    if t.device != device:
+        raise ValueError("%s is on %s, this Buffer on %s" % (name, t.device, device))
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise ValueError("%s must have shape %s, not %s" % (name, list(shape), list(t.shape)))
+    if shape is None and t.dim() != 2:
+        raise ValueError("%s must be 2-D, not %s" % (name, list(t.shape)))
+    if need_contiguous and not t.is_contiguous():
+        raise ValueError("%s must be contiguous" % name)
+
+
+def _check_index(torch, t, name, device, rows=None):
+    _check_tensor(torch, t, name, (torch.int64, torch.int32), device)
+    if rows is not None and t.shape[0] != rows:
+        raise ValueError("%s has %d rows, x has %d" % (name, t.shape[0], rows))
+    if not 1 <= t.shape[1] <= _lib.MAX_TOPK:
+        raise ValueError("%s has top-k %d; moeep supports 1..%d" % (name, t.shape[1], _lib.MAX_TOPK))
+
+
+def _index_type(torch, t):
+    return _lib.INDEX_INT64 if t.dtype == torch.int64 else _lib.INDEX_INT32
