@@ -256,6 +256,49 @@ def test_rounds(rank, R, group, sock, gen):
     buf.destroy()
 
 
+def test_opaque_scales(rank, R, group, sock, gen):
+    """SGLang on Blackwell: FP8 x with UE8M0 scales packed four to an int32,
+    [tokens, hidden / 512]. DeepEP's normal mode moves scales as opaque
+    4-byte words; so must moeep: every bit pattern (NaN patterns included)
+    arrives unchanged, in int32, in DeepEP's row order, in one call, in
+    rounds and in a cached dispatch. Float32 scales of fewer columns too."""
+    H, E, K = 2048, 16 * R, 6
+    for cap, T in ((None, 200 + 9 * rank), (96, 250 + 31 * rank)):  # one call; rounds
+        kw = dict(max_tokens_per_rank=cap) if cap else {}
+        buf = moeep.Buffer(group, int(1e9) if not cap else 0, 0, explicitly_destroy=True, socket=sock, **kw)
+        x = torch.randn(T, H, generator=gen, device="cuda").to(torch.bfloat16)
+        q = fp8_cast(x)[0]
+        idx, w = routing(T, E, K, gen)
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+        all_q, all_in_rank = allgather(q, group, R), allgather(in_rank, group, R)
+        want_q, _ = reference_receive(all_q, all_in_rank, rank, R)
+        for dtype, cols in ((torch.int32, H // 512), (torch.float32, 3)):
+            bits = torch.randint(-2 ** 31, 2 ** 31 - 1, (T, cols), generator=gen, device="cuda", dtype=torch.int32)
+            sc = bits if dtype == torch.int32 else bits.view(torch.float32)
+            sc = sc.T.contiguous().T  # column-major, as SGLang's TMA-aligned scales
+            want_s, _ = reference_receive(allgather(bits, group, R), all_in_rank, rank, R)
+            rx, _, _, _, handle, _ = buf.dispatch((q, sc), num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                  num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+            what = "%s scales [T, %d]%s" % (dtype, cols, " in rounds" if cap else "")
+            check(cap is None or handle.rounds is not None, "%s: dispatch ran in rounds" % what)
+            check(rx[1].dtype == dtype and rx[1].shape == (want_q.shape[0], cols), "%s: %s %s" %
+                  (what, rx[1].dtype, list(rx[1].shape)))
+            check(torch.equal(rx[0].view(torch.uint8), want_q.view(torch.uint8)), "%s: fp8 rows" % what)
+            check(torch.equal(rx[1].view(torch.int32), want_s), "%s: scale words bit for bit" % what)
+            rx2, _, _, _, _, _ = buf.dispatch((q, sc), handle=handle)
+            check(rx2[1].dtype == dtype and torch.equal(rx2[1].view(torch.int32), want_s),
+                  "%s: cached dispatch scale words" % what)
+        bad = torch.zeros(T, H // 128 + 1, dtype=torch.int32, device="cuda")
+        try:
+            buf.dispatch((q, bad), num_tokens_per_rank=per_rank, is_token_in_rank=in_rank)
+            check(False, "scales wider than hidden / 128 are refused")
+        except ValueError as e:
+            check("x scales" in str(e), "the error names x scales: %s" % e)
+        torch.cuda.synchronize()
+        dist.barrier(group)
+        buf.destroy()
+
+
 # ---------------------------------------------------------------- low-latency mode
 
 def ll_reference(all_x, all_idx, rank, L, R):
@@ -484,6 +527,8 @@ def rank_main(rank, R, port, sock, which):
             test_normal(rank, R, group, sock, gen)
         if "rounds" in which:
             test_rounds(rank, R, group, sock, gen)
+        if "scales" in which:
+            test_opaque_scales(rank, R, group, sock, gen)
         if "ll" in which:
             test_low_latency(rank, R, group, sock, gen)
         if "engines" in which:
@@ -497,7 +542,7 @@ def main():
     if no_cuda():
         return 77
     ranks = [int(r) for r in os.environ.get("MOEEP_TEST_RANKS", "2,4").split(",")]
-    which = os.environ.get("MOEEP_TEST_PARTS", "normal,rounds,ll,engines").split(",")
+    which = os.environ.get("MOEEP_TEST_PARTS", "normal,rounds,scales,ll,engines").split(",")
 
     def run(sock):
         for R in ranks:

@@ -57,7 +57,7 @@ class _NormalMode:
         handle, event) as DeepEP; recv_x is (fp8, scales) for an FP8 input.
         With a handle (cached): (recv_x, None, None, None, None, event)."""
         torch = _torch()
-        x, x_scales = _split_x(torch, x, self.device)
+        x, x_scales, scale_cols = _split_x(torch, x, self.device)
         T, H = x.shape
         if handle is not None:
             if not isinstance(handle, DispatchHandle) or handle._buffer() is not self or not handle.ptr:
@@ -92,14 +92,16 @@ class _NormalMode:
         compute = self._begin(previous_event, async_finish, allocate_on_comm_stream)
         per_expert = None
         with torch.cuda.stream(self.comm_stream):
-            if x_scales is not None and not x_scales.is_contiguous():
+            if scale_cols is not None:
+                x_scales = _pad_scales(torch, x_scales, H // _lib.SCALE_BLOCK)
+            elif x_scales is not None and not x_scales.is_contiguous():
                 x_scales = x_scales.contiguous()
             if num_tokens_per_expert is not None and handle is None:
                 # DeepEP sums the callers' per-expert counts (also when no
                 # top-k travels), so moeep's notify does too.
                 per_expert = num_tokens_per_expert.to(torch.int32).contiguous()
         if handle is not None and handle.rounds is not None:
-            outs = self._cached_rounds(x, x_scales, handle, allocate_on_comm_stream)
+            outs = self._cached_rounds(x, x_scales, handle, allocate_on_comm_stream, scale_cols)
             event = self._finish(compute, self.comm_stream, async_finish, allocate_on_comm_stream,
                                  [x, x_scales] + outs)
             return (tuple(outs) if x_scales is not None else outs[0]), None, None, None, None, event
@@ -109,13 +111,13 @@ class _NormalMode:
                              "without num_worst_tokens runs in rounds" % (T, C))
         one = self._dispatch_call(ep, x, x_scales, 0, min(T, C), T, is_token_in_rank, topk_idx, topk_weights,
                                   per_expert, expert_alignment, num_worst_tokens, handle, K,
-                                  allocate_on_comm_stream)
+                                  allocate_on_comm_stream, scale_cols=scale_cols)
         if handle is None and one["max_total"] > C:
             # Some rank sends more tokens than one call holds: every rank runs
             # the same number of rounds of C tokens (DeepEP has no cap).
             return self._dispatch_rounds(compute, one, x, x_scales, T, C, is_token_in_rank, topk_idx,
                                          topk_weights, expert_alignment, K, async_finish, allocate_on_comm_stream,
-                                         per_expert)
+                                         per_expert, scale_cols)
         outs = one["outs"]
         event = self._finish(compute, self.comm_stream, async_finish, allocate_on_comm_stream,
                              [x, x_scales, topk_idx, topk_weights, is_token_in_rank, per_expert] + outs)
@@ -126,7 +128,8 @@ class _NormalMode:
         return rx, recv_idx, recv_w, one["counts"], one["handle"], event
 
     def _dispatch_call(self, ep, x, x_scales, t0, t1, total, is_token_in_rank, topk_idx, topk_weights, per_expert,
-                       expert_alignment, num_worst_tokens, handle, K, allocate_on_comm_stream, copy=None):
+                       expert_alignment, num_worst_tokens, handle, K, allocate_on_comm_stream, copy=None,
+                       scale_cols=None):
         """One moeep_dispatch of tokens t0..t1 (a round of a dispatch of
         `total` tokens, or all of it); queued on the comm stream."""
         torch = _torch()
@@ -169,6 +172,12 @@ class _NormalMode:
         if x_scales is not None:
             recv_scales = _view(torch, res.recv_x_scales, (n_recv, H // _lib.SCALE_BLOCK), torch.float32, self,
                                 self.device)
+            if scale_cols is not None:
+                with self._alloc_stream(allocate_on_comm_stream):
+                    own = torch.empty((n_recv, scale_cols[0]), dtype=scale_cols[1], device=self.device)
+                with torch.cuda.stream(self.comm_stream):
+                    own.view(torch.float32).copy_(recv_scales[:, :scale_cols[0]])
+                recv_scales = own
         recv_idx = recv_w = None
         if handle is None and topk_idx is not None:
             recv_idx = _view(torch, res.recv_topk_idx, (n_recv, K), idx_dtype, self, self.device)
@@ -219,7 +228,7 @@ class _NormalMode:
         return per, idx.to(self.device)
 
     def _dispatch_rounds(self, compute, first, x, x_scales, T, C, is_token_in_rank, topk_idx, topk_weights,
-                         expert_alignment, K, async_finish, allocate_on_comm_stream, per_expert):
+                         expert_alignment, K, async_finish, allocate_on_comm_stream, per_expert, scale_cols):
         torch = _torch()
         ep = self._ep
         rounds = (first["max_total"] + C - 1) // C
@@ -236,7 +245,8 @@ class _NormalMode:
         for j in range(1, rounds):
             t0, t1 = min(j * C, T), min((j + 1) * C, T)
             parts.append(self._dispatch_call(ep, x, x_scales, t0, t1, T, is_token_in_rank, topk_idx, topk_weights,
-                                             None, 1, 0, None, K, allocate_on_comm_stream, copy=True))
+                                             None, 1, 0, None, K, allocate_on_comm_stream, copy=True,
+                                             scale_cols=scale_cols))
         handles = [p["handle"] for p in parts]
         per, order = self._round_order(handles)
         with self._alloc_stream(allocate_on_comm_stream):
@@ -272,14 +282,14 @@ class _NormalMode:
         rx = (recv_x, recv_scales) if x_scales is not None else recv_x
         return rx, recv_idx, recv_w, counts, new, event
 
-    def _cached_rounds(self, x, x_scales, handle, allocate_on_comm_stream):
+    def _cached_rounds(self, x, x_scales, handle, allocate_on_comm_stream, scale_cols):
         """A cached dispatch of a dispatch that ran in rounds."""
         torch = _torch()
         # Each round resends its slice of the top-k (moeep_dispatch checks
         # that it matches the round's handle).
         parts = [self._dispatch_call(self._ep, x, x_scales, t0, t1, handle.num_tokens, None, handle.topk_idx,
                                      handle.topk_weights, None, 1, 0, h, handle.num_topk, allocate_on_comm_stream,
-                                     copy=True)
+                                     copy=True, scale_cols=scale_cols)
                  for (h, t0, t1) in handle.rounds]
         keep = [i for i in (0, 1) if parts[0]["outs"][i] is not None]
         with self._alloc_stream(allocate_on_comm_stream):
@@ -360,20 +370,41 @@ def _inverse_rounds(torch, order, sizes):
 
 
 def _split_x(torch, x, device):
+    """(x, scales, scale_cols): scale_cols is None for moeep's own FP8 scales
+    (float32, one per 128 channels), else (columns, dtype) of scales that
+    travel as opaque 4-byte words, as DeepEP's normal mode carries them:
+    SGLang's UE8M0 scales on Blackwell are int32 [tokens, hidden / 512],
+    four exponent bytes per word. Those ride in the first columns of a
+    float32 row of the usual width and come back in their own dtype."""
     if isinstance(x, tuple):
         if len(x) != 2:
-            raise ValueError("FP8 x must be a pair (e4m3 tensor, float32 scales)")
+            raise ValueError("FP8 x must be a pair (e4m3 tensor, float32 or int32 scales)")
         x, scales = x
         _check_tensor(torch, x, "x", torch.float8_e4m3fn, device)
         if x.shape[1] % _lib.SCALE_BLOCK:
             raise ValueError("FP8 hidden %d is not a multiple of %d" % (x.shape[1], _lib.SCALE_BLOCK))
+        width = x.shape[1] // _lib.SCALE_BLOCK
         # Scales may come column-major (DeepEP's TMA-aligned layout,
         # x[1].T.contiguous().T): dispatch makes a row-major copy on its stream.
-        _check_tensor(torch, scales, "x scales", torch.float32, device,
-                      (x.shape[0], x.shape[1] // _lib.SCALE_BLOCK), need_contiguous=False)
-        return x, scales
+        _check_tensor(torch, scales, "x scales", (torch.float32, torch.int32), device, need_contiguous=False)
+        rows, cols = scales.shape
+        if rows != x.shape[0] or not 1 <= cols <= width:
+            raise ValueError("x scales must have shape [%d, %d] (or [%d, 1..%d] of opaque 4-byte scales, "
+                             "e.g. int32 UE8M0), not %s" % (x.shape[0], width, x.shape[0], width, list(scales.shape)))
+        if scales.dtype == torch.float32 and cols == width:
+            return x, scales, None
+        return x, scales, (cols, scales.dtype)
     _check_tensor(torch, x, "x", torch.bfloat16, device)
-    return x, None
+    return x, None, None
+
+
+def _pad_scales(torch, scales, width):
+    """Opaque 4-byte scales [T, cols] into the first columns of a float32
+    [T, width] (bit for bit; the kernels only move scale words). Runs on the
+    current stream."""
+    padded = torch.zeros((scales.shape[0], width), dtype=torch.float32, device=scales.device)
+    padded[:, :scales.shape[1]].copy_(scales.contiguous().view(torch.float32))
+    return padded
 
 
 def _torch_layout(torch, topk_idx, num_experts, num_ranks, per_rank, per_expert, in_rank):
