@@ -329,7 +329,7 @@ int jobs_join(struct jobs *jobs, const uint8_t *unique_id, size_t len, uint32_t 
                 return errmsg_set(errmsg, -EPIPE, "job %" PRIu64 " is aborted: rank %" PRId32 " was lost", id,
                                   job->lost_rank);
         if (world_size != job->world_size)
-                return errmsg_set(errmsg, -EDOM,
+                return errmsg_set(errmsg, -ERROR_KIND_WORLD_SIZE_MISMATCH,
                                   "job %" PRIu64 ": world size %" PRIu32 " differs from the job's %" PRIu32,
                                   id, world_size, job->world_size);
         if (rank >= job->world_size)

@@ -9,6 +9,7 @@
 #include <string.h>
 #include <sys/queue.h>
 
+#include "errors.h"
 #include "job.h"
 #include "log.h"
 #include "mesh-jobs-internal.h"
@@ -258,7 +259,7 @@ static void handle_join(struct mesh_jobs *mj, struct mesh_peer *p, const Moeep__
         if (!mr)
                 r = errmsg_set(errmsg, -ENOMEM, "out of memory");
         else if (mj->hooks.stopping(mj->hooks.arg))
-                r = errmsg_set(errmsg, -ESHUTDOWN, "the job's daemon is shutting down");
+                r = errmsg_set(errmsg, -ERROR_KIND_DRAINING, "the job's daemon is shutting down");
         else
                 r = jobs_join(mj->jobs, pj->unique_id.data, pj->unique_id.len, pj->rank, pj->world_size,
                               pj->gpu_uuid, mr, &m, errmsg);

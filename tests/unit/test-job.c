@@ -183,7 +183,7 @@ static void test_join_errors(void **state) {
                 bad[i] ^= 1;
                 assert_int_equal(join(f, bad, 0, 2, 0, NULL), -ERROR_KIND_BAD_SECRET);
         }
-        assert_int_equal(join(f, uid, 0, 3, 0, NULL), -EDOM);
+        assert_int_equal(join(f, uid, 0, 3, 0, NULL), -ERROR_KIND_WORLD_SIZE_MISMATCH);
         assert_int_equal(join(f, uid, 2, 2, 0, NULL), -ERANGE);
         assert_int_equal(join(f, uid, UINT32_MAX, 2, 0, NULL), -ERANGE);
         /* A bad GPU uuid. */
