@@ -45,16 +45,11 @@ static struct mesh_job *job_state(struct job *job) {
         return job->mesh;
 }
 
-/* Whether `s` is a usable mesh address: printable, no spaces, short. */
+/* Whether `s` is a usable mesh address: a word (names.h), short. */
 static bool address_valid(const char *s) {
         size_t n = strlen(s);
 
-        if (n == 0 || n > JOB_NODE_MAX)
-                return false;
-        for (size_t i = 0; i < n; i++)
-                if (s[i] < 0x21 || s[i] > 0x7e)
-                        return false;
-        return true;
+        return n > 0 && n <= JOB_NODE_MAX && moeep_word_valid(s, n);
 }
 
 /* ------------------------------------------------------------ jobs, home side */
