@@ -1,9 +1,11 @@
 /* The protocol table (proto/messages.def) against moeep.proto: every body
  * case of the Request, Response and Event envelopes has its row, and every
  * row is a body case, in its envelope's range, with the field's and the
- * message's names as protoc-c generated them. The descriptors are the
- * independent reference: a message added to moeep.proto without a row (or
- * the other way round) fails here. */
+ * message's names as protoc-c generated them; and proto/errors.def has a
+ * row per ErrorCode. The descriptors are the independent reference: a
+ * message or code added to moeep.proto without a row (or the other way
+ * round) fails here. */
+#include <errno.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -107,11 +109,40 @@ static void test_known_rows(void **state) {
         assert_null(moeep_message_lookup(192)); /* PeerHello: the mesh's, not the session's */
 }
 
+/* proto/errors.def has one row per ErrorCode but ERROR_UNSPECIFIED, in
+ * the enum's order, named as the enum names it. */
+static void test_error_rows(void **state) {
+        static const struct {
+                const char *name;
+                int value;
+                int errnum;
+        } rows[] = {
+#define MOEEP_ERROR_REFUSAL(CODE, ERRNO, TEXT) { "ERROR_" #CODE, MOEEP__V1__ERROR_CODE__ERROR_##CODE, ERRNO },
+#define MOEEP_ERROR_OTHER MOEEP_ERROR_REFUSAL
+#include "errors.def"
+#undef MOEEP_ERROR_OTHER
+#undef MOEEP_ERROR_REFUSAL
+        };
+        const ProtobufCEnumDescriptor *d = &moeep__v1__error_code__descriptor;
+        size_t n = sizeof(rows) / sizeof(rows[0]);
+
+        assert_int_equal(n + 1, d->n_values);
+        for (size_t i = 0; i < n; i++) {
+                const ProtobufCEnumValue *v = protobuf_c_enum_descriptor_get_value(d, rows[i].value);
+
+                assert_non_null(v);
+                assert_string_equal(v->name, rows[i].name);
+                assert_int_equal(rows[i].value, (int)i + 1);
+                assert_true(rows[i].errnum > 0);
+        }
+}
+
 int main(void) {
         const struct CMUnitTest tests[] = {
                 cmocka_unit_test(test_every_case_has_a_row),
                 cmocka_unit_test(test_every_row_is_a_case),
                 cmocka_unit_test(test_known_rows),
+                cmocka_unit_test(test_error_rows),
         };
 
         return cmocka_run_group_tests(tests, NULL, NULL);
