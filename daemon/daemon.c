@@ -21,6 +21,7 @@
 #include "clientfd.h"
 #include "daemon.h"
 #include "datapath.h"
+#include "errors.h"
 #include "http.h"
 #include "job.h"
 #include "log.h"
@@ -506,7 +507,7 @@ static int daemon_mesh_start(struct daemon *d, char *errmsg) {
                 .arg = d,
                 .status_changed = daemon_changed,
                 .stopping = daemon_mesh_stopping,
-                .error_code = session_error_code,
+                .error_code = error_code,
                 .session_ref = session_ref,
                 .session_unref = session_unref,
                 .session_id = daemon_mesh_session_id,

@@ -441,7 +441,6 @@ static void proxy_event(struct datapath *dp, const struct proxy_event *ev) {
         struct dp_channel *ch;
         struct dp_rank *dr = NULL;
         char why[ERRMSG_MAX + 32];
-        const char *msg;
 
         switch (ev->type) {
         case PROXY_EVENT_RING_REMOVED:
@@ -462,10 +461,8 @@ static void proxy_event(struct datapath *dp, const struct proxy_event *ev) {
                         return;
                 /* The ring is dead and the ranks it writes to would wait for
                  * its counters: the job cannot go on. */
-                /* "proxy NAME: ring ..." without the proxy's name. */
-                msg = strncmp(ev->msg, "proxy ", 6) == 0 && strstr(ev->msg, ": ") ? strstr(ev->msg, ": ") + 2
-                                                                                  : ev->msg;
-                snprintf(why, sizeof(why), "channel: %s", msg);
+                /* What happened to the ring, without the proxy's name. */
+                snprintf(why, sizeof(why), "channel: %s", ev->msg + ev->what);
                 dp->hooks.rank_failed(dp->hooks.ctx, dr->member->job, dr->member->rank, why);
                 return;
         case PROXY_EVENT_PEER_FAILED:

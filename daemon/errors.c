@@ -7,48 +7,42 @@
 
 /* One row per kind, in the order of enum error_kind. */
 static const struct error_row {
-        enum error_kind kind;
         Moeep__V1__ErrorCode code;
-        int alias;  /* the errno that unconverted modules still return for it, 0 for none */
-        int alias2; /* a second one, 0 for none */
         const char *name;
 } error_rows[] = {
-        { ERROR_KIND_INVALID_ARGUMENT, MOEEP__V1__ERROR_CODE__ERROR_INVALID_ARGUMENT, EINVAL, EALREADY,
-          "invalid argument" },
-        { ERROR_KIND_NO_SUCH_JOB, MOEEP__V1__ERROR_CODE__ERROR_NO_SUCH_JOB, ENOENT, 0, "no such job" },
-        /* EACCES is what mmap() and open() say: never read as this. */
-        { ERROR_KIND_BAD_SECRET, MOEEP__V1__ERROR_CODE__ERROR_BAD_SECRET, 0, 0, "bad secret" },
-        { ERROR_KIND_RANK_OUT_OF_RANGE, MOEEP__V1__ERROR_CODE__ERROR_RANK_OUT_OF_RANGE, ERANGE, 0,
-          "rank out of range" },
-        { ERROR_KIND_RANK_TAKEN, MOEEP__V1__ERROR_CODE__ERROR_RANK_TAKEN, EEXIST, 0, "rank taken" },
-        { ERROR_KIND_WORLD_SIZE_MISMATCH, MOEEP__V1__ERROR_CODE__ERROR_WORLD_SIZE_MISMATCH, EDOM, 0,
-          "world size mismatch" },
-        { ERROR_KIND_LIMIT_EXCEEDED, MOEEP__V1__ERROR_CODE__ERROR_LIMIT_EXCEEDED, EDQUOT, E2BIG,
-          "limit exceeded" },
-        /* EPERM is what a sealed or read-only fd gives: never read as this. */
-        { ERROR_KIND_PERMISSION_DENIED, MOEEP__V1__ERROR_CODE__ERROR_PERMISSION_DENIED, 0, 0,
-          "permission denied" },
-        { ERROR_KIND_NOT_IN_JOB, MOEEP__V1__ERROR_CODE__ERROR_NOT_IN_JOB, ENOTCONN, ECANCELED,
-          "not in a job" },
-        { ERROR_KIND_ALREADY_IN_JOB, MOEEP__V1__ERROR_CODE__ERROR_ALREADY_IN_JOB, EISCONN, 0,
-          "already in a job" },
-        { ERROR_KIND_BAD_FDS, MOEEP__V1__ERROR_CODE__ERROR_BAD_FDS, EBADF, 0, "bad file descriptors" },
-        { ERROR_KIND_PEER_LOST, MOEEP__V1__ERROR_CODE__ERROR_PEER_LOST, EPIPE, 0, "peer lost" },
-        { ERROR_KIND_DRAINING, MOEEP__V1__ERROR_CODE__ERROR_DRAINING, ESHUTDOWN, 0, "draining" },
-        { ERROR_KIND_NOT_READY, MOEEP__V1__ERROR_CODE__ERROR_NOT_READY, EAGAIN, 0, "not ready" },
+#define MOEEP_ERROR_REFUSAL(CODE, ERRNO, TEXT) { MOEEP__V1__ERROR_CODE__ERROR_##CODE, TEXT },
+#include "errors.def"
+#undef MOEEP_ERROR_REFUSAL
 };
 
 _Static_assert(sizeof(error_rows) / sizeof(error_rows[0]) == ERROR_KIND_LAST - ERROR_KIND_FIRST + 1,
                "one row per error kind");
+
+/* The errno values that unconverted modules still return for a refusal
+ * (documented in their headers), read as the kind. Never EACCES or EPERM
+ * (what mmap() and a sealed fd say), ESHUTDOWN or EDOM: those refusals are
+ * returned only as kinds. */
+static const struct error_alias {
+        int errnum;
+        enum error_kind kind;
+} aliases[] = {
+        { EINVAL, ERROR_KIND_INVALID_ARGUMENT }, { EALREADY, ERROR_KIND_INVALID_ARGUMENT },
+        { ENOENT, ERROR_KIND_NO_SUCH_JOB },      { ERANGE, ERROR_KIND_RANK_OUT_OF_RANGE },
+        { EEXIST, ERROR_KIND_RANK_TAKEN },       { EDQUOT, ERROR_KIND_LIMIT_EXCEEDED },
+        { E2BIG, ERROR_KIND_LIMIT_EXCEEDED },    { ENOTCONN, ERROR_KIND_NOT_IN_JOB },
+        { ECANCELED, ERROR_KIND_NOT_IN_JOB },    { EISCONN, ERROR_KIND_ALREADY_IN_JOB },
+        { EBADF, ERROR_KIND_BAD_FDS },           { EPIPE, ERROR_KIND_PEER_LOST },
+        { EAGAIN, ERROR_KIND_NOT_READY },
+};
 
 static const struct error_row *error_row_of(int r) {
         int e = -r;
 
         if (e >= ERROR_KIND_FIRST && e <= ERROR_KIND_LAST)
                 return &error_rows[e - ERROR_KIND_FIRST];
-        for (size_t i = 0; e > 0 && i < sizeof(error_rows) / sizeof(error_rows[0]); i++)
-                if (error_rows[i].alias == e || error_rows[i].alias2 == e)
-                        return &error_rows[i];
+        for (size_t i = 0; e > 0 && i < sizeof(aliases) / sizeof(aliases[0]); i++)
+                if (aliases[i].errnum == e)
+                        return &error_rows[aliases[i].kind - ERROR_KIND_FIRST];
         return NULL;
 }
 
@@ -61,7 +55,7 @@ Moeep__V1__ErrorCode error_code(int r) {
 int error_from_code(Moeep__V1__ErrorCode code) {
         for (size_t i = 0; i < sizeof(error_rows) / sizeof(error_rows[0]); i++)
                 if (error_rows[i].code == code)
-                        return -(int)error_rows[i].kind;
+                        return -(int)(ERROR_KIND_FIRST + i);
         return -EIO;
 }
 

@@ -226,14 +226,9 @@ int job_unique_id_node(const uint8_t *unique_id, size_t len, char ret_node[stati
         if (len == JOB_UNIQUE_ID_BYTES || unique_id[JOB_UNIQUE_ID_NODE_OFFSET] == 0)
                 return 0;
         n = unique_id[JOB_UNIQUE_ID_NODE_OFFSET];
-        if (n > JOB_NODE_MAX || JOB_UNIQUE_ID_NODE_OFFSET + 1 + n > len)
+        if (n > JOB_NODE_MAX || JOB_UNIQUE_ID_NODE_OFFSET + 1 + n > len ||
+            !moeep_word_valid((const char *)unique_id + JOB_UNIQUE_ID_NODE_OFFSET + 1, n))
                 return -EINVAL;
-        for (size_t i = 0; i < n; i++) {
-                uint8_t c = unique_id[JOB_UNIQUE_ID_NODE_OFFSET + 1 + i];
-
-                if (c < 0x21 || c > 0x7e)
-                        return -EINVAL;
-        }
         memcpy(ret_node, unique_id + JOB_UNIQUE_ID_NODE_OFFSET + 1, n);
         ret_node[n] = '\0';
         return 0;
@@ -285,19 +280,14 @@ static bool owner_in_a_job(const struct jobs *jobs, const void *owner) {
         return false;
 }
 
-static bool uuid_valid(const char *s) {
-        size_t n = strlen(s);
-
-        if (n > MOEEP_GPU_UUID_MAX)
-                return false;
-        for (size_t i = 0; i < n; i++)
-                if (s[i] < 0x21 || s[i] > 0x7e)
-                        return false;
-        return true;
-}
-
 static int member_add(struct job *job, uint32_t rank, const char *gpu_uuid, void *owner,
                       struct job_member **ret_member, char *errmsg);
+
+/* The one refusal of a GPU UUID that names.h's validator did not take. */
+static int gpu_uuid_refuse(const char *gpu_uuid, char *errmsg) {
+        return errmsg_set(errmsg, -EINVAL, "gpu uuid of %zu bytes: need up to %d printable bytes",
+                          strlen(gpu_uuid), MOEEP_GPU_UUID_MAX);
+}
 
 int jobs_join(struct jobs *jobs, const uint8_t *unique_id, size_t len, uint32_t rank, uint32_t world_size,
               const char *gpu_uuid, void *owner, struct job_member **ret_member, char *errmsg) {
@@ -311,9 +301,8 @@ int jobs_join(struct jobs *jobs, const uint8_t *unique_id, size_t len, uint32_t 
                                   JOB_UNIQUE_ID_VERSION);
         if (!gpu_uuid)
                 gpu_uuid = "";
-        if (!uuid_valid(gpu_uuid))
-                return errmsg_set(errmsg, -EINVAL, "gpu uuid of %zu bytes: need up to %d printable bytes",
-                                  strlen(gpu_uuid), MOEEP_GPU_UUID_MAX);
+        if (!moeep_gpu_uuid_valid(gpu_uuid))
+                return gpu_uuid_refuse(gpu_uuid, errmsg);
         for (int i = 0; i < 8; i++)
                 id |= (uint64_t)unique_id[1 + i] << (8 * i);
         job = jobs_find(jobs, id);
@@ -329,7 +318,7 @@ int jobs_join(struct jobs *jobs, const uint8_t *unique_id, size_t len, uint32_t 
                 return errmsg_set(errmsg, -EPIPE, "job %" PRIu64 " is aborted: rank %" PRId32 " was lost", id,
                                   job->lost_rank);
         if (world_size != job->world_size)
-                return errmsg_set(errmsg, -EDOM,
+                return errmsg_set(errmsg, -ERROR_KIND_WORLD_SIZE_MISMATCH,
                                   "job %" PRIu64 ": world size %" PRIu32 " differs from the job's %" PRIu32,
                                   id, world_size, job->world_size);
         if (rank >= job->world_size)
@@ -356,9 +345,8 @@ int jobs_join_mirror(struct jobs *jobs, const char *home, uint64_t home_id, cons
                                   home_id, home, world_size, rank);
         if (!gpu_uuid)
                 gpu_uuid = "";
-        if (!uuid_valid(gpu_uuid))
-                return errmsg_set(errmsg, -EINVAL, "gpu uuid of %zu bytes: need up to %d printable bytes",
-                                  strlen(gpu_uuid), MOEEP_GPU_UUID_MAX);
+        if (!moeep_gpu_uuid_valid(gpu_uuid))
+                return gpu_uuid_refuse(gpu_uuid, errmsg);
         if (owner_in_a_job(jobs, owner))
                 return errmsg_set(errmsg, -EISCONN,
                                   "job %" PRIu64 " at %s: the session already belongs to a job", home_id,

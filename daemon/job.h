@@ -211,9 +211,10 @@ int job_control_fd(const struct job *job);
 
 /* Joins the job named by `unique_id` as `rank`. Errors, in order of
  * checking: -EINVAL malformed id or gpu_uuid, -ENOENT no such job,
- * -ERROR_KIND_BAD_SECRET bad secret (errors.h), -EISCONN `owner` already belongs to a job, -EPIPE the job is
- * aborted, -EDOM world size mismatch, -ERANGE rank out of range, -EEXIST
- * rank taken, -ENOMEM. */
+ * -ERROR_KIND_BAD_SECRET bad secret (errors.h), -EISCONN `owner` already
+ * belongs to a job, -EPIPE the job is aborted,
+ * -ERROR_KIND_WORLD_SIZE_MISMATCH world size mismatch, -ERANGE rank out of
+ * range, -EEXIST rank taken, -ENOMEM. */
 int jobs_join(struct jobs *jobs, const uint8_t *unique_id, size_t len, uint32_t rank, uint32_t world_size,
               const char *gpu_uuid, void *owner, struct job_member **ret_member, char *errmsg);
 

@@ -9,6 +9,7 @@
 #include <string.h>
 #include <sys/queue.h>
 
+#include "errors.h"
 #include "job.h"
 #include "log.h"
 #include "mesh-jobs-internal.h"
@@ -44,16 +45,11 @@ static struct mesh_job *job_state(struct job *job) {
         return job->mesh;
 }
 
-/* Whether `s` is a usable mesh address: printable, no spaces, short. */
+/* Whether `s` is a usable mesh address: a word (names.h), short. */
 static bool address_valid(const char *s) {
         size_t n = strlen(s);
 
-        if (n == 0 || n > JOB_NODE_MAX)
-                return false;
-        for (size_t i = 0; i < n; i++)
-                if (s[i] < 0x21 || s[i] > 0x7e)
-                        return false;
-        return true;
+        return n > 0 && n <= JOB_NODE_MAX && moeep_word_valid(s, n);
 }
 
 /* ------------------------------------------------------------ jobs, home side */
@@ -258,7 +254,7 @@ static void handle_join(struct mesh_jobs *mj, struct mesh_peer *p, const Moeep__
         if (!mr)
                 r = errmsg_set(errmsg, -ENOMEM, "out of memory");
         else if (mj->hooks.stopping(mj->hooks.arg))
-                r = errmsg_set(errmsg, -ESHUTDOWN, "the job's daemon is shutting down");
+                r = errmsg_set(errmsg, -ERROR_KIND_DRAINING, "the job's daemon is shutting down");
         else
                 r = jobs_join(mj->jobs, pj->unique_id.data, pj->unique_id.len, pj->rank, pj->world_size,
                               pj->gpu_uuid, mr, &m, errmsg);

@@ -8,6 +8,7 @@
 #include "http.h"
 #include "job.h"
 #include "log.h"
+#include "messages.h"
 #include "mesh.h"
 #include "metrics.h"
 #include "moeep-config.h"
@@ -146,12 +147,13 @@ static void snapshot_regions(struct snapshot *s, const struct view *v) {
 
 static void snapshot_requests(struct snapshot *s, const struct view *v) {
         family_add(s, "moeepd_requests_total", COUNTER, "Requests received, by type.");
+        /* A sample per request row of proto/messages.def, labelled with
+         * its body field. */
         for (unsigned t = MOEEP_TYPE_REQUEST_MIN; t <= MOEEP_TYPE_REQUEST_MAX; t++) {
-                const ProtobufCFieldDescriptor *f =
-                        protobuf_c_message_descriptor_get_field(&moeep__v1__request__descriptor, t);
+                const struct moeep_message *m = moeep_message_lookup((uint16_t)t);
 
-                if (f)
-                        sample_add(s, (double)v->counters->requests[t], "type", f->name, NULL, NULL);
+                if (m)
+                        sample_add(s, (double)v->counters->requests[t], "type", m->field, NULL, NULL);
         }
         family_add(s, "moeepd_errors_total", COUNTER, "Error responses sent, by code.");
         for (int code = 1; code < SESSION_ERROR_CODES; code++) {

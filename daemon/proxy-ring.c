@@ -26,6 +26,8 @@ static uint64_t now_ns(void) {
         return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
+/* Queues an event for the daemon's loop. `fmt` says what happened; the
+ * message gets the proxy's name in front of it. */
 static void event_push(struct proxy *p, enum proxy_event_type type, uint64_t ring_id, uint32_t tp_peer,
                        int error, const char *fmt, ...) __attribute__((format(printf, 6, 7)));
 
@@ -34,6 +36,7 @@ static void event_push(struct proxy *p, enum proxy_event_type type, uint64_t rin
         struct evt *e = calloc(1, sizeof(*e));
         uint64_t one = 1;
         va_list ap;
+        int n;
 
         if (!e)
                 return; /* the ring's error word still tells the client */
@@ -41,8 +44,12 @@ static void event_push(struct proxy *p, enum proxy_event_type type, uint64_t rin
         e->ev.ring_id = ring_id;
         e->ev.tp_peer = tp_peer;
         e->ev.error = error;
+        /* The proxy's name, then what happened: a reader that names the
+         * proxy otherwise takes only the latter (ev.what). */
+        n = snprintf(e->ev.msg, sizeof(e->ev.msg), "proxy %s: ", p->name);
+        e->ev.what = n < 0 ? 0 : (size_t)n < sizeof(e->ev.msg) ? (size_t)n : sizeof(e->ev.msg) - 1;
         va_start(ap, fmt);
-        vsnprintf(e->ev.msg, sizeof(e->ev.msg), fmt, ap);
+        vsnprintf(e->ev.msg + e->ev.what, sizeof(e->ev.msg) - e->ev.what, fmt, ap);
         va_end(ap);
         pthread_mutex_lock(&p->lock);
         TAILQ_INSERT_TAIL(&p->events, e, entry);
@@ -113,8 +120,8 @@ static void peer_failed(struct proxy *p, uint32_t tp_peer, int error, const char
                         p->slots[i].need_signal = false;
                         slot_finish(p, i, true);
                 }
-        event_push(p, PROXY_EVENT_PEER_FAILED, 0, tp_peer, error,
-                   "proxy %s: transport peer %u failed: %s (%s)", p->name, tp_peer, strerror(-error), why);
+        event_push(p, PROXY_EVENT_PEER_FAILED, 0, tp_peer, error, "transport peer %u failed: %s (%s)",
+                   tp_peer, strerror(-error), why);
 }
 
 static void ring_bad_desc(struct proxy *p, struct ring *ring, uint64_t seq, uint32_t route, int error,
@@ -123,8 +130,8 @@ static void ring_bad_desc(struct proxy *p, struct ring *ring, uint64_t seq, uint
         if (!ring->reported) {
                 ring->reported = true;
                 event_push(p, PROXY_EVENT_RING_ERROR, ring->id, UINT32_MAX, error,
-                           "proxy %s: ring %" PRIu64 " descriptor %" PRIu64 " (peer %u): %s", p->name,
-                           ring->id, seq, route, what);
+                           "ring %" PRIu64 " descriptor %" PRIu64 " (peer %u): %s", ring->id, seq, route,
+                           what);
         }
 }
 
@@ -260,8 +267,8 @@ static int ring_poll(struct proxy *p, struct ring *ring) {
 
                         TAILQ_REMOVE(&p->rings, ring, entry);
                         ring_drop(p, ring);
-                        event_push(p, PROXY_EVENT_RING_REMOVED, id, UINT32_MAX, 0,
-                                   "proxy %s: ring %" PRIu64 " removed", p->name, id);
+                        event_push(p, PROXY_EVENT_RING_REMOVED, id, UINT32_MAX, 0, "ring %" PRIu64 " removed",
+                                   id);
                         return 1;
                 }
                 return 0;

@@ -61,10 +61,11 @@ const char *proxy_event_type_to_string(enum proxy_event_type t);
 
 struct proxy_event {
         enum proxy_event_type type;
-        uint64_t ring_id; /* RING_REMOVED, RING_ERROR */
-        uint32_t tp_peer; /* PEER_FAILED */
-        int error;        /* -errno (PEER_FAILED, RING_ERROR) */
-        char msg[ERRMSG_MAX];
+        uint64_t ring_id;     /* RING_REMOVED, RING_ERROR */
+        uint32_t tp_peer;     /* PEER_FAILED */
+        int error;            /* -errno (PEER_FAILED, RING_ERROR) */
+        char msg[ERRMSG_MAX]; /* "proxy NAME: what happened" */
+        size_t what;          /* offset in msg of "what happened", after the proxy's name */
 };
 
 struct proxy;

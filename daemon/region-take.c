@@ -56,7 +56,7 @@ static void region_take_done(void *ctx, int fd, int error, const char *errmsg) {
                 log_debug("session %" PRIu64 ": RegionRegister (request %" PRIu64 ", fd number %" PRId64
                           ") refused: %s",
                           s->id, rt->rid, rt->number, errmsg);
-                session_send_error(s, rt->rid, session_error_code(r), errmsg);
+                session_send_error(s, rt->rid, error_code(r), errmsg);
                 goto out;
         }
         rt->counters->regions_registered++;

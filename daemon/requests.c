@@ -12,6 +12,7 @@
 #include "errors.h"
 #include "job.h"
 #include "log.h"
+#include "messages.h"
 #include "mesh-jobs.h"
 #include "mesh.h"
 #include "metrics.h"
@@ -70,9 +71,9 @@ static int handle_job_create(struct requests *rq, struct session *s, uint64_t ri
         int r;
 
         if (s->reg->stopping)
-                return errmsg_set(errmsg, -ESHUTDOWN, "the daemon is shutting down: no new jobs");
+                return errmsg_set(errmsg, -ERROR_KIND_DRAINING, "the daemon is shutting down: no new jobs");
         if (rq->draining)
-                return errmsg_set(errmsg, -ESHUTDOWN,
+                return errmsg_set(errmsg, -ERROR_KIND_DRAINING,
                                   "the daemon is draining: no new jobs (an admin ends it with "
                                   "'moeepctl drain --off')");
         r = jobs_create(rq->membership.jobs, jc->name, jc->world_size, s->cred.uid, s, &job, errmsg);
@@ -312,41 +313,19 @@ static int handle_channel_open(struct requests *rq, struct session *s, uint64_t 
         return r;
 }
 
-/* The dispatch table, indexed by request type (= Request body case). A
- * handler returns 0 once it queued its reply (or when the reply is held
- * back, Barrier), or -errno with `errmsg` filled, which the dispatcher turns
- * into Error. */
-static const struct handler {
-        const char *name;
-        bool needs_job;   /* answered ERROR_NOT_IN_JOB outside a job */
-        uint64_t feature; /* FEATURE_* bit the session's Hello must have had, 0 for none */
-        int (*fn)(struct requests *rq, struct session *s, uint64_t rid, const Moeep__V1__Request *req,
-                  struct moeep_record *rec, char *errmsg);
-} handlers[MOEEP_TYPE_REQUEST_MAX + 1] = {
-        [MOEEP__V1__REQUEST__BODY_HELLO] = { "Hello", false, 0, handle_hello },
-        [MOEEP__V1__REQUEST__BODY_JOB_CREATE] = { "JobCreate", false, 0, handle_job_create },
-        [MOEEP__V1__REQUEST__BODY_JOB_JOIN] = { "JobJoin", false, 0, handle_job_join },
-        [MOEEP__V1__REQUEST__BODY_JOB_LEAVE] = { "JobLeave", true, 0, handle_job_leave },
-        [MOEEP__V1__REQUEST__BODY_BARRIER] = { "Barrier", true, 0, handle_barrier },
-        [MOEEP__V1__REQUEST__BODY_REGION_REGISTER] = { "RegionRegister", true, 0, handle_region_register },
-        [MOEEP__V1__REQUEST__BODY_REGIONS_FETCH] = { "RegionsFetch", true, 0, handle_regions_fetch },
-        [MOEEP__V1__REQUEST__BODY_STATUS_GET] = { "StatusGet", false, 0, handle_status_get },
-        [MOEEP__V1__REQUEST__BODY_JOBS_LIST] = { "JobsList", false, 0, handle_jobs_list },
-        [MOEEP__V1__REQUEST__BODY_CLIENTS_LIST] = { "ClientsList", false, 0, handle_clients_list },
-        [MOEEP__V1__REQUEST__BODY_REGION_RELEASE] = { "RegionRelease", true, 0, handle_region_release },
-        [MOEEP__V1__REQUEST__BODY_METRICS_GET] = { "MetricsGet", false, MOEEP__V1__FEATURE__FEATURE_OPERATOR,
-                                                   handle_metrics_get },
-        [MOEEP__V1__REQUEST__BODY_NICS_LIST] = { "NicsList", false, MOEEP__V1__FEATURE__FEATURE_OPERATOR,
-                                                 handle_nics_list },
-        [MOEEP__V1__REQUEST__BODY_LOG_LEVEL_SET] = { "LogLevelSet", false,
-                                                     MOEEP__V1__FEATURE__FEATURE_OPERATOR,
-                                                     handle_log_level_set },
-        [MOEEP__V1__REQUEST__BODY_DRAIN] = { "Drain", false, MOEEP__V1__FEATURE__FEATURE_OPERATOR,
-                                             handle_drain },
-        [MOEEP__V1__REQUEST__BODY_MESH_LIST] = { "MeshList", false, MOEEP__V1__FEATURE__FEATURE_MESH,
-                                                 handle_mesh_list },
-        [MOEEP__V1__REQUEST__BODY_CHANNEL_OPEN] = { "ChannelOpen", true, MOEEP__V1__FEATURE__FEATURE_PROXY,
-                                                    handle_channel_open },
+/* The handlers, indexed by request type (= Request body case), one per
+ * request row of proto/messages.def, which also says each one's name,
+ * feature bit and whether it needs a job. A handler returns 0 once it
+ * queued its reply (or when the reply is held back, Barrier), or -errno
+ * with `errmsg` filled, which the dispatcher turns into Error. */
+typedef int handler_fn(struct requests *rq, struct session *s, uint64_t rid, const Moeep__V1__Request *req,
+                       struct moeep_record *rec, char *errmsg);
+
+static handler_fn *const handlers[MOEEP_TYPE_REQUEST_MAX + 1] = {
+#define MOEEP_REQUEST(CASE, field, Name, FDS, FEATURE, JOB) \
+        [MOEEP__V1__REQUEST__BODY_##CASE] = handle_##field,
+#include "messages.def"
+#undef MOEEP_REQUEST
 };
 
 /* Handles one received record. Returns 1 to go on reading, 0 when the
@@ -356,7 +335,7 @@ static int requests_dispatch(void *ctx, struct session *s, struct moeep_record *
         uint16_t type = rec->hdr.type;
         uint64_t rid = rec->hdr.request_id;
         char errmsg[ERRMSG_MAX] = "";
-        const struct handler *h;
+        const struct moeep_message *h;
         Moeep__V1__Request *req;
         int r;
 
@@ -367,12 +346,12 @@ static int requests_dispatch(void *ctx, struct session *s, struct moeep_record *
                              "record type %u is a response or event, not a request", type);
                 return 0;
         }
-        if (!handlers[type].fn) {
+        h = moeep_message_lookup(type);
+        if (!h || !handlers[type]) {
                 session_fail(s, MOEEP__V1__ERROR_CODE__ERROR_UNKNOWN_TYPE, rid,
                              "request type %u is not known", type);
                 return 0;
         }
-        h = &handlers[type];
         rq->counters->requests[type]++;
         if (s->state == SESSION_NEW && type != MOEEP__V1__REQUEST__BODY_HELLO) {
                 session_fail(s, MOEEP__V1__ERROR_CODE__ERROR_NOT_WELCOMED, rid,
@@ -397,20 +376,21 @@ static int requests_dispatch(void *ctx, struct session *s, struct moeep_record *
                 return 0;
         }
         if (h->needs_job && !s->member)
-                r = errmsg_set(errmsg, -ENOTCONN, "%s: session %" PRIu64 " is not in a job", h->name, s->id);
+                r = errmsg_set(errmsg, -ERROR_KIND_NOT_IN_JOB, "%s: session %" PRIu64 " is not in a job",
+                               h->name, s->id);
         else if ((s->features & h->feature) != h->feature)
                 /* Rule 5 of proto/README.md: the Hello did not offer it. */
-                r = errmsg_set(errmsg, -EINVAL,
+                r = errmsg_set(errmsg, -ERROR_KIND_INVALID_ARGUMENT,
                                "%s: session %" PRIu64 " did not offer feature bit %" PRIu64 " in Hello",
                                h->name, s->id, h->feature);
         else
-                r = h->fn(rq, s, rid, req, rec, errmsg);
+                r = handlers[type](rq, s, rid, req, rec, errmsg);
         if (r < 0 && s->state != SESSION_CLOSED) {
                 if (!errmsg[0])
-                        snprintf(errmsg, sizeof(errmsg), "%s: %s", h->name, strerror(-r));
+                        snprintf(errmsg, sizeof(errmsg), "%s: %s", h->name, error_to_string(r));
                 log_debug("session %" PRIu64 ": %s (request %" PRIu64 ") refused: %s", s->id, h->name, rid,
                           errmsg);
-                if (r == -ENOBUFS || session_send_error(s, rid, session_error_code(r), errmsg) < 0)
+                if (r == -ENOBUFS || session_send_error(s, rid, error_code(r), errmsg) < 0)
                         log_debug("session %" PRIu64 ": could not queue the error for request %" PRIu64,
                                   s->id, rid);
         }
@@ -433,7 +413,7 @@ static void requests_barrier_done(void *owner, const struct job *job, uint64_t r
                          job->lost_rank);
         else
                 snprintf(why, sizeof(why), "barrier of job %" PRIu64 ": left the job while waiting", job->id);
-        session_send_error(s, request_id, session_error_code(error), why);
+        session_send_error(s, request_id, error_code(error), why);
 }
 
 static void requests_peer_lost(void *owner, const struct job *job, uint32_t rank, const char *reason) {

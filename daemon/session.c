@@ -62,25 +62,6 @@ const char *session_state_to_string(enum session_state s) {
         return "unknown";
 }
 
-/* The protocol's code for a handler's refusal: errors.h decides, in one
- * table, so that an errno from a system call is never read as a refusal
- * that means something else (EACCES from mmap() is not a bad secret). */
-Moeep__V1__ErrorCode session_error_code(int r) {
-        return error_code(r);
-}
-
-/* moeep_record_recv() names what was wrong only in text; descriptor
- * problems get their own code so clients can tell them apart. */
-static Moeep__V1__ErrorCode record_error_code(const char *why) {
-        if (!why)
-                return MOEEP__V1__ERROR_CODE__ERROR_BAD_RECORD;
-        if (strcmp(why, "unknown record type") == 0)
-                return MOEEP__V1__ERROR_CODE__ERROR_UNKNOWN_TYPE;
-        if (strstr(why, "descriptor"))
-                return MOEEP__V1__ERROR_CODE__ERROR_BAD_FDS;
-        return MOEEP__V1__ERROR_CODE__ERROR_BAD_RECORD;
-}
-
 /* ------------------------------------------------------------ output */
 
 /* Frees a record taken off the queue. Its duplicates may be the last
@@ -407,7 +388,9 @@ static int session_read_one(struct session *s) {
                              MOEEP_PROTOCOL_MAJOR);
                 return 0;
         case -EBADMSG:
-                session_fail(s, record_error_code(why), rid, "bad record: %s", why ? why : "malformed");
+                /* The framing says which code: descriptor problems have
+                 * their own, so that clients can tell them apart. */
+                session_fail(s, rx.error_code, rid, "bad record: %s", why ? why : "malformed");
                 return 0;
         default: /* -errno from recvmsg */
                 session_fail(s, 0, 0, "receiving: %s", strerror(-r));

@@ -205,10 +205,6 @@ void sessions_shutdown(struct sessions *reg, const char *reason);
  * daemon exits). */
 void sessions_close_all(struct sessions *reg, const char *reason);
 
-/* The ErrorCode for a handler's return value (an error kind or -errno;
- * errors.h maps them). */
-Moeep__V1__ErrorCode session_error_code(int r);
-
 /* `s` became member `m` (a local join, or one its job's home daemon
  * accepted): the session is READY and JobJoined (request `rid`) with the
  * control page is queued. Returns 0 or -errno from session_respond(). A

@@ -4,61 +4,17 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "messages.h"
 #include "record.h"
 
 int moeep_record_type_known(uint16_t type) {
-        switch (type) {
-        case MOEEP__V1__REQUEST__BODY_HELLO:
-        case MOEEP__V1__REQUEST__BODY_JOB_CREATE:
-        case MOEEP__V1__REQUEST__BODY_JOB_JOIN:
-        case MOEEP__V1__REQUEST__BODY_JOB_LEAVE:
-        case MOEEP__V1__REQUEST__BODY_BARRIER:
-        case MOEEP__V1__REQUEST__BODY_REGION_REGISTER:
-        case MOEEP__V1__REQUEST__BODY_REGIONS_FETCH:
-        case MOEEP__V1__REQUEST__BODY_STATUS_GET:
-        case MOEEP__V1__REQUEST__BODY_JOBS_LIST:
-        case MOEEP__V1__REQUEST__BODY_CLIENTS_LIST:
-        case MOEEP__V1__REQUEST__BODY_REGION_RELEASE:
-        case MOEEP__V1__REQUEST__BODY_METRICS_GET:
-        case MOEEP__V1__REQUEST__BODY_NICS_LIST:
-        case MOEEP__V1__REQUEST__BODY_LOG_LEVEL_SET:
-        case MOEEP__V1__REQUEST__BODY_DRAIN:
-        case MOEEP__V1__REQUEST__BODY_MESH_LIST:
-        case MOEEP__V1__REQUEST__BODY_CHANNEL_OPEN:
-        case MOEEP__V1__RESPONSE__BODY_ERROR:
-        case MOEEP__V1__RESPONSE__BODY_WELCOME:
-        case MOEEP__V1__RESPONSE__BODY_JOB_CREATED:
-        case MOEEP__V1__RESPONSE__BODY_JOB_JOINED:
-        case MOEEP__V1__RESPONSE__BODY_OK:
-        case MOEEP__V1__RESPONSE__BODY_REGION_REGISTERED:
-        case MOEEP__V1__RESPONSE__BODY_REGIONS:
-        case MOEEP__V1__RESPONSE__BODY_STATUS:
-        case MOEEP__V1__RESPONSE__BODY_JOBS:
-        case MOEEP__V1__RESPONSE__BODY_CLIENTS:
-        case MOEEP__V1__RESPONSE__BODY_METRICS:
-        case MOEEP__V1__RESPONSE__BODY_NICS:
-        case MOEEP__V1__RESPONSE__BODY_MESH:
-        case MOEEP__V1__RESPONSE__BODY_CHANNEL_OPENED:
-        case MOEEP__V1__EVENT__BODY_PEER_LOST:
-        case MOEEP__V1__EVENT__BODY_SHUTDOWN:
-                return 1;
-        default:
-                return 0;
-        }
+        return moeep_message_lookup(type) != NULL;
 }
 
 int moeep_record_fds_expected(uint16_t type) {
-        switch (type) {
-        case MOEEP__V1__REQUEST__BODY_REGION_REGISTER:
-                return MOEEP_RECORD_FDS_ONE_OR_NONE;
-        case MOEEP__V1__RESPONSE__BODY_JOB_JOINED:
-        case MOEEP__V1__RESPONSE__BODY_CHANNEL_OPENED:
-                return 1;
-        case MOEEP__V1__RESPONSE__BODY_REGIONS:
-                return -1;
-        default:
-                return 0;
-        }
+        const struct moeep_message *m = moeep_message_lookup(type);
+
+        return m ? m->fds : 0;
 }
 
 int moeep_record_encode(uint8_t *buf, uint16_t type, uint64_t request_id, const ProtobufCMessage *msg,
@@ -189,12 +145,14 @@ int moeep_record_recv_keep(int sock, struct moeep_record *rec, const char **ret_
                 .msg_control = control.buf,
                 .msg_controllen = sizeof(control.buf),
         };
+        Moeep__V1__ErrorCode code = MOEEP__V1__ERROR_CODE__ERROR_BAD_RECORD;
         const char *why = NULL;
         int expected, r;
         ssize_t n;
 
         rec->nfds = 0;
         rec->payload = NULL;
+        rec->error_code = MOEEP__V1__ERROR_CODE__ERROR_UNSPECIFIED;
         do
                 n = recvmsg(sock, &mh, MSG_CMSG_CLOEXEC);
         while (n < 0 && errno == EINTR);
@@ -210,6 +168,7 @@ int moeep_record_recv_keep(int sock, struct moeep_record *rec, const char **ret_
         }
         if (r < 0 || (mh.msg_flags & MSG_CTRUNC)) {
                 why = "too many file descriptors or a foreign control message";
+                code = MOEEP__V1__ERROR_CODE__ERROR_BAD_FDS;
                 goto fail;
         }
         if (mh.msg_flags & MSG_TRUNC) {
@@ -229,6 +188,7 @@ int moeep_record_recv_keep(int sock, struct moeep_record *rec, const char **ret_
                 why = "protocol major version differs";
                 if (ret_why)
                         *ret_why = why;
+                rec->error_code = MOEEP__V1__ERROR_CODE__ERROR_VERSION_MISMATCH;
                 return -EPROTONOSUPPORT;
         }
         if (rec->hdr.length != (size_t)n - sizeof(rec->hdr) || rec->hdr.reserved != 0) {
@@ -237,21 +197,25 @@ int moeep_record_recv_keep(int sock, struct moeep_record *rec, const char **ret_
         }
         if (rec->hdr.nfds != rec->nfds) {
                 why = "descriptor count differs from the header";
+                code = MOEEP__V1__ERROR_CODE__ERROR_BAD_FDS;
                 goto fail;
         }
         if (!moeep_record_type_known(rec->hdr.type)) {
                 why = "unknown record type";
+                code = MOEEP__V1__ERROR_CODE__ERROR_UNKNOWN_TYPE;
                 goto fail;
         }
         expected = moeep_record_fds_expected(rec->hdr.type);
-        if (expected == MOEEP_RECORD_FDS_ONE_OR_NONE && rec->nfds > 1) {
+        if (expected == MOEEP_FDS_ONE_OR_NONE && rec->nfds > 1) {
                 why = "record type needs exactly one descriptor but carries several";
+                code = MOEEP__V1__ERROR_CODE__ERROR_BAD_FDS;
                 goto fail;
         }
         if ((expected >= 0 && rec->nfds != (size_t)expected)) {
                 why = expected == 0    ? "descriptors on a record type that may not carry them"
                       : rec->nfds == 0 ? "record type needs exactly one descriptor but carries none"
                                        : "record type needs exactly one descriptor but carries several";
+                code = MOEEP__V1__ERROR_CODE__ERROR_BAD_FDS;
                 goto fail;
         }
         rec->payload = rec->buf + sizeof(rec->hdr);
@@ -260,6 +224,7 @@ int moeep_record_recv_keep(int sock, struct moeep_record *rec, const char **ret_
 fail:
         if (ret_why)
                 *ret_why = why;
+        rec->error_code = code;
         return -EBADMSG;
 }
 

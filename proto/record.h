@@ -59,18 +59,24 @@ struct moeep_record {
         uint8_t *payload;               /* points into buf */
         int fds[MOEEP_RECORD_RECV_FDS]; /* -1 in slots taken by the caller */
         size_t nfds;
+        /* After moeep_record_recv() refused the record (-EBADMSG,
+         * -EPROTONOSUPPORT): the ErrorCode that names what was wrong, for a
+         * receiver that answers with Error (ERROR_BAD_RECORD, ERROR_BAD_FDS,
+         * ERROR_UNKNOWN_TYPE, ERROR_VERSION_MISMATCH); else ERROR_UNSPECIFIED. */
+        Moeep__V1__ErrorCode error_code;
         uint8_t buf[MOEEP_RECORD_MAX];
 };
 
-/* How many descriptors a record type must carry: returns 0 for "none",
- * 1 for "exactly one", -1 for "any number up to MOEEP_RECORD_MAX_FDS"
- * (Regions: one per entry, checked after decoding), MOEEP_RECORD_FDS_ONE_OR_NONE
- * for "one, or none when the message says so" (RegionRegister: none with
- * `take`, 1.4; the daemon checks which after decoding). */
-#define MOEEP_RECORD_FDS_ONE_OR_NONE (-2)
+/* How many descriptors a record type must carry, as messages.def declares
+ * it: returns 0 for "none", 1 for "exactly one", -1 (MOEEP_FDS_MANY) for
+ * "any number up to MOEEP_RECORD_MAX_FDS" (Regions: one per entry, checked
+ * after decoding), MOEEP_FDS_ONE_OR_NONE for "one, or none when the message
+ * says so" (RegionRegister: none with `take`, 1.4; the daemon checks which
+ * after decoding). */
 int moeep_record_fds_expected(uint16_t type);
 
-/* Whether `type` names a message this protocol version knows. */
+/* Whether `type` names a message this protocol version knows (a row of
+ * messages.def). */
 int moeep_record_type_known(uint16_t type);
 
 /* Encodes `msg` (a Request, Response or Event envelope) with type `type`

@@ -65,43 +65,17 @@ uint64_t client_session_id(const struct moeep_client *c) {
 }
 
 int client_error_code_to_errno(int code) {
+        /* Every code has its row in proto/errors.def (-Wswitch holds us to
+         * it); the rows say what libmoeep returns. */
         switch ((Moeep__V1__ErrorCode)code) {
-        case MOEEP__V1__ERROR_CODE__ERROR_BAD_RECORD:
-                return -EPROTO;
-        case MOEEP__V1__ERROR_CODE__ERROR_VERSION_MISMATCH:
-                return -EPROTONOSUPPORT;
-        case MOEEP__V1__ERROR_CODE__ERROR_NOT_WELCOMED:
-                return -EPROTO;
-        case MOEEP__V1__ERROR_CODE__ERROR_INVALID_ARGUMENT:
-                return -EINVAL;
-        case MOEEP__V1__ERROR_CODE__ERROR_NO_SUCH_JOB:
-                return -ENOENT;
-        case MOEEP__V1__ERROR_CODE__ERROR_BAD_SECRET:
-                return -EACCES;
-        case MOEEP__V1__ERROR_CODE__ERROR_RANK_OUT_OF_RANGE:
-                return -ERANGE;
-        case MOEEP__V1__ERROR_CODE__ERROR_RANK_TAKEN:
-                return -EEXIST;
-        case MOEEP__V1__ERROR_CODE__ERROR_WORLD_SIZE_MISMATCH:
-                return -EINVAL;
-        case MOEEP__V1__ERROR_CODE__ERROR_LIMIT_EXCEEDED:
-                return -EUSERS;
-        case MOEEP__V1__ERROR_CODE__ERROR_PERMISSION_DENIED:
-                return -EPERM;
-        case MOEEP__V1__ERROR_CODE__ERROR_NOT_IN_JOB:
-                return -ENOTCONN;
-        case MOEEP__V1__ERROR_CODE__ERROR_ALREADY_IN_JOB:
-                return -EISCONN;
-        case MOEEP__V1__ERROR_CODE__ERROR_BAD_FDS:
-                return -EBADF;
-        case MOEEP__V1__ERROR_CODE__ERROR_PEER_LOST:
-                return -ENOTCONN;
-        case MOEEP__V1__ERROR_CODE__ERROR_DRAINING:
-        case MOEEP__V1__ERROR_CODE__ERROR_NOT_READY:
-                return -EAGAIN;
+#define MOEEP_ERROR_REFUSAL(CODE, ERRNO, TEXT)    \
+        case MOEEP__V1__ERROR_CODE__ERROR_##CODE: \
+                return -ERRNO;
+#define MOEEP_ERROR_OTHER MOEEP_ERROR_REFUSAL
+#include "errors.def"
+#undef MOEEP_ERROR_OTHER
+#undef MOEEP_ERROR_REFUSAL
         case MOEEP__V1__ERROR_CODE__ERROR_UNSPECIFIED:
-        case MOEEP__V1__ERROR_CODE__ERROR_INTERNAL:
-        case MOEEP__V1__ERROR_CODE__ERROR_UNKNOWN_TYPE:
         case _MOEEP__V1__ERROR_CODE_IS_INT_SIZE:
                 return -EIO;
         }

@@ -34,13 +34,18 @@ static void test_system_errnos(void **state) {
         assert_int_equal(error_code(-EPERM), MOEEP__V1__ERROR_CODE__ERROR_INTERNAL);
         assert_int_equal(error_code(-ENOMEM), MOEEP__V1__ERROR_CODE__ERROR_INTERNAL);
         assert_int_equal(error_code(-EIO), MOEEP__V1__ERROR_CODE__ERROR_INTERNAL);
+        /* Refusals that exist only as kinds: these errnos mean nothing. */
+        assert_int_equal(error_code(-ESHUTDOWN), MOEEP__V1__ERROR_CODE__ERROR_INTERNAL);
+        assert_int_equal(error_code(-EDOM), MOEEP__V1__ERROR_CODE__ERROR_INTERNAL);
+        assert_int_equal(error_code(-ERROR_KIND_DRAINING), MOEEP__V1__ERROR_CODE__ERROR_DRAINING);
+        assert_int_equal(error_code(-ERROR_KIND_WORLD_SIZE_MISMATCH),
+                         MOEEP__V1__ERROR_CODE__ERROR_WORLD_SIZE_MISMATCH);
         /* The aliases modules still return. */
         assert_int_equal(error_code(-EINVAL), MOEEP__V1__ERROR_CODE__ERROR_INVALID_ARGUMENT);
         assert_int_equal(error_code(-ENOENT), MOEEP__V1__ERROR_CODE__ERROR_NO_SUCH_JOB);
         assert_int_equal(error_code(-EDQUOT), MOEEP__V1__ERROR_CODE__ERROR_LIMIT_EXCEEDED);
         assert_int_equal(error_code(-E2BIG), MOEEP__V1__ERROR_CODE__ERROR_LIMIT_EXCEEDED);
         assert_int_equal(error_code(-ECANCELED), MOEEP__V1__ERROR_CODE__ERROR_NOT_IN_JOB);
-        assert_int_equal(error_code(-ESHUTDOWN), MOEEP__V1__ERROR_CODE__ERROR_DRAINING);
         assert_int_equal(error_code(-EAGAIN), MOEEP__V1__ERROR_CODE__ERROR_NOT_READY);
         assert_string_equal(error_to_string(-EACCES), strerror(EACCES));
 }

@@ -183,7 +183,7 @@ static void test_join_errors(void **state) {
                 bad[i] ^= 1;
                 assert_int_equal(join(f, bad, 0, 2, 0, NULL), -ERROR_KIND_BAD_SECRET);
         }
-        assert_int_equal(join(f, uid, 0, 3, 0, NULL), -EDOM);
+        assert_int_equal(join(f, uid, 0, 3, 0, NULL), -ERROR_KIND_WORLD_SIZE_MISMATCH);
         assert_int_equal(join(f, uid, 2, 2, 0, NULL), -ERANGE);
         assert_int_equal(join(f, uid, UINT32_MAX, 2, 0, NULL), -ERANGE);
         /* A bad GPU uuid. */
@@ -344,6 +344,41 @@ static void test_creator_gone_frees_empty_jobs(void **state) {
         assert_int_equal(f->jobs->count, 0);
 }
 
+/* The mesh address a unique id carries, and the validators (names.h) it
+ * and a GPU UUID go through: printable ASCII without spaces. */
+static void test_unique_id_node(void **state) {
+        struct fixture *f = *state;
+        uint8_t uid[JOB_UNIQUE_ID_BYTES], buf[MOEEP_UNIQUE_ID_BYTES];
+        char node[JOB_NODE_MAX + 1], uuid[MOEEP_GPU_UUID_MAX + 2];
+        struct job *job = create(f, 2, uid);
+        size_t len;
+
+        assert_int_equal(job_unique_id_node(uid, sizeof(uid), node), 0);
+        assert_string_equal(node, "");
+        len = job_unique_id_with_node(job, "127.0.0.1:7000", buf);
+        assert_int_equal(len, JOB_UNIQUE_ID_BYTES + 1 + 14);
+        assert_int_equal(job_unique_id_node(buf, len, node), 0);
+        assert_string_equal(node, "127.0.0.1:7000");
+        assert_int_equal(job_unique_id_node(buf, len - 1, node), -EINVAL); /* cut short */
+        for (int bad = 0; bad < 4; bad++) {
+                static const uint8_t bytes[] = { 0x20, 0x7f, 0x80, 0x00 };
+
+                len = job_unique_id_with_node(job, "127.0.0.1:7000", buf);
+                buf[JOB_UNIQUE_ID_NODE_OFFSET + 3] = bytes[bad];
+                assert_int_equal(job_unique_id_node(buf, len, node), -EINVAL);
+        }
+        memset(uuid, 'a', sizeof(uuid));
+        uuid[MOEEP_GPU_UUID_MAX] = '\0';
+        assert_true(moeep_gpu_uuid_valid(uuid));
+        assert_true(moeep_gpu_uuid_valid(""));
+        uuid[MOEEP_GPU_UUID_MAX] = 'a';
+        uuid[MOEEP_GPU_UUID_MAX + 1] = '\0';
+        assert_false(moeep_gpu_uuid_valid(uuid));
+        assert_false(moeep_gpu_uuid_valid("GPU 0"));
+        assert_false(moeep_gpu_uuid_valid("GPU-\x80"));
+        assert_true(moeep_gpu_uuid_valid("GPU-0123abcd-~!"));
+}
+
 int main(void) {
 #define T(f) cmocka_unit_test_setup_teardown(f, setup, teardown)
         const struct CMUnitTest tests[] = {
@@ -351,6 +386,7 @@ int main(void) {
                 T(test_create_cap),
                 T(test_unique_id_and_control_page),
                 T(test_join_errors),
+                T(test_unique_id_node),
                 T(test_leave_and_rejoin),
                 T(test_barrier_generations),
                 T(test_barrier_waits_for_missing_ranks),

@@ -111,6 +111,16 @@ static void expect_reject(struct pair *p, int expected, const char *why_part) {
         assert_non_null(why);
         assert_non_null(strstr(why, why_part));
         assert_int_equal(p->rec.nfds, 0);
+        /* The code a receiver answers with: the rule moeepd once applied to
+         * the text, now carried by the record. */
+        if (expected == -EPROTONOSUPPORT)
+                assert_int_equal(p->rec.error_code, MOEEP__V1__ERROR_CODE__ERROR_VERSION_MISMATCH);
+        else if (strcmp(why, "unknown record type") == 0)
+                assert_int_equal(p->rec.error_code, MOEEP__V1__ERROR_CODE__ERROR_UNKNOWN_TYPE);
+        else if (strstr(why, "descriptor"))
+                assert_int_equal(p->rec.error_code, MOEEP__V1__ERROR_CODE__ERROR_BAD_FDS);
+        else
+                assert_int_equal(p->rec.error_code, MOEEP__V1__ERROR_CODE__ERROR_BAD_RECORD);
 }
 
 static void test_round_trip_hello(void **state) {

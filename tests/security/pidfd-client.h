@@ -1,0 +1,162 @@
+/* The clients of moeep-sec-pidfd (pidfd.c): Hello with or without
+ * FEATURE_PIDFD, a job of one rank, RegionRegister naming a descriptor to
+ * take, the refusal checks, and the run of a client as ATTACK_UID in a PID
+ * namespace of its own. Included by pidfd.c only; test code. */
+#ifndef MOEEP_SEC_PIDFD_CLIENT_H
+#define MOEEP_SEC_PIDFD_CLIENT_H
+
+#include <limits.h>
+#include <sched.h>
+
+#include "fdattack-client.h"
+#include "moeep.h"
+
+/* ------------------------------------------------------------ clients */
+
+/* Hello offering FEATURE_PIDFD (or not), then a job of one rank. */
+static int hello_features(struct conn *c, uint64_t features) {
+        Moeep__V1__Hello h = MOEEP__V1__HELLO__INIT;
+        Moeep__V1__Request req = MOEEP__V1__REQUEST__INIT;
+        Moeep__V1__Response *resp;
+        int ok;
+
+        h.major = MOEEP_PROTOCOL_MAJOR;
+        h.minor = MOEEP_PROTOCOL_MINOR;
+        h.features = features;
+        h.client_name = "pidfd";
+        req.body_case = MOEEP__V1__REQUEST__BODY_HELLO;
+        req.hello = &h;
+        resp = conn_call(c, &req, NULL, 0);
+        ok = resp && resp->body_case == MOEEP__V1__RESPONSE__BODY_WELCOME &&
+             (resp->welcome->features & features) == features;
+        code_of(resp, NULL, 0);
+        return ok ? 0 : -1;
+}
+
+static int enter_job_with(struct conn *c, uint64_t features) {
+        Moeep__V1__JobCreate jc = MOEEP__V1__JOB_CREATE__INIT;
+        Moeep__V1__JobJoin jj = MOEEP__V1__JOB_JOIN__INIT;
+        Moeep__V1__Request req = MOEEP__V1__REQUEST__INIT;
+        Moeep__V1__Response *resp;
+        uint8_t uid[256];
+        size_t len;
+        int ok;
+
+        if (hello_features(c, features) != 0)
+                return -1;
+        jc.name = "pidfd";
+        jc.world_size = 1;
+        req.body_case = MOEEP__V1__REQUEST__BODY_JOB_CREATE;
+        req.job_create = &jc;
+        resp = conn_call(c, &req, NULL, 0);
+        if (!resp || resp->body_case != MOEEP__V1__RESPONSE__BODY_JOB_CREATED ||
+            resp->job_created->unique_id.len > sizeof(uid)) {
+                code_of(resp, NULL, 0);
+                return -1;
+        }
+        len = resp->job_created->unique_id.len;
+        memcpy(uid, resp->job_created->unique_id.data, len);
+        moeep__v1__response__free_unpacked(resp, NULL);
+        jj.unique_id.data = uid;
+        jj.unique_id.len = len;
+        jj.world_size = 1;
+        req.body_case = MOEEP__V1__REQUEST__BODY_JOB_JOIN;
+        req.job_join = &jj;
+        resp = conn_call(c, &req, NULL, 0);
+        ok = resp && resp->body_case == MOEEP__V1__RESPONSE__BODY_JOB_JOINED;
+        code_of(resp, NULL, 0);
+        return ok ? 0 : -1;
+}
+
+/* RegionRegister naming `number` (and attaching `nfds` of `fds`): 0 with
+ * *ret_id, the error code with `msg`, or -1 when the session ended. */
+static int take_register(struct conn *c, int64_t number, const int *fds, size_t nfds, uint64_t *ret_id,
+                         char *msg, size_t msize) {
+        Moeep__V1__RegionRegister rr = MOEEP__V1__REGION_REGISTER__INIT;
+        Moeep__V1__TakeFd take = MOEEP__V1__TAKE_FD__INIT;
+        Moeep__V1__Request req = MOEEP__V1__REQUEST__INIT;
+        Moeep__V1__Response *resp;
+
+        take.fd_number = number;
+        rr.kind = MOEEP__V1__REGION_KIND__REGION_KIND_MEMFD;
+        rr.size = 4096;
+        rr.take = &take;
+        req.body_case = MOEEP__V1__REQUEST__BODY_REGION_REGISTER;
+        req.region_register = &rr;
+        resp = conn_call(c, &req, fds, nfds);
+        if (resp && resp->body_case == MOEEP__V1__RESPONSE__BODY_REGION_REGISTERED) {
+                if (ret_id)
+                        *ret_id = resp->region_registered->region_id;
+                moeep__v1__response__free_unpacked(resp, NULL);
+                return 0;
+        }
+        return code_of(resp, msg, msize);
+}
+
+/* Checks that a take of `number` is refused with `code` and a message
+ * containing `part` (and the number, when `named`). */
+static void expect_refused(struct conn *c, int64_t number, int code, const char *part, bool named) {
+        char msg[512], fd_n[48], fd_number_n[48];
+        int got = take_register(c, number, NULL, 0, NULL, msg, sizeof(msg));
+
+        snprintf(fd_n, sizeof(fd_n), "fd %" PRId64 " ", number);
+        snprintf(fd_number_n, sizeof(fd_number_n), "fd number %" PRId64 " ", number);
+        CHECK(got == code, "fd number %" PRId64 ": code %d, expected %d (%s)", number, got, code, msg);
+        CHECK(strstr(msg, part) != NULL, "fd number %" PRId64 ": message '%s' lacks '%s'", number, msg, part);
+        CHECK(!named || strstr(msg, fd_n) || strstr(msg, fd_number_n),
+              "fd number %" PRId64 ": message '%s' does not name it", number, msg);
+}
+
+/* ------------------------------------------------------------ namespaced clients */
+
+/* Runs `fn` as ATTACK_UID in a PID namespace of its own: a child unshares
+ * it and forks `fn`'s process, which is pid 1 there and drops to
+ * ATTACK_UID with no capabilities. Meanwhile the well-behaved client is
+ * checked. Returns the failures of `fn` (1 when it did not finish). */
+static int run_namespaced(const char *what, int (*fn)(void *), void *arg, int timeout_ms) {
+        long deadline = now_ms() + timeout_ms;
+        int st = 0;
+        pid_t pid;
+
+        fflush(stdout);
+        pid = fork();
+        if (pid == 0) {
+                pid_t inner;
+                int ist = 0;
+
+                prctl(PR_SET_PDEATHSIG, SIGKILL);
+                if (unshare(CLONE_NEWPID) < 0) {
+                        say("FAIL %s: unshare(CLONE_NEWPID): %s", what, strerror(errno));
+                        _exit(101);
+                }
+                inner = fork();
+                if (inner == 0) {
+                        prctl(PR_SET_PDEATHSIG, SIGKILL);
+                        if (getpid() != 1)
+                                _exit(102);
+                        if (setgroups(0, NULL) < 0 || setresgid(ATTACK_UID, ATTACK_UID, ATTACK_UID) < 0 ||
+                            setresuid(ATTACK_UID, ATTACK_UID, ATTACK_UID) < 0)
+                                _exit(100);
+                        failures = 0;
+                        fn(arg);
+                        fflush(stdout);
+                        _exit(failures > 0 ? 1 : 0);
+                }
+                if (inner < 0 || waitpid(inner, &ist, 0) < 0)
+                        _exit(103);
+                _exit(WIFEXITED(ist) ? WEXITSTATUS(ist) : 104);
+        }
+        while (now_ms() < deadline && waitpid(pid, &st, WNOHANG) == 0)
+                check_served(what, 1);
+        if (now_ms() >= deadline && waitpid(pid, &st, WNOHANG) == 0) {
+                kill(pid, SIGKILL);
+                waitpid(pid, &st, 0);
+                say("FAIL: '%s' ran past %d ms", what, timeout_ms);
+                return 1;
+        }
+        if (!WIFEXITED(st) || WEXITSTATUS(st) != 0)
+                say("FAIL: '%s' ended with status 0x%x", what, st);
+        return WIFEXITED(st) && WEXITSTATUS(st) == 0 ? 0 : 1;
+}
+
+#endif
