@@ -11,6 +11,7 @@
 #include <fcntl.h>
 #include <grp.h>
 #include <inttypes.h>
+#include <linux/sockios.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
@@ -21,6 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
@@ -413,6 +415,64 @@ static int run_attacker(const char *what, int (*fn)(void *), void *arg, int time
                 return 1;
         }
         return WIFEXITED(st) && WEXITSTATUS(st) == 0 ? 0 : 1;
+}
+
+/* ------------------------------------------------------------ linger */
+
+/* A listener on loopback that never accepts or reads: a socket connected
+ * to it, with data it could not send and SO_LINGER set, blocks its last
+ * close() for the linger time. Closing the tarpit resets the connections,
+ * and those closes return. */
+static int tarpit_fd = -1;
+static struct sockaddr_in tarpit_addr;
+
+static int tarpit_open(void) {
+        socklen_t len = sizeof(tarpit_addr);
+        int small = 4096;
+
+        tarpit_fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        tarpit_addr.sin_family = AF_INET;
+        tarpit_addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        setsockopt(tarpit_fd, SOL_SOCKET, SO_RCVBUF, &small, sizeof(small));
+        if (tarpit_fd < 0 || bind(tarpit_fd, (struct sockaddr *)&tarpit_addr, sizeof(tarpit_addr)) < 0 ||
+            listen(tarpit_fd, 64) < 0 || getsockname(tarpit_fd, (struct sockaddr *)&tarpit_addr, &len) < 0)
+                return -1;
+        return 0;
+}
+
+/* A TCP socket to the tarpit whose close() blocks for `linger_s`, or -1.
+ * It is filled until the tarpit's window is shut: sends until EAGAIN, then
+ * waits up to 100 ms for room, since on a loaded machine the first EAGAIN
+ * can come before the tarpit has taken what it will, and a socket whose
+ * bytes all reach the tarpit closes at once. Returned only with bytes
+ * still unsent (SIOCOUTQNSD). */
+static int lingering_socket(int linger_s) {
+        struct linger lg = { .l_onoff = 1, .l_linger = linger_s };
+        char chunk[16384] = { 0 };
+        int small = 4096, unsent = 0;
+        int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+
+        if (fd < 0)
+                return -1;
+        setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &small, sizeof(small));
+        if (connect(fd, (struct sockaddr *)&tarpit_addr, sizeof(tarpit_addr)) < 0)
+                goto fail;
+        fcntl(fd, F_SETFL, O_NONBLOCK);
+        for (int i = 0; i < 10000; i++) {
+                struct pollfd p = { .fd = fd, .events = POLLOUT };
+
+                if (send(fd, chunk, sizeof(chunk), MSG_NOSIGNAL) >= 0)
+                        continue;
+                if (errno != EAGAIN || poll(&p, 1, 100) == 0)
+                        break;
+        }
+        if (ioctl(fd, SIOCOUTQNSD, &unsent) < 0 || unsent <= 0)
+                goto fail;
+        setsockopt(fd, SOL_SOCKET, SO_LINGER, &lg, sizeof(lg));
+        return fd;
+fail:
+        close(fd);
+        return -1;
 }
 
 #endif

@@ -35,48 +35,6 @@
 
 /* ------------------------------------------------------------ linger */
 
-/* A listener that never reads: a socket connected to it, with its send
- * buffer full and SO_LINGER set, blocks its last close() for the linger
- * time. Closing the tarpit resets it. */
-static int tarpit_fd = -1;
-static struct sockaddr_in tarpit_addr;
-
-static int tarpit_open(void) {
-        socklen_t len = sizeof(tarpit_addr);
-        int small = 4096;
-
-        tarpit_fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-        tarpit_addr.sin_family = AF_INET;
-        tarpit_addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-        setsockopt(tarpit_fd, SOL_SOCKET, SO_RCVBUF, &small, sizeof(small));
-        if (tarpit_fd < 0 || bind(tarpit_fd, (struct sockaddr *)&tarpit_addr, sizeof(tarpit_addr)) < 0 ||
-            listen(tarpit_fd, 64) < 0 || getsockname(tarpit_fd, (struct sockaddr *)&tarpit_addr, &len) < 0)
-                return -1;
-        return 0;
-}
-
-/* In the attacker: a TCP socket whose close() blocks for 300 s. */
-static int lingering_socket(void) {
-        struct linger lg = { .l_onoff = 1, .l_linger = 300 };
-        char chunk[16384] = { 0 };
-        int small = 4096;
-        int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-
-        if (fd < 0)
-                return -1;
-        setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &small, sizeof(small));
-        if (connect(fd, (struct sockaddr *)&tarpit_addr, sizeof(tarpit_addr)) < 0) {
-                close(fd);
-                return -1;
-        }
-        fcntl(fd, F_SETFL, O_NONBLOCK);
-        for (int i = 0; i < 10000; i++)
-                if (send(fd, chunk, sizeof(chunk), MSG_NOSIGNAL) < 0)
-                        break;
-        setsockopt(fd, SOL_SOCKET, SO_LINGER, &lg, sizeof(lg));
-        return fd;
-}
-
 static const Moeep__V1__RegionKind all_kinds[] = {
         MOEEP__V1__REGION_KIND__REGION_KIND_MEMFD,
         MOEEP__V1__REGION_KIND__REGION_KIND_CUMEM_FD,
@@ -91,7 +49,7 @@ static int attack_linger(void *arg) {
 
         give_fds = true;
         /* On Hello: the record may not carry fds. */
-        fd = lingering_socket();
+        fd = lingering_socket(300);
         c = conn_open();
         CHECK(fd >= 0 && c, "linger: setup");
         if (fd < 0 || !c)
@@ -103,7 +61,7 @@ static int attack_linger(void *arg) {
         c = conn_open();
         CHECK(c && enter_job(c) == 0, "linger: job");
         for (size_t k = 0; c && k < 3; k++) {
-                fd = lingering_socket();
+                fd = lingering_socket(300);
                 code = region_register(c, all_kinds[k], 4096, fd, NULL, msg, sizeof(msg));
                 CHECK(code == MOEEP__V1__ERROR_CODE__ERROR_BAD_FDS && strstr(msg, kind_names[k]) &&
                               strstr(msg, "a socket"),
@@ -114,7 +72,7 @@ static int attack_linger(void *arg) {
          * the end of the connection: the daemon's close of the session
          * socket closes it, in this uid's queue. */
         c = conn_open();
-        fd = lingering_socket();
+        fd = lingering_socket(300);
         if (c && fd >= 0) {
                 union {
                         char buf[CMSG_SPACE(sizeof(int))];
