@@ -381,6 +381,15 @@ int tpc_peer_connect(struct tp *tp, uint32_t peer, const void *blob, size_t len,
                                peer, b.name, b.pid, b.uid);
                 goto fail;
         }
+        /* A new mesh connection to the same daemon supersedes the old
+         * transport peer (the proxy failed it already): shutting its
+         * socket down frees the slot at the server, and the proxy thread,
+         * reading EOF, drops what it imported through it. */
+        for (uint32_t i = 0; i < tp->npeers; i++)
+                if (i != peer &&
+                    atomic_load_explicit(&tp->peers[i].state, memory_order_acquire) == TPC_PEER_CONNECTED &&
+                    tp->peers[i].blob.pid == b.pid && strcmp(tp->peers[i].blob.name, b.name) == 0)
+                        shutdown(tp->peers[i].fd, SHUT_RDWR);
         memcpy(hello.token, b.token, TPC_TOKEN_BYTES);
         r = msg_send(fd, &hello, -1);
         if (r < 0) {
@@ -409,6 +418,9 @@ fail:
         return r;
 }
 
+/* Proxy thread: the connection to `peer` failed or was superseded. Its
+ * imports go once the stream no longer copies into them, so that a daemon
+ * that died or reconnected does not leave its ranks' GPU memory held here. */
 static void peer_dead(struct tp *tp, uint32_t peer, const char *why) {
         struct tpc_peer *p = &tp->peers[peer];
 
@@ -417,6 +429,13 @@ static void peer_dead(struct tp *tp, uint32_t peer, const char *why) {
         log_warn("%s: peer %u (@%s): %s", tp->who, peer, p->blob.name, why);
         epoll_ctl(tp->epoll_fd, EPOLL_CTL_DEL, p->fd, NULL);
         atomic_store(&p->state, TPC_PEER_DEAD);
+        if (p->nremotes) {
+                tp->api.ctx_set_current(tp->ctx);
+                tp->api.stream_synchronize(tp->stream);
+                for (uint32_t i = 0; i < p->nremotes; i++)
+                        tpc_mapping_release(tp, &p->remotes[i].m);
+                p->nremotes = 0;
+        }
 }
 
 /* Drops the import of `key` (REVOKE) once no copy of the stream uses it. */

@@ -655,6 +655,64 @@ static void test_proxy_over_cuda(void **state) {
         close(fd_counters);
 }
 
+/* The mesh reconnects: a second transport peer to the same daemon
+ * supersedes the first, whose connection closes at both ends and whose
+ * imports go, so that reconnections leak neither server slots nor GPU
+ * memory; the new peer carries writes. */
+static void test_peer_superseded(void **state) {
+        const size_t size = TPC_MAP_ALIGN;
+        struct tp_completion c[4];
+        struct tp_mr *src, *dst;
+        struct tp_rkey rk;
+        uint8_t blob_a[TP_ADDR_MAX], blob_b[TP_ADDR_MAX];
+        char errmsg[ERRMSG_MAX];
+        uint32_t a2, b2, conns = 0;
+        size_t la, lb;
+        struct pair p;
+        int fd_src = cumem_fake(size), fd_dst = cumem_fake(size), r = 0;
+
+        pair_open(&p);
+        struct tp_mem m = { .kind = TP_MEM_CUMEM, .fd = fd_src, .length = size, .name = "src" };
+        assert_int_equal(tp_cuda_ops.mr_new(p.a, &m, &src, errmsg), 0);
+        m = (struct tp_mem){ .kind = TP_MEM_CUMEM, .fd = fd_dst, .length = size, .name = "dst" };
+        assert_int_equal(tp_cuda_ops.mr_new(p.b, &m, &dst, errmsg), 0);
+        tp_cuda_ops.mr_rkey(dst, &rk);
+        assert_int_equal(tp_cuda_ops.write(p.a, p.a_peer, src, 0, &rk, 0, 64, 1, 0, 0), 0);
+        assert_int_equal(poll_n(p.a, c, 1), 1);
+        assert_int_equal(c[0].status, 0);
+        assert_int_equal(fake_imports, 3);
+
+        assert_int_equal(tp_cuda_ops.peer_new(p.a, &a2, blob_a, &la, errmsg), 0);
+        assert_int_equal(tp_cuda_ops.peer_new(p.b, &b2, blob_b, &lb, errmsg), 0);
+        assert_int_equal(tp_cuda_ops.peer_connect(p.a, a2, blob_b, lb, errmsg), 0);
+        assert_int_equal(tp_cuda_ops.peer_connect(p.b, b2, blob_a, la, errmsg), 0);
+        for (int i = 0; i < 20000 && (fake_imports != 2 || conns != 1); i++) {
+                tp_cuda_ops.poll(p.a, c, 4);
+                pthread_mutex_lock(&p.b->lock);
+                conns = p.b->nconns;
+                pthread_mutex_unlock(&p.b->lock);
+                if (i % 256 == 255)
+                        nanosleep(&(struct timespec){ .tv_nsec = 1000000 }, NULL);
+        }
+        assert_int_equal(fake_imports, 2); /* A's import of dst went with the old peer */
+        assert_int_equal(conns, 1);        /* B's server dropped A's old connection, serves the new one */
+        assert_int_equal(tp_cuda_ops.write(p.a, p.a_peer, src, 0, &rk, 0, 64, 2, 0, 0), -ECONNRESET);
+        for (int i = 0; i < 300 && (r = tp_cuda_ops.write(p.a, a2, src, 0, &rk, 0, 64, 3, 0, 0)) == 0; i++) {
+                assert_int_equal(poll_n(p.a, c, 1), 1);
+                if (c[0].status == 0)
+                        break;
+                nanosleep(&(struct timespec){ .tv_nsec = 10000000 }, NULL);
+        }
+        assert_int_equal(r, 0);
+        assert_int_equal(c[0].status, 0);
+        assert_int_equal(c[0].cookie, 3);
+        tp_cuda_ops.close(p.a);
+        tp_cuda_ops.close(p.b);
+        assert_int_equal(fake_imports, 0);
+        close(fd_src);
+        close(fd_dst);
+}
+
 /* ------------------------------------------------ the peer socket */
 
 /* A raw connection to `tp`'s socket, as any local process can make. */
@@ -832,11 +890,11 @@ static void test_open_without_libcuda(void **state) {
 
 int main(void) {
         const struct CMUnitTest tests[] = {
-                cmocka_unit_test(test_blob_roundtrip),       cmocka_unit_test(test_blob_hostile),
-                cmocka_unit_test(test_msg_hostile),          cmocka_unit_test(test_token_find),
-                cmocka_unit_test(test_backend_writes),       cmocka_unit_test(test_backend_memfd),
-                cmocka_unit_test(test_proxy_over_cuda),      cmocka_unit_test(test_peer_socket_hostile),
-                cmocka_unit_test(test_open_without_libcuda),
+                cmocka_unit_test(test_blob_roundtrip),  cmocka_unit_test(test_blob_hostile),
+                cmocka_unit_test(test_msg_hostile),     cmocka_unit_test(test_token_find),
+                cmocka_unit_test(test_backend_writes),  cmocka_unit_test(test_backend_memfd),
+                cmocka_unit_test(test_proxy_over_cuda), cmocka_unit_test(test_peer_socket_hostile),
+                cmocka_unit_test(test_peer_superseded), cmocka_unit_test(test_open_without_libcuda),
         };
 
         return cmocka_run_group_tests(tests, NULL, NULL);
