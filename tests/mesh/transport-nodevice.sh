@@ -21,7 +21,7 @@ if [[ $# -ne 3 ]]; then
 fi
 moeepd=$(realpath "$1") ctl=$(realpath "$2") rank=$(realpath "$3")
 
-test_name=transport-nodevice
+test_name="transport-nodevice"
 # shellcheck source=lib.sh
 source "$(dirname "$(realpath "$0")")/lib.sh"
 
