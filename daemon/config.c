@@ -258,8 +258,9 @@ int config_set(struct config *c, const char *name, const char *value, char *errm
                 return set_string(field, value) < 0 ? errmsg_set(errmsg, -ENOMEM, "%s: out of memory", name)
                                                     : 0;
         case KEY_TRANSPORT:
-                if (strcmp(value, "fabric") != 0 && strcmp(value, "verbs") != 0)
-                        return errmsg_set(errmsg, -EINVAL, "%s '%s': need fabric or verbs", name, value);
+                if (strcmp(value, "fabric") != 0 && strcmp(value, "verbs") != 0 && strcmp(value, "cuda") != 0)
+                        return errmsg_set(errmsg, -EINVAL, "%s '%s': need fabric, verbs or cuda", name,
+                                          value);
                 return set_string(field, value) < 0 ? errmsg_set(errmsg, -ENOMEM, "%s: out of memory", name)
                                                     : 0;
         case KEY_NAME:

@@ -23,9 +23,9 @@ struct config {
         uint64_t max_region_bytes_per_uid; /* sum of registered region sizes of one uid */
         uint32_t max_fds_per_uid;          /* region descriptors the daemon holds for one uid */
         char *metrics_listen;              /* owns; "HOST:PORT" of the HTTP metrics listener, "" = off */
-        char *transport;                   /* owns; internode backend: "fabric" or "verbs" (transport.h) */
-        char *fabric_provider;             /* owns; libfabric provider: "efa", "verbs", "tcp" (tests) */
-        char *transport_device;            /* owns; fabric domain or verbs device, "" = the first */
+        char *transport;          /* owns; internode backend: "fabric", "verbs" or "cuda" (transport.h) */
+        char *fabric_provider;    /* owns; libfabric provider: "efa", "verbs", "tcp" (tests) */
+        char *transport_device;   /* owns; fabric domain, verbs device or cuda ordinal, "" = the first */
         char *transport_address;  /* owns; fabric: local address to bind (e.g. 127.0.0.1), "" = provider's */
         uint32_t verbs_gid_index; /* GID table index for verbs RC (RoCE) */
         char *mesh_listen;        /* owns; "HOST:PORT" peer daemons connect to, "" = mesh off */

@@ -653,6 +653,7 @@ int daemon_init(struct daemon *d, const struct daemon_options *options) {
         if (r < 0)
                 goto oom;
         d->requests.membership.datapath = d->datapath;
+        d->view.datapath = d->datapath;
         r = daemon_mesh_start(d, errmsg);
         if (r < 0) {
                 log_err("%s", errmsg);
@@ -695,6 +696,7 @@ void daemon_done(struct daemon *d) {
         mesh_free(d->mesh);
         d->mesh = NULL;
         datapath_free(d->datapath);
+        d->view.datapath = NULL;
         d->datapath = NULL;
         if (d->sessions)
                 sessions_reap(d->sessions);

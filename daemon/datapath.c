@@ -178,11 +178,15 @@ static int region_mem(const struct datapath *dp, const struct job_member *m,
                 ret_mem->kind = TP_MEM_DMABUF;
                 break;
         case MOEEP__V1__REGION_KIND__REGION_KIND_CUMEM_FD:
+                /* GPU memory for a transport that imports it (cuda); the
+                 * others refuse it in mr_new, naming what they take. */
+                ret_mem->kind = TP_MEM_CUMEM;
+                break;
         case MOEEP__V1__REGION_KIND__REGION_KIND_UNSPECIFIED:
         case _MOEEP__V1__REGION_KIND_IS_INT_SIZE:
                 return errmsg_set(errmsg, -EINVAL,
-                                  "%s: kind %d: need a memfd (or a dma-buf) for the %s transport", name,
-                                  (int)rr->kind, datapath_backend(dp));
+                                  "%s: kind %d: need a memfd (or a dma-buf or cuMem fd) for the %s transport",
+                                  name, (int)rr->kind, datapath_backend(dp));
         }
         if (rr->proxy == MOEEP__V1__PROXY_ROLE__PROXY_ROLE_COUNTERS && rr->size % 8)
                 return errmsg_set(errmsg, -EINVAL,
@@ -514,8 +518,13 @@ int datapath_start(struct event_base *base, const struct config *c, const struct
                         return -ENOMEM;
                 }
                 log_info("datapath: transport %s%s%s open, proxy running", c->transport,
-                         strcmp(c->transport, "fabric") == 0 ? " provider " : "",
-                         strcmp(c->transport, "fabric") == 0 ? c->fabric_provider : "");
+                         strcmp(c->transport, "fabric") == 0 ? " provider "
+                         : strcmp(c->transport, "cuda") == 0 ? " device "
+                                                             : "",
+                         strcmp(c->transport, "fabric") == 0 ? c->fabric_provider
+                         : strcmp(c->transport, "cuda") == 0
+                                 ? (c->transport_device[0] ? c->transport_device : "0")
+                                 : "");
         } else {
                 snprintf(dp->why, sizeof(dp->why),
                          "this daemon has no internode data path: %s (see transport, fabric_provider, "
@@ -530,6 +539,25 @@ int datapath_start(struct event_base *base, const struct config *c, const struct
         return 0;
 }
 
+bool datapath_transport_stats(const struct datapath *dp, struct tp_stats *ret) {
+        if (!dp || !dp->tp.ops || !dp->tp.ops->stats)
+                return false;
+        dp->tp.ops->stats(dp->tp.tp, ret);
+        return true;
+}
+
+/* At shutdown, where the bytes went: how an operator (and the GPU tests)
+ * see that the GPUDirect path kept payload out of host memory. */
+static void datapath_stats_log(const struct datapath *dp) {
+        struct tp_stats st;
+
+        if (datapath_transport_stats(dp, &st))
+                log_notice("datapath: transport %s totals: %" PRIu64 " writes, %" PRIu64
+                           " bytes device-to-device, %" PRIu64 " bytes through client host memory, %" PRIu64
+                           " bytes of daemon signal words",
+                           datapath_backend(dp), st.writes, st.device, st.host, st.daemon);
+}
+
 void datapath_free(struct datapath *dp) {
         struct dp_rank *dr;
         struct dp_channel *ch;
@@ -541,6 +569,7 @@ void datapath_free(struct datapath *dp) {
         /* The thread first: it drops the rings that still read send
          * regions; then the registrations; then the transport. */
         proxy_free(dp->proxy);
+        datapath_stats_log(dp);
         while ((dr = TAILQ_FIRST(&dp->ranks))) {
                 while ((ch = TAILQ_FIRST(&dr->channels))) {
                         TAILQ_REMOVE(&dr->channels, ch, entry);

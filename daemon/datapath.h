@@ -87,8 +87,12 @@ void datapath_free(struct datapath *dp);
  * be NULL) gets the reason. */
 bool datapath_up(const struct datapath *dp, const char **ret_why);
 
-/* Backend name of the transport ("fabric", "verbs"). */
+/* Backend name of the transport ("fabric", "verbs", "cuda"). */
 const char *datapath_backend(const struct datapath *dp);
+
+/* The transport's byte counters (transport.h, struct tp_stats): true and
+ * *ret filled where the backend counts (cuda), false otherwise. */
+bool datapath_transport_stats(const struct datapath *dp, struct tp_stats *ret);
 
 /* Mesh hooks: the local half of a connection to one more daemon and its
  * address blob (TP_ADDR_MAX bytes at most); the peer's blob; the peer's

@@ -5,6 +5,7 @@
 #include <stdlib.h>
 
 #include "broker.h"
+#include "datapath.h"
 #include "http.h"
 #include "job.h"
 #include "log.h"
@@ -204,6 +205,21 @@ static void snapshot_mesh(struct snapshot *s, const struct view *v) {
                v->mesh ? (double)v->mesh->refused : 0);
 }
 
+/* Bytes the transport wrote, by where they travelled (transport.h, struct
+ * tp_stats); only backends that count (cuda) have the family. */
+static void snapshot_transport(struct snapshot *s, const struct view *v) {
+        struct tp_stats st;
+
+        if (!datapath_transport_stats(v->datapath, &st))
+                return;
+        family_add(s, "moeepd_transport_bytes_total", COUNTER,
+                   "Bytes the internode transport wrote: device (GPU to GPU), host (through a client's host "
+                   "memory), daemon (the proxy's signal words).");
+        sample_add(s, (double)st.device, "path", "device", NULL, NULL);
+        sample_add(s, (double)st.host, "path", "host", NULL, NULL);
+        sample_add(s, (double)st.daemon, "path", "daemon", NULL, NULL);
+}
+
 int metrics_snapshot(const struct view *v, Moeep__V1__Metrics **ret_metrics) {
         struct snapshot *s = calloc(1, sizeof(*s));
 
@@ -216,6 +232,7 @@ int metrics_snapshot(const struct view *v, Moeep__V1__Metrics **ret_metrics) {
         snapshot_jobs(s, v);
         snapshot_regions(s, v);
         snapshot_mesh(s, v);
+        snapshot_transport(s, v);
         snapshot_requests(s, v);
         if (s->overflow) /* our own bounds: SNAPSHOT_* must grow with the families */
                 log_err("metrics: snapshot bounds too small, some samples are missing");

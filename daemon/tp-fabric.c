@@ -213,6 +213,13 @@ static int fabric_mr_new(struct tp *tp, const struct tp_mem *mem, struct tp_mr *
         if (!mr)
                 return errmsg_set(errmsg, -ENOMEM, "transport fabric '%s': %s: out of memory", tp->prov,
                                   name);
+        if (mem->kind == TP_MEM_CUMEM) {
+                free(mr);
+                return errmsg_set(errmsg, -EOPNOTSUPP,
+                                  "transport fabric '%s': %s: a cuMem fd needs a CUDA context to import; "
+                                  "register GPU memory as a dma-buf",
+                                  tp->prov, name);
+        }
         mr->length = mem->length;
         mr->map_len = mem->length;
         r = tp_mem_map(mem, tp->who, &mr->addr, &mr->map, errmsg);

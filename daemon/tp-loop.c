@@ -70,9 +70,9 @@ static int loop_mr_new(struct tp *tp, const struct tp_mem *mem, struct tp_mr **r
         int r;
 
         (void)tp;
-        if (mem->kind == TP_MEM_DMABUF)
-                return errmsg_set(errmsg, -EOPNOTSUPP, "transport loop: %s: cannot register dma-buf memory",
-                                  name);
+        if (mem->kind == TP_MEM_DMABUF || mem->kind == TP_MEM_CUMEM)
+                return errmsg_set(errmsg, -EOPNOTSUPP, "transport loop: %s: cannot register %s memory", name,
+                                  tp_mem_kind_to_string(mem->kind));
         mr = calloc(1, sizeof(*mr));
         if (!mr)
                 return errmsg_set(errmsg, -ENOMEM, "transport loop: %s: out of memory", name);

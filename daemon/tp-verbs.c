@@ -156,6 +156,12 @@ static int verbs_mr_new(struct tp *tp, const struct tp_mem *mem, struct tp_mr **
         struct tp_mr *mr;
         int r;
 
+        if (mem->kind == TP_MEM_CUMEM)
+                return errmsg_set(
+                        errmsg, -EOPNOTSUPP,
+                        "transport verbs %s: %s: a cuMem fd needs a CUDA context to import; register "
+                        "GPU memory as a dma-buf (cuMemGetHandleForAddressRange)",
+                        tp->dev, name);
         mr = calloc(1, sizeof(*mr));
         if (!mr)
                 return errmsg_set(errmsg, -ENOMEM, "transport verbs %s: %s: out of memory", tp->dev, name);
@@ -167,11 +173,23 @@ static int verbs_mr_new(struct tp *tp, const struct tp_mem *mem, struct tp_mr **
         if (mem->kind == TP_MEM_DMABUF) {
                 /* iova 0: the wire address of offset 0 is 0. */
                 mr->mr = ibv_reg_dmabuf_mr(tp->pd, mem->offset, mem->length, 0, mem->fd, access);
-                if (!mr->mr) {
-                        r = errmsg_set(errmsg, -errno, "transport verbs %s: %s: ibv_reg_dmabuf_mr(fd %d): %s",
-                                       tp->dev, name, mem->fd, strerror(errno));
+                /* EOPNOTSUPP / EPROTONOSUPPORT: the device's driver (or the
+                 * kernel, before 5.12) has no dma-buf import; nvidia_peermem
+                 * would not help here, the daemon does not use it. */
+                if (!mr->mr && (errno == EOPNOTSUPP || errno == EPROTONOSUPPORT))
+                        r = errmsg_set(
+                                errmsg, -EOPNOTSUPP,
+                                "transport verbs %s: %s: this device or kernel cannot register dma-buf "
+                                "memory (ibv_reg_dmabuf_mr on fd %d: %s): use a transport that reads "
+                                "host memory (fabric tcp)",
+                                tp->dev, name, mem->fd, strerror(errno));
+                else if (!mr->mr)
+                        r = errmsg_set(errmsg, -errno,
+                                       "transport verbs %s: %s: ibv_reg_dmabuf_mr(fd %d, %" PRIu64
+                                       " bytes at %" PRIu64 "): %s",
+                                       tp->dev, name, mem->fd, mem->length, mem->offset, strerror(errno));
+                if (!mr->mr)
                         goto err_mr;
-                }
         }
         if (!mr->mr) {
                 mr->mr = ibv_reg_mr(tp->pd, mr->addr, mem->length, access);

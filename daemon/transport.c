@@ -17,6 +17,8 @@ const char *tp_mem_kind_to_string(enum tp_mem_kind k) {
                 return "memfd";
         case TP_MEM_DMABUF:
                 return "dma-buf";
+        case TP_MEM_CUMEM:
+                return "cumem-fd";
         }
         return "unknown";
 }
@@ -53,6 +55,7 @@ int tp_mem_map(const struct tp_mem *mem, const char *who, void **ret_addr, void 
                 *ret_addr = *ret_map = map;
                 return 0;
         case TP_MEM_DMABUF:
+        case TP_MEM_CUMEM:
                 *ret_addr = NULL;
                 return 0;
         }
@@ -60,7 +63,8 @@ int tp_mem_map(const struct tp_mem *mem, const char *who, void **ret_addr, void 
 }
 
 const struct tp_ops *tp_ops_find(const char *name) {
-        static const struct tp_ops *const all[] = { &tp_fabric_ops, &tp_verbs_ops, &tp_loop_ops };
+        static const struct tp_ops *const all[] = { &tp_fabric_ops, &tp_verbs_ops, &tp_cuda_ops,
+                                                    &tp_loop_ops };
 
         for (size_t i = 0; name && i < sizeof(all) / sizeof(all[0]); i++)
                 if (strcmp(all[i]->name, name) == 0)
@@ -74,7 +78,8 @@ int transport_open(const struct tp_config *cfg, struct transport *ret, char *err
         int r;
 
         if (!ops)
-                return errmsg_set(errmsg, -ENOENT, "transport '%s': unknown (need fabric, verbs or loop)",
+                return errmsg_set(errmsg, -ENOENT,
+                                  "transport '%s': unknown (need fabric, verbs, cuda or loop)",
                                   cfg->backend ? cfg->backend : "(null)");
         r = ops->open(cfg, &tp, errmsg);
         if (r < 0)

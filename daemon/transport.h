@@ -1,8 +1,9 @@
 /* Transports: the one small interface through which the proxy threads
- * (proxy.c) move bytes to other nodes. Three backends implement it:
- * tp-fabric.c (libfabric: efa, verbs, tcp), tp-verbs.c (libibverbs RC) and
- * tp-loop.c (same-process memcpy that completes at once; used to measure the
- * proxy alone and to test it without a network).
+ * (proxy.c) move bytes to other nodes. Four backends implement it:
+ * tp-fabric.c (libfabric: efa, verbs, tcp), tp-verbs.c (libibverbs RC),
+ * tp-cuda.c (a GPU-capable NIC simulated with CUDA copies between daemons of
+ * one host) and tp-loop.c (same-process memcpy that completes at once; used
+ * to measure the proxy alone and to test it without a network).
  *
  * Threads: open, close, memory registration and the peer calls may run on
  * the event loop thread while one proxy thread calls write and poll; a
@@ -27,11 +28,11 @@ struct tp_mr; /* one registered memory region; backend-defined */
 
 /* What to open. Strings are borrowed for the duration of open. */
 struct tp_config {
-        const char *backend;  /* "fabric", "verbs" or "loop" */
+        const char *backend;  /* "fabric", "verbs", "cuda" or "loop" */
         const char *provider; /* fabric: libfabric provider ("efa", "verbs", "tcp"); others: unused */
-        const char
-                *device;  /* fabric: domain (e.g. "lo"), verbs: device (e.g. "mlx5_0"); NULL or "" = first */
-        const char *node; /* fabric: local address to bind (e.g. "127.0.0.1"); NULL = provider's choice */
+        const char *device;   /* fabric: domain (e.g. "lo"), verbs: device (e.g. "mlx5_0"), cuda: device
+                           * ordinal (e.g. "1"); NULL or "" = first */
+        const char *node;     /* fabric: local address to bind (e.g. "127.0.0.1"); NULL = provider's choice */
         uint32_t gid_index;   /* verbs: GID table index of the port (RoCE); unused by the others */
         uint32_t port;        /* verbs: port number (1-based); 0 = 1 */
         uint32_t queue_depth; /* writes in flight at once; 0 = 1024 (loop: 8192) */
@@ -44,6 +45,8 @@ enum tp_mem_kind {
                         * client's memfd must carry F_SEAL_SHRINK, or shrinking it makes the
                         * daemon fault (SIGBUS) when the transport reads it */
         TP_MEM_DMABUF, /* device memory exported as a dma-buf (fd, offset, length): GPU memory */
+        TP_MEM_CUMEM,  /* device memory as a cuMem POSIX fd (fd, offset 0, length): GPU memory that
+                        * only a backend with a CUDA context can import (cuda) */
 };
 const char *tp_mem_kind_to_string(enum tp_mem_kind k);
 
@@ -73,6 +76,19 @@ enum {
         /* Carry `imm` to the peer as remote CQ data / immediate: the target
          * sees a completion (fi_writedata, IBV_WR_RDMA_WRITE_WITH_IMM). */
         TP_WRITE_IMM = 1u << 1,
+};
+
+/* What tp_ops.stats counts: how written bytes travelled. A write whose
+ * source and target are both device memory counts in `device`; one that
+ * reads or writes a client's host memory (a memfd region) in `host`; one
+ * whose source is the daemon's own host memory (the proxy's 8-byte signal
+ * values, TP_MEM_HOST) in `daemon`. With GPU regions end to end, `host`
+ * stays 0: no payload byte went through host memory. */
+struct tp_stats {
+        uint64_t writes;
+        uint64_t device;
+        uint64_t host;
+        uint64_t daemon;
 };
 
 /* One completion from tp_ops.poll. */
@@ -141,11 +157,16 @@ struct tp_ops {
          * to `max` completions in `out`: their number, 0, or -errno when the
          * queue itself failed. */
         int (*poll)(struct tp *tp, struct tp_completion *out, int max);
+
+        /* Optional (NULL where the backend does not count): bytes written
+         * so far, by where they were; read from any thread (relaxed). */
+        void (*stats)(const struct tp *tp, struct tp_stats *ret);
 };
 
 extern const struct tp_ops tp_fabric_ops;
 extern const struct tp_ops tp_verbs_ops;
 extern const struct tp_ops tp_loop_ops;
+extern const struct tp_ops tp_cuda_ops;
 
 /* For backends. Checks `mem` (not empty) and gives the host address of
  * offset 0 in *ret_addr: mem->addr for TP_MEM_HOST, a new shared mapping of
@@ -162,7 +183,7 @@ static inline int tp_range_ok(uint64_t src_len, uint64_t src_off, uint64_t dst_l
                len <= dst_len - dst_off;
 }
 
-/* The backend named `name` ("fabric", "verbs", "loop"), or NULL. */
+/* The backend named `name` ("fabric", "verbs", "cuda", "loop"), or NULL. */
 const struct tp_ops *tp_ops_find(const char *name);
 
 /* A transport instance as the rest of the daemon holds it: the vtable and

@@ -10,6 +10,7 @@
 #include <time.h>
 
 struct broker;
+struct datapath;
 struct http;
 struct jobs;
 struct mesh;
@@ -23,6 +24,7 @@ struct view {
         const struct broker *broker;
         const struct mesh *mesh;           /* NULL unless the mesh is on */
         const struct mesh_jobs *mesh_jobs; /* jobs across daemons; NULL unless the mesh is on */
+        const struct datapath *datapath;   /* the internode data path; NULL unless the mesh is on */
         const struct http *http;           /* NULL unless metrics_listen is set */
         const struct metrics *counters;    /* the request and reload counters (metrics.h) */
         const bool *draining;              /* Drain is on (struct requests) */

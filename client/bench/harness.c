@@ -150,16 +150,24 @@ static int two_nodes_configure(struct harness *h) {
                 return -errno;
         }
         close(fd);
+        /* $MOEEP_HARNESS_TRANSPORT=cuda: the GPUDirect path (GPU memory to
+         * GPU memory through the daemons' cuda transport, device 0), with
+         * notices on, so that each daemon's byte totals reach stderr at
+         * exit (tests/gpu/cuda-transport.sh checks them). */
+        const char *tp = getenv("MOEEP_HARNESS_TRANSPORT");
+        const bool cuda = tp && strcmp(tp, "cuda") == 0;
+
         for (int i = 0; i < 2; i++) {
                 snprintf(path, sizeof(path), "%s/%s.conf", h->dir, i ? "b" : "a");
                 if (!(f = fopen(path, "w")))
                         return -errno;
                 fprintf(f,
-                        "[moeepd]\nlog_level = warning\nmesh_listen = 127.0.0.1:%d\nmesh_peers = "
+                        "[moeepd]\nlog_level = %s\nmesh_listen = 127.0.0.1:%d\nmesh_peers = "
                         "127.0.0.1:%d\n"
-                        "cluster_key_file = %s/key\ntransport = fabric\nfabric_provider = tcp\n"
-                        "transport_address = 127.0.0.1\n",
-                        port[i], port[1 - i], h->dir);
+                        "cluster_key_file = %s/key\n%s",
+                        cuda ? "notice" : "warning", port[i], port[1 - i], h->dir,
+                        cuda ? "transport = cuda\ntransport_device = 0\n"
+                             : "transport = fabric\nfabric_provider = tcp\ntransport_address = 127.0.0.1\n");
                 fclose(f);
         }
         return 0;

@@ -38,7 +38,9 @@ typedef int (*harness_rank_fn)(struct moeep_client *client, int rank, int ranks,
  * tree) on a private socket, or attaches to `socket` when that is not NULL.
  * With $MOEEP_HARNESS_NODES=2 (and no `socket`) it starts two daemons as
  * two nodes: ranks [0, ranks - ranks / 2) join at the first, the others at
- * the second. Must run before any CUDA call in this process. */
+ * the second, over libfabric tcp (host-staged), or over the cuda transport
+ * (GPU memory end to end) with $MOEEP_HARNESS_TRANSPORT=cuda. Must run
+ * before any CUDA call in this process. */
 int harness_init(struct harness *h, const char *moeepd, const char *socket, size_t shared_bytes);
 
 /* Creates a job of `ranks` ranks and runs fn in one forked process per

@@ -111,6 +111,13 @@ enum moeep_proxy_role {
 int client_proxy_region_register(struct moeep_client *client, int memfd, uint64_t size,
                                  enum moeep_proxy_role role, uint32_t tag, uint64_t *ret_region_id);
 
+/* The same for GPU memory: `fd` is a cuMem POSIX fd (MOEEP_REGION_CUMEM_FD),
+ * which only a daemon whose transport imports GPU memory (cuda) takes; the
+ * others refuse it (an error naming the transport), and the caller falls
+ * back to a memfd. */
+int client_proxy_region_register_gpu(struct moeep_client *client, int fd, uint64_t size,
+                                     enum moeep_proxy_role role, uint32_t tag, uint64_t *ret_region_id);
+
 /* Opens a channel of `capacity` descriptors (a power of two; 0 = 1024):
  * *ret_ring_fd is the ring memfd, the caller's to map and close. -EAGAIN
  * (ERROR_NOT_READY) while a rank at another daemon has not joined or not

@@ -119,8 +119,8 @@ static int client_require_proxy(struct moeep_client *c, const char *what) {
         return 0;
 }
 
-int client_proxy_region_register(struct moeep_client *c, int memfd, uint64_t size, enum moeep_proxy_role role,
-                                 uint32_t tag, uint64_t *ret_region_id) {
+static int proxy_region_register(struct moeep_client *c, int fd, Moeep__V1__RegionKind kind, uint64_t size,
+                                 enum moeep_proxy_role role, uint32_t tag, uint64_t *ret_region_id) {
         Moeep__V1__ProxyRole proxy;
         int r;
 
@@ -142,8 +142,19 @@ int client_proxy_region_register(struct moeep_client *c, int memfd, uint64_t siz
         r = client_require_proxy(c, "proxy region register");
         if (r < 0)
                 return r;
-        return region_register_call(c, memfd, MOEEP__V1__REGION_KIND__REGION_KIND_MEMFD, size, tag, proxy,
-                                    ret_region_id);
+        return region_register_call(c, fd, kind, size, tag, proxy, ret_region_id);
+}
+
+int client_proxy_region_register(struct moeep_client *c, int memfd, uint64_t size, enum moeep_proxy_role role,
+                                 uint32_t tag, uint64_t *ret_region_id) {
+        return proxy_region_register(c, memfd, MOEEP__V1__REGION_KIND__REGION_KIND_MEMFD, size, role, tag,
+                                     ret_region_id);
+}
+
+int client_proxy_region_register_gpu(struct moeep_client *c, int fd, uint64_t size,
+                                     enum moeep_proxy_role role, uint32_t tag, uint64_t *ret_region_id) {
+        return proxy_region_register(c, fd, MOEEP__V1__REGION_KIND__REGION_KIND_CUMEM_FD, size, role, tag,
+                                     ret_region_id);
 }
 
 int client_proxy_channel_open(struct moeep_client *c, uint32_t capacity, int *ret_ring_fd,

@@ -1,10 +1,19 @@
 /* The internode proxy path of an endpoint (kernels.h, "The internode proxy
  * path"): when some ranks of the job are at another daemon, this rank
- * registers three host-memory regions with its daemon (send, receive,
- * counters; sealed memfds, mapped for the GPU with cudaHostRegister), opens
- * a channel and maps its descriptor ring the same way. The kernels stage
- * what goes to remote ranks in the send region and write the ring; the
- * daemons' proxies carry it into the receiver's receive region and counters.
+ * registers three regions with its daemon (send, receive, counters), opens
+ * a channel and maps its descriptor ring (a memfd, cudaHostRegister). The
+ * kernels stage what goes to remote ranks in the send region and write the
+ * ring; the daemons' proxies carry it into the receiver's receive region
+ * and counters.
+ *
+ * Where the regions live: in GPU memory (cuMem, registered as its POSIX fd)
+ * when the daemon's transport writes GPU memory (cuda; the GPUDirect path:
+ * no payload byte in host memory, and the kernels poll their counters in
+ * their own memory), else in host memory (sealed memfds mapped for the GPU
+ * with cudaHostRegister; the host-staged path of libfabric tcp). The rank
+ * tries GPU memory first and falls back to host memory when its daemon
+ * refuses it; MOEEP_PX_MEMORY=gpu or =host forces one (gpu then fails
+ * rather than fall back). The kernels are the same for both.
  *
  * The daemon keeps a rank's proxy regions and rings until the rank leaves
  * the job, so they are the job's, not the endpoint's: the first endpoint
@@ -32,17 +41,20 @@ enum {
         PX_MAPS
 };
 
-/* One mapped memfd, registered for the device. */
+/* One region: a mapped memfd registered for the device, or GPU memory. */
 struct px_map {
         int fd;
-        void *host;
+        void *host; /* NULL for GPU memory */
         size_t size;
-        bool registered; /* cudaHostRegister */
+        bool registered;          /* cudaHostRegister */
+        struct cumem_mapping gpu; /* GPU memory (gpu.ptr != 0): cuMem, exported as `fd` */
         void *dev;
 };
 
 /* The job's proxy state on the client handle. */
 struct px_job {
+        const struct cumem_api *cu; /* for releasing GPU regions */
+        bool gpu;                   /* the regions are GPU memory */
         struct px_map map[PX_MAPS];
         uint32_t ring_cap;
         uint64_t endpoints; /* endpoints that used it: the signal epoch */
@@ -55,7 +67,9 @@ struct px_job {
 /* The epoch's place in a signal value: 2^40 calls per endpoint. */
 #define PX_EPOCH_SHIFT 40
 
-static void px_map_release(struct px_map *m) {
+static void px_map_release(const struct cumem_api *cu, struct px_map *m) {
+        if (m->gpu.ptr)
+                cumem_mapping_release(cu, &m->gpu);
         if (m->registered)
                 cudaHostUnregister(m->host);
         if (m->host)
@@ -69,7 +83,7 @@ static void px_job_free(void *data) {
         struct px_job *j = data;
 
         for (int i = 0; i < PX_MAPS; i++)
-                px_map_release(&j->map[i]);
+                px_map_release(j->cu, &j->map[i]);
         free(j);
 }
 
@@ -115,6 +129,65 @@ static int px_region(struct moeep_ep *ep, struct px_map *m, size_t size, enum mo
         return 0;
 }
 
+/* A GPU region of at least `size` bytes (cuMem, rounded up to the
+ * allocation granularity), zeroed, registered with the daemon as `role`. */
+static int px_region_gpu(struct moeep_ep *ep, struct px_map *m, size_t size, enum moeep_proxy_role role,
+                         const char *what) {
+        uint64_t id;
+        CUresult cr;
+        int r;
+
+        cr = cumem_alloc_exportable(ep->cu, ep->device, size, &m->gpu, &m->fd);
+        if (cr != CUDA_SUCCESS)
+                return ep_fail(ep, -ENOMEM, "allocating the %zu-byte proxy %s region on device %d: %s", size,
+                               what, ep->device, cumem_strerror(ep->cu, cr));
+        m->size = m->gpu.size;
+        m->dev = (void *)(uintptr_t)m->gpu.ptr;
+        /* A counter must start below every signal value, and cuMemCreate
+         * does not clear what it hands out. */
+        CUDA_TRY(ep, cudaMemset(m->dev, 0, m->size));
+        CUDA_TRY(ep, cudaDeviceSynchronize());
+        r = client_proxy_region_register_gpu(ep->client, m->fd, m->size, role, PX_REGION_TAG, &id);
+        if (r < 0)
+                return ep_fail(ep, r, "registering the proxy %s region (GPU memory): %s", what,
+                               moeep_client_error(ep->client));
+        return 0;
+}
+
+/* The three regions, in GPU memory where the daemon takes it (see the top
+ * of this file). */
+static int px_regions(struct moeep_ep *ep, struct px_job *j, size_t bytes) {
+        const char *mode = getenv("MOEEP_PX_MEMORY");
+        const size_t counters = MOEEP_PX_COUNTERS * sizeof(uint64_t);
+        int r;
+
+        if (mode && mode[0] && strcmp(mode, "gpu") != 0 && strcmp(mode, "host") != 0 &&
+            strcmp(mode, "auto") != 0)
+                return ep_fail(ep, -EINVAL, "MOEEP_PX_MEMORY='%s': need gpu, host or auto", mode);
+        if (!mode || strcmp(mode, "host") != 0) {
+                r = px_region_gpu(ep, &j->map[PX_SEND], bytes, MOEEP_PROXY_SEND, "send");
+                if (r == 0) {
+                        j->gpu = true;
+                        if ((r = px_region_gpu(ep, &j->map[PX_RECV], bytes, MOEEP_PROXY_RECV, "receive")) <
+                                    0 ||
+                            (r = px_region_gpu(ep, &j->map[PX_COUNTERS], counters, MOEEP_PROXY_COUNTERS,
+                                               "counters")) < 0)
+                                return r;
+                        return 0;
+                }
+                if (mode && strcmp(mode, "gpu") == 0)
+                        return r;
+                /* The daemon's transport reads host memory only (or this
+                 * GPU cannot export cuMem fds): the host-staged path. */
+                px_map_release(j->cu, &j->map[PX_SEND]);
+        }
+        if ((r = px_region(ep, &j->map[PX_SEND], bytes, MOEEP_PROXY_SEND, "send")) < 0 ||
+            (r = px_region(ep, &j->map[PX_RECV], bytes, MOEEP_PROXY_RECV, "receive")) < 0 ||
+            (r = px_region(ep, &j->map[PX_COUNTERS], counters, MOEEP_PROXY_COUNTERS, "counters")) < 0)
+                return r;
+        return 0;
+}
+
 /* Opens the channel; a rank at the other daemon may not have been seen
  * there yet (ERROR_NOT_READY): retried for a few seconds. */
 static int px_channel(struct moeep_ep *ep, struct px_job *j) {
@@ -140,12 +213,10 @@ static int px_job_create(struct moeep_ep *ep, size_t bytes, struct px_job **ret)
 
         if (!j)
                 return ep_fail(ep, -ENOMEM, "out of memory for the proxy path");
+        j->cu = ep->cu;
         for (int i = 0; i < PX_MAPS; i++)
                 j->map[i].fd = -1;
-        if ((r = px_region(ep, &j->map[PX_SEND], bytes, MOEEP_PROXY_SEND, "send")) < 0 ||
-            (r = px_region(ep, &j->map[PX_RECV], bytes, MOEEP_PROXY_RECV, "receive")) < 0 ||
-            (r = px_region(ep, &j->map[PX_COUNTERS], MOEEP_PX_COUNTERS * sizeof(uint64_t),
-                           MOEEP_PROXY_COUNTERS, "counters")) < 0)
+        if ((r = px_regions(ep, j, bytes)) < 0)
                 goto fail;
         /* Every rank's regions must have reached every daemon before a channel opens. */
         r = moeep_job_barrier(ep->client);
