@@ -268,6 +268,22 @@ static bool close_is_quick(int fd) {
                S_ISCHR(stx.stx_mode) && stx.stx_rdev_major == NVIDIA_MAJOR;
 }
 
+/* Appends `job` to `u`'s queue and wakes a closer (starting one when none
+ * is idle). */
+static void job_push(struct clientfds *cf, struct cf_uid *u, struct cf_job *job) {
+        pthread_mutex_lock(&cf->lock);
+        TAILQ_INSERT_TAIL(&u->queue, job, entry);
+        cf->pending++;
+        if (!u->busy && !u->ready) {
+                TAILQ_INSERT_TAIL(&cf->ready, u, ready_entry);
+                u->ready = true;
+        }
+        if (cf->nidle == 0)
+                closer_spawn_locked(cf);
+        pthread_cond_signal(&cf->wake);
+        pthread_mutex_unlock(&cf->lock);
+}
+
 static void close_queue(struct clientfds *cf, uid_t uid, int fd, enum cf_cost cost) {
         struct cf_job *job;
         struct cf_uid *u;
@@ -285,17 +301,7 @@ static void close_queue(struct clientfds *cf, uid_t uid, int fd, enum cf_cost co
         job->cost = cost;
         job->take = NULL;
         u->closing += cost != CF_QUICK;
-        pthread_mutex_lock(&cf->lock);
-        TAILQ_INSERT_TAIL(&u->queue, job, entry);
-        cf->pending++;
-        if (!u->busy && !u->ready) {
-                TAILQ_INSERT_TAIL(&cf->ready, u, ready_entry);
-                u->ready = true;
-        }
-        if (cf->nidle == 0)
-                closer_spawn_locked(cf);
-        pthread_cond_signal(&cf->wake);
-        pthread_mutex_unlock(&cf->lock);
+        job_push(cf, u, job);
 }
 
 int clientfd_queue_take(struct clientfds *cf, struct cf_take *t) {
@@ -309,17 +315,7 @@ int clientfd_queue_take(struct clientfds *cf, struct cf_take *t) {
         job->fd = -1;
         job->cost = CF_TAKE;
         job->take = t;
-        pthread_mutex_lock(&cf->lock);
-        TAILQ_INSERT_TAIL(&u->queue, job, entry);
-        cf->pending++;
-        if (!u->busy && !u->ready) {
-                TAILQ_INSERT_TAIL(&cf->ready, u, ready_entry);
-                u->ready = true;
-        }
-        if (cf->nidle == 0)
-                closer_spawn_locked(cf);
-        pthread_cond_signal(&cf->wake);
-        pthread_mutex_unlock(&cf->lock);
+        job_push(cf, u, job);
         return 0;
 }
 
