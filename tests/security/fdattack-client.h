@@ -417,6 +417,48 @@ static int run_attacker(const char *what, int (*fn)(void *), void *arg, int time
         return WIFEXITED(st) && WEXITSTATUS(st) == 0 ? 0 : 1;
 }
 
+/* The start both programs share (usage: PROG MOEEPD MOEEPCTL [CASE]):
+ * root, the run's time bound, the private directory (removed at exit) and
+ * the daemon's paths in it. Returns 0 to go on, else the exit status: 2 for
+ * bad usage, 77 (skipped) when not root, 1 when the directory fails.
+ * `what` says what root is needed for. */
+static int sec_begin(const char *name, const char *what, int argc, char **argv) {
+        if (argc < 3) {
+                fprintf(stderr, "usage: %s MOEEPD MOEEPCTL [CASE]\n", argv[0]);
+                return 2;
+        }
+        if (geteuid() != 0) {
+                say("%s: needs root to %s; skipped", name, what);
+                return 77;
+        }
+        moeepctl = argv[2];
+        setvbuf(stdout, NULL, _IOLBF, 0);
+        signal(SIGALRM, on_alarm);
+        signal(SIGPIPE, SIG_IGN);
+        alarm(TOTAL_TIMEOUT_S);
+        if (!mkdtemp(tmpdir) || chmod(tmpdir, 0755) < 0) {
+                say("%s: temp dir: %s", name, strerror(errno));
+                return 1;
+        }
+        have_tmpdir = true;
+        atexit(cleanup);
+        snprintf(sock_path, sizeof(sock_path), "%s/moeepd.sock", tmpdir);
+        snprintf(conf_path, sizeof(conf_path), "%s/moeepd.conf", tmpdir);
+        snprintf(log_path, sizeof(log_path), "%s/moeepd.log", tmpdir);
+        return 0;
+}
+
+/* Warms the daemon up (first allocations, closer threads), then takes the
+ * fd and RSS baseline the cases are checked against. */
+static void sec_baseline(void) {
+        for (int i = 0; i < 3; i++)
+                served_ms();
+        sleep_ms(200);
+        fds_base = proc_count_fds(daemon_pid);
+        rss_base = proc_rss_kib(daemon_pid);
+        say("baseline: %d fds, %ld KiB", fds_base, rss_base);
+}
+
 /* ------------------------------------------------------------ linger */
 
 /* A listener on loopback that never accepts or reads: a socket connected

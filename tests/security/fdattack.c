@@ -514,30 +514,10 @@ int main(int argc, char **argv) {
                       { "fuse", case_fuse },
                       { "fetch", case_fetch },
                       { "hello", case_hello } };
-        int fd;
+        int fd, r = sec_begin("fdattack", "run attackers as uid 65534", argc, argv);
 
-        if (argc < 3) {
-                fprintf(stderr, "usage: %s MOEEPD MOEEPCTL [CASE]\n", argv[0]);
-                return 2;
-        }
-        if (geteuid() != 0) {
-                say("fdattack: needs root to run attackers as uid %d; skipped", ATTACK_UID);
-                return 77;
-        }
-        moeepctl = argv[2];
-        setvbuf(stdout, NULL, _IOLBF, 0);
-        signal(SIGALRM, on_alarm);
-        signal(SIGPIPE, SIG_IGN);
-        alarm(TOTAL_TIMEOUT_S);
-        if (!mkdtemp(tmpdir) || chmod(tmpdir, 0755) < 0) {
-                perror("fdattack: temp dir");
-                return 1;
-        }
-        have_tmpdir = true;
-        atexit(cleanup);
-        snprintf(sock_path, sizeof(sock_path), "%s/moeepd.sock", tmpdir);
-        snprintf(conf_path, sizeof(conf_path), "%s/moeepd.conf", tmpdir);
-        snprintf(log_path, sizeof(log_path), "%s/moeepd.log", tmpdir);
+        if (r != 0)
+                return r;
         snprintf(reg_path, sizeof(reg_path), "%s/regular", tmpdir);
         fd = open(reg_path, O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
         if (fd < 0 || ftruncate(fd, 8192) < 0) {
@@ -550,13 +530,7 @@ int main(int argc, char **argv) {
                 (void)!system("cat \"$(ls -d /tmp/moeep-sec-fd.*/moeepd.log | head -1)\" | tail -20");
                 return 1;
         }
-        /* Warm up (first allocations, closer threads), then the baseline. */
-        for (int i = 0; i < 3; i++)
-                served_ms();
-        sleep_ms(200);
-        fds_base = proc_count_fds(daemon_pid);
-        rss_base = proc_rss_kib(daemon_pid);
-        say("baseline: %d fds, %ld KiB", fds_base, rss_base);
+        sec_baseline();
         for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
                 int before = failures;
 

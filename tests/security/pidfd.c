@@ -565,42 +565,18 @@ int main(int argc, char **argv) {
                 void (*fn)(void);
         } cases[] = { { "share", case_share },   { "hostile", case_hostile }, { "frame", case_frame },
                       { "exited", case_exited }, { "late", case_late },       { "noptrace", case_noptrace } };
+        int r = sec_begin("pidfd", "run clients as uid 65534 in PID namespaces", argc, argv);
 
-        if (argc < 3) {
-                fprintf(stderr, "usage: %s MOEEPD MOEEPCTL [CASE]\n", argv[0]);
-                return 2;
-        }
-        if (geteuid() != 0) {
-                say("pidfd: needs root to run clients as uid %d in PID namespaces; skipped", ATTACK_UID);
-                return 77;
-        }
+        if (r != 0)
+                return r;
         moeepd_path = argv[1];
-        moeepctl = argv[2];
-        setvbuf(stdout, NULL, _IOLBF, 0);
-        signal(SIGALRM, on_alarm);
-        signal(SIGPIPE, SIG_IGN);
-        alarm(TOTAL_TIMEOUT_S);
-        if (!mkdtemp(tmpdir) || chmod(tmpdir, 0755) < 0) {
-                perror("pidfd: temp dir");
-                return 1;
-        }
-        have_tmpdir = true;
-        atexit(cleanup);
         atexit(cleanup2);
-        snprintf(sock_path, sizeof(sock_path), "%s/moeepd.sock", tmpdir);
-        snprintf(conf_path, sizeof(conf_path), "%s/moeepd.conf", tmpdir);
-        snprintf(log_path, sizeof(log_path), "%s/moeepd.log", tmpdir);
         daemon_pid = daemon_start(argv[1], NULL, sock_path, conf_path, log_path);
         if (daemon_pid < 0) {
                 say("FAIL: moeepd did not start");
                 return 1;
         }
-        for (int i = 0; i < 3; i++)
-                served_ms();
-        sleep_ms(200);
-        fds_base = proc_count_fds(daemon_pid);
-        rss_base = proc_rss_kib(daemon_pid);
-        say("baseline: %d fds, %ld KiB", fds_base, rss_base);
+        sec_baseline();
         for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
                 int before = failures;
 
