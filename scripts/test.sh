@@ -3,7 +3,7 @@
 # suite twice: as shipped (build-test, CUDA if nvcc is there; GPU tests skip
 # without a GPU; the valgrind suite runs here) and under ASan+UBSan
 # (build-asan, no CUDA). Then a bounded libFuzzer run (build-fuzz, clang,
-# suite fuzz, about 80 s in all). Ends with exactly one line
+# suite fuzz, about 90 s in all). Ends with exactly one line
 # "N passed, N failed, N skipped" summing every run, and exits non-zero when a
 # build or a test failed.
 #
@@ -97,7 +97,7 @@ run_fuzz() {
         fi
         echo "=== libFuzzer build: compile"
         if ! meson compile -C "$dir" tests/fuzz/fuzz-record tests/fuzz/fuzz-session tests/fuzz/fuzz-config \
-                tests/fuzz/fuzz-mesh; then
+                tests/fuzz/fuzz-mesh tests/fuzz/fuzz-tpcuda; then
                 echo "=== libFuzzer build: build FAILED"
                 failed=$((failed + 1))
                 return
