@@ -1,8 +1,9 @@
 /* Operator commands that change the daemon (LogLevelSet, Drain). Only
- * sessions accepted on the admin socket may use them (struct session's
- * `admin`, decided at accept): whoever connects to the client socket, uid 0
- * included, gets -EPERM (ERROR_PERMISSION_DENIED). Each logs what changed
- * and who changed it and returns 0; requests.c then sends Ok. */
+ * sessions accepted on the admin socket may send them: their rows in
+ * proto/messages.def say ADMIN, and requests.c refuses them with
+ * ERROR_PERMISSION_DENIED on the client socket, whatever the uid (struct
+ * session's `admin`, decided at accept), before calling these. Each logs
+ * what changed and who changed it and returns 0; requests.c then sends Ok. */
 #ifndef MOEEPD_ADMIN_H
 #define MOEEPD_ADMIN_H
 
@@ -10,10 +11,6 @@
 #include <stdint.h>
 
 struct session;
-
-/* 0 when `s` came through the admin socket, else -EPERM with errmsg naming
- * `what` and the session. */
-int admin_check(const struct session *s, const char *what, char *errmsg);
 
 /* Sets the log level until the next SIGHUP (which re-reads log_level) or
  * restart. -EINVAL for a level log_level_from_string() refuses. */

@@ -7,7 +7,8 @@
  * counts only those, and says the version, uptime, pid, draining and log
  * level. MetricsGet (node-wide totals, the same as the HTTP listener) and
  * NicsList (the node's NICs) are answered on both sockets; MeshList (the
- * peer daemons' addresses) only on the admin socket. The job secret is
+ * peer daemons' addresses) only on the admin socket (its row in
+ * proto/messages.def says so, and requests.c refuses it elsewhere). The job secret is
  * never part of any answer. Every listing is linear in what it lists.
  *
  * Each query fills a struct query_response from what struct view shows of

@@ -315,14 +315,15 @@ static int handle_channel_open(struct requests *rq, struct session *s, uint64_t 
 
 /* The handlers, indexed by request type (= Request body case), one per
  * request row of proto/messages.def, which also says each one's name,
- * feature bit and whether it needs a job. A handler returns 0 once it
+ * feature bit, whether it needs a job and whether only the admin socket
+ * may send it. A handler returns 0 once it
  * queued its reply (or when the reply is held back, Barrier), or -errno
  * with `errmsg` filled, which the dispatcher turns into Error. */
 typedef int handler_fn(struct requests *rq, struct session *s, uint64_t rid, const Moeep__V1__Request *req,
                        struct moeep_record *rec, char *errmsg);
 
 static handler_fn *const handlers[MOEEP_TYPE_REQUEST_MAX + 1] = {
-#define MOEEP_REQUEST(CASE, field, Name, FDS, FEATURE, JOB) \
+#define MOEEP_REQUEST(CASE, field, Name, FDS, FEATURE, JOB, ADMIN) \
         [MOEEP__V1__REQUEST__BODY_##CASE] = handle_##field,
 #include "messages.def"
 #undef MOEEP_REQUEST
@@ -383,6 +384,12 @@ static int requests_dispatch(void *ctx, struct session *s, struct moeep_record *
                 r = errmsg_set(errmsg, -ERROR_KIND_INVALID_ARGUMENT,
                                "%s: session %" PRIu64 " did not offer feature bit %" PRIu64 " in Hello",
                                h->name, s->id, h->feature);
+        else if (h->admin_only && !s->admin)
+                /* Who is an admin was decided at accept (session_new). */
+                r = errmsg_set(errmsg, -ERROR_KIND_PERMISSION_DENIED,
+                               "%s is an operator command: only the admin socket accepts it (session %" PRIu64
+                               ", uid %u, came through the client socket)",
+                               h->name, s->id, (unsigned)s->cred.uid);
         else
                 r = handlers[type](rq, s, rid, req, rec, errmsg);
         if (r < 0 && s->state != SESSION_CLOSED) {

@@ -1,8 +1,8 @@
 /* What the session protocol's messages are, for code that checks or
  * dispatches them: one row per message, made from the one table in
  * messages.def. record.c reads it for the descriptor counts and the known
- * types, moeepd for the handlers, the feature and job checks and the
- * per-type metric labels. */
+ * types, moeepd for the handlers, the feature, job and admin checks and
+ * the per-type metric labels. */
 #ifndef MOEEP_MESSAGES_H
 #define MOEEP_MESSAGES_H
 
@@ -34,6 +34,7 @@ struct moeep_message {
         int fds;           /* 0, 1 (exactly one), MOEEP_FDS_MANY or MOEEP_FDS_ONE_OR_NONE */
         uint64_t feature;  /* the Feature bit both Hellos must have had, 0 for none */
         bool needs_job;    /* a request refused with ERROR_NOT_IN_JOB outside a job */
+        bool admin_only; /* an operator command: refused with ERROR_PERMISSION_DENIED outside the admin socket */
 };
 
 /* The row of record type `type`, or NULL for a type no row declares. */

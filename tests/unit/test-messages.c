@@ -7,6 +7,7 @@
  * round) fails here. */
 #include <errno.h>
 #include <setjmp.h>
+#include <stdbool.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -54,7 +55,7 @@ static void test_every_case_has_a_row(void **state) {
 }
 
 /* Every row is a body case of its envelope, and says what it may: only
- * requests need a job, descriptor counts are 0, 1 or many, a feature is
+ * requests need a job or the admin socket, descriptor counts are 0, 1 or many, a feature is
  * one bit. */
 static void test_every_row_is_a_case(void **state) {
         size_t rows = 0, cases = 0;
@@ -77,6 +78,7 @@ static void test_every_row_is_a_case(void **state) {
                             m->fds == MOEEP_FDS_ONE_OR_NONE);
                 assert_int_equal(moeep_record_fds_expected(m->type), m->fds);
                 assert_true(m->direction == MOEEP_DIRECTION_REQUEST || !m->needs_job);
+                assert_true(m->direction == MOEEP_DIRECTION_REQUEST || !m->admin_only);
                 assert_true((m->feature & (m->feature - 1)) == 0);
                 assert_string_not_equal(moeep_direction_to_string(m->direction), "unknown");
         }
@@ -103,12 +105,47 @@ static void test_known_rows(void **state) {
         assert_non_null(m);
         assert_false(m->needs_job);
         assert_int_equal(m->feature, 0);
+        assert_false(m->admin_only);
         m = moeep_message_lookup(MOEEP__V1__REQUEST__BODY_MESH_LIST);
         assert_non_null(m);
         assert_int_equal(m->feature, MOEEP__V1__FEATURE__FEATURE_MESH);
+        assert_true(m->admin_only);
+        m = moeep_message_lookup(MOEEP__V1__REQUEST__BODY_METRICS_GET);
+        assert_non_null(m);
+        assert_false(m->admin_only);
+        assert_int_equal(m->feature, MOEEP__V1__FEATURE__FEATURE_OPERATOR);
+        m = moeep_message_lookup(MOEEP__V1__REQUEST__BODY_NICS_LIST);
+        assert_non_null(m);
+        assert_false(m->admin_only);
         assert_null(moeep_message_lookup(0));
         assert_null(moeep_message_lookup(50));
         assert_null(moeep_message_lookup(192)); /* PeerHello: the mesh's, not the session's */
+}
+
+/* The operator commands only the admin socket accepts (operations.md,
+ * "Sockets"): exactly LogLevelSet, Drain and MeshList among the requests. */
+static void test_admin_only_rows(void **state) {
+        static const uint16_t admin[] = {
+                MOEEP__V1__REQUEST__BODY_LOG_LEVEL_SET,
+                MOEEP__V1__REQUEST__BODY_DRAIN,
+                MOEEP__V1__REQUEST__BODY_MESH_LIST,
+        };
+        size_t found = 0;
+
+        for (unsigned t = MOEEP_TYPE_REQUEST_MIN; t <= MOEEP_TYPE_REQUEST_MAX; t++) {
+                const struct moeep_message *m = moeep_message_lookup((uint16_t)t);
+                bool want = false;
+
+                for (size_t i = 0; i < sizeof(admin) / sizeof(admin[0]); i++)
+                        want |= admin[i] == t;
+                if (!m) {
+                        assert_false(want);
+                        continue;
+                }
+                assert_int_equal(m->admin_only, want);
+                found += m->admin_only;
+        }
+        assert_int_equal(found, sizeof(admin) / sizeof(admin[0]));
 }
 
 /* proto/errors.def has one row per ErrorCode but ERROR_UNSPECIFIED, in
@@ -141,9 +178,8 @@ static void test_error_rows(void **state) {
 
 int main(void) {
         const struct CMUnitTest tests[] = {
-                cmocka_unit_test(test_every_case_has_a_row),
-                cmocka_unit_test(test_every_row_is_a_case),
-                cmocka_unit_test(test_known_rows),
+                cmocka_unit_test(test_every_case_has_a_row), cmocka_unit_test(test_every_row_is_a_case),
+                cmocka_unit_test(test_known_rows),           cmocka_unit_test(test_admin_only_rows),
                 cmocka_unit_test(test_error_rows),
         };
 
