@@ -98,8 +98,19 @@ struct session_hooks {
         void (*changed)(void *ctx);
 };
 
-/* Error codes counted: every ErrorCode value up to this one. */
-#define SESSION_ERROR_CODES (MOEEP__V1__ERROR_CODE__ERROR_UNKNOWN_TYPE + 1)
+/* Error codes counted: every ErrorCode value is below SESSION_ERROR_CODES,
+ * ERROR_UNSPECIFIED (never sent) and one per row of proto/errors.def, which
+ * lists the codes in the enum's order (tests/unit/test-messages.c), so that
+ * a new code is counted without a change here. */
+enum {
+        SESSION_ERROR_UNSPECIFIED,
+#define MOEEP_ERROR_REFUSAL(CODE, ERRNO, TEXT) SESSION_ERROR_##CODE,
+#define MOEEP_ERROR_OTHER MOEEP_ERROR_REFUSAL
+#include "errors.def"
+#undef MOEEP_ERROR_OTHER
+#undef MOEEP_ERROR_REFUSAL
+        SESSION_ERROR_CODES
+};
 
 /* Admin sessions at once: the operator's own small cap, apart from the
  * client caps, so that no number of client sessions can lock it out. */

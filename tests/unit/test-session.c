@@ -269,11 +269,37 @@ static void test_shutdown_event(void **state) {
         close(fd);
 }
 
+/* Every ErrorCode moeep.proto declares is counted by code (the
+ * moeepd_errors_total samples): the enum's descriptor is the reference. */
+static void test_errors_counted_by_code(void **state) {
+        const ProtobufCEnumDescriptor *d = &moeep__v1__error_code__descriptor;
+        struct fixture *f = *state;
+        int fd = client(f), code;
+        struct session *s;
+
+        hello(f, fd);
+        s = TAILQ_FIRST(&f->d.sessions->list);
+        assert_non_null(s);
+        for (unsigned i = 0; i < d->n_values; i++) {
+                if (d->values[i].value == MOEEP__V1__ERROR_CODE__ERROR_UNSPECIFIED)
+                        continue;
+                assert_true(d->values[i].value > 0 && d->values[i].value < SESSION_ERROR_CODES);
+                assert_int_equal(f->d.sessions->errors[d->values[i].value], 0);
+                assert_int_equal(session_send_error(s, 7, d->values[i].value, "unit test"), 0);
+                pump(f);
+                code = 0;
+                assert_int_equal(next(f, fd, NULL, &code), MOEEP__V1__RESPONSE__BODY_ERROR);
+                assert_int_equal(code, d->values[i].value);
+                assert_int_equal(f->d.sessions->errors[d->values[i].value], 1);
+        }
+        close(fd);
+}
+
 int main(void) {
 #define T(f) cmocka_unit_test_setup_teardown(f, setup, teardown)
         const struct CMUnitTest tests[] = {
                 T(test_hello_then_close),       T(test_not_welcomed),   T(test_fds_on_hello_closes_them),
-                T(test_job_flow_and_peer_lost), T(test_shutdown_event),
+                T(test_job_flow_and_peer_lost), T(test_shutdown_event), T(test_errors_counted_by_code),
         };
 
         return cmocka_run_group_tests(tests, NULL, NULL);
