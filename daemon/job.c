@@ -175,15 +175,15 @@ int jobs_create(struct jobs *jobs, const char *name, uint32_t world_size, uid_t 
         int r;
 
         if (!moeep_job_name_valid(name))
-                return errmsg_set(errmsg, -EINVAL,
+                return errmsg_set(errmsg, -ERROR_KIND_INVALID_ARGUMENT,
                                   "job name of %zu bytes: need 1 to %d printable ASCII bytes", strlen(name),
                                   MOEEP_JOB_NAME_MAX);
         if (world_size < 1 || world_size > MOEEP_MAX_RANKS)
-                return errmsg_set(errmsg, -EINVAL, "world size %" PRIu32 ": need 1 to %d", world_size,
-                                  MOEEP_MAX_RANKS);
+                return errmsg_set(errmsg, -ERROR_KIND_INVALID_ARGUMENT,
+                                  "world size %" PRIu32 ": need 1 to %d", world_size, MOEEP_MAX_RANKS);
         have = jobs_count_uid(jobs, uid);
         if (have >= jobs->config->max_jobs_per_uid)
-                return errmsg_set(errmsg, -EDQUOT,
+                return errmsg_set(errmsg, -ERROR_KIND_LIMIT_EXCEEDED,
                                   "uid %u already has %" PRIu32 " jobs (max_jobs_per_uid = %" PRIu32 ")",
                                   (unsigned)uid, have, jobs->config->max_jobs_per_uid);
 
@@ -285,8 +285,9 @@ static int member_add(struct job *job, uint32_t rank, const char *gpu_uuid, void
 
 /* The one refusal of a GPU UUID that names.h's validator did not take. */
 static int gpu_uuid_refuse(const char *gpu_uuid, char *errmsg) {
-        return errmsg_set(errmsg, -EINVAL, "gpu uuid of %zu bytes: need up to %d printable bytes",
-                          strlen(gpu_uuid), MOEEP_GPU_UUID_MAX);
+        return errmsg_set(errmsg, -ERROR_KIND_INVALID_ARGUMENT,
+                          "gpu uuid of %zu bytes: need up to %d printable bytes", strlen(gpu_uuid),
+                          MOEEP_GPU_UUID_MAX);
 }
 
 int jobs_join(struct jobs *jobs, const uint8_t *unique_id, size_t len, uint32_t rank, uint32_t world_size,
@@ -295,7 +296,7 @@ int jobs_join(struct jobs *jobs, const uint8_t *unique_id, size_t len, uint32_t 
         uint64_t id = 0;
 
         if (len < JOB_UNIQUE_ID_BYTES || len > MOEEP_UNIQUE_ID_BYTES || unique_id[0] != JOB_UNIQUE_ID_VERSION)
-                return errmsg_set(errmsg, -EINVAL,
+                return errmsg_set(errmsg, -ERROR_KIND_INVALID_ARGUMENT,
                                   "unique id of %zu bytes, version %u: need %d to %d bytes of version %d",
                                   len, len ? unique_id[0] : 0, JOB_UNIQUE_ID_BYTES, MOEEP_UNIQUE_ID_BYTES,
                                   JOB_UNIQUE_ID_VERSION);
@@ -307,27 +308,28 @@ int jobs_join(struct jobs *jobs, const uint8_t *unique_id, size_t len, uint32_t 
                 id |= (uint64_t)unique_id[1 + i] << (8 * i);
         job = jobs_find(jobs, id);
         if (!job)
-                return errmsg_set(errmsg, -ENOENT, "job %" PRIu64 ": no such job", id);
+                return errmsg_set(errmsg, -ERROR_KIND_NO_SUCH_JOB, "job %" PRIu64 ": no such job", id);
         if (!secret_equal(job->secret, unique_id + 9))
                 return errmsg_set(errmsg, -ERROR_KIND_BAD_SECRET,
                                   "job %" PRIu64 ": the unique id's secret does not match", id);
         if (owner_in_a_job(jobs, owner))
-                return errmsg_set(errmsg, -EISCONN, "job %" PRIu64 ": the session already belongs to a job",
-                                  id);
+                return errmsg_set(errmsg, -ERROR_KIND_ALREADY_IN_JOB,
+                                  "job %" PRIu64 ": the session already belongs to a job", id);
         if (job->state == JOB_ABORTED)
-                return errmsg_set(errmsg, -EPIPE, "job %" PRIu64 " is aborted: rank %" PRId32 " was lost", id,
+                return errmsg_set(errmsg, -ERROR_KIND_PEER_LOST,
+                                  "job %" PRIu64 " is aborted: rank %" PRId32 " was lost", id,
                                   job->lost_rank);
         if (world_size != job->world_size)
                 return errmsg_set(errmsg, -ERROR_KIND_WORLD_SIZE_MISMATCH,
                                   "job %" PRIu64 ": world size %" PRIu32 " differs from the job's %" PRIu32,
                                   id, world_size, job->world_size);
         if (rank >= job->world_size)
-                return errmsg_set(errmsg, -ERANGE,
+                return errmsg_set(errmsg, -ERROR_KIND_RANK_OUT_OF_RANGE,
                                   "job %" PRIu64 ": rank %" PRIu32 " is out of range 0..%" PRIu32, id, rank,
                                   job->world_size - 1);
         if (job->ranks[rank])
-                return errmsg_set(errmsg, -EEXIST, "job %" PRIu64 ": rank %" PRIu32 " is already taken", id,
-                                  rank);
+                return errmsg_set(errmsg, -ERROR_KIND_RANK_TAKEN,
+                                  "job %" PRIu64 ": rank %" PRIu32 " is already taken", id, rank);
         return member_add(job, rank, gpu_uuid, owner, ret_member, errmsg);
 }
 
@@ -339,7 +341,7 @@ int jobs_join_mirror(struct jobs *jobs, const char *home, uint64_t home_id, cons
 
         if (strlen(home) == 0 || strlen(home) > JOB_NODE_MAX || world_size < 1 ||
             world_size > MOEEP_MAX_RANKS || rank >= world_size)
-                return errmsg_set(errmsg, -EINVAL,
+                return errmsg_set(errmsg, -ERROR_KIND_INVALID_ARGUMENT,
                                   "job %" PRIu64 " at %s: bad mirror (world size %" PRIu32 ", rank %" PRIu32
                                   ")",
                                   home_id, home, world_size, rank);
@@ -348,15 +350,15 @@ int jobs_join_mirror(struct jobs *jobs, const char *home, uint64_t home_id, cons
         if (!moeep_gpu_uuid_valid(gpu_uuid))
                 return gpu_uuid_refuse(gpu_uuid, errmsg);
         if (owner_in_a_job(jobs, owner))
-                return errmsg_set(errmsg, -EISCONN,
+                return errmsg_set(errmsg, -ERROR_KIND_ALREADY_IN_JOB,
                                   "job %" PRIu64 " at %s: the session already belongs to a job", home_id,
                                   home);
         if (job && job->state == JOB_ABORTED)
-                return errmsg_set(errmsg, -EPIPE,
+                return errmsg_set(errmsg, -ERROR_KIND_PEER_LOST,
                                   "job %" PRIu64 " at %s is aborted: rank %" PRId32 " was lost", home_id,
                                   home, job->lost_rank);
         if (job && (job->world_size != world_size || job->ranks[rank]))
-                return errmsg_set(errmsg, -EEXIST,
+                return errmsg_set(errmsg, -ERROR_KIND_RANK_TAKEN,
                                   "job %" PRIu64 " at %s: rank %" PRIu32 " is already taken here", home_id,
                                   home, rank);
         if (!job) {
@@ -419,7 +421,7 @@ void job_member_leave(struct job_member *m) {
         if (job->state == JOB_READY)
                 job->state = JOB_FORMING;
         if (waited)
-                cb->barrier_done(owner, job, request_id, -ECANCELED);
+                cb->barrier_done(owner, job, request_id, -ERROR_KIND_NOT_IN_JOB);
         job_unref(job);
 }
 
@@ -457,7 +459,7 @@ void job_abort(struct job *job, uint32_t rank, const char *reason) {
                         continue;
                 if (rank != JOB_NO_RANK)
                         member_cb(peer)->peer_lost(peer->owner, job, rank, reason);
-                job_barrier_release(peer, -EPIPE);
+                job_barrier_release(peer, -ERROR_KIND_PEER_LOST);
         }
 }
 
@@ -483,10 +485,11 @@ int job_barrier(struct job_member *m, uint64_t request_id, char *errmsg) {
         struct job *job = m->job;
 
         if (job->state == JOB_ABORTED)
-                return errmsg_set(errmsg, -EPIPE, "job %" PRIu64 " is aborted: rank %" PRId32 " was lost",
-                                  job->id, job->lost_rank);
+                return errmsg_set(errmsg, -ERROR_KIND_PEER_LOST,
+                                  "job %" PRIu64 " is aborted: rank %" PRId32 " was lost", job->id,
+                                  job->lost_rank);
         if (m->in_barrier)
-                return errmsg_set(errmsg, -EALREADY,
+                return errmsg_set(errmsg, -ERROR_KIND_INVALID_ARGUMENT,
                                   "job %" PRIu64 " rank %" PRIu32 ": already waiting in barrier %" PRIu64,
                                   job->id, m->rank, job->barrier_generation);
         m->in_barrier = true;

@@ -52,9 +52,10 @@ struct job;
  * back into job.c). */
 struct job_callbacks {
         /* A barrier the member entered with `request_id` finished: error 0
-         * when every rank arrived, -EPIPE when a rank was lost (the job is
-         * aborted; job->lost_rank names it), -ECANCELED when the member left
-         * the job while waiting. */
+         * when every rank arrived, -ERROR_KIND_PEER_LOST when a rank was lost
+         * (the job is aborted; job->lost_rank names it),
+         * -ERROR_KIND_NOT_IN_JOB when the member left the job while waiting
+         * (error kinds: errors.h). */
         void (*barrier_done)(void *owner, const struct job *job, uint64_t request_id, int error);
         /* Rank `rank` of the member's job was lost; the job is aborted. */
         void (*peer_lost)(void *owner, const struct job *job, uint32_t rank, const char *reason);
@@ -154,8 +155,9 @@ int jobs_new(const struct config *config, const struct job_callbacks *cb, struct
 void jobs_free(struct jobs *jobs);
 
 /* Creates a job in state forming, with one reference held by `creator`.
- * Returns 0, -EINVAL (name or world size), -EDQUOT (max_jobs_per_uid), or
- * -errno from memfd/getrandom. */
+ * Returns 0, -ERROR_KIND_INVALID_ARGUMENT (name or world size),
+ * -ERROR_KIND_LIMIT_EXCEEDED (max_jobs_per_uid), or -errno from
+ * memfd/getrandom. */
 int jobs_create(struct jobs *jobs, const char *name, uint32_t world_size, uid_t uid, void *creator,
                 struct job **ret_job, char *errmsg);
 
@@ -180,15 +182,17 @@ struct job *jobs_find_mirror(const struct jobs *jobs, const char *home, uint64_t
 /* Joins `owner` as `rank` of the mirror of job `home_id` at `home`
  * (creating the mirror, with its own control page, when it is the first
  * local rank). The home daemon already checked secret, rank and world size.
- * Returns 0, -EEXIST (rank taken here), -EISCONN, -EPIPE (mirror aborted) or
- * -errno from memfd/ENOMEM. */
+ * Returns 0, -ERROR_KIND_INVALID_ARGUMENT (bad mirror or gpu_uuid),
+ * -ERROR_KIND_ALREADY_IN_JOB, -ERROR_KIND_PEER_LOST (mirror aborted),
+ * -ERROR_KIND_RANK_TAKEN (rank taken here) or -errno from memfd/ENOMEM. */
 int jobs_join_mirror(struct jobs *jobs, const char *home, uint64_t home_id, const char *name,
                      uint32_t world_size, uint32_t rank, const char *gpu_uuid, void *owner,
                      struct job_member **ret_member, char *errmsg);
 
 /* Aborts the job because rank `rank` (not a member here: remote, or its
  * daemon is gone) was lost: sets the abort word (once), tells every member
- * peer_lost (once per rank) and ends every waiting barrier with -EPIPE.
+ * peer_lost (once per rank) and ends every waiting barrier with
+ * -ERROR_KIND_PEER_LOST.
  * JOB_NO_RANK: no rank was lost (the daemon stops); lost_rank stays -1 and
  * nobody is told peer_lost. */
 #define JOB_NO_RANK UINT32_MAX
@@ -198,7 +202,7 @@ void job_abort(struct job *job, uint32_t rank, const char *reason);
  * of its jobs must not wait for ranks that will soon look lost. */
 void jobs_abort_all(struct jobs *jobs, const char *reason);
 
-/* Ends `m`'s barrier wait with `error` (0 or -EPIPE) when it waits: the
+/* Ends `m`'s barrier wait with `error` (0 or -ERROR_KIND_PEER_LOST) when it waits: the
  * home daemon's answer to a mirror member's barrier. */
 void job_barrier_release(struct job_member *m, int error);
 
@@ -210,11 +214,10 @@ bool job_rank_local(const struct job *job, uint32_t rank);
 int job_control_fd(const struct job *job);
 
 /* Joins the job named by `unique_id` as `rank`. Errors, in order of
- * checking: -EINVAL malformed id or gpu_uuid, -ENOENT no such job,
- * -ERROR_KIND_BAD_SECRET bad secret (errors.h), -EISCONN `owner` already
- * belongs to a job, -EPIPE the job is aborted,
- * -ERROR_KIND_WORLD_SIZE_MISMATCH world size mismatch, -ERANGE rank out of
- * range, -EEXIST rank taken, -ENOMEM. */
+ * checking, each an error kind (errors.h) but the last:
+ * INVALID_ARGUMENT malformed id or gpu_uuid, NO_SUCH_JOB, BAD_SECRET,
+ * ALREADY_IN_JOB (`owner` already belongs to a job), PEER_LOST (the job is
+ * aborted), WORLD_SIZE_MISMATCH, RANK_OUT_OF_RANGE, RANK_TAKEN; -ENOMEM. */
 int jobs_join(struct jobs *jobs, const uint8_t *unique_id, size_t len, uint32_t rank, uint32_t world_size,
               const char *gpu_uuid, void *owner, struct job_member **ret_member, char *errmsg);
 
@@ -224,15 +227,15 @@ void job_member_leave(struct job_member *m);
 
 /* The member's owner died or misbehaved: the job is aborted (control page
  * abort word set, lost_rank recorded), every other member gets peer_lost and
- * every waiting one barrier_done(-EPIPE); frees `m`. */
+ * every waiting one barrier_done(-ERROR_KIND_PEER_LOST); frees `m`. */
 void job_member_lost(struct job_member *m, const char *reason);
 
 /* Enters the barrier of the current generation. Returns 0 when the reply is
  * held back (barrier_done comes later, or already came synchronously when
  * this member was the last to arrive), 1 for a mirror's member (it now
  * waits; the caller asks the home daemon, whose answer comes through
- * job_barrier_release()), -EPIPE when the job is aborted, -EALREADY when
- * the member already waits. */
+ * job_barrier_release()), -ERROR_KIND_PEER_LOST when the job is aborted,
+ * -ERROR_KIND_INVALID_ARGUMENT when the member already waits. */
 int job_barrier(struct job_member *m, uint64_t request_id, char *errmsg);
 
 /* `creator` goes away: drops the creator reference of every job it created

@@ -69,7 +69,7 @@ static void rank_barrier_done(void *owner, const struct job *job, uint64_t reque
         Moeep__V1__PeerBarrierDone done = MOEEP__V1__PEER_BARRIER_DONE__INIT;
         PEER_MSG(msg, barrier_done, &done, BARRIER_DONE);
 
-        if (error == -ECANCELED) /* it left; its daemon answers the client */
+        if (error == -ERROR_KIND_NOT_IN_JOB) /* it left; its daemon answers the client */
                 return;
         done.job_id = job->id;
         done.rank = mr->member->rank;
@@ -304,7 +304,7 @@ static void handle_barrier(struct mesh_jobs *mj, struct mesh_peer *p, const Moee
                 return;
         }
         r = job_barrier(mr->member, 0, errmsg);
-        if (r == -EPIPE)
+        if (r == -ERROR_KIND_PEER_LOST)
                 rank_barrier_done(mr, mr->member->job, 0, r);
 }
 
@@ -371,7 +371,7 @@ static void handle_barrier_done(struct mesh_jobs *mj, struct mesh_peer *p,
 
         if (!job || pb->rank >= job->world_size || !job_rank_local(job, pb->rank))
                 return;
-        job_barrier_release(job->ranks[pb->rank], pb->error ? -EPIPE : 0);
+        job_barrier_release(job->ranks[pb->rank], pb->error ? -ERROR_KIND_PEER_LOST : 0);
 }
 
 static void handle_rank_lost_mirror(struct mesh_jobs *mj, struct mesh_peer *p,
@@ -413,7 +413,7 @@ void mesh_jobs_barrier(struct mesh_jobs *mj, struct job_member *m) {
                 for (uint32_t r = 0; r < m->job->world_size; r++)
                         if (!job_rank_local(m->job, r))
                                 job_abort(m->job, r, "the job's home daemon is not reachable");
-                job_barrier_release(m, -EPIPE);
+                job_barrier_release(m, -ERROR_KIND_PEER_LOST);
         }
 }
 

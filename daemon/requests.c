@@ -415,7 +415,7 @@ static void requests_barrier_done(void *owner, const struct job *job, uint64_t r
                 session_send_ok(s, request_id);
                 return;
         }
-        if (error == -EPIPE)
+        if (error == -ERROR_KIND_PEER_LOST)
                 snprintf(why, sizeof(why), "barrier of job %" PRIu64 ": rank %" PRId32 " was lost", job->id,
                          job->lost_rank);
         else

@@ -104,11 +104,14 @@ static void test_create_validation(void **state) {
 
         memset(long_name, 'x', sizeof(long_name) - 1);
         long_name[sizeof(long_name) - 1] = '\0';
-        assert_int_equal(jobs_create(f->jobs, "", 2, 1000, f, &job, errmsg), -EINVAL);
-        assert_int_equal(jobs_create(f->jobs, long_name, 2, 1000, f, &job, errmsg), -EINVAL);
-        assert_int_equal(jobs_create(f->jobs, "bad\nname", 2, 1000, f, &job, errmsg), -EINVAL);
-        assert_int_equal(jobs_create(f->jobs, "ok", 0, 1000, f, &job, errmsg), -EINVAL);
-        assert_int_equal(jobs_create(f->jobs, "ok", MOEEP_MAX_RANKS + 1, 1000, f, &job, errmsg), -EINVAL);
+        assert_int_equal(jobs_create(f->jobs, "", 2, 1000, f, &job, errmsg), -ERROR_KIND_INVALID_ARGUMENT);
+        assert_int_equal(jobs_create(f->jobs, long_name, 2, 1000, f, &job, errmsg),
+                         -ERROR_KIND_INVALID_ARGUMENT);
+        assert_int_equal(jobs_create(f->jobs, "bad\nname", 2, 1000, f, &job, errmsg),
+                         -ERROR_KIND_INVALID_ARGUMENT);
+        assert_int_equal(jobs_create(f->jobs, "ok", 0, 1000, f, &job, errmsg), -ERROR_KIND_INVALID_ARGUMENT);
+        assert_int_equal(jobs_create(f->jobs, "ok", MOEEP_MAX_RANKS + 1, 1000, f, &job, errmsg),
+                         -ERROR_KIND_INVALID_ARGUMENT);
         assert_non_null(strstr(errmsg, "9")); /* names the value */
         long_name[MOEEP_JOB_NAME_MAX] = '\0';
         assert_int_equal(jobs_create(f->jobs, long_name, MOEEP_MAX_RANKS, 1000, f, &job, errmsg), 0);
@@ -123,7 +126,7 @@ static void test_create_cap(void **state) {
         f->config.max_jobs_per_uid = 2;
         assert_int_equal(jobs_create(f->jobs, "a", 1, 1000, f, &job, errmsg), 0);
         assert_int_equal(jobs_create(f->jobs, "b", 1, 1000, f, &job, errmsg), 0);
-        assert_int_equal(jobs_create(f->jobs, "c", 1, 1000, f, &job, errmsg), -EDQUOT);
+        assert_int_equal(jobs_create(f->jobs, "c", 1, 1000, f, &job, errmsg), -ERROR_KIND_LIMIT_EXCEEDED);
         assert_non_null(strstr(errmsg, "max_jobs_per_uid"));
         assert_int_equal(jobs_create(f->jobs, "c", 1, 1001, f, &job, errmsg), 0); /* another uid */
         assert_int_equal(jobs_count_uid(f->jobs, 1000), 2);
@@ -169,14 +172,14 @@ static void test_join_errors(void **state) {
         /* Malformed ids. */
         assert_int_equal(
                 jobs_join(f->jobs, uid, JOB_UNIQUE_ID_BYTES - 1, 0, 2, NULL, &f->owners[0], &m0, errmsg),
-                -EINVAL);
+                -ERROR_KIND_INVALID_ARGUMENT);
         memcpy(bad, uid, sizeof(bad));
         bad[0] = 9;
-        assert_int_equal(join(f, bad, 0, 2, 0, NULL), -EINVAL);
+        assert_int_equal(join(f, bad, 0, 2, 0, NULL), -ERROR_KIND_INVALID_ARGUMENT);
         /* No such job. */
         memcpy(bad, uid, sizeof(bad));
         bad[1] ^= 0x40;
-        assert_int_equal(join(f, bad, 0, 2, 0, NULL), -ENOENT);
+        assert_int_equal(join(f, bad, 0, 2, 0, NULL), -ERROR_KIND_NO_SUCH_JOB);
         /* Wrong secret: every byte of it counts. */
         for (int i = 9; i < JOB_UNIQUE_ID_BYTES; i += 7) {
                 memcpy(bad, uid, sizeof(bad));
@@ -184,16 +187,16 @@ static void test_join_errors(void **state) {
                 assert_int_equal(join(f, bad, 0, 2, 0, NULL), -ERROR_KIND_BAD_SECRET);
         }
         assert_int_equal(join(f, uid, 0, 3, 0, NULL), -ERROR_KIND_WORLD_SIZE_MISMATCH);
-        assert_int_equal(join(f, uid, 2, 2, 0, NULL), -ERANGE);
-        assert_int_equal(join(f, uid, UINT32_MAX, 2, 0, NULL), -ERANGE);
+        assert_int_equal(join(f, uid, 2, 2, 0, NULL), -ERROR_KIND_RANK_OUT_OF_RANGE);
+        assert_int_equal(join(f, uid, UINT32_MAX, 2, 0, NULL), -ERROR_KIND_RANK_OUT_OF_RANGE);
         /* A bad GPU uuid. */
         assert_int_equal(jobs_join(f->jobs, uid, sizeof(uid), 0, 2, "GPU 0", &f->owners[0], &m0, errmsg),
-                         -EINVAL);
+                         -ERROR_KIND_INVALID_ARGUMENT);
 
         assert_int_equal(join(f, uid, 0, 2, 0, &m0), 0);
         assert_int_equal(job->state, JOB_FORMING);
-        assert_int_equal(join(f, uid, 0, 2, 1, NULL), -EEXIST);
-        assert_int_equal(join(f, uid, 1, 2, 0, NULL), -EISCONN); /* owner 0 is already in */
+        assert_int_equal(join(f, uid, 0, 2, 1, NULL), -ERROR_KIND_RANK_TAKEN);
+        assert_int_equal(join(f, uid, 1, 2, 0, NULL), -ERROR_KIND_ALREADY_IN_JOB); /* owner 0 is already in */
         /* The client's zero-padded 128-byte copy is accepted too. */
         memcpy(padded, uid, sizeof(uid));
         assert_int_equal(jobs_join(f->jobs, padded, sizeof(padded), 1, 2, "", &f->owners[1], &m1, errmsg), 0);
@@ -235,7 +238,7 @@ static void test_barrier_generations(void **state) {
                 assert_int_equal(join(f, uid, (uint32_t)r, 3, r, &m[r]), 0);
         for (uint64_t gen = 0; gen < 3; gen++) {
                 assert_int_equal(job_barrier(m[2], 100 + gen, errmsg), 0);
-                assert_int_equal(job_barrier(m[2], 100 + gen, errmsg), -EALREADY);
+                assert_int_equal(job_barrier(m[2], 100 + gen, errmsg), -ERROR_KIND_INVALID_ARGUMENT);
                 assert_int_equal(job_barrier(m[0], 200 + gen, errmsg), 0);
                 assert_int_equal(f->owners[0].barrier_done, (int)gen); /* held back */
                 assert_int_equal(job->barrier_generation, gen);
@@ -269,7 +272,7 @@ static void test_barrier_waits_for_missing_ranks(void **state) {
         /* A member that leaves while waiting gets its barrier cancelled. */
         job_member_leave(m0);
         assert_int_equal(f->owners[0].barrier_done, 1);
-        assert_int_equal(f->owners[0].barrier_error, -ECANCELED);
+        assert_int_equal(f->owners[0].barrier_error, -ERROR_KIND_NOT_IN_JOB);
         assert_int_equal(join(f, uid, 0, 2, 0, &m0), 0);
         assert_int_equal(job_barrier(m1, 2, errmsg), 0);
         assert_int_equal(job_barrier(m0, 3, errmsg), 0);
@@ -304,12 +307,12 @@ static void test_abort_on_member_loss(void **state) {
         assert_int_equal(f->owners[2].peer_lost, 1);
         assert_int_equal(f->owners[1].peer_lost, 0);
         assert_int_equal(f->owners[0].barrier_done, 1);
-        assert_int_equal(f->owners[0].barrier_error, -EPIPE);
+        assert_int_equal(f->owners[0].barrier_error, -ERROR_KIND_PEER_LOST);
         assert_int_equal(f->owners[0].barrier_rid, 7);
         assert_int_equal(f->owners[2].barrier_done, 0);
         /* Aborted is final. */
-        assert_int_equal(job_barrier(m[2], 8, errmsg), -EPIPE);
-        assert_int_equal(join(f, uid, 1, 3, 1, NULL), -EPIPE);
+        assert_int_equal(job_barrier(m[2], 8, errmsg), -ERROR_KIND_PEER_LOST);
+        assert_int_equal(join(f, uid, 1, 3, 1, NULL), -ERROR_KIND_PEER_LOST);
         /* A second loss keeps the first lost rank. */
         job_member_lost(m[2], "test: killed");
         assert_int_equal(page->lost_rank, 1);
