@@ -11,7 +11,7 @@ int admin_log_level_set(const struct session *s, const char *level, char *errmsg
         int value;
 
         if (log_level_from_string(level, &value) < 0)
-                return errmsg_set(errmsg, -EINVAL,
+                return errmsg_set(errmsg, -ERROR_KIND_INVALID_ARGUMENT,
                                   "LogLevelSet '%s': need err, warning, notice, info or debug", level);
         /* Logged at notice before and after, so that the change shows in
          * the journal whichever way it goes. */

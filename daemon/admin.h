@@ -13,7 +13,8 @@
 struct session;
 
 /* Sets the log level until the next SIGHUP (which re-reads log_level) or
- * restart. -EINVAL for a level log_level_from_string() refuses. */
+ * restart. -ERROR_KIND_INVALID_ARGUMENT for a level log_level_from_string()
+ * refuses. */
 int admin_log_level_set(const struct session *s, const char *level, char *errmsg);
 
 /* Starts (`on`) or ends draining (*draining, struct requests' flag): while

@@ -20,7 +20,7 @@ int membership_join(const struct membership *ms, struct session *s, uint64_t rid
         int r;
 
         if (s->member)
-                return errmsg_set(errmsg, -EISCONN,
+                return errmsg_set(errmsg, -ERROR_KIND_ALREADY_IN_JOB,
                                   "session %" PRIu64 " is already rank %" PRIu32 " of job %" PRIu64, s->id,
                                   s->member->rank, s->member->job->id);
         /* A job created at another daemon is joined there (mesh-jobs.c); this

@@ -39,7 +39,8 @@ static int handle_hello(struct requests *rq, struct session *s, uint64_t rid, co
         Moeep__V1__Response resp = MOEEP__V1__RESPONSE__INIT;
 
         if (s->state != SESSION_NEW)
-                return errmsg_set(errmsg, -EINVAL, "session %" PRIu64 ": Hello already received", s->id);
+                return errmsg_set(errmsg, -ERROR_KIND_INVALID_ARGUMENT,
+                                  "session %" PRIu64 ": Hello already received", s->id);
         if (hello->major != MOEEP_PROTOCOL_MAJOR) {
                 session_fail(s, MOEEP__V1__ERROR_CODE__ERROR_VERSION_MISMATCH, rid,
                              "Hello with protocol major %" PRIu32 ": the daemon speaks %d", hello->major,
@@ -147,7 +148,7 @@ static int handle_regions_fetch(struct requests *rq, struct session *s, uint64_t
                     (rf->tag >= 0 && rr->tag != (uint64_t)rf->tag))
                         continue;
                 if (n == MOEEP_RECORD_MAX_FDS)
-                        return errmsg_set(errmsg, -E2BIG,
+                        return errmsg_set(errmsg, -ERROR_KIND_LIMIT_EXCEEDED,
                                           "more than %d regions match (rank %" PRId32 ", tag %" PRId64 ")",
                                           MOEEP_RECORD_MAX_FDS, rf->rank, rf->tag);
                 moeep__v1__region_info__init(&infos[n]);
@@ -167,7 +168,7 @@ static int handle_regions_fetch(struct requests *rq, struct session *s, uint64_t
         r = session_respond(s, rid, &resp, fds, nfds);
         /* A cap of the uid or the daemon's budget: both a limit to the client. */
         if (r == -EDQUOT || r == -EMFILE)
-                return errmsg_set(errmsg, -EDQUOT, "RegionsFetch: %s", session_send_why());
+                return errmsg_set(errmsg, -ERROR_KIND_LIMIT_EXCEEDED, "RegionsFetch: %s", session_send_why());
         return r;
 }
 
@@ -195,13 +196,13 @@ static int handle_region_register(struct requests *rq, struct session *s, uint64
          * was agreed. */
         if (rr->proxy != MOEEP__V1__PROXY_ROLE__PROXY_ROLE_NONE &&
             !(s->features & MOEEP__V1__FEATURE__FEATURE_PROXY))
-                return errmsg_set(errmsg, -EINVAL,
+                return errmsg_set(errmsg, -ERROR_KIND_INVALID_ARGUMENT,
                                   "RegionRegister: proxy role %d, but session %" PRIu64
                                   " did not offer FEATURE_PROXY in Hello",
                                   (int)rr->proxy, s->id);
         if (rr->take) {
                 if (!(s->features & MOEEP__V1__FEATURE__FEATURE_PIDFD))
-                        return errmsg_set(errmsg, -EINVAL,
+                        return errmsg_set(errmsg, -ERROR_KIND_INVALID_ARGUMENT,
                                           "RegionRegister: fd number %" PRId64
                                           " to take, but session %" PRIu64
                                           " did not offer FEATURE_PIDFD in Hello",
@@ -309,7 +310,7 @@ static int handle_channel_open(struct requests *rq, struct session *s, uint64_t 
         r = session_respond(s, rid, &resp, &fd, 1);
         close(fd);
         if (r == -EDQUOT || r == -EMFILE)
-                return errmsg_set(errmsg, -EDQUOT, "ChannelOpen: %s", session_send_why());
+                return errmsg_set(errmsg, -ERROR_KIND_LIMIT_EXCEEDED, "ChannelOpen: %s", session_send_why());
         return r;
 }
 
