@@ -8,6 +8,7 @@
 #include "broker.h"
 #include "clientfd.h"
 #include "config.h"
+#include "errors.h"
 #include "log.h"
 
 int broker_new(const struct config *config, struct clientfds *fds, struct broker **ret_broker) {
@@ -52,16 +53,18 @@ int broker_register(struct broker *b, struct job_member *m, uid_t uid, Moeep__V1
         int r;
 
         if (m->job->state == JOB_ABORTED)
-                return errmsg_set(errmsg, -EPIPE, "job %" PRIu64 " is aborted: rank %" PRId32 " was lost",
-                                  m->job->id, m->job->lost_rank);
+                return errmsg_set(errmsg, -ERROR_KIND_PEER_LOST,
+                                  "job %" PRIu64 " is aborted: rank %" PRId32 " was lost", m->job->id,
+                                  m->job->lost_rank);
         if (size == 0)
-                return errmsg_set(errmsg, -EINVAL, "%s region with tag %" PRIu32 ": size 0",
-                                  clientfd_kind_to_string(kind), tag);
+                return errmsg_set(errmsg, -ERROR_KIND_INVALID_ARGUMENT,
+                                  "%s region with tag %" PRIu32 ": size 0", clientfd_kind_to_string(kind),
+                                  tag);
         r = clientfd_check(b->fds, fd, kind, size, errmsg);
         if (r < 0)
                 return r;
         if (m->nregions >= c->max_regions_per_session)
-                return errmsg_set(errmsg, -EDQUOT,
+                return errmsg_set(errmsg, -ERROR_KIND_LIMIT_EXCEEDED,
                                   "rank %" PRIu32 " already has %" PRIu32
                                   " regions (max_regions_per_session = %" PRIu32 ")",
                                   m->rank, m->nregions, c->max_regions_per_session);
@@ -69,13 +72,13 @@ int broker_register(struct broker *b, struct job_member *m, uid_t uid, Moeep__V1
          * the fd too many. */
         if (clientfds_held(b->fds, uid) > c->max_fds_per_uid)
                 return errmsg_set(
-                        errmsg, -EDQUOT,
+                        errmsg, -ERROR_KIND_LIMIT_EXCEEDED,
                         "uid %u holds %" PRIu32 " descriptors in the daemon with this one "
                         "(sessions, regions, unsent replies, closes pending; max_fds_per_uid = %" PRIu32 ")",
                         (unsigned)uid, clientfds_held(b->fds, uid), c->max_fds_per_uid);
         u = usage_find(b, uid);
         if (size > c->max_region_bytes_per_uid || (u && u->bytes > c->max_region_bytes_per_uid - size))
-                return errmsg_set(errmsg, -EDQUOT,
+                return errmsg_set(errmsg, -ERROR_KIND_LIMIT_EXCEEDED,
                                   "region of %" PRIu64
                                   " bytes: uid %u would hold more than max_region_bytes_per_uid = %" PRIu64,
                                   size, (unsigned)uid, c->max_region_bytes_per_uid);
@@ -140,7 +143,7 @@ int broker_release(struct broker *b, struct job_member *m, uint64_t id, char *er
                         region_free(b, m, reg);
                         return 0;
                 }
-        return errmsg_set(errmsg, -EINVAL,
+        return errmsg_set(errmsg, -ERROR_KIND_INVALID_ARGUMENT,
                           "job %" PRIu64 " rank %" PRIu32 ": no region %" PRIu64 " of this session",
                           m->job->id, m->rank, id);
 }
@@ -160,12 +163,12 @@ int broker_fetch(const struct job_member *m, int32_t rank, int64_t tag, size_t m
         size_t n = 0;
 
         if (rank < -1 || rank >= (int32_t)job->world_size)
-                return errmsg_set(errmsg, -ERANGE,
+                return errmsg_set(errmsg, -ERROR_KIND_RANK_OUT_OF_RANGE,
                                   "job %" PRIu64 ": rank %" PRId32 " is out of range -1..%" PRIu32, job->id,
                                   rank, job->world_size - 1);
         if (tag < -1 || tag > UINT32_MAX)
-                return errmsg_set(errmsg, -EINVAL, "tag %" PRId64 ": need -1 or 0..%" PRIu32, tag,
-                                  UINT32_MAX);
+                return errmsg_set(errmsg, -ERROR_KIND_INVALID_ARGUMENT,
+                                  "tag %" PRId64 ": need -1 or 0..%" PRIu32, tag, UINT32_MAX);
 
         /* Two passes: count, then collect, so the array is exact. */
         for (int pass = 0; pass < 2; pass++) {
@@ -186,7 +189,7 @@ int broker_fetch(const struct job_member *m, int32_t rank, int64_t tag, size_t m
                 if (pass > 0 || n == 0)
                         break;
                 if (n > max)
-                        return errmsg_set(errmsg, -E2BIG,
+                        return errmsg_set(errmsg, -ERROR_KIND_LIMIT_EXCEEDED,
                                           "job %" PRIu64 ": %zu regions match rank %" PRId32 " tag %" PRId64
                                           ", one reply carries at most %zu",
                                           job->id, n, rank, tag, max);

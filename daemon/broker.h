@@ -49,16 +49,17 @@ void broker_free(struct broker *b);
 /* Registers `fd` as a region of member `m` (uid `uid`, to whom the
  * receiver charged `fd` already: clientfds_charge_held()). Takes `fd` only
  * on success; the region's release closes it through clientfd_close().
- * Errors: -EINVAL unknown kind, size 0, or a memfd/dma-buf smaller than
- * `size`; -EBADF an fd not of the declared kind (clientfd_check()); -EDQUOT
- * a cap; -EPIPE the job is aborted; -ENOMEM. */
+ * Errors, as error kinds (errors.h): INVALID_ARGUMENT unknown kind, size
+ * 0, or a memfd/dma-buf smaller than `size`; BAD_FDS an fd not of the
+ * declared kind (clientfd_check()); LIMIT_EXCEEDED a cap; PEER_LOST the
+ * job is aborted; and -ENOMEM. */
 int broker_register(struct broker *b, struct job_member *m, uid_t uid, Moeep__V1__RegionKind kind,
                     uint64_t size, uint32_t tag, int fd, uint64_t *ret_id, char *errmsg);
 
 /* Closes region `id` of member `m` (RegionRelease); peers that imported it
- * keep their mappings. -EINVAL (ERROR_INVALID_ARGUMENT) when `m` owns no
- * such region: ids of other members' regions are refused alike, so release
- * reveals nothing about them. (-ENOENT would map to ERROR_NO_SUCH_JOB.) */
+ * keep their mappings. -ERROR_KIND_INVALID_ARGUMENT when `m` owns no such
+ * region: ids of other members' regions are refused alike, so release
+ * reveals nothing about them. */
 int broker_release(struct broker *b, struct job_member *m, uint64_t id, char *errmsg);
 
 /* Closes every region of `m`. */
@@ -68,8 +69,9 @@ void broker_drop_member(struct broker *b, struct job_member *m);
  * the job, its own included) or, for -1, of every other rank; with tag `tag`
  * or, for -1, any tag. Order: rank ascending, then registration order.
  * Returns 0 with a malloc'ed array of at most `max` borrowed pointers
- * (NULL when none), -ERANGE for a rank outside the job, -EINVAL for a bad
- * tag, -E2BIG when more than `max` match, -ENOMEM. */
+ * (NULL when none), -ERROR_KIND_RANK_OUT_OF_RANGE for a rank outside the
+ * job, -ERROR_KIND_INVALID_ARGUMENT for a bad tag,
+ * -ERROR_KIND_LIMIT_EXCEEDED when more than `max` match, -ENOMEM. */
 int broker_fetch(const struct job_member *m, int32_t rank, int64_t tag, size_t max,
                  struct region ***ret_regions, size_t *ret_count, char *errmsg);
 

@@ -23,6 +23,7 @@
 
 #include "clientfd-internal.h"
 #include "config.h"
+#include "errors.h"
 #include "log.h"
 #include "record.h"
 
@@ -221,20 +222,22 @@ int clientfd_check(const struct clientfds *cf, int fd, Moeep__V1__RegionKind kin
         int flags;
 
         if (!rule)
-                return errmsg_set(errmsg, -EINVAL, "region kind %d is not known", (int)kind);
+                return errmsg_set(errmsg, -ERROR_KIND_INVALID_ARGUMENT, "region kind %d is not known",
+                                  (int)kind);
         /* fcntl(F_GETFL) reads the open file's flags, never its
          * filesystem. An O_PATH fd names a file without opening it, which
          * is how a FUSE inode would get past the type checks below. */
         flags = fcntl(fd, F_GETFL);
         if (flags < 0)
-                return errmsg_set(errmsg, -EBADF, "%s region: fd: %s", rule->name, strerror(errno));
+                return errmsg_set(errmsg, -ERROR_KIND_BAD_FDS, "%s region: fd: %s", rule->name,
+                                  strerror(errno));
         if (flags & O_PATH)
-                return errmsg_set(errmsg, -EBADF, "%s region: the fd is an O_PATH descriptor, not %s",
-                                  rule->name, rule->is);
+                return errmsg_set(errmsg, -ERROR_KIND_BAD_FDS,
+                                  "%s region: the fd is an O_PATH descriptor, not %s", rule->name, rule->is);
         /* AT_STATX_DONT_SYNC: the attributes the kernel has, never a
          * round trip to a FUSE server or a network filesystem. */
         if (statx(fd, "", AT_EMPTY_PATH | AT_STATX_DONT_SYNC, STATX_TYPE | STATX_MODE | STATX_SIZE, &stx) < 0)
-                return errmsg_set(errmsg, -EBADF, "%s region: statx of the fd: %s", rule->name,
+                return errmsg_set(errmsg, -ERROR_KIND_BAD_FDS, "%s region: statx of the fd: %s", rule->name,
                                   strerror(errno));
         if ((stx.stx_mode & S_IFMT) != rule->type)
                 goto wrong;
@@ -249,7 +252,7 @@ int clientfd_check(const struct clientfds *cf, int fd, Moeep__V1__RegionKind kin
         if (rule->memfd_dev && cf->memfd_dev_known &&
             makedev(stx.stx_dev_major, stx.stx_dev_minor) != cf->memfd_dev) {
                 fd_describe(fd, &stx, what, sizeof(what));
-                return errmsg_set(errmsg, -EBADF,
+                return errmsg_set(errmsg, -ERROR_KIND_BAD_FDS,
                                   "%s region: the fd is %s on a tmpfs or hugetlbfs mount, not %s", rule->name,
                                   what, rule->is);
         }
@@ -257,8 +260,8 @@ int clientfd_check(const struct clientfds *cf, int fd, Moeep__V1__RegionKind kin
                 int r = fdinfo_has(fd, rule->fdinfo_key, &actual, &has_size);
 
                 if (r < 0)
-                        return errmsg_set(errmsg, -EBADF, "%s region: reading its fdinfo: %s", rule->name,
-                                          strerror(-r));
+                        return errmsg_set(errmsg, -ERROR_KIND_BAD_FDS, "%s region: reading its fdinfo: %s",
+                                          rule->name, strerror(-r));
                 if (r == 0)
                         goto wrong;
         }
@@ -278,17 +281,18 @@ int clientfd_check(const struct clientfds *cf, int fd, Moeep__V1__RegionKind kin
                 break;
         case SIZE_FDINFO:
                 if (!has_size)
-                        return errmsg_set(errmsg, -EBADF, "%s region: its fdinfo has no size line",
-                                          rule->name);
+                        return errmsg_set(errmsg, -ERROR_KIND_BAD_FDS,
+                                          "%s region: its fdinfo has no size line", rule->name);
                 break;
         }
         if (actual < size)
-                return errmsg_set(errmsg, -EINVAL,
+                return errmsg_set(errmsg, -ERROR_KIND_INVALID_ARGUMENT,
                                   "%s region of %" PRIu64 " bytes: the fd has only %" PRIu64 " bytes",
                                   rule->name, size, actual);
         return 0;
 
 wrong:
         fd_describe(fd, &stx, what, sizeof(what));
-        return errmsg_set(errmsg, -EBADF, "%s region: the fd is %s, not %s", rule->name, what, rule->is);
+        return errmsg_set(errmsg, -ERROR_KIND_BAD_FDS, "%s region: the fd is %s, not %s", rule->name, what,
+                          rule->is);
 }

@@ -148,8 +148,9 @@ void clientfd_take_run(struct cf_take *t) {
                                               t->number, (int)t->pid);
                         break;
                 case EBADF:
-                        t->error = errmsg_set(t->errmsg, -EBADF, "fd %d of pid %d: no such open descriptor",
-                                              t->number, (int)t->pid);
+                        t->error = errmsg_set(t->errmsg, -ERROR_KIND_BAD_FDS,
+                                              "fd %d of pid %d: no such open descriptor", t->number,
+                                              (int)t->pid);
                         break;
                 case ESRCH:
                         t->error = errmsg_set(t->errmsg, -ESRCH,
@@ -226,7 +227,8 @@ int clientfd_take(struct clientfds *cf, int sock, const struct ucred *cred, int6
         int pidfd, r;
 
         if (number < 0 || number > INT_MAX)
-                return errmsg_set(errmsg, -EINVAL, "fd number %" PRId64 " is outside 0..%d", number, INT_MAX);
+                return errmsg_set(errmsg, -ERROR_KIND_INVALID_ARGUMENT,
+                                  "fd number %" PRId64 " is outside 0..%d", number, INT_MAX);
         /* The fd to come counts now: its uid's cap bounds the takes too. */
         r = clientfds_charge(cf, cred->uid, 1, errmsg);
         if (r < 0)

@@ -104,9 +104,9 @@ int clientfds_budget_check(const struct clientfds *cf, uint32_t n, char *errmsg)
  *            (what cuMemExportToShareableHandle gives)
  *   dma-buf  an anonymous inode whose fdinfo has the dma-buf lines and
  *            whose filesystem is dma-buf's; at least `size` bytes
- * and never an O_PATH fd. Returns 0, -EBADF for an fd of another kind
- * (errmsg names what it is), -EINVAL for a size beyond the buffer or an
- * unknown kind. */
+ * and never an O_PATH fd. Returns 0, -ERROR_KIND_BAD_FDS for an fd of
+ * another kind (errmsg names what it is), -ERROR_KIND_INVALID_ARGUMENT for
+ * a size beyond the buffer or an unknown kind (error kinds: errors.h). */
 int clientfd_check(const struct clientfds *cf, int fd, Moeep__V1__RegionKind kind, uint64_t size,
                    char *errmsg);
 
@@ -128,10 +128,11 @@ typedef void clientfd_take_fn(void *ctx, int fd, int error, const char *errmsg);
  * close-on-exec FUSE file), so the take runs in the uid's own closer
  * queue: it stalls only that uid. `done` is called later on the loop,
  * exactly once (with `base` NULL: before this returns). Returns 0, or
- * -errno with errmsg (then `done` is never called): -EINVAL for a number
- * outside 0..INT_MAX, -EOPNOTSUPP where the kernel lacks SO_PEERPIDFD,
+ * -errno with errmsg (then `done` is never called):
+ * -ERROR_KIND_INVALID_ARGUMENT for a number outside 0..INT_MAX, -EOPNOTSUPP where the kernel lacks SO_PEERPIDFD,
  * -ESRCH when the connecting process is gone, -EDQUOT/-EMFILE for the
- * caps. What `done` may get: -EBADF (nothing open at `number`), -ESRCH
+ * caps. What `done` may get: -ERROR_KIND_BAD_FDS (nothing open at
+ * `number`), -ESRCH
  * (the process exited), -ERROR_KIND_PERMISSION_DENIED (the daemon may not
  * ptrace the client: CAP_SYS_PTRACE missing, or the process's ids
  * changed). */

@@ -14,6 +14,7 @@
 #include "broker.h"
 #include "clientfd.h"
 #include "config.h"
+#include "errors.h"
 #include "job.h"
 #include "unit.h"
 
@@ -109,15 +110,16 @@ static void test_register_checks(void **state) {
         uint64_t id;
         int fd = unit_memfd(4096, NULL);
 
-        assert_int_equal(reg(f, f->m[0][0], 0, 0, NULL), -EINVAL);
-        assert_int_equal(reg(f, f->m[0][0], 4097, 0, NULL), -EINVAL); /* larger than the memfd */
+        assert_int_equal(reg(f, f->m[0][0], 0, 0, NULL), -ERROR_KIND_INVALID_ARGUMENT);
+        assert_int_equal(reg(f, f->m[0][0], 4097, 0, NULL),
+                         -ERROR_KIND_INVALID_ARGUMENT); /* larger than the memfd */
         assert_int_equal(broker_register(f->broker, f->m[0][0], 1000,
                                          MOEEP__V1__REGION_KIND__REGION_KIND_UNSPECIFIED, 4096, 0, fd, &id,
                                          errmsg),
-                         -EINVAL);
+                         -ERROR_KIND_INVALID_ARGUMENT);
         assert_int_equal(broker_register(f->broker, f->m[0][0], 1000, (Moeep__V1__RegionKind)77, 4096, 0, fd,
                                          &id, errmsg),
-                         -EINVAL);
+                         -ERROR_KIND_INVALID_ARGUMENT);
         assert_non_null(strstr(errmsg, "77"));
         close(fd);
         /* A memfd region must be a regular file: a pipe is not. */
@@ -126,7 +128,7 @@ static void test_register_checks(void **state) {
 
                 assert_int_equal(pipe(p), 0);
                 assert_int_equal(broker_register(f->broker, f->m[0][0], 1000, MEMFD, 1, 0, p[0], &id, errmsg),
-                                 -EBADF);
+                                 -ERROR_KIND_BAD_FDS);
                 close(p[0]);
                 close(p[1]);
         }
@@ -140,13 +142,13 @@ static void test_caps(void **state) {
         f->config.max_regions_per_session = 2;
         assert_int_equal(reg(f, f->m[0][0], 100, 0, NULL), 0);
         assert_int_equal(reg(f, f->m[0][0], 100, 1, NULL), 0);
-        assert_int_equal(reg(f, f->m[0][0], 100, 2, NULL), -EDQUOT);
+        assert_int_equal(reg(f, f->m[0][0], 100, 2, NULL), -ERROR_KIND_LIMIT_EXCEEDED);
         f->config.max_region_bytes_per_uid = 300;
         assert_int_equal(reg(f, f->m[0][1], 100, 0, NULL), 0);
-        assert_int_equal(reg(f, f->m[0][1], 1, 0, NULL), -EDQUOT);
+        assert_int_equal(reg(f, f->m[0][1], 1, 0, NULL), -ERROR_KIND_LIMIT_EXCEEDED);
         f->config.max_region_bytes_per_uid = UINT64_MAX;
         f->config.max_fds_per_uid = 3;
-        assert_int_equal(reg(f, f->m[1][0], 1, 0, NULL), -EDQUOT);
+        assert_int_equal(reg(f, f->m[1][0], 1, 0, NULL), -ERROR_KIND_LIMIT_EXCEEDED);
         /* Dropping a member gives its share back. */
         broker_drop_member(f->broker, f->m[0][0]);
         assert_int_equal(reg(f, f->m[1][0], 1, 0, NULL), 0);
@@ -185,12 +187,15 @@ static void test_fetch_stays_in_job(void **state) {
         assert_int_equal(broker_fetch(f->m[1][1], -1, 9, 64, &found, &n, errmsg), 0);
         assert_int_equal(n, 0);
         /* Ranks outside the job, bad tags, too many for one reply. */
-        assert_int_equal(broker_fetch(f->m[0][0], 2, -1, 64, &found, &n, errmsg), -ERANGE);
-        assert_int_equal(broker_fetch(f->m[0][0], -2, -1, 64, &found, &n, errmsg), -ERANGE);
-        assert_int_equal(broker_fetch(f->m[0][0], -1, -5, 64, &found, &n, errmsg), -EINVAL);
+        assert_int_equal(broker_fetch(f->m[0][0], 2, -1, 64, &found, &n, errmsg),
+                         -ERROR_KIND_RANK_OUT_OF_RANGE);
+        assert_int_equal(broker_fetch(f->m[0][0], -2, -1, 64, &found, &n, errmsg),
+                         -ERROR_KIND_RANK_OUT_OF_RANGE);
+        assert_int_equal(broker_fetch(f->m[0][0], -1, -5, 64, &found, &n, errmsg),
+                         -ERROR_KIND_INVALID_ARGUMENT);
         assert_int_equal(broker_fetch(f->m[0][0], -1, (int64_t)UINT32_MAX + 1, 64, &found, &n, errmsg),
-                         -EINVAL);
-        assert_int_equal(broker_fetch(f->m[0][0], -1, -1, 1, &found, &n, errmsg), -E2BIG);
+                         -ERROR_KIND_INVALID_ARGUMENT);
+        assert_int_equal(broker_fetch(f->m[0][0], -1, -1, 1, &found, &n, errmsg), -ERROR_KIND_LIMIT_EXCEEDED);
 }
 
 static void test_regions_go_with_owner(void **state) {
@@ -218,10 +223,10 @@ static void test_release(void **state) {
 
         assert_int_equal(broker_register(f->broker, f->m[0][1], 1000, MEMFD, 64, 0, fd, &id, errmsg), 0);
         /* Only the owner can release it. */
-        assert_int_equal(broker_release(f->broker, f->m[0][0], id, errmsg), -EINVAL);
-        assert_int_equal(broker_release(f->broker, f->m[1][1], id, errmsg), -EINVAL);
+        assert_int_equal(broker_release(f->broker, f->m[0][0], id, errmsg), -ERROR_KIND_INVALID_ARGUMENT);
+        assert_int_equal(broker_release(f->broker, f->m[1][1], id, errmsg), -ERROR_KIND_INVALID_ARGUMENT);
         assert_int_equal(broker_release(f->broker, f->m[0][1], id, errmsg), 0);
-        assert_int_equal(broker_release(f->broker, f->m[0][1], id, errmsg), -EINVAL);
+        assert_int_equal(broker_release(f->broker, f->m[0][1], id, errmsg), -ERROR_KIND_INVALID_ARGUMENT);
         assert_int_equal(f->m[0][1]->nregions, 0);
         assert_int_equal(unit_count_fds(), before);
 }
@@ -230,7 +235,7 @@ static void test_aborted_job_refuses(void **state) {
         struct fixture *f = *state;
 
         f->m[0][1]->job->state = JOB_ABORTED;
-        assert_int_equal(reg(f, f->m[0][1], 64, 0, NULL), -EPIPE);
+        assert_int_equal(reg(f, f->m[0][1], 64, 0, NULL), -ERROR_KIND_PEER_LOST);
         f->m[0][1]->job->state = JOB_READY;
 }
 

@@ -70,7 +70,7 @@ static int check(struct fixture *f, int fd, Moeep__V1__RegionKind kind, uint64_t
 static void expect_refused(struct fixture *f, int fd, Moeep__V1__RegionKind kind, const char *is) {
         char msg[ERRMSG_MAX];
 
-        assert_int_equal(check(f, fd, kind, 4096, msg), -EBADF);
+        assert_int_equal(check(f, fd, kind, 4096, msg), -ERROR_KIND_BAD_FDS);
         if (!strstr(msg, clientfd_kind_to_string(kind)) || !strstr(msg, is))
                 fail_msg("%s: message '%s' does not say '%s'", clientfd_kind_to_string(kind), msg, is);
 }
@@ -102,7 +102,7 @@ static void test_kinds(void **state) {
         /* memfds: any memfd of the size, sealed or not. */
         assert_int_equal(check(f, mem, MEMFD, 4096, msg), 0);
         assert_int_equal(check(f, sealed, MEMFD, 8192, msg), 0);
-        assert_int_equal(check(f, small, MEMFD, 4096, msg), -EINVAL);
+        assert_int_equal(check(f, small, MEMFD, 4096, msg), -ERROR_KIND_INVALID_ARGUMENT);
         assert_non_null(strstr(msg, "only 100 bytes"));
         for (int k = 0; k < 3; k++) {
                 Moeep__V1__RegionKind kind = k == 0 ? MEMFD : k == 1 ? CUMEM : DMABUF;
@@ -118,8 +118,8 @@ static void test_kinds(void **state) {
         }
         if (shm >= 0)
                 expect_refused(f, shm, MEMFD, "on a tmpfs or hugetlbfs mount");
-        assert_int_equal(check(f, mem, (Moeep__V1__RegionKind)77, 4096, msg), -EINVAL);
-        assert_int_equal(check(f, -1, MEMFD, 4096, msg), -EBADF);
+        assert_int_equal(check(f, mem, (Moeep__V1__RegionKind)77, 4096, msg), -ERROR_KIND_INVALID_ARGUMENT);
+        assert_int_equal(check(f, -1, MEMFD, 4096, msg), -ERROR_KIND_BAD_FDS);
 
         {
                 const int all[] = { p[0], p[1], sp[0], sp[1], mem, small, sealed, dir, efd, zero, opath };
@@ -222,10 +222,11 @@ static void test_takes(void **state) {
 
         assert_int_equal(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sp), 0);
         /* Not a descriptor number: refused before anything, nothing charged. */
-        assert_int_equal(clientfd_take(f->cf, sp[0], &me, -1, take_cb, NULL, msg), -EINVAL);
+        assert_int_equal(clientfd_take(f->cf, sp[0], &me, -1, take_cb, NULL, msg),
+                         -ERROR_KIND_INVALID_ARGUMENT);
         assert_non_null(strstr(msg, "fd number -1 is outside 0..2147483647"));
         assert_int_equal(clientfd_take(f->cf, sp[0], &me, (int64_t)INT32_MAX + 1, take_cb, NULL, msg),
-                         -EINVAL);
+                         -ERROR_KIND_INVALID_ARGUMENT);
         assert_int_equal(clientfds_held(f->cf, me.uid), 0);
 
         /* The memfd itself, charged while the daemon holds it, and of the
@@ -249,7 +250,7 @@ static void test_takes(void **state) {
         closed = 900;
         assert_int_equal(fcntl(closed, F_GETFD), -1);
         res = take(f, sp[0], &me, closed);
-        assert_int_equal(res.error, -EBADF);
+        assert_int_equal(res.error, -ERROR_KIND_BAD_FDS);
         assert_int_equal(res.fd, -1);
         assert_non_null(strstr(res.msg, "no such open descriptor"));
         assert_int_equal(clientfds_held(f->cf, me.uid), 0);
