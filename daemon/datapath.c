@@ -12,6 +12,7 @@
 #include "broker.h"
 #include "config.h"
 #include "datapath.h"
+#include "errors.h"
 #include "log.h"
 #include "proxy.h"
 
@@ -168,7 +169,7 @@ static int region_mem(const struct datapath *dp, const struct job_member *m,
                 seals = fcntl(fd, F_GET_SEALS);
                 if (seals < 0 || !(seals & F_SEAL_SHRINK))
                         return errmsg_set(
-                                errmsg, -EINVAL,
+                                errmsg, -ERROR_KIND_INVALID_ARGUMENT,
                                 "%s: the memfd must be sealed with F_SEAL_SHRINK (memfd_create with "
                                 "MFD_ALLOW_SEALING, then fcntl F_ADD_SEALS)%s",
                                 name, seals < 0 ? ": it is not a memfd that allows seals" : "");
@@ -184,12 +185,12 @@ static int region_mem(const struct datapath *dp, const struct job_member *m,
                 break;
         case MOEEP__V1__REGION_KIND__REGION_KIND_UNSPECIFIED:
         case _MOEEP__V1__REGION_KIND_IS_INT_SIZE:
-                return errmsg_set(errmsg, -EINVAL,
+                return errmsg_set(errmsg, -ERROR_KIND_INVALID_ARGUMENT,
                                   "%s: kind %d: need a memfd (or a dma-buf or cuMem fd) for the %s transport",
                                   name, (int)rr->kind, datapath_backend(dp));
         }
         if (rr->proxy == MOEEP__V1__PROXY_ROLE__PROXY_ROLE_COUNTERS && rr->size % 8)
-                return errmsg_set(errmsg, -EINVAL,
+                return errmsg_set(errmsg, -ERROR_KIND_INVALID_ARGUMENT,
                                   "%s: size %" PRIu64 " is not a multiple of 8 (uint64 counters)", name,
                                   rr->size);
         return 0;
@@ -207,20 +208,21 @@ int datapath_region_register(struct datapath *dp, struct broker *b, struct job_m
         int r;
 
         if (rr->proxy <= MOEEP__V1__PROXY_ROLE__PROXY_ROLE_NONE || rr->proxy >= ROLES)
-                return errmsg_set(errmsg, -EINVAL, "region register: proxy role %d is unknown",
-                                  (int)rr->proxy);
+                return errmsg_set(errmsg, -ERROR_KIND_INVALID_ARGUMENT,
+                                  "region register: proxy role %d is unknown", (int)rr->proxy);
         if (!datapath_up(dp, &why))
                 return errmsg_set(errmsg, -ENODEV, "%s region of rank %" PRIu32 ": %s",
                                   role_to_string(rr->proxy), m->rank, why);
         dr = rank_find(dp, m);
         if (dr && dr->region_id[rr->proxy])
-                return errmsg_set(errmsg, -EINVAL,
+                return errmsg_set(errmsg, -ERROR_KIND_INVALID_ARGUMENT,
                                   "rank %" PRIu32 " of job %" PRIu64
                                   " already registered a %s region (region %" PRIu64 "): release it first",
                                   m->rank, m->job->id, role_to_string(rr->proxy), dr->region_id[rr->proxy]);
         if (m->job->state == JOB_ABORTED)
-                return errmsg_set(errmsg, -EPIPE, "job %" PRIu64 " is aborted: rank %" PRId32 " was lost",
-                                  m->job->id, m->job->lost_rank);
+                return errmsg_set(errmsg, -ERROR_KIND_PEER_LOST,
+                                  "job %" PRIu64 " is aborted: rank %" PRId32 " was lost", m->job->id,
+                                  m->job->lost_rank);
         r = region_mem(dp, m, rr, *fd, &mem, name, sizeof(name), errmsg);
         if (r < 0)
                 return r;
@@ -276,7 +278,7 @@ int datapath_region_release(struct datapath *dp, struct job_member *m, uint64_t 
                 if (dr->region_id[role] != id)
                         continue;
                 if (role == MOEEP__V1__PROXY_ROLE__PROXY_ROLE_SEND && dr->nchannels)
-                        return errmsg_set(errmsg, -EINVAL,
+                        return errmsg_set(errmsg, -ERROR_KIND_INVALID_ARGUMENT,
                                           "region %" PRIu64 " is rank %" PRIu32
                                           "'s proxy send region and %" PRIu32
                                           " channel(s) read it: leave the job to close them",
@@ -312,12 +314,12 @@ static int route_fill(struct datapath *dp, const struct job_member *m, const str
         if (r == m->rank || job_rank_local(job, r))
                 return 0;
         if (!nodes[r].address[0])
-                return errmsg_set(errmsg, -EAGAIN, "rank %" PRIu32 " of job %" PRIu64 " has not joined yet",
-                                  r, job->id);
+                return errmsg_set(errmsg, -ERROR_KIND_NOT_READY,
+                                  "rank %" PRIu32 " of job %" PRIu64 " has not joined yet", r, job->id);
         e = dp->hooks.transport_peer(dp->hooks.ctx, nodes[r].address, &ret->tp_peer);
         if (e < 0)
                 return errmsg_set(
-                        errmsg, -EAGAIN,
+                        errmsg, -ERROR_KIND_NOT_READY,
                         "rank %" PRIu32 " of job %" PRIu64 ": no transport connection to its daemon %s "
                         "yet (%s)",
                         r, job->id, nodes[r].address,
@@ -326,7 +328,7 @@ static int route_fill(struct datapath *dp, const struct job_member *m, const str
         recv = remote_find(dp, job, r, MOEEP__V1__PROXY_ROLE__PROXY_ROLE_RECV);
         counters = remote_find(dp, job, r, MOEEP__V1__PROXY_ROLE__PROXY_ROLE_COUNTERS);
         if (!recv || !counters)
-                return errmsg_set(errmsg, -EAGAIN,
+                return errmsg_set(errmsg, -ERROR_KIND_NOT_READY,
                                   "rank %" PRIu32 " of job %" PRIu64
                                   " (at daemon %s) has not registered its proxy "
                                   "%s region%s yet: register, pass a job barrier, then open the channel",
@@ -353,18 +355,20 @@ int datapath_channel_open(struct datapath *dp, struct job_member *m, uint32_t ca
         if (!datapath_up(dp, &why))
                 return errmsg_set(errmsg, -ENODEV, "channel open: %s", why);
         if (m->job->state == JOB_ABORTED)
-                return errmsg_set(errmsg, -EPIPE, "job %" PRIu64 " is aborted: rank %" PRId32 " was lost",
-                                  m->job->id, m->job->lost_rank);
+                return errmsg_set(errmsg, -ERROR_KIND_PEER_LOST,
+                                  "job %" PRIu64 " is aborted: rank %" PRId32 " was lost", m->job->id,
+                                  m->job->lost_rank);
         dr = rank_find(dp, m);
         if (!dr || !dr->mr[MOEEP__V1__PROXY_ROLE__PROXY_ROLE_SEND])
-                return errmsg_set(errmsg, -EINVAL,
+                return errmsg_set(errmsg, -ERROR_KIND_INVALID_ARGUMENT,
                                   "channel open: rank %" PRIu32 " of job %" PRIu64
                                   " has no proxy send region "
                                   "(RegionRegister with proxy = PROXY_ROLE_SEND first)",
                                   m->rank, m->job->id);
         if (dr->nchannels >= DATAPATH_MAX_CHANNELS)
-                return errmsg_set(errmsg, -EDQUOT, "channel open: rank %" PRIu32 " already has %d channels",
-                                  m->rank, DATAPATH_MAX_CHANNELS);
+                return errmsg_set(errmsg, -ERROR_KIND_LIMIT_EXCEEDED,
+                                  "channel open: rank %" PRIu32 " already has %d channels", m->rank,
+                                  DATAPATH_MAX_CHANNELS);
         dp->hooks.job_nodes(dp->hooks.ctx, m->job, nodes);
         for (uint32_t i = 0; i < m->job->world_size; i++) {
                 r = route_fill(dp, m, nodes, i, &routes[i], errmsg);

@@ -109,23 +109,23 @@ void datapath_peer_fail(struct datapath *dp, uint32_t tp_peer, int error);
  * the mesh (with the rkey for recv and counter regions). `*fd` is taken
  * (set to -1) once the broker took it, on success and on a later failure
  * alike (the broker then closes it, off the loop), so the caller closes it
- * only while it is still >= 0. Errors as broker_register, plus -ENODEV
- * without a data path, -EOPNOTSUPP for a kind the transport cannot
- * register. */
+ * only while it is still >= 0. Errors as broker_register (a bad role, kind,
+ * seal or size: -ERROR_KIND_INVALID_ARGUMENT), plus -ENODEV without a data
+ * path, -EOPNOTSUPP for a kind the transport cannot register. */
 int datapath_region_register(struct datapath *dp, struct broker *b, struct job_member *m, uid_t uid,
                              const Moeep__V1__RegionRegister *rr, int *fd, uint64_t *ret_id, char *errmsg);
 
 /* Before broker_release(): drops the transport registration when `id` is one
- * of `m`'s proxy regions. -EINVAL for a send region that an open channel
- * reads. */
+ * of `m`'s proxy regions. -ERROR_KIND_INVALID_ARGUMENT for a send region
+ * that an open channel reads. */
 int datapath_region_release(struct datapath *dp, struct job_member *m, uint64_t id, char *errmsg);
 
 /* ChannelOpen: creates a ring of `capacity` descriptors (0: the default)
  * whose descriptor peer r goes to rank r of `m`'s job, hands it to the
  * proxy and returns its fd (the caller's) and id. Errors: -ENODEV without a
- * data path, -EPIPE for an aborted job, -EINVAL no send region or a bad
- * capacity, -EDQUOT past DATAPATH_MAX_CHANNELS, -EAGAIN (ERROR_NOT_READY)
- * when a rank at another daemon has not joined, has no transport connection
+ * data path, and error kinds (errors.h): PEER_LOST for an aborted job,
+ * INVALID_ARGUMENT no send region or a bad capacity, LIMIT_EXCEEDED past
+ * DATAPATH_MAX_CHANNELS, NOT_READY when a rank at another daemon has not joined, has no transport connection
  * yet, or has not registered its recv and counters regions. */
 int datapath_channel_open(struct datapath *dp, struct job_member *m, uint32_t capacity, int *ret_fd,
                           uint64_t *ret_ring_id, uint32_t *ret_capacity, char *errmsg);
