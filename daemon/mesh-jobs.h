@@ -90,9 +90,10 @@ void mesh_jobs_free(struct mesh_jobs *mj);
  * `home` (from the unique id, as the client sent it), which must be one of
  * mesh_peers in some spelling: nothing else is ever dialled. Returns 0 when
  * the reply is held back (hooks->joined or ->join_failed follows), or
- * -errno with errmsg naming the address: -ENOENT when the mesh is off (`mj`
- * NULL) or `home` is not a configured peer, -EINVAL when it is no address
- * or this daemon, -EALREADY when `s` already waits for one. */
+ * an error kind (errors.h) with errmsg naming the address: NO_SUCH_JOB when
+ * the mesh is off (`mj` NULL) or `home` is not a configured peer,
+ * INVALID_ARGUMENT when it is no address or this daemon, or when `s`
+ * already waits for one; or -ENOMEM. */
 int mesh_jobs_join_forward(struct mesh_jobs *mj, struct session *s, uint64_t rid,
                            const Moeep__V1__JobJoin *jj, const char *home, char *errmsg);
 

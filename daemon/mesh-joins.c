@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "errors.h"
 #include "job.h"
 #include "log.h"
 #include "mesh-jobs-internal.h"
@@ -87,29 +88,31 @@ int mesh_jobs_join_forward(struct mesh_jobs *mj, struct session *s, uint64_t rid
         mesh_claim_printable(home, said);
         if (!mj)
                 return errmsg_set(
-                        errmsg, -ENOENT,
+                        errmsg, -ERROR_KIND_NO_SUCH_JOB,
                         "the job was created at daemon %s, and this daemon's mesh is off (mesh_listen)",
                         said);
         if (jj->unique_id.len > MOEEP_UNIQUE_ID_BYTES || strlen(jj->gpu_uuid) > MOEEP_GPU_UUID_MAX)
-                return errmsg_set(errmsg, -EINVAL, "unique id of %zu bytes or gpu uuid of %zu: too long",
-                                  jj->unique_id.len, strlen(jj->gpu_uuid));
+                return errmsg_set(errmsg, -ERROR_KIND_INVALID_ARGUMENT,
+                                  "unique id of %zu bytes or gpu uuid of %zu: too long", jj->unique_id.len,
+                                  strlen(jj->gpu_uuid));
         /* The address comes from the client: it is only ever looked up
          * among the configured peers, never dialled as it is. */
         if (mesh_address_canon(home, canon) < 0)
-                return errmsg_set(errmsg, -EINVAL,
+                return errmsg_set(errmsg, -ERROR_KIND_INVALID_ARGUMENT,
                                   "the unique id names daemon '%s', which is not a mesh address", said);
         if (strcmp(canon, mesh_address(mj->mesh)) == 0)
-                return errmsg_set(errmsg, -EINVAL, "the unique id names daemon '%s', which is this one (%s)",
-                                  said, mesh_address(mj->mesh));
+                return errmsg_set(errmsg, -ERROR_KIND_INVALID_ARGUMENT,
+                                  "the unique id names daemon '%s', which is this one (%s)", said,
+                                  mesh_address(mj->mesh));
         p = mesh_configured_find(mj->mesh, canon);
         if (!p)
-                return errmsg_set(errmsg, -ENOENT,
+                return errmsg_set(errmsg, -ERROR_KIND_NO_SUCH_JOB,
                                   "the job's daemon %s (named in the unique id) is not one of this daemon's "
                                   "mesh_peers: the join is not forwarded",
                                   said);
         TAILQ_FOREACH (j, &mj->joins, entry)
                 if (j->session == s)
-                        return errmsg_set(errmsg, -EALREADY,
+                        return errmsg_set(errmsg, -ERROR_KIND_INVALID_ARGUMENT,
                                           "session %" PRIu64 " already waits for a join at daemon %s",
                                           mj->hooks.session_id(s), j->home);
         j = calloc(1, sizeof(*j));
