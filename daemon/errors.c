@@ -18,21 +18,21 @@ static const struct error_row {
 _Static_assert(sizeof(error_rows) / sizeof(error_rows[0]) == ERROR_KIND_LAST - ERROR_KIND_FIRST + 1,
                "one row per error kind");
 
-/* The errno values that unconverted modules still return for a refusal
- * (documented in their headers), read as the kind. Never EACCES or EPERM
- * (what mmap() and a sealed fd say), ESHUTDOWN or EDOM: those refusals are
- * returned only as kinds. */
+/* The two errno values that do reach a client and have a natural code,
+ * read as that kind. EDQUOT: the fd accounting's caps (clientfd.c,
+ * session.c's send path), a quota, met by any request whose reply carries
+ * a descriptor (JobJoined) and by a RegionRegister that takes one. EINVAL:
+ * what the transports and the proxy (tp-*.c, proxy.c, which speak errno)
+ * say of a region or ring the client asked for (a ring capacity, a memory
+ * kind they cannot register). Every other refusal is returned as its kind
+ * by the module that decides it; never EACCES or EPERM (what mmap() and a
+ * sealed fd say), ESHUTDOWN or EDOM. */
 static const struct error_alias {
         int errnum;
         enum error_kind kind;
 } aliases[] = {
-        { EINVAL, ERROR_KIND_INVALID_ARGUMENT }, { EALREADY, ERROR_KIND_INVALID_ARGUMENT },
-        { ENOENT, ERROR_KIND_NO_SUCH_JOB },      { ERANGE, ERROR_KIND_RANK_OUT_OF_RANGE },
-        { EEXIST, ERROR_KIND_RANK_TAKEN },       { EDQUOT, ERROR_KIND_LIMIT_EXCEEDED },
-        { E2BIG, ERROR_KIND_LIMIT_EXCEEDED },    { ENOTCONN, ERROR_KIND_NOT_IN_JOB },
-        { ECANCELED, ERROR_KIND_NOT_IN_JOB },    { EISCONN, ERROR_KIND_ALREADY_IN_JOB },
-        { EBADF, ERROR_KIND_BAD_FDS },           { EPIPE, ERROR_KIND_PEER_LOST },
-        { EAGAIN, ERROR_KIND_NOT_READY },
+        { EDQUOT, ERROR_KIND_LIMIT_EXCEEDED },
+        { EINVAL, ERROR_KIND_INVALID_ARGUMENT },
 };
 
 static const struct error_row *error_row_of(int r) {

@@ -40,13 +40,17 @@ static void test_system_errnos(void **state) {
         assert_int_equal(error_code(-ERROR_KIND_DRAINING), MOEEP__V1__ERROR_CODE__ERROR_DRAINING);
         assert_int_equal(error_code(-ERROR_KIND_WORLD_SIZE_MISMATCH),
                          MOEEP__V1__ERROR_CODE__ERROR_WORLD_SIZE_MISMATCH);
-        /* The aliases modules still return. */
+        /* The two errnos read as a kind: the fd caps, and the transports'
+         * and the proxy's refusals. */
         assert_int_equal(error_code(-EINVAL), MOEEP__V1__ERROR_CODE__ERROR_INVALID_ARGUMENT);
-        assert_int_equal(error_code(-ENOENT), MOEEP__V1__ERROR_CODE__ERROR_NO_SUCH_JOB);
         assert_int_equal(error_code(-EDQUOT), MOEEP__V1__ERROR_CODE__ERROR_LIMIT_EXCEEDED);
-        assert_int_equal(error_code(-E2BIG), MOEEP__V1__ERROR_CODE__ERROR_LIMIT_EXCEEDED);
-        assert_int_equal(error_code(-ECANCELED), MOEEP__V1__ERROR_CODE__ERROR_NOT_IN_JOB);
-        assert_int_equal(error_code(-EAGAIN), MOEEP__V1__ERROR_CODE__ERROR_NOT_READY);
+        /* The errnos modules used to return for a refusal, now kinds: a
+         * system call's ENOENT, EAGAIN or EPIPE is no refusal. */
+        static const int former[] = { ENOENT,  ERANGE, EEXIST, E2BIG,  ENOTCONN, ECANCELED,
+                                      EISCONN, EBADF,  EPIPE,  EAGAIN, EALREADY };
+
+        for (size_t i = 0; i < sizeof(former) / sizeof(former[0]); i++)
+                assert_int_equal(error_code(-former[i]), MOEEP__V1__ERROR_CODE__ERROR_INTERNAL);
         assert_string_equal(error_to_string(-EACCES), strerror(EACCES));
 }
 
