@@ -236,47 +236,22 @@ static int reply_query(struct session *s, uint64_t rid, int r, struct query_resp
         return r;
 }
 
-static int handle_status_get(struct requests *rq, struct session *s, uint64_t rid,
-                             const Moeep__V1__Request *req, struct moeep_record *rec, char *errmsg) {
-        struct query_response q;
-
-        return reply_query(s, rid, query_status(rq->view, s, &q, errmsg), &q);
-}
-
-static int handle_jobs_list(struct requests *rq, struct session *s, uint64_t rid,
-                            const Moeep__V1__Request *req, struct moeep_record *rec, char *errmsg) {
-        struct query_response q;
-
-        return reply_query(s, rid, query_jobs(rq->view, s, &q, errmsg), &q);
-}
-
-static int handle_clients_list(struct requests *rq, struct session *s, uint64_t rid,
-                               const Moeep__V1__Request *req, struct moeep_record *rec, char *errmsg) {
-        struct query_response q;
-
-        return reply_query(s, rid, query_clients(rq->view, s, &q, errmsg), &q);
-}
-
-static int handle_metrics_get(struct requests *rq, struct session *s, uint64_t rid,
-                              const Moeep__V1__Request *req, struct moeep_record *rec, char *errmsg) {
-        struct query_response q;
-
-        return reply_query(s, rid, query_metrics(rq->view, s, &q, errmsg), &q);
-}
-
-static int handle_nics_list(struct requests *rq, struct session *s, uint64_t rid,
-                            const Moeep__V1__Request *req, struct moeep_record *rec, char *errmsg) {
-        struct query_response q;
-
-        return reply_query(s, rid, query_nics(rq->view, s, &q, errmsg), &q);
-}
-
-static int handle_mesh_list(struct requests *rq, struct session *s, uint64_t rid,
-                            const Moeep__V1__Request *req, struct moeep_record *rec, char *errmsg) {
-        struct query_response q;
-
-        return reply_query(s, rid, query_mesh(rq->view, s, &q, errmsg), &q);
-}
+/* The listings: each handler runs its query (query.h), which fills an
+ * answer from the daemon's view, and sends it. */
+#define QUERY_HANDLER(field, query)                                                                        \
+        static int handle_##field(struct requests *rq, struct session *s, uint64_t rid,                    \
+                                  const Moeep__V1__Request *req, struct moeep_record *rec, char *errmsg) { \
+                struct query_response q;                                                                   \
+                                                                                                           \
+                return reply_query(s, rid, query(rq->view, s, &q, errmsg), &q);                            \
+        }
+QUERY_HANDLER(status_get, query_status)
+QUERY_HANDLER(jobs_list, query_jobs)
+QUERY_HANDLER(clients_list, query_clients)
+QUERY_HANDLER(metrics_get, query_metrics)
+QUERY_HANDLER(nics_list, query_nics)
+QUERY_HANDLER(mesh_list, query_mesh)
+#undef QUERY_HANDLER
 
 static int handle_log_level_set(struct requests *rq, struct session *s, uint64_t rid,
                                 const Moeep__V1__Request *req, struct moeep_record *rec, char *errmsg) {

@@ -28,7 +28,6 @@
 #include <fcntl.h>
 #include <getopt.h>
 #include <inttypes.h>
-#include <stdarg.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -40,19 +39,8 @@
 #include "../job-id.h"
 #include "moeep.h"
 
-static int my_rank = -1;
-
-static int fail(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static int fail(const char *fmt, ...) {
-        va_list ap;
-
-        fprintf(stderr, "mesh-rank %d: ", my_rank);
-        va_start(ap, fmt);
-        vfprintf(stderr, fmt, ap);
-        va_end(ap);
-        fputc('\n', stderr);
-        return 1;
-}
+#define RANK_PROGRAM "mesh-rank"
+#include "rank-fail.h"
 
 static int run(struct moeep_client *c, const char *id_file, bool create, int world, uint32_t want_local,
                uint32_t want_remote, const char *ready_file, bool expect_lost, bool hold) {

@@ -40,7 +40,6 @@
 #include <getopt.h>
 #include <sched.h>
 #include <inttypes.h>
-#include <stdarg.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -54,20 +53,10 @@
 #include "../job-id.h"
 #include "moeep.h"
 
-static int my_rank = -1;
+#define RANK_PROGRAM "proxy-rank"
+#include "rank-fail.h"
+
 static uint64_t deadline_ns;
-
-static int fail(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static int fail(const char *fmt, ...) {
-        va_list ap;
-
-        fprintf(stderr, "proxy-rank %d: ", my_rank);
-        va_start(ap, fmt);
-        vfprintf(stderr, fmt, ap);
-        va_end(ap);
-        fputc('\n', stderr);
-        return 1;
-}
 
 /* ------------------------------------------------------------ regions */
 
