@@ -171,16 +171,25 @@ int session_respond(struct session *s, uint64_t request_id, Moeep__V1__Response 
         return session_send(s, (uint16_t)resp->body_case, request_id, &resp->base, fds, nfds);
 }
 
-int session_send_error(struct session *s, uint64_t request_id, int code, const char *message) {
-        Moeep__V1__Error err = MOEEP__V1__ERROR__INIT;
-        Moeep__V1__Response resp = MOEEP__V1__RESPONSE__INIT;
-
-        err.code = code;
-        err.message = (char *)message;
-        resp.body_case = MOEEP__V1__RESPONSE__BODY_ERROR;
-        resp.error = &err;
+/* Fills `resp` with Error `code` and `message` (borrowed; `err` holds
+ * them) and counts the code in the registry's errors. */
+static void error_fill(struct sessions *reg, int code, const char *message, Moeep__V1__Error *err,
+                       Moeep__V1__Response *resp) {
+        moeep__v1__error__init(err);
+        moeep__v1__response__init(resp);
+        err->code = code;
+        err->message = (char *)message;
+        resp->body_case = MOEEP__V1__RESPONSE__BODY_ERROR;
+        resp->error = err;
         if (code > 0 && code < SESSION_ERROR_CODES)
-                s->reg->errors[code]++;
+                reg->errors[code]++;
+}
+
+int session_send_error(struct session *s, uint64_t request_id, int code, const char *message) {
+        Moeep__V1__Error err;
+        Moeep__V1__Response resp;
+
+        error_fill(s->reg, code, message, &err, &resp);
         return session_respond(s, request_id, &resp, NULL, 0);
 }
 
@@ -462,16 +471,11 @@ static uint32_t sessions_count_uid(const struct sessions *reg, uid_t uid) {
 /* Turns a connection away with an error it can read, without making a
  * session: a fresh socket's buffer always takes one small record. */
 static int session_refuse(struct sessions *reg, int fd, uid_t uid, int r, const char *why) {
-        Moeep__V1__Error err = MOEEP__V1__ERROR__INIT;
-        Moeep__V1__Response resp = MOEEP__V1__RESPONSE__INIT;
+        Moeep__V1__Error err;
+        Moeep__V1__Response resp;
 
         reg->refused++;
-        reg->errors[MOEEP__V1__ERROR_CODE__ERROR_LIMIT_EXCEEDED]++;
-
-        err.code = MOEEP__V1__ERROR_CODE__ERROR_LIMIT_EXCEEDED;
-        err.message = (char *)why;
-        resp.body_case = MOEEP__V1__RESPONSE__BODY_ERROR;
-        resp.error = &err;
+        error_fill(reg, MOEEP__V1__ERROR_CODE__ERROR_LIMIT_EXCEEDED, why, &err, &resp);
         (void)moeep_record_send(fd, MOEEP__V1__RESPONSE__BODY_ERROR, 0, &resp.base, NULL, 0);
         clientfd_close_session(reg->clientfds, uid, fd);
         return r;
