@@ -1,9 +1,10 @@
 /* The request layer: what a client's records mean. The protocol's one
  * table (proto/messages.def) says, for each request type, its name,
- * whether it needs a job and the feature bit its Hello must have offered;
- * requests.c adds the handler of each. requests_dispatch() checks those and
- * calls the handler, which queues its reply or returns -errno
- * with a message that the dispatcher turns into Error. A rank's lifecycle
+ * whether it needs a job, the feature bit its Hello must have offered and
+ * whether only the admin socket may send it; requests.c adds the handler of
+ * each. requests_dispatch() checks those and calls the handler, which
+ * queues its reply or returns -errno (an error kind for a refusal,
+ * errors.h) with a message that the dispatcher turns into Error. A rank's lifecycle
  * (join, regions, leave, loss) is membership.c's; the listings are
  * query.c's and the operator commands admin.c's: both fill an answer and
  * return it, and the handler here sends it.
