@@ -196,6 +196,14 @@ static int region_mem(const struct datapath *dp, const struct job_member *m,
         return 0;
 }
 
+/* The transports and the proxy speak errno (transport.h, proxy.h): their
+ * -EINVAL refuses what the client asked for (a memory kind or region the
+ * transport cannot register, a ring capacity), which the client is told
+ * as ERROR_INVALID_ARGUMENT. */
+static int client_refusal(int r) {
+        return r == -EINVAL ? -ERROR_KIND_INVALID_ARGUMENT : r;
+}
+
 int datapath_region_register(struct datapath *dp, struct broker *b, struct job_member *m, uid_t uid,
                              const Moeep__V1__RegionRegister *rr, int *fd, uint64_t *ret_id, char *errmsg) {
         const char *why;
@@ -245,7 +253,7 @@ int datapath_region_register(struct datapath *dp, struct broker *b, struct job_m
          * (on a closer thread), and a second close by the caller could hit
          * a number the loop has given to another client's fd meanwhile. */
         *fd = -1;
-        r = dp->tp.ops->mr_new(dp->tp.tp, &mem, &mr, errmsg);
+        r = client_refusal(dp->tp.ops->mr_new(dp->tp.tp, &mem, &mr, errmsg));
         if (r < 0) {
                 broker_release(b, m, id, NULL);
                 goto fail;
@@ -379,7 +387,7 @@ int datapath_channel_open(struct datapath *dp, struct job_member *m, uint32_t ca
                 capacity = DATAPATH_RING_DEFAULT;
         r = proxy_ring_create(capacity, &fd, errmsg);
         if (r < 0)
-                return r;
+                return client_refusal(r);
         ch = calloc(1, sizeof(*ch));
         if (!ch) {
                 close(fd);

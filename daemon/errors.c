@@ -18,21 +18,18 @@ static const struct error_row {
 _Static_assert(sizeof(error_rows) / sizeof(error_rows[0]) == ERROR_KIND_LAST - ERROR_KIND_FIRST + 1,
                "one row per error kind");
 
-/* The two errno values that do reach a client and have a natural code,
- * read as that kind. EDQUOT: the fd accounting's caps (clientfd.c,
- * session.c's send path), a quota, met by any request whose reply carries
- * a descriptor (JobJoined) and by a RegionRegister that takes one. EINVAL:
- * what the transports and the proxy (tp-*.c, proxy.c, which speak errno)
- * say of a region or ring the client asked for (a ring capacity, a memory
- * kind they cannot register). Every other refusal is returned as its kind
- * by the module that decides it; never EACCES or EPERM (what mmap() and a
- * sealed fd say), ESHUTDOWN or EDOM. */
+/* The one errno value read as a kind: EDQUOT, the fd accounting's caps
+ * (clientfd.c, session.c's send path), a quota by its nature, met by any
+ * request whose reply carries a descriptor (JobJoined, Regions,
+ * ChannelOpened) and by a RegionRegister that takes one. Every other
+ * refusal is returned as its kind by the module that decides it; an errno
+ * a system call produced is ERROR_INTERNAL (EINVAL from ftruncate() is no
+ * client's invalid argument, EACCES from mmap() no bad secret). */
 static const struct error_alias {
         int errnum;
         enum error_kind kind;
 } aliases[] = {
         { EDQUOT, ERROR_KIND_LIMIT_EXCEEDED },
-        { EINVAL, ERROR_KIND_INVALID_ARGUMENT },
 };
 
 static const struct error_row *error_row_of(int r) {

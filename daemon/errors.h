@@ -9,13 +9,12 @@
  * from a sealed fd is not "permission denied", ESHUTDOWN or EDOM from
  * anywhere is not "draining" or "world size mismatch". Those refusals exist
  * only as kinds: job.c, broker.c, datapath.c, mesh-joins.c, requests.c and
- * the rest return -ERROR_KIND_* for every refusal they decide. Two errno
- * values are still read as a kind (errors.c's `aliases`), since they reach
- * clients from modules that speak errno and mean just that: EDQUOT, the
- * fd caps (LIMIT_EXCEEDED), and EINVAL, a transport's or the proxy's
- * refusal of what the client asked for (INVALID_ARGUMENT). Any other errno
- * is ERROR_INTERNAL, and the message that comes with it says what it
- * was. */
+ * the rest return -ERROR_KIND_* for every refusal they decide (datapath.c
+ * also for the transports' and the proxy's -EINVAL, which speak errno).
+ * One errno value is still read as a kind (errors.c's `aliases`): EDQUOT,
+ * the fd caps, a quota by its nature, which several paths meet
+ * (LIMIT_EXCEEDED). Any other errno is ERROR_INTERNAL, and the message
+ * that comes with it says what it was. */
 #ifndef MOEEPD_ERRORS_H
 #define MOEEPD_ERRORS_H
 

@@ -40,14 +40,12 @@ static void test_system_errnos(void **state) {
         assert_int_equal(error_code(-ERROR_KIND_DRAINING), MOEEP__V1__ERROR_CODE__ERROR_DRAINING);
         assert_int_equal(error_code(-ERROR_KIND_WORLD_SIZE_MISMATCH),
                          MOEEP__V1__ERROR_CODE__ERROR_WORLD_SIZE_MISMATCH);
-        /* The two errnos read as a kind: the fd caps, and the transports'
-         * and the proxy's refusals. */
-        assert_int_equal(error_code(-EINVAL), MOEEP__V1__ERROR_CODE__ERROR_INVALID_ARGUMENT);
+        /* The one errno read as a kind: the fd caps. */
         assert_int_equal(error_code(-EDQUOT), MOEEP__V1__ERROR_CODE__ERROR_LIMIT_EXCEEDED);
         /* The errnos modules used to return for a refusal, now kinds: a
          * system call's ENOENT, EAGAIN or EPIPE is no refusal. */
-        static const int former[] = { ENOENT,  ERANGE, EEXIST, E2BIG,  ENOTCONN, ECANCELED,
-                                      EISCONN, EBADF,  EPIPE,  EAGAIN, EALREADY };
+        static const int former[] = { EINVAL,    ENOENT,  ERANGE, EEXIST, E2BIG,  ENOTCONN,
+                                      ECANCELED, EISCONN, EBADF,  EPIPE,  EAGAIN, EALREADY };
 
         for (size_t i = 0; i < sizeof(former) / sizeof(former[0]); i++)
                 assert_int_equal(error_code(-former[i]), MOEEP__V1__ERROR_CODE__ERROR_INTERNAL);
