@@ -212,8 +212,9 @@ static int hello_with(struct conn *c, const int *fds, size_t nfds, char *msg, si
         return code_of(resp, msg, size) ?: -1;
 }
 
-/* Hello, then a job of one rank of its own. Returns 0 or -1. */
-static int enter_job(struct conn *c) {
+/* After the Hello: a job of one rank of its own, named `name`. Returns 0
+ * or -1. */
+static int create_and_join(struct conn *c, const char *name) {
         Moeep__V1__JobCreate jc = MOEEP__V1__JOB_CREATE__INIT;
         Moeep__V1__JobJoin jj = MOEEP__V1__JOB_JOIN__INIT;
         Moeep__V1__Request req = MOEEP__V1__REQUEST__INIT;
@@ -222,9 +223,7 @@ static int enter_job(struct conn *c) {
         size_t len;
         int ok;
 
-        if (hello_with(c, NULL, 0, NULL, 0) != 0)
-                return -1;
-        jc.name = "fdattack";
+        jc.name = (char *)name;
         jc.world_size = 1;
         req.body_case = MOEEP__V1__REQUEST__BODY_JOB_CREATE;
         req.job_create = &jc;
@@ -247,6 +246,11 @@ static int enter_job(struct conn *c) {
         ok = resp && resp->body_case == MOEEP__V1__RESPONSE__BODY_JOB_JOINED;
         code_of(resp, NULL, 0);
         return ok ? 0 : -1;
+}
+
+/* Hello, then a job of one rank of its own. Returns 0 or -1. */
+static int enter_job(struct conn *c) {
+        return hello_with(c, NULL, 0, NULL, 0) == 0 ? create_and_join(c, "fdattack") : -1;
 }
 
 /* RegionRegister: 0 with *ret_id, the error code with `msg`, or -1. */

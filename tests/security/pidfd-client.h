@@ -34,38 +34,7 @@ static int hello_features(struct conn *c, uint64_t features) {
 }
 
 static int enter_job_with(struct conn *c, uint64_t features) {
-        Moeep__V1__JobCreate jc = MOEEP__V1__JOB_CREATE__INIT;
-        Moeep__V1__JobJoin jj = MOEEP__V1__JOB_JOIN__INIT;
-        Moeep__V1__Request req = MOEEP__V1__REQUEST__INIT;
-        Moeep__V1__Response *resp;
-        uint8_t uid[256];
-        size_t len;
-        int ok;
-
-        if (hello_features(c, features) != 0)
-                return -1;
-        jc.name = "pidfd";
-        jc.world_size = 1;
-        req.body_case = MOEEP__V1__REQUEST__BODY_JOB_CREATE;
-        req.job_create = &jc;
-        resp = conn_call(c, &req, NULL, 0);
-        if (!resp || resp->body_case != MOEEP__V1__RESPONSE__BODY_JOB_CREATED ||
-            resp->job_created->unique_id.len > sizeof(uid)) {
-                code_of(resp, NULL, 0);
-                return -1;
-        }
-        len = resp->job_created->unique_id.len;
-        memcpy(uid, resp->job_created->unique_id.data, len);
-        moeep__v1__response__free_unpacked(resp, NULL);
-        jj.unique_id.data = uid;
-        jj.unique_id.len = len;
-        jj.world_size = 1;
-        req.body_case = MOEEP__V1__REQUEST__BODY_JOB_JOIN;
-        req.job_join = &jj;
-        resp = conn_call(c, &req, NULL, 0);
-        ok = resp && resp->body_case == MOEEP__V1__RESPONSE__BODY_JOB_JOINED;
-        code_of(resp, NULL, 0);
-        return ok ? 0 : -1;
+        return hello_features(c, features) == 0 ? create_and_join(c, "pidfd") : -1;
 }
 
 /* RegionRegister naming `number` (and attaching `nfds` of `fds`): 0 with
