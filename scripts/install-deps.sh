@@ -9,6 +9,9 @@
 
 moeep_packages=(
         meson ninja-build pkg-config gcc
+        # nvcc's host compiler, where CUDA is installed: without g++ it
+        # stops at "cannot execute 'cc1plus'" (a minimal Debian 12 has none).
+        g++
         # meson takes Debian's multiarch libdir (lib/x86_64-linux-gnu) from
         # dpkg-architecture; without it `meson install` puts libmoeep.so into
         # lib64, where Debian's dynamic linker does not look.
