@@ -2,6 +2,7 @@
  * internode proxy path's regions and channel (client-internal.h). */
 #include <errno.h>
 #include <fcntl.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <unistd.h>
@@ -23,10 +24,13 @@ static Moeep__V1__RegionKind region_kind_to_proto(enum moeep_region_kind kind) {
 }
 
 /* RegionRegister of `fd` with proxy role `proxy` (PROXY_ROLE_NONE for an
- * ordinary region). */
+ * ordinary region): attached to the record, or with `take` (1.4) named by
+ * its number for the daemon to take from this process. */
 static int region_register_call(struct moeep_client *c, int fd, Moeep__V1__RegionKind kind, uint64_t size,
-                                uint32_t tag, Moeep__V1__ProxyRole proxy, uint64_t *ret_region_id) {
+                                uint32_t tag, Moeep__V1__ProxyRole proxy, bool take,
+                                uint64_t *ret_region_id) {
         Moeep__V1__RegionRegister rr = MOEEP__V1__REGION_REGISTER__INIT;
+        Moeep__V1__TakeFd take_fd = MOEEP__V1__TAKE_FD__INIT;
         Moeep__V1__Request req = MOEEP__V1__REQUEST__INIT;
         Moeep__V1__Response *resp;
         int r;
@@ -35,55 +39,7 @@ static int region_register_call(struct moeep_client *c, int fd, Moeep__V1__Regio
                 return client_error_set(c, -EBADF, "region fd %d is not an open descriptor", fd);
         if (size == 0)
                 return client_error_set(c, -EINVAL, "region size 0 (fd %d) is invalid", fd);
-        r = client_require_job(c, "region register");
-        if (r < 0)
-                return r;
-
-        rr.kind = kind;
-        rr.size = size;
-        rr.tag = tag;
-        rr.proxy = proxy;
-        req.body_case = MOEEP__V1__REQUEST__BODY_REGION_REGISTER;
-        req.region_register = &rr;
-        r = client_call(c, &req, MOEEP__V1__RESPONSE__BODY_REGION_REGISTERED, &fd, 1, &resp);
-        if (r < 0)
-                return r;
-        if (ret_region_id)
-                *ret_region_id = resp->region_registered->region_id;
-        moeep__v1__response__free_unpacked(resp, NULL);
-        return 0;
-}
-
-int moeep_region_register(struct moeep_client *c, int fd, enum moeep_region_kind kind, uint64_t size,
-                          uint32_t tag, uint64_t *ret_region_id) {
-        Moeep__V1__RegionKind k = region_kind_to_proto(kind);
-
-        if (!c)
-                return -EINVAL;
-        if (k == MOEEP__V1__REGION_KIND__REGION_KIND_UNSPECIFIED)
-                return client_error_set(c, -EINVAL, "region kind %d is unknown", (int)kind);
-        return region_register_call(c, fd, k, size, tag, MOEEP__V1__PROXY_ROLE__PROXY_ROLE_NONE,
-                                    ret_region_id);
-}
-
-int moeep_region_register_pidfd(struct moeep_client *c, int fd_number, enum moeep_region_kind kind,
-                                uint64_t size, uint32_t tag, uint64_t *ret_region_id) {
-        Moeep__V1__RegionKind k = region_kind_to_proto(kind);
-        Moeep__V1__RegionRegister rr = MOEEP__V1__REGION_REGISTER__INIT;
-        Moeep__V1__TakeFd take = MOEEP__V1__TAKE_FD__INIT;
-        Moeep__V1__Request req = MOEEP__V1__REQUEST__INIT;
-        Moeep__V1__Response *resp;
-        int r;
-
-        if (!c)
-                return -EINVAL;
-        if (k == MOEEP__V1__REGION_KIND__REGION_KIND_UNSPECIFIED)
-                return client_error_set(c, -EINVAL, "region kind %d is unknown", (int)kind);
-        if (fd_number < 0 || fcntl(fd_number, F_GETFD) < 0)
-                return client_error_set(c, -EBADF, "region fd %d is not an open descriptor", fd_number);
-        if (size == 0)
-                return client_error_set(c, -EINVAL, "region size 0 (fd %d) is invalid", fd_number);
-        if (!(c->features & MOEEP__V1__FEATURE__FEATURE_PIDFD))
+        if (take && !(c->features & MOEEP__V1__FEATURE__FEATURE_PIDFD))
                 return client_error_set(c, -EOPNOTSUPP,
                                         "region register by fd number: moeepd %s at %s does not offer it "
                                         "(it needs protocol 1.4)",
@@ -92,20 +48,46 @@ int moeep_region_register_pidfd(struct moeep_client *c, int fd_number, enum moee
         if (r < 0)
                 return r;
 
-        take.fd_number = fd_number;
-        rr.kind = k;
+        rr.kind = kind;
         rr.size = size;
         rr.tag = tag;
-        rr.take = &take;
+        rr.proxy = proxy;
+        if (take) {
+                take_fd.fd_number = fd;
+                rr.take = &take_fd;
+        }
         req.body_case = MOEEP__V1__REQUEST__BODY_REGION_REGISTER;
         req.region_register = &rr;
-        r = client_call(c, &req, MOEEP__V1__RESPONSE__BODY_REGION_REGISTERED, NULL, 0, &resp);
+        r = client_call(c, &req, MOEEP__V1__RESPONSE__BODY_REGION_REGISTERED, take ? NULL : &fd, take ? 0 : 1,
+                        &resp);
         if (r < 0)
                 return r;
         if (ret_region_id)
                 *ret_region_id = resp->region_registered->region_id;
         moeep__v1__response__free_unpacked(resp, NULL);
         return 0;
+}
+
+static int region_register(struct moeep_client *c, int fd, enum moeep_region_kind kind, uint64_t size,
+                           uint32_t tag, bool take, uint64_t *ret_region_id) {
+        Moeep__V1__RegionKind k = region_kind_to_proto(kind);
+
+        if (!c)
+                return -EINVAL;
+        if (k == MOEEP__V1__REGION_KIND__REGION_KIND_UNSPECIFIED)
+                return client_error_set(c, -EINVAL, "region kind %d is unknown", (int)kind);
+        return region_register_call(c, fd, k, size, tag, MOEEP__V1__PROXY_ROLE__PROXY_ROLE_NONE, take,
+                                    ret_region_id);
+}
+
+int moeep_region_register(struct moeep_client *c, int fd, enum moeep_region_kind kind, uint64_t size,
+                          uint32_t tag, uint64_t *ret_region_id) {
+        return region_register(c, fd, kind, size, tag, false, ret_region_id);
+}
+
+int moeep_region_register_pidfd(struct moeep_client *c, int fd_number, enum moeep_region_kind kind,
+                                uint64_t size, uint32_t tag, uint64_t *ret_region_id) {
+        return region_register(c, fd_number, kind, size, tag, true, ret_region_id);
 }
 
 /* The daemon takes proxy regions and channels only after agreeing on
@@ -142,7 +124,7 @@ static int proxy_region_register(struct moeep_client *c, int fd, Moeep__V1__Regi
         r = client_require_proxy(c, "proxy region register");
         if (r < 0)
                 return r;
-        return region_register_call(c, fd, kind, size, tag, proxy, ret_region_id);
+        return region_register_call(c, fd, kind, size, tag, proxy, false, ret_region_id);
 }
 
 int client_proxy_region_register(struct moeep_client *c, int memfd, uint64_t size, enum moeep_proxy_role role,
