@@ -22,7 +22,16 @@
 #   ops-admin.sh MOEEPD MOEEPCTL RANK PROBE
 source "$(dirname "$(realpath "$0")")/ops-lib.sh"
 
-nobody=(setpriv --reuid=65534 --regid=65534 --clear-groups)
+# uid 65534 runs copies of the probe and the rank, with their libmoeep,
+# from $tmp (0755): the build tree may be where it cannot reach (a checkout
+# under /root, mode 0700), and then exec or the loader would fail with
+# "Permission denied", which check 1 below would take for the socket's.
+mkdir "$tmp/bin"
+cp "$probe" "$rank" "$tmp/bin/"
+lib=$(ldd "$rank" | awk '$1 == "libmoeep.so.0" { print $3 }')
+[[ -n $lib ]] && cp -L "$lib" "$tmp/bin/libmoeep.so.0"
+probe=$tmp/bin/$(basename "$probe") rank=$tmp/bin/$(basename "$rank")
+nobody=(env "LD_LIBRARY_PATH=$tmp/bin" setpriv --reuid=65534 --regid=65534 --clear-groups)
 
 cat >"$conf" <<CONF
 [moeepd]
