@@ -388,19 +388,44 @@ static bool log_has(const char *text) {
 
 /* ------------------------------------------------------------ attackers */
 
+/* In a child: no supplementary groups, ATTACK_UID's gid and uid (which
+ * leaves it no capabilities). Returns 0 or -1. */
+static int drop_to_attack_uid(void) {
+        if (setgroups(0, NULL) < 0 || setresgid(ATTACK_UID, ATTACK_UID, ATTACK_UID) < 0 ||
+            setresuid(ATTACK_UID, ATTACK_UID, ATTACK_UID) < 0)
+                return -1;
+        return 0;
+}
+
+/* Waits for the child `pid`, checking the well-behaved client meanwhile.
+ * Past `timeout_ms` it is killed and "FAIL: <who>'<what>' ran past" said.
+ * Returns its wait status, or -1 when it ran past. */
+static int watch_child(const char *who, const char *what, pid_t pid, int timeout_ms) {
+        long deadline = now_ms() + timeout_ms;
+        int st = 0;
+
+        while (now_ms() < deadline && waitpid(pid, &st, WNOHANG) == 0)
+                check_served(what, 1);
+        if (now_ms() >= deadline && waitpid(pid, &st, WNOHANG) == 0) {
+                kill(pid, SIGKILL);
+                waitpid(pid, &st, 0);
+                say("FAIL: %s'%s' ran past %d ms", who, what, timeout_ms);
+                return -1;
+        }
+        return st;
+}
+
 /* Runs `fn` in a child as ATTACK_UID; while it runs the well-behaved
  * client is checked. Returns the child's failures. */
 static int run_attacker(const char *what, int (*fn)(void *), void *arg, int timeout_ms) {
-        long deadline = now_ms() + timeout_ms;
-        int st = 0;
+        int st;
         pid_t pid;
 
         fflush(stdout);
         pid = fork();
         if (pid == 0) {
                 prctl(PR_SET_PDEATHSIG, SIGKILL);
-                if (setgroups(0, NULL) < 0 || setresgid(ATTACK_UID, ATTACK_UID, ATTACK_UID) < 0 ||
-                    setresuid(ATTACK_UID, ATTACK_UID, ATTACK_UID) < 0)
+                if (drop_to_attack_uid() < 0)
                         _exit(100);
                 if (fuse_stub_device() >= 0) /* the FUSE server's alone */
                         close(fuse_stub_device());
@@ -410,15 +435,8 @@ static int run_attacker(const char *what, int (*fn)(void *), void *arg, int time
                 _exit(failures > 0 ? 1 : 0);
         }
         fuse_stub_answer_flush_from(pid); /* its own closes of FUSE files return */
-        while (now_ms() < deadline && waitpid(pid, &st, WNOHANG) == 0)
-                check_served(what, 1);
-        if (now_ms() >= deadline && waitpid(pid, &st, WNOHANG) == 0) {
-                kill(pid, SIGKILL);
-                waitpid(pid, &st, 0);
-                say("FAIL: attacker '%s' ran past %d ms", what, timeout_ms);
-                return 1;
-        }
-        return WIFEXITED(st) && WEXITSTATUS(st) == 0 ? 0 : 1;
+        st = watch_child("attacker ", what, pid, timeout_ms);
+        return st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0 ? 0 : 1;
 }
 
 /* The start both programs share (usage: PROG MOEEPD MOEEPCTL [CASE]):

@@ -83,8 +83,7 @@ static void expect_refused(struct conn *c, int64_t number, int code, const char 
  * ATTACK_UID with no capabilities. Meanwhile the well-behaved client is
  * checked. Returns the failures of `fn` (1 when it did not finish). */
 static int run_namespaced(const char *what, int (*fn)(void *), void *arg, int timeout_ms) {
-        long deadline = now_ms() + timeout_ms;
-        int st = 0;
+        int st;
         pid_t pid;
 
         fflush(stdout);
@@ -103,8 +102,7 @@ static int run_namespaced(const char *what, int (*fn)(void *), void *arg, int ti
                         prctl(PR_SET_PDEATHSIG, SIGKILL);
                         if (getpid() != 1)
                                 _exit(102);
-                        if (setgroups(0, NULL) < 0 || setresgid(ATTACK_UID, ATTACK_UID, ATTACK_UID) < 0 ||
-                            setresuid(ATTACK_UID, ATTACK_UID, ATTACK_UID) < 0)
+                        if (drop_to_attack_uid() < 0)
                                 _exit(100);
                         failures = 0;
                         fn(arg);
@@ -115,14 +113,9 @@ static int run_namespaced(const char *what, int (*fn)(void *), void *arg, int ti
                         _exit(103);
                 _exit(WIFEXITED(ist) ? WEXITSTATUS(ist) : 104);
         }
-        while (now_ms() < deadline && waitpid(pid, &st, WNOHANG) == 0)
-                check_served(what, 1);
-        if (now_ms() >= deadline && waitpid(pid, &st, WNOHANG) == 0) {
-                kill(pid, SIGKILL);
-                waitpid(pid, &st, 0);
-                say("FAIL: '%s' ran past %d ms", what, timeout_ms);
+        st = watch_child("", what, pid, timeout_ms);
+        if (st < 0)
                 return 1;
-        }
         if (!WIFEXITED(st) || WEXITSTATUS(st) != 0)
                 say("FAIL: '%s' ended with status 0x%x", what, st);
         return WIFEXITED(st) && WEXITSTATUS(st) == 0 ? 0 : 1;
