@@ -7,6 +7,7 @@
 #include "bench_kernels.h"
 #include "ptx.cuh"
 #include "ring.cuh"
+#include "wait.cuh"
 
 /* Every rank stores `bytes` into each peer's combine area at the slot of
  * its rank, reading from its own receive area; blocks are split evenly over
@@ -157,8 +158,8 @@ extern "C" int moeep_launch_ref_unpack(const void *back, int hidden, int T, int 
  * not the host's launch latency. */
 __global__ void delay_kernel(uint64_t ns) {
         const uint64_t start = globaltimer_ns();
-        while (globaltimer_ns() - start < ns)
-                ;
+
+        spin_until([&] { return globaltimer_ns() - start >= ns; }, [] { return false; });
 }
 
 extern "C" int moeep_launch_delay(uint64_t ns, cudaStream_t stream) {

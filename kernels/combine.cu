@@ -33,6 +33,7 @@
 #include "kernels.h"
 #include "ptx.cuh"
 #include "px.cuh"
+#include "wait.cuh"
 
 /* The warp roles and their sizes (COMBINE_*) are in params.h. */
 
@@ -159,9 +160,7 @@ __device__ __forceinline__ void combine_produce(const struct moeep_ctx &ctx, con
                 if (lane == 0) {
                         uint32_t *counter = &sync_of(ctx, ctx.rank)->comb_chunk[c];
                         const uint32_t want = (uint32_t)(route.chunk_expect[c] - self);
-                        struct spin s = spin_begin();
-                        while (ok && !(ctx.debug & MOEEP_DEBUG_NO_COUNTS) && ld_acquire_sys_u32(counter) < want)
-                                ok = !spin_give_up(ctx, s, -1);
+                        ok = ok && wait_counter(ctx, counter, want, ctx.debug & MOEEP_DEBUG_NO_COUNTS, -1);
                         /* Every row of this round arrived: no more adds come
                          * until our next combine, which starts after a barrier. */
                         *counter = 0;
@@ -319,9 +318,7 @@ __device__ __forceinline__ void combine_wait(const struct moeep_ctx &ctx, const 
                 if (lane == 0) {
                         uint32_t *counter = &sync_of(ctx, ctx.rank)->comb_chunk[c];
                         const uint32_t want = (uint32_t)(route.chunk_expect[c] - self);
-                        struct spin s = spin_begin();
-                        while (ok && !(ctx.debug & MOEEP_DEBUG_NO_COUNTS) && ld_acquire_sys_u32(counter) < want)
-                                ok = !spin_give_up(ctx, s, -1);
+                        ok = ok && wait_counter(ctx, counter, want, ctx.debug & MOEEP_DEBUG_NO_COUNTS, -1);
                         /* Every row of this round arrived: no more adds come
                          * until our next combine, which starts after a barrier. */
                         *counter = 0;
@@ -350,8 +347,13 @@ __device__ __forceinline__ void combine_copy(const struct moeep_ctx &ctx, const 
                 const int first = ((w - before) % nw + nw) % nw;
                 int ready;
                 before += c1 - c0;
-                while ((ready = ld_acquire_cta(s_ready)) <= ci)
-                        __nanosleep(64);
+                /* Bounded by the waiter warp (combine_wait), whose waits are: it
+                 * stores to s_ready for every chunk, READY_FAILED once one gave up. */
+                spin_until([&] { return (ready = ld_acquire_cta(s_ready)) > ci; },
+                           [] {
+                                   __nanosleep(64);
+                                   return false;
+                           });
                 __syncwarp();
                 ci++;
                 for (int i = first; i < c1 - c0; i += nw) {

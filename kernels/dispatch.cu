@@ -9,6 +9,7 @@
 #include "kernels.h"
 #include "ptx.cuh"
 #include "px.cuh"
+#include "wait.cuh"
 
 template <typename Idx>
 __global__ void __launch_bounds__(DISPATCH_THREADS, 1)

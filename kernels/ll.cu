@@ -22,6 +22,7 @@
 #include "kernels.h"
 #include "ptx.cuh"
 #include "px.cuh"
+#include "wait.cuh"
 
 /* Warps numbered across blocks first: the few hundred work items of a
  * decode step spread over every SM instead of filling the first blocks. */

@@ -4,6 +4,7 @@
 #include "kernels.h"
 #include "ptx.cuh"
 #include "px.cuh"
+#include "wait.cuh"
 
 static_assert(MOEEP_COMBINE_CHUNK == 32, "notify counts a combine chunk per warp round of 32 tokens");
 

@@ -19,6 +19,7 @@
 #include "kernels.h"
 #include "ptx.cuh"
 #include "px.cuh"
+#include "wait.cuh"
 
 /* The staged rows' layouts (px_pair, px_comb_row_bytes) and the segment
  * header bits (PX_SEG_*) are in buffers.h. */

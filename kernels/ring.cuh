@@ -10,6 +10,7 @@
 
 #include "../proto/ring.h"
 #include "ptx.cuh"
+#include "wait.cuh"
 
 /* The producer's view of one ring. */
 struct ring_producer {
@@ -31,17 +32,21 @@ __device__ __forceinline__ int32_t ring_error(const struct proxy_ring_hdr *hdr) 
 __device__ __forceinline__ int ring_wait(const uint64_t *p, uint64_t want, const struct proxy_ring_hdr *hdr,
                                          uint64_t timeout_ns, const volatile uint32_t *abort_word) {
         const uint64_t start = globaltimer_ns();
+        int err = 0;
 
-        while (ld_acquire_sys(p) < want) {
-                const int32_t e = ring_error(hdr);
-                if (e)
-                        return e;
-                if (abort_word && ld_volatile_u32(abort_word))
-                        return -ENOTCONN;
-                if (globaltimer_ns() - start > timeout_ns)
-                        return -ETIMEDOUT;
-        }
-        return 0;
+        /* The ring's give-up policy (wait.cuh): checked on every spin. */
+        spin_until([&] { return ld_acquire_sys(p) >= want; },
+                   [&] {
+                           const int32_t e = ring_error(hdr);
+                           if (e)
+                                   err = e;
+                           else if (abort_word && ld_volatile_u32(abort_word))
+                                   err = -ENOTCONN;
+                           else if (globaltimer_ns() - start > timeout_ns)
+                                   err = -ETIMEDOUT;
+                           return err != 0;
+                   });
+        return err;
 }
 
 /* Rule 1 and the first half of rule 2: waits for a free slot (bounded by

@@ -1,0 +1,111 @@
+/* Bounded device waits. Every wait loop of moeep's kernels is spin_until():
+ * spin on a condition and, after each try that failed, ask a give-up
+ * policy whether to stop. Each wait keeps its own bound, set by its policy:
+ *
+ *   spin_give_up   the job's waits: on other GPUs' flags (wait_flag), the
+ *                  chunk counters of combine (wait_counter), the block's
+ *                  own copy pipeline (mbar_wait, checking once per
+ *                  MBAR_SPINS tries) and, adding the ring's error word, a
+ *                  remote rank's proxy signal (px_wait, px.cuh). It looks,
+ *                  every SPIN_CHECK_EVERY spins, at the job's abort word, a
+ *                  failure of another wait of the launch and
+ *                  ctx.timeout_ns, and records the failure in the local
+ *                  state (record_error) for the host to report.
+ *   ring_wait      the proxy ring's producer (ring.cuh): the ring's error
+ *                  word, the abort word and a timeout, on every spin,
+ *                  returned to the producer as -errno.
+ *   none           a wait on another warp of the block that is itself
+ *                  bounded (combine_copy on combine_wait), and the
+ *                  benchmarks' timed delay.
+ *
+ * A wait that gives up returns false; the kernel goes on, its results are
+ * wrong and the recorded error says so: a lost peer never hangs the GPU. */
+#pragma once
+
+#include <stdint.h>
+
+#include "kernels.h"
+#include "ptx.cuh"
+
+/* The one wait loop: true once done() holds, false as soon as give_up()
+ * (called after every try that failed) says so. */
+template <typename Done, typename GiveUp> __device__ __forceinline__ bool spin_until(Done done, GiveUp give_up) {
+        while (!done())
+                if (give_up())
+                        return false;
+        return true;
+}
+
+/* Records the first failure of a device wait in the local state; sticky
+ * until the host clears it. */
+__device__ __forceinline__ void record_error(const struct moeep_ctx &ctx, uint32_t err, int peer) {
+        if (atomicCAS(&ctx.state->error, 0u, err) == 0u)
+                ctx.state->error_rank = peer;
+}
+
+/* The state of one bounded device wait; see spin_give_up. */
+struct spin {
+        uint64_t start; /* globaltimer at the first spin */
+        uint32_t n;     /* spins so far */
+};
+
+__device__ __forceinline__ struct spin spin_begin(void) {
+        return { globaltimer_ns(), 0 };
+}
+
+/* The give-up policy of the job's waits, called once per spin: true when
+ * the wait must end without its condition, because the job's abort word is
+ * set, another wait of this launch already failed, or the timeout passed
+ * (the error is recorded, naming `peer`, -1 when unknown). It looks only
+ * every SPIN_CHECK_EVERY spins (params.h). */
+__device__ __forceinline__ bool spin_give_up(const struct moeep_ctx &ctx, struct spin &s, int peer) {
+        if (++s.n % SPIN_CHECK_EVERY)
+                return false;
+        if (ctx.abort_word && ld_volatile_u32(ctx.abort_word)) {
+                record_error(ctx, MOEEP_KERR_ABORT, peer);
+                return true;
+        }
+        if (*(volatile uint32_t *)&ctx.state->error)
+                return true;
+        if (globaltimer_ns() - s.start > ctx.timeout_ns) {
+                record_error(ctx, MOEEP_KERR_TIMEOUT, peer);
+                return true;
+        }
+        return false;
+}
+
+/* Bounded wait until *flag >= want; false when it gave up (see
+ * spin_give_up). */
+__device__ __forceinline__ bool wait_flag(const struct moeep_ctx &ctx, const uint64_t *flag, uint64_t want, int peer) {
+        struct spin s = spin_begin();
+
+        return spin_until([&] { return ld_acquire_sys(flag) >= want; }, [&] { return spin_give_up(ctx, s, peer); });
+}
+
+/* Bounded wait until the 32-bit counter reaches want, or at once when
+ * `skip` (combine's chunk counters; see spin_give_up). */
+__device__ __forceinline__ bool wait_counter(const struct moeep_ctx &ctx, const uint32_t *counter, uint32_t want,
+                                             bool skip, int peer) {
+        struct spin s = spin_begin();
+
+        return spin_until([&] { return skip || ld_acquire_sys_u32(counter) >= want; },
+                          [&] { return spin_give_up(ctx, s, peer); });
+}
+
+/* Bounded wait for an mbarrier phase (the producer/consumer pipeline of a
+ * block); false when it gave up (see spin_give_up): a failed wait elsewhere
+ * in the launch, the job's abort, or the timeout end it, so a broken
+ * pipeline never hangs the GPU. The caller goes on, the result is wrong and
+ * the recorded error says so. */
+__device__ __forceinline__ bool mbar_wait(const struct moeep_ctx &ctx, uint64_t *bar, uint32_t parity) {
+        if (mbar_try_wait(bar, parity)) /* the common case: no clock read */
+                return true;
+        struct spin s = spin_begin();
+        uint32_t n = 0;
+
+        /* These waits are short and frequent (a block's own copy pipeline):
+         * spin_give_up reads the abort word over PCIe every 32nd call, so it
+         * is called once per MBAR_SPINS tries, not on every one. */
+        return spin_until([&] { return mbar_try_wait(bar, parity); },
+                          [&] { return ++n % MBAR_SPINS == 0 && spin_give_up(ctx, s, -1); });
+}
