@@ -287,15 +287,32 @@ __device__ __forceinline__ void ll_combine_send(const struct moeep_ctx &ctx, con
         const int32_t *kinfo = (const int32_t *)(ctx.peers[me] + ctx.ll.kinfo[b]);
 
         /* The slots in use are the first count[le] of each expert; warps walk
-         * them as one list (prefix over the experts in shared memory). */
+         * them as one list (prefix over the experts in shared memory). The
+         * scan is one expert per thread, in one round of loads: a loop of
+         * one thread over the experts cost a chain of L2 round trips (about
+         * 18 at 288 experts) before any row moved. */
         __shared__ int s_prefix[MOEEP_KERNEL_MAX_EXPERTS + 1];
-        if (threadIdx.x == 0) {
-                int sum = 0;
-                for (int le = 0; le < epr; le++) {
-                        s_prefix[le] = sum;
-                        sum += my->count[b][le];
+        __shared__ int s_warp_sum[LL_WARPS];
+        static_assert(MOEEP_KERNEL_MAX_EXPERTS <= LL_THREADS, "the scan takes one local expert per thread");
+        {
+                const int le = threadIdx.x, w = threadIdx.x / 32;
+                const int c = le < epr ? my->count[b][le] : 0;
+                int incl = c;
+#pragma unroll
+                for (int o = 1; o < 32; o *= 2) {
+                        const int v = __shfl_up_sync(0xffffffffu, incl, o);
+                        if (lane >= o)
+                                incl += v;
                 }
-                s_prefix[epr] = sum;
+                if (lane == 31)
+                        s_warp_sum[w] = incl;
+                __syncthreads();
+                for (int j = 0; j < w; j++)
+                        incl += s_warp_sum[j];
+                if (le < epr)
+                        s_prefix[le] = incl - c;
+                if (le == epr - 1)
+                        s_prefix[epr] = incl;
         }
         __syncthreads();
         for (int q = gwarp; q < s_prefix[epr]; q += warps) {
