@@ -275,6 +275,16 @@ __device__ __forceinline__ void ll_dispatch(const struct moeep_ctx &ctx, const i
                 ll_recv_counts(ctx, b, seq, stats);
 }
 
+/* Loads one chunk of a row for the combine send: int4 base + u * 32 + lane
+ * of the row into v[u] (what is past the row stays unset). */
+__device__ __forceinline__ void ll_load_chunk(const int4 *row, int base, int n16, int4 v[LL_COMBINE_SEND_UNROLL]) {
+        const int lane = threadIdx.x % 32;
+#pragma unroll
+        for (int u = 0; u < LL_COMBINE_SEND_UNROLL; u++)
+                if (base + u * 32 + lane < n16)
+                        v[u] = ld_nc_v4(row + base + u * 32 + lane);
+}
+
 /* Expert outputs back to the tokens' ranks: slot (le, pos) of set b goes to
  * row (token, k) of its source's combine area. */
 __device__ __forceinline__ void ll_combine_send(const struct moeep_ctx &ctx, const int4 *y, int b, int S) {
@@ -315,7 +325,18 @@ __device__ __forceinline__ void ll_combine_send(const struct moeep_ctx &ctx, con
                         s_prefix[epr] = incl;
         }
         __syncthreads();
-        for (int q = gwarp; q < s_prefix[epr]; q += warps) {
+        /* Work items are (slot, piece of its row): with few rows (a decode
+         * step of a few tokens) each row is split over several warps so that
+         * a warp has one or two rounds of loads in flight rather than a row's
+         * four in a chain; with a row per warp or more, items are whole rows.
+         * Rows staged for a remote rank stay whole (their staging slot is
+         * claimed once per row). Every block computes the same split. */
+        const int n16 = H / 8, chunk = 32 * LL_COMBINE_SEND_UNROLL, nch = (n16 + chunk - 1) / chunk;
+        const int rows = s_prefix[epr];
+        const int pieces = ctx.px.remote || rows == 0 ? 1 : max(1, min(nch, warps / rows));
+        for (int item = gwarp; item < rows * pieces; item += warps) {
+                const int q = item / pieces, piece = item % pieces;
+                const int c0 = piece * nch / pieces, c1 = (piece + 1) * nch / pieces;
                 int lo = 0, hi = epr - 1;
                 while (lo < hi) { /* last expert whose prefix <= q */
                         const int mid = (lo + hi + 1) / 2;
@@ -326,6 +347,11 @@ __device__ __forceinline__ void ll_combine_send(const struct moeep_ctx &ctx, con
                 }
                 const int le = lo, pos = q - s_prefix[lo];
                 const size_t slot = (size_t)le * slots + pos;
+                const int4 *row = y + slot * n16;
+                /* The first chunk's loads go out before the slot's source is
+                 * read, so that both are in flight together. */
+                int4 v[LL_COMBINE_SEND_UNROLL];
+                ll_load_chunk(row, c0 * chunk, n16, v);
                 const int t = src[slot], ki = kinfo[slot];
                 const int s = moeep_ll_kinfo_rank(ki), k = moeep_ll_kinfo_k(ki);
                 int4 *dst;
@@ -334,27 +360,25 @@ __device__ __forceinline__ void ll_combine_send(const struct moeep_ctx &ctx, con
                         if (lane == 0)
                                 p = atomicAdd(&ctx.px.state->ll_comb_claim[b][s], 1u);
                         p = __shfl_sync(0xffffffffu, p, 0);
-                        char *row = px_send_seg(ctx, ctx.px.ll_combine[b], ctx.px.ll_combine_seg, s) +
-                                    MOEEP_PX_SEG_HDR + p * ctx.px.ll_row;
+                        char *srow = px_send_seg(ctx, ctx.px.ll_combine[b], ctx.px.ll_combine_seg, s) +
+                                     MOEEP_PX_SEG_HDR + p * ctx.px.ll_row;
                         if (lane == 0) {
-                                ((int32_t *)(row + (size_t)H * 2))[0] = t;
-                                ((int32_t *)(row + (size_t)H * 2))[1] = k;
+                                ((int32_t *)(srow + (size_t)H * 2))[0] = t;
+                                ((int32_t *)(srow + (size_t)H * 2))[1] = k;
                         }
-                        dst = (int4 *)row;
+                        dst = (int4 *)srow;
                 } else {
                         dst = (int4 *)(ctx.peers[s] + ctx.ll.comb[b] + ((size_t)t * ctx.max_topk + k) * (size_t)H * 2);
                 }
-                const int4 *row = y + slot * H / 8;
-                for (int i = lane; i < H / 8; i += 32 * LL_COMBINE_SEND_UNROLL) {
-                        int4 v[LL_COMBINE_SEND_UNROLL];
+                for (int c = c0; c < c1; c++) {
+                        if (c > c0) /* the first chunk was loaded above */
+                                ll_load_chunk(row, c * chunk, n16, v);
 #pragma unroll
-                        for (int u = 0; u < LL_COMBINE_SEND_UNROLL; u++)
-                                if (i + u * 32 < H / 8)
-                                        v[u] = ld_nc_v4(row + i + u * 32);
-#pragma unroll
-                        for (int u = 0; u < LL_COMBINE_SEND_UNROLL; u++)
-                                if (i + u * 32 < H / 8)
-                                        st_na_v4(dst + i + u * 32, v[u]);
+                        for (int u = 0; u < LL_COMBINE_SEND_UNROLL; u++) {
+                                const int i = c * chunk + u * 32 + lane;
+                                if (i < n16)
+                                        st_na_v4(dst + i, v[u]);
+                        }
                 }
         }
         if (!last_block_done(ctx))
