@@ -106,9 +106,10 @@ int moeep_launch_combine(const struct moeep_ctx *ctx, const void *x, const float
 
 /* Low-latency mode (kernels/ll.cu). `set` is the buffer set (0 or 1);
  * `slots` the slots per expert of the call (ranks * its max tokens), the
- * stride of every per-expert array. Each phase is one launch of the
- * kernel moeep_ll::dispatch or moeep_ll::combine (DeepEP's profilers count
- * kernels by those names). */
+ * stride of every per-expert array. `phases` (MOEEP_LL_SEND, _RECV or
+ * both) are done by one launch of the kernel moeep_ll::dispatch or
+ * moeep_ll::combine (DeepEP's profilers count kernels by those names);
+ * combine with both phases is a cooperative launch. */
 enum {
         MOEEP_LL_SEND = 1,
         MOEEP_LL_RECV = 2

@@ -286,13 +286,15 @@ __device__ __forceinline__ void ll_load_chunk(const int4 *row, int base, int n16
 }
 
 /* Expert outputs back to the tokens' ranks: slot (le, pos) of set b goes to
- * row (token, k) of its source's combine area. */
-__device__ __forceinline__ void ll_combine_send(const struct moeep_ctx &ctx, const int4 *y, int b, int S) {
+ * row (token, k) of its source's combine area. `seq` is the sequence number
+ * of this combine on set b (ll_comb_seq[b] + 1, read when the launch began:
+ * the last block stores it). */
+__device__ __forceinline__ void ll_combine_send(const struct moeep_ctx &ctx, const int4 *y, int b, int S,
+                                                uint64_t seq) {
         const struct moeep_ll_sync *my = ll_sync_of(ctx, ctx.rank);
         const int lane = threadIdx.x % 32, R = ctx.ranks, me = ctx.rank, H = ctx.hidden, epr = ctx.num_experts / R;
         const int warps = gridDim.x * LL_WARPS, gwarp = ll_warp_index();
         const size_t slots = (size_t)S;
-        const uint64_t seq = ctx.state->ll_comb_seq[b] + 1;
         const int32_t *src = (const int32_t *)(ctx.peers[me] + ctx.ll.src[b]);
         const int32_t *kinfo = (const int32_t *)(ctx.peers[me] + ctx.ll.kinfo[b]);
 
@@ -500,14 +502,14 @@ __global__ void __launch_bounds__(LL_THREADS, 1) ll_rows_relay(struct moeep_ctx 
 }
 
 /* Sums each token's expert outputs with its top-k weights (float), after
- * every rank's rows of set b landed. Experts masked (-1) add nothing. */
+ * every rank's rows of set b, combine `seq`, landed. Experts masked (-1)
+ * add nothing. */
 template <typename Idx>
 __device__ __forceinline__ void ll_combine_recv(const struct moeep_ctx &ctx, const Idx *topk_idx, const float *weights,
-                                                int num_tokens, int K, int b, int4 *out) {
+                                                int num_tokens, int K, int b, uint64_t seq, int4 *out) {
         const struct moeep_ll_sync *my = ll_sync_of(ctx, ctx.rank);
         const int lane = threadIdx.x % 32, H = ctx.hidden;
         const int warps = gridDim.x * LL_WARPS, gwarp = ll_warp_index();
-        const uint64_t seq = ctx.state->ll_comb_seq[b];
         const char *comb = ctx.peers[ctx.rank] + ctx.ll.comb[b];
 
         if (threadIdx.x < ctx.ranks && !px_remote(ctx, threadIdx.x)) /* remote ranks: ll_rows_relay ran before */
@@ -572,16 +574,21 @@ __global__ void __launch_bounds__(LL_THREADS, 1)
         ll_dispatch<Idx>(ctx, x, num_tokens, topk_idx, K, b, S, use_fp8, round_scale, phases, stats);
 }
 
-/* Combine: the send phase, then (in the same launch only with a single
- * phase per launch, as the receive waits for every rank's send) the sum. */
+/* Combine: the send phase, the receive phase (the sum), or both. With both,
+ * every block waits in the receive for the flags that the send's last block
+ * releases, so the launch is cooperative (every block resident at once);
+ * the sequence number is read once here, before that last block stores
+ * the new one. */
 template <typename Idx>
 __global__ void __launch_bounds__(LL_THREADS, 1)
         combine(struct moeep_ctx ctx, const int4 *y, int b, int S, int phases, const Idx *topk_idx,
                 const float *weights, int num_tokens, int K, int4 *out) {
+        const uint64_t seq = ctx.state->ll_comb_seq[b] + ((phases & MOEEP_LL_SEND) ? 1 : 0);
+
         if (phases & MOEEP_LL_SEND)
-                ll_combine_send(ctx, y, b, S);
-        else
-                ll_combine_recv<Idx>(ctx, topk_idx, weights, num_tokens, K, b, out);
+                ll_combine_send(ctx, y, b, S, seq);
+        if (phases & MOEEP_LL_RECV)
+                ll_combine_recv<Idx>(ctx, topk_idx, weights, num_tokens, K, b, seq, out);
 }
 
 } /* namespace moeep_ll */
@@ -604,23 +611,51 @@ extern "C" int moeep_launch_ll_dispatch(const struct moeep_ctx *ctx, const void 
         return 0;
 }
 
+/* One launch of moeep_ll::combine: cooperative when it does both phases
+ * (its blocks wait for each other through the combine flag), which the
+ * runtime refuses rather than run with blocks that cannot all be resident. */
+template <typename Idx>
+static cudaError_t ll_combine_launch(const struct moeep_ctx *ctx, const void *y, int set, int slots, int phases,
+                                     const void *topk_idx, const float *weights, int num_tokens, int num_topk,
+                                     void *out, cudaStream_t stream) {
+        cudaLaunchConfig_t cfg = {};
+        cudaLaunchAttribute attr[1];
+
+        cfg.gridDim = dim3((unsigned)ctx->ll_num_sms);
+        cfg.blockDim = dim3(LL_THREADS);
+        cfg.stream = stream;
+        attr[0].id = cudaLaunchAttributeCooperative;
+        attr[0].val.cooperative = phases == (MOEEP_LL_SEND | MOEEP_LL_RECV);
+        cfg.attrs = attr;
+        cfg.numAttrs = 1;
+        return cudaLaunchKernelEx(&cfg, moeep_ll::combine<Idx>, *ctx, (const int4 *)y, set, slots, phases,
+                                  (const Idx *)topk_idx, weights, num_tokens, num_topk, (int4 *)out);
+}
+
 extern "C" int moeep_launch_ll_combine(const struct moeep_ctx *ctx, const void *y, int set, int slots, int phases,
                                        const void *topk_idx, int idx_is_int64, const float *weights, int num_tokens,
                                        int num_topk, void *out, cudaStream_t stream) {
         MOEEP_CUDA_LAUNCH_BEGIN();
-        for (int p = MOEEP_LL_SEND; p <= MOEEP_LL_RECV; p <<= 1) {
-                if (!(phases & p))
-                        continue;
-                if (idx_is_int64)
-                        moeep_ll::combine<int64_t><<<ctx->ll_num_sms, LL_THREADS, 0, stream>>>(
-                                *ctx, (const int4 *)y, set, slots, p, (const int64_t *)topk_idx, weights, num_tokens,
-                                num_topk, (int4 *)out);
-                else
-                        moeep_ll::combine<int32_t><<<ctx->ll_num_sms, LL_THREADS, 0, stream>>>(
-                                *ctx, (const int4 *)y, set, slots, p, (const int32_t *)topk_idx, weights, num_tokens,
-                                num_topk, (int4 *)out);
-                MOEEP_CUDA_LAUNCH_CHECK();
+        cudaError_t e = idx_is_int64 ? ll_combine_launch<int64_t>(ctx, y, set, slots, phases, topk_idx, weights,
+                                                                  num_tokens, num_topk, out, stream)
+                                     : ll_combine_launch<int32_t>(ctx, y, set, slots, phases, topk_idx, weights,
+                                                                  num_tokens, num_topk, out, stream);
+        if ((e == cudaErrorCooperativeLaunchTooLarge || e == cudaErrorNotSupported) &&
+            phases == (MOEEP_LL_SEND | MOEEP_LL_RECV)) {
+                /* Where a cooperative launch is refused (too few SMs free
+                 * for the grid, or not supported here), one launch per
+                 * phase as before: the same results, one launch more. */
+                (void)cudaGetLastError();
+                e = cudaSuccess;
+                for (int p = MOEEP_LL_SEND; p <= MOEEP_LL_RECV && e == cudaSuccess; p <<= 1)
+                        e = idx_is_int64 ? ll_combine_launch<int64_t>(ctx, y, set, slots, p, topk_idx, weights,
+                                                                      num_tokens, num_topk, out, stream)
+                                         : ll_combine_launch<int32_t>(ctx, y, set, slots, p, topk_idx, weights,
+                                                                      num_tokens, num_topk, out, stream);
         }
+        if (e != cudaSuccess)
+                return (int)e;
+        MOEEP_CUDA_LAUNCH_CHECK();
         return 0;
 }
 

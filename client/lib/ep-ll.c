@@ -119,11 +119,15 @@ int moeep_ll_combine(struct moeep_ep *ep, const struct moeep_ll_combine_args *a,
                                a->handle->slots_per_expert);
 
         const int idx64 = a->topk_idx_type == MOEEP_INDEX_INT64;
+        /* Without a hook and without remote ranks (whose rows a relay kernel
+         * places between the phases), one launch does both phases. */
+        const int both = !a->return_recv_hook && !ep->ctx.px.remote;
         r = launch_result(ep, "low-latency combine",
                           moeep_launch_ll_combine(&ep->ctx, a->x, a->handle->set, a->handle->slots_per_expert,
-                                                  MOEEP_LL_SEND, a->topk_idx, idx64, a->topk_weights,
-                                                  a->handle->num_tokens, a->num_topk, a->out, stream));
-        if (r < 0)
+                                                  MOEEP_LL_SEND | (both ? MOEEP_LL_RECV : 0), a->topk_idx,
+                                                  idx64, a->topk_weights, a->handle->num_tokens, a->num_topk,
+                                                  a->out, stream));
+        if (r < 0 || both)
                 return r;
         struct moeep_ll_hook hook = {
                 .kind = HOOK_COMBINE,
