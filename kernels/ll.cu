@@ -136,7 +136,10 @@ __device__ __forceinline__ void ll_exchange_counts(const struct moeep_ctx &ctx, 
                                 ((int32_t *)(px_send_seg(ctx, ctx.px.ll_dispatch[b], ctx.px.ll_dispatch_seg, d) +
                                              MOEEP_PX_SEG_HDR))[i % E % epr] = s_begin[i % E];
                 }
-                __threadfence_system();
+                /* The release stores below cover the table rows the block
+                 * wrote (ordered before them by the barrier); the counts
+                 * staged in host memory for the proxy are fenced by
+                 * last_block_done before they are shipped. */
                 __syncthreads();
                 if (tid < R && !px_remote(ctx, tid))
                         st_release_sys(&ll_sync_of(ctx, tid)->count_flag[b][me], seq);

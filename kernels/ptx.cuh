@@ -123,18 +123,25 @@ __device__ __forceinline__ void st_volatile_v4(int4 *p, int4 v) {
 
 /* Called by every thread of every block at the end of a data kernel;
  * true in the last block to get there, whose threads may then release
- * flags that cover every block's stores: each thread's fence orders its
- * own remote stores before the block counter, whose last increment orders
- * them all before the flags (fence cumulativity). Resets the counter. */
+ * flags that cover every block's stores: the barrier orders the block's
+ * stores before thread 0's release fence and block counter increment, the
+ * last increment (and its acquire fence) orders every block's before the
+ * flags (fence cumulativity, as in a cooperative grid sync). One fence per
+ * block rather than one sequentially consistent fence per thread: release
+ * and acquire are all the flags need. With ranks behind the proxy, whose
+ * staging stores go to host memory over PCIe, each thread still fences its
+ * own stores first. Resets the counter. */
 __device__ __forceinline__ bool last_block_done(const struct moeep_ctx &ctx) {
         __shared__ int s_last;
         const int tid = threadIdx.x;
 
-        __threadfence_system();
+        if (ctx.px.remote)
+                __threadfence_system();
         __syncthreads();
         if (tid == 0) {
+                fence_acq_rel_sys();
                 s_last = atomicAdd(&ctx.state->blocks_done, 1u) == gridDim.x - 1;
-                __threadfence_system();
+                fence_acq_rel_sys();
         }
         __syncthreads();
         if (!s_last)
