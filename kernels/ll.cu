@@ -181,27 +181,54 @@ __device__ __forceinline__ void ll_dispatch(const struct moeep_ctx &ctx, const i
         const uint64_t seq = ctx.state->ll_seq[b] + 1;
         ll_exchange_counts(ctx, topk_idx, num_tokens * K, b, seq, s_begin);
 
-        for (int item = gwarp; item < num_tokens * K; item += warps) {
+        /* A pair is moved by a group of G warps of one block, each taking a
+         * share of the row's 2048-channel steps (whole 128-channel scale
+         * groups): with few pairs (a decode step of a few tokens) a warp
+         * then has one round of loads in flight instead of a row's four in
+         * a chain. The group's first warp claims the slot and passes it on
+         * through shared memory and the group's named barrier (ids 1..16 /
+         * G). G is the same in every block; groups are numbered across
+         * blocks first, block 0 (which broadcast the counts first) last. */
+        const int pairs = num_tokens * K, nsteps = (n16 + 255) / 256;
+        const int G = pairs * 4 <= warps ? 4 : pairs * 2 <= warps ? 2 : 1;
+        const int wib = threadIdx.x / 32, group = wib / G, share = wib % G;
+        const int groups = gridDim.x * (LL_WARPS / G);
+        const int ggroup = group * gridDim.x + (blockIdx.x + gridDim.x - 1) % gridDim.x;
+        const int s0 = share * nsteps / G, s1 = (share + 1) * nsteps / G;
+        __shared__ uint32_t s_pos[LL_WARPS / 2][2]; /* [group][parity of the group's barriers]: the claimed slot */
+        static_assert(LL_WARPS / 2 + 1 <= 16, "named barriers: one per group of a block, after barrier 0");
+
+        int phase = 0; /* barriers this group passed */
+        for (int item = ggroup; item < pairs; item += groups) {
                 const int t = item / K, k = item % K;
                 const int64_t e = (int64_t)topk_idx[item];
                 if (e < 0 || e >= ctx.num_experts)
-                        continue;
+                        continue; /* the same for every warp of the group */
                 const int d = (int)(e / epr), le = (int)(e % epr);
                 const bool remote = px_remote(ctx, d);
+                const int4 *row = x + (size_t)t * n16;
+                /* The first step's loads go out before the slot is known. */
+                int4 v[8];
+                ll_load_steps(row, s0 * 256, n16, v);
                 uint32_t pos = 0;
-                if (lane == 0)
+                if (share == 0 && lane == 0)
                         pos = remote ? atomicAdd(&ctx.px.state->ll_claim[b][d], 1u)
                                      : (uint32_t)s_begin[e] + atomicAdd(&ctx.state->ll_pos[b][e], 1u);
-                const int4 *row = x + (size_t)t * n16;
-                /* Lane i moves 16 channels (two int4 of bf16) per step, 32
-                 * steps of the warp per 512 channels; loads of 4 steps in
-                 * flight before the first use. */
-                int4 v[8];
-                ll_load_steps(row, 0, n16, v);
-                pos = __shfl_sync(0xffffffffu, pos, 0);
+                if (G > 1) {
+                        /* Two slots by barrier parity: the first warp writes
+                         * a slot again only after the group's next barrier,
+                         * where every warp arrives after reading it. */
+                        if (share == 0 && lane == 0)
+                                s_pos[group][phase & 1] = pos;
+                        asm volatile("bar.sync %0, %1;" ::"r"(1 + group), "r"(G * 32) : "memory");
+                        pos = s_pos[group][phase & 1];
+                        phase++;
+                } else {
+                        pos = __shfl_sync(0xffffffffu, pos, 0);
+                }
                 if ((size_t)pos >= (remote ? (size_t)ctx.px.ll_slots : slots)) {
                         /* Only possible when a token names one expert twice. */
-                        if (lane == 0)
+                        if (share == 0 && lane == 0)
                                 record_error(ctx, MOEEP_KERR_OVERFLOW, d);
                         continue;
                 }
@@ -222,8 +249,9 @@ __device__ __forceinline__ void ll_dispatch(const struct moeep_ctx &ctx, const i
                         sc_stride = slots;
                         info = (int32_t *)(ctx.peers[d] + ctx.ll.src[b]) + slot;
                 }
-                for (int base = 0; base < n16; base += 4 * 64) {
-                        if (base > 0) /* the first four steps were loaded above */
+                for (int st = s0; st < s1; st++) {
+                        const int base = st * 256; /* int4 of the row: four warp steps of 64 */
+                        if (st > s0)               /* the first step was loaded above */
                                 ll_load_steps(row, base, n16, v);
 #pragma unroll
                         for (int u = 0; u < 4; u++) {
@@ -244,7 +272,7 @@ __device__ __forceinline__ void ll_dispatch(const struct moeep_ctx &ctx, const i
                                 }
                         }
                 }
-                if (lane == 0) {
+                if (share == 0 && lane == 0) {
                         if (remote) {
                                 info[0] = le;
                                 info[1] = moeep_px_src_pack(me, k, t);
