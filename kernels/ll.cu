@@ -554,10 +554,11 @@ __device__ __forceinline__ void ll_combine_recv(const struct moeep_ctx &ctx, con
                 const int t = item / pieces, i0 = (item % pieces) * LL_RECV_PIECE, i1 = min(n16, i0 + LL_RECV_PIECE);
                 float w = 0.0f;
                 uint32_t valid = 0;
-                if (lane < K) {
+                if (lane < K) { /* both loads in flight together: the weight is read even when masked */
                         const int64_t e = (int64_t)topk_idx[(size_t)t * K + lane];
+                        const float wt = weights[(size_t)t * K + lane];
                         valid = e >= 0 && e < ctx.num_experts;
-                        w = valid ? weights[(size_t)t * K + lane] : 0.0f;
+                        w = valid ? wt : 0.0f;
                 }
                 const uint32_t mask = __ballot_sync(0xffffffffu, valid);
                 float wk[MOEEP_KERNEL_MAX_TOPK];
