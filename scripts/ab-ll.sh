@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# A/B of the low-latency kernels' fixed cost (issue 17, branch ll-fixed) on
-# one GPU in one call: base (main) against the branch alternated twice,
-# correctness of the branch, each commit of the branch once, then (NCU=1)
-# ncu on both; steps that would pass $BUDGET seconds (570) are skipped.
-# Builds are made elsewhere (the device machine needs no compiler):
-# AB_DIR/base and AB_DIR/c6 hold client/bench/moeep-bench,
-# tests/gpu/ep_ll_test, tests/gpu/ep_normal_test, client/libmoeep.so.0.1.0 and
-# daemon/moeepd; AB_DIR/c1 .. c5 only client/bench/moeep-bench, the branch's
-# commits in order (c6 is its head). Run from the repository root with
-# LD_LIBRARY_PATH=$PWD/.libs; logs under $OUT, a short table last.
+# A/B of the low-latency kernels' fixed cost (issue 17, branch ll-fixed,
+# rebased onto main's spin_until as ll-rebased) on one GPU in one call: base
+# (main) against the branch alternated twice, correctness of the branch,
+# each commit of the branch once, then (NCU=1) ncu on both; steps that would
+# pass $BUDGET seconds (570) are skipped. Builds are made elsewhere (the
+# device machine needs no compiler): AB_DIR/base and AB_DIR/c6 hold
+# client/bench/moeep-bench, tests/gpu/ep_ll_test, tests/gpu/ep_normal_test,
+# client/libmoeep.so.0.1.0 and daemon/moeepd; AB_DIR/c1 .. c5 only
+# client/bench/moeep-bench, the branch's commits in order (c6 is its head);
+# each may hold a file COMMIT naming the commit it was built from (copied
+# into the logs). Run from the repository root with LD_LIBRARY_PATH=$PWD/.libs;
+# logs under $OUT, a short table last.
 # Usage: scripts/ab-ll.sh AB_DIR
 set -u
 AB=$(cd "${1:?AB_DIR}" && pwd)
@@ -25,6 +27,9 @@ bound() {
         [ "$1" -lt $left ] && echo "$1" || echo $left
 }
 nvidia-smi -L | tee "$OUT/gpus.txt"
+for v in base c1 c2 c3 c4 c5 c6; do
+        [ -f "$AB/$v/COMMIT" ] && echo "$v $(cat "$AB/$v/COMMIT")"
+done | tee "$OUT/commits.txt"
 
 # Timing first (the figures this call is for), base and branch alternated.
 sweep() { # variant run
