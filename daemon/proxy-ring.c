@@ -120,6 +120,11 @@ static void peer_failed(struct proxy *p, uint32_t tp_peer, int error, const char
                         p->slots[i].need_signal = false;
                         slot_finish(p, i, true);
                 }
+        /* The peer is never written to again (peer_error stays): what the
+         * transport holds for it (cuda: imports of the other daemon's GPU
+         * memory) goes now, not when the transport closes at shutdown. */
+        if (p->ops->peer_fail)
+                p->ops->peer_fail(p->tp, tp_peer);
         event_push(p, PROXY_EVENT_PEER_FAILED, 0, tp_peer, error, "transport peer %u failed: %s (%s)",
                    tp_peer, strerror(-error), why);
 }

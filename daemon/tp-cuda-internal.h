@@ -94,6 +94,7 @@ struct tpc_conn {
         int fd;
         int peer; /* the peer whose token it presented; -1 until HELLO */
         uint64_t since_ms;
+        bool shut; /* shut down (a revocation it did not take): the server thread drops it */
 };
 
 struct tp {
@@ -153,6 +154,10 @@ int tpc_peer_connect(struct tp *tp, uint32_t peer, const void *blob, size_t len,
  * with *ret_error -EACCES (the peer has no such region) or another -errno
  * (the connection failed: the peer is dead now). */
 struct tpc_remote *tpc_remote_get(struct tp *tp, uint32_t peer, uint64_t key, int *ret_error);
+/* Proxy thread: tp_ops.peer_fail; the proxy failed `peer` (the mesh lost its
+ * daemon, or a write to it failed): its imports go now and its connection
+ * is shut down, so that the peer's server drops it too. */
+void tpc_peer_fail(struct tp *tp, uint32_t peer);
 /* Proxy thread: reads what peers sent unasked (REVOKE, a late WELCOME, EOF). */
 void tpc_peers_drain(struct tp *tp);
 void tpc_peers_free(struct tp *tp);

@@ -298,14 +298,22 @@ void tpc_revoke_broadcast(struct tp *tp, uint64_t key) {
         struct tpc_msg m = { .magic = TPC_MSG_MAGIC, .type = TPC_MSG_REVOKE, .key = key };
 
         /* Every authenticated connection: which of them fetched the key is
-         * theirs to know; one that cannot take the message now (its buffer
-         * full) is not reading, and its daemon learns of the loss when it
-         * next fetches. */
+         * theirs to know. One that cannot take the message now (its buffer
+         * full: that daemon is not reading) would keep its import of the
+         * region, and so the rank's GPU memory, for as long as the
+         * connection lasts: it is shut down instead (we do not wait on a
+         * peer from the event loop). Its daemon reads EOF, drops every
+         * import it made through it and fails the transport peer; the mesh
+         * then connects a fresh one. The server thread, which alone drops
+         * connections, frees the slot on the hangup. */
         pthread_mutex_lock(&tp->lock);
         for (uint32_t i = 0; i < tp->nconns; i++)
-                if (tp->conns[i].peer >= 0 && msg_send(tp->conns[i].fd, &m, -1) < 0)
-                        log_notice("%s: peer %d: revocation of a region not sent", tp->who,
-                                   tp->conns[i].peer);
+                if (tp->conns[i].peer >= 0 && !tp->conns[i].shut && msg_send(tp->conns[i].fd, &m, -1) < 0) {
+                        log_warn("%s: peer %d: revocation of a region not taken; connection shut down",
+                                 tp->who, tp->conns[i].peer);
+                        shutdown(tp->conns[i].fd, SHUT_RDWR);
+                        tp->conns[i].shut = true;
+                }
         pthread_mutex_unlock(&tp->lock);
 }
 
@@ -418,9 +426,41 @@ fail:
         return r;
 }
 
-/* Proxy thread: the connection to `peer` failed or was superseded. Its
- * imports go once the stream no longer copies into them, so that a daemon
- * that died or reconnected does not leave its ranks' GPU memory held here. */
+/* Drops every message still queued on a dead peer's connection, closing
+ * the fds they carry: a REGION that came after its fetch timed out holds a
+ * reference to that rank's GPU memory for as long as it sits there, and the
+ * socket itself stays open until close (the loop thread may still name its
+ * fd in tpc_peer_connect, so the number is not given back before). */
+static void peer_queue_drop(int fd) {
+        char cbuf[CMSG_SPACE(4 * sizeof(int))];
+        uint8_t buf[TPC_MSG_BYTES + 1];
+
+        /* Bounded: after the shutdown nothing more can arrive. */
+        for (int n = 0; n < 4096; n++) {
+                struct iovec iov = { .iov_base = buf, .iov_len = sizeof(buf) };
+                struct msghdr mh = {
+                        .msg_iov = &iov, .msg_iovlen = 1, .msg_control = cbuf, .msg_controllen = sizeof(cbuf)
+                };
+
+                if (recvmsg(fd, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC) <= 0)
+                        return;
+                for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c))
+                        if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS)
+                                for (size_t k = 0; k < (c->cmsg_len - CMSG_LEN(0)) / sizeof(int); k++) {
+                                        int passed;
+
+                                        memcpy(&passed, CMSG_DATA(c) + k * sizeof(int), sizeof(int));
+                                        close(passed);
+                                }
+        }
+}
+
+/* Proxy thread: the connection to `peer` failed or was superseded, or the
+ * proxy failed the peer. Its imports go once the stream no longer copies
+ * into them, so that a daemon that died, reconnected or was given up on
+ * does not leave its ranks' GPU memory held here; the connection is shut
+ * down (the peer's server sees EOF and frees the slot) and what it still
+ * queued is dropped. */
 static void peer_dead(struct tp *tp, uint32_t peer, const char *why) {
         struct tpc_peer *p = &tp->peers[peer];
 
@@ -429,6 +469,8 @@ static void peer_dead(struct tp *tp, uint32_t peer, const char *why) {
         log_warn("%s: peer %u (@%s): %s", tp->who, peer, p->blob.name, why);
         epoll_ctl(tp->epoll_fd, EPOLL_CTL_DEL, p->fd, NULL);
         atomic_store(&p->state, TPC_PEER_DEAD);
+        shutdown(p->fd, SHUT_RDWR);
+        peer_queue_drop(p->fd);
         if (p->nremotes) {
                 tp->api.ctx_set_current(tp->ctx);
                 tp->api.stream_synchronize(tp->stream);
@@ -496,6 +538,15 @@ static bool peer_read(struct tp *tp, uint32_t peer) {
                 if (!peer_handle(tp, peer, &m))
                         return false;
         }
+}
+
+void tpc_peer_fail(struct tp *tp, uint32_t peer) {
+        /* A peer still NEW has no connection and no import, and the loop
+         * thread may be connecting it: left alone (the proxy never writes
+         * to it again either way). */
+        if (peer < TPC_MAX_PEERS &&
+            atomic_load_explicit(&tp->peers[peer].state, memory_order_acquire) == TPC_PEER_CONNECTED)
+                peer_dead(tp, peer, "failed by the proxy");
 }
 
 void tpc_peers_drain(struct tp *tp) {

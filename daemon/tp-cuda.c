@@ -502,4 +502,5 @@ const struct tp_ops tp_cuda_ops = {
         .write = cuda_write,
         .poll = cuda_poll,
         .stats = cuda_stats,
+        .peer_fail = tpc_peer_fail,
 };

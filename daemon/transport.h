@@ -161,6 +161,15 @@ struct tp_ops {
         /* Optional (NULL where the backend does not count): bytes written
          * so far, by where they were; read from any thread (relaxed). */
         void (*stats)(const struct tp *tp, struct tp_stats *ret);
+
+        /* Optional (NULL where the backend holds nothing per peer): the
+         * proxy gave up on `peer` for good (its daemon died or reconnected,
+         * a write failed or timed out) and will not write to it again, so
+         * the backend drops what it holds for it now rather than at close:
+         * cuda, its imports of that daemon's ranks' GPU memory. Called by the
+         * thread that calls write and poll; writes to the peer fail from
+         * then on. */
+        void (*peer_fail)(struct tp *tp, uint32_t peer);
 };
 
 extern const struct tp_ops tp_fabric_ops;

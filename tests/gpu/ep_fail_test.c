@@ -247,16 +247,23 @@ static size_t gpu_free_bytes(void) {
 
 #define MEM_SLACK (4u << 20)
 
-/* The endpoint is gone on every survivor: our GPU memory comes back (once
- * the peers' mappings and the daemon's descriptor of it are gone too; the
- * modules are loaded eagerly, so nothing else should stay) and the context
- * still runs work. */
-static int after_destroy(volatile int *destroyed, volatile int *checked, int survivors, size_t free_before,
-                         char *msg, size_t len) {
+/* The endpoint is gone and the rank has left the job on every survivor:
+ * our GPU memory comes back (once the peers' mappings and the daemons'
+ * imports and descriptors of it are gone too; the modules are loaded
+ * eagerly, so nothing else should stay) and the context still runs work.
+ * The rank leaves first because its proxy regions are the job's, not the
+ * endpoint's (ep-px.c: later endpoints of the job reuse them; in GPU
+ * memory with MOEEP_PX_MEMORY=gpu), as moeep.Buffer.destroy() leaves; a
+ * session whose daemon is gone forgets the job. Before, the survivors'
+ * proxy regions were still held here, which the cases that kill a rank
+ * hid only while the victim's freed context outweighed them. */
+static int after_destroy(struct moeep_client *c, volatile int *destroyed, volatile int *checked,
+                         int survivors, size_t free_before, char *msg, size_t len) {
         size_t free_after = 0;
         void *p = NULL;
         int r = 0;
 
+        moeep_job_leave(c);
         __atomic_add_fetch(destroyed, 1, __ATOMIC_ACQ_REL);
         if (!wait_shared(destroyed, survivors, 10000))
                 return snprintf(msg, len, "the other survivors did not free their endpoints"), -1;
@@ -403,8 +410,8 @@ static int rank_case(struct moeep_client *c, int me, int R, void *shared, void *
                 sleep_ms(3 * HUNG_TIMEOUT_MS); /* "busy in user code" */
                 moeep_ep_destroy(ep);
                 ep = NULL;
-                if (after_destroy(&sh->destroyed, &sh->checked, R, free0, sh->msg[me], sizeof(sh->msg[me])) ==
-                    0)
+                if (after_destroy(c, &sh->destroyed, &sh->checked, R, free0, sh->msg[me],
+                                  sizeof(sh->msg[me])) == 0)
                         sh->rc[me] = 0;
                 goto out;
         }
@@ -450,7 +457,7 @@ static int rank_case(struct moeep_client *c, int me, int R, void *shared, void *
         dres.handle = NULL;
         moeep_ep_destroy(ep);
         ep = NULL;
-        if (after_destroy(&sh->destroyed, &sh->checked, ci == HUNG_RANK || daemon_case ? R : R - 1, free0,
+        if (after_destroy(c, &sh->destroyed, &sh->checked, ci == HUNG_RANK || daemon_case ? R : R - 1, free0,
                           sh->msg[me], sizeof(sh->msg[me])) < 0)
                 goto out;
         if (!daemon_case) {

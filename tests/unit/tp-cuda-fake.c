@@ -102,7 +102,7 @@ static tpc_result f_import(tpc_mem_handle *h, void *fd, int type) {
 
         if (d < 0)
                 return 1;
-        fake_imports++;
+        __atomic_add_fetch(&fake_imports, 1, __ATOMIC_ACQ_REL);
         *h = (tpc_mem_handle)d;
         return 0;
 }
@@ -135,7 +135,7 @@ static tpc_result f_unmap(tpc_devptr p, size_t n) {
                        : 0;
 }
 static tpc_result f_release(tpc_mem_handle h) {
-        fake_imports--;
+        __atomic_sub_fetch(&fake_imports, 1, __ATOMIC_ACQ_REL);
         return close((int)h) ? 1 : 0;
 }
 static tpc_result f_access(tpc_devptr p, size_t n, const struct tpc_access_desc *d, size_t c) {
