@@ -76,6 +76,7 @@ struct shared {
         volatile int daemon_restarts; /* bumped by the driver once moeepd is back */
         volatile int job_ready;
         volatile int destroyed;     /* survivors that freed their endpoint */
+        volatile int left;          /* survivors that left the job */
         volatile int checked;       /* survivors that checked their GPU memory came back */
         volatile int allocated;     /* ranks whose context and test buffers exist */
         struct moeep_unique_id job; /* the job made after the restart */
@@ -247,41 +248,55 @@ static size_t gpu_free_bytes(void) {
 
 #define MEM_SLACK (4u << 20)
 
-/* The endpoint is gone and the rank has left the job on every survivor:
- * our GPU memory comes back (once the peers' mappings and the daemons'
- * imports and descriptors of it are gone too; the modules are loaded
- * eagerly, so nothing else should stay) and the context still runs work.
- * The rank leaves first because its proxy regions are the job's, not the
- * endpoint's (ep-px.c: later endpoints of the job reuse them; in GPU
- * memory with MOEEP_PX_MEMORY=gpu), as moeep.Buffer.destroy() leaves; a
- * session whose daemon is gone forgets the job. Before, the survivors'
- * proxy regions were still held here, which the cases that kill a rank
- * hid only while the victim's freed context outweighed them. */
-static int after_destroy(struct moeep_client *c, volatile int *destroyed, volatile int *checked,
-                         int survivors, size_t free_before, char *msg, size_t len) {
+/* Polls (2 s) until free GPU memory is back to free_before (less a slack);
+ * -1 with the message naming `when` otherwise. */
+static int memory_back(size_t free_before, const char *when, char *msg, size_t len) {
         size_t free_after = 0;
-        void *p = NULL;
-        int r = 0;
 
-        moeep_job_leave(c);
-        __atomic_add_fetch(destroyed, 1, __ATOMIC_ACQ_REL);
-        if (!wait_shared(destroyed, survivors, 10000))
-                return snprintf(msg, len, "the other survivors did not free their endpoints"), -1;
         for (int i = 0; i < 200; i++) {
                 free_after = gpu_free_bytes();
                 if (free_after + MEM_SLACK >= free_before)
-                        break;
+                        return 0;
                 sleep_ms(10);
         }
-        if (free_after + MEM_SLACK < free_before) {
-                snprintf(msg, len, "GPU memory not returned: %zu MiB free before the endpoint, %zu after",
-                         free_before >> 20, free_after >> 20);
+        snprintf(msg, len, "GPU memory not returned %s: %zu MiB free before the endpoint, %zu after", when,
+                 free_before >> 20, free_after >> 20);
+        return -1;
+}
+
+/* The endpoint is gone on every survivor: our GPU memory comes back (once
+ * the peers' mappings and the daemon's descriptor of it are gone too; the
+ * modules are loaded eagerly, so nothing else should stay), all of it once
+ * the rank left the job, and the context still runs work. A rank's proxy
+ * regions are the job's, not the endpoint's (ep-px.c: later endpoints of
+ * the job reuse them, freed at leave): in host memory by default, they are
+ * GPU memory with MOEEP_PX_MEMORY=gpu|auto, and only then is the check at
+ * destroy skipped, leaving the one after leave (as moeep.Buffer.destroy()
+ * leaves; a session whose daemon is gone forgets the job). */
+static int after_destroy(struct moeep_client *c, struct shared *sh, int survivors, size_t free_before,
+                         char *msg, size_t len) {
+        const char *px = getenv("MOEEP_PX_MEMORY");
+        const bool px_in_gpu = px && (!strcmp(px, "gpu") || !strcmp(px, "auto"));
+        void *p = NULL;
+        int r = 0;
+
+        __atomic_add_fetch(&sh->destroyed, 1, __ATOMIC_ACQ_REL);
+        if (!wait_shared(&sh->destroyed, survivors, 10000))
+                return snprintf(msg, len, "the other survivors did not free their endpoints"), -1;
+        if (!px_in_gpu)
+                r = memory_back(free_before, "after the endpoint", msg, len);
+        moeep_job_leave(c);
+        __atomic_add_fetch(&sh->left, 1, __ATOMIC_ACQ_REL);
+        if (!wait_shared(&sh->left, survivors, 10000) && r == 0) {
+                snprintf(msg, len, "the other survivors did not leave the job");
                 r = -1;
         }
+        if (r == 0)
+                r = memory_back(free_before, "after leaving the job", msg, len);
         /* Ranks sharing a GPU see each other's memory: nobody goes on (to
          * allocate again) until every survivor has looked. */
-        __atomic_add_fetch(checked, 1, __ATOMIC_ACQ_REL);
-        if (!wait_shared(checked, survivors, 10000) && r == 0) {
+        __atomic_add_fetch(&sh->checked, 1, __ATOMIC_ACQ_REL);
+        if (!wait_shared(&sh->checked, survivors, 10000) && r == 0) {
                 snprintf(msg, len, "the other survivors did not check their GPU memory");
                 r = -1;
         }
@@ -410,8 +425,7 @@ static int rank_case(struct moeep_client *c, int me, int R, void *shared, void *
                 sleep_ms(3 * HUNG_TIMEOUT_MS); /* "busy in user code" */
                 moeep_ep_destroy(ep);
                 ep = NULL;
-                if (after_destroy(c, &sh->destroyed, &sh->checked, R, free0, sh->msg[me],
-                                  sizeof(sh->msg[me])) == 0)
+                if (after_destroy(c, sh, R, free0, sh->msg[me], sizeof(sh->msg[me])) == 0)
                         sh->rc[me] = 0;
                 goto out;
         }
@@ -457,8 +471,8 @@ static int rank_case(struct moeep_client *c, int me, int R, void *shared, void *
         dres.handle = NULL;
         moeep_ep_destroy(ep);
         ep = NULL;
-        if (after_destroy(c, &sh->destroyed, &sh->checked, ci == HUNG_RANK || daemon_case ? R : R - 1, free0,
-                          sh->msg[me], sizeof(sh->msg[me])) < 0)
+        if (after_destroy(c, sh, ci == HUNG_RANK || daemon_case ? R : R - 1, free0, sh->msg[me],
+                          sizeof(sh->msg[me])) < 0)
                 goto out;
         if (!daemon_case) {
                 sh->rc[me] = 0;
