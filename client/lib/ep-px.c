@@ -10,12 +10,11 @@
  * when the daemon's transport writes GPU memory (cuda; the GPUDirect path:
  * no payload byte in host memory, and the kernels poll their counters in
  * their own memory), else in host memory (sealed memfds mapped for the GPU
- * with cudaHostRegister; the host-staged path of libfabric tcp). Host
- * memory unless MOEEP_PX_MEMORY says otherwise: =gpu asks for GPU memory
- * and fails when the daemon refuses it, =auto tries GPU memory first and
- * falls back to host memory. (GPU memory is opt-in until the GPUDirect path
- * has run on a GPU; docs/architecture.md.) The kernels are the same for
- * both.
+ * with cudaHostRegister; the host-staged path of libfabric tcp), chosen
+ * per transport: by default (MOEEP_PX_MEMORY unset or =auto) GPU memory is
+ * tried first and the daemon's refusal falls back to host memory; =gpu
+ * fails instead of falling back, =host never tries GPU memory. The kernels
+ * are the same for both.
  *
  * The daemon keeps a rank's proxy regions and rings until the rank leaves
  * the job, so they are the job's, not the endpoint's: the first endpoint
@@ -166,7 +165,7 @@ static int px_regions(struct moeep_ep *ep, struct px_job *j, size_t bytes) {
         if (mode && mode[0] && strcmp(mode, "gpu") != 0 && strcmp(mode, "host") != 0 &&
             strcmp(mode, "auto") != 0)
                 return ep_fail(ep, -EINVAL, "MOEEP_PX_MEMORY='%s': need gpu, host or auto", mode);
-        if (mode && (strcmp(mode, "gpu") == 0 || strcmp(mode, "auto") == 0)) {
+        if (!mode || strcmp(mode, "host") != 0) { /* gpu, auto or unset (auto) */
                 r = px_region_gpu(ep, &j->map[PX_SEND], bytes, MOEEP_PROXY_SEND, "send");
                 if (r == 0) {
                         j->gpu = true;

@@ -269,14 +269,15 @@ static int memory_back(size_t free_before, const char *when, char *msg, size_t l
  * modules are loaded eagerly, so nothing else should stay), all of it once
  * the rank left the job, and the context still runs work. A rank's proxy
  * regions are the job's, not the endpoint's (ep-px.c: later endpoints of
- * the job reuse them, freed at leave): in host memory by default, they are
- * GPU memory with MOEEP_PX_MEMORY=gpu|auto, and only then is the check at
- * destroy skipped, leaving the one after leave (as moeep.Buffer.destroy()
- * leaves; a session whose daemon is gone forgets the job). */
+ * the job reuse them, freed at leave): with the host-staged transports
+ * they are host memory, with the cuda transport GPU memory (unless
+ * MOEEP_PX_MEMORY=host), and only then is the check at destroy skipped,
+ * leaving the one after leave (as moeep.Buffer.destroy() leaves; a session
+ * whose daemon is gone forgets the job). */
 static int after_destroy(struct moeep_client *c, struct shared *sh, int survivors, size_t free_before,
                          char *msg, size_t len) {
-        const char *px = getenv("MOEEP_PX_MEMORY");
-        const bool px_in_gpu = px && (!strcmp(px, "gpu") || !strcmp(px, "auto"));
+        const char *px = getenv("MOEEP_PX_MEMORY"), *tp = getenv("MOEEP_HARNESS_TRANSPORT");
+        const bool px_in_gpu = tp && !strcmp(tp, "cuda") && !(px && !strcmp(px, "host"));
         void *p = NULL;
         int r = 0;
 
