@@ -118,6 +118,12 @@ int client_proxy_region_register(struct moeep_client *client, int memfd, uint64_
 int client_proxy_region_register_gpu(struct moeep_client *client, int fd, uint64_t size,
                                      enum moeep_proxy_role role, uint32_t tag, uint64_t *ret_region_id);
 
+/* The same for GPU memory exported as a dma-buf (MOEEP_REGION_DMABUF,
+ * cuMemGetHandleForAddressRange), which a NIC registers (verbs:
+ * ibv_reg_dmabuf_mr; libfabric: FI_MR_DMABUF); `fd` stays the caller's. */
+int client_proxy_region_register_dmabuf(struct moeep_client *client, int fd, uint64_t size,
+                                        enum moeep_proxy_role role, uint32_t tag, uint64_t *ret_region_id);
+
 /* Opens a channel of `capacity` descriptors (a power of two; 0 = 1024):
  * *ret_ring_fd is the ring memfd, the caller's to map and close. -EAGAIN
  * (ERROR_NOT_READY) while a rank at another daemon has not joined or not

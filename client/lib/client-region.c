@@ -139,6 +139,12 @@ int client_proxy_region_register_gpu(struct moeep_client *c, int fd, uint64_t si
                                      ret_region_id);
 }
 
+int client_proxy_region_register_dmabuf(struct moeep_client *c, int fd, uint64_t size,
+                                        enum moeep_proxy_role role, uint32_t tag, uint64_t *ret_region_id) {
+        return proxy_region_register(c, fd, MOEEP__V1__REGION_KIND__REGION_KIND_DMABUF, size, role, tag,
+                                     ret_region_id);
+}
+
 int client_proxy_channel_open(struct moeep_client *c, uint32_t capacity, int *ret_ring_fd,
                               uint64_t *ret_ring_id, uint32_t *ret_capacity) {
         Moeep__V1__ChannelOpen co = MOEEP__V1__CHANNEL_OPEN__INIT;

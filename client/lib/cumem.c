@@ -45,6 +45,8 @@ static void api_load(void) {
         SYM(unmap, "cuMemUnmap");
         SYM(set_access, "cuMemSetAccess");
 #undef SYM
+        *(void **)&api.device_attribute = dlsym(lib, "cuDeviceGetAttribute");
+        *(void **)&api.range_handle = dlsym(lib, "cuMemGetHandleForAddressRange");
         api_status = 0;
 }
 
@@ -118,9 +120,18 @@ CUresult cumem_alloc_exportable(const struct cumem_api *a, int device, size_t mi
         CUmemGenericAllocationHandle handle;
         struct cumem_mapping m;
         size_t gran = 0, size;
-        int fd = -1;
+        int fd = -1, rdma = 0;
+        CUdevice dev;
         CUresult r;
 
+        /* Where the device can, the memory is made usable by a NIC too
+         * (GPUDirect RDMA on cuMem allocations), so that it can be exported
+         * as a dma-buf for a verbs transport (cumem_export_dmabuf). */
+        if (a->device_attribute && a->device_get(&dev, device) == CUDA_SUCCESS &&
+            a->device_attribute(&rdma, CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, dev) ==
+                    CUDA_SUCCESS &&
+            rdma)
+                prop.allocFlags.gpuDirectRDMACapable = 1;
         r = a->granularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED);
         if (r != CUDA_SUCCESS)
                 return r;
@@ -139,6 +150,19 @@ CUresult cumem_alloc_exportable(const struct cumem_api *a, int device, size_t mi
                 return r;
         }
         *ret_mapping = m;
+        *ret_fd = fd;
+        return CUDA_SUCCESS;
+}
+
+CUresult cumem_export_dmabuf(const struct cumem_api *a, const struct cumem_mapping *m, int *ret_fd) {
+        int fd = -1;
+        CUresult r;
+
+        if (!a->range_handle)
+                return CUDA_ERROR_NOT_SUPPORTED;
+        r = a->range_handle(&fd, m->ptr, m->size, CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0);
+        if (r != CUDA_SUCCESS)
+                return r;
         *ret_fd = fd;
         return CUDA_SUCCESS;
 }

@@ -22,6 +22,9 @@ struct cumem_api {
         CUresult (*map)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long);
         CUresult (*unmap)(CUdeviceptr, size_t);
         CUresult (*set_access)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
+        /* Optional (NULL where this libcuda lacks them): dma-buf export. */
+        CUresult (*device_attribute)(int *, CUdevice_attribute, CUdevice);
+        CUresult (*range_handle)(void *, CUdeviceptr, size_t, CUmemRangeHandleType, unsigned long long);
 };
 
 /* One mapped allocation: owns `handle` and the address range. */
@@ -41,6 +44,11 @@ const char *cumem_strerror(const struct cumem_api *api, CUresult r);
  * and maps them read/write for the device. The caller owns the fd. */
 CUresult cumem_alloc_exportable(const struct cumem_api *api, int device, size_t min_size,
                                 struct cumem_mapping *ret_mapping, int *ret_fd);
+
+/* Exports the mapping as a dma-buf fd (cuMemGetHandleForAddressRange), for
+ * a NIC to register (ibv_reg_dmabuf_mr); the caller owns the fd.
+ * CUDA_ERROR_NOT_SUPPORTED where the driver or the device cannot. */
+CUresult cumem_export_dmabuf(const struct cumem_api *api, const struct cumem_mapping *m, int *ret_fd);
 
 /* Imports a peer's fd (not consumed) of `size` bytes and maps it for `device`. */
 CUresult cumem_import(const struct cumem_api *api, int fd, size_t size, int device,

@@ -6,10 +6,11 @@
  * ring; the daemons' proxies carry it into the receiver's receive region
  * and counters.
  *
- * Where the regions live: in GPU memory (cuMem, registered as its POSIX fd)
- * when the daemon's transport writes GPU memory (cuda; the GPUDirect path:
- * no payload byte in host memory, and the kernels poll their counters in
- * their own memory), else in host memory (sealed memfds mapped for the GPU
+ * Where the regions live: in GPU memory when the daemon's transport writes
+ * GPU memory (the GPUDirect path: no payload byte in host memory, and the
+ * kernels poll their counters in their own memory), registered as its cuMem
+ * POSIX fd (the cuda transport imports it) or else as a dma-buf (a NIC's
+ * transport registers it: verbs, libfabric with FI_MR_DMABUF); else in host memory (sealed memfds mapped for the GPU
  * with cudaHostRegister; the host-staged path of libfabric tcp), chosen
  * per transport: by default (MOEEP_PX_MEMORY unset or =auto) GPU memory is
  * tried first and the daemon's refusal falls back to host memory; =gpu
@@ -24,6 +25,7 @@
  * signal. */
 #include <errno.h>
 #include <fcntl.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -134,9 +136,10 @@ static int px_region(struct moeep_ep *ep, struct px_map *m, size_t size, enum mo
  * allocation granularity), zeroed, registered with the daemon as `role`. */
 static int px_region_gpu(struct moeep_ep *ep, struct px_map *m, size_t size, enum moeep_proxy_role role,
                          const char *what) {
+        char why[256];
         uint64_t id;
         CUresult cr;
-        int r;
+        int r, dmabuf = -1;
 
         cr = cumem_alloc_exportable(ep->cu, ep->device, size, &m->gpu, &m->fd);
         if (cr != CUDA_SUCCESS)
@@ -149,9 +152,25 @@ static int px_region_gpu(struct moeep_ep *ep, struct px_map *m, size_t size, enu
         CUDA_TRY(ep, cudaMemset(m->dev, 0, m->size));
         CUDA_TRY(ep, cudaDeviceSynchronize());
         r = client_proxy_region_register_gpu(ep->client, m->fd, m->size, role, PX_REGION_TAG, &id);
+        if (r == 0)
+                return 0;
+        /* A NIC's transport (verbs, libfabric) takes GPU memory as a
+         * dma-buf, not as a cuMem fd, which needs a CUDA context to import.
+         * The daemon keeps its own reference to the dma-buf. */
+        snprintf(why, sizeof(why), "%s", moeep_client_error(ep->client));
+        cr = cumem_export_dmabuf(ep->cu, &m->gpu, &dmabuf);
+        if (cr != CUDA_SUCCESS)
+                return ep_fail(ep, r,
+                               "registering the proxy %s region (GPU memory): as a cuMem fd: %s; as a "
+                               "dma-buf: cannot export one: %s",
+                               what, why, cumem_strerror(ep->cu, cr));
+        r = client_proxy_region_register_dmabuf(ep->client, dmabuf, m->size, role, PX_REGION_TAG, &id);
+        close(dmabuf);
         if (r < 0)
-                return ep_fail(ep, r, "registering the proxy %s region (GPU memory): %s", what,
-                               moeep_client_error(ep->client));
+                return ep_fail(
+                        ep, r,
+                        "registering the proxy %s region (GPU memory): as a cuMem fd: %s; as a dma-buf: %s",
+                        what, why, moeep_client_error(ep->client));
         return 0;
 }
 
