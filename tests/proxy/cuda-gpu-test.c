@@ -12,6 +12,10 @@
  *      memfd (read by the CPU) must hold the pattern; the counter, brought
  *      back the same way, must hold the signal.
  * B's byte counters must show step 2's payload as device-to-device.
+ * First, the dma-buf a NIC's transport would register: one allocation is
+ * exported with cumem_export_dmabuf, must be a dma-buf fd (its link names
+ * "dmabuf") and the cuda transport must refuse it with a message. A driver
+ * that cannot export dma-bufs is reported, not failed.
  *
  * Exit status: 0 passed, 1 failed (one line naming the step), 77 without a
  * CUDA driver or device. */
@@ -55,6 +59,32 @@ static struct tp_mr *reg(struct transport *t, enum tp_mem_kind kind, int fd, voi
         if (t->ops->mr_new(t->tp, &m, &mr, err) < 0)
                 FAIL("%s", err);
         return mr;
+}
+
+/* The dma-buf export of `m` (see the top of this file). */
+static void dmabuf_check(const struct cumem_api *cu, const struct cumem_mapping *m, struct transport *t) {
+        char path[64], link[256] = "", err[ERRMSG_MAX];
+        struct tp_mem mem = { .kind = TP_MEM_DMABUF, .length = m->size, .name = "dma-buf" };
+        struct tp_mr *mr = NULL;
+        CUresult cr;
+        ssize_t n;
+        int fd = -1;
+
+        cr = cumem_export_dmabuf(cu, m, &fd);
+        if (cr != CUDA_SUCCESS) {
+                printf("dma-buf export not available here: %s\n", cumem_strerror(cu, cr));
+                return;
+        }
+        snprintf(path, sizeof(path), "/proc/self/fd/%d", fd);
+        n = readlink(path, link, sizeof(link) - 1);
+        if (n <= 0 || !strstr(link, "dmabuf"))
+                FAIL("dma-buf export: fd %d is '%s', not a dma-buf", fd, link);
+        mem.fd = fd;
+        if (t->ops->mr_new(t->tp, &mem, &mr, err) == 0)
+                FAIL("the cuda transport took a dma-buf region");
+        printf("dma-buf export: fd %d is %s (%zu bytes); the cuda transport refuses it: %s\n", fd, link,
+               m->size, err);
+        close(fd);
 }
 
 /* One write and its completion (bounded). */
@@ -107,6 +137,7 @@ int main(void) {
                 if (cr != CUDA_SUCCESS)
                         FAIL("cuMem allocation %d: %s", i, cumem_strerror(cu, cr));
         }
+        dmabuf_check(cu, &gpu[0], &a);
         if (a.ops->peer_new(a.tp, &pa, blob_a, &la, err) < 0 ||
             b.ops->peer_new(b.tp, &pb, blob_b, &lb, err) < 0 ||
             a.ops->peer_connect(a.tp, pa, blob_b, lb, err) < 0 ||
