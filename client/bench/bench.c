@@ -52,8 +52,11 @@ static int rank_fn(struct moeep_client *c, int rank, int ranks, void *shared, vo
         env->c = c;
         env->rank = rank;
         env->ranks = ranks;
-        if (moeep_ep_create(c, &cfg, &env->ep) < 0)
+        if (moeep_ep_create(c, &cfg, &env->ep) < 0) {
+                fprintf(stderr, "rank %d: creating the endpoint: %s\n", rank, moeep_client_error(c));
+                free(env);
                 return 1;
+        }
         if (rank == 0)
                 env->sh->buffer_bytes = moeep_ep_buffer_bytes(env->ep);
         CUDA_OK(cudaStreamCreateWithFlags(&env->st, cudaStreamNonBlocking));
