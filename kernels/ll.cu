@@ -11,8 +11,6 @@
  *   x, scales, src   [local expert][ranks * max_tokens] slots, written by the
  *                    senders at the slot the receiver's counter gave them;
  *   comb             [max_tokens][max_topk] rows, written by the expert ranks;
- *   counter[b][le]   slots taken of local expert le (remote atomics), read
- *                    and zeroed by the receive kernel;
  *   count[b][le]     the received counts, for the caller and combine;
  *   flags            per source rank, the set's sequence number, released
  *                    after the source's rows landed. */
@@ -88,7 +86,6 @@ __device__ __forceinline__ void ll_recv_counts(const struct moeep_ctx &ctx, int 
                                         my->table[b][s][e] = 0; /* the relay adds into it */
                         }
                 my->count[b][le] = (int32_t)begin;
-                my->counter[b][le] = 0;
                 if (stats)
                         stats[le] += (int)begin;
         }
