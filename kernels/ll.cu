@@ -540,20 +540,29 @@ __device__ __forceinline__ void ll_combine_recv(const struct moeep_ctx &ctx, con
         const int warps = gridDim.x * LL_WARPS, gwarp = ll_warp_index();
         const char *comb = ctx.peers[ctx.rank] + ctx.ll.comb[b];
 
+        /* Work items (token, 512 channels of the row), so that a few tokens
+         * still keep every warp busy; the K rows of a position are loaded
+         * together. The ids and weights of a warp's first item (the
+         * caller's, not another rank's) are read while the flags are
+         * waited for. */
+        const int n16 = H / 8, pieces = (n16 + LL_RECV_PIECE - 1) / LL_RECV_PIECE;
+        const int items = num_tokens * pieces;
+        int64_t e_first = -1;
+        float wt_first = 0.0f;
+        if (gwarp < items && lane < K) { /* both loads in flight together: the weight is read even when masked */
+                e_first = (int64_t)topk_idx[(size_t)(gwarp / pieces) * K + lane];
+                wt_first = weights[(size_t)(gwarp / pieces) * K + lane];
+        }
         if (threadIdx.x < ctx.ranks && !px_remote(ctx, threadIdx.x)) /* remote ranks: ll_rows_relay ran before */
                 wait_flag(ctx, &my->combine_flag[b][threadIdx.x], seq, threadIdx.x);
         __syncthreads();
-        /* Work items (token, 512 channels of the row), so that a few tokens
-         * still keep every warp busy; the K rows of a position are loaded
-         * together. */
-        const int n16 = H / 8, pieces = (n16 + LL_RECV_PIECE - 1) / LL_RECV_PIECE;
-        for (int item = gwarp; item < num_tokens * pieces; item += warps) {
+        for (int item = gwarp; item < items; item += warps) {
                 const int t = item / pieces, i0 = (item % pieces) * LL_RECV_PIECE, i1 = min(n16, i0 + LL_RECV_PIECE);
                 float w = 0.0f;
                 uint32_t valid = 0;
-                if (lane < K) { /* both loads in flight together: the weight is read even when masked */
-                        const int64_t e = (int64_t)topk_idx[(size_t)t * K + lane];
-                        const float wt = weights[(size_t)t * K + lane];
+                if (lane < K) {
+                        const int64_t e = item == gwarp ? e_first : (int64_t)topk_idx[(size_t)t * K + lane];
+                        const float wt = item == gwarp ? wt_first : weights[(size_t)t * K + lane];
                         valid = e >= 0 && e < ctx.num_experts;
                         w = valid ? wt : 0.0f;
                 }
