@@ -283,7 +283,7 @@ __device__ __forceinline__ void ll_send_tokens(const struct moeep_ctx &ctx, cons
  * after the first); with tokens for half the blocks or more, the send goes
  * token by token instead (ll_send_tokens). Receive phase (alone in one block for a hook, else by
  * the send phase's last block): ll_recv_counts. */
-template <typename Idx>
+template <typename Idx, bool ByToken>
 __device__ __forceinline__ void ll_dispatch(const struct moeep_ctx &ctx, const int4 *x, int num_tokens,
                                             const Idx *topk_idx, int K, int b, int S, int use_fp8, int round_scale,
                                             int phases, int *stats) {
@@ -300,14 +300,15 @@ __device__ __forceinline__ void ll_dispatch(const struct moeep_ctx &ctx, const i
         const uint64_t seq = ctx.state->ll_seq[b] + 1;
         const int pairs = num_tokens * K;
 
-        /* With tokens for at least half the blocks and every rank mapped,
-         * the send goes token by token (ll_send_tokens): each row loaded
-         * and cast once for its K pairs, slots counted in shared memory.
-         * With fewer tokens, pairs spread over more warps cost less (one
-         * token per block leaves most SMs idle): the pair loop below. */
-        __shared__ __align__(16) uint16_t s_eid[LL_SCAN_PAIRS];
+        /* ByToken (moeep_launch_ll_dispatch chose it): the send goes token by
+         * token (ll_send_tokens), each row loaded and cast once for its K
+         * pairs, slots counted in shared memory. Otherwise the pair loop
+         * below. The two are instances of their own: the token path's
+         * registers and shared memory made every launch of the kernel
+         * slower, the receive alone included. */
+        __shared__ __align__(16) uint16_t s_eid[ByToken ? LL_SCAN_PAIRS : 8];
         static_assert(MOEEP_KERNEL_MAX_EXPERTS < LL_NO_EXPERT, "expert ids fit 16 bits");
-        const bool by_token = !ctx.px.remote && pairs <= LL_SCAN_PAIRS && 2 * num_tokens >= (int)gridDim.x;
+        constexpr bool by_token = ByToken;
         const int t0 = (blockIdx.x + gridDim.x - 1) % gridDim.x; /* block 0 last */
         int4 v[8];
         if (by_token && t0 < num_tokens) /* the row does not depend on the counts */
@@ -744,11 +745,11 @@ namespace moeep_ll {
 
 /* The kernels DeepEP's profilers see: one name per operation, each phase
  * (send, receive, or both) one launch. */
-template <typename Idx>
+template <typename Idx, bool ByToken>
 __global__ void __launch_bounds__(LL_THREADS, 1)
         dispatch(struct moeep_ctx ctx, const int4 *x, int num_tokens, const Idx *topk_idx, int K, int b, int S,
                  int use_fp8, int round_scale, int phases, int *stats) {
-        ll_dispatch<Idx>(ctx, x, num_tokens, topk_idx, K, b, S, use_fp8, round_scale, phases, stats);
+        ll_dispatch<Idx, ByToken>(ctx, x, num_tokens, topk_idx, K, b, S, use_fp8, round_scale, phases, stats);
 }
 
 /* Combine: the send phase, the receive phase (the sum), or both. With both,
@@ -770,20 +771,39 @@ __global__ void __launch_bounds__(LL_THREADS, 1)
 
 } /* namespace moeep_ll */
 
+template <typename Idx, bool ByToken>
+static void ll_dispatch_launch(const struct moeep_ctx *ctx, const void *x, int num_tokens, const void *topk_idx,
+                               int num_topk, int set, int slots, int use_fp8, int round_scale, int phases, int *stats,
+                               int blocks, cudaStream_t stream) {
+        moeep_ll::dispatch<Idx, ByToken><<<blocks, LL_THREADS, 0, stream>>>(*ctx, (const int4 *)x, num_tokens,
+                                                                            (const Idx *)topk_idx, num_topk, set, slots,
+                                                                            use_fp8, round_scale, phases, stats);
+}
+
 extern "C" int moeep_launch_ll_dispatch(const struct moeep_ctx *ctx, const void *x, int num_tokens,
                                         const void *topk_idx, int idx_is_int64, int num_topk, int set, int slots,
                                         int use_fp8, int round_scale, int phases, int *stats, cudaStream_t stream) {
         MOEEP_CUDA_LAUNCH_BEGIN();
-        /* The receive phase alone is one block's work. */
+        /* The receive phase alone is one block's work. The send goes token
+         * by token with tokens for at least half the blocks (fewer: pairs
+         * spread over more warps cost less than one token per block, which
+         * leaves most SMs idle), every rank mapped (ranks behind the proxy
+         * claim staging slots per pair) and up to LL_SCAN_PAIRS pairs. */
         const int blocks = (phases & MOEEP_LL_SEND) ? ctx->ll_num_sms : 1;
-        if (idx_is_int64)
-                moeep_ll::dispatch<int64_t><<<blocks, LL_THREADS, 0, stream>>>(
-                        *ctx, (const int4 *)x, num_tokens, (const int64_t *)topk_idx, num_topk, set, slots, use_fp8,
-                        round_scale, phases, stats);
+        const bool by_token = (phases & MOEEP_LL_SEND) && !ctx->px.remote &&
+                              (long)num_tokens * num_topk <= LL_SCAN_PAIRS && 2 * num_tokens >= blocks;
+        if (idx_is_int64 && by_token)
+                ll_dispatch_launch<int64_t, true>(ctx, x, num_tokens, topk_idx, num_topk, set, slots, use_fp8,
+                                                  round_scale, phases, stats, blocks, stream);
+        else if (idx_is_int64)
+                ll_dispatch_launch<int64_t, false>(ctx, x, num_tokens, topk_idx, num_topk, set, slots, use_fp8,
+                                                   round_scale, phases, stats, blocks, stream);
+        else if (by_token)
+                ll_dispatch_launch<int32_t, true>(ctx, x, num_tokens, topk_idx, num_topk, set, slots, use_fp8,
+                                                  round_scale, phases, stats, blocks, stream);
         else
-                moeep_ll::dispatch<int32_t><<<blocks, LL_THREADS, 0, stream>>>(
-                        *ctx, (const int4 *)x, num_tokens, (const int32_t *)topk_idx, num_topk, set, slots, use_fp8,
-                        round_scale, phases, stats);
+                ll_dispatch_launch<int32_t, false>(ctx, x, num_tokens, topk_idx, num_topk, set, slots, use_fp8,
+                                                   round_scale, phases, stats, blocks, stream);
         MOEEP_CUDA_LAUNCH_CHECK();
         return 0;
 }
