@@ -11,8 +11,6 @@
  *   x, scales, src   [local expert][ranks * max_tokens] slots, written by the
  *                    senders at the slot the receiver's counter gave them;
  *   comb             [max_tokens][max_topk] rows, written by the expert ranks;
- *   counter[b][le]   slots taken of local expert le (remote atomics), read
- *                    and zeroed by the receive kernel;
  *   count[b][le]     the received counts, for the caller and combine;
  *   flags            per source rank, the set's sequence number, released
  *                    after the source's rows landed. */
@@ -88,7 +86,6 @@ __device__ __forceinline__ void ll_recv_counts(const struct moeep_ctx &ctx, int 
                                         my->table[b][s][e] = 0; /* the relay adds into it */
                         }
                 my->count[b][le] = (int32_t)begin;
-                my->counter[b][le] = 0;
                 if (stats)
                         stats[le] += (int)begin;
         }
@@ -106,14 +103,32 @@ __device__ __forceinline__ void ll_load_steps(const int4 *row, int base, int n16
                 }
 }
 
+/* The pairs before `item` that go to expert e (s_eid: every pair's
+ * expert), counted by one warp, eight 16-bit ids per lane and round: a
+ * pair's position among our pairs for its expert, the same in every block
+ * without a claim in global memory. */
+__device__ __forceinline__ uint32_t ll_pairs_before(const uint16_t *s_eid, int item, uint32_t e) {
+        uint32_t c = 0;
+        for (int j0 = threadIdx.x % 32 * 8; j0 < item; j0 += 256) {
+                const uint4 w = *(const uint4 *)(s_eid + j0);
+                const uint32_t ws[4] = { w.x, w.y, w.z, w.w };
+#pragma unroll
+                for (int q = 0; q < 8; q++)
+                        c += j0 + q < item && ((ws[q / 2] >> (16 * (q % 2))) & 0xffffu) == e;
+        }
+        return __reduce_add_sync(0xffffffffu, c);
+}
+
 /* Where our pairs start in every expert's slots: after the pairs of the
  * ranks below us, whose counts every rank broadcasts first (table rows,
  * released by count_flag). Block 0 counts our pairs per expert (a few
  * thousand ids, in shared memory) and broadcasts them; every block sums
- * the rows of the ranks below us. s_begin[e] is our first slot at expert e. */
+ * the rows of the ranks below us. s_begin[e] is our first slot at expert e.
+ * With s_eid, every block also keeps every pair's expert there
+ * (LL_NO_EXPERT when masked). */
 template <typename Idx>
 __device__ __forceinline__ void ll_exchange_counts(const struct moeep_ctx &ctx, const Idx *topk_idx, int n, int b,
-                                                   uint64_t seq, int *s_begin) {
+                                                   uint64_t seq, int *s_begin, uint16_t *s_eid) {
         struct moeep_ll_sync *my = ll_sync_of(ctx, ctx.rank);
         const int tid = threadIdx.x, R = ctx.ranks, E = ctx.num_experts, me = ctx.rank;
 
@@ -123,8 +138,11 @@ __device__ __forceinline__ void ll_exchange_counts(const struct moeep_ctx &ctx, 
                 __syncthreads();
                 for (int i = tid; i < n; i += blockDim.x) {
                         const int64_t e = (int64_t)topk_idx[i];
-                        if (e >= 0 && e < E)
+                        const bool valid = e >= 0 && e < E;
+                        if (valid)
                                 atomicAdd(&s_begin[e], 1);
+                        if (s_eid)
+                                s_eid[i] = valid ? (uint16_t)e : LL_NO_EXPERT;
                 }
                 __syncthreads();
                 const int epr = E / R;
@@ -143,6 +161,11 @@ __device__ __forceinline__ void ll_exchange_counts(const struct moeep_ctx &ctx, 
                 __syncthreads();
                 if (tid < R && !px_remote(ctx, tid))
                         st_release_sys(&ll_sync_of(ctx, tid)->count_flag[b][me], seq);
+        } else if (s_eid) {
+                for (int i = tid; i < n; i += blockDim.x) {
+                        const int64_t e = (int64_t)topk_idx[i];
+                        s_eid[i] = e >= 0 && e < E ? (uint16_t)e : LL_NO_EXPERT;
+                }
         }
         if (tid < me && !px_remote(ctx, tid))
                 wait_flag(ctx, &my->count_flag[b][tid], seq, tid);
@@ -157,14 +180,110 @@ __device__ __forceinline__ void ll_exchange_counts(const struct moeep_ctx &ctx, 
         __syncthreads();
 }
 
+/* Loads the row steps of warp-step batch j0 of this warp (steps wib +
+ * (j0 + u) * LL_WARPS, u < 4, of 64 int4 each) into v[2u], v[2u + 1]. */
+__device__ __forceinline__ void ll_load_token_steps(const int4 *row, int j0, int n16, int4 v[8]) {
+        const int lane = threadIdx.x % 32, wib = threadIdx.x / 32;
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+                const int c = (wib + (j0 + u) * LL_WARPS) * 64 + 2 * lane;
+                if (c < n16) {
+                        v[2 * u] = ld_nc_v4(row + c);
+                        v[2 * u + 1] = ld_nc_v4(row + c + 1);
+                }
+        }
+}
+
+/* The send phase token by token, when every destination is mapped and
+ * the positions are counted in shared memory: a block takes a token (the
+ * first, t0, from block 0 last), its warps a share of the row's 64-int4
+ * steps each, and each step is loaded and cast once for all K pairs of
+ * the token instead of once per pair. Warp k counts pair k's slot first
+ * (-1: masked or overflowing) for the whole block. v holds the first
+ * token's first batch of steps, loaded by the caller. */
+__device__ __forceinline__ void ll_send_tokens(const struct moeep_ctx &ctx, const int4 *x, int num_tokens, int K, int b,
+                                               size_t slots, int use_fp8, int round_scale, const int *s_begin,
+                                               const uint16_t *s_eid, int t0, int4 v[8]) {
+        __shared__ int s_slot[MOEEP_KERNEL_MAX_TOPK];
+        const int lane = threadIdx.x % 32, wib = threadIdx.x / 32, me = ctx.rank, H = ctx.hidden;
+        const int epr = ctx.num_experts / ctx.ranks, n16 = H / 8, nws = (n16 + 63) / 64;
+        const int nscales = H / MOEEP_SCALE_BLOCK;
+        const size_t xrow = (size_t)H * (use_fp8 ? 1 : 2);
+
+        for (int t = t0; t < num_tokens; t += gridDim.x) {
+                const int4 *row = x + (size_t)t * n16;
+                if (t != t0)
+                        ll_load_token_steps(row, 0, n16, v);
+                if (wib < K) {
+                        const int item = t * K + wib;
+                        const uint32_t e = s_eid[item];
+                        int pos = -1;
+                        if (e != LL_NO_EXPERT) {
+                                const uint32_t p = (uint32_t)s_begin[e] + ll_pairs_before(s_eid, item, e);
+                                if ((size_t)p < slots)
+                                        pos = (int)p;
+                                else if (lane == 0) /* only when a token names one expert twice */
+                                        record_error(ctx, MOEEP_KERR_OVERFLOW, (int)(e / epr));
+                        }
+                        if (lane == 0)
+                                s_slot[wib] = pos;
+                }
+                __syncthreads();
+                for (int j0 = 0; wib + j0 * LL_WARPS < nws; j0 += 4) {
+                        if (j0 > 0)
+                                ll_load_token_steps(row, j0, n16, v);
+#pragma unroll
+                        for (int u = 0; u < 4; u++) {
+                                const int st = wib + (j0 + u) * LL_WARPS;
+                                if (st >= nws)
+                                        break;                    /* warp-uniform */
+                                const int c = st * 64 + 2 * lane; /* first int4 of the lane's pair */
+                                float scale = 1.0f;
+                                int4 q = v[2 * u];
+                                if (use_fp8)
+                                        q = ll_cast16(v[2 * u], v[2 * u + 1], round_scale, &scale);
+                                if (c >= n16)
+                                        continue;
+                                for (int k = 0; k < K; k++) {
+                                        const int pos = s_slot[k];
+                                        if (pos < 0)
+                                                continue;
+                                        const uint32_t e = s_eid[t * K + k];
+                                        const int d = (int)(e / epr), le = (int)(e % epr);
+                                        const size_t slot = (size_t)le * slots + pos;
+                                        int4 *dst = (int4 *)(ctx.peers[d] + ctx.ll.x[b] + slot * xrow);
+                                        if (use_fp8) {
+                                                st_na_v4(dst + c / 2, q);
+                                                if (lane % 8 == 0)
+                                                        ((float *)(ctx.peers[d] + ctx.ll.scales[b]))
+                                                                [((size_t)le * nscales + c / 16) * slots + pos] = scale;
+                                        } else {
+                                                st_na_v4(dst + c, v[2 * u]);
+                                                st_na_v4(dst + c + 1, v[2 * u + 1]);
+                                        }
+                                }
+                        }
+                }
+                if (wib == 0 && lane < K && s_slot[lane] >= 0) {
+                        const uint32_t e = s_eid[t * K + lane];
+                        const int d = (int)(e / epr), le = (int)(e % epr);
+                        const size_t slot = (size_t)le * slots + s_slot[lane];
+                        ((int32_t *)(ctx.peers[d] + ctx.ll.src[b]))[slot] = t;
+                        ((int32_t *)(ctx.peers[d] + ctx.ll.kinfo[b]))[slot] = moeep_ll_kinfo_pack(me, lane);
+                }
+                __syncthreads(); /* s_slot is the next token's */
+        }
+}
+
 /* Dispatch. Send phase: one warp per (token, k) pair takes the pair's slot
  * at the expert's rank (our first slot there plus a position among our
  * pairs from a local counter) and streams the row there, cast to FP8 on
  * the way when asked, scales column-major per expert ([scale][slot], as
  * DeepEP returns them). The K warps of a token read the same row (from L2
- * after the first). Receive phase (alone in one block for a hook, else by
+ * after the first); with tokens for half the blocks or more, the send goes
+ * token by token instead (ll_send_tokens). Receive phase (alone in one block for a hook, else by
  * the send phase's last block): ll_recv_counts. */
-template <typename Idx>
+template <typename Idx, bool ByToken>
 __device__ __forceinline__ void ll_dispatch(const struct moeep_ctx &ctx, const int4 *x, int num_tokens,
                                             const Idx *topk_idx, int K, int b, int S, int use_fp8, int round_scale,
                                             int phases, int *stats) {
@@ -179,7 +298,24 @@ __device__ __forceinline__ void ll_dispatch(const struct moeep_ctx &ctx, const i
                 return;
         }
         const uint64_t seq = ctx.state->ll_seq[b] + 1;
-        ll_exchange_counts(ctx, topk_idx, num_tokens * K, b, seq, s_begin);
+        const int pairs = num_tokens * K;
+
+        /* ByToken (moeep_launch_ll_dispatch chose it): the send goes token by
+         * token (ll_send_tokens), each row loaded and cast once for its K
+         * pairs, slots counted in shared memory. Otherwise the pair loop
+         * below. The two are instances of their own: the token path's
+         * registers and shared memory made every launch of the kernel
+         * slower, the receive alone included. */
+        __shared__ __align__(16) uint16_t s_eid[ByToken ? LL_SCAN_PAIRS : 8];
+        static_assert(MOEEP_KERNEL_MAX_EXPERTS < LL_NO_EXPERT, "expert ids fit 16 bits");
+        constexpr bool by_token = ByToken;
+        const int t0 = (blockIdx.x + gridDim.x - 1) % gridDim.x; /* block 0 last */
+        int4 v[8];
+        if (by_token && t0 < num_tokens) /* the row does not depend on the counts */
+                ll_load_token_steps(x + (size_t)t0 * n16, 0, n16, v);
+        ll_exchange_counts(ctx, topk_idx, pairs, b, seq, s_begin, by_token ? s_eid : (uint16_t *)nullptr);
+        if (by_token)
+                ll_send_tokens(ctx, x, num_tokens, K, b, slots, use_fp8, round_scale, s_begin, s_eid, t0, v);
 
         /* A pair is moved by a group of G warps of one block, each taking a
          * share of the row's 2048-channel steps (whole 128-channel scale
@@ -189,7 +325,7 @@ __device__ __forceinline__ void ll_dispatch(const struct moeep_ctx &ctx, const i
          * through shared memory and the group's named barrier (ids 1..16 /
          * G). G is the same in every block; groups are numbered across
          * blocks first, block 0 (which broadcast the counts first) last. */
-        const int pairs = num_tokens * K, nsteps = (n16 + 255) / 256;
+        const int nsteps = (n16 + 255) / 256;
         const int G = pairs * 4 <= warps ? 4 : pairs * 2 <= warps ? 2 : 1;
         const int wib = threadIdx.x / 32, group = wib / G, share = wib % G;
         const int groups = gridDim.x * (LL_WARPS / G);
@@ -199,7 +335,7 @@ __device__ __forceinline__ void ll_dispatch(const struct moeep_ctx &ctx, const i
         static_assert(LL_WARPS / 2 + 1 <= 16, "named barriers: one per group of a block, after barrier 0");
 
         int phase = 0; /* barriers this group passed */
-        for (int item = ggroup; item < pairs; item += groups) {
+        for (int item = by_token ? pairs : ggroup; item < pairs; item += groups) {
                 const int t = item / K, k = item % K;
                 const int64_t e = (int64_t)topk_idx[item];
                 if (e < 0 || e >= ctx.num_experts)
@@ -208,7 +344,6 @@ __device__ __forceinline__ void ll_dispatch(const struct moeep_ctx &ctx, const i
                 const bool remote = px_remote(ctx, d);
                 const int4 *row = x + (size_t)t * n16;
                 /* The first step's loads go out before the slot is known. */
-                int4 v[8];
                 ll_load_steps(row, s0 * 256, n16, v);
                 uint32_t pos = 0;
                 if (share == 0 && lane == 0)
@@ -284,9 +419,11 @@ __device__ __forceinline__ void ll_dispatch(const struct moeep_ctx &ctx, const i
         }
         if (!last_block_done(ctx))
                 return;
-        /* Every pair of ours is placed: the positions start again at 0. */
-        for (int e = threadIdx.x; e < ctx.num_experts; e += blockDim.x)
-                ctx.state->ll_pos[b][e] = 0;
+        /* Every pair of ours is placed: the claimed positions start again
+         * at 0 (the pair loop's; ll_send_tokens claims none). */
+        if (!by_token)
+                for (int e = threadIdx.x; e < ctx.num_experts; e += blockDim.x)
+                        ctx.state->ll_pos[b][e] = 0;
         if (threadIdx.x == 0)
                 ctx.state->ll_seq[b] = seq;
         if (threadIdx.x < R && !px_remote(ctx, threadIdx.x))
@@ -543,20 +680,29 @@ __device__ __forceinline__ void ll_combine_recv(const struct moeep_ctx &ctx, con
         const int warps = gridDim.x * LL_WARPS, gwarp = ll_warp_index();
         const char *comb = ctx.peers[ctx.rank] + ctx.ll.comb[b];
 
+        /* Work items (token, 512 channels of the row), so that a few tokens
+         * still keep every warp busy; the K rows of a position are loaded
+         * together. The ids and weights of a warp's first item (the
+         * caller's, not another rank's) are read while the flags are
+         * waited for. */
+        const int n16 = H / 8, pieces = (n16 + LL_RECV_PIECE - 1) / LL_RECV_PIECE;
+        const int items = num_tokens * pieces;
+        int64_t e_first = -1;
+        float wt_first = 0.0f;
+        if (gwarp < items && lane < K) { /* both loads in flight together: the weight is read even when masked */
+                e_first = (int64_t)topk_idx[(size_t)(gwarp / pieces) * K + lane];
+                wt_first = weights[(size_t)(gwarp / pieces) * K + lane];
+        }
         if (threadIdx.x < ctx.ranks && !px_remote(ctx, threadIdx.x)) /* remote ranks: ll_rows_relay ran before */
                 wait_flag(ctx, &my->combine_flag[b][threadIdx.x], seq, threadIdx.x);
         __syncthreads();
-        /* Work items (token, 512 channels of the row), so that a few tokens
-         * still keep every warp busy; the K rows of a position are loaded
-         * together. */
-        const int n16 = H / 8, pieces = (n16 + LL_RECV_PIECE - 1) / LL_RECV_PIECE;
-        for (int item = gwarp; item < num_tokens * pieces; item += warps) {
+        for (int item = gwarp; item < items; item += warps) {
                 const int t = item / pieces, i0 = (item % pieces) * LL_RECV_PIECE, i1 = min(n16, i0 + LL_RECV_PIECE);
                 float w = 0.0f;
                 uint32_t valid = 0;
-                if (lane < K) { /* both loads in flight together: the weight is read even when masked */
-                        const int64_t e = (int64_t)topk_idx[(size_t)t * K + lane];
-                        const float wt = weights[(size_t)t * K + lane];
+                if (lane < K) {
+                        const int64_t e = item == gwarp ? e_first : (int64_t)topk_idx[(size_t)t * K + lane];
+                        const float wt = item == gwarp ? wt_first : weights[(size_t)t * K + lane];
                         valid = e >= 0 && e < ctx.num_experts;
                         w = valid ? wt : 0.0f;
                 }
@@ -599,11 +745,11 @@ namespace moeep_ll {
 
 /* The kernels DeepEP's profilers see: one name per operation, each phase
  * (send, receive, or both) one launch. */
-template <typename Idx>
+template <typename Idx, bool ByToken>
 __global__ void __launch_bounds__(LL_THREADS, 1)
         dispatch(struct moeep_ctx ctx, const int4 *x, int num_tokens, const Idx *topk_idx, int K, int b, int S,
                  int use_fp8, int round_scale, int phases, int *stats) {
-        ll_dispatch<Idx>(ctx, x, num_tokens, topk_idx, K, b, S, use_fp8, round_scale, phases, stats);
+        ll_dispatch<Idx, ByToken>(ctx, x, num_tokens, topk_idx, K, b, S, use_fp8, round_scale, phases, stats);
 }
 
 /* Combine: the send phase, the receive phase (the sum), or both. With both,
@@ -625,20 +771,39 @@ __global__ void __launch_bounds__(LL_THREADS, 1)
 
 } /* namespace moeep_ll */
 
+template <typename Idx, bool ByToken>
+static void ll_dispatch_launch(const struct moeep_ctx *ctx, const void *x, int num_tokens, const void *topk_idx,
+                               int num_topk, int set, int slots, int use_fp8, int round_scale, int phases, int *stats,
+                               int blocks, cudaStream_t stream) {
+        moeep_ll::dispatch<Idx, ByToken><<<blocks, LL_THREADS, 0, stream>>>(*ctx, (const int4 *)x, num_tokens,
+                                                                            (const Idx *)topk_idx, num_topk, set, slots,
+                                                                            use_fp8, round_scale, phases, stats);
+}
+
 extern "C" int moeep_launch_ll_dispatch(const struct moeep_ctx *ctx, const void *x, int num_tokens,
                                         const void *topk_idx, int idx_is_int64, int num_topk, int set, int slots,
                                         int use_fp8, int round_scale, int phases, int *stats, cudaStream_t stream) {
         MOEEP_CUDA_LAUNCH_BEGIN();
-        /* The receive phase alone is one block's work. */
+        /* The receive phase alone is one block's work. The send goes token
+         * by token with tokens for at least half the blocks (fewer: pairs
+         * spread over more warps cost less than one token per block, which
+         * leaves most SMs idle), every rank mapped (ranks behind the proxy
+         * claim staging slots per pair) and up to LL_SCAN_PAIRS pairs. */
         const int blocks = (phases & MOEEP_LL_SEND) ? ctx->ll_num_sms : 1;
-        if (idx_is_int64)
-                moeep_ll::dispatch<int64_t><<<blocks, LL_THREADS, 0, stream>>>(
-                        *ctx, (const int4 *)x, num_tokens, (const int64_t *)topk_idx, num_topk, set, slots, use_fp8,
-                        round_scale, phases, stats);
+        const bool by_token = (phases & MOEEP_LL_SEND) && !ctx->px.remote &&
+                              (long)num_tokens * num_topk <= LL_SCAN_PAIRS && 2 * num_tokens >= blocks;
+        if (idx_is_int64 && by_token)
+                ll_dispatch_launch<int64_t, true>(ctx, x, num_tokens, topk_idx, num_topk, set, slots, use_fp8,
+                                                  round_scale, phases, stats, blocks, stream);
+        else if (idx_is_int64)
+                ll_dispatch_launch<int64_t, false>(ctx, x, num_tokens, topk_idx, num_topk, set, slots, use_fp8,
+                                                   round_scale, phases, stats, blocks, stream);
+        else if (by_token)
+                ll_dispatch_launch<int32_t, true>(ctx, x, num_tokens, topk_idx, num_topk, set, slots, use_fp8,
+                                                  round_scale, phases, stats, blocks, stream);
         else
-                moeep_ll::dispatch<int32_t><<<blocks, LL_THREADS, 0, stream>>>(
-                        *ctx, (const int4 *)x, num_tokens, (const int32_t *)topk_idx, num_topk, set, slots, use_fp8,
-                        round_scale, phases, stats);
+                ll_dispatch_launch<int32_t, false>(ctx, x, num_tokens, topk_idx, num_topk, set, slots, use_fp8,
+                                                   round_scale, phases, stats, blocks, stream);
         MOEEP_CUDA_LAUNCH_CHECK();
         return 0;
 }
