@@ -788,10 +788,14 @@ extern "C" int moeep_launch_ll_dispatch(const struct moeep_ctx *ctx, const void 
          * by token with tokens for at least half the blocks (fewer: pairs
          * spread over more warps cost less than one token per block, which
          * leaves most SMs idle), every rank mapped (ranks behind the proxy
-         * claim staging slots per pair) and up to LL_SCAN_PAIRS pairs. */
+         * claim staging slots per pair) and up to LL_SCAN_PAIRS pairs. A
+         * receive alone (a hook, given the send's token and top-k counts)
+         * runs the instance its send ran, so that a call shape shows one
+         * kernel name: DeepEP's profiling counts the names that contain
+         * "dispatch" and wants exactly one. */
         const int blocks = (phases & MOEEP_LL_SEND) ? ctx->ll_num_sms : 1;
-        const bool by_token = (phases & MOEEP_LL_SEND) && !ctx->px.remote &&
-                              (long)num_tokens * num_topk <= LL_SCAN_PAIRS && 2 * num_tokens >= blocks;
+        const bool by_token =
+                !ctx->px.remote && (long)num_tokens * num_topk <= LL_SCAN_PAIRS && 2 * num_tokens >= ctx->ll_num_sms;
         if (idx_is_int64 && by_token)
                 ll_dispatch_launch<int64_t, true>(ctx, x, num_tokens, topk_idx, num_topk, set, slots, use_fp8,
                                                   round_scale, phases, stats, blocks, stream);

@@ -80,6 +80,8 @@ int moeep_ll_dispatch(struct moeep_ep *ep, const struct moeep_ll_dispatch_args *
                                                     .set = set,
                                                     .stats = a->cumulative_local_expert_recv_stats,
                                                     .idx_is_int64 = idx64,
+                                                    .num_tokens = a->num_tokens,
+                                                    .num_topk = a->num_topk,
                                                     .slots = slots };
 
         own = ep->ctx.peers[ep->ctx.rank];
@@ -161,9 +163,9 @@ int moeep_ll_hook_run(struct moeep_ep *ep, const struct moeep_ll_hook *h, cudaSt
                                 ep, "low-latency dispatch relay",
                                 moeep_launch_ll_dispatch_relay(&ep->ctx, h->set, h->slots, h->stats, stream));
                 return launch_result(ep, "low-latency dispatch receive",
-                                     moeep_launch_ll_dispatch(&ep->ctx, NULL, 0, NULL, h->idx_is_int64, 1,
-                                                              h->set, h->slots, 0, 0, MOEEP_LL_RECV, h->stats,
-                                                              stream));
+                                     moeep_launch_ll_dispatch(&ep->ctx, NULL, h->num_tokens, NULL,
+                                                              h->idx_is_int64, h->num_topk, h->set, h->slots,
+                                                              0, 0, MOEEP_LL_RECV, h->stats, stream));
         case HOOK_COMBINE:
                 if (ep->ctx.px.remote) {
                         int r = launch_result(ep, "low-latency combine relay",
