@@ -256,6 +256,7 @@ static void ep_free(struct moeep_ep *ep) {
 
 int moeep_ep_create(struct moeep_client *client, const struct moeep_ep_config *config,
                     struct moeep_ep **ret_ep) {
+        char why[sizeof(((struct moeep_ep *)0)->error)];
         struct moeep_ep *ep;
         uint64_t job_id;
         int rank, ranks, r;
@@ -298,10 +299,11 @@ int moeep_ep_create(struct moeep_client *client, const struct moeep_ep_config *c
         return 0;
 fail:
         /* The endpoint and its error text go away: the reason stays on the
-         * client handle (moeep_client_error()). */
-        client_error_set(client, r, "rank %d: %s", rank, ep->error);
+         * client handle (moeep_client_error()), set once ep_free's own calls
+         * to the daemon (which clear the client's error) are done. */
+        snprintf(why, sizeof(why), "%s", ep->error);
         ep_free(ep);
-        return r;
+        return client_error_set(client, r, "rank %d: %s", rank, why);
 }
 
 void moeep_ep_destroy(struct moeep_ep *ep) {
