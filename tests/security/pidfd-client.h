@@ -37,22 +37,35 @@ static int enter_job_with(struct conn *c, uint64_t features) {
         return hello_features(c, features) == 0 ? create_and_join(c, "pidfd") : -1;
 }
 
+/* A RegionRegister of a 4096-byte memfd region that names fd `number` of
+ * the sender's process; the request points into the struct. */
+struct take_request {
+        Moeep__V1__RegionRegister rr;
+        Moeep__V1__TakeFd take;
+        Moeep__V1__Request req;
+};
+
+static void take_request_init(struct take_request *t, int64_t number) {
+        t->take = (Moeep__V1__TakeFd)MOEEP__V1__TAKE_FD__INIT;
+        t->take.fd_number = number;
+        t->rr = (Moeep__V1__RegionRegister)MOEEP__V1__REGION_REGISTER__INIT;
+        t->rr.kind = MOEEP__V1__REGION_KIND__REGION_KIND_MEMFD;
+        t->rr.size = 4096;
+        t->rr.take = &t->take;
+        t->req = (Moeep__V1__Request)MOEEP__V1__REQUEST__INIT;
+        t->req.body_case = MOEEP__V1__REQUEST__BODY_REGION_REGISTER;
+        t->req.region_register = &t->rr;
+}
+
 /* RegionRegister naming `number` (and attaching `nfds` of `fds`): 0 with
  * *ret_id, the error code with `msg`, or -1 when the session ended. */
 static int take_register(struct conn *c, int64_t number, const int *fds, size_t nfds, uint64_t *ret_id,
                          char *msg, size_t msize) {
-        Moeep__V1__RegionRegister rr = MOEEP__V1__REGION_REGISTER__INIT;
-        Moeep__V1__TakeFd take = MOEEP__V1__TAKE_FD__INIT;
-        Moeep__V1__Request req = MOEEP__V1__REQUEST__INIT;
+        struct take_request t;
         Moeep__V1__Response *resp;
 
-        take.fd_number = number;
-        rr.kind = MOEEP__V1__REGION_KIND__REGION_KIND_MEMFD;
-        rr.size = 4096;
-        rr.take = &take;
-        req.body_case = MOEEP__V1__REQUEST__BODY_REGION_REGISTER;
-        req.region_register = &rr;
-        resp = conn_call(c, &req, fds, nfds);
+        take_request_init(&t, number);
+        resp = conn_call(c, &t.req, fds, nfds);
         if (resp && resp->body_case == MOEEP__V1__RESPONSE__BODY_REGION_REGISTERED) {
                 if (ret_id)
                         *ret_id = resp->region_registered->region_id;

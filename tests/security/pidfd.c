@@ -388,18 +388,11 @@ static int late_client(void *arg) {
                         close(sent[0]);
                         /* Tell P the request is out, then wait for the answer. */
                         {
-                                Moeep__V1__RegionRegister rr = MOEEP__V1__REGION_REGISTER__INIT;
-                                Moeep__V1__TakeFd take = MOEEP__V1__TAKE_FD__INIT;
-                                Moeep__V1__Request req = MOEEP__V1__REQUEST__INIT;
+                                struct take_request t;
 
-                                take.fd_number = fd;
-                                rr.kind = MOEEP__V1__REGION_KIND__REGION_KIND_MEMFD;
-                                rr.size = 4096;
-                                rr.take = &take;
-                                req.body_case = MOEEP__V1__REQUEST__BODY_REGION_REGISTER;
-                                req.region_register = &rr;
-                                CHECK(moeep_record_send(c->fd, (uint16_t)req.body_case, ++c->rid, &req.base,
-                                                        NULL, 0) == 0,
+                                take_request_init(&t, fd);
+                                CHECK(moeep_record_send(c->fd, (uint16_t)t.req.body_case, ++c->rid,
+                                                        &t.req.base, NULL, 0) == 0,
                                       "late: send");
                         }
                         (void)!write(sent[1], "s", 1);
