@@ -63,9 +63,14 @@ struct moeep_local_state {
         uint32_t error;     /* MOEEP_KERR_*: first failure of a device wait, sticky */
         int32_t error_rank; /* the peer that was waited for */
         int32_t pad;
-        uint64_t ll_seq[2];      /* low-latency: sequence number of the last dispatch on each buffer set */
-        uint64_t ll_comb_seq[2]; /* low-latency: sequence number of the last combine on each buffer set */
-        /* Low-latency dispatch: pairs of ours claimed so far per (set, global
+        /* Low-latency: the sequence number of the last dispatch (combine) on
+         * each buffer set, one copy per block of the launches (ll_seq_of):
+         * a block reads its own at its start and stores the next at its end,
+         * so that no block waits for another to number the call. */
+        uint64_t ll_seq[2][LL_MAX_BLOCKS];
+        uint64_t ll_comb_seq[2][LL_MAX_BLOCKS];
+        /* Low-latency dispatch with more pairs than LL_SCAN_PAIRS, or ranks
+         * behind the proxy: pairs of ours claimed so far per (set, global
          * expert), the position of a pair among our pairs for its expert;
          * back to 0 after each dispatch. */
         uint32_t ll_pos[2][MOEEP_KERNEL_MAX_EXPERTS];
@@ -99,9 +104,12 @@ struct moeep_ll_sync {
          * and the owner knows each source's range. The relay adds remote
          * sources' counts into their rows here (zeroed after reading). */
         int32_t table[2][MOEEP_KERNEL_MAX_RANKS][MOEEP_KERNEL_MAX_EXPERTS];
-        uint64_t count_flag[2][MOEEP_KERNEL_MAX_RANKS];    /* [src]: src's table row of set b landed (seq) */
-        uint64_t dispatch_flag[2][MOEEP_KERNEL_MAX_RANKS]; /* [src]: src's pairs of set b landed (seq) */
-        /* [src]: src's expert outputs of set b landed (combine seq) */
+        uint64_t count_flag[2][MOEEP_KERNEL_MAX_RANKS]; /* [src]: src's table row of set b landed (seq) */
+        /* [src]: the arrivals of src's blocks (ll_arrive): seq << 32 once
+         * every block of src's dispatch (combine) seq on set b placed its
+         * pairs (expert outputs) here. Sums, never cleaned: the blocks of
+         * a launch add exactly 1 << 32 together. */
+        uint64_t dispatch_flag[2][MOEEP_KERNEL_MAX_RANKS];
         uint64_t combine_flag[2][MOEEP_KERNEL_MAX_RANKS];
 };
 

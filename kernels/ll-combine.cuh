@@ -16,9 +16,9 @@ __device__ __forceinline__ void ll_load_chunk(const int4 *row, int base, int n16
 }
 
 /* Expert outputs back to the tokens' ranks: slot (le, pos) of set b goes to
- * row (token, k) of its source's combine area. `seq` is the sequence number
- * of this combine on set b (ll_comb_seq[b] + 1, read when the launch began:
- * the last block stores it). */
+ * row (token, k) of its source's combine area; then the block arrives at
+ * every rank (ll_arrive). `seq` is the sequence number of this combine on
+ * set b (the block's copy + 1, which the kernel stores at its end). */
 __device__ __forceinline__ void ll_combine_send(const struct moeep_ctx &ctx, const int4 *y, int b, int S,
                                                 uint64_t seq) {
         const struct moeep_ll_sync *my = ll_sync_of(ctx, ctx.rank);
@@ -113,14 +113,9 @@ __device__ __forceinline__ void ll_combine_send(const struct moeep_ctx &ctx, con
                         }
                 }
         }
-        if (!last_block_done(ctx))
-                return;
-        if (threadIdx.x == 0)
-                ctx.state->ll_comb_seq[b] = seq;
-        if (threadIdx.x < R && !px_remote(ctx, threadIdx.x))
-                st_release_sys(&ll_sync_of(ctx, threadIdx.x)->combine_flag[b][me], seq);
-        if (ctx.px.remote && threadIdx.x == 0) {
-                const struct moeep_ctx c = ctx; /* see dispatch */
+        ll_arrive(ctx, true, b);
+        if (ctx.px.remote && last_block_done(ctx) && threadIdx.x == 0) { /* every staged row is fenced */
+                const struct moeep_ctx c = ctx;                          /* see dispatch */
                 px_ship(c, c.px.ll_combine[b], c.px.ll_combine_seg, c.px.state->ll_comb_claim[b], c.px.ll_row,
                         MOEEP_PX_COUNTER_LL_COMBINE(b, 0), px_seg_info(c.px.epoch + seq, (uint32_t)H * 2, 0, 0));
         }
@@ -134,7 +129,7 @@ __global__ void __launch_bounds__(LL_THREADS, 1) ll_pairs_relay(struct moeep_ctx
         const int lane = threadIdx.x % 32, H = ctx.hidden, nscales = H / MOEEP_SCALE_BLOCK, R = ctx.ranks;
         const int warps = gridDim.x * LL_WARPS, gwarp = ll_warp_index(), epr = ctx.num_experts / R;
         const size_t slots = (size_t)S;
-        const uint64_t seq = ctx.state->ll_seq[b];
+        const uint64_t seq = *ll_seq_of(ctx, false, b);
         char *own = ctx.peers[ctx.rank];
 
         /* Remote sources' pairs go after every local source's, one run of
@@ -208,7 +203,7 @@ __global__ void __launch_bounds__(LL_THREADS, 1) ll_pairs_relay(struct moeep_ctx
 __global__ void __launch_bounds__(LL_THREADS, 1) ll_rows_relay(struct moeep_ctx ctx, int b) {
         const int H = ctx.hidden;
         const int warps = gridDim.x * LL_WARPS, gwarp = ll_warp_index();
-        const uint64_t seq = ctx.state->ll_comb_seq[b];
+        const uint64_t seq = *ll_seq_of(ctx, true, b);
         char *comb = ctx.peers[ctx.rank] + ctx.ll.comb[b];
 
         for (int s = 0; s < ctx.ranks; s++) {
@@ -256,7 +251,7 @@ __device__ __forceinline__ void ll_combine_recv(const struct moeep_ctx &ctx, con
                 wt_first = weights[(size_t)(gwarp / pieces) * K + lane];
         }
         if (threadIdx.x < ctx.ranks && !px_remote(ctx, threadIdx.x)) /* remote ranks: ll_rows_relay ran before */
-                wait_flag(ctx, &my->combine_flag[b][threadIdx.x], seq, threadIdx.x);
+                wait_flag(ctx, &my->combine_flag[b][threadIdx.x], seq << 32, threadIdx.x);
         __syncthreads();
         for (int item = gwarp; item < items; item += warps) {
                 const int t = item / pieces, i0 = (item % pieces) * LL_RECV_PIECE, i1 = min(n16, i0 + LL_RECV_PIECE);

@@ -12,8 +12,11 @@
  *                    senders at the slot the receiver's counter gave them;
  *   comb             [max_tokens][max_topk] rows, written by the expert ranks;
  *   count[b][le]     the received counts, for the caller and combine;
- *   flags            per source rank, the set's sequence number, released
- *                    after the source's rows landed. */
+ *   count_flag       per source rank, the set's sequence number, released
+ *                    after the source's table row landed;
+ *   dispatch_flag,   per source rank, the arrivals of the source's blocks
+ *   combine_flag     (ll_arrive): no block of a launch waits for another
+ *                    to signal that the launch's rows landed. */
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
@@ -26,6 +29,33 @@
  * decode step spread over every SM instead of filling the first blocks. */
 __device__ __forceinline__ int ll_warp_index(void) {
         return (int)(threadIdx.x / 32 * gridDim.x + blockIdx.x);
+}
+
+/* This block's copy of set b's dispatch (combine) sequence number (struct
+ * moeep_local_state). Every launch has ll_num_sms blocks, or one (the
+ * dispatch receive alone, which reads block 0's). */
+__device__ __forceinline__ uint64_t *ll_seq_of(const struct moeep_ctx &ctx, bool combine, int b) {
+        return combine ? &ctx.state->ll_comb_seq[b][blockIdx.x] : &ctx.state->ll_seq[b][blockIdx.x];
+}
+
+/* The arrival of this block's rows at every mapped rank, called by every
+ * thread after its stores: rank d's dispatch_flag (combine_flag) of set b
+ * for us gets the block's share of the launch's 1 << 32, block 0's
+ * 1 << 32 less one per other block, every other block's 1. The flag thus
+ * reaches seq << 32 once every block of launch seq arrived, whatever the
+ * sender's grid, and no block of the launch waits for another. The barrier
+ * orders the block's stores before each release add (cumulativity, as in
+ * a cooperative grid sync). A launch that failed part way leaves the sum
+ * short of every later target: later waits time out, never pass early. */
+__device__ __forceinline__ void ll_arrive(const struct moeep_ctx &ctx, bool combine, int b) {
+        const int d = threadIdx.x, me = ctx.rank;
+
+        __syncthreads();
+        if (d < ctx.ranks && !px_remote(ctx, d)) {
+                struct moeep_ll_sync *s = ll_sync_of(ctx, d);
+                red_release_sys_add_u64(combine ? &s->combine_flag[b][me] : &s->dispatch_flag[b][me],
+                                        blockIdx.x == 0 ? (1ull << 32) - (gridDim.x - 1) : 1ull);
+        }
 }
 
 /* FP8 cast of 16 bf16 channels (two int4 of a row) into one int4 of e4m3,
@@ -59,18 +89,19 @@ __device__ __forceinline__ int4 ll_cast16(int4 a, int4 b, bool round_scale, floa
         return q;
 }
 
-/* The receive phase, in one block: waits for every source's pairs of set
- * b, sequence seq, then publishes the counts (count[b]), each source's
+/* The receive phase, in one block: waits for every source's table row of
+ * set b, sequence seq, publishes the counts (count[b]), each source's
  * range of slots (DeepEP's layout_range: begin << 32 | count, sources in
- * rank order) and the statistics. Remote sources' pairs were placed by the
- * relay after every local source's, one run per source, in rank order. */
+ * rank order) and the statistics, then waits for the sources' pairs to
+ * land. Remote sources' pairs were placed by the relay after every local
+ * source's, one run per source, in rank order. */
 __device__ __forceinline__ void ll_recv_counts(const struct moeep_ctx &ctx, int b, uint64_t seq, int *stats) {
         struct moeep_ll_sync *my = ll_sync_of(ctx, ctx.rank);
         const int tid = threadIdx.x, R = ctx.ranks, epr = ctx.num_experts / R;
         int64_t *range = (int64_t *)(ctx.peers[ctx.rank] + ctx.ll.range[b]);
 
         if (tid < R && !px_remote(ctx, tid)) /* remote sources: the relay placed their pairs */
-                wait_flag(ctx, &my->dispatch_flag[b][tid], seq, tid);
+                wait_flag(ctx, &my->count_flag[b][tid], seq, tid);
         __syncthreads();
         for (int le = tid; le < epr; le += blockDim.x) {
                 const int e = ctx.rank * epr + le;
@@ -89,6 +120,8 @@ __device__ __forceinline__ void ll_recv_counts(const struct moeep_ctx &ctx, int 
                 if (stats)
                         stats[le] += (int)begin;
         }
+        if (tid < R && !px_remote(ctx, tid))
+                wait_flag(ctx, &my->dispatch_flag[b][tid], seq << 32, tid);
 }
 
 /* Loads four steps of a row from int4 `base` on: the int4 pair of step u
@@ -275,15 +308,24 @@ __device__ __forceinline__ void ll_send_tokens(const struct moeep_ctx &ctx, cons
         }
 }
 
+/* How the dispatch send finds its pairs' slots; moeep_launch_ll_dispatch
+ * picks one, and each is a kernel instance of its own. */
+enum ll_path {
+        LL_PATH_CLAIM,  /* pair loop, positions claimed from counters in global memory */
+        LL_PATH_PAIRS,  /* pair loop, positions counted in shared memory (s_eid) */
+        LL_PATH_TOKENS, /* token by token (ll_send_tokens), counted likewise */
+};
+
 /* Dispatch. Send phase: one warp per (token, k) pair takes the pair's slot
  * at the expert's rank (our first slot there plus a position among our
- * pairs from a local counter) and streams the row there, cast to FP8 on
- * the way when asked, scales column-major per expert ([scale][slot], as
- * DeepEP returns them). The K warps of a token read the same row (from L2
- * after the first); with tokens for half the blocks or more, the send goes
- * token by token instead (ll_send_tokens). Receive phase (alone in one block for a hook, else by
- * the send phase's last block): ll_recv_counts. */
-template <typename Idx, bool ByToken>
+ * pairs) and streams the row there, cast to FP8 on the way when asked,
+ * scales column-major per expert ([scale][slot], as DeepEP returns them).
+ * The K warps of a token read the same row (from L2 after the first); with
+ * tokens for half the blocks or more, the send goes token by token instead
+ * (ll_send_tokens). Each block then arrives at every rank (ll_arrive).
+ * Receive phase (alone in one block for a hook, else by block 0 after its
+ * share of the send): ll_recv_counts. */
+template <typename Idx, int Path>
 __device__ __forceinline__ void ll_dispatch(const struct moeep_ctx &ctx, const int4 *x, int num_tokens,
                                             const Idx *topk_idx, int K, int b, int S, int use_fp8, int round_scale,
                                             int phases, int *stats) {
@@ -294,26 +336,29 @@ __device__ __forceinline__ void ll_dispatch(const struct moeep_ctx &ctx, const i
         const int nscales = H / MOEEP_SCALE_BLOCK;
 
         if (!(phases & MOEEP_LL_SEND)) {
-                ll_recv_counts(ctx, b, ctx.state->ll_seq[b], stats);
+                ll_recv_counts(ctx, b, *ll_seq_of(ctx, false, b), stats);
                 return;
         }
-        const uint64_t seq = ctx.state->ll_seq[b] + 1;
+        const uint64_t seq = *ll_seq_of(ctx, false, b) + 1;
         const int pairs = num_tokens * K;
 
-        /* ByToken (moeep_launch_ll_dispatch chose it): the send goes token by
-         * token (ll_send_tokens), each row loaded and cast once for its K
-         * pairs, slots counted in shared memory. Otherwise the pair loop
-         * below. The two are instances of their own: the token path's
-         * registers and shared memory made every launch of the kernel
-         * slower, the receive alone included. */
-        __shared__ __align__(16) uint16_t s_eid[ByToken ? LL_SCAN_PAIRS : 8];
+        /* With every rank mapped and up to LL_SCAN_PAIRS pairs, every block
+         * keeps every pair's expert in shared memory (s_eid) and counts a
+         * pair's position among ours for its expert there: no claim, no
+         * counter to reset, no block waits for another. By token, the send
+         * goes token by token (ll_send_tokens), each row loaded and cast
+         * once for its K pairs. Otherwise the pair loop below. The paths
+         * are instances of their own: the token path's registers and
+         * shared memory made every launch of the kernel slower, the
+         * receive alone included. */
+        constexpr bool scan = Path != LL_PATH_CLAIM, by_token = Path == LL_PATH_TOKENS;
+        __shared__ __align__(16) uint16_t s_eid[scan ? LL_SCAN_PAIRS : 8];
         static_assert(MOEEP_KERNEL_MAX_EXPERTS < LL_NO_EXPERT, "expert ids fit 16 bits");
-        constexpr bool by_token = ByToken;
         const int t0 = (blockIdx.x + gridDim.x - 1) % gridDim.x; /* block 0 last */
         int4 v[8];
         if (by_token && t0 < num_tokens) /* the row does not depend on the counts */
                 ll_load_token_steps(x + (size_t)t0 * n16, 0, n16, v);
-        ll_exchange_counts(ctx, topk_idx, pairs, b, seq, s_begin, by_token ? s_eid : (uint16_t *)nullptr);
+        ll_exchange_counts(ctx, topk_idx, pairs, b, seq, s_begin, scan ? s_eid : (uint16_t *)nullptr);
         if (by_token)
                 ll_send_tokens(ctx, x, num_tokens, K, b, slots, use_fp8, round_scale, s_begin, s_eid, t0, v);
 
@@ -324,7 +369,8 @@ __device__ __forceinline__ void ll_dispatch(const struct moeep_ctx &ctx, const i
          * a chain. The group's first warp claims the slot and passes it on
          * through shared memory and the group's named barrier (ids 1..16 /
          * G). G is the same in every block; groups are numbered across
-         * blocks first, block 0 (which broadcast the counts first) last. */
+         * blocks first, block 0 (which broadcast the counts first, and
+         * receives) last. */
         const int nsteps = (n16 + 255) / 256;
         const int G = pairs * 4 <= warps ? 4 : pairs * 2 <= warps ? 2 : 1;
         const int wib = threadIdx.x / 32, group = wib / G, share = wib % G;
@@ -337,7 +383,7 @@ __device__ __forceinline__ void ll_dispatch(const struct moeep_ctx &ctx, const i
         int phase = 0; /* barriers this group passed */
         for (int item = by_token ? pairs : ggroup; item < pairs; item += groups) {
                 const int t = item / K, k = item % K;
-                const int64_t e = (int64_t)topk_idx[item];
+                const int64_t e = !scan ? (int64_t)topk_idx[item] : s_eid[item] == LL_NO_EXPERT ? -1 : s_eid[item];
                 if (e < 0 || e >= ctx.num_experts)
                         continue; /* the same for every warp of the group */
                 const int d = (int)(e / epr), le = (int)(e % epr);
@@ -346,9 +392,13 @@ __device__ __forceinline__ void ll_dispatch(const struct moeep_ctx &ctx, const i
                 /* The first step's loads go out before the slot is known. */
                 ll_load_steps(row, s0 * 256, n16, v);
                 uint32_t pos = 0;
-                if (share == 0 && lane == 0)
+                if (scan) { /* every rank mapped; the whole first warp counts */
+                        if (share == 0)
+                                pos = (uint32_t)s_begin[e] + ll_pairs_before(s_eid, item, (uint32_t)e);
+                } else if (share == 0 && lane == 0) {
                         pos = remote ? atomicAdd(&ctx.px.state->ll_claim[b][d], 1u)
                                      : (uint32_t)s_begin[e] + atomicAdd(&ctx.state->ll_pos[b][e], 1u);
+                }
                 if (G > 1) {
                         /* Two slots by barrier parity: the first warp writes
                          * a slot again only after the group's next barrier,
@@ -417,29 +467,29 @@ __device__ __forceinline__ void ll_dispatch(const struct moeep_ctx &ctx, const i
                         }
                 }
         }
-        if (!last_block_done(ctx))
-                return;
-        /* Every pair of ours is placed: the claimed positions start again
-         * at 0 (the pair loop's; ll_send_tokens claims none). */
-        if (!by_token)
+        ll_arrive(ctx, false, b);
+        if (!scan && last_block_done(ctx)) {
+                /* Every pair of ours is placed: the claimed positions start
+                 * again at 0, and what is staged for remote ranks ships. */
                 for (int e = threadIdx.x; e < ctx.num_experts; e += blockDim.x)
                         ctx.state->ll_pos[b][e] = 0;
-        if (threadIdx.x == 0)
-                ctx.state->ll_seq[b] = seq;
-        if (threadIdx.x < R && !px_remote(ctx, threadIdx.x))
-                st_release_sys(&ll_sync_of(ctx, threadIdx.x)->dispatch_flag[b][me], seq);
-        if (ctx.px.remote && threadIdx.x == 0) {
-                /* A copy: px_ship takes its context by reference and is not
-                 * inlined, which would otherwise move the kernel's parameter
-                 * into local memory for every thread of every launch. */
-                const struct moeep_ctx c = ctx;
-                px_ship(c, c.px.ll_dispatch[b], c.px.ll_dispatch_seg, c.px.state->ll_claim[b], px_pair_bytes(xrow, H),
-                        MOEEP_PX_COUNTER_LL_DISPATCH(b, 0), px_seg_info(c.px.epoch + seq, (uint32_t)xrow, 0, 0),
-                        MOEEP_PX_LL_COUNTS);
+                if (ctx.px.remote && threadIdx.x == 0) {
+                        /* A copy: px_ship takes its context by reference and
+                         * is not inlined, which would otherwise move the
+                         * kernel's parameter into local memory for every
+                         * thread of every launch. */
+                        const struct moeep_ctx c = ctx;
+                        px_ship(c, c.px.ll_dispatch[b], c.px.ll_dispatch_seg, c.px.state->ll_claim[b],
+                                px_pair_bytes(xrow, H), MOEEP_PX_COUNTER_LL_DISPATCH(b, 0),
+                                px_seg_info(c.px.epoch + seq, (uint32_t)xrow, 0, 0), MOEEP_PX_LL_COUNTS);
+                }
         }
-        /* Without a hook the last block goes on with the receive phase: it
-         * waits only for other GPUs, never for blocks of this grid. */
-        if (phases & MOEEP_LL_RECV)
+        if (threadIdx.x == 0)
+                *ll_seq_of(ctx, false, b) = seq;
+        /* Without a hook block 0 goes on with the receive phase. It waits
+         * for the other blocks of this grid too, which never wait for it:
+         * its count broadcast came first. */
+        if ((phases & MOEEP_LL_RECV) && blockIdx.x == 0)
                 ll_recv_counts(ctx, b, seq, stats);
 }
 
@@ -449,69 +499,66 @@ namespace moeep_ll {
 
 /* The kernels DeepEP's profilers see: one name per operation, each phase
  * (send, receive, or both) one launch. */
-template <typename Idx, bool ByToken>
+template <typename Idx, int Path>
 __global__ void __launch_bounds__(LL_THREADS, 1)
         dispatch(struct moeep_ctx ctx, const int4 *x, int num_tokens, const Idx *topk_idx, int K, int b, int S,
                  int use_fp8, int round_scale, int phases, int *stats) {
-        ll_dispatch<Idx, ByToken>(ctx, x, num_tokens, topk_idx, K, b, S, use_fp8, round_scale, phases, stats);
+        ll_dispatch<Idx, Path>(ctx, x, num_tokens, topk_idx, K, b, S, use_fp8, round_scale, phases, stats);
 }
 
 /* Combine: the send phase, the receive phase (the sum), or both. With both,
- * every block waits in the receive for the flags that the send's last block
- * releases, so the launch is cooperative (every block resident at once);
- * the sequence number is read once here, before that last block stores
- * the new one. */
+ * every block waits in the receive for every block's arrival (ll_arrive),
+ * so the launch is cooperative (every block resident at once). */
 template <typename Idx>
 __global__ void __launch_bounds__(LL_THREADS, 1)
         combine(struct moeep_ctx ctx, const int4 *y, int b, int S, int phases, const Idx *topk_idx,
                 const float *weights, int num_tokens, int K, int4 *out) {
-        const uint64_t seq = ctx.state->ll_comb_seq[b] + ((phases & MOEEP_LL_SEND) ? 1 : 0);
+        const uint64_t seq = *ll_seq_of(ctx, true, b) + ((phases & MOEEP_LL_SEND) ? 1 : 0);
 
         if (phases & MOEEP_LL_SEND)
                 ll_combine_send(ctx, y, b, S, seq);
         if (phases & MOEEP_LL_RECV)
                 ll_combine_recv<Idx>(ctx, topk_idx, weights, num_tokens, K, b, seq, out);
+        if ((phases & MOEEP_LL_SEND) && threadIdx.x == 0)
+                *ll_seq_of(ctx, true, b) = seq;
 }
 
 } /* namespace moeep_ll */
 
-template <typename Idx, bool ByToken>
-static void ll_dispatch_launch(const struct moeep_ctx *ctx, const void *x, int num_tokens, const void *topk_idx,
-                               int num_topk, int set, int slots, int use_fp8, int round_scale, int phases, int *stats,
-                               int blocks, cudaStream_t stream) {
-        moeep_ll::dispatch<Idx, ByToken><<<blocks, LL_THREADS, 0, stream>>>(*ctx, (const int4 *)x, num_tokens,
-                                                                            (const Idx *)topk_idx, num_topk, set, slots,
-                                                                            use_fp8, round_scale, phases, stats);
+template <typename Idx>
+static void ll_dispatch_launch(int path, const struct moeep_ctx *ctx, const void *x, int num_tokens,
+                               const void *topk_idx, int num_topk, int set, int slots, int use_fp8, int round_scale,
+                               int phases, int *stats, int blocks, cudaStream_t stream) {
+        auto *kernel = path == LL_PATH_TOKENS  ? moeep_ll::dispatch<Idx, LL_PATH_TOKENS>
+                       : path == LL_PATH_PAIRS ? moeep_ll::dispatch<Idx, LL_PATH_PAIRS>
+                                               : moeep_ll::dispatch<Idx, LL_PATH_CLAIM>;
+        kernel<<<blocks, LL_THREADS, 0, stream>>>(*ctx, (const int4 *)x, num_tokens, (const Idx *)topk_idx, num_topk,
+                                                  set, slots, use_fp8, round_scale, phases, stats);
 }
 
 extern "C" int moeep_launch_ll_dispatch(const struct moeep_ctx *ctx, const void *x, int num_tokens,
                                         const void *topk_idx, int idx_is_int64, int num_topk, int set, int slots,
                                         int use_fp8, int round_scale, int phases, int *stats, cudaStream_t stream) {
         MOEEP_CUDA_LAUNCH_BEGIN();
-        /* The receive phase alone is one block's work. The send goes token
-         * by token with tokens for at least half the blocks (fewer: pairs
-         * spread over more warps cost less than one token per block, which
-         * leaves most SMs idle), every rank mapped (ranks behind the proxy
-         * claim staging slots per pair) and up to LL_SCAN_PAIRS pairs. A
-         * receive alone (a hook, given the send's token and top-k counts)
-         * runs the instance its send ran, so that a call shape shows one
-         * kernel name: DeepEP's profiling counts the names that contain
-         * "dispatch" and wants exactly one. */
+        /* The receive phase alone is one block's work. Positions are
+         * counted in shared memory with every rank mapped (ranks behind the
+         * proxy claim staging slots per pair) and up to LL_SCAN_PAIRS
+         * pairs; the send then goes token by token with tokens for at least
+         * half the blocks (fewer: pairs spread over more warps cost less
+         * than one token per block, which leaves most SMs idle). A receive
+         * alone (a hook, given the send's token and top-k counts) runs the
+         * instance its send ran, so that a call shape shows one kernel
+         * name: DeepEP's profiling counts the names that contain "dispatch"
+         * and wants exactly one. */
         const int blocks = (phases & MOEEP_LL_SEND) ? ctx->ll_num_sms : 1;
-        const bool by_token =
-                !ctx->px.remote && (long)num_tokens * num_topk <= LL_SCAN_PAIRS && 2 * num_tokens >= ctx->ll_num_sms;
-        if (idx_is_int64 && by_token)
-                ll_dispatch_launch<int64_t, true>(ctx, x, num_tokens, topk_idx, num_topk, set, slots, use_fp8,
-                                                  round_scale, phases, stats, blocks, stream);
-        else if (idx_is_int64)
-                ll_dispatch_launch<int64_t, false>(ctx, x, num_tokens, topk_idx, num_topk, set, slots, use_fp8,
-                                                   round_scale, phases, stats, blocks, stream);
-        else if (by_token)
-                ll_dispatch_launch<int32_t, true>(ctx, x, num_tokens, topk_idx, num_topk, set, slots, use_fp8,
-                                                  round_scale, phases, stats, blocks, stream);
+        const bool scan = !ctx->px.remote && (long)num_tokens * num_topk <= LL_SCAN_PAIRS;
+        const int path = !scan ? LL_PATH_CLAIM : 2 * num_tokens >= ctx->ll_num_sms ? LL_PATH_TOKENS : LL_PATH_PAIRS;
+        if (idx_is_int64)
+                ll_dispatch_launch<int64_t>(path, ctx, x, num_tokens, topk_idx, num_topk, set, slots, use_fp8,
+                                            round_scale, phases, stats, blocks, stream);
         else
-                ll_dispatch_launch<int32_t, false>(ctx, x, num_tokens, topk_idx, num_topk, set, slots, use_fp8,
-                                                   round_scale, phases, stats, blocks, stream);
+                ll_dispatch_launch<int32_t>(path, ctx, x, num_tokens, topk_idx, num_topk, set, slots, use_fp8,
+                                            round_scale, phases, stats, blocks, stream);
         MOEEP_CUDA_LAUNCH_CHECK();
         return 0;
 }

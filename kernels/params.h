@@ -86,6 +86,7 @@ enum {
         LL_NO_EXPERT = 0xffff,      /* ... and the id kept there for a masked pair */
         LL_RECV_PIECE = 64,         /* int4 of a row one warp of the combine receive sums: 512 channels */
         LL_COMBINE_SEND_UNROLL = 8, /* 16-byte loads in flight per lane of the combine send */
+        LL_MAX_BLOCKS = 256,        /* blocks of a low-latency launch: one per SM, at most this many */
 };
 
 enum {

@@ -32,6 +32,10 @@ __device__ __forceinline__ void red_release_sys_add(uint32_t *p, uint32_t v) {
         asm volatile("red.release.sys.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
+__device__ __forceinline__ void red_release_sys_add_u64(uint64_t *p, uint64_t v) {
+        asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
 /* Orders this thread's generic-proxy accesses (e.g. an acquire) before its
  * later bulk-copy (async proxy) reads of global memory. */
 __device__ __forceinline__ void fence_proxy_async_global(void) {

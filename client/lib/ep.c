@@ -159,6 +159,8 @@ static int ep_attach(struct moeep_ep *ep, const struct moeep_ep_config *c) {
          * flight: they spread over every SM, as DeepEP's do (2 ranks, 128
          * tokens: dispatch + combine 92 us on 24 SMs, 79 us on 132). */
         CUDA_TRY(ep, cudaDeviceGetAttribute(&ep->ctx.ll_num_sms, cudaDevAttrMultiProcessorCount, ep->device));
+        if (ep->ctx.ll_num_sms > LL_MAX_BLOCKS) /* each block keeps its own sequence numbers */
+                ep->ctx.ll_num_sms = LL_MAX_BLOCKS;
         CUDA_TRY(ep, cudaFree(NULL)); /* creates the primary context the driver calls use */
 
         moeep_buffer_layout_compute(&ep->ctx.layout, ep->ctx.ranks, c->max_tokens_per_rank, c->hidden,
