@@ -82,7 +82,7 @@ enum {
 enum {
         LL_THREADS = 512,
         LL_WARPS = LL_THREADS / 32,
-        LL_SCAN_PAIRS = 4096,       /* low-latency dispatch by token: pairs whose slots are counted in shared memory */
+        LL_SCAN_PAIRS = 4096,       /* low-latency dispatch: pairs whose positions are counted in shared memory */
         LL_NO_EXPERT = 0xffff,      /* ... and the id kept there for a masked pair */
         LL_RECV_PIECE = 64,         /* int4 of a row one warp of the combine receive sums: 512 channels */
         LL_COMBINE_SEND_UNROLL = 8, /* 16-byte loads in flight per lane of the combine send */
