@@ -54,16 +54,18 @@ static bool mps_running(void) {
 }
 
 /* The CUDA_MPS_ACTIVE_THREAD_PERCENTAGE each rank process gets when `share`
- * ranks run on one GPU under MPS: at most 100 / share. Without a limit each
- * MPS client sees every SM, the low-latency kernels size their grids to
- * fill the GPU and spin waiting for a peer whose kernel then cannot start
- * (a deadlock); with it the device reports that share of the SMs and the
- * grids fit side by side. A smaller value the user set is kept. 0: leave
- * the environment alone (no sharing, or no MPS: time-sliced contexts, which
- * the variable would not affect). */
+ * ranks run on one GPU under MPS: at most 100 / (share + 1). Without a
+ * limit each MPS client sees every SM, the low-latency kernels size their
+ * grids to fill the GPU and spin waiting for a peer whose kernel then
+ * cannot start (a deadlock); with it the device reports that share of the
+ * SMs and the grids fit side by side. Exactly 100 / share is not enough:
+ * on one H100, 2 ranks at 50% and 4 at 25% deadlocked in the low-latency
+ * tests and benchmark, 33% and 20% passed (2026-11-24). A smaller value
+ * the user set is kept. 0: leave the environment alone (no sharing, or no
+ * MPS: time-sliced contexts, which the variable would not affect). */
 static int mps_percentage(int share) {
         const char *user = getenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE");
-        int pct = 100 / share;
+        int pct = 100 / (share + 1);
 
         if (share < 2 || !mps_running())
                 return 0;

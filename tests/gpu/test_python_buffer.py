@@ -19,7 +19,7 @@ Usage: test_python_buffer.py [--ranks LIST] [--gpus N]: each rank count of
 LIST (default: the GPUs, at most 4) on the first N GPUs (default: all).
 Ranks beyond the GPUs share them, rank i on GPU i % N; then the ranks talk
 through gloo (NCCL refuses two ranks on one GPU) and, when an MPS daemon
-runs, each gets CUDA_MPS_ACTIVE_THREAD_PERCENTAGE = 100 / (ranks a GPU).
+runs, each gets CUDA_MPS_ACTIVE_THREAD_PERCENTAGE = 100 / (ranks a GPU + 1).
 
 Exit 77 (meson: skipped) without torch or without a CUDA device.
 Environment: MOEEP_LIBRARY, MOEEP_TEST_MOEEPD (meson sets both).
@@ -342,7 +342,7 @@ def share_gpus(R, ngpu):
     print("python buffer: %d ranks share %d GPU(s), rank i on GPU i %% %d: times here are not performance figures"
           % (R, ngpu, ngpu), flush=True)
     if mps_running():
-        pct = 100 // share
+        pct = 100 // (share + 1)  # 100 / share deadlocks (client/bench/harness.c)
         user = _mps_user
         if user and user.isdigit() and 1 <= int(user) < pct:
             pct = int(user)
