@@ -9,7 +9,8 @@
  *
  * Buffers of set b in every rank's NVLink buffer (struct moeep_ll_layout):
  *   x, scales, src   [local expert][ranks * max_tokens] slots, written by the
- *                    senders at the slot the receiver's counter gave them;
+ *                    senders: after the lower ranks' pairs (the table),
+ *                    at the pair's position among the sender's own;
  *   comb             [max_tokens][max_topk] rows, written by the expert ranks;
  *   count[b][le]     the received counts, for the caller and combine;
  *   count_flag       per source rank, the set's sequence number, released
@@ -366,7 +367,7 @@ __device__ __forceinline__ void ll_dispatch(const struct moeep_ctx &ctx, const i
          * share of the row's 2048-channel steps (whole 128-channel scale
          * groups): with few pairs (a decode step of a few tokens) a warp
          * then has one round of loads in flight instead of a row's four in
-         * a chain. The group's first warp claims the slot and passes it on
+         * a chain. The group's first warp finds the slot and passes it on
          * through shared memory and the group's named barrier (ids 1..16 /
          * G). G is the same in every block; groups are numbered across
          * blocks first, block 0 (which broadcast the counts first, and
