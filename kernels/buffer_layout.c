@@ -52,6 +52,7 @@ void moeep_ll_layout_compute(struct moeep_ll_layout *l, size_t start, int ranks,
                 PLACE(kinfo[b], slots * sizeof(int32_t));
                 PLACE(range[b], (size_t)num_experts * sizeof(int64_t)); /* local experts x ranks */
                 PLACE(comb[b], (size_t)max_tokens * (size_t)max_topk * (size_t)hidden * 2);
+                PLACE(ref[b], (size_t)max_tokens * (size_t)max_topk * sizeof(int32_t));
         }
 #undef PLACE
         l->total = off;

@@ -123,6 +123,9 @@ struct moeep_ll_layout {
         size_t kinfo[2];  /* [local expert][slots] int32: moeep_ll_kinfo_pack(source rank, k), for combine */
         size_t range[2];  /* [local expert][ranks] int64: moeep_ll_range_pack(begin, count) of each source's slots */
         size_t comb[2];   /* [max_tokens][max_topk] bf16 rows: expert outputs back at the token's rank */
+        size_t ref[2];    /* [max_tokens][max_topk] int32: where the dispatch put each of our pairs whose
+                           * expert is ours (local expert * slots + position), else -1: the combine
+                           * reads those expert outputs in place */
         size_t total;     /* end of the low-latency part */
 };
 

@@ -18,27 +18,41 @@ __device__ __forceinline__ void ll_load_chunk(const int4 *row, int base, int n16
 /* Expert outputs back to the tokens' ranks: slot (le, pos) of set b goes to
  * row (token, k) of its source's combine area; then the block arrives at
  * every rank (ll_arrive). `seq` is the sequence number of this combine on
- * set b (the block's copy + 1, which the kernel stores at its end). */
+ * set b (the block's copy + 1, which the kernel stores at its end). With
+ * `local`, the slots of our own tokens stay: the receive phase of this
+ * launch reads them in place (ll_combine_recv). */
 __device__ __forceinline__ void ll_combine_send(const struct moeep_ctx &ctx, const int4 *y, int b, int S,
-                                                uint64_t seq) {
+                                                uint64_t seq, bool local) {
         const struct moeep_ll_sync *my = ll_sync_of(ctx, ctx.rank);
         const int lane = threadIdx.x % 32, R = ctx.ranks, me = ctx.rank, H = ctx.hidden, epr = ctx.num_experts / R;
         const int warps = gridDim.x * LL_WARPS, gwarp = ll_warp_index();
         const size_t slots = (size_t)S;
         const int32_t *src = (const int32_t *)(ctx.peers[me] + ctx.ll.src[b]);
         const int32_t *kinfo = (const int32_t *)(ctx.peers[me] + ctx.ll.kinfo[b]);
+        const int64_t *range = (const int64_t *)(ctx.peers[me] + ctx.ll.range[b]);
 
-        /* The slots in use are the first count[le] of each expert; warps walk
-         * them as one list (prefix over the experts in shared memory). The
-         * scan is one expert per thread, in one round of loads: a loop of
-         * one thread over the experts cost a chain of L2 round trips (about
-         * 18 at 288 experts) before any row moved. */
+        /* The slots in use are the first count[le] of each expert, less our
+         * own run with `local` (our range there, which the dispatch receive
+         * published); warps walk them as one list (prefix over the experts
+         * in shared memory). The scan is one expert per thread, in one
+         * round of loads: a loop of one thread over the experts cost a
+         * chain of L2 round trips (about 18 at 288 experts) before any row
+         * moved. */
         __shared__ int s_prefix[MOEEP_KERNEL_MAX_EXPERTS + 1];
+        __shared__ int2 s_own[MOEEP_KERNEL_MAX_EXPERTS]; /* with local: our run (first slot, count) */
         __shared__ int s_warp_sum[LL_WARPS];
         static_assert(MOEEP_KERNEL_MAX_EXPERTS <= LL_THREADS, "the scan takes one local expert per thread");
         {
                 const int le = threadIdx.x, w = threadIdx.x / 32;
-                const int c = le < epr ? my->count[b][le] : 0;
+                int c = le < epr ? my->count[b][le] : 0;
+                if (local && le < epr) {
+                        /* Clamped: the range is in the caller's handle. */
+                        const int64_t r = range[(size_t)le * R + me];
+                        const int n = min(max((int)(uint32_t)r, 0), max(c, 0));
+                        const int first = min(max((int)(r >> 32), 0), c - n);
+                        s_own[le] = make_int2(first, n);
+                        c -= n;
+                }
                 int incl = c;
 #pragma unroll
                 for (int o = 1; o < 32; o *= 2) {
@@ -77,7 +91,10 @@ __device__ __forceinline__ void ll_combine_send(const struct moeep_ctx &ctx, con
                         else
                                 hi = mid - 1;
                 }
-                const int le = lo, pos = q - s_prefix[lo];
+                const int le = lo;
+                int pos = q - s_prefix[lo];
+                if (local && pos >= s_own[le].x) /* past our own run */
+                        pos += s_own[le].y;
                 const size_t slot = (size_t)le * slots + pos;
                 const int4 *row = y + slot * n16;
                 /* The first chunk's loads go out before the slot's source is
@@ -228,14 +245,19 @@ __global__ void __launch_bounds__(LL_THREADS, 1) ll_rows_relay(struct moeep_ctx 
 
 /* Sums each token's expert outputs with its top-k weights (float), after
  * every rank's rows of set b, combine `seq`, landed. Experts masked (-1)
- * add nothing. */
+ * add nothing. With `local` (the send phase of this launch kept them), the
+ * outputs of our own experts are read in place from y, at the slots the
+ * dispatch noted (moeep_ll_layout.ref), and our own arrival is not waited
+ * for. */
 template <typename Idx>
 __device__ __forceinline__ void ll_combine_recv(const struct moeep_ctx &ctx, const Idx *topk_idx, const float *weights,
-                                                int num_tokens, int K, int b, uint64_t seq, int4 *out) {
+                                                int num_tokens, int K, int b, uint64_t seq, int4 *out,
+                                                const int4 *y, int S, bool local) {
         const struct moeep_ll_sync *my = ll_sync_of(ctx, ctx.rank);
-        const int lane = threadIdx.x % 32, H = ctx.hidden;
+        const int lane = threadIdx.x % 32, H = ctx.hidden, me = ctx.rank, epr = ctx.num_experts / ctx.ranks;
         const int warps = gridDim.x * LL_WARPS, gwarp = ll_warp_index();
-        const char *comb = ctx.peers[ctx.rank] + ctx.ll.comb[b];
+        const char *comb = ctx.peers[me] + ctx.ll.comb[b];
+        const int32_t *ref = (const int32_t *)(ctx.peers[me] + ctx.ll.ref[b]);
 
         /* Work items (token, 512 channels of the row), so that a few tokens
          * still keep every warp busy; the K rows of a position are loaded
@@ -246,36 +268,52 @@ __device__ __forceinline__ void ll_combine_recv(const struct moeep_ctx &ctx, con
         const int items = num_tokens * pieces;
         int64_t e_first = -1;
         float wt_first = 0.0f;
-        if (gwarp < items && lane < K) { /* both loads in flight together: the weight is read even when masked */
-                e_first = (int64_t)topk_idx[(size_t)(gwarp / pieces) * K + lane];
-                wt_first = weights[(size_t)(gwarp / pieces) * K + lane];
+        int32_t ref_first = -1;
+        if (gwarp < items && lane < K) { /* the loads in flight together: the weight is read even when masked */
+                const size_t j = (size_t)(gwarp / pieces) * K + lane;
+                e_first = (int64_t)topk_idx[j];
+                wt_first = weights[j];
+                if (local)
+                        ref_first = ref[(size_t)(gwarp / pieces) * ctx.max_topk + lane];
         }
-        if (threadIdx.x < ctx.ranks && !px_remote(ctx, threadIdx.x)) /* remote ranks: ll_rows_relay ran before */
+        /* Remote ranks: ll_rows_relay ran before. */
+        if (threadIdx.x < ctx.ranks && !px_remote(ctx, threadIdx.x) && !(local && threadIdx.x == me))
                 wait_flag(ctx, &my->combine_flag[b][threadIdx.x], seq << 32, threadIdx.x);
         __syncthreads();
         for (int item = gwarp; item < items; item += warps) {
                 const int t = item / pieces, i0 = (item % pieces) * LL_RECV_PIECE, i1 = min(n16, i0 + LL_RECV_PIECE);
                 float w = 0.0f;
                 uint32_t valid = 0;
+                const int4 *row = nullptr; /* lane k's: where expert output k is */
                 if (lane < K) {
-                        const int64_t e = item == gwarp ? e_first : (int64_t)topk_idx[(size_t)t * K + lane];
-                        const float wt = item == gwarp ? wt_first : weights[(size_t)t * K + lane];
+                        const bool first = item == gwarp;
+                        const int64_t e = first ? e_first : (int64_t)topk_idx[(size_t)t * K + lane];
+                        const float wt = first ? wt_first : weights[(size_t)t * K + lane];
+                        const int32_t r = !local ? -1 : first ? ref_first : ref[(size_t)t * ctx.max_topk + lane];
                         valid = e >= 0 && e < ctx.num_experts;
                         w = valid ? wt : 0.0f;
+                        /* In place when the dispatch put this pair at one of
+                         * our slots of the same expert. */
+                        if (r >= 0 && r / S < epr && e == (int64_t)me * epr + r / S)
+                                row = y + (size_t)r * n16;
+                        else
+                                row = (const int4 *)(comb + ((size_t)t * ctx.max_topk + lane) * (size_t)H * 2);
                 }
                 const uint32_t mask = __ballot_sync(0xffffffffu, valid);
                 float wk[MOEEP_KERNEL_MAX_TOPK];
+                const int4 *rows[MOEEP_KERNEL_MAX_TOPK];
 #pragma unroll
-                for (int k = 0; k < MOEEP_KERNEL_MAX_TOPK; k++)
+                for (int k = 0; k < MOEEP_KERNEL_MAX_TOPK; k++) {
                         wk[k] = __shfl_sync(0xffffffffu, w, k);
-                const int4 *rows = (const int4 *)(comb + (size_t)t * ctx.max_topk * (size_t)H * 2);
+                        rows[k] = (const int4 *)__shfl_sync(0xffffffffu, (unsigned long long)row, k);
+                }
                 for (int i = i0 + lane; i < i1; i += 32) {
                         float acc[8] = {};
                         int4 v[MOEEP_KERNEL_MAX_TOPK];
 #pragma unroll
                         for (int k = 0; k < MOEEP_KERNEL_MAX_TOPK; k++)
                                 if ((mask >> k) & 1)
-                                        v[k] = __ldcg(rows + (size_t)k * n16 + i);
+                                        v[k] = __ldcg(rows[k] + i);
 #pragma unroll
                         for (int k = 0; k < MOEEP_KERNEL_MAX_TOPK; k++) {
                                 if (!((mask >> k) & 1))

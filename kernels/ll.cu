@@ -59,6 +59,20 @@ __device__ __forceinline__ void ll_arrive(const struct moeep_ctx &ctx, bool comb
         }
 }
 
+/* Notes where pair (t, k) of ours went when its expert e is ours: slot
+ * (local expert, pos) of set b, which the combine of this dispatch reads
+ * in place instead of the row coming back (moeep_ll_layout.ref); -1 for
+ * every other pair (another rank's expert, masked: LL_NO_EXPERT, or no
+ * slot: pos < 0). */
+__device__ __forceinline__ void ll_note_ref(const struct moeep_ctx &ctx, int b, int t, int k, uint32_t e, int pos,
+                                            size_t slots) {
+        const int epr = ctx.num_experts / ctx.ranks;
+        const bool ours = e != LL_NO_EXPERT && pos >= 0 && (int)(e / epr) == ctx.rank;
+
+        ((int32_t *)(ctx.peers[ctx.rank] + ctx.ll.ref[b]))[(size_t)t * ctx.max_topk + k] =
+                ours ? (int32_t)((e % epr) * slots + pos) : -1;
+}
+
 /* FP8 cast of 16 bf16 channels (two int4 of a row) into one int4 of e4m3,
  * with the scale of their 128-channel group: the 8 lanes of an aligned
  * lane octet hold one group (amax / MOEEP_E4M3_MAX, or its power of two above when
@@ -259,8 +273,10 @@ __device__ __forceinline__ void ll_send_tokens(const struct moeep_ctx &ctx, cons
                                 else if (lane == 0) /* only when a token names one expert twice */
                                         record_error(ctx, MOEEP_KERR_OVERFLOW, (int)(e / epr));
                         }
-                        if (lane == 0)
+                        if (lane == 0) {
                                 s_slot[wib] = pos;
+                                ll_note_ref(ctx, b, t, wib, e, pos, slots);
+                        }
                 }
                 __syncthreads();
                 for (int j0 = 0; wib + j0 * LL_WARPS < nws; j0 += 4) {
@@ -385,8 +401,11 @@ __device__ __forceinline__ void ll_dispatch(const struct moeep_ctx &ctx, const i
         for (int item = by_token ? pairs : ggroup; item < pairs; item += groups) {
                 const int t = item / K, k = item % K;
                 const int64_t e = !scan ? (int64_t)topk_idx[item] : s_eid[item] == LL_NO_EXPERT ? -1 : s_eid[item];
-                if (e < 0 || e >= ctx.num_experts)
-                        continue; /* the same for every warp of the group */
+                if (e < 0 || e >= ctx.num_experts) { /* the same for every warp of the group */
+                        if (share == 0 && lane == 0)
+                                ll_note_ref(ctx, b, t, k, LL_NO_EXPERT, -1, slots);
+                        continue;
+                }
                 const int d = (int)(e / epr), le = (int)(e % epr);
                 const bool remote = px_remote(ctx, d);
                 const int4 *row = x + (size_t)t * n16;
@@ -414,8 +433,10 @@ __device__ __forceinline__ void ll_dispatch(const struct moeep_ctx &ctx, const i
                 }
                 if ((size_t)pos >= (remote ? (size_t)ctx.px.ll_slots : slots)) {
                         /* Only possible when a token names one expert twice. */
-                        if (share == 0 && lane == 0)
+                        if (share == 0 && lane == 0) {
                                 record_error(ctx, MOEEP_KERR_OVERFLOW, d);
+                                ll_note_ref(ctx, b, t, k, LL_NO_EXPERT, -1, slots);
+                        }
                         continue;
                 }
                 const size_t slot = (size_t)le * slots + pos;
@@ -459,6 +480,7 @@ __device__ __forceinline__ void ll_dispatch(const struct moeep_ctx &ctx, const i
                         }
                 }
                 if (share == 0 && lane == 0) {
+                        ll_note_ref(ctx, b, t, k, (uint32_t)e, (int)pos, slots);
                         if (remote) {
                                 info[0] = le;
                                 info[1] = moeep_px_src_pack(me, k, t);
@@ -509,17 +531,19 @@ __global__ void __launch_bounds__(LL_THREADS, 1)
 
 /* Combine: the send phase, the receive phase (the sum), or both. With both,
  * every block waits in the receive for every block's arrival (ll_arrive),
- * so the launch is cooperative (every block resident at once). */
+ * so the launch is cooperative (every block resident at once). `local`
+ * (both phases in one call, y valid for its receive): the outputs of our
+ * own tokens are read in place, not sent to ourselves. */
 template <typename Idx>
 __global__ void __launch_bounds__(LL_THREADS, 1)
-        combine(struct moeep_ctx ctx, const int4 *y, int b, int S, int phases, const Idx *topk_idx,
+        combine(struct moeep_ctx ctx, const int4 *y, int b, int S, int phases, int local, const Idx *topk_idx,
                 const float *weights, int num_tokens, int K, int4 *out) {
         const uint64_t seq = *ll_seq_of(ctx, true, b) + ((phases & MOEEP_LL_SEND) ? 1 : 0);
 
         if (phases & MOEEP_LL_SEND)
-                ll_combine_send(ctx, y, b, S, seq);
+                ll_combine_send(ctx, y, b, S, seq, local);
         if (phases & MOEEP_LL_RECV)
-                ll_combine_recv<Idx>(ctx, topk_idx, weights, num_tokens, K, b, seq, out);
+                ll_combine_recv<Idx>(ctx, topk_idx, weights, num_tokens, K, b, seq, out, y, S, local);
         if ((phases & MOEEP_LL_SEND) && threadIdx.x == 0)
                 *ll_seq_of(ctx, true, b) = seq;
 }
@@ -569,8 +593,8 @@ extern "C" int moeep_launch_ll_dispatch(const struct moeep_ctx *ctx, const void 
  * runtime refuses rather than run with blocks that cannot all be resident. */
 template <typename Idx>
 static cudaError_t ll_combine_launch(const struct moeep_ctx *ctx, const void *y, int set, int slots, int phases,
-                                     const void *topk_idx, const float *weights, int num_tokens, int num_topk,
-                                     void *out, cudaStream_t stream) {
+                                     int local, const void *topk_idx, const float *weights, int num_tokens,
+                                     int num_topk, void *out, cudaStream_t stream) {
         cudaLaunchConfig_t cfg = {};
         cudaLaunchAttribute attr[1];
 
@@ -581,7 +605,7 @@ static cudaError_t ll_combine_launch(const struct moeep_ctx *ctx, const void *y,
         attr[0].val.cooperative = phases == (MOEEP_LL_SEND | MOEEP_LL_RECV);
         cfg.attrs = attr;
         cfg.numAttrs = 1;
-        return cudaLaunchKernelEx(&cfg, moeep_ll::combine<Idx>, *ctx, (const int4 *)y, set, slots, phases,
+        return cudaLaunchKernelEx(&cfg, moeep_ll::combine<Idx>, *ctx, (const int4 *)y, set, slots, phases, local,
                                   (const Idx *)topk_idx, weights, num_tokens, num_topk, (int4 *)out);
 }
 
@@ -589,10 +613,14 @@ extern "C" int moeep_launch_ll_combine(const struct moeep_ctx *ctx, const void *
                                        const void *topk_idx, int idx_is_int64, const float *weights, int num_tokens,
                                        int num_topk, void *out, cudaStream_t stream) {
         MOEEP_CUDA_LAUNCH_BEGIN();
-        cudaError_t e = idx_is_int64 ? ll_combine_launch<int64_t>(ctx, y, set, slots, phases, topk_idx, weights,
-                                                                  num_tokens, num_topk, out, stream)
-                                     : ll_combine_launch<int32_t>(ctx, y, set, slots, phases, topk_idx, weights,
-                                                                  num_tokens, num_topk, out, stream);
+        /* Both phases in one call: our own tokens' outputs are read in place
+         * (y is the caller's until the call ends; a hook's receive comes
+         * later and gets them sent like every other rank's). */
+        const int local = phases == (MOEEP_LL_SEND | MOEEP_LL_RECV);
+        cudaError_t e = idx_is_int64 ? ll_combine_launch<int64_t>(ctx, y, set, slots, phases, local, topk_idx,
+                                                                  weights, num_tokens, num_topk, out, stream)
+                                     : ll_combine_launch<int32_t>(ctx, y, set, slots, phases, local, topk_idx,
+                                                                  weights, num_tokens, num_topk, out, stream);
         if ((e == cudaErrorCooperativeLaunchTooLarge || e == cudaErrorNotSupported) &&
             phases == (MOEEP_LL_SEND | MOEEP_LL_RECV)) {
                 /* Where a cooperative launch is refused (too few SMs free
@@ -601,10 +629,10 @@ extern "C" int moeep_launch_ll_combine(const struct moeep_ctx *ctx, const void *
                 (void)cudaGetLastError();
                 e = cudaSuccess;
                 for (int p = MOEEP_LL_SEND; p <= MOEEP_LL_RECV && e == cudaSuccess; p <<= 1)
-                        e = idx_is_int64 ? ll_combine_launch<int64_t>(ctx, y, set, slots, p, topk_idx, weights,
-                                                                      num_tokens, num_topk, out, stream)
-                                         : ll_combine_launch<int32_t>(ctx, y, set, slots, p, topk_idx, weights,
-                                                                      num_tokens, num_topk, out, stream);
+                        e = idx_is_int64 ? ll_combine_launch<int64_t>(ctx, y, set, slots, p, local, topk_idx,
+                                                                      weights, num_tokens, num_topk, out, stream)
+                                         : ll_combine_launch<int32_t>(ctx, y, set, slots, p, local, topk_idx,
+                                                                      weights, num_tokens, num_topk, out, stream);
         }
         if (e != cudaSuccess)
                 return (int)e;

@@ -50,7 +50,8 @@ def low_latency_buffer_bytes(max_tokens_per_rank, hidden, num_experts, max_topk=
         return 0
     slots = num_experts * max_tokens_per_rank
     one_set = (_up(slots * hidden * 2) + _up(slots * (hidden // _lib.SCALE_BLOCK) * 4) + 2 * _up(slots * 4) +
-               _up(num_experts * 8) + _up(max_tokens_per_rank * max_topk * hidden * 2))
+               _up(num_experts * 8) + _up(max_tokens_per_rank * max_topk * hidden * 2) +
+               _up(max_tokens_per_rank * max_topk * 4))
     return _LL_SYNC_BYTES + 2 * one_set
 
 
