@@ -130,7 +130,7 @@ __device__ __forceinline__ void ll_combine_send(const struct moeep_ctx &ctx, con
                         }
                 }
         }
-        ll_arrive(ctx, true, b);
+        ll_arrive(ctx, true, b, !local);
         if (ctx.px.remote && last_block_done(ctx) && threadIdx.x == 0) { /* every staged row is fenced */
                 const struct moeep_ctx c = ctx;                          /* see dispatch */
                 px_ship(c, c.px.ll_combine[b], c.px.ll_combine_seg, c.px.state->ll_comb_claim[b], c.px.ll_row,

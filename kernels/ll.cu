@@ -47,15 +47,25 @@ __device__ __forceinline__ uint64_t *ll_seq_of(const struct moeep_ctx &ctx, bool
  * sender's grid, and no block of the launch waits for another. The barrier
  * orders the block's stores before each release add (cumulativity, as in
  * a cooperative grid sync). A launch that failed part way leaves the sum
- * short of every later target: later waits time out, never pass early. */
-__device__ __forceinline__ void ll_arrive(const struct moeep_ctx &ctx, bool combine, int b) {
+ * short of every later target: later waits time out, never pass early.
+ * Our own flag is read on this GPU only: its release is at GPU scope. It
+ * orders nothing (!ordered) where no one waits on it for rows: a combine
+ * that reads ours in place, or a receive in the same launch, for which
+ * the launch's end orders them. */
+__device__ __forceinline__ void ll_arrive(const struct moeep_ctx &ctx, bool combine, int b, bool ordered = true) {
         const int d = threadIdx.x, me = ctx.rank;
 
         __syncthreads();
         if (d < ctx.ranks && !px_remote(ctx, d)) {
                 struct moeep_ll_sync *s = ll_sync_of(ctx, d);
-                red_release_sys_add_u64(combine ? &s->combine_flag[b][me] : &s->dispatch_flag[b][me],
-                                        blockIdx.x == 0 ? (1ull << 32) - (gridDim.x - 1) : 1ull);
+                uint64_t *flag = combine ? &s->combine_flag[b][me] : &s->dispatch_flag[b][me];
+                const uint64_t share = blockIdx.x == 0 ? (1ull << 32) - (gridDim.x - 1) : 1ull;
+                if (d != me)
+                        red_release_sys_add_u64(flag, share);
+                else if (ordered)
+                        red_release_gpu_add_u64(flag, share);
+                else
+                        red_relaxed_gpu_add_u64(flag, share);
         }
 }
 
@@ -109,13 +119,19 @@ __device__ __forceinline__ int4 ll_cast16(int4 a, int4 b, bool round_scale, floa
  * range of slots (DeepEP's layout_range: begin << 32 | count, sources in
  * rank order) and the statistics, then waits for the sources' pairs to
  * land. Remote sources' pairs were placed by the relay after every local
- * source's, one run per source, in rank order. */
-__device__ __forceinline__ void ll_recv_counts(const struct moeep_ctx &ctx, int b, uint64_t seq, int *stats) {
+ * source's, one run per source, in rank order. In block 0 of the send's
+ * own launch (`in_send`) our own source is not waited for: this block
+ * wrote our table row, and our pairs land before the launch ends, which
+ * is all that the caller's later work needs. */
+__device__ __forceinline__ void ll_recv_counts(const struct moeep_ctx &ctx, int b, uint64_t seq, int *stats,
+                                               bool in_send = false) {
         struct moeep_ll_sync *my = ll_sync_of(ctx, ctx.rank);
         const int tid = threadIdx.x, R = ctx.ranks, epr = ctx.num_experts / R;
         int64_t *range = (int64_t *)(ctx.peers[ctx.rank] + ctx.ll.range[b]);
+        /* remote sources: the relay placed their pairs */
+        const bool wait = tid < R && !px_remote(ctx, tid) && !(in_send && tid == ctx.rank);
 
-        if (tid < R && !px_remote(ctx, tid)) /* remote sources: the relay placed their pairs */
+        if (wait)
                 wait_flag(ctx, &my->count_flag[b][tid], seq, tid);
         __syncthreads();
         for (int le = tid; le < epr; le += blockDim.x) {
@@ -135,7 +151,7 @@ __device__ __forceinline__ void ll_recv_counts(const struct moeep_ctx &ctx, int 
                 if (stats)
                         stats[le] += (int)begin;
         }
-        if (tid < R && !px_remote(ctx, tid))
+        if (wait)
                 wait_flag(ctx, &my->dispatch_flag[b][tid], seq << 32, tid);
 }
 
@@ -167,31 +183,58 @@ __device__ __forceinline__ uint32_t ll_pairs_before(const uint16_t *s_eid, int i
         return __reduce_add_sync(0xffffffffu, c);
 }
 
+/* The top-k ids of the pairs a thread takes in ll_exchange_counts (pair
+ * threadIdx.x + j * LL_THREADS in ids[j]), loaded at the start of a
+ * dispatch that counts positions in shared memory, ahead of the row loads
+ * and the first barrier. */
+constexpr int LL_IDS = LL_SCAN_PAIRS / LL_THREADS;
+
+template <typename Idx>
+__device__ __forceinline__ void ll_load_ids(const Idx *topk_idx, int n, int64_t ids[LL_IDS]) {
+#pragma unroll
+        for (int j = 0; j < LL_IDS; j++) {
+                const int i = threadIdx.x + j * LL_THREADS;
+                ids[j] = i < n ? (int64_t)topk_idx[i] : -1;
+        }
+}
+
 /* Where our pairs start in every expert's slots: after the pairs of the
  * ranks below us, whose counts every rank broadcasts first (table rows,
  * released by count_flag). Block 0 counts our pairs per expert (a few
  * thousand ids, in shared memory) and broadcasts them; every block sums
  * the rows of the ranks below us. s_begin[e] is our first slot at expert e.
  * With s_eid, every block also keeps every pair's expert there
- * (LL_NO_EXPERT when masked). */
+ * (LL_NO_EXPERT when masked), from the ids ll_load_ids loaded. */
 template <typename Idx>
 __device__ __forceinline__ void ll_exchange_counts(const struct moeep_ctx &ctx, const Idx *topk_idx, int n, int b,
-                                                   uint64_t seq, int *s_begin, uint16_t *s_eid) {
+                                                   uint64_t seq, int *s_begin, uint16_t *s_eid,
+                                                   const int64_t ids[LL_IDS]) {
         struct moeep_ll_sync *my = ll_sync_of(ctx, ctx.rank);
         const int tid = threadIdx.x, R = ctx.ranks, E = ctx.num_experts, me = ctx.rank;
+        /* f(pair, expert id) for every pair of this thread. */
+        auto each_pair = [&](auto f) {
+                if (s_eid) {
+#pragma unroll
+                        for (int j = 0; j < LL_IDS; j++)
+                                if (tid + j * LL_THREADS < n)
+                                        f(tid + j * LL_THREADS, ids[j]);
+                } else {
+                        for (int i = tid; i < n; i += blockDim.x)
+                                f(i, (int64_t)topk_idx[i]);
+                }
+        };
 
         if (blockIdx.x == 0) {
                 for (int e = tid; e < E; e += blockDim.x)
                         s_begin[e] = 0; /* our counts first */
                 __syncthreads();
-                for (int i = tid; i < n; i += blockDim.x) {
-                        const int64_t e = (int64_t)topk_idx[i];
+                each_pair([&](int i, int64_t e) {
                         const bool valid = e >= 0 && e < E;
                         if (valid)
                                 atomicAdd(&s_begin[e], 1);
                         if (s_eid)
                                 s_eid[i] = valid ? (uint16_t)e : LL_NO_EXPERT;
-                }
+                });
                 __syncthreads();
                 const int epr = E / R;
                 for (int i = tid; i < R * E; i += blockDim.x) {
@@ -207,13 +250,15 @@ __device__ __forceinline__ void ll_exchange_counts(const struct moeep_ctx &ctx, 
                  * staged in host memory for the proxy are fenced by
                  * last_block_done before they are shipped. */
                 __syncthreads();
-                if (tid < R && !px_remote(ctx, tid))
-                        st_release_sys(&ll_sync_of(ctx, tid)->count_flag[b][me], seq);
-        } else if (s_eid) {
-                for (int i = tid; i < n; i += blockDim.x) {
-                        const int64_t e = (int64_t)topk_idx[i];
-                        s_eid[i] = e >= 0 && e < E ? (uint16_t)e : LL_NO_EXPERT;
+                if (tid < R && !px_remote(ctx, tid)) {
+                        uint64_t *flag = &ll_sync_of(ctx, tid)->count_flag[b][me];
+                        if (tid == me) /* read on this GPU only (ll_arrive) */
+                                st_release_gpu(flag, seq);
+                        else
+                                st_release_sys(flag, seq);
                 }
+        } else if (s_eid) {
+                each_pair([&](int i, int64_t e) { s_eid[i] = e >= 0 && e < E ? (uint16_t)e : LL_NO_EXPERT; });
         }
         if (tid < me && !px_remote(ctx, tid))
                 wait_flag(ctx, &my->count_flag[b][tid], seq, tid);
@@ -372,10 +417,14 @@ __device__ __forceinline__ void ll_dispatch(const struct moeep_ctx &ctx, const i
         __shared__ __align__(16) uint16_t s_eid[scan ? LL_SCAN_PAIRS : 8];
         static_assert(MOEEP_KERNEL_MAX_EXPERTS < LL_NO_EXPERT, "expert ids fit 16 bits");
         const int t0 = (blockIdx.x + gridDim.x - 1) % gridDim.x; /* block 0 last */
+        int64_t ids[LL_IDS];
+        static_assert(LL_SCAN_PAIRS % LL_THREADS == 0, "ll_load_ids: whole rounds");
+        if (scan) /* first: the counts wait for them, the rows only later */
+                ll_load_ids(topk_idx, pairs, ids);
         int4 v[8];
         if (by_token && t0 < num_tokens) /* the row does not depend on the counts */
                 ll_load_token_steps(x + (size_t)t0 * n16, 0, n16, v);
-        ll_exchange_counts(ctx, topk_idx, pairs, b, seq, s_begin, scan ? s_eid : (uint16_t *)nullptr);
+        ll_exchange_counts(ctx, topk_idx, pairs, b, seq, s_begin, scan ? s_eid : (uint16_t *)nullptr, ids);
         if (by_token)
                 ll_send_tokens(ctx, x, num_tokens, K, b, slots, use_fp8, round_scale, s_begin, s_eid, t0, v);
 
@@ -490,7 +539,7 @@ __device__ __forceinline__ void ll_dispatch(const struct moeep_ctx &ctx, const i
                         }
                 }
         }
-        ll_arrive(ctx, false, b);
+        ll_arrive(ctx, false, b, !(phases & MOEEP_LL_RECV)); /* with the receive: see ll_recv_counts */
         if (!scan && last_block_done(ctx)) {
                 /* Every pair of ours is placed: the claimed positions start
                  * again at 0, and what is staged for remote ranks ships. */
@@ -509,11 +558,11 @@ __device__ __forceinline__ void ll_dispatch(const struct moeep_ctx &ctx, const i
         }
         if (threadIdx.x == 0)
                 *ll_seq_of(ctx, false, b) = seq;
-        /* Without a hook block 0 goes on with the receive phase. It waits
-         * for the other blocks of this grid too, which never wait for it:
-         * its count broadcast came first. */
+        /* Without a hook block 0 goes on with the receive phase, which
+         * waits for the other ranks' pairs; ours land before the launch
+         * ends. */
         if ((phases & MOEEP_LL_RECV) && blockIdx.x == 0)
-                ll_recv_counts(ctx, b, seq, stats);
+                ll_recv_counts(ctx, b, seq, stats, true);
 }
 
 #include "ll-combine.cuh"

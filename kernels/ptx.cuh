@@ -36,6 +36,22 @@ __device__ __forceinline__ void red_release_sys_add_u64(uint64_t *p, uint64_t v)
         asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
+/* The same at GPU scope, for a flag of our own rank that only this GPU
+ * reads: the release then orders the stores before it for this GPU's
+ * readers only, and does not wait for the ones to other GPUs. */
+__device__ __forceinline__ void st_release_gpu(uint64_t *p, uint64_t v) {
+        asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ void red_release_gpu_add_u64(uint64_t *p, uint64_t v) {
+        asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+/* An add that orders nothing: a count whose readers read no data of ours. */
+__device__ __forceinline__ void red_relaxed_gpu_add_u64(uint64_t *p, uint64_t v) {
+        asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
 /* Orders this thread's generic-proxy accesses (e.g. an acquire) before its
  * later bulk-copy (async proxy) reads of global memory. */
 __device__ __forceinline__ void fence_proxy_async_global(void) {
