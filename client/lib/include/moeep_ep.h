@@ -264,7 +264,10 @@ int moeep_ll_dispatch(struct moeep_ep *ep, const struct moeep_ll_dispatch_args *
 struct moeep_ll_combine_args {
         /* Expert outputs, bf16 [local experts][slots_per_expert][hidden] in the
          * dispatch's layout; only the slots in use are read. Any device
-         * memory works, combine_buffer of the dispatch included (zero copy). */
+         * memory works, combine_buffer of the dispatch included (zero copy).
+         * Read by the call's launch only: with a hook by the send (x may be
+         * reused before the hook runs); without one, our own tokens'
+         * outputs are read in place by the receive of the same launch. */
         const void *x;
         const void *topk_idx; /* the dispatch's [num_tokens][num_topk] */
         enum moeep_index_type topk_idx_type;
