@@ -21,8 +21,8 @@ __device__ __forceinline__ void ll_load_chunk(const int4 *row, int base, int n16
  * set b (the block's copy + 1, which the kernel stores at its end). With
  * `local`, the slots of our own tokens stay: the receive phase of this
  * launch reads them in place (ll_combine_recv). */
-__device__ __forceinline__ void ll_combine_send(const struct moeep_ctx &ctx, const int4 *y, int b, int S,
-                                                uint64_t seq, bool local) {
+__device__ __forceinline__ void ll_combine_send(const struct moeep_ctx &ctx, const int4 *y, int b, int S, uint64_t seq,
+                                                bool local) {
         const struct moeep_ll_sync *my = ll_sync_of(ctx, ctx.rank);
         const int lane = threadIdx.x % 32, R = ctx.ranks, me = ctx.rank, H = ctx.hidden, epr = ctx.num_experts / R;
         const int warps = gridDim.x * LL_WARPS, gwarp = ll_warp_index();
@@ -251,8 +251,8 @@ __global__ void __launch_bounds__(LL_THREADS, 1) ll_rows_relay(struct moeep_ctx 
  * for. */
 template <typename Idx>
 __device__ __forceinline__ void ll_combine_recv(const struct moeep_ctx &ctx, const Idx *topk_idx, const float *weights,
-                                                int num_tokens, int K, int b, uint64_t seq, int4 *out,
-                                                const int4 *y, int S, bool local) {
+                                                int num_tokens, int K, int b, uint64_t seq, int4 *out, const int4 *y,
+                                                int S, bool local) {
         const struct moeep_ll_sync *my = ll_sync_of(ctx, ctx.rank);
         const int lane = threadIdx.x % 32, H = ctx.hidden, me = ctx.rank, epr = ctx.num_experts / ctx.ranks;
         const int warps = gridDim.x * LL_WARPS, gwarp = ll_warp_index();

@@ -189,8 +189,7 @@ __device__ __forceinline__ uint32_t ll_pairs_before(const uint16_t *s_eid, int i
  * and the first barrier. */
 constexpr int LL_IDS = LL_SCAN_PAIRS / LL_THREADS;
 
-template <typename Idx>
-__device__ __forceinline__ void ll_load_ids(const Idx *topk_idx, int n, int64_t ids[LL_IDS]) {
+template <typename Idx> __device__ __forceinline__ void ll_load_ids(const Idx *topk_idx, int n, int64_t ids[LL_IDS]) {
 #pragma unroll
         for (int j = 0; j < LL_IDS; j++) {
                 const int i = threadIdx.x + j * LL_THREADS;
@@ -666,10 +665,10 @@ extern "C" int moeep_launch_ll_combine(const struct moeep_ctx *ctx, const void *
          * (y is the caller's until the call ends; a hook's receive comes
          * later and gets them sent like every other rank's). */
         const int local = phases == (MOEEP_LL_SEND | MOEEP_LL_RECV);
-        cudaError_t e = idx_is_int64 ? ll_combine_launch<int64_t>(ctx, y, set, slots, phases, local, topk_idx,
-                                                                  weights, num_tokens, num_topk, out, stream)
-                                     : ll_combine_launch<int32_t>(ctx, y, set, slots, phases, local, topk_idx,
-                                                                  weights, num_tokens, num_topk, out, stream);
+        cudaError_t e = idx_is_int64 ? ll_combine_launch<int64_t>(ctx, y, set, slots, phases, local, topk_idx, weights,
+                                                                  num_tokens, num_topk, out, stream)
+                                     : ll_combine_launch<int32_t>(ctx, y, set, slots, phases, local, topk_idx, weights,
+                                                                  num_tokens, num_topk, out, stream);
         if ((e == cudaErrorCooperativeLaunchTooLarge || e == cudaErrorNotSupported) &&
             phases == (MOEEP_LL_SEND | MOEEP_LL_RECV)) {
                 /* Where a cooperative launch is refused (too few SMs free
@@ -678,10 +677,10 @@ extern "C" int moeep_launch_ll_combine(const struct moeep_ctx *ctx, const void *
                 (void)cudaGetLastError();
                 e = cudaSuccess;
                 for (int p = MOEEP_LL_SEND; p <= MOEEP_LL_RECV && e == cudaSuccess; p <<= 1)
-                        e = idx_is_int64 ? ll_combine_launch<int64_t>(ctx, y, set, slots, p, local, topk_idx,
-                                                                      weights, num_tokens, num_topk, out, stream)
-                                         : ll_combine_launch<int32_t>(ctx, y, set, slots, p, local, topk_idx,
-                                                                      weights, num_tokens, num_topk, out, stream);
+                        e = idx_is_int64 ? ll_combine_launch<int64_t>(ctx, y, set, slots, p, local, topk_idx, weights,
+                                                                      num_tokens, num_topk, out, stream)
+                                         : ll_combine_launch<int32_t>(ctx, y, set, slots, p, local, topk_idx, weights,
+                                                                      num_tokens, num_topk, out, stream);
         }
         if (e != cudaSuccess)
                 return (int)e;
