@@ -23,8 +23,10 @@ enum moeep_kernel_debug {
         MOEEP_DEBUG_NO_REDUCE = 1, /* combine: senders only */
         MOEEP_DEBUG_NO_COUNTS = 2, /* combine: no arrival counting, the reduce does not wait */
         MOEEP_DEBUG_NO_SEND = 4,   /* combine: reduce only (use with NO_COUNTS) */
-        MOEEP_DEBUG_COPY_SELF =
-                8, /* combine: our own rows go through the comb slots like a peer's (results stay right) */
+        /* Combine, and the low-latency dispatch: our own rows go the way a
+         * peer's go (into the comb slots; waited for through our own flag),
+         * so that one rank times what more ranks do (results stay right). */
+        MOEEP_DEBUG_COPY_SELF = 8,
 };
 
 enum moeep_kernel_error {

@@ -538,7 +538,10 @@ __device__ __forceinline__ void ll_dispatch(const struct moeep_ctx &ctx, const i
                         }
                 }
         }
-        ll_arrive(ctx, false, b, !(phases & MOEEP_LL_RECV)); /* with the receive: see ll_recv_counts */
+        /* With the receive in this launch our own pairs are not waited for
+         * (ll_recv_counts). */
+        const bool own_in_launch = (phases & MOEEP_LL_RECV) && !(ctx.debug & MOEEP_DEBUG_COPY_SELF);
+        ll_arrive(ctx, false, b, !own_in_launch);
         if (!scan && last_block_done(ctx)) {
                 /* Every pair of ours is placed: the claimed positions start
                  * again at 0, and what is staged for remote ranks ships. */
@@ -561,7 +564,7 @@ __device__ __forceinline__ void ll_dispatch(const struct moeep_ctx &ctx, const i
          * waits for the other ranks' pairs; ours land before the launch
          * ends. */
         if ((phases & MOEEP_LL_RECV) && blockIdx.x == 0)
-                ll_recv_counts(ctx, b, seq, stats, true);
+                ll_recv_counts(ctx, b, seq, stats, own_in_launch);
 }
 
 #include "ll-combine.cuh"
@@ -664,7 +667,7 @@ extern "C" int moeep_launch_ll_combine(const struct moeep_ctx *ctx, const void *
         /* Both phases in one call: our own tokens' outputs are read in place
          * (y is the caller's until the call ends; a hook's receive comes
          * later and gets them sent like every other rank's). */
-        const int local = phases == (MOEEP_LL_SEND | MOEEP_LL_RECV);
+        const int local = phases == (MOEEP_LL_SEND | MOEEP_LL_RECV) && !(ctx->debug & MOEEP_DEBUG_COPY_SELF);
         cudaError_t e = idx_is_int64 ? ll_combine_launch<int64_t>(ctx, y, set, slots, phases, local, topk_idx, weights,
                                                                   num_tokens, num_topk, out, stream)
                                      : ll_combine_launch<int32_t>(ctx, y, set, slots, phases, local, topk_idx, weights,
