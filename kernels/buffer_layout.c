@@ -5,7 +5,8 @@ static size_t align_up(size_t v, size_t a) {
         return (v + a - 1) / a * a;
 }
 
-void moeep_buffer_layout_compute(struct moeep_buffer_layout *l, int ranks, int max_tokens, int hidden, int max_topk) {
+void moeep_buffer_layout_compute(struct moeep_buffer_layout *l, int ranks, int max_tokens, int hidden, int max_topk,
+                                 int areas) {
         size_t rows = (size_t)ranks * (size_t)max_tokens;
         size_t off = 0;
 
@@ -22,6 +23,11 @@ void moeep_buffer_layout_compute(struct moeep_buffer_layout *l, int ranks, int m
         PLACE(recv_topk_idx, rows * (size_t)max_topk * sizeof(int64_t));
         PLACE(recv_topk_weights, rows * (size_t)max_topk * sizeof(float));
         PLACE(recv_src, rows * sizeof(int32_t));
+        /* The other receive areas repeat area 0's arrays; every offset
+         * stays a multiple of MOEEP_BUFFER_ALIGN. */
+        l->areas = areas < 1 ? 1 : areas;
+        l->area_bytes = off - l->recv_x;
+        off += (size_t)(l->areas - 1) * l->area_bytes;
         PLACE(comb_x, rows * (size_t)hidden * 2);
         PLACE(comb_weights, rows * (size_t)max_topk * sizeof(float));
 #undef PLACE

@@ -11,9 +11,16 @@
  * every rank because every rank derives them from the same configuration:
  *
  *   [sync area]            flags and counts, struct moeep_sync (zeroed at attach)
- *   [dispatch receive]     rows from every source rank, ordered by source rank
- *                          then source token: x, scales, top-k ids, weights,
- *                          source token index (ranks * max_tokens rows)
+ *   [dispatch receive] x areas   rows from every source rank, ordered by source
+ *                          rank then source token: x, scales, top-k ids,
+ *                          weights, source token index (ranks * max_tokens
+ *                          rows); `areas` copies of it, one after the other
+ *                          (area a at layout.recv_* + a * layout.area_bytes).
+ *                          The owner picks the area of each dispatch (one
+ *                          whose earlier outputs nobody holds any more) and
+ *                          tells its sources in the dispatch's barrier, so
+ *                          that a caller may keep a dispatch's outputs as
+ *                          views while later dispatches land elsewhere
  *   [combine receive]      one row slot per (contributing rank, own token):
  *                          x [ranks][max_tokens][hidden] bf16, weights
  *                          [ranks][max_tokens][topk] float
@@ -52,6 +59,10 @@ struct moeep_sync {
         int32_t expert_counts[2][MOEEP_KERNEL_MAX_RANKS][MOEEP_KERNEL_MAX_EXPERTS]; /* [par][src][local e] */
         /* [par][src]: tokens of src's whole dispatch (rounds) */
         int32_t total_tokens[2][MOEEP_KERNEL_MAX_RANKS];
+        /* [par][src]: the receive area src picked for the call of that
+         * sequence number (moeep_ctx.recv_area), written by src before its
+         * barrier flag: a dispatch's rows for src go into that area. */
+        int32_t recv_area[2][MOEEP_KERNEL_MAX_RANKS];
 };
 
 /* Per-rank state that only the owning GPU touches (cudaMalloc'ed). */
@@ -74,6 +85,10 @@ struct moeep_local_state {
          * expert), the position of a pair among our pairs for its expert;
          * back to 0 after each dispatch. */
         uint32_t ll_pos[2][MOEEP_KERNEL_MAX_EXPERTS];
+        /* The receive area each rank picked at the last barrier (notify):
+         * the dispatch that follows writes rank d's rows into its area
+         * dst_area[d]. */
+        int32_t dst_area[MOEEP_KERNEL_MAX_RANKS];
 };
 
 /* Offsets inside every NVLink buffer, derived from the configuration. */
@@ -84,12 +99,15 @@ struct moeep_buffer_layout {
         size_t recv_topk_idx;     /* [ranks * max_tokens][topk] int64 (or int32) */
         size_t recv_topk_weights; /* [ranks * max_tokens][topk] float */
         size_t recv_src;          /* [ranks * max_tokens] int32: source token index */
+        size_t area_bytes;        /* from one receive area to the next (the recv_* above are area 0's) */
+        int areas;                /* receive areas, 1..MOEEP_MAX_RECV_AREAS */
         size_t comb_x;            /* [ranks][max_tokens][hidden] bf16 */
         size_t comb_weights;      /* [ranks][max_tokens][topk] float */
         size_t total;
 };
 
-void moeep_buffer_layout_compute(struct moeep_buffer_layout *l, int ranks, int max_tokens, int hidden, int max_topk);
+void moeep_buffer_layout_compute(struct moeep_buffer_layout *l, int ranks, int max_tokens, int hidden, int max_topk,
+                                 int areas);
 
 /* Low-latency flags and counters, in every NVLink buffer when the
  * endpoint has low-latency buffers; index [b] is the buffer set. */
@@ -226,6 +244,7 @@ struct moeep_ctx {
         int max_tokens;
         int max_topk;
         int num_sms;             /* blocks of normal-mode dispatch/combine */
+        int recv_area;           /* normal mode: the receive area of our next dispatch (told at its barrier) */
         int ll_num_sms;          /* blocks of the low-latency kernels: every SM */
         int combine_send_blocks; /* 0: half the blocks send, half reduce; < 0: every block does both; else that many send */
         uint64_t *trace;         /* diagnostics: [block][MOEEP_TRACE_STAMPS] globaltimer stamps of combine, or NULL */

@@ -4,12 +4,27 @@
  * source rank, then source token, with no copy on arrival.
  *
  * Buffers: x/scales/topk are the caller's (read-only here); the receive
- * area of every rank (peers[d] + layout.recv_*) is written by its sources
- * only at rows reserved for them, and read by its owner after the flags. */
+ * area rank d picked for this call (peers[d] + dst_area[d] * area_bytes +
+ * layout.recv_*) is written by its sources only at rows reserved for them,
+ * and read by its owner after the flags. */
 #include "kernels.h"
 #include "ptx.cuh"
 #include "px.cuh"
 #include "wait.cuh"
+
+/* pos[d] of a token: its row in rank d's receive area, with the area in
+ * the bits from AREA_SHIFT up (rows < MOEEP_KERNEL_MAX_RANKS *
+ * MOEEP_KERNEL_MAX_TOKENS fit under it). */
+#define AREA_SHIFT 24
+static_assert(MOEEP_KERNEL_MAX_RANKS * MOEEP_KERNEL_MAX_TOKENS <= (1 << AREA_SHIFT), "rows overflow into the area");
+static_assert(MOEEP_MAX_RECV_AREAS <= (1 << (31 - AREA_SHIFT)), "areas overflow the sign bit");
+
+/* Row `pos` (area and row, as above) of the array at `array` (area 0's
+ * offset) with `row_bytes` per row, in rank d's buffer. */
+__device__ __forceinline__ char *area_row(const struct moeep_ctx &ctx, int d, int pos, size_t array, size_t row_bytes) {
+        return ctx.peers[d] + (size_t)(pos >> AREA_SHIFT) * ctx.layout.area_bytes + array +
+               (size_t)(pos & ((1 << AREA_SHIFT) - 1)) * row_bytes;
+}
 
 template <typename Idx>
 __global__ void __launch_bounds__(DISPATCH_THREADS, 1)
@@ -29,13 +44,16 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1)
         const bool failed = *(volatile uint32_t *)&ctx.state->error != 0;
 
         const int my_base = lane < R ? route.dst_base[lane] : 0;
+        /* Rank d's rows go into the receive area d picked (notify's
+         * barrier), carried in the top bits of pos[d] (area_row). */
+        const int my_area = lane < R ? ctx.state->dst_area[lane] << AREA_SHIFT : 0;
 
         for (int t = gwarp; t < num_tokens && !failed; t += warps) {
                 /* pos[d]: our row in rank d's receive area, -1 when t skips d. */
                 /* Ranks at other daemons: staged by px_dispatch_stage. */
                 int my_pos = lane < R && !px_remote(ctx, lane) ? route.send_pos[(size_t)t * R + lane] : -1;
                 if (my_pos >= 0)
-                        my_pos += my_base;
+                        my_pos = (my_pos + my_base) | my_area;
                 int pos[MOEEP_KERNEL_MAX_RANKS];
 #pragma unroll
                 for (int d = 0; d < MOEEP_KERNEL_MAX_RANKS; d++)
@@ -52,7 +70,7 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1)
                         for (int d = 0; d < MOEEP_KERNEL_MAX_RANKS; d++) {
                                 if (d >= R || pos[d] < 0)
                                         continue;
-                                int4 *dst = (int4 *)(ctx.peers[d] + ctx.layout.recv_x + (size_t)pos[d] * row_bytes);
+                                int4 *dst = (int4 *)(area_row(ctx, d, pos[d], ctx.layout.recv_x, row_bytes));
 #pragma unroll
                                 for (int u = 0; u < DISPATCH_UNROLL; u++)
                                         if (i + u * 32 < n16)
@@ -61,11 +79,11 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1)
                 }
                 if (a.x_scales)
                         for (int j = lane; j < n_scales; j += 32) {
-                                float s = a.x_scales[(size_t)t * n_scales + j];
+                                float s = a.x_scales[(size_t)t * a.scale_stride_t + (size_t)j * a.scale_stride_j];
                                 for (int d = 0; d < R; d++)
                                         if (pos[d] >= 0)
-                                                ((float *)(ctx.peers[d] +
-                                                           ctx.layout.recv_scales))[(size_t)pos[d] * n_scales + j] = s;
+                                                ((float *)area_row(ctx, d, pos[d], ctx.layout.recv_scales,
+                                                                   n_scales * sizeof(float)))[j] = s;
                         }
                 if (topk_idx && lane < K) {
                         int64_t e = (int64_t)topk_idx[(size_t)t * K + lane];
@@ -77,15 +95,16 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1)
                                  * elsewhere read -1 with weight 0. */
                                 int64_t local =
                                         e >= (int64_t)d * epr && e < (int64_t)(d + 1) * epr ? e - (int64_t)d * epr : -1;
-                                size_t k = (size_t)pos[d] * K + lane;
-                                ((Idx *)(ctx.peers[d] + ctx.layout.recv_topk_idx))[k] = (Idx)local;
-                                ((float *)(ctx.peers[d] + ctx.layout.recv_topk_weights))[k] = local >= 0 ? w : 0.0f;
+                                ((Idx *)area_row(ctx, d, pos[d], ctx.layout.recv_topk_idx, K * sizeof(Idx)))[lane] =
+                                        (Idx)local;
+                                ((float *)area_row(ctx, d, pos[d], ctx.layout.recv_topk_weights,
+                                                   K * sizeof(float)))[lane] = local >= 0 ? w : 0.0f;
                         }
                 }
                 if (lane == 0)
                         for (int d = 0; d < R; d++)
                                 if (pos[d] >= 0)
-                                        ((int32_t *)(ctx.peers[d] + ctx.layout.recv_src))[pos[d]] = t;
+                                        *(int32_t *)area_row(ctx, d, pos[d], ctx.layout.recv_src, sizeof(int32_t)) = t;
         }
 
         /* The last block to finish tells every destination that our rows
@@ -102,7 +121,8 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1)
         __syncthreads();
 
         /* Receive metadata for combine: (source rank, source token) per row. */
-        const int32_t *buf_src = (const int32_t *)(ctx.peers[me] + ctx.layout.recv_src);
+        const int32_t *buf_src =
+                (const int32_t *)(ctx.peers[me] + (size_t)ctx.recv_area * ctx.layout.area_bytes + ctx.layout.recv_src);
         const int num_recv = *route.num_recv;
         for (int p = tid; p < num_recv; p += DISPATCH_THREADS) {
                 int s = 0;

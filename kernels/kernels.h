@@ -87,8 +87,10 @@ int moeep_launch_notify(const struct moeep_ctx *ctx, const uint8_t *is_token_in_
 struct moeep_dispatch_launch {
         const void *x;         /* [num_tokens][hidden], row bytes = hidden * elem_size */
         int elem_size;         /* 2 = bf16, 1 = fp8 */
-        const float *x_scales; /* [num_tokens][hidden / 128] or NULL */
-        const void *topk_idx;  /* [num_tokens][num_topk] or NULL */
+        const float *x_scales; /* [num_tokens][hidden / 128] or NULL; scale j of token t at
+                                * x_scales[t * scale_stride_t + j * scale_stride_j] */
+        int64_t scale_stride_t, scale_stride_j;
+        const void *topk_idx; /* [num_tokens][num_topk] or NULL */
         int idx_is_int64;
         const float *topk_weights; /* [num_tokens][num_topk] or NULL */
         int num_topk;

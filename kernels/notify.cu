@@ -31,16 +31,25 @@ __device__ __forceinline__ uint32_t token_mask(const uint8_t *in_rank, const Idx
 
 /* Every rank tells every peer it reached `seq` and waits for all of them.
  * The flag means "my stream finished everything before this call", so after
- * the wait each peer's buffers may be overwritten. */
+ * the wait each peer's buffers may be overwritten. With the flag goes the
+ * receive area we picked for this call (ctx.recv_area), written by the
+ * same thread before its release; after the wait (an acquire by the same
+ * thread) each peer's pick lands in state->dst_area, where the dispatch
+ * that follows finds it. The areas are double-buffered by seq parity: a
+ * peer writes parity p again only at seq + 2, after our flag of seq + 1,
+ * which we raise after reading. */
 /* Ranks at other daemons get the barrier as a signal through the proxy,
  * with our counts segment for them when `counts` (staged in our segment
- * before, fenced). */
+ * before, fenced); their rows for us are placed by our relay, into our own
+ * area, so they need not know it. */
 __device__ __forceinline__ void barrier_all(const struct moeep_ctx &ctx, uint64_t seq, bool counts) {
         __shared__ uint32_t s_slots[MOEEP_KERNEL_MAX_RANKS];
-        const int tid = threadIdx.x, R = ctx.ranks;
+        const int tid = threadIdx.x, R = ctx.ranks, par = (int)(seq & 1);
 
-        if (tid < R && !px_remote(ctx, tid))
+        if (tid < R && !px_remote(ctx, tid)) {
+                sync_of(ctx, tid)->recv_area[par][ctx.rank] = ctx.recv_area;
                 st_release_sys(&sync_of(ctx, tid)->barrier_flag[ctx.rank], seq);
+        }
         if (ctx.px.remote) {
                 if (tid < R)
                         s_slots[tid] = counts ? 1 : 0;
@@ -50,10 +59,14 @@ __device__ __forceinline__ void barrier_all(const struct moeep_ctx &ctx, uint64_
                                 (size_t)(R + ctx.num_experts / R + 1) * sizeof(int32_t), MOEEP_PX_COUNTER_NM_SYNC(0),
                                 px_seg_info(ctx.px.epoch + seq, 0, 0, 0));
         }
-        if (tid < R && !px_remote(ctx, tid))
+        if (tid < R && !px_remote(ctx, tid)) {
                 wait_flag(ctx, &sync_of(ctx, ctx.rank)->barrier_flag[tid], seq, tid);
-        if (tid < R && px_remote(ctx, tid))
+                ctx.state->dst_area[tid] = *(const volatile int32_t *)&sync_of(ctx, ctx.rank)->recv_area[par][tid];
+        }
+        if (tid < R && px_remote(ctx, tid)) {
                 px_wait(ctx, MOEEP_PX_COUNTER_NM_SYNC(tid), ctx.px.epoch + seq, tid);
+                ctx.state->dst_area[tid] = 0;
+        }
         __syncthreads();
 }
 

@@ -32,6 +32,8 @@ static_assert(MOEEP_KERNEL_MAX_RANKS == MOEEP_MAX_RANKS, "kernel rank arrays mus
 #define MOEEP_LL_FP8_MAX_HIDDEN 8192 /* low-latency FP8: largest hidden size supported (and tested) */
 /* moeep_dispatch_args.expert_alignment: largest rounding of the per-expert counts. */
 #define MOEEP_MAX_EXPERT_ALIGNMENT 4096
+/* moeep_ep_config.recv_areas: normal-mode receive areas (buffers.h). */
+#define MOEEP_MAX_RECV_AREAS 8
 
 /* ---- Formats. */
 

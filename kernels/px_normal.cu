@@ -51,7 +51,8 @@ __global__ void __launch_bounds__(PX_THREADS, 1)
                         for (int i = lane; i < (int)(row_bytes / 16); i += 32)
                                 st_na_v4((int4 *)pair + i, ld_nc_v4(src + i));
                         for (int j = lane; j < n_scales; j += 32)
-                                ((float *)(pair + pl.scales))[j] = a.x_scales[(size_t)t * n_scales + j];
+                                ((float *)(pair + pl.scales))[j] =
+                                        a.x_scales[(size_t)t * a.scale_stride_t + (size_t)j * a.scale_stride_j];
                         if (lane < K) {
                                 const int64_t e = (int64_t)topk_idx[(size_t)t * K + lane];
                                 const int64_t local =
@@ -80,7 +81,8 @@ __global__ void __launch_bounds__(PX_THREADS, 1)
  * top-k arrays and its index type theirs, as in dispatch_kernel). */
 __global__ void __launch_bounds__(PX_THREADS, 1) px_dispatch_relay(struct moeep_ctx ctx, struct moeep_route route) {
         const int lane = threadIdx.x % 32, warps = gridDim.x * PX_WARPS;
-        char *own = ctx.peers[ctx.rank];
+        /* Our receive area of this call: where an NVLink source would write. */
+        char *own = ctx.peers[ctx.rank] + (size_t)ctx.recv_area * ctx.layout.area_bytes;
 
         for (int s = 0; s < ctx.ranks; s++) {
                 if (!px_remote(ctx, s))

@@ -69,6 +69,9 @@ static int config_check(struct moeep_ep *ep, const struct moeep_ep_config *c, in
                                MOEEP_LL_MAX_TOKENS);
         if (c->timeout_ms < 0)
                 return ep_fail(ep, -EINVAL, "timeout_ms %d is negative", c->timeout_ms);
+        if (c->recv_areas < 0 || c->recv_areas > MOEEP_MAX_RECV_AREAS)
+                return ep_fail(ep, -EINVAL, "recv_areas %d is outside 0..%d", c->recv_areas,
+                               MOEEP_MAX_RECV_AREAS);
         return 0;
 }
 
@@ -164,7 +167,7 @@ static int ep_attach(struct moeep_ep *ep, const struct moeep_ep_config *c) {
         CUDA_TRY(ep, cudaFree(NULL)); /* creates the primary context the driver calls use */
 
         moeep_buffer_layout_compute(&ep->ctx.layout, ep->ctx.ranks, c->max_tokens_per_rank, c->hidden,
-                                    c->max_topk);
+                                    c->max_topk, c->recv_areas);
         moeep_ll_layout_compute(&ep->ctx.ll, ep->ctx.layout.total, ep->ctx.ranks, c->ll_max_tokens, c->hidden,
                                 c->num_experts, c->max_topk);
         cr = cumem_alloc_exportable(ep->cu, ep->device, ep->ctx.ll.total, &ep->own, &fd);
@@ -491,11 +494,20 @@ int moeep_ep_max_recv_tokens(const struct moeep_ep *ep) {
 }
 
 int moeep_ep_recv_buffers(const struct moeep_ep *ep, struct moeep_dispatch_result *ret) {
+        size_t bytes;
+
+        return moeep_ep_recv_area(ep, 0, ret, &bytes);
+}
+
+int moeep_ep_recv_area(const struct moeep_ep *ep, int area, struct moeep_dispatch_result *ret,
+                       size_t *ret_bytes) {
         char *own;
 
-        if (!ep || !ret)
+        if (!ep || !ret || !ret_bytes || area < 0 || area >= ep->ctx.layout.areas)
                 return -EINVAL;
-        own = ep->ctx.peers[ep->ctx.rank];
+        own = ep->ctx.peers[ep->ctx.rank] + (size_t)area * ep->ctx.layout.area_bytes;
+        *ret_bytes = ep->ctx.layout.recv_src + (size_t)ep->ctx.ranks * ep->ctx.max_tokens * sizeof(int32_t) -
+                     ep->ctx.layout.recv_x;
         *ret = (struct moeep_dispatch_result){
                 .recv_x = own + ep->ctx.layout.recv_x,
                 .recv_x_scales = (float *)(own + ep->ctx.layout.recv_scales),
@@ -546,6 +558,15 @@ static int dispatch_check(struct moeep_ep *ep, const struct moeep_dispatch_args 
         if (a->handle && a->handle->num_topk != dispatch_topk(a))
                 return ep_fail(ep, -EINVAL, "num_topk %d differs from the handle's %d", dispatch_topk(a),
                                a->handle->num_topk);
+        if (a->x_scales && a->num_tokens > 0 &&
+            (a->x_scales_token_stride < 0 || a->x_scales_block_stride < 0 ||
+             (a->x_scales_token_stride == 0) != (a->x_scales_block_stride == 0)))
+                return ep_fail(ep, -EINVAL,
+                               "x_scales strides %lld, %lld: both 0 (row-major) or both positive",
+                               (long long)a->x_scales_token_stride, (long long)a->x_scales_block_stride);
+        if (a->recv_area < 0 || a->recv_area >= ep->ctx.layout.areas)
+                return ep_fail(ep, -EINVAL, "recv_area %d is outside 0..%d", a->recv_area,
+                               ep->ctx.layout.areas - 1);
         return 0;
 }
 
@@ -564,6 +585,9 @@ int moeep_dispatch(struct moeep_ep *ep, const struct moeep_dispatch_args *a,
                 return r;
         int idx64 = a->topk_idx && a->topk_idx_type == MOEEP_INDEX_INT64;
 
+        /* Told to our sources by the barrier of notify, used by the relay
+         * and the dispatch kernel's receive side. */
+        ep->ctx.recv_area = a->recv_area;
         if (a->handle) {
                 h = a->handle;
                 r = launch_result(
@@ -597,6 +621,9 @@ int moeep_dispatch(struct moeep_ep *ep, const struct moeep_dispatch_args *a,
                 .x = a->x,
                 .elem_size = a->x_type == MOEEP_DTYPE_BF16 ? 2 : 1,
                 .x_scales = a->x_scales,
+                .scale_stride_t = a->x_scales_token_stride ? a->x_scales_token_stride
+                                                           : ep->ctx.hidden / MOEEP_SCALE_BLOCK,
+                .scale_stride_j = a->x_scales_token_stride ? a->x_scales_block_stride : 1,
                 .topk_idx = a->topk_idx,
                 .idx_is_int64 = idx64,
                 .topk_weights = a->topk_weights,
@@ -630,7 +657,7 @@ int moeep_dispatch(struct moeep_ep *ep, const struct moeep_dispatch_args *a,
                        sizeof(int) * (size_t)(ep->ctx.num_experts / ep->ctx.ranks));
         }
 
-        own = ep->ctx.peers[ep->ctx.rank];
+        own = ep->ctx.peers[ep->ctx.rank] + (size_t)a->recv_area * ep->ctx.layout.area_bytes;
         *ret = (struct moeep_dispatch_result){
                 .recv_x = own + ep->ctx.layout.recv_x,
                 .recv_x_scales = a->x_type == MOEEP_DTYPE_FP8_E4M3

@@ -37,7 +37,9 @@ struct tcase {
         bool worst;     /* num_worst_tokens: no host synchronisation */
         bool graph; /* dispatch + combine captured once in a CUDA graph, replayed with new routing and data */
         bool bad_args; /* unsupported shapes and arguments must be -EINVAL */
+        bool colmajor; /* fp8: scales column-major (DeepEP's callers' layout), read through the strides */
         int align;     /* expert_alignment */
+        int areas;     /* receive areas; each rank dispatches into its own pick, another one when reused */
 };
 
 #define CASE(n, h, e, k, t, ...) \
@@ -53,6 +55,8 @@ static const struct tcase cases[] = {
         CASE("bf16-h4096-worst-case", 4096, 128, 6, 256, .worst = true),
         CASE("fp8-h2048-align128", 2048, 128, 8, 300, .fp8 = true, .align = 128),
         CASE("bf16-h4096-graph-replay", 4096, 128, 8, 256, .worst = true, .graph = true),
+        CASE("bf16-h4096-areas-reuse", 4096, 128, 8, 256, .areas = 3, .reuse = true),
+        CASE("fp8-h4096-areas-colmajor", 4096, 128, 8, 300, .fp8 = true, .areas = 2, .colmajor = true),
         CASE("bad-arguments", 2048, 64, 4, 64, .bad_args = true),
 };
 #define NCASES (int)(sizeof(cases) / sizeof(cases[0]))
@@ -421,20 +425,23 @@ out:
         return r;
 }
 
-/* Poisons the whole receive area, then waits (control plane) until every
+/* Poisons every receive area, then waits (control plane) until every
  * rank did, so no peer writes before our poison landed. */
-static int poison_and_sync(struct moeep_ep *ep, struct moeep_client *c, const struct tcase *tc) {
+static int poison_and_sync(struct moeep_ep *ep, struct moeep_client *c) {
         struct moeep_dispatch_result area;
-        size_t rows = (size_t)moeep_ep_max_recv_tokens(ep);
+        size_t bytes;
 
-        moeep_ep_recv_buffers(ep, &area);
-        cudaMemset(area.recv_x, 0xa5, rows * tc->hidden * 2);
-        cudaMemset(area.recv_x_scales, 0xa5, rows * (tc->hidden / 128) * sizeof(float));
-        cudaMemset(area.recv_topk_idx, 0xa5, rows * tc->topk * sizeof(int64_t));
-        cudaMemset(area.recv_topk_weights, 0xa5, rows * tc->topk * sizeof(float));
+        for (int a = 0; moeep_ep_recv_area(ep, a, &area, &bytes) == 0; a++)
+                cudaMemset(area.recv_x, 0xa5, bytes);
         if (cudaDeviceSynchronize() != cudaSuccess)
                 return -EIO;
         return moeep_job_barrier(c);
+}
+
+/* The receive area rank `me` picks for dispatch `n` of a case with areas:
+ * each rank another one, and another one at each dispatch. */
+static int pick_area(const struct tcase *tc, int me, int n) {
+        return tc->areas ? (me + n) % tc->areas : 0;
 }
 
 /* Unsupported shapes and bad arguments: -EINVAL, before anything collective. */
@@ -567,7 +574,7 @@ static int run_graph(char *msg, struct moeep_client *c, struct moeep_ep *ep, con
                 CK(cudaMemcpy(d_w, in[me].w, sizeof(float) * (size_t)T * K, cudaMemcpyHostToDevice));
                 if (combine_prepare(tc, me, R, in, want, &io) < 0)
                         FAIL("preparing combine inputs failed");
-                if (poison_and_sync(ep, c, tc) < 0)
+                if (poison_and_sync(ep, c) < 0)
                         FAIL("poison/barrier failed");
                 CK(cudaGraphLaunch(exec, st));
                 CK(cudaStreamSynchronize(st));
@@ -597,6 +604,7 @@ static int run_case(struct moeep_client *c, int me, int R, int ci, uint64_t seed
                 .num_experts = tc->experts,
                 .max_topk = tc->topk,
                 .timeout_ms = 20000,
+                .recv_areas = tc->areas,
         };
         struct input in[MOEEP_MAX_RANKS] = { 0 };
         struct moeep_ep *ep = NULL;
@@ -620,7 +628,16 @@ static int run_case(struct moeep_client *c, int me, int R, int ci, uint64_t seed
 
         /* My inputs on the device. */
         d_x = tc->fp8 ? dev_upload(in[me].xq, (size_t)T * H) : dev_upload(in[me].x, (size_t)T * H * 2);
-        d_sc = tc->fp8 ? dev_upload(in[me].sc, sizeof(float) * (size_t)T * (H / 128)) : NULL;
+        if (tc->fp8 && tc->colmajor) {
+                /* [H / 128][T] in memory: scale b of token t at b * T + t. */
+                float *col = malloc(sizeof(float) * (size_t)T * (H / 128) + 4);
+                for (int t = 0; t < T; t++)
+                        for (int b = 0; b < H / 128; b++)
+                                col[(size_t)b * T + t] = in[me].sc[(size_t)t * (H / 128) + b];
+                d_sc = dev_upload(col, sizeof(float) * (size_t)T * (H / 128));
+                free(col);
+        } else
+                d_sc = tc->fp8 ? dev_upload(in[me].sc, sizeof(float) * (size_t)T * (H / 128)) : NULL;
         if (tc->idx32) {
                 int32_t *i32 = malloc(sizeof(int32_t) * (size_t)T * K + 4);
                 for (size_t i = 0; i < (size_t)T * K; i++)
@@ -688,7 +705,7 @@ static int run_case(struct moeep_client *c, int me, int R, int ci, uint64_t seed
                 d_in_rank = d_lin;
 
         /* Dispatch. */
-        if (poison_and_sync(ep, c, tc) < 0)
+        if (poison_and_sync(ep, c) < 0)
                 FAIL("poison/barrier failed");
         struct moeep_dispatch_args a = {
                 .x = d_x,
@@ -702,6 +719,9 @@ static int run_case(struct moeep_client *c, int me, int R, int ci, uint64_t seed
                 .num_topk = K,
                 .expert_alignment = tc->align,
                 .num_worst_tokens = tc->worst ? R * tc->max_tokens : 0,
+                .recv_area = pick_area(tc, me, 0),
+                .x_scales_token_stride = tc->colmajor ? 1 : 0,
+                .x_scales_block_stride = tc->colmajor ? (T > 0 ? T : 1) : 0,
         };
         MK(moeep_dispatch(ep, &a, &res, st));
         handle = res.handle;
@@ -727,9 +747,10 @@ static int run_case(struct moeep_client *c, int me, int R, int ci, uint64_t seed
                         gen_input(&in[s], tc, R, seed, ci, s, 1);
                 }
                 CK(cudaMemcpy(d_x, in[me].x, (size_t)T * H * 2, cudaMemcpyHostToDevice));
-                if (poison_and_sync(ep, c, tc) < 0)
+                if (poison_and_sync(ep, c) < 0)
                         FAIL("poison/barrier failed");
                 a.handle = handle;
+                a.recv_area = pick_area(tc, me, 1);
                 MK(moeep_dispatch(ep, &a, &res, st));
                 CK(cudaStreamSynchronize(st));
                 if (res.handle != handle)

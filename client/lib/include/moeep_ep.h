@@ -55,6 +55,11 @@ struct moeep_ep_config {
                                   * (low-latency kernels use every SM of the device) */
         int timeout_ms;          /* bound of every device wait; 0 = MOEEP_DEFAULT_TIMEOUT_MS */
         int ll_max_tokens; /* low-latency mode: tokens per rank per call (0..1024); 0 = no low-latency buffers */
+        /* Normal-mode receive areas (0 = 1, at most 8; the same on every
+         * rank): each dispatch lands in the area its args name, so that the
+         * outputs of earlier dispatches in other areas stay intact (a
+         * caller that hands them out as views picks an area nobody holds). */
+        int recv_areas;
 };
 
 /* Attaches to the job `client` joined (collective over the job's ranks) on
@@ -94,7 +99,7 @@ int moeep_get_dispatch_layout(struct moeep_ep *ep, const void *topk_idx, enum mo
 struct moeep_dispatch_args {
         const void *x; /* [num_tokens][hidden], bf16 or fp8 e4m3 */
         enum moeep_dtype x_type;
-        const float *x_scales; /* fp8 only: [num_tokens][hidden / 128] */
+        const float *x_scales; /* fp8 only: [num_tokens][hidden / 128], row-major unless the strides say */
         int num_tokens;
         /* Routing: is_token_in_rank [num_tokens][ranks] (0/1 bytes) when not
          * NULL, else the ranks of the top-k experts. Ignored with a handle. */
@@ -124,10 +129,18 @@ struct moeep_dispatch_args {
          * the ranks comes back in max_total_tokens, so every rank can run
          * the same number of rounds. 0 = num_tokens. */
         int total_tokens;
+        /* Receive area of this dispatch, 0..recv_areas - 1, chosen by each
+         * rank for itself (its sources learn it in the dispatch's barrier). */
+        int recv_area;
+        /* Elements from one token's scales to the next and from one scale
+         * of a token to its next; 0, 0 = row-major. DeepEP's callers pass
+         * them column-major (token stride 1, block stride num_tokens). */
+        int64_t x_scales_token_stride, x_scales_block_stride;
 };
 
 /* Outputs of a dispatch. The device arrays live in this rank's NVLink
- * buffer: they are valid until the next dispatch on this endpoint. */
+ * buffer, in the receive area the args named: they are valid until the
+ * next dispatch into the same area. */
 struct moeep_dispatch_result {
         void *recv_x;         /* [num_recv][hidden], ordered by source rank then token */
         float *recv_x_scales; /* fp8: [num_recv][hidden / 128]; else NULL */
@@ -167,11 +180,16 @@ struct moeep_combine_args {
         float *out_topk_weights; /* optional [num_tokens][num_topk]: sum over ranks */
 };
 
-/* The fixed receive area of the endpoint, which every dispatch result
- * points into, with room for moeep_ep_max_recv_tokens() rows: for callers
- * that wrap it in their own tensors or poison it before a test. The
- * num_* fields are 0 and handle is NULL. */
+/* Receive area 0 of the endpoint, with room for moeep_ep_max_recv_tokens()
+ * rows: for callers that wrap it in their own tensors or poison it before a
+ * test. The num_* fields are 0 and handle is NULL. */
 int moeep_ep_recv_buffers(const struct moeep_ep *ep, struct moeep_dispatch_result *ret_result);
+
+/* The same for receive area `area` (0..recv_areas - 1), and the bytes from
+ * its first array (recv_x) to the end of its last one: every array of the
+ * area lies inside [recv_x, recv_x + *ret_bytes). */
+int moeep_ep_recv_area(const struct moeep_ep *ep, int area, struct moeep_dispatch_result *ret_result,
+                       size_t *ret_bytes);
 
 /* ranks * max_tokens_per_rank: the most rows one dispatch can deliver. */
 int moeep_ep_max_recv_tokens(const struct moeep_ep *ep);

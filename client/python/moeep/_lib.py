@@ -31,6 +31,7 @@ MAX_TOPK = 9
 MAX_EXPERTS = 512
 MAX_TOKENS_PER_RANK = 65536
 SCALE_BLOCK = 128
+MAX_RECV_AREAS = 8
 
 
 class MoeepError(OSError):
@@ -69,6 +70,7 @@ class EpConfig(ctypes.Structure):
         ("num_sms", _int),
         ("timeout_ms", _int),
         ("ll_max_tokens", _int),
+        ("recv_areas", _int),
     ]
 
 
@@ -88,6 +90,9 @@ class DispatchArgs(ctypes.Structure):
         ("handle", _vp),
         ("num_tokens_per_expert", _vp),
         ("total_tokens", _int),
+        ("recv_area", _int),
+        ("x_scales_token_stride", ctypes.c_int64),
+        ("x_scales_block_stride", ctypes.c_int64),
     ]
 
 
@@ -223,6 +228,7 @@ _DATA = {
     "moeep_dispatch": (_int, [_vp, _P(DispatchArgs), _P(DispatchResult), _vp]),
     "moeep_combine": (_int, [_vp, _P(CombineArgs), _vp]),
     "moeep_ep_max_recv_tokens": (_int, [_vp]),
+    "moeep_ep_recv_area": (_int, [_vp, _int, _P(DispatchResult), _P(ctypes.c_size_t)]),
     "moeep_ep_handle_num_tokens": (_int, [_vp]),
     "moeep_ep_handle_free": (None, [_vp]),
     "moeep_ll_dispatch": (_int, [_vp, _P(LlDispatchArgs), _P(LlDispatchResult), _P(LlHook), _vp]),

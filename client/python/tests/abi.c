@@ -29,6 +29,7 @@ static void constants(void) {
         C(MOEEP_KERNEL_MAX_TOKENS);
         C(MOEEP_SCALE_BLOCK);
         C(MOEEP_BUFFER_ALIGN);
+        C(MOEEP_MAX_RECV_AREAS);
         printf("sizeof_moeep_sync %zu\n", sizeof(struct moeep_sync));
         printf("sizeof_moeep_ll_sync %zu\n", sizeof(struct moeep_ll_sync));
 #ifdef MOEEP_ABI_EP
@@ -59,6 +60,7 @@ int main(int argc, char **argv) {
         F(ep_config, num_sms);
         F(ep_config, timeout_ms);
         F(ep_config, ll_max_tokens);
+        F(ep_config, recv_areas);
         S(dispatch_args);
         F(dispatch_args, x);
         F(dispatch_args, x_type);
@@ -74,6 +76,9 @@ int main(int argc, char **argv) {
         F(dispatch_args, handle);
         F(dispatch_args, num_tokens_per_expert);
         F(dispatch_args, total_tokens);
+        F(dispatch_args, recv_area);
+        F(dispatch_args, x_scales_token_stride);
+        F(dispatch_args, x_scales_block_stride);
         S(dispatch_result);
         F(dispatch_result, recv_x);
         F(dispatch_result, recv_x_scales);

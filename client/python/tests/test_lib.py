@@ -130,6 +130,7 @@ class AbiTest(unittest.TestCase):
             "MOEEP_KERNEL_MAX_TOKENS": _lib.MAX_TOKENS_PER_RANK,
             "MOEEP_SCALE_BLOCK": _lib.SCALE_BLOCK,
             "MOEEP_BUFFER_ALIGN": config._ALIGN,
+            "MOEEP_MAX_RECV_AREAS": _lib.MAX_RECV_AREAS,
         }
         if os.environ.get("MOEEP_TEST_CUDA") == "1":
             mirrors.update({
