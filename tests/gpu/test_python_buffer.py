@@ -181,10 +181,49 @@ def test_normal(rank, R, group, sock):
         y[n_recv:] = 0
         out, _, _ = buf.combine(y, h3)
         close(out, x.float() * hits.unsqueeze(1), "combined_x after worst-case dispatch")
+        del rx, ridx, rw, rx2, rq, rs, ridx3, rw3, rx3, y
+        lifetimes(buf, group, R, rank, L, gen, idx, w, per_rank, in_rank, per_expert, x, ref_rows)
         torch.cuda.synchronize()
         dist.barrier(group)
     buf.check()
     buf.destroy()
+
+
+def lifetimes(buf, group, R, rank, L, gen, idx, w, per_rank, in_rank, per_expert, x, ref_rows):
+    """Normal-mode output lifetimes (two receive areas, the default): a
+    dispatch's outputs are views of a free area and stay intact while held,
+    through later dispatches; a dispatch that finds one area free returns
+    owned copies (the area stays free); an area comes back when every output
+    of its dispatch is gone. Every other rank makes the same calls."""
+    T, H = x.shape
+    args = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                topk_idx=idx, topk_weights=w)
+    torch.cuda.synchronize()
+    check(buf._areas.held == [False, False], "areas still held after their outputs went: %s" % buf._areas.held)
+    # Another input with the same routing, and the rows it must bring here.
+    x2 = torch.randn(T, H, generator=gen, device="cuda").to(torch.bfloat16)
+    all_x2, all_idx = gather(x2, group, R), gather(idx, group, R)
+    ref2 = torch.cat([all_x2[s][((all_idx[s] >= rank * L) & (all_idx[s] < (rank + 1) * L)).any(1)]
+                      for s in range(R)])
+    a = buf.dispatch(x, **args)  # views of area 0
+    check(buf._areas.held == [True, False], "first dispatch: areas %s" % buf._areas.held)
+    b = buf.dispatch(x2, **args)  # one area free: owned copies
+    check(buf._areas.held == [True, False], "second dispatch: areas %s" % buf._areas.held)
+    c = buf.dispatch(x2, handle=a[4])  # cached, still one free: copies
+    check(torch.equal(a[0], ref_rows), "held views changed by later dispatches")
+    check(torch.equal(b[0], ref2) and torch.equal(c[0], ref2), "copied outputs")
+    check(b[0].data_ptr() != a[0].data_ptr() and c[0].data_ptr() != a[0].data_ptr(), "copies are not the views")
+    del b, c
+    a_rows = a[0]
+    del a  # a_rows alone still holds area 0
+    d = buf.dispatch(x2, **args)
+    check(buf._areas.held == [True, False] and torch.equal(a_rows, ref_rows), "a lone view holds its area")
+    del d, a_rows
+    check(buf._areas.held == [False, False], "areas after every output went: %s" % buf._areas.held)
+    e = buf.dispatch(x2, **args)  # views again, of area 0
+    check(buf._areas.held == [True, False] and torch.equal(e[0], ref2), "views after the areas came back")
+    del e
+    dist.barrier(group)
 
 
 def test_low_latency(rank, R, group, sock):

@@ -8,13 +8,15 @@ import ctypes
 from . import _lib
 from ._handles import LowLatencyHandle
 from ._tensors import _check_index, _check_tensor, _index_type, _view
-from .event import _torch
+from .event import EventOverlap, _torch
 
 
 class _LowLatencyMode:
     """Buffer's low-latency calls. They use what Buffer sets up: _ep and
-    _endpoint(), _plan, device, group_size, low_latency_mode, comm_stream,
-    _finish()."""
+    _endpoint(), _plan, device, group_size, low_latency_mode, the reused
+    ctypes structures (_ll_dispatch_args, _ll_dispatch_res,
+    _ll_combine_args, _ll_no_hook), the view cache _ll_views, _begin(),
+    _on(), _finish()."""
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
         """Resets the low-latency counters (collective). No-op before the
@@ -64,56 +66,75 @@ class _LowLatencyMode:
         if stats is not None:
             _check_tensor(torch, stats, "cumulative_local_expert_recv_stats", torch.int32, self.device, (L,))
 
-        compute = torch.cuda.current_stream(self.device)
-        stream = compute if return_recv_hook else self.comm_stream
-        if not return_recv_hook:
-            stream.wait_stream(compute)
-        args = _lib.LlDispatchArgs(x=x.data_ptr() if T else None, num_tokens=T,
-                                   topk_idx=topk_idx.data_ptr() if T else None,
-                                   topk_idx_type=_index_type(torch, topk_idx), num_topk=K, use_fp8=use_fp8,
-                                   round_scale=round_scale, return_recv_hook=return_recv_hook,
-                                   cumulative_local_expert_recv_stats=stats.data_ptr() if stats is not None
-                                   else None, num_max_tokens=num_max_dispatch_tokens_per_rank)
-        res = _lib.LlDispatchResult()
-        hook = _lib.LlHook()
-        ep.check(ep.lib.moeep_ll_dispatch(ep.ptr, ctypes.byref(args), ctypes.byref(res), ctypes.byref(hook),
-                                          stream.cuda_stream), "low_latency_dispatch")
+        # DeepEP runs a call with a hook on the caller's stream; so does
+        # _begin every call without async_finish.
+        compute, side, ptr = self._begin(None, async_finish, False)
+        args = self._ll_dispatch_args
+        args.x = x.data_ptr() if T else None
+        args.num_tokens = T
+        args.topk_idx = topk_idx.data_ptr() if T else None
+        args.topk_idx_type = _index_type(torch, topk_idx)
+        args.num_topk = K
+        args.use_fp8 = use_fp8
+        args.round_scale = round_scale
+        args.return_recv_hook = return_recv_hook
+        args.cumulative_local_expert_recv_stats = stats.data_ptr() if stats is not None else None
+        args.num_max_tokens = num_max_dispatch_tokens_per_rank
+        res = self._ll_dispatch_res
+        hook = _lib.LlHook() if return_recv_hook else self._ll_no_hook
+        ep.check(ep.lib.moeep_ll_dispatch(ep.ptr, self._ll_dispatch_args_ref, self._ll_dispatch_res_ref,
+                                          ctypes.byref(hook), ptr), "low_latency_dispatch")
         S = res.slots_per_expert  # ranks * num_max_dispatch_tokens_per_rank
-        R = self.group_size
-        xdt = torch.float8_e4m3fn if use_fp8 else torch.bfloat16
-        recv_x = _view(torch, res.recv_x, (L, S, H), xdt, self, self.device)
-        recv_count = _view(torch, res.recv_count, (L,), torch.int32, self, self.device)
-        src_info = _view(torch, res.recv_src_info, (L, S), torch.int32, self, self.device)
-        layout_range = _view(torch, res.layout_range, (L, R), torch.int64, self, self.device)
-        scales = packed = None
-        if use_fp8:
-            # Column-major per expert, as DeepEP: [L][scale][slot] in memory.
-            scales = _view(torch, res.recv_x_scales, (L, H // _lib.SCALE_BLOCK, S), torch.float32, self,
-                           self.device).transpose(1, 2)
+        recv_x, recv_count, src_info, layout_range, scales = self._ll_outputs(torch, res, L, S, H, use_fp8)
+        packed = None
         if use_ue8m0:
             # Allocated on the compute stream, which reads it (as DeepEP's outputs).
             packed = torch.empty(L, H // 512, S, dtype=torch.int32, device=self.device).transpose(1, 2)
             if not return_recv_hook:
-                with torch.cuda.stream(stream):
+                with self._on(side):
                     _pack_ue8m0(scales, packed)
         llh = _lib.LlHandle(res.handle.set, res.handle.num_tokens, res.handle.slots_per_expert)
         handle = LowLatencyHandle(src_info, layout_range, num_max_dispatch_tokens_per_rank, H, num_experts, llh,
                                   id(self), res.combine_buffer)
-        keep = [x, topk_idx, stats, packed]
-        event = self._finish(compute, stream, async_finish, False, keep if async_finish else [])
+        event = self._finish(compute, side, False, [x, topk_idx, stats, packed]) if side is not None else \
+            EventOverlap(None)
         fn = None
         if return_recv_hook:
+            keep = [x, topk_idx, stats]
+
             def fn():
-                self._ep.check(self._ep.lib.moeep_ll_hook_run(self._ep.ptr, ctypes.byref(hook), stream.cuda_stream),
+                self._ep.check(self._ep.lib.moeep_ll_hook_run(self._ep.ptr, ctypes.byref(hook), ptr),
                                "low-latency dispatch receive hook")
                 if packed is not None:
-                    with torch.cuda.stream(stream):
+                    with torch.cuda.stream(torch.cuda.ExternalStream(ptr)):  # the dispatch's stream, as the hook
                         _pack_ue8m0(scales, packed)
                 del keep[:]
         rx = recv_x
         if use_fp8:
             rx = (recv_x, packed if use_ue8m0 else scales)
         return rx, recv_count, handle, event, fn
+
+    def _ll_outputs(self, torch, res, L, S, H, use_fp8):
+        """The views of a dispatch's outputs in its buffer set: the same
+        memory for the same set and shape every time, so made once."""
+        key = (res.handle.set, S, use_fp8)
+        views = self._ll_views.get(key)
+        if views is None:
+            # Held by the endpoint, not the Buffer: the cache must not keep
+            # the Buffer alive (it is freed, and destroyed, when dropped).
+            ep = self._ep
+            xdt = torch.float8_e4m3fn if use_fp8 else torch.bfloat16
+            scales = None
+            if use_fp8:
+                # Column-major per expert, as DeepEP: [L][scale][slot] in memory.
+                scales = _view(torch, res.recv_x_scales, (L, H // _lib.SCALE_BLOCK, S), torch.float32, ep,
+                               self.device).transpose(1, 2)
+            views = (_view(torch, res.recv_x, (L, S, H), xdt, ep, self.device),
+                     _view(torch, res.recv_count, (L,), torch.int32, ep, self.device),
+                     _view(torch, res.recv_src_info, (L, S), torch.int32, ep, self.device),
+                     _view(torch, res.layout_range, (L, self.group_size), torch.int64, ep, self.device), scales)
+            self._ll_views[key] = views
+        return views
 
     def get_next_low_latency_combine_buffer(self, handle):
         """The bf16 [local experts, slots, hidden] buffer that
@@ -145,47 +166,48 @@ class _LowLatencyMode:
             raise ValueError("handle is not a low-latency handle of this Buffer")
         ep = self._endpoint()
         H, L = self._plan.hidden, self._plan.num_experts // self.group_size
-        S = handle.ll_handle.slots_per_expert
-        n = S
-        T = handle.ll_handle.num_tokens
+        llh = handle.ll_handle
+        S, T = llh.slots_per_expert, llh.num_tokens
         if zero_copy:
             x = self.get_next_low_latency_combine_buffer(handle)
         _check_index(torch, topk_idx, "topk_idx", self.device, rows=T)
         K = topk_idx.shape[1]
         _check_tensor(torch, topk_weights, "topk_weights", torch.float32, self.device, (T, K))
-        if x.dtype != torch.bfloat16 or x.dim() != 3 or tuple(x.shape[::2]) != (L, H) or x.shape[1] not in (n, S) \
+        if x.dtype != torch.bfloat16 or x.dim() != 3 or x.shape[0] != L or x.shape[1] != S or x.shape[2] != H \
                 or x.device != self.device:
             raise ValueError("x must be bf16 [%d, %d, %d] on %s, not %s %s" %
-                             (L, n, H, self.device, x.dtype, list(x.shape)))
+                             (L, S, H, self.device, x.dtype, list(x.shape)))
         if out is not None:
             _check_tensor(torch, out, "out", torch.bfloat16, self.device, (T, H))
-        compute = torch.cuda.current_stream(self.device)
-        stream = compute if return_recv_hook else self.comm_stream
-        if not return_recv_hook:
-            stream.wait_stream(compute)
-        with torch.cuda.stream(stream):
-            if x.stride() != (S * H, H, 1):
-                # moeep reads slots with the dispatch's stride: stage.
+        compute, side, ptr = self._begin(None, async_finish, False)
+        if x.stride() != (S * H, H, 1):
+            # moeep reads slots with the dispatch's stride: stage.
+            with self._on(side):
                 staged = torch.empty(L, S, H, dtype=torch.bfloat16, device=self.device)
                 staged.copy_(x)
-                x = staged
+            x = staged
         if out is None:
             out = torch.empty(T, H, dtype=torch.bfloat16, device=self.device)
-        llh = _lib.LlHandle(handle.ll_handle.set, T, S)
-        args = _lib.LlCombineArgs(x=x.data_ptr(), topk_idx=topk_idx.data_ptr() if T else None,
-                                  topk_idx_type=_index_type(torch, topk_idx),
-                                  topk_weights=topk_weights.data_ptr() if T else None, num_topk=K,
-                                  handle=ctypes.pointer(llh), out=out.data_ptr() if T else None,
-                                  return_recv_hook=return_recv_hook)
-        hook = _lib.LlHook()
-        ep.check(ep.lib.moeep_ll_combine(ep.ptr, ctypes.byref(args), ctypes.byref(hook), stream.cuda_stream),
+        args = self._ll_combine_args
+        args.x = x.data_ptr()
+        args.topk_idx = topk_idx.data_ptr() if T else None
+        args.topk_idx_type = _index_type(torch, topk_idx)
+        args.topk_weights = topk_weights.data_ptr() if T else None
+        args.num_topk = K
+        args.handle = ctypes.pointer(llh)
+        args.out = out.data_ptr() if T else None
+        args.return_recv_hook = return_recv_hook
+        hook = _lib.LlHook() if return_recv_hook else self._ll_no_hook
+        ep.check(ep.lib.moeep_ll_combine(ep.ptr, self._ll_combine_args_ref, ctypes.byref(hook), ptr),
                  "low_latency_combine")
-        keep = [x, topk_idx, topk_weights, out, llh]
-        event = self._finish(compute, stream, async_finish, False, keep[:4] if async_finish else [])
+        event = self._finish(compute, side, False, [x, topk_idx, topk_weights, out]) if side is not None else \
+            EventOverlap(None)
         fn = None
         if return_recv_hook:
+            keep = [x, topk_idx, topk_weights, out, llh]
+
             def fn():
-                self._ep.check(self._ep.lib.moeep_ll_hook_run(self._ep.ptr, ctypes.byref(hook), stream.cuda_stream),
+                self._ep.check(self._ep.lib.moeep_ll_hook_run(self._ep.ptr, ctypes.byref(hook), ptr),
                                "low-latency combine receive hook")
                 del keep[:]
         return out, event, fn

@@ -13,8 +13,9 @@ from .event import _torch
 
 class _NormalMode:
     """Buffer's normal-mode calls. They use what Buffer sets up: _ep and
-    _endpoint(), _plan, device, group_size, rank, comm_stream, copy_outputs,
-    _handles, _apply_num_sms(), _begin(), _finish(), _alloc_stream()."""
+    _endpoint(), _plan, device, group_size, rank, copy_outputs, _areas,
+    _handles, the reused ctypes structures (_dispatch_args, _combine_args),
+    _apply_num_sms(), _begin(), _on(), _finish(), _alloc_stream()."""
 
     def get_dispatch_layout(self, topk_idx, num_experts, previous_event=None, async_finish=False,
                             allocate_on_comm_stream=False):
@@ -30,22 +31,20 @@ class _NormalMode:
             self._plan.set_num_experts(num_experts)
         T, K = topk_idx.shape
         R = self.group_size
-        compute = self._begin(previous_event, async_finish, allocate_on_comm_stream)
+        compute, side, ptr = self._begin(previous_event, async_finish, allocate_on_comm_stream)
         with self._alloc_stream(allocate_on_comm_stream):
             per_rank = torch.empty(R, dtype=torch.int32, device=self.device)
             per_expert = torch.empty(num_experts, dtype=torch.int32, device=self.device)
             in_rank = torch.empty(T, R, dtype=torch.bool, device=self.device)
-        with torch.cuda.stream(self.comm_stream):
-            if self._ep is not None:
-                ep = self._ep
-                ep.check(ep.lib.moeep_get_dispatch_layout(
-                    ep.ptr, topk_idx.data_ptr(), _index_type(torch, topk_idx), T, K, per_rank.data_ptr(),
-                    per_expert.data_ptr(), in_rank.data_ptr(), self.comm_stream.cuda_stream),
-                    "get_dispatch_layout")
-            else:
+        if self._ep is not None:
+            ep = self._ep
+            ep.check(ep.lib.moeep_get_dispatch_layout(
+                ep.ptr, topk_idx.data_ptr(), _index_type(torch, topk_idx), T, K, per_rank.data_ptr(),
+                per_expert.data_ptr(), in_rank.data_ptr(), ptr), "get_dispatch_layout")
+        else:
+            with self._on(side):
                 _torch_layout(torch, topk_idx, num_experts, R, per_rank, per_expert, in_rank)
-        event = self._finish(compute, self.comm_stream, async_finish, allocate_on_comm_stream,
-                             [topk_idx, per_rank, per_expert, in_rank])
+        event = self._finish(compute, side, allocate_on_comm_stream, [topk_idx, per_rank, per_expert, in_rank])
         return per_rank, None, per_expert, in_rank, event
 
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
@@ -55,7 +54,10 @@ class _NormalMode:
         """Sends each token to the ranks of its experts. Returns (recv_x,
         recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list,
         handle, event) as DeepEP; recv_x is (fp8, scales) for an FP8 input.
-        With a handle (cached): (recv_x, None, None, None, None, event)."""
+        With a handle (cached): (recv_x, None, None, None, None, event).
+        The outputs are views of a receive area of moeep's buffer that stays
+        theirs for as long as any of them lives, or owned copies when only
+        one area is free (README: output lifetimes)."""
         torch = _torch()
         x, x_scales, scale_cols = _split_x(torch, x, self.device)
         T, H = x.shape
@@ -70,56 +72,53 @@ class _NormalMode:
             _check_tensor(torch, num_tokens_per_expert, "num_tokens_per_expert", (torch.int32, torch.int64),
                           self.device, (num_tokens_per_expert.numel(),), need_contiguous=False)
             num_experts = int(num_tokens_per_expert.numel())
-        if topk_idx is not None:
+        if topk_idx is not None and handle is None:
             _check_index(torch, topk_idx, "topk_idx", self.device, rows=T)
             if topk_weights is not None:
                 _check_tensor(torch, topk_weights, "topk_weights", torch.float32, self.device, topk_idx.shape)
-        elif topk_weights is not None:
+        elif topk_weights is not None and topk_idx is None:
             raise ValueError("topk_weights needs topk_idx")
         if is_token_in_rank is not None and handle is None:
             _check_tensor(torch, is_token_in_rank, "is_token_in_rank", (torch.bool, torch.uint8), self.device,
                           (T, self.group_size))
         if handle is None and topk_idx is None and is_token_in_rank is None:
             raise ValueError("dispatch needs a handle, or is_token_in_rank / topk_idx (get_dispatch_layout)")
-        if isinstance(expert_alignment, bool) or not isinstance(expert_alignment, int) or expert_alignment < 0:
+        if expert_alignment.__class__ is not int or expert_alignment < 0:
             raise ValueError("expert_alignment must be a non-negative int, not %r" % (expert_alignment,))
-        if isinstance(num_worst_tokens, bool) or not isinstance(num_worst_tokens, int) or num_worst_tokens < 0:
+        if num_worst_tokens.__class__ is not int or num_worst_tokens < 0:
             raise ValueError("num_worst_tokens must be a non-negative int, not %r" % (num_worst_tokens,))
         ep = self._endpoint(hidden=H, num_experts=num_experts)
         self._apply_num_sms(config)
         K = topk_idx.shape[1] if topk_idx is not None else 0
 
-        compute = self._begin(previous_event, async_finish, allocate_on_comm_stream)
+        compute, side, ptr = self._begin(previous_event, async_finish, allocate_on_comm_stream)
         per_expert = None
-        with torch.cuda.stream(self.comm_stream):
-            if scale_cols is not None:
-                x_scales = _pad_scales(torch, x_scales, H // _lib.SCALE_BLOCK)
-            elif x_scales is not None and not x_scales.is_contiguous():
-                x_scales = x_scales.contiguous()
-            if num_tokens_per_expert is not None and handle is None:
-                # DeepEP sums the callers' per-expert counts (also when no
-                # top-k travels), so moeep's notify does too.
-                per_expert = num_tokens_per_expert.to(torch.int32).contiguous()
+        if scale_cols is not None or (num_tokens_per_expert is not None and handle is None):
+            with self._on(side):
+                if scale_cols is not None:
+                    x_scales = _pad_scales(torch, x_scales, H // _lib.SCALE_BLOCK)
+                if num_tokens_per_expert is not None and handle is None:
+                    # DeepEP sums the callers' per-expert counts (also when no
+                    # top-k travels), so moeep's notify does too.
+                    per_expert = num_tokens_per_expert.to(torch.int32).contiguous()
+        call = (ep, side, ptr, allocate_on_comm_stream, scale_cols)
         if handle is not None and handle.rounds is not None:
-            outs = self._cached_rounds(x, x_scales, handle, allocate_on_comm_stream, scale_cols)
-            event = self._finish(compute, self.comm_stream, async_finish, allocate_on_comm_stream,
-                                 [x, x_scales] + outs)
+            outs = self._cached_rounds(call, x, x_scales, handle)
+            event = self._finish(compute, side, allocate_on_comm_stream, [x, x_scales] + outs)
             return (tuple(outs) if x_scales is not None else outs[0]), None, None, None, None, event
         C = self._plan.max_tokens_per_rank  # rows per source per call: what the NVLink buffer holds
         if T > C and (handle is not None or num_worst_tokens):
             raise ValueError("%d tokens are more than the %d per call this Buffer holds; only a fresh dispatch "
                              "without num_worst_tokens runs in rounds" % (T, C))
-        one = self._dispatch_call(ep, x, x_scales, 0, min(T, C), T, is_token_in_rank, topk_idx, topk_weights,
-                                  per_expert, expert_alignment, num_worst_tokens, handle, K,
-                                  allocate_on_comm_stream, scale_cols=scale_cols)
+        one = self._dispatch_call(call, x, x_scales, 0, min(T, C), T, is_token_in_rank, topk_idx, topk_weights,
+                                  per_expert, expert_alignment, num_worst_tokens, handle, K)
         if handle is None and one["max_total"] > C:
             # Some rank sends more tokens than one call holds: every rank runs
             # the same number of rounds of C tokens (DeepEP has no cap).
-            return self._dispatch_rounds(compute, one, x, x_scales, T, C, is_token_in_rank, topk_idx,
-                                         topk_weights, expert_alignment, K, async_finish, allocate_on_comm_stream,
-                                         per_expert, scale_cols)
+            return self._dispatch_rounds(call, compute, one, x, x_scales, T, C, is_token_in_rank, topk_idx,
+                                         topk_weights, expert_alignment, K, per_expert)
         outs = one["outs"]
-        event = self._finish(compute, self.comm_stream, async_finish, allocate_on_comm_stream,
+        event = self._finish(compute, side, allocate_on_comm_stream,
                              [x, x_scales, topk_idx, topk_weights, is_token_in_rank, per_expert] + outs)
         recv_x, recv_scales, recv_idx, recv_w = outs
         rx = (recv_x, recv_scales) if x_scales is not None else recv_x
@@ -127,32 +126,45 @@ class _NormalMode:
             return rx, None, None, None, None, event
         return rx, recv_idx, recv_w, one["counts"], one["handle"], event
 
-    def _dispatch_call(self, ep, x, x_scales, t0, t1, total, is_token_in_rank, topk_idx, topk_weights, per_expert,
-                       expert_alignment, num_worst_tokens, handle, K, allocate_on_comm_stream, copy=None,
-                       scale_cols=None):
+    def _dispatch_call(self, call, x, x_scales, t0, t1, total, is_token_in_rank, topk_idx, topk_weights, per_expert,
+                       expert_alignment, num_worst_tokens, handle, K, copy=False):
         """One moeep_dispatch of tokens t0..t1 (a round of a dispatch of
-        `total` tokens, or all of it); queued on the comm stream."""
+        `total` tokens, or all of it), on the call's stream, into a free
+        receive area; copy: owned outputs whatever the areas say."""
         torch = _torch()
+        ep, side, ptr, allocate_on_comm_stream, scale_cols = call
         H = x.shape[1]
         n = t1 - t0
-        xs = x[t0:t1]
-        sc = x_scales[t0:t1] if x_scales is not None else None
-        ti = topk_idx[t0:t1] if topk_idx is not None else None
-        tw = topk_weights[t0:t1] if topk_weights is not None else None
-        ir = is_token_in_rank[t0:t1] if is_token_in_rank is not None and handle is None else None
-        args = _lib.DispatchArgs(
-            x=xs.data_ptr() if n else None, x_type=_lib.DTYPE_BF16 if sc is None else _lib.DTYPE_FP8_E4M3,
-            x_scales=sc.data_ptr() if sc is not None and n else None, num_tokens=n,
-            is_token_in_rank=ir.data_ptr() if ir is not None and n else None,
-            topk_idx=ti.data_ptr() if ti is not None and n else None,
-            topk_idx_type=_index_type(torch, topk_idx) if topk_idx is not None else _lib.INDEX_INT64,
-            topk_weights=tw.data_ptr() if tw is not None and n else None, num_topk=K,
-            expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
-            handle=handle.ptr if handle is not None else None,
-            num_tokens_per_expert=per_expert.data_ptr() if per_expert is not None else None, total_tokens=total)
-        res = _lib.DispatchResult()
-        ep.check(ep.lib.moeep_dispatch(ep.ptr, ctypes.byref(args), ctypes.byref(res), self.comm_stream.cuda_stream),
-                 "dispatch")
+        whole = t0 == 0 and t1 == x.shape[0]
+        xs = x if whole else x[t0:t1]
+        sc = x_scales if whole or x_scales is None else x_scales[t0:t1]
+        ti = topk_idx if whole or topk_idx is None else topk_idx[t0:t1]
+        tw = topk_weights if whole or topk_weights is None else topk_weights[t0:t1]
+        ir = None
+        if is_token_in_rank is not None and handle is None:
+            ir = is_token_in_rank if whole else is_token_in_rank[t0:t1]
+        area, views = self._areas.pick()
+        views = views and not copy and not self.copy_outputs
+        args = self._dispatch_args
+        args.x = xs.data_ptr() if n else None
+        args.x_type = _lib.DTYPE_BF16 if sc is None else _lib.DTYPE_FP8_E4M3
+        args.x_scales = sc.data_ptr() if sc is not None and n else None
+        # DeepEP's callers pass FP8 scales column-major (x[1].T.contiguous().T): read in place.
+        args.x_scales_token_stride, args.x_scales_block_stride = sc.stride() if sc is not None and n else (0, 0)
+        args.num_tokens = n
+        args.is_token_in_rank = ir.data_ptr() if ir is not None and n else None
+        args.topk_idx = ti.data_ptr() if ti is not None and n else None
+        args.topk_idx_type = _index_type(torch, topk_idx) if topk_idx is not None else _lib.INDEX_INT64
+        args.topk_weights = tw.data_ptr() if tw is not None and n else None
+        args.num_topk = K
+        args.expert_alignment = expert_alignment
+        args.num_worst_tokens = num_worst_tokens
+        args.handle = handle.ptr if handle is not None else None
+        args.num_tokens_per_expert = per_expert.data_ptr() if per_expert is not None else None
+        args.total_tokens = total
+        args.recv_area = area
+        res = self._dispatch_res
+        ep.check(ep.lib.moeep_dispatch(ep.ptr, self._dispatch_args_ref, self._dispatch_res_ref, ptr), "dispatch")
         new = None
         if handle is None:
             n_recv = res.num_recv_tokens if res.num_recv_tokens >= 0 else num_worst_tokens
@@ -166,43 +178,42 @@ class _NormalMode:
         else:
             n_recv = handle.num_recv_tokens
         L = res.num_local_experts
+        has_topk = handle is None and topk_idx is not None
         idx_dtype = topk_idx.dtype if topk_idx is not None else torch.int64
-        recv_x = _view(torch, res.recv_x, (n_recv, H), x.dtype, self, self.device)
-        recv_scales = None
-        if x_scales is not None:
-            recv_scales = _view(torch, res.recv_x_scales, (n_recv, H // _lib.SCALE_BLOCK), torch.float32, self,
-                                self.device)
-            if scale_cols is not None:
-                with self._alloc_stream(allocate_on_comm_stream):
-                    own = torch.empty((n_recv, scale_cols[0]), dtype=scale_cols[1], device=self.device)
-                with torch.cuda.stream(self.comm_stream):
-                    own.view(torch.float32).copy_(recv_scales[:, :scale_cols[0]])
-                recv_scales = own
-        recv_idx = recv_w = None
-        if handle is None and topk_idx is not None:
-            recv_idx = _view(torch, res.recv_topk_idx, (n_recv, K), idx_dtype, self, self.device)
-            recv_w = _view(torch, res.recv_topk_weights, (n_recv, K), torch.float32, self, self.device)
-
-        outs = [recv_x, recv_scales, recv_idx, recv_w]
-        if copy or (copy is None and (self.copy_outputs or (num_worst_tokens and handle is None))):
+        arrays = [("recv_x", (n_recv, H), x.dtype),
+                  ("recv_x_scales", (n_recv, H // _lib.SCALE_BLOCK), torch.float32) if x_scales is not None else None,
+                  ("recv_topk_idx", (n_recv, K), idx_dtype) if has_topk else None,
+                  ("recv_topk_weights", (n_recv, K), torch.float32) if has_topk else None]
+        outs = self._areas.views(torch, area, self, self.device, arrays)
+        if not views:
+            # Owned copies; the area stays free (the next call on this
+            # stream comes after the copies).
             with self._alloc_stream(allocate_on_comm_stream):
                 owned = [torch.empty_like(t) if t is not None else None for t in outs]
-            with torch.cuda.stream(self.comm_stream):
+            with self._on(side):
                 for o, t in zip(owned, outs):
                     if o is not None:
                         o.copy_(t)
-                if num_worst_tokens and recv_idx is not None:
-                    # Rows past the real count hold stale data: as DeepEP,
-                    # they name no expert.
-                    n_dev = _view(torch, res.num_recv_tokens_dev, (1,), torch.int32, self, self.device)
-                    pad = (torch.arange(n_recv, device=self.device) >= n_dev).unsqueeze(1)
-                    owned[2].masked_fill_(pad, -1)
-                    owned[3].masked_fill_(pad, 0)
             outs = owned
+        if scale_cols is not None:
+            # Opaque 4-byte scales rode in the first columns: back in their own dtype.
+            with self._alloc_stream(allocate_on_comm_stream):
+                own = torch.empty((n_recv, scale_cols[0]), dtype=scale_cols[1], device=self.device)
+            with self._on(side):
+                own.view(torch.float32).copy_(outs[1][:, :scale_cols[0]])
+            outs[1] = own
+        if num_worst_tokens and has_topk:
+            # Rows past the real count hold stale data: as DeepEP, they name
+            # no expert (those rows of the area are no one's in this call).
+            with self._on(side):
+                n_dev = _view(torch, res.num_recv_tokens_dev, (1,), torch.int32, self, self.device)
+                pad = (torch.arange(n_recv, device=self.device) >= n_dev).unsqueeze(1)
+                outs[2].masked_fill_(pad, -1)
+                outs[3].masked_fill_(pad, 0)
         counts = []
         if handle is None and res.num_recv_tokens_per_expert:
-            counts = [res.num_recv_tokens_per_expert[i] for i in range(L)]
-        return {"outs": outs, "counts": counts, "handle": new, "max_total": res.max_total_tokens}
+            counts = res.num_recv_tokens_per_expert[:L]
+        return {"outs": outs, "counts": counts, "handle": new, "max_total": res.max_total_tokens, "views": views}
 
     def _round_order(self, handles):
         """For rounds' handles: rows per (round, source) on the host and the
@@ -227,32 +238,31 @@ class _NormalMode:
             torch.empty(0, dtype=torch.int64)
         return per, idx.to(self.device)
 
-    def _dispatch_rounds(self, compute, first, x, x_scales, T, C, is_token_in_rank, topk_idx, topk_weights,
-                         expert_alignment, K, async_finish, allocate_on_comm_stream, per_expert, scale_cols):
+    def _dispatch_rounds(self, call, compute, first, x, x_scales, T, C, is_token_in_rank, topk_idx, topk_weights,
+                         expert_alignment, K, per_expert):
         torch = _torch()
-        ep = self._ep
+        ep, side, ptr, allocate_on_comm_stream, scale_cols = call
         rounds = (first["max_total"] + C - 1) // C
         parts = [first]
-        if not self.copy_outputs:
-            # The first round's outputs are views of the buffer the next round overwrites.
+        if first["views"]:
+            # The first round's outputs are views of an area a later round may need.
             with self._alloc_stream(allocate_on_comm_stream):
                 owned = [torch.empty_like(t) if t is not None else None for t in first["outs"]]
-            with torch.cuda.stream(self.comm_stream):
+            with self._on(side):
                 for o, t in zip(owned, first["outs"]):
                     if o is not None:
                         o.copy_(t)
             first["outs"] = owned
         for j in range(1, rounds):
             t0, t1 = min(j * C, T), min((j + 1) * C, T)
-            parts.append(self._dispatch_call(ep, x, x_scales, t0, t1, T, is_token_in_rank, topk_idx, topk_weights,
-                                             None, 1, 0, None, K, allocate_on_comm_stream, copy=True,
-                                             scale_cols=scale_cols))
+            parts.append(self._dispatch_call(call, x, x_scales, t0, t1, T, is_token_in_rank, topk_idx, topk_weights,
+                                             None, 1, 0, None, K, copy=True))
         handles = [p["handle"] for p in parts]
         per, order = self._round_order(handles)
         with self._alloc_stream(allocate_on_comm_stream):
             outs = [torch.empty((order.numel(),) + tuple(t.shape[1:]), dtype=t.dtype, device=self.device)
                     if t is not None else None for t in first["outs"]]
-        with torch.cuda.stream(self.comm_stream):
+        with self._on(side):
             for i, o in enumerate(outs):
                 if o is not None:
                     torch.index_select(_raw(torch, torch.cat([p["outs"][i] for p in parts])), 0, order,
@@ -263,8 +273,9 @@ class _NormalMode:
             src = torch.cat(srcs).index_select(0, order)
             prefix = sum(h[0] for h in handles)
             send_head = torch.cat([h[5] for h in handles])
-        for t in (src, prefix, send_head):
-            _record(t, compute)
+        if side is not None:
+            for t in (src, prefix, send_head):
+                _record(t, compute)
         if per_expert is not None:
             counts = first["counts"]  # the callers' totals, summed over ranks by the first round
         else:
@@ -276,26 +287,26 @@ class _NormalMode:
         new = DispatchHandle(handles[0]._route, T, n_recv, K, topk_idx, topk_weights, items)
         new.rounds = [(h, min(j * C, T), min((j + 1) * C, T)) for j, h in enumerate(handles)]
         new.round_index = _inverse_rounds(torch, order, [sum(r) for r in per])
-        event = self._finish(compute, self.comm_stream, async_finish, allocate_on_comm_stream,
+        event = self._finish(compute, side, allocate_on_comm_stream,
                              [x, x_scales, topk_idx, topk_weights, is_token_in_rank, per_expert] + outs)
         recv_x, recv_scales, recv_idx, recv_w = outs
         rx = (recv_x, recv_scales) if x_scales is not None else recv_x
         return rx, recv_idx, recv_w, counts, new, event
 
-    def _cached_rounds(self, x, x_scales, handle, allocate_on_comm_stream, scale_cols):
+    def _cached_rounds(self, call, x, x_scales, handle):
         """A cached dispatch of a dispatch that ran in rounds."""
         torch = _torch()
+        ep, side, ptr, allocate_on_comm_stream, scale_cols = call
         # Each round resends its slice of the top-k (moeep_dispatch checks
         # that it matches the round's handle).
-        parts = [self._dispatch_call(self._ep, x, x_scales, t0, t1, handle.num_tokens, None, handle.topk_idx,
-                                     handle.topk_weights, None, 1, 0, h, handle.num_topk, allocate_on_comm_stream,
-                                     copy=True, scale_cols=scale_cols)
+        parts = [self._dispatch_call(call, x, x_scales, t0, t1, handle.num_tokens, None, handle.topk_idx,
+                                     handle.topk_weights, None, 1, 0, h, handle.num_topk, copy=True)
                  for (h, t0, t1) in handle.rounds]
         keep = [i for i in (0, 1) if parts[0]["outs"][i] is not None]
         with self._alloc_stream(allocate_on_comm_stream):
             outs = [torch.empty((handle.num_recv_tokens,) + tuple(parts[0]["outs"][i].shape[1:]),
                                 dtype=parts[0]["outs"][i].dtype, device=self.device) for i in keep]
-        with torch.cuda.stream(self.comm_stream):
+        with self._on(side):
             order = torch.cat(handle.round_index)  # round rows (concatenated) -> output rows
             for i, o in zip(keep, outs):
                 _raw(torch, o).index_copy_(0, order, _raw(torch, torch.cat([p["outs"][i] for p in parts])))
@@ -325,7 +336,7 @@ class _NormalMode:
             if b is not None:
                 _check_tensor(torch, b, "bias", torch.bfloat16, self.device, (handle.num_tokens, H))
         self._apply_num_sms(config)
-        compute = self._begin(previous_event, async_finish, allocate_on_comm_stream)
+        compute, side, ptr = self._begin(previous_event, async_finish, allocate_on_comm_stream)
         with self._alloc_stream(allocate_on_comm_stream):
             out = torch.empty(handle.num_tokens, H, dtype=torch.bfloat16, device=self.device)
             out_w = torch.empty(handle.num_tokens, K, dtype=torch.float32, device=self.device) if K else None
@@ -334,22 +345,24 @@ class _NormalMode:
         else:
             # Each round's rows, gathered from DeepEP's order, go back by the
             # round's own routing into that round's tokens of out.
-            with torch.cuda.stream(self.comm_stream):
+            with self._on(side):
                 pieces = [(h, x.index_select(0, ix), topk_weights.index_select(0, ix) if K else None, t0, t1)
                           for (h, t0, t1), ix in zip(handle.rounds, handle.round_index)]
+        args = self._combine_args
         for h, xr, wr, t0, t1 in pieces:
-            args = _lib.CombineArgs(x=xr.data_ptr() if xr.numel() else None,
-                                    topk_weights=wr.data_ptr() if K and wr.numel() else None, num_topk=K,
-                                    handle=h.ptr, out=out[t0:t1].data_ptr() if t1 > t0 else None,
-                                    out_topk_weights=out_w[t0:t1].data_ptr() if out_w is not None and t1 > t0
-                                    else None)
-            ep.check(ep.lib.moeep_combine(ep.ptr, ctypes.byref(args), self.comm_stream.cuda_stream), "combine")
-        if any(b is not None for b in biases):
-            with torch.cuda.stream(self.comm_stream):
+            args.x = xr.data_ptr() if xr.numel() else None
+            args.topk_weights = wr.data_ptr() if K and wr.numel() else None
+            args.num_topk = K
+            args.handle = h.ptr
+            args.out = out[t0:t1].data_ptr() if t1 > t0 else None
+            args.out_topk_weights = out_w[t0:t1].data_ptr() if out_w is not None and t1 > t0 else None
+            ep.check(ep.lib.moeep_combine(ep.ptr, self._combine_args_ref, ptr), "combine")
+        if biases:
+            with self._on(side):
                 for b in biases:
                     if b is not None:
                         out.add_(b)
-        event = self._finish(compute, self.comm_stream, async_finish, allocate_on_comm_stream,
+        event = self._finish(compute, side, allocate_on_comm_stream,
                              [x, topk_weights, out, out_w] + [p[1] for p in pieces] + [p[2] for p in pieces] +
                              [b for b in biases if b is not None])
         return out, out_w, event

@@ -14,15 +14,86 @@ class _DevicePointer:
         self._owner = owner  # keeps the Buffer (and so the mapping) referenced
 
 
+class _Lease(_DevicePointer):
+    """The device array of one dispatch's outputs in a receive area: every
+    output tensor is a view of the one tensor made over it, so the area is
+    held exactly as long as any of them lives (torch keeps this object until
+    the storage they share is freed). Frees the area when it goes."""
+
+    def __init__(self, ptr, nbytes, owner, areas, area):
+        super().__init__(ptr, (nbytes,), "|u1", owner)
+        self._areas, self._area = areas, area
+        areas.held[area] = True
+
+    def __del__(self):
+        self._areas.held[self._area] = False
+
+
+class _Areas:
+    """An endpoint's normal-mode receive areas (moeep_ep_config.recv_areas)
+    and which of them hold outputs a caller still references. A dispatch
+    lands in a free area; its outputs are views of that area when another
+    area stays free for the next dispatch, else copies (the area stays
+    free). Where the outputs' arrays lie inside an area (offsets from its
+    start) is the same for every area."""
+
+    def __init__(self, ep, n):
+        import ctypes
+        self.held = [False] * n
+        self.base = []
+        for a in range(n):
+            res, nbytes = _lib.DispatchResult(), ctypes.c_size_t()
+            ep.check(ep.lib.moeep_ep_recv_area(ep.ptr, a, ctypes.byref(res), ctypes.byref(nbytes)),
+                     "receive area %d" % a)
+            self.base.append(res.recv_x)
+            self.nbytes = nbytes.value
+            self.offsets = {name: getattr(res, name) - res.recv_x
+                            for name in ("recv_x", "recv_x_scales", "recv_topk_idx", "recv_topk_weights")}
+
+    def pick(self):
+        """(area, views): the first free area, and whether the outputs may
+        be views of it (another area stays free)."""
+        free = [a for a, h in enumerate(self.held) if not h]
+        return free[0], len(free) > 1
+
+    def views(self, torch, area, owner, device, arrays):
+        """Views of area `area`, one per (name, shape, dtype) of `arrays`
+        (None entries give None), all over one tensor that holds the area."""
+        _tables(torch)
+        base = torch.as_tensor(_Lease(self.base[area], self.nbytes, owner, self, area), device=device)
+        out = []
+        for item in arrays:
+            if item is None:
+                out.append(None)
+                continue
+            name, shape, dtype = item
+            n = 1
+            for d in shape:
+                n *= d
+            off = self.offsets[name]
+            size = n * _ELEMENT[dtype]
+            out.append(base[off:off + size].view(dtype).view(shape))
+        return out
+
+
+_ELEMENT = {}
+
 _TYPESTR = None
 
 
-def _view(torch, ptr, shape, dtype, owner, device):
-    """A torch tensor over device memory at ptr, without copying."""
+def _tables(torch):
+    """The dtype tables, made once torch is imported."""
     global _TYPESTR
     if _TYPESTR is None:
         _TYPESTR = {torch.bfloat16: ("<i2", torch.int16), torch.float8_e4m3fn: ("|u1", torch.uint8),
                     torch.float32: ("<f4", None), torch.int32: ("<i4", None), torch.int64: ("<i8", None)}
+        _ELEMENT.update({torch.bfloat16: 2, torch.float8_e4m3fn: 1, torch.float32: 4, torch.int32: 4,
+                         torch.int64: 8})
+
+
+def _view(torch, ptr, shape, dtype, owner, device):
+    """A torch tensor over device memory at ptr, without copying."""
+    _tables(torch)
     n = 1
     for s in shape:
         n *= s

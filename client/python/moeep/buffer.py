@@ -10,6 +10,8 @@ they return in _handles.py and the tensor views and checks in _tensors.py.
 Those names are importable from here too (moeep.buffer.DispatchHandle).
 """
 
+import contextlib
+import ctypes
 import errno as _errno
 import sys
 import weakref
@@ -21,8 +23,8 @@ from ._job import attach
 from ._lib import MoeepError
 from ._low_latency import _LowLatencyMode, _pack_ue8m0  # noqa: F401
 from ._normal import _NormalMode, _inverse_rounds, _raw, _split_x, _torch_layout  # noqa: F401
-from ._tensors import _DevicePointer, _check_index, _check_tensor, _index_type, _record, _view  # noqa: F401
-from .config import Config, Plan, check_num_sms, low_latency_buffer_bytes
+from ._tensors import _Areas, _DevicePointer, _check_index, _check_tensor, _index_type, _record, _view  # noqa: F401
+from .config import DEFAULT_RECV_AREAS, Config, Plan, check_num_sms, low_latency_buffer_bytes
 from .event import EventOverlap, _torch
 
 
@@ -37,7 +39,10 @@ class Buffer(_NormalMode, _LowLatencyMode):
     moeep.config (see README "Sizing"); keyword-only extras give the shapes
     directly: socket, hidden, num_experts, max_tokens_per_rank,
     num_max_dispatch_tokens_per_rank, max_topk, timeout_ms, job_name,
-    copy_outputs (normal-mode outputs as owned tensors, default True).
+    recv_areas (normal-mode receive areas, default 2: a dispatch's outputs
+    are views of one for as long as the caller holds any of them),
+    copy_outputs (normal-mode outputs always as owned copies, default
+    False).
     """
 
     num_sms = _lib.MOEEP_DEFAULT_NUM_SMS
@@ -46,7 +51,7 @@ class Buffer(_NormalMode, _LowLatencyMode):
                  allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False, use_fabric=False,
                  explicitly_destroy=False, enable_shrink=False, comm=None, *, socket=None, hidden=None,
                  num_experts=None, max_tokens_per_rank=None, num_max_dispatch_tokens_per_rank=None,
-                 max_topk=None, timeout_ms=0, job_name=None, copy_outputs=True):
+                 max_topk=None, timeout_ms=0, job_name=None, copy_outputs=False, recv_areas=DEFAULT_RECV_AREAS):
         self._ep = None
         self._client = None
         torch = _torch()
@@ -61,12 +66,26 @@ class Buffer(_NormalMode, _LowLatencyMode):
         self.copy_outputs = bool(copy_outputs)
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
         self._plan = Plan(self.group_size, num_nvl_bytes, num_rdma_bytes, low_latency_mode, hidden, num_experts,
-                          max_tokens_per_rank, num_max_dispatch_tokens_per_rank, max_topk, timeout_ms)
+                          max_tokens_per_rank, num_max_dispatch_tokens_per_rank, max_topk, timeout_ms, recv_areas)
         if not torch.cuda.is_available():
             raise MoeepError(_errno.ENODEV, "moeep.Buffer needs a CUDA device; torch sees none")
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.comm_stream = torch.cuda.Stream(device=self.device)
         self._applied_num_sms = None
+        self._last_stream = None  # raw handle of the stream of the last call (_begin)
+        # ctypes structures every call refills instead of making anew.
+        self._dispatch_args, self._dispatch_res = _lib.DispatchArgs(), _lib.DispatchResult()
+        self._dispatch_args_ref = ctypes.byref(self._dispatch_args)
+        self._dispatch_res_ref = ctypes.byref(self._dispatch_res)
+        self._combine_args = _lib.CombineArgs()
+        self._combine_args_ref = ctypes.byref(self._combine_args)
+        self._ll_dispatch_args, self._ll_dispatch_res = _lib.LlDispatchArgs(), _lib.LlDispatchResult()
+        self._ll_dispatch_args_ref = ctypes.byref(self._ll_dispatch_args)
+        self._ll_dispatch_res_ref = ctypes.byref(self._ll_dispatch_res)
+        self._ll_combine_args = _lib.LlCombineArgs()
+        self._ll_combine_args_ref = ctypes.byref(self._ll_combine_args)
+        self._ll_no_hook = _lib.LlHook()  # the hook out-parameter of calls that ask for none
+        self._ll_views = {}  # (buffer set, slots, fp8) -> the low-latency output views
 
         src = 0
         if group is not None and group is not dist.group.WORLD:
@@ -113,6 +132,7 @@ class Buffer(_NormalMode, _LowLatencyMode):
             raise
         self._applied_num_sms = cfg.num_sms
         self._handles = weakref.WeakSet()
+        self._areas = _Areas(self._ep, cfg.recv_areas)
 
     def _endpoint(self, hidden=None, num_experts=None, ll_tokens=None):
         """The endpoint, created on first use from what the call reveals."""
@@ -155,6 +175,7 @@ class Buffer(_NormalMode, _LowLatencyMode):
         if self._ep is not None:
             for h in list(getattr(self, "_handles", ())):
                 h.release()
+            self._ll_views.clear()
             self._ep.destroy()
             self._ep = None
         if self._client is not None:
@@ -232,36 +253,65 @@ class Buffer(_NormalMode, _LowLatencyMode):
     # ------------------------------------------------------------ streams
 
     def _begin(self, previous_event, async_finish, allocate_on_comm_stream):
+        """Where a call runs: (compute, side, ptr). Without async_finish the
+        caller's stream would wait for the call at once (DeepEP's rule), so
+        the call runs on that stream: side None, ptr its raw handle, no
+        events. With async_finish it runs on the comm stream (side), after
+        previous_event or else after the caller's stream (compute), and
+        _finish records the event, as DeepEP. A call on another stream than
+        the last one is ordered after it too: the buffers the last call used
+        may be reused (receive areas, low-latency sets), and DeepEP's calls,
+        all on its comm stream, are ordered among themselves that way."""
         torch = _torch()
         if allocate_on_comm_stream and (previous_event is None or not async_finish):
             raise ValueError("allocate_on_comm_stream needs previous_event and async_finish (as DeepEP)")
-        compute = torch.cuda.current_stream(self.device)
-        if previous_event is not None:
-            previous_event.wait_on(self.comm_stream)
+        if not async_finish:
+            if previous_event is not None and previous_event.event is not None:
+                previous_event.current_stream_wait()
+            compute = side = None
+            ptr = _current_stream(torch, self.device.index)
         else:
-            self.comm_stream.wait_stream(compute)
-        return compute
+            compute, side = torch.cuda.current_stream(), self.comm_stream
+            if previous_event is not None:
+                previous_event.wait_on(side)
+            else:
+                side.wait_stream(compute)
+            ptr = side.cuda_stream
+        last, self._last_stream = self._last_stream, ptr
+        if last is not None and last != ptr:
+            prev = self.comm_stream if last == self.comm_stream.cuda_stream else torch.cuda.ExternalStream(last)
+            (side if side is not None else torch.cuda.current_stream()).wait_stream(prev)
+        return compute, side, ptr
 
-    def _finish(self, compute, stream, async_finish, allocate_on_comm_stream, tensors):
-        """DeepEP's ending: an event on `stream` when async, else the compute
-        stream waits for it."""
-        torch = _torch()
-        if async_finish:
-            ev = torch.cuda.Event()
-            ev.record(stream)
-            for t in tensors:
-                if t is not None:
-                    _record(t, stream)
-                    if allocate_on_comm_stream:
-                        _record(t, compute)
-            return EventOverlap(ev, tensors)
-        if stream is not compute:
-            compute.wait_stream(stream)
-        return EventOverlap(None)
+    def _finish(self, compute, side, allocate_on_comm_stream, tensors):
+        """DeepEP's ending: for a call on the comm stream (async_finish) an
+        event recorded there, holding the call's tensors; else none (the
+        call ran on the caller's stream)."""
+        if side is None:
+            return EventOverlap(None)
+        ev = _torch().cuda.Event()
+        ev.record(side)
+        for t in tensors:
+            if t is not None:
+                _record(t, side)
+                if allocate_on_comm_stream:
+                    _record(t, compute)
+        return EventOverlap(ev, tensors)
+
+    def _on(self, side):
+        """The context in which torch ops of a call run on its stream."""
+        return _torch().cuda.stream(side) if side is not None else contextlib.nullcontext()
 
     def _alloc_stream(self, allocate_on_comm_stream):
-        torch = _torch()
-        return torch.cuda.stream(self.comm_stream if allocate_on_comm_stream else torch.cuda.current_stream())
+        """Where a call's outputs are allocated: the caller's stream, or the
+        comm stream (DeepEP's allocate_on_comm_stream)."""
+        return _torch().cuda.stream(self.comm_stream) if allocate_on_comm_stream else contextlib.nullcontext()
+
+
+def _current_stream(torch, index):
+    """The raw handle of the caller's current stream on device `index`."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
 
 
 def _gpu_uuid(torch, device):

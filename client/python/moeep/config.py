@@ -13,6 +13,13 @@ from . import _lib
 DEFAULT_MAX_TOKENS_PER_RANK = 4096
 # Low-latency tokens per rank when nothing else says (DeepEP's tests use 128).
 DEFAULT_LL_MAX_TOKENS = 128
+# Normal-mode receive areas: a dispatch's outputs are views into one area
+# for as long as the caller holds them, and a dispatch lands in an area no
+# one holds (README "Output lifetimes"). Two let every caller that drops a
+# dispatch's outputs before the next dispatch run without a copy; the
+# receive area a byte count (num_nvl_bytes) sizes is the first, the others
+# come on top, as DeepEP's output tensors come on top of its buffer.
+DEFAULT_RECV_AREAS = 2
 
 _ALIGN = 4096
 # struct moeep_sync / moeep_ll_sync (kernels/kernels.h), rounded up: the
@@ -140,7 +147,7 @@ class Plan:
 
     def __init__(self, num_ranks, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False, hidden=None,
                  num_experts=None, max_tokens_per_rank=None, num_max_dispatch_tokens_per_rank=None,
-                 max_topk=None, timeout_ms=0):
+                 max_topk=None, timeout_ms=0, recv_areas=DEFAULT_RECV_AREAS):
         def nonneg_int(name, v):
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError("%s must be a non-negative int, not %r" % (name, v))
@@ -154,6 +161,10 @@ class Plan:
         self.num_rdma_bytes = nonneg_int("num_rdma_bytes", num_rdma_bytes)
         self.low_latency_mode = bool(low_latency_mode)
         self.timeout_ms = nonneg_int("timeout_ms", timeout_ms)
+        if isinstance(recv_areas, bool) or not isinstance(recv_areas, int) or \
+                not 1 <= recv_areas <= _lib.MAX_RECV_AREAS:
+            raise ValueError("recv_areas must be an int in 1..%d, not %r" % (_lib.MAX_RECV_AREAS, recv_areas))
+        self.recv_areas = recv_areas
         self.hidden = None
         self.num_experts = None
         self.max_topk = _lib.MAX_TOPK
@@ -236,4 +247,4 @@ class Plan:
         self.max_tokens_per_rank = t
         return _lib.EpConfig(max_tokens_per_rank=t, hidden=self.hidden, num_experts=self.num_experts,
                              max_topk=self.max_topk, num_sms=num_sms, timeout_ms=self.timeout_ms,
-                             ll_max_tokens=ll)
+                             ll_max_tokens=ll, recv_areas=self.recv_areas)
