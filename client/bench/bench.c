@@ -19,8 +19,9 @@
  *   FP8 counts the FP8 bytes plus the float scales.
  *
  * bench.c holds the command line and each rank's sequence; the measurements
- * are bench-normal.c, bench-nccl.c and bench-ll.c, over the timing and
- * inputs of bench-run.c; bench-report.c prints the table. */
+ * are bench-normal.c, bench-nvl.c (the NVLink floor), bench-nccl.c and
+ * bench-ll.c, over the timing and inputs of bench-run.c; bench-report.c
+ * prints the table. */
 #include <getopt.h>
 #include <stdio.h>
 #include <stdlib.h>

@@ -1,5 +1,5 @@
 /* moeep-bench's pieces (bench.c): what the per-rank measurements
- * (bench-run.c, bench-normal.c, bench-nccl.c, bench-ll.c) and the report
+ * (bench-run.c, bench-normal.c, bench-nvl.c, bench-nccl.c, bench-ll.c) and the report
  * (bench-report.c) share. Every rank process fills its column of struct
  * shared; rank 0 also the result's row description; the parent reports. */
 #ifndef MOEEP_BENCH_H
@@ -134,7 +134,7 @@ int measure_speed(struct rank_env *env);
 /* The measurements: each adds its results from *slot on and advances it;
  * 0, or nonzero when a call failed. */
 int bench_moeep(struct rank_env *env, int *slot, int T, int sms, bool full); /* bench-normal.c */
-int bench_floor(struct rank_env *env, int *slot, int T);                     /* bench-normal.c */
+int bench_floor(struct rank_env *env, int *slot, int T);                     /* bench-nvl.c */
 int bench_nccl(struct rank_env *env, int *slot, int T);                      /* bench-nccl.c */
 int bench_ll(struct rank_env *env, int *slot, int T);                        /* bench-ll.c */
 
