@@ -14,7 +14,7 @@ struct floor_arg {
 
 static int op_floor(struct rank_env *env, void *arg) {
         struct floor_arg *f = arg;
-        return moeep_launch_p2p_put(f->ctx, f->bytes, f->blocks, env->st) ? -1 : 0;
+        return moeep_launch_p2p_put(f->ctx, f->bytes, f->blocks, 1, env->st) ? -1 : 0;
 }
 
 /* NVLink floor: every rank writes the same bytes a dispatch of T tokens
