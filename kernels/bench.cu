@@ -1,7 +1,9 @@
 /* Kernels used only by the benchmarks: moeep-bench's references (the NVLink
- * floor, plain stores to every peer at once, and the pack/unpack a user
- * would write around an NCCL all-to-all) and moeep-proxy-bench's GPU
- * producer. */
+ * floor, plain stores to every peer at once, a flag round trip between two
+ * GPUs, and the pack/unpack a user would write around an NCCL all-to-all)
+ * and moeep-proxy-bench's GPU producer. */
+#include <errno.h>
+
 #include <cuda_bf16.h>
 
 #include "bench_kernels.h"
@@ -10,9 +12,11 @@
 #include "wait.cuh"
 
 /* Every rank stores `bytes` into each peer's combine area at the slot of
- * its rank, reading from its own receive area; blocks are split evenly over
- * the peers. 16-byte stores, as the data kernels use. */
-__global__ void __launch_bounds__(MOEEP_BENCH_THREADS) p2p_put_kernel(struct moeep_ctx ctx, size_t bytes) {
+ * its rank, reading from its own receive area, `passes` times over the
+ * same bytes (a longer store than the area holds, to time the bandwidth
+ * without the launch); blocks are split evenly over the peers. 16-byte
+ * stores, as the data kernels use. */
+__global__ void __launch_bounds__(MOEEP_BENCH_THREADS) p2p_put_kernel(struct moeep_ctx ctx, size_t bytes, int passes) {
         const int R = ctx.ranks, peers = R - 1;
         const int per = max(1, (int)gridDim.x / peers);
         const int k = blockIdx.x / per, b = blockIdx.x % per;
@@ -24,15 +28,58 @@ __global__ void __launch_bounds__(MOEEP_BENCH_THREADS) p2p_put_kernel(struct moe
         const int4 *src = (const int4 *)(ctx.peers[ctx.rank] + ctx.layout.recv_x);
         int4 *dst = (int4 *)(ctx.peers[d] + ctx.layout.comb_x + (size_t)ctx.rank * bytes);
 
-        for (size_t i = lo + threadIdx.x; i < hi; i += blockDim.x)
-                st_na_v4(dst + i, ld_nc_v4(src + i));
+        for (int p = 0; p < passes; p++)
+                for (size_t i = lo + threadIdx.x; i < hi; i += blockDim.x)
+                        st_na_v4(dst + i, ld_nc_v4(src + i));
 }
 
-extern "C" int moeep_launch_p2p_put(const struct moeep_ctx *ctx, size_t bytes, int blocks, cudaStream_t stream) {
+extern "C" int moeep_launch_p2p_put(const struct moeep_ctx *ctx, size_t bytes, int blocks, int passes,
+                                    cudaStream_t stream) {
         MOEEP_CUDA_LAUNCH_BEGIN();
         if (ctx->ranks < 2)
                 return 0;
-        p2p_put_kernel<<<blocks, MOEEP_BENCH_THREADS, 0, stream>>>(*ctx, bytes);
+        p2p_put_kernel<<<blocks, MOEEP_BENCH_THREADS, 0, stream>>>(*ctx, bytes, passes);
+        MOEEP_CUDA_LAUNCH_CHECK();
+        return 0;
+}
+
+/* Flag round trip between two GPUs, one thread on each: the pinging side
+ * stores i into the other's flag word (`theirs`, mapped over NVLink) and
+ * waits until its own word (`mine`) reads i; the answering side waits for
+ * i in its word and stores i into the pinging side's. Both words start at
+ * 0. Batches of `per` round trips are timed apart (globaltimer may tick
+ * coarser than one round trip): out[1 + b] = ns of batch b, on the pinging
+ * side; out[0] = 0, or -ETIMEDOUT when a wait passed timeout_ns from the
+ * kernel's start (the other side did not answer). */
+__global__ void flag_pingpong_kernel(uint64_t *mine, uint64_t *theirs, int ping, int batches, int per,
+                                     uint64_t timeout_ns, int64_t *out) {
+        const uint64_t start = globaltimer_ns();
+        uint64_t i = 0;
+        int err = 0;
+
+        for (int b = 0; b < batches && !err; b++) {
+                const uint64_t t0 = globaltimer_ns();
+                for (int r = 0; r < per && !err; r++) {
+                        uint32_t spins = 0;
+                        i++;
+                        if (ping)
+                                st_release_sys(theirs, i);
+                        if (!spin_until([&] { return ld_acquire_sys(mine) >= i; },
+                                        [&] { return ++spins % 1024 == 0 && globaltimer_ns() - start > timeout_ns; }))
+                                err = -ETIMEDOUT;
+                        else if (!ping)
+                                st_release_sys(theirs, i);
+                }
+                if (ping)
+                        out[1 + b] = (int64_t)(globaltimer_ns() - t0);
+        }
+        out[0] = err;
+}
+
+extern "C" int moeep_launch_flag_pingpong(uint64_t *mine, uint64_t *theirs, int ping, int batches, int per,
+                                          uint64_t timeout_ns, int64_t *out, cudaStream_t stream) {
+        MOEEP_CUDA_LAUNCH_BEGIN();
+        flag_pingpong_kernel<<<1, 1, 0, stream>>>(mine, theirs, ping, batches, per, timeout_ns, out);
         MOEEP_CUDA_LAUNCH_CHECK();
         return 0;
 }

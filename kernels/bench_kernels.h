@@ -22,8 +22,18 @@ extern "C" {
 /* Busy-waits `ns` on the stream (timing: queue the measured work behind it). */
 int moeep_launch_delay(uint64_t ns, cudaStream_t stream);
 
-/* NVLink floor: every rank stores `bytes` into every peer at once. */
-int moeep_launch_p2p_put(const struct moeep_ctx *ctx, size_t bytes, int blocks, cudaStream_t stream);
+/* NVLink floor: every rank stores `bytes` into every peer at once, `passes`
+ * times over (the peer's combine area holds `bytes` per source rank). */
+int moeep_launch_p2p_put(const struct moeep_ctx *ctx, size_t bytes, int blocks, int passes, cudaStream_t stream);
+
+/* NVLink flag round trip between two GPUs (one thread each): the side with
+ * `ping` stores into `theirs` (the other's word, mapped) and waits for its
+ * own word `mine` to answer, batches * per times; the other side answers.
+ * Both words must read 0 at the start. out: device [1 + batches] int64,
+ * out[0] = 0 or -ETIMEDOUT (no answer within timeout_ns of the start),
+ * out[1 + b] = ns of batch b (per round trips; pinging side only). */
+int moeep_launch_flag_pingpong(uint64_t *mine, uint64_t *theirs, int ping, int batches, int per, uint64_t timeout_ns,
+                               int64_t *out, cudaStream_t stream);
 
 /* What a user would run around an NCCL all-to-all: positions of each token
  * in a send buffer grouped by destination, the pack, and the sum of the

@@ -1,5 +1,5 @@
 /* moeep-bench (bench.c): the normal-mode figures (dispatch BF16, FP8 and
- * cached, combine) and the NVLink floor beside them. */
+ * cached, combine). */
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -62,18 +62,25 @@ static int op_combine(struct rank_env *env, void *arg) {
         return rc;
 }
 
-struct floor_arg {
-        struct moeep_ctx *ctx;
-        size_t bytes;
-        int blocks;
-};
+/* The call just timed by kernel time (the row in *slot - 1) timed back to
+ * back (time_series), in the next row, with the same bytes and floors.
+ * `waits`: the call waits on the host for the GPU (a fresh dispatch's
+ * count exchange). */
+static int add_b2b(struct rank_env *env, int *slot, op_fn fn, struct moe_case *m, bool waits) {
+        const struct result *k = &env->sh->res[*slot - 1];
+        struct series s = { 0 };
+        int rc = time_series_op(env, fn, m, &s);
 
-static int op_floor(struct rank_env *env, void *arg) {
-        struct floor_arg *f = arg;
-        return moeep_launch_p2p_put(f->ctx, f->bytes, f->blocks, env->st) ? -1 : 0;
+        /* The row's description is rank 0's, which wrote it (record). */
+        record(env, *slot, k->op, k->tokens, k->sms, s.gpu_us[0], k->bytes[env->rank]);
+        record_host(env, *slot, TIMING_B2B, s.host_us[0], s.cpu_us[0], waits);
+        record_floor(env, (*slot)++, k->moved[env->rank], k->launches);
+        return rc;
 }
 
-/* The moeep figures of one (tokens, SMs) point. */
+/* The moeep figures of one (tokens, SMs) point: with `full` every
+ * operation, each timed by kernel time and back to back; else dispatch
+ * BF16 and combine by kernel time. */
 int bench_moeep(struct rank_env *env, int *slot, int T, int sms, bool full) {
         const struct opts *o = env->o;
         struct inputs in = { 0 };
@@ -97,6 +104,8 @@ int bench_moeep(struct rank_env *env, int *slot, int T, int sms, bool full) {
         nrecv = m.dr.num_recv_tokens;
         record(env, *slot, OP_DISPATCH_BF16, T, sms, us, (double)nrecv * o->hidden * 2);
         record_floor(env, (*slot)++, (double)(T + nrecv) * o->hidden * 2, 1);
+        if (full)
+                err |= add_b2b(env, slot, op_dispatch, &m, true);
 
         m.ca = (struct moeep_combine_args){ .x = in.y, .handle = m.dr.handle, .out = in.out };
         us = time_op(env, op_combine, &m, &err);
@@ -105,10 +114,12 @@ int bench_moeep(struct rank_env *env, int *slot, int T, int sms, bool full) {
         print_trace(env, T, sms);
         if (full) {
                 struct moeep_ep_handle *h = m.dr.handle;
+                err |= add_b2b(env, slot, op_combine, &m, false);
                 m.da.handle = h;
                 us = time_op(env, op_dispatch, &m, &err);
                 record(env, *slot, OP_DISPATCH_CACHED, T, sms, us, (double)nrecv * o->hidden * 2);
                 record_floor(env, (*slot)++, (double)(T + nrecv) * o->hidden * 2, 1);
+                err |= add_b2b(env, slot, op_dispatch, &m, false);
                 m.da.handle = NULL;
                 m.da.x = in.xq;
                 m.da.x_type = MOEEP_DTYPE_FP8_E4M3;
@@ -116,36 +127,9 @@ int bench_moeep(struct rank_env *env, int *slot, int T, int sms, bool full) {
                 us = time_op(env, op_dispatch, &m, &err);
                 record(env, *slot, OP_DISPATCH_FP8, T, sms, us, (double)m.dr.num_recv_tokens * fp8_row);
                 record_floor(env, (*slot)++, (double)(T + m.dr.num_recv_tokens) * fp8_row, 1);
+                err |= add_b2b(env, slot, op_dispatch, &m, true);
         }
         moeep_ep_handle_free(m.dr.handle);
         inputs_free(&in);
-        return err;
-}
-
-/* NVLink floor: every rank writes the same bytes a dispatch of T tokens
- * sends to each peer, with the dispatch's SM budget and with every SM;
- * reported in the dispatch convention (bytes a rank receives in total,
- * own share included, per second). */
-int bench_floor(struct rank_env *env, int *slot, int T) {
-        const struct opts *o = env->o;
-        struct moeep_ctx ctx;
-        struct floor_arg f;
-        int err = 0, nsm = 0, dev = 0;
-        size_t bytes = (size_t)T * o->hidden * 2 * 9 / 10; /* about what each peer gets with top-8 of 256 */
-        double us, total;
-
-        if (env->ranks < 2 || ep_internal_ctx(env->ep, &ctx) < 0 ||
-            ctx.px.remote) /* NVLink to every rank only */
-                return 0;
-        bytes = bytes / 16 * 16;
-        total = (double)bytes * env->ranks; /* one share from each rank, own included */
-        cudaGetDevice(&dev);
-        cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, dev);
-        f = (struct floor_arg){ .ctx = &ctx, .bytes = bytes, .blocks = o->sms };
-        us = time_op(env, op_floor, &f, &err);
-        record(env, (*slot)++, OP_NVL_FLOOR, T, o->sms, us, total);
-        f.blocks = nsm;
-        us = time_op(env, op_floor, &f, &err);
-        record(env, (*slot)++, OP_NVL_FLOOR_ALL, T, nsm, us, total);
         return err;
 }

@@ -3,6 +3,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "bench.h"
 #include "ep-internal.h"
@@ -86,17 +87,128 @@ double time_op(struct rank_env *env, op_fn fn, void *arg, int *ret_err) {
         return median(env->samples, n);
 }
 
+/* Lines a back-to-back series up (see bench.h). DeepEP's bench() also
+ * starts its timed calls on an idle GPU, after a synchronize and the L2
+ * flush: no busy kernel here, which would let the host queue the first
+ * calls ahead and hide what they cost it. */
+int start_series(struct rank_env *env) {
+        struct moeep_ctx ctx;
+
+        CUDA_OK(cudaMemsetAsync(env->flush, 0, FLUSH_BYTES, env->st));
+        CUDA_OK(cudaStreamSynchronize(env->st));
+        if (moeep_job_barrier(env->c) < 0) {
+                fprintf(stderr, "rank %d: barrier: %s\n", env->rank, moeep_client_error(env->c));
+                return -1;
+        }
+        if (!env->o->host_start && ep_internal_ctx(env->ep, &ctx) == 0 &&
+            moeep_launch_notify(&ctx, NULL, NULL, 0, 0, 0, NULL, 0, 0, NULL, NULL, env->st) != 0) {
+                fprintf(stderr, "rank %d: the GPU barrier failed to launch\n", env->rank);
+                return -1;
+        }
+        CUDA_OK(cudaStreamSynchronize(env->st));
+        return 0;
+}
+
+static double clock_us(clockid_t clock) {
+        struct timespec ts;
+        clock_gettime(clock, &ts);
+        return (double)ts.tv_sec * 1e6 + (double)ts.tv_nsec / 1e3;
+}
+
+/* Times fn back to back (see bench.h), as DeepEP's bench() does: events
+ * recorded around each call, the calls issued one after the other, one
+ * synchronisation at the end; the time of a call is between its own two
+ * events, so the bench's loop between calls is not counted, and what the
+ * host spends in a call counts whenever the GPU waits for it. */
+int time_series(struct rank_env *env, part_fn fn, void *arg, int parts, struct series *ret) {
+        const int n = env->o->iters, stride = SERIES_MAX_PARTS + 1;
+        cudaEvent_t *ev = env->sev;
+
+        for (int i = 0; i < env->o->warmup; i++)
+                for (int p = 0; p < parts; p++)
+                        if (fn(env, arg, p) < 0)
+                                return -1;
+        if (start_series(env) < 0)
+                return -1;
+        for (int i = 0; i < n; i++) {
+                env->s_host[parts][i] = env->s_cpu[parts][i] = 0;
+                for (int p = 0; p < parts; p++) {
+                        CUDA_OK(cudaEventRecord(ev[i * stride + p], env->st));
+                        /* The thread's CPU clock is a system call: read
+                         * outside the wall-clock span it would lengthen. */
+                        const double c0 = clock_us(CLOCK_THREAD_CPUTIME_ID), w0 = clock_us(CLOCK_MONOTONIC);
+                        const int rc = fn(env, arg, p);
+                        const double w1 = clock_us(CLOCK_MONOTONIC), c1 = clock_us(CLOCK_THREAD_CPUTIME_ID);
+                        if (rc < 0)
+                                return -1;
+                        env->s_host[p][i] = w1 - w0;
+                        env->s_cpu[p][i] = c1 - c0;
+                        env->s_host[parts][i] += w1 - w0;
+                        env->s_cpu[parts][i] += c1 - c0;
+                }
+                CUDA_OK(cudaEventRecord(ev[i * stride + parts], env->st));
+        }
+        CUDA_OK(cudaStreamSynchronize(env->st));
+        for (int i = 0; i < n; i++) {
+                float ms = 0;
+                for (int p = 0; p < parts; p++) {
+                        CUDA_OK(cudaEventElapsedTime(&ms, ev[i * stride + p], ev[i * stride + p + 1]));
+                        env->s_gpu[p][i] = ms * 1e3;
+                }
+                CUDA_OK(cudaEventElapsedTime(&ms, ev[i * stride], ev[i * stride + parts]));
+                env->s_gpu[parts][i] = ms * 1e3;
+        }
+        for (int p = 0; p <= parts; p++) {
+                ret->gpu_us[p] = median(env->s_gpu[p], n);
+                ret->host_us[p] = median(env->s_host[p], n);
+                ret->cpu_us[p] = median(env->s_cpu[p], n);
+        }
+        return 0;
+}
+
+struct one_part {
+        op_fn fn;
+        void *arg;
+};
+
+static int part_of_op(struct rank_env *env, void *arg, int part) {
+        struct one_part *o = arg;
+        (void)part;
+        return o->fn(env, o->arg);
+}
+
+int time_series_op(struct rank_env *env, op_fn fn, void *arg, struct series *ret) {
+        struct one_part o = { fn, arg };
+        return time_series(env, part_of_op, &o, 1, ret);
+}
+
 void record(struct rank_env *env, int slot, enum op op, int tokens, int sms, double us, double bytes) {
         struct result *r = &env->sh->res[slot];
         if (env->rank == 0) {
                 r->op = op;
+                r->timing = TIMING_KERNEL;
                 r->tokens = tokens;
                 r->sms = sms;
                 r->launches = 0;
+                r->host_waits = false;
+                r->round_trips = 0;
         }
         r->us[env->rank] = us;
         r->bytes[env->rank] = bytes;
         r->moved[env->rank] = 0;
+        r->host_us[env->rank] = r->cpu_us[env->rank] = 0;
+        r->nvl_bytes[env->rank] = 0;
+}
+
+void record_host(struct rank_env *env, int slot, enum timing timing, double host_us, double cpu_us,
+                 bool waits) {
+        struct result *r = &env->sh->res[slot];
+        if (env->rank == 0) {
+                r->timing = timing;
+                r->host_waits = waits;
+        }
+        r->host_us[env->rank] = host_us;
+        r->cpu_us[env->rank] = cpu_us;
 }
 
 /* Gives the result in slot its memory floor: moved bytes and launches. */
@@ -104,6 +216,12 @@ void record_floor(struct rank_env *env, int slot, double moved, int launches) {
         env->sh->res[slot].moved[env->rank] = moved;
         if (env->rank == 0)
                 env->sh->res[slot].launches = launches;
+}
+
+void record_nvl(struct rank_env *env, int slot, double nvl_bytes, int round_trips) {
+        env->sh->res[slot].nvl_bytes[env->rank] = nvl_bytes;
+        if (env->rank == 0)
+                env->sh->res[slot].round_trips = round_trips;
 }
 
 struct copy_arg {

@@ -11,16 +11,21 @@
  * kernel (so the host's launch latency is not counted) and a barrier
  * kernel across the GPUs (so every rank's call starts at the same time,
  * not skewed by when each process left the daemon barrier; --host-start
- * leaves it out). The table shows min/median/max over ranks of each
- * rank's median over --iters runs.
+ * leaves it out): kernel time. The moeep calls are also timed back to back
+ * as engines issue them (time_series: no synchronisation between calls,
+ * events around each, the host's time inside each call beside), and the
+ * low-latency step replayed from a CUDA graph; in low-latency mode each
+ * figure also gets an NVLink floor (bench-nvl.c). The table shows
+ * min/median/max over ranks of each rank's median over --iters runs.
  *
  *   dispatch GB/s = bytes of recv_x on a rank (own tokens included) / time
  *   combine  GB/s = bytes of the rows a rank sends back / time
  *   FP8 counts the FP8 bytes plus the float scales.
  *
  * bench.c holds the command line and each rank's sequence; the measurements
- * are bench-normal.c, bench-nccl.c and bench-ll.c, over the timing and
- * inputs of bench-run.c; bench-report.c prints the table. */
+ * are bench-normal.c, bench-nvl.c (the NVLink floor), bench-nccl.c and
+ * bench-ll.c, over the timing and inputs of bench-run.c; bench-report.c
+ * prints the table. */
 #include <getopt.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -43,8 +48,12 @@ static int rank_fn(struct moeep_client *c, int rank, int ranks, void *shared, vo
         };
         if (o->ll) {
                 /* Low-latency buffers for the largest call; normal buffers
-                 * only as big as the NCCL reference's layout needs. */
-                cfg.max_tokens_per_rank = cfg.ll_max_tokens = o->sweep ? 256 : o->tokens;
+                 * as big as the NCCL reference's layout needs, and at
+                 * least LL_PUT_TOKENS rows, which measure_nvlink's store
+                 * writes to each peer. */
+                cfg.ll_max_tokens = o->sweep ? 256 : o->tokens;
+                cfg.max_tokens_per_rank =
+                        cfg.ll_max_tokens > LL_PUT_TOKENS ? cfg.ll_max_tokens : LL_PUT_TOKENS;
         }
 
         env->o = o;
@@ -62,16 +71,28 @@ static int rank_fn(struct moeep_client *c, int rank, int ranks, void *shared, vo
         CUDA_OK(cudaStreamCreateWithFlags(&env->st, cudaStreamNonBlocking));
         CUDA_OK(cudaEventCreate(&env->e0));
         CUDA_OK(cudaEventCreate(&env->e1));
+        CUDA_OK(cudaMalloc(&env->flush, FLUSH_BYTES));
+        env->sev = calloc((size_t)(SERIES_MAX_PARTS + 1) * o->iters, sizeof(*env->sev));
+        if (!env->sev)
+                return 1;
+        for (int i = 0; i < (SERIES_MAX_PARTS + 1) * o->iters; i++)
+                CUDA_OK(cudaEventCreate(&env->sev[i]));
         err |= measure_speed(env);
 
         if (o->ll) {
                 static const int toks[] = { 1, 16, 64, 128, 256 };
-                err |= bench_ll(env, &slot, o->tokens);
+                int ll_err;
+                err |= measure_nvlink(env);
+                ll_err = bench_ll(env, &slot, o->tokens);
                 if (o->nccl)
                         err |= bench_nccl(env, &slot, o->tokens);
-                for (size_t i = 0; o->sweep && i < sizeof(toks) / sizeof(toks[0]); i++)
+                /* A failed low-latency run (a failed graph capture fails on
+                 * every rank) may leave the ranks' buffer sets apart: no
+                 * more low-latency calls after one. */
+                for (size_t i = 0; o->sweep && !ll_err && i < sizeof(toks) / sizeof(toks[0]); i++)
                         if (toks[i] != o->tokens)
-                                err |= bench_ll(env, &slot, toks[i]);
+                                ll_err = bench_ll(env, &slot, toks[i]);
+                err |= ll_err;
                 goto done;
         }
         err |= bench_moeep(env, &slot, o->tokens, o->sms, true);
@@ -104,6 +125,41 @@ static void usage(FILE *f) {
                    "                   [--iters N] [--warmup N] [--sweep] [--no-nccl] [--json] [--seed N] "
                    "[--host-start]\n"
                    "                   [--moeepd PATH | --socket PATH]\n");
+}
+
+static void help(void) {
+        usage(stdout);
+        printf("\nNormal-mode dispatch (BF16, FP8, cached) and combine, or with 'll' the low-latency\n"
+               "dispatch (FP8) and combine (BF16), one process per rank (rank i on GPU i %% GPUs), beside\n"
+               "the NVLink floor and an NCCL all-to-all reference measured in the same run.\n"
+               "\n"
+               "timing (column):\n"
+               "  kernel  each call after a daemon barrier, a 500 us busy kernel and a GPU barrier\n"
+               "          (not with --host-start): the GPU time of its kernels, CUDA events around it\n"
+               "  b2b     the same calls back to back as an engine issues them (no barrier, busy kernel\n"
+               "          or host sync between them), after warm-ups and one start per series (L2 flush,\n"
+               "          daemon barrier, GPU barrier, waited for); CUDA events around each call, as\n"
+               "          DeepEP's bench(): host launch cost and host waits count where the GPU waits\n"
+               "          for them. Low-latency: the step (dispatch, then its combine) as one call, and\n"
+               "          each alone (a second series, an event between them); normal mode: every\n"
+               "          operation at --tokens and --sms (not at --sweep's other points)\n"
+               "  graph   (ll) two steps captured once in a CUDA graph (without hooks, and with both\n"
+               "          receive hooks), replayed back to back; events around each replay, per step\n"
+               "columns:\n"
+               "  time us, GB/s  min/median/max over ranks of each rank's median of --iters calls\n"
+               "  floor us       memory floor: bytes the call must read and write in one GPU's memory\n"
+               "                 over its copy speed, plus its kernel launches (measured in the run)\n"
+               "  nvl us         (ll) NVLink floor: the bytes of the pairs whose expert is at another\n"
+               "                 rank (FP8 row + scales, BF16 row back; the larger of sent and received)\n"
+               "                 over the all-peer store speed with the low-latency kernels' SMs, plus\n"
+               "                 the launches and one flag round trip per call between two GPUs (all\n"
+               "                 measured in the run); '-' with one rank\n"
+               "  x floor, x nvl the time over each floor\n"
+               "  host us        (b2b, graph) median wall-clock time the calling thread spends inside\n"
+               "                 the call(s); '*': the call waits on the host for the GPU (a fresh\n"
+               "                 dispatch's count exchange), which host us includes\n"
+               "  cpu us         the same span's thread CPU time (near host us: spinning; below: asleep)\n"
+               "--json prints the same rows, with min/median/max of host_us and cpu_us, 0 where none.\n");
 }
 
 int main(int argc, char **argv) {
@@ -189,7 +245,7 @@ int main(int argc, char **argv) {
                         socket = optarg;
                         break;
                 case 'h':
-                        usage(stdout);
+                        help();
                         return 0;
                 default:
                         usage(stderr);
