@@ -14,7 +14,8 @@ struct moeep_client {
         int sock;          /* owns; the connection to moeepd */
         char *socket_path; /* owns */
         uint64_t last_request_id;
-        int broken; /* 0, or the -errno every later call fails with */
+        int broken;                /* 0, or the -errno every later call fails with */
+        uint64_t alive_checked_ns; /* CLOCK_MONOTONIC of client_check_alive()'s last poll */
 
         /* From Welcome. */
         uint64_t session_id;

@@ -45,8 +45,11 @@ int client_call(struct moeep_client *client, const Moeep__V1__Request *req,
 
 /* 0 while the daemon's end of the connection is open, else -ECONNRESET
  * (the handle is then broken, as after a failed call). One poll(2) with no
- * wait and no read: the data plane calls it at every call, so that losing
- * moeepd is an error at once rather than unseen peer failures later. */
+ * wait and no read, at most once per CLIENT_ALIVE_POLL_NS: the data plane
+ * calls it at every call (a few microseconds apart in a decode loop), so
+ * that losing moeepd is an error within a millisecond rather than unseen
+ * peer failures later, without a system call in every call. */
+#define CLIENT_ALIVE_POLL_NS 1000000ull
 int client_check_alive(struct moeep_client *client);
 
 /* The descriptors received with the last successful client_call().

@@ -16,6 +16,7 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/un.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "client-handle.h"
@@ -119,9 +120,16 @@ static int client_check_usable(struct moeep_client *c) {
 
 int client_check_alive(struct moeep_client *c) {
         struct pollfd p = { .fd = c->sock, .events = POLLRDHUP };
+        struct timespec ts;
+        uint64_t now;
 
         if (c->broken)
                 return client_check_usable(c);
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        now = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+        if (now - c->alive_checked_ns < CLIENT_ALIVE_POLL_NS)
+                return 0;
+        c->alive_checked_ns = now;
         if (poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)))
                 return client_fail(c, -ECONNRESET, CLOSED_TEXT);
         return 0;

@@ -190,38 +190,46 @@ def test_normal(rank, R, group, sock):
 
 
 def lifetimes(buf, group, R, rank, L, gen, idx, w, per_rank, in_rank, per_expert, x, ref_rows):
-    """Normal-mode output lifetimes (two receive areas, the default): a
-    dispatch's outputs are views of a free area and stay intact while held,
-    through later dispatches; a dispatch that finds one area free returns
-    owned copies (the area stays free); an area comes back when every output
-    of its dispatch is gone. Every other rank makes the same calls."""
+    """Normal-mode output lifetimes, whatever the number of receive areas:
+    a dispatch's outputs are views of a free area and stay intact while
+    held, through later dispatches; a dispatch that finds one area free
+    returns owned copies (the area stays free); an area comes back when
+    every output of its dispatch (or a view of one) is gone. Every other
+    rank makes the same calls."""
     T, H = x.shape
     args = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                 topk_idx=idx, topk_weights=w)
+    areas = buf._areas.held
+    n = len(areas)
     torch.cuda.synchronize()
-    check(buf._areas.held == [False, False], "areas still held after their outputs went: %s" % buf._areas.held)
+    check(not any(areas), "areas still held after their outputs went: %s" % areas)
     # Another input with the same routing, and the rows it must bring here.
     x2 = torch.randn(T, H, generator=gen, device="cuda").to(torch.bfloat16)
     all_x2, all_idx = gather(x2, group, R), gather(idx, group, R)
     ref2 = torch.cat([all_x2[s][((all_idx[s] >= rank * L) & (all_idx[s] < (rank + 1) * L)).any(1)]
                       for s in range(R)])
-    a = buf.dispatch(x, **args)  # views of area 0
-    check(buf._areas.held == [True, False], "first dispatch: areas %s" % buf._areas.held)
+    held, want = [], []
+    for i in range(n - 1):  # views, each of another area
+        held.append(buf.dispatch(x if i % 2 == 0 else x2, **args))
+        want.append(ref_rows if i % 2 == 0 else ref2)
+        check(sum(areas) == i + 1, "dispatch %d: areas %s" % (i, areas))
     b = buf.dispatch(x2, **args)  # one area free: owned copies
-    check(buf._areas.held == [True, False], "second dispatch: areas %s" % buf._areas.held)
-    c = buf.dispatch(x2, handle=a[4])  # cached, still one free: copies
-    check(torch.equal(a[0], ref_rows), "held views changed by later dispatches")
+    c = buf.dispatch(x2, handle=held[0][4])  # cached, still one free: copies
+    check(sum(areas) == n - 1, "with one area free: areas %s" % areas)
+    for i, (h, rows) in enumerate(zip(held, want)):
+        check(torch.equal(h[0], rows), "held views of dispatch %d changed by later dispatches" % i)
     check(torch.equal(b[0], ref2) and torch.equal(c[0], ref2), "copied outputs")
-    check(b[0].data_ptr() != a[0].data_ptr() and c[0].data_ptr() != a[0].data_ptr(), "copies are not the views")
+    check(all(b[0].data_ptr() != h[0].data_ptr() for h in held), "copies are not the views")
     del b, c
-    a_rows = a[0]
-    del a  # a_rows alone still holds area 0
+    lone = held[0][0][:5]  # a view of a view still holds the area
+    del held, h
+    check(sum(areas) == 1, "a lone view holds its area: areas %s" % areas)
     d = buf.dispatch(x2, **args)
-    check(buf._areas.held == [True, False] and torch.equal(a_rows, ref_rows), "a lone view holds its area")
-    del d, a_rows
-    check(buf._areas.held == [False, False], "areas after every output went: %s" % buf._areas.held)
-    e = buf.dispatch(x2, **args)  # views again, of area 0
-    check(buf._areas.held == [True, False] and torch.equal(e[0], ref2), "views after the areas came back")
+    check(sum(areas) == (2 if n > 2 else 1) and torch.equal(lone, ref_rows[:5]), "lone view after a dispatch")
+    del d, lone
+    check(not any(areas), "areas after every output went: %s" % areas)
+    e = buf.dispatch(x2, **args)  # views again
+    check(sum(areas) == 1 and torch.equal(e[0], ref2), "views after the areas came back")
     del e
     dist.barrier(group)
 

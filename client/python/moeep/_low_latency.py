@@ -15,7 +15,7 @@ class _LowLatencyMode:
     """Buffer's low-latency calls. They use what Buffer sets up: _ep and
     _endpoint(), _plan, device, group_size, low_latency_mode, the reused
     ctypes structures (_ll_dispatch_args, _ll_dispatch_res,
-    _ll_combine_args, _ll_no_hook), the view cache _ll_views, _begin(),
+    _ll_combine_args, _ll_no_hook_ref), the view cache _ll_views, _begin(),
     _on(), _finish()."""
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
@@ -81,9 +81,10 @@ class _LowLatencyMode:
         args.cumulative_local_expert_recv_stats = stats.data_ptr() if stats is not None else None
         args.num_max_tokens = num_max_dispatch_tokens_per_rank
         res = self._ll_dispatch_res
-        hook = _lib.LlHook() if return_recv_hook else self._ll_no_hook
+        hook = _lib.LlHook() if return_recv_hook else None
         ep.check(ep.lib.moeep_ll_dispatch(ep.ptr, self._ll_dispatch_args_ref, self._ll_dispatch_res_ref,
-                                          ctypes.byref(hook), ptr), "low_latency_dispatch")
+                                          ctypes.byref(hook) if hook is not None else self._ll_no_hook_ref, ptr),
+                 "low_latency_dispatch")
         S = res.slots_per_expert  # ranks * num_max_dispatch_tokens_per_rank
         recv_x, recv_count, src_info, layout_range, scales = self._ll_outputs(torch, res, L, S, H, use_fp8)
         packed = None
@@ -197,8 +198,9 @@ class _LowLatencyMode:
         args.handle = ctypes.pointer(llh)
         args.out = out.data_ptr() if T else None
         args.return_recv_hook = return_recv_hook
-        hook = _lib.LlHook() if return_recv_hook else self._ll_no_hook
-        ep.check(ep.lib.moeep_ll_combine(ep.ptr, self._ll_combine_args_ref, ctypes.byref(hook), ptr),
+        hook = _lib.LlHook() if return_recv_hook else None
+        ep.check(ep.lib.moeep_ll_combine(ep.ptr, self._ll_combine_args_ref,
+                                         ctypes.byref(hook) if hook is not None else self._ll_no_hook_ref, ptr),
                  "low_latency_combine")
         event = self._finish(compute, side, False, [x, topk_idx, topk_weights, out]) if side is not None else \
             EventOverlap(None)

@@ -112,6 +112,17 @@ def _record(t, stream):
 
 
 def _check_tensor(torch, t, name, dtypes, device, shape=None, need_contiguous=True):
+    """Raises TypeError / ValueError naming `name` unless t is a tensor of
+    one of `dtypes` on `device`, of `shape` (or 2-D when None), contiguous
+    when asked. Called several times per call: the common case is a few
+    attribute reads; the messages are made only on the way to an error."""
+    try:
+        if ((t.dtype is dtypes) if dtypes.__class__ is not tuple else (t.dtype in dtypes)) and \
+                t.get_device() == device.index and (not need_contiguous or t.is_contiguous()) and \
+                (t.dim() == 2 if shape is None else t.shape == shape):
+            return
+    except AttributeError:
+        pass
     if not isinstance(t, torch.Tensor):
         raise TypeError("%s must be a torch.Tensor, not %s" % (name, type(t).__name__))
     dtypes = dtypes if isinstance(dtypes, tuple) else (dtypes,)
@@ -136,4 +147,4 @@ def _check_index(torch, t, name, device, rows=None):
 
 
 def _index_type(torch, t):
-    return _lib.INDEX_INT64 if t.dtype == torch.int64 else _lib.INDEX_INT32
+    return _lib.INDEX_INT64 if t.dtype is torch.int64 else _lib.INDEX_INT32

@@ -115,9 +115,14 @@ def _series(torch, fn, iters, warmup, cache):
 
 
 def _summary(ev, host, wall, nbytes=None):
+    dump = os.environ.get("MOEEP_BENCH_DUMP")  # a folder: every series' per-call times, per rank
+    if dump:
+        with open(os.path.join(dump, "series-%d.jsonl" % os.getpid()), "a") as f:
+            f.write(json.dumps({"event_us": ev, "host_us": host}) + "\n")
     med = statistics.median(ev)
-    out = {"us_median": med, "us_mean": statistics.fmean(ev), "us_min": min(ev), "wall_us": wall,
-           "host_us": statistics.median(host)}
+    q = statistics.quantiles(ev, n=10)
+    out = {"us_median": med, "us_mean": statistics.fmean(ev), "us_min": min(ev), "us_p90": q[-1],
+           "us_max": max(ev), "wall_us": wall, "host_us": statistics.median(host)}
     if nbytes:
         out["GB/s"] = nbytes / med / 1e3
     return out
@@ -175,7 +180,8 @@ def _ll(torch, deep_ep, a, rank, R, group, device, cache):
     res = {}
     comm = pairs * ((H + H / 128 * 4 + 16) + H * 2)  # DeepEP's test: FP8 pairs out, BF16 pairs back
     res["LL dispatch + combine, eager"] = _summary(*_series(torch, step, a.iters, a.warmup, cache), comm)
-    if a.profile and rank == 0:
+    if a.profile:
+        # Every rank makes the calls (they are collective); rank 0 reports.
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(100):
@@ -185,6 +191,8 @@ def _ll(torch, deep_ep, a, rank, R, group, device, cache):
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
         res["_profile"] = s.getvalue()
+        if a.impl == "moeep":
+            res["_profile"] += _c_calls(torch, buf, step)
     # Two steps per graph: the buffer sets alternate per dispatch, so an even
     # number keeps every replay on the same pattern.
     graph_ok = True
@@ -212,6 +220,27 @@ def _ll(torch, deep_ep, a, rank, R, group, device, cache):
         del g
     buf.destroy()
     return res
+
+
+def _c_calls(torch, buf, step):
+    """Host time of libmoeep's two calls alone (the arguments the Python
+    layer filled last; each combine with the handle of the dispatch before
+    it), against the whole step: what the Python layer adds. Every rank
+    makes the same calls."""
+    import ctypes
+    ep, hook = buf._ep, buf._ll_no_hook_ref
+    ptr = torch.cuda.current_stream().cuda_stream
+    step()  # fills the argument structures
+    torch.cuda.synchronize()
+    buf._ll_combine_args.handle = ctypes.pointer(buf._ll_dispatch_res.handle)
+    times = []
+    for _ in range(100):
+        t0 = time.perf_counter()
+        ep.lib.moeep_ll_dispatch(ep.ptr, buf._ll_dispatch_args_ref, buf._ll_dispatch_res_ref, hook, ptr)
+        ep.lib.moeep_ll_combine(ep.ptr, buf._ll_combine_args_ref, hook, ptr)
+        times.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return "\nlibmoeep's dispatch + combine calls alone, host: median %.1f us per step\n" % statistics.median(times)
 
 
 def _rank(local, a, port, sock, queue):
@@ -260,15 +289,15 @@ def _report(a, results, impl, info):
         print(json.dumps({"impl": impl, "ranks": R, "info": info, "figures": dict(rows)}, indent=1))
         return
     print("moeep.bench: %s, %d ranks, %s" % (impl, R, info))
-    print("%-34s %10s %10s %10s %10s %9s" % ("figure (slowest rank)", "median us", "mean us", "wall us",
-                                              "host us", "GB/s"))
+    print("%-34s %9s %9s %9s %9s %9s %9s %7s" % ("figure (slowest rank)", "median us", "mean us", "p90 us",
+                                                 "max us", "wall us", "host us", "GB/s"))
     for name, v in rows:
         if isinstance(v, str):
             print("%-34s %s" % (name, v))
             continue
-        print("%-34s %10.1f %10.1f %10.1f %10.1f %9s" % (name, v["us_median"], v["us_mean"], v["wall_us"],
-                                                         v["host_us"], "%.0f" % v["GB/s"] if "GB/s" in v
-                                                         else "-"))
+        print("%-34s %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %7s" % (
+            name, v["us_median"], v["us_mean"], v["us_p90"], v["us_max"], v["wall_us"], v["host_us"],
+            "%.0f" % v["GB/s"] if "GB/s" in v else "-"))
     if "_profile" in results[0]:
         print("\ncProfile of rank 0, 100 eager low-latency steps:\n" + results[0]["_profile"])
 

@@ -39,7 +39,7 @@ class Buffer(_NormalMode, _LowLatencyMode):
     moeep.config (see README "Sizing"); keyword-only extras give the shapes
     directly: socket, hidden, num_experts, max_tokens_per_rank,
     num_max_dispatch_tokens_per_rank, max_topk, timeout_ms, job_name,
-    recv_areas (normal-mode receive areas, default 2: a dispatch's outputs
+    recv_areas (normal-mode receive areas, default 3: a dispatch's outputs
     are views of one for as long as the caller holds any of them),
     copy_outputs (normal-mode outputs always as owned copies, default
     False).
@@ -85,6 +85,7 @@ class Buffer(_NormalMode, _LowLatencyMode):
         self._ll_combine_args = _lib.LlCombineArgs()
         self._ll_combine_args_ref = ctypes.byref(self._ll_combine_args)
         self._ll_no_hook = _lib.LlHook()  # the hook out-parameter of calls that ask for none
+        self._ll_no_hook_ref = ctypes.byref(self._ll_no_hook)
         self._ll_views = {}  # (buffer set, slots, fp8) -> the low-latency output views
 
         src = 0
@@ -278,7 +279,10 @@ class Buffer(_NormalMode, _LowLatencyMode):
                 side.wait_stream(compute)
             ptr = side.cuda_stream
         last, self._last_stream = self._last_stream, ptr
-        if last is not None and last != ptr:
+        if last is not None and last != ptr and not torch.cuda.is_current_stream_capturing():
+            # (A graph being captured is replayed later, after whatever runs
+            # before the replay; waiting on a stream outside the capture
+            # would end the capture.)
             prev = self.comm_stream if last == self.comm_stream.cuda_stream else torch.cuda.ExternalStream(last)
             (side if side is not None else torch.cuda.current_stream()).wait_stream(prev)
         return compute, side, ptr

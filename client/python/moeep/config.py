@@ -15,11 +15,14 @@ DEFAULT_MAX_TOKENS_PER_RANK = 4096
 DEFAULT_LL_MAX_TOKENS = 128
 # Normal-mode receive areas: a dispatch's outputs are views into one area
 # for as long as the caller holds them, and a dispatch lands in an area no
-# one holds (README "Output lifetimes"). Two let every caller that drops a
-# dispatch's outputs before the next dispatch run without a copy; the
-# receive area a byte count (num_nvl_bytes) sizes is the first, the others
-# come on top, as DeepEP's output tensors come on top of its buffer.
-DEFAULT_RECV_AREAS = 2
+# one holds (README "Output lifetimes"); with one area left free the
+# outputs are copies. Three let a caller keep one dispatch's outputs while
+# it makes the next (`recv_x, ... = buffer.dispatch(...)` in a loop keeps
+# the old outputs until the new ones replace them, as DeepEP's tests do)
+# without a copy. The receive area a byte count (num_nvl_bytes) sizes is the
+# first, the others come on top, as DeepEP's output tensors come on top of
+# its buffer.
+DEFAULT_RECV_AREAS = 3
 
 _ALIGN = 4096
 # struct moeep_sync / moeep_ll_sync (kernels/kernels.h), rounded up: the
