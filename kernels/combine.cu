@@ -121,9 +121,9 @@ __device__ __forceinline__ void combine_send(const struct moeep_ctx &ctx, const 
         }
 }
 
-/* Rows are reduced in slices of at most COMBINE_SLICE_MAX bytes, 16-byte multiples. */
-__device__ __forceinline__ void row_slices(int row_bytes, int *ret_n, int *ret_bytes) {
-        const int n = (row_bytes + COMBINE_SLICE_MAX - 1) / COMBINE_SLICE_MAX;
+/* Rows are reduced in slices of at most `slice` bytes (combine_slice()), 16-byte multiples. */
+__device__ __forceinline__ void row_slices(int row_bytes, int slice, int *ret_n, int *ret_bytes) {
+        const int n = (row_bytes + slice - 1) / slice;
         *ret_n = n;
         *ret_bytes = ((row_bytes + n - 1) / n + 15) / 16 * 16;
 }
@@ -140,7 +140,7 @@ __device__ __forceinline__ void row_slices(int row_bytes, int *ret_n, int *ret_b
 __device__ __forceinline__ void combine_produce(const struct moeep_ctx &ctx, const struct moeep_route &route,
                                                 const int4 *x, const int *s_prefix, bool self_in_place, char *stages,
                                                 uint64_t *full, uint64_t *empty, struct stage_info *info, int nstages,
-                                                size_t stage_bytes, int rb, int nrb) {
+                                                size_t stage_bytes, int slice, int rb, int nrb) {
         const int lane = threadIdx.x % 32, R = ctx.ranks, me = ctx.rank;
         const int row_bytes = ctx.hidden * 2;
         const char *slots = ctx.peers[ctx.rank] + ctx.layout.comb_x;
@@ -148,7 +148,7 @@ __device__ __forceinline__ void combine_produce(const struct moeep_ctx &ctx, con
         uint32_t phase = 0;
         bool ok = true;
 
-        row_slices(row_bytes, &slices, &slice_bytes);
+        row_slices(row_bytes, slice, &slices, &slice_bytes);
         FOR_EACH_BLOCK_CHUNK(c0, hi, route.num_tokens, rb, nrb) {
                 const int t = c0 + lane, c = c0 / MOEEP_COMBINE_CHUNK;
                 uint32_t mask = 0;
@@ -190,7 +190,7 @@ __device__ __forceinline__ void combine_produce(const struct moeep_ctx &ctx, con
                                 }
                                 __syncwarp();
                                 if (lane < n)
-                                        tma_load_1d(stages + stage * stage_bytes + (size_t)lane * COMBINE_SLICE_MAX,
+                                        tma_load_1d(stages + stage * stage_bytes + (size_t)lane * slice,
                                                     row + (size_t)j * slice_bytes, (uint32_t)bytes, &full[stage]);
                                 if (++stage == nstages) {
                                         stage = 0;
@@ -210,13 +210,14 @@ __device__ __forceinline__ void combine_consume(const struct moeep_ctx &ctx, con
                                                 const float *weights, const int *s_prefix, bool self_in_place,
                                                 const char *stages, uint64_t *full, uint64_t *empty,
                                                 const struct stage_info *info, int nstages, size_t stage_bytes,
-                                                int4 *out, float *out_weights, int K, int cw, int rb, int nrb) {
+                                                int slice, int4 *out, float *out_weights, int K, int cw, int rb,
+                                                int nrb) {
         const int lane = threadIdx.x % 32, R = ctx.ranks, g = cw / COMBINE_GROUP_WARPS, wg = cw % COMBINE_GROUP_WARPS;
         const int row_bytes = ctx.hidden * 2;
         const float *wslots = (const float *)(ctx.peers[ctx.rank] + ctx.layout.comb_weights);
         int slices, slice_bytes, u = 0;
 
-        row_slices(row_bytes, &slices, &slice_bytes);
+        row_slices(row_bytes, slice, &slices, &slice_bytes);
         FOR_EACH_BLOCK_CHUNK(c0, c1, route.num_tokens, rb, nrb)
         for (int t = c0; t < c1; t++)
                 for (int j = 0; j < slices; j++, u++) {
@@ -229,7 +230,7 @@ __device__ __forceinline__ void combine_consume(const struct moeep_ctx &ctx, con
                         for (int i = wg * 32 + lane; i * 16 < si.bytes; i += COMBINE_GROUP_WARPS * 32) {
                                 float acc[8] = {};
                                 for (int k = 0; k < si.nrows; k++)
-                                        add_bf16x8(acc, *(const int4 *)(buf + (size_t)k * COMBINE_SLICE_MAX + i * 16));
+                                        add_bf16x8(acc, *(const int4 *)(buf + (size_t)k * slice + i * 16));
                                 out[((size_t)t * row_bytes + (size_t)j * slice_bytes) / 16 + i] = pack_bf16x8(acc);
                         }
                         if (j == 0 && out_weights && wg == 0 && lane < K) {
@@ -378,14 +379,14 @@ __device__ __forceinline__ void combine_copy(const struct moeep_ctx &ctx, const 
 __global__ void __launch_bounds__(COMBINE_THREADS, 1)
         combine_kernel(struct moeep_ctx ctx, const int4 *x, const float *weights, int num_topk,
                        struct moeep_route route, int4 *out, float *out_weights, int nstages, int send_blocks,
-                       int send_warps, bool direct, bool self_in_place) {
+                       int send_warps, int slice, bool direct, bool self_in_place) {
         extern __shared__ __align__(1024) char stages[];
         __shared__ uint64_t full[COMBINE_MAX_STAGES], empty[COMBINE_MAX_STAGES];
         __shared__ struct stage_info info[COMBINE_MAX_STAGES];
         __shared__ int s_prefix[MOEEP_KERNEL_MAX_RANKS + 1];
         __shared__ int s_ready;
         const int tid = threadIdx.x, warp = tid / 32;
-        const size_t stage_bytes = (size_t)ctx.ranks * COMBINE_SLICE_MAX;
+        const size_t stage_bytes = (size_t)ctx.ranks * slice;
 
         if (ctx.trace && tid == 0)
                 ctx.trace[blockIdx.x * MOEEP_TRACE_STAMPS] = globaltimer_ns();
@@ -440,12 +441,12 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1)
                                   (unsigned long long)globaltimer_ns());
         } else if (warp == COMBINE_PRODUCER_WARP) {
                 combine_produce(ctx, route, x, s_prefix, self_in_place, stages, full, empty, info, nstages, stage_bytes,
-                                rb, nrb);
+                                slice, rb, nrb);
                 if (ctx.trace && tid % 32 == 0)
                         ctx.trace[blockIdx.x * MOEEP_TRACE_STAMPS + 2] = globaltimer_ns();
         } else if (warp >= COMBINE_PRODUCER_WARP - COMBINE_CONSUMER_WARPS) {
                 combine_consume(ctx, route, weights, s_prefix, self_in_place, stages, full, empty, info, nstages,
-                                stage_bytes, out, out_weights, num_topk,
+                                stage_bytes, slice, out, out_weights, num_topk,
                                 warp - (COMBINE_PRODUCER_WARP - COMBINE_CONSUMER_WARPS), rb, nrb);
                 if (ctx.trace && tid % 32 == 0)
                         atomicMax((unsigned long long *)&ctx.trace[blockIdx.x * MOEEP_TRACE_STAMPS + 3],
@@ -461,7 +462,13 @@ extern "C" int moeep_kernels_init(void) {
 extern "C" int moeep_launch_combine(const struct moeep_ctx *ctx, const void *x, const float *topk_weights, int num_topk,
                                     const struct moeep_route *route, void *out, float *out_weights,
                                     cudaStream_t stream) {
-        const size_t stage_bytes = (size_t)ctx->ranks * COMBINE_SLICE_MAX;
+        /* Up to 2 ranks a stage holds every row of a token whole (one
+         * bulk copy a row, half the stages and copies of 8 KiB slices: 2
+         * ranks, 24 SMs, H200: the reduce alone 221 -> 171 us, combine 374
+         * -> 326); with more ranks a stage of whole rows would leave too few
+         * stages in the ring. */
+        const int slice = ctx->ranks <= 2 ? COMBINE_SLICE_2RANKS : COMBINE_SLICE_MAX;
+        const size_t stage_bytes = (size_t)ctx->ranks * slice;
         const bool self_in_place = !(ctx->debug & MOEEP_DEBUG_COPY_SELF);
         /* One rank: the reduce is a copy, straight from global memory (1 rank,
          * 24 SMs: 89 us against 191 us through the staging ring). From 2
@@ -471,7 +478,12 @@ extern "C" int moeep_launch_combine(const struct moeep_ctx *ctx, const void *x, 
          * figures have not seen. See docs/benchmarks.md. */
         const bool direct = ctx->ranks == 1;
         /* With nothing to send, every warp but the waiter copies. */
-        const int send_warps = direct && self_in_place ? 0 : COMBINE_SEND_WARPS;
+        /* Mixed roles (up to 2 ranks): 8 send warps carry what 16 did (the
+         * send alone: 192 us either way) and hold up the reduce less (374 ->
+         * 343 us with 8 KiB slices). */
+        const int send_warps = direct && self_in_place ? 0
+                               : ctx->ranks <= 2       ? COMBINE_SEND_WARPS_2RANKS
+                                                       : COMBINE_SEND_WARPS;
         const int nstages = direct ? 0
                                    : (int)min((size_t)COMBINE_MAX_STAGES, COMBINE_STAGE_SMEM / stage_bytes) /
                                              COMBINE_CONSUMER_GROUPS * COMBINE_CONSUMER_GROUPS;
@@ -489,7 +501,7 @@ extern "C" int moeep_launch_combine(const struct moeep_ctx *ctx, const void *x, 
                 send_blocks = 0;
         combine_kernel<<<ctx->num_sms, COMBINE_THREADS, nstages * stage_bytes, stream>>>(
                 *ctx, (const int4 *)x, topk_weights, num_topk, *route, (int4 *)out, out_weights, nstages, send_blocks,
-                send_warps, direct, self_in_place);
+                send_warps, slice, direct, self_in_place);
         MOEEP_CUDA_LAUNCH_CHECK();
         return 0;
 }

@@ -49,21 +49,48 @@ static_assert(MOEEP_KERNEL_MAX_RANKS == MOEEP_MAX_RANKS, "kernel rank arrays mus
 #define MOEEP_COMBINE_CHUNK 32 /* tokens per combine arrival counter */
 #define MOEEP_COMBINE_CHUNKS (MOEEP_KERNEL_MAX_TOKENS / MOEEP_COMBINE_CHUNK)
 
-/* Warp roles of the combine kernel (kernels/combine.cu describes them). */
+/* Warp roles of the combine kernel (kernels/combine.cu describes them).
+ * The role sizes and the slice can be set at build time (-D, for A/B runs
+ * through NVCC_APPEND_FLAGS); senders, consumers and the producer must fit
+ * the block's 32 warps. */
+#ifndef MOEEP_COMBINE_SEND_WARPS
+#define MOEEP_COMBINE_SEND_WARPS 16
+#endif
+#ifndef MOEEP_COMBINE_CONSUMER_WARPS
+#define MOEEP_COMBINE_CONSUMER_WARPS 12
+#endif
+#ifndef MOEEP_COMBINE_GROUP_WARPS
+#define MOEEP_COMBINE_GROUP_WARPS 4
+#endif
+#ifndef MOEEP_COMBINE_SLICE_MAX
+#define MOEEP_COMBINE_SLICE_MAX 8192
+#endif
+#ifndef MOEEP_COMBINE_SLICE_2RANKS
+#define MOEEP_COMBINE_SLICE_2RANKS 16384
+#endif
+#ifndef MOEEP_COMBINE_SEND_WARPS_2RANKS
+#define MOEEP_COMBINE_SEND_WARPS_2RANKS 8
+#endif
 enum {
         COMBINE_THREADS = 1024,
-        COMBINE_SEND_WARPS = 16,
-        COMBINE_CONSUMER_WARPS = 12, /* in groups of COMBINE_GROUP_WARPS, one group per stage */
-        COMBINE_GROUP_WARPS = 4,
+        COMBINE_SEND_WARPS = MOEEP_COMBINE_SEND_WARPS,
+        COMBINE_CONSUMER_WARPS = MOEEP_COMBINE_CONSUMER_WARPS, /* in groups of COMBINE_GROUP_WARPS, one per stage */
+        COMBINE_GROUP_WARPS = MOEEP_COMBINE_GROUP_WARPS,
         COMBINE_CONSUMER_GROUPS = COMBINE_CONSUMER_WARPS / COMBINE_GROUP_WARPS,
         COMBINE_PRODUCER_WARP = 31,
-        COMBINE_SLICE_MAX = 8192, /* bytes of one row slice; a stage holds ranks of them */
+        COMBINE_SLICE_MAX = MOEEP_COMBINE_SLICE_MAX,       /* bytes of one row slice; a stage holds ranks of them */
+        COMBINE_SLICE_2RANKS = MOEEP_COMBINE_SLICE_2RANKS, /* the same up to 2 ranks */
+        COMBINE_SEND_WARPS_2RANKS = MOEEP_COMBINE_SEND_WARPS_2RANKS, /* send warps up to 2 ranks (mixed roles) */
         COMBINE_MAX_STAGES = 16,
         COMBINE_STAGE_SMEM = 192 * 1024, /* ring of stages */
         COMBINE_CLAIM_ROWS = 4,          /* rows a send warp claims (and counts) at once */
         COMBINE_SEND_UNROLL = 4,         /* 16-byte loads in flight per lane of a send warp */
         COMBINE_COPY_UNROLL = 8,         /* loads in flight per lane of the one-rank copy (copy_row) */
 };
+
+static_assert(COMBINE_SEND_WARPS + COMBINE_CONSUMER_WARPS <= COMBINE_PRODUCER_WARP &&
+                      COMBINE_CONSUMER_WARPS % COMBINE_GROUP_WARPS == 0,
+              "combine warp roles overlap, or consumers are not whole groups");
 
 /* ---- Tunables of the other kernels. */
 
