@@ -27,14 +27,15 @@ class _LowLatencyMode:
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                              cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
                              use_fp8=True, round_scale=False, use_ue8m0=False, async_finish=False,
-                             return_recv_hook=False):
+                             return_recv_hook=False, *, active_ranks=None, timeout_us=0):
         """Decode dispatch into per-expert slots. Returns (recv_x, recv_count,
         handle, event, hook) as DeepEP: recv_x is bf16 [local experts,
         ranks * num_max_dispatch_tokens_per_rank, hidden] or, with use_fp8,
         (e4m3 tensor of that shape, float32 scales [.., .., hidden / 128]);
         with use_ue8m0 the scales are int32 [.., .., hidden / 512], four
         UE8M0 exponents each, in DeepEP's layout. The tensors are views into
-        moeep's buffer set (README: lifetimes)."""
+        moeep's buffer set (README: lifetimes). With enable_shrink,
+        active_ranks / timeout_us as Mooncake EP (_shrink.py)."""
         torch = _torch()
         if not self.low_latency_mode:
             raise ValueError("low_latency_dispatch needs Buffer(..., low_latency_mode=True)")
@@ -64,11 +65,12 @@ class _LowLatencyMode:
         if stats is not None:
             _check_tensor(torch, stats, "cumulative_local_expert_recv_stats", torch.int32, self.device, (L,))
 
+        active, timeout_us = self._active_ranks_arg(active_ranks, timeout_us)
         compute = torch.cuda.current_stream(self.device)
         stream = compute if return_recv_hook else self.comm_stream
         if not return_recv_hook:
             stream.wait_stream(compute)
-        args = _lib.LlDispatchArgs(x=x.data_ptr() if T else None, num_tokens=T,
+        args = _lib.LlDispatchArgs(active_ranks=active, timeout_us=timeout_us,x=x.data_ptr() if T else None, num_tokens=T,
                                    topk_idx=topk_idx.data_ptr() if T else None,
                                    topk_idx_type=_index_type(torch, topk_idx), num_topk=K, use_fp8=use_fp8,
                                    round_scale=round_scale, return_recv_hook=return_recv_hook,
@@ -99,7 +101,7 @@ class _LowLatencyMode:
         llh = _lib.LlHandle(res.handle.set, res.handle.num_tokens, res.handle.slots_per_expert)
         handle = LowLatencyHandle(src_info, layout_range, num_max_dispatch_tokens_per_rank, H, num_experts, llh,
                                   id(self), res.combine_buffer)
-        keep = [x, topk_idx, stats, packed]
+        keep = [x, topk_idx, stats, packed, active_ranks]
         event = self._finish(compute, stream, async_finish, False, keep if async_finish else [])
         fn = None
         if return_recv_hook:
@@ -129,13 +131,15 @@ class _LowLatencyMode:
                      torch.bfloat16, self, self.device)
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False, zero_copy=False,
-                            async_finish=False, return_recv_hook=False, out=None, combine_wait_recv_cost_stats=None):
+                            async_finish=False, return_recv_hook=False, out=None, combine_wait_recv_cost_stats=None,
+                            *, active_ranks=None, timeout_us=0):
         """Sends expert outputs x (bf16 [local experts, slots, hidden], the
         dispatch's layout) back and reduces them with the top-k weights.
         Returns (combined_x bf16 [tokens, hidden], event, hook). With
         zero_copy the outputs are read from get_next_low_latency_combine_buffer
         (x is not read). use_logfmt changes nothing (BF16 on the wire);
-        combine_wait_recv_cost_stats is accepted and left as is."""
+        combine_wait_recv_cost_stats is accepted and left as is. With
+        enable_shrink, active_ranks / timeout_us as Mooncake EP (_shrink.py)."""
         torch = _torch()
         if not self.low_latency_mode:
             raise ValueError("low_latency_combine needs Buffer(..., low_latency_mode=True)")
@@ -159,6 +163,7 @@ class _LowLatencyMode:
                              (L, n, H, self.device, x.dtype, list(x.shape)))
         if out is not None:
             _check_tensor(torch, out, "out", torch.bfloat16, self.device, (T, H))
+        active, timeout_us = self._active_ranks_arg(active_ranks, timeout_us)
         compute = torch.cuda.current_stream(self.device)
         stream = compute if return_recv_hook else self.comm_stream
         if not return_recv_hook:
@@ -176,12 +181,12 @@ class _LowLatencyMode:
                                   topk_idx_type=_index_type(torch, topk_idx),
                                   topk_weights=topk_weights.data_ptr() if T else None, num_topk=K,
                                   handle=ctypes.pointer(llh), out=out.data_ptr() if T else None,
-                                  return_recv_hook=return_recv_hook)
+                                  return_recv_hook=return_recv_hook, active_ranks=active, timeout_us=timeout_us)
         hook = _lib.LlHook()
         ep.check(ep.lib.moeep_ll_combine(ep.ptr, ctypes.byref(args), ctypes.byref(hook), stream.cuda_stream),
                  "low_latency_combine")
-        keep = [x, topk_idx, topk_weights, out, llh]
-        event = self._finish(compute, stream, async_finish, False, keep[:4] if async_finish else [])
+        keep = [x, topk_idx, topk_weights, out, llh, active_ranks]
+        event = self._finish(compute, stream, async_finish, False, keep[:4] + keep[5:] if async_finish else [])
         fn = None
         if return_recv_hook:
             def fn():
