@@ -46,7 +46,12 @@ static __device__ __noinline__ void px_ship(const struct moeep_ctx &ctx, size_t 
                 desc.peer = (uint32_t)d;
                 desc.signal_id = counter0 + (uint32_t)ctx.rank;
                 desc.flags = PROXY_DESC_SIGNAL;
-                const int e = ring_put(r, desc, ctx.timeout_ns, ctx.abort_word);
+                /* An elastic endpoint goes on after a rank's abort; only
+                 * the daemon stopping (the page's stopping word, right after
+                 * lost_ranks) ends its wait for ring space. */
+                const int e = ring_put(r, desc, ctx.timeout_ns,
+                                       ctx.shrink && ctx.lost_word ? (const volatile uint32_t *)ctx.lost_word + 1
+                                                                   : ctx.abort_word);
                 if (e != 0) {
                         record_error(ctx, e == -ENOTCONN ? MOEEP_KERR_ABORT : MOEEP_KERR_PROXY, d);
                         break;

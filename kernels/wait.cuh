@@ -176,8 +176,9 @@ __device__ __forceinline__ bool wait_peer(const struct moeep_ctx &ctx, const uin
 }
 
 /* The give-up policy of an elastic endpoint's wait for another block of
- * its own launch (which is itself bounded): the daemon stopping, another
- * wait's failure, or ctx.timeout_ns (recorded as a timeout). */
+ * its own launch (which is itself bounded: its waits for peers take at
+ * most three shrink timeouts): the daemon stopping, another wait's failure,
+ * or ctx.timeout_ns past those (recorded as a timeout). */
 __device__ __forceinline__ bool spin_give_up_block(const struct moeep_ctx &ctx, struct spin &s) {
         if (++s.n % SPIN_CHECK_EVERY)
                 return false;
@@ -187,7 +188,7 @@ __device__ __forceinline__ bool spin_give_up_block(const struct moeep_ctx &ctx, 
                 record_error(ctx, MOEEP_KERR_ABORT, -1);
                 return true;
         }
-        if (globaltimer_ns() - s.start > ctx.timeout_ns) {
+        if (globaltimer_ns() - s.start > ctx.timeout_ns + 3 * ctx.shrink_timeout_ns) {
                 record_error(ctx, MOEEP_KERR_TIMEOUT, ctx.rank);
                 return true;
         }
