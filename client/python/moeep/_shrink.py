@@ -9,6 +9,7 @@ import errno as _errno
 
 from ._lib import MoeepError
 from ._tensors import _check_tensor
+from .config import LowLatencySizeHint
 from .event import _torch
 
 
@@ -88,6 +89,19 @@ class _ShrinkMode:
         torch = _torch()
         _check_tensor(torch, active_ranks, "active_ranks", torch.int32, self.device, (self.group_size,))
         return active_ranks.data_ptr(), timeout_us
+
+
+def _shrink_shapes(num_rdma_bytes, hidden, num_experts):
+    """(hidden, num_experts) of an elastic Buffer, which makes its endpoint
+    at construction: making it is collective, and a rank that fails before
+    its first call (DeepEP's shrink test makes one skip it) must not keep
+    the others from making theirs. The keywords, else the shapes of a
+    num_rdma_bytes from get_low_latency_rdma_size_hint; without either the
+    endpoint is made at the first call."""
+    if isinstance(num_rdma_bytes, LowLatencySizeHint):
+        hidden = num_rdma_bytes.hidden if hidden is None else hidden
+        num_experts = num_rdma_bytes.num_experts if num_experts is None else num_experts
+    return hidden, num_experts
 
 
 def _shrink_config(cfg, enable_shrink, shrink_timeout_ms):

@@ -21,9 +21,9 @@ from ._job import attach
 from ._lib import MoeepError
 from ._low_latency import _LowLatencyMode, _pack_ue8m0  # noqa: F401
 from ._normal import _NormalMode, _inverse_rounds, _raw, _split_x, _torch_layout  # noqa: F401
-from ._shrink import _ShrinkMode, _shrink_config
+from ._shrink import _ShrinkMode, _shrink_config, _shrink_shapes
 from ._tensors import _DevicePointer, _check_index, _check_tensor, _index_type, _record, _view  # noqa: F401
-from .config import Config, Plan, check_num_sms, low_latency_buffer_bytes
+from .config import Config, LowLatencySizeHint, Plan, check_num_sms, low_latency_buffer_bytes
 from .event import EventOverlap, _torch
 
 
@@ -65,6 +65,8 @@ class Buffer(_NormalMode, _LowLatencyMode, _ShrinkMode):
         if isinstance(shrink_timeout_ms, bool) or not isinstance(shrink_timeout_ms, int) or shrink_timeout_ms < 0:
             raise ValueError("shrink_timeout_ms must be an int >= 0, not %r" % (shrink_timeout_ms,))
         self._shrink_timeout_ms = shrink_timeout_ms
+        if self.enable_shrink:
+            hidden, num_experts = _shrink_shapes(num_rdma_bytes, hidden, num_experts)
 
         self.group = group
         self.rank = dist.get_rank(group)
@@ -223,12 +225,14 @@ class Buffer(_NormalMode, _LowLatencyMode, _ShrinkMode):
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts):
         """Bytes of moeep's low-latency buffers for these shapes (they live in
         the NVLink buffer; no RDMA memory is allocated). Passed back as
-        num_rdma_bytes, it gives back num_max_dispatch_tokens_per_rank."""
+        num_rdma_bytes, it gives back num_max_dispatch_tokens_per_rank (and to
+        an elastic Buffer the shapes too, LowLatencySizeHint)."""
         for name, v in (("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
                         ("hidden", hidden), ("num_ranks", num_ranks), ("num_experts", num_experts)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError("%s must be a positive int, not %r" % (name, v))
-        return low_latency_buffer_bytes(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        return LowLatencySizeHint(low_latency_buffer_bytes(num_max_dispatch_tokens_per_rank, hidden, num_experts),
+                                  num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
     @staticmethod
     def get_dispatch_config(num_ranks):
