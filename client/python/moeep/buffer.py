@@ -59,9 +59,9 @@ class Buffer(_NormalMode, _LowLatencyMode, _ShrinkMode):
         torch = _torch()
         import torch.distributed as dist
 
-        self.enable_shrink = bool(enable_shrink)
-        if self.enable_shrink and not low_latency_mode:
-            raise ValueError("enable_shrink needs low_latency_mode=True (its mask is the low-latency calls')")
+        # The mask is the low-latency calls': without them there is nothing
+        # to shrink (the mask calls then say so).
+        self.enable_shrink = bool(enable_shrink) and bool(low_latency_mode)
         if isinstance(shrink_timeout_ms, bool) or not isinstance(shrink_timeout_ms, int) or shrink_timeout_ms < 0:
             raise ValueError("shrink_timeout_ms must be an int >= 0, not %r" % (shrink_timeout_ms,))
         self._shrink_timeout_ms = shrink_timeout_ms
