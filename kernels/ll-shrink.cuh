@@ -176,15 +176,16 @@ __device__ __forceinline__ void ll_move_slots(const struct moeep_ctx &ctx, int b
         int32_t *ref = (int32_t *)(buf + ctx.ll.ref[b]);
         const size_t base = (size_t)le * slots;
 
+        /* L2 loads (__ldcg): other GPUs and other blocks wrote these. */
         for (size_t i = threadIdx.x; i < (size_t)n * n16; i += blockDim.x)
-                x[(base + to + i / n16) * n16 + i % n16] = x[(base + from + i / n16) * n16 + i % n16];
+                x[(base + to + i / n16) * n16 + i % n16] = __ldcg(&x[(base + from + i / n16) * n16 + i % n16]);
         if (fp8)
                 for (int i = threadIdx.x; i < n * nscales; i += blockDim.x) {
                         const size_t g = (size_t)le * nscales + i / n;
-                        sc[g * slots + to + i % n] = sc[g * slots + from + i % n];
+                        sc[g * slots + to + i % n] = __ldcg(&sc[g * slots + from + i % n]);
                 }
         for (int i = threadIdx.x; i < n; i += blockDim.x) {
-                const int32_t t = src[base + from + i], ki = kinfo[base + from + i];
+                const int32_t t = __ldcg(&src[base + from + i]), ki = __ldcg(&kinfo[base + from + i]);
                 src[base + to + i] = t;
                 kinfo[base + to + i] = ki;
                 if (own && t >= 0 && t < ctx.ll.max_tokens)
