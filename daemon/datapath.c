@@ -27,9 +27,20 @@ struct dp_channel {
 
 TAILQ_HEAD(dp_channel_list, dp_channel);
 
+/* How long the receive and counters regions of a lost rank stay
+ * registered: writes that other daemons' proxies had in flight to it land
+ * there instead of failing their transport peer (which would cut every
+ * rank at this daemon off from them). Their producers stop writing within
+ * milliseconds of the loss (elastic endpoints mask the rank as soon as
+ * their daemon marks it lost); this is a wide margin that still gives the
+ * memory back soon after. */
+#define DATAPATH_LOST_LINGER_MS 1000
+
 /* The proxy state of one rank at this daemon. */
 struct dp_rank {
         struct job_member *member; /* not owning; NULL once it went (the rank lingers for its rings) */
+        struct datapath *dp;       /* not owning; for the linger timer */
+        struct event *linger;      /* owns; pending while a lost rank's recv and counters stay registered */
         uint64_t job_id;           /* for messages after the member went */
         uint32_t rank;
         uint64_t region_id[ROLES];       /* 0 = none */
@@ -42,6 +53,7 @@ struct dp_rank {
 TAILQ_HEAD(dp_rank_list, dp_rank);
 
 struct datapath {
+        struct event_base *base;     /* not owning */
         struct datapath_hooks hooks; /* how it tells the mesh */
         struct transport tp;         /* owns; zeroed when not open */
         struct proxy *proxy;         /* owns; NULL when not up */
@@ -105,14 +117,26 @@ static void rank_mr_drop(struct datapath *dp, struct dp_rank *dr, uint32_t role)
         dr->region_id[role] = 0;
 }
 
-/* Frees a rank that has no member and no ring left. */
+/* Frees a rank that has no member, no ring and no lingering regions left. */
 static void rank_maybe_free(struct datapath *dp, struct dp_rank *dr) {
-        if (dr->member || dr->nchannels)
+        if (dr->member || dr->nchannels || (dr->linger && evtimer_pending(dr->linger, NULL)))
                 return;
         for (uint32_t role = 0; role < ROLES; role++)
                 rank_mr_drop(dp, dr, role);
+        if (dr->linger)
+                event_free(dr->linger);
         TAILQ_REMOVE(&dp->ranks, dr, entry);
         free(dr);
+}
+
+static void rank_linger_done(evutil_socket_t fd, short what, void *arg) {
+        struct dp_rank *dr = arg;
+
+        (void)fd;
+        (void)what;
+        log_debug("datapath: job %" PRIu64 " rank %" PRIu32 ": the lost rank's regions go", dr->job_id,
+                  dr->rank);
+        rank_maybe_free(dr->dp, dr);
 }
 
 static void channels_remove(struct datapath *dp, struct dp_rank *dr) {
@@ -131,22 +155,25 @@ static void channels_remove(struct datapath *dp, struct dp_rank *dr) {
         }
 }
 
-void datapath_member_aborted(struct datapath *dp, struct job_member *m) {
-        struct dp_rank *dr = dp ? rank_find(dp, m) : NULL;
-
-        if (dr)
-                channels_remove(dp, dr);
-}
-
-void datapath_member_gone(struct datapath *dp, struct job_member *m) {
+void datapath_member_gone(struct datapath *dp, struct job_member *m, bool lost) {
+        const struct timeval linger = { .tv_sec = DATAPATH_LOST_LINGER_MS / 1000,
+                                        .tv_usec = DATAPATH_LOST_LINGER_MS % 1000 * 1000 };
         struct dp_rank *dr = dp ? rank_find(dp, m) : NULL;
 
         if (!dr)
                 return;
         channels_remove(dp, dr);
+        dr->member = NULL;
+        if (lost && (dr->region_id[MOEEP__V1__PROXY_ROLE__PROXY_ROLE_RECV] ||
+                     dr->region_id[MOEEP__V1__PROXY_ROLE__PROXY_ROLE_COUNTERS])) {
+                /* Without the timer the regions go now, as for a leave. */
+                if (!dr->linger)
+                        dr->linger = evtimer_new(dp->base, rank_linger_done, dr);
+                if (dr->linger && evtimer_add(dr->linger, &linger) == 0)
+                        return;
+        }
         rank_mr_drop(dp, dr, MOEEP__V1__PROXY_ROLE__PROXY_ROLE_RECV);
         rank_mr_drop(dp, dr, MOEEP__V1__PROXY_ROLE__PROXY_ROLE_COUNTERS);
-        dr->member = NULL;
         rank_maybe_free(dp, dr);
 }
 
@@ -239,6 +266,7 @@ int datapath_region_register(struct datapath *dp, struct broker *b, struct job_m
                 if (!dr)
                         return errmsg_set(errmsg, -ENOMEM, "%s: out of memory", name);
                 dr->member = m;
+                dr->dp = dp;
                 dr->job_id = m->job->id;
                 dr->rank = m->rank;
                 TAILQ_INIT(&dr->channels);
@@ -517,6 +545,7 @@ int datapath_start(struct event_base *base, const struct config *c, const struct
         dp = calloc(1, sizeof(*dp));
         if (!dp)
                 return -ENOMEM;
+        dp->base = base;
         dp->hooks = *hooks;
         TAILQ_INIT(&dp->ranks);
         r = transport_open(&cfg, &dp->tp, errmsg);
@@ -589,6 +618,8 @@ void datapath_free(struct datapath *dp) {
                 }
                 for (uint32_t role = 0; role < ROLES; role++)
                         rank_mr_drop(dp, dr, role);
+                if (dr->linger)
+                        event_free(dr->linger);
                 TAILQ_REMOVE(&dp->ranks, dr, entry);
                 free(dr);
         }

@@ -130,13 +130,14 @@ int datapath_region_release(struct datapath *dp, struct job_member *m, uint64_t 
 int datapath_channel_open(struct datapath *dp, struct job_member *m, uint32_t capacity, int *ret_fd,
                           uint64_t *ret_ring_id, uint32_t *ret_capacity, char *errmsg);
 
-/* `m`'s job was aborted: its channels are removed from the proxy (their
- * producers see the job's abort word). */
-void datapath_member_aborted(struct datapath *dp, struct job_member *m);
-
 /* `m` leaves its job or is lost: its channels are removed and its
- * registrations dropped (the send region once the rings are gone). Call
- * before broker_drop_member(). Accepts dp NULL. */
-void datapath_member_gone(struct datapath *dp, struct job_member *m);
+ * registrations dropped (the send region once the rings are gone). A lost
+ * rank's receive and counters regions stay registered for
+ * DATAPATH_LOST_LINGER_MS (datapath.c): writes other daemons had in flight
+ * to it still land. Call before broker_drop_member(). Accepts dp NULL.
+ * (A job that loses a rank keeps its other ranks' channels: an elastic job
+ * goes on without the rank; an endpoint that is not elastic stops at the
+ * abort word, and its channels go when it leaves.) */
+void datapath_member_gone(struct datapath *dp, struct job_member *m, bool lost);
 
 #endif

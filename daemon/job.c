@@ -106,10 +106,12 @@ static int control_page_create(struct job *job, char *errmsg) {
                                   strerror(errno));
         job->control = p;
         job->control->magic = MOEEP_CONTROL_PAGE_MAGIC;
-        job->control->version = 1;
+        job->control->version = MOEEP_CONTROL_PAGE_VERSION;
         job->control->abort = 0;
         job->control->lost_rank = -1;
         job->control->job_id = job->id;
+        job->control->lost_ranks = 0;
+        job->control->stopping = 0;
 #ifdef F_SEAL_FUTURE_WRITE
         if (fcntl(job->control_fd, F_ADD_SEALS, seals | F_SEAL_FUTURE_WRITE) == 0)
                 seals = 0;
@@ -439,6 +441,13 @@ void job_abort(struct job *job, uint32_t rank, const char *reason) {
                 return; /* told already (a mirror hears of a loss from its home too) */
         if (rank < 32)
                 job->lost_notified |= 1u << rank;
+        /* Elastic endpoints read the lost ranks (every later loss too, not
+         * only the first) and the stopping word; both come before `abort`,
+         * which every endpoint polls first. */
+        if (rank < job->world_size)
+                __atomic_or_fetch(&job->control->lost_ranks, 1u << rank, __ATOMIC_RELEASE);
+        else if (rank == JOB_NO_RANK)
+                __atomic_store_n(&job->control->stopping, 1, __ATOMIC_RELEASE);
         if (job->state != JOB_ABORTED) {
                 job->state = JOB_ABORTED;
                 job->lost_rank = (int32_t)rank;

@@ -125,7 +125,7 @@ struct job {
          * through the home. */
         char home[JOB_NODE_MAX + 1]; /* "" for a job created here */
         uint64_t home_id;            /* the id at `home`; == id when home is "" */
-        uint32_t lost_notified;      /* mirror: bit r set once PeerLost(r) went to the members */
+        uint32_t lost_notified;      /* bit r set once rank r was marked lost and PeerLost(r) went out */
         /* Owns; what mesh-jobs.c keeps of a job that spans daemons (the
          * mirror's rank -> daemon map, the remote ranks' regions), opaque
          * here and NULL until it is needed. One allocation: job.c frees it
@@ -190,11 +190,13 @@ int jobs_join_mirror(struct jobs *jobs, const char *home, uint64_t home_id, cons
                      struct job_member **ret_member, char *errmsg);
 
 /* Aborts the job because rank `rank` (not a member here: remote, or its
- * daemon is gone) was lost: sets the abort word (once), tells every member
- * peer_lost (once per rank) and ends every waiting barrier with
+ * daemon is gone) was lost: marks the rank in the control page's
+ * lost_ranks (every lost rank, not only the first: elastic endpoints go on
+ * without them), sets the abort word (once), tells every member peer_lost
+ * (once per rank) and ends every waiting barrier with
  * -ERROR_KIND_PEER_LOST.
- * JOB_NO_RANK: no rank was lost (the daemon stops); lost_rank stays -1 and
- * nobody is told peer_lost. */
+ * JOB_NO_RANK: no rank was lost (the daemon stops); the control page's
+ * stopping word is set, lost_rank stays -1 and nobody is told peer_lost. */
 #define JOB_NO_RANK UINT32_MAX
 void job_abort(struct job *job, uint32_t rank, const char *reason);
 

@@ -91,7 +91,7 @@ int membership_release(const struct membership *ms, struct session *s, uint64_t 
 void membership_end(const struct membership *ms, struct session *s, bool lost, const char *reason) {
         if (!s->member)
                 return;
-        datapath_member_gone(ms->datapath, s->member);
+        datapath_member_gone(ms->datapath, s->member, lost);
         broker_drop_member(ms->broker, s->member);
         mesh_jobs_member_gone(ms->mesh_jobs, s->member, lost, reason);
         if (lost)

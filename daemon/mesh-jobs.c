@@ -495,20 +495,21 @@ void mesh_jobs_rank_failed(struct mesh_jobs *mj, struct job *job, uint32_t rank,
         job_abort(job, rank, reason);
 }
 
-/* Aborts every job that has a rank at daemon `address`, naming the first
- * such rank. */
+/* Every rank at daemon `address` is lost to every job that has one: the
+ * job is aborted and each such rank marked lost in its control page (an
+ * elastic job goes on without them, so this holds for jobs already aborted
+ * by an earlier loss too; job_abort() tells each rank once). */
 static void jobs_abort_at(struct mesh_jobs *mj, const char *address, const char *why) {
         struct job_node nodes[MOEEP_MAX_RANKS];
         struct job *job;
 
         TAILQ_FOREACH (job, &mj->jobs->list, entry) {
-                if (job->state == JOB_ABORTED || !mesh_jobs_nodes(mj, job, nodes))
+                if (!mesh_jobs_nodes(mj, job, nodes))
                         continue;
                 for (uint32_t r = 0; r < job->world_size; r++)
-                        if (!job_rank_local(job, r) && strcmp(nodes[r].address, address) == 0) {
+                        if (!job_rank_local(job, r) && strcmp(nodes[r].address, address) == 0 &&
+                            !(r < 32 && (job->lost_notified & (1u << r))))
                                 mesh_jobs_rank_failed(mj, job, r, why);
-                                break;
-                        }
         }
 }
 

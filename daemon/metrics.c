@@ -115,12 +115,13 @@ static void snapshot_sessions(struct snapshot *s, const struct view *v) {
 
 static void snapshot_jobs(struct snapshot *s, const struct view *v) {
         static const enum job_state states[] = { JOB_FORMING, JOB_READY, JOB_ABORTED };
-        uint32_t count[JOB_ABORTED + 1] = { 0 }, ranks = 0;
+        uint32_t count[JOB_ABORTED + 1] = { 0 }, ranks = 0, lost = 0;
         const struct job *job;
 
         TAILQ_FOREACH (job, &v->jobs->list, entry) {
                 count[job->state]++;
                 ranks += job->njoined;
+                lost += (uint32_t)__builtin_popcount(job->control->lost_ranks);
         }
         family_add(s, "moeepd_jobs", GAUGE, "Live jobs by state.");
         for (size_t i = 0; i < sizeof(states) / sizeof(states[0]); i++)
@@ -132,6 +133,9 @@ static void snapshot_jobs(struct snapshot *s, const struct view *v) {
         single(s, "moeepd_ranks_lost_total", COUNTER,
                "Ranks lost without JobLeave (socket closed, process died, bad record); each aborts its job.",
                (double)v->jobs->ranks_lost);
+        single(s, "moeepd_job_lost_ranks", GAUGE,
+               "Ranks of live jobs marked lost in their control page (elastic jobs go on without them).",
+               lost);
 }
 
 static void snapshot_regions(struct snapshot *s, const struct view *v) {

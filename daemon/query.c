@@ -103,7 +103,8 @@ int query_jobs(const struct view *v, const struct session *s, struct query_respo
         infos = calloc(all->count + 1, sizeof(*infos));
         ptrs = calloc(all->count + 1, sizeof(*ptrs));
         ranks = calloc((all->count + 1) * MOEEP_MAX_RANKS, sizeof(*ranks));
-        remote = calloc((all->count + 1) * MOEEP_MAX_RANKS, sizeof(*remote));
+        /* remote ranks, then lost ranks: two halves */
+        remote = calloc(2 * (all->count + 1) * MOEEP_MAX_RANKS, sizeof(*remote));
         nodes = calloc((all->count + 1) * MOEEP_MAX_RANKS, sizeof(*nodes));
         node_ptrs = calloc((all->count + 1) * MOEEP_MAX_RANKS, sizeof(*node_ptrs));
         /* Freed by query_response_done(), after the answer went. */
@@ -126,6 +127,7 @@ int query_jobs(const struct view *v, const struct session *s, struct query_respo
                 ji->world_size = job->world_size;
                 ji->joined_ranks = &ranks[n * MOEEP_MAX_RANKS];
                 ji->remote_ranks = &remote[n * MOEEP_MAX_RANKS];
+                ji->lost_ranks = &remote[(all->count + 1 + n) * MOEEP_MAX_RANKS];
                 ji->home = job->home;
                 /* A job that spans daemons: its ranks joined elsewhere
                  * count as joined too, and say where they are. */
@@ -143,6 +145,8 @@ int query_jobs(const struct view *v, const struct session *s, struct query_respo
                                 ji->joined_ranks[ji->n_joined_ranks++] = rank;
                         if (elsewhere)
                                 ji->remote_ranks[ji->n_remote_ranks++] = rank;
+                        if (job->control->lost_ranks & (1u << rank))
+                                ji->lost_ranks[ji->n_lost_ranks++] = rank;
                 }
                 ji->state = (char *)job_state_to_string(job->state);
                 ji->owner_uid = (uint32_t)job->owner_uid;

@@ -404,10 +404,6 @@ static void requests_peer_lost(void *owner, const struct job *job, uint32_t rank
         Moeep__V1__PeerLost lost = MOEEP__V1__PEER_LOST__INIT;
         Moeep__V1__Event ev = MOEEP__V1__EVENT__INIT;
 
-        struct requests *rq = session_hooks_ctx(s);
-
-        /* The job is aborted: the proxy stops reading its channels. */
-        datapath_member_aborted(rq->membership.datapath, s->member);
         if (s->reg->stopping) /* everybody gets Shutdown instead */
                 return;
         lost.job_id = job->id;

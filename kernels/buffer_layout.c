@@ -96,5 +96,7 @@ void moeep_px_layout_compute(struct moeep_px *px, int ranks, int max_tokens, int
                 px->ll_combine[b] = off;
                 off += (size_t)ranks * px->ll_combine_seg;
         }
+        px->ll_clean = off;
+        off += align_up((size_t)ranks * MOEEP_PX_SEG_HDR, MOEEP_BUFFER_ALIGN);
         px->bytes = off;
 }

@@ -89,6 +89,24 @@ struct moeep_local_state {
          * the dispatch that follows writes rank d's rows into its area
          * dst_area[d]. */
         int32_t dst_area[MOEEP_KERNEL_MAX_RANKS];
+        /* Elastic endpoints (ctx.shrink): DeepEP's mask buffer, rank r is
+         * masked when mask[r] != 0 (1 as written by moeep): no call sends to
+         * it or waits for it, its pairs are dropped from dispatch and its
+         * experts' outputs left out of combine. Set by a wait that gave up on
+         * the rank (the daemon marked it lost, or the shrink timeout), by a
+         * send launch for the ranks the daemon marked lost, and by the host
+         * (moeep_ll_mask_update). */
+        int32_t mask[MOEEP_KERNEL_MAX_RANKS];
+        /* Decisions one block of a launch takes for every block, and for the
+         * launches after it, each (seq & 0xffffffff) << 32 | bits (LL_DECIDE_*
+         * in kernels/ll.cu): the dispatch send's view of the counts it placed
+         * its pairs after and the ranks it left out; the dispatch receive's
+         * (or relay's) sources whose counts it placed and the remote sources
+         * the relay placed; the remote sources the combine relay placed. */
+        uint64_t ll_send_view[2];
+        uint64_t ll_recv_view[2];
+        uint64_t ll_comb_view[2];
+        uint64_t ll_clean_seq; /* clean barriers passed */
 };
 
 /* Offsets inside every NVLink buffer, derived from the configuration. */
@@ -129,6 +147,14 @@ struct moeep_ll_sync {
          * a launch add exactly 1 << 32 together. */
         uint64_t dispatch_flag[2][MOEEP_KERNEL_MAX_RANKS];
         uint64_t combine_flag[2][MOEEP_KERNEL_MAX_RANKS];
+        /* Elastic endpoints (ctx.shrink) only. [src]: a digest of where src
+         * put its pairs of dispatch seq at our experts, ll_begin_digest(),
+         * written by src's block 0 before its arrival: the receiver checks it
+         * against the places it computes, so that ranks that saw a dying
+         * rank's counts differently are caught instead of mixing rows. */
+        uint64_t begin_digest[2][MOEEP_KERNEL_MAX_RANKS];
+        /* [src]: the last clean barrier src reached (moeep_ll_clean). */
+        uint64_t clean_flag[MOEEP_KERNEL_MAX_RANKS];
 };
 
 /* Offsets of the low-latency buffers (after the normal-mode ones). */
@@ -185,7 +211,9 @@ struct moeep_px_seg {
 #define MOEEP_PX_COUNTER_NM_SYNC(src) (4 * MOEEP_KERNEL_MAX_RANKS + (src))
 #define MOEEP_PX_COUNTER_NM_DISPATCH(src) (5 * MOEEP_KERNEL_MAX_RANKS + (src))
 #define MOEEP_PX_COUNTER_NM_COMBINE(src) (6 * MOEEP_KERNEL_MAX_RANKS + (src))
-#define MOEEP_PX_COUNTERS (7 * MOEEP_KERNEL_MAX_RANKS)
+/* Elastic endpoints: the clean barrier (moeep_ll_clean), a header only. */
+#define MOEEP_PX_COUNTER_LL_CLEAN(src) (7 * MOEEP_KERNEL_MAX_RANKS + (src))
+#define MOEEP_PX_COUNTERS (8 * MOEEP_KERNEL_MAX_RANKS)
 
 /* Device memory, ours only: the ring's producer state and the slots staged
  * for each remote rank by the running kernel. */
@@ -214,6 +242,7 @@ struct moeep_px {
         size_t ll_dispatch[2]; /* offsets of set b's segments, [rank] of ll_dispatch_seg bytes */
         size_t ll_combine[2];
         size_t ll_dispatch_seg, ll_combine_seg;
+        size_t ll_clean; /* the clean barrier's segments, [rank] of MOEEP_PX_SEG_HDR bytes (a header only) */
         /* Normal mode, one segment per peer each: counts (notify), rows
          * (dispatch: row, scales, top-k ids int64 and weights, source token;
          * combine: bf16 row, weights, token), max_tokens rows. */
@@ -251,6 +280,16 @@ struct moeep_ctx {
         int debug;               /* MOEEP_DEBUG_* bits (diagnostics, from $MOEEP_KERNEL_DEBUG) */
         uint64_t timeout_ns;     /* bound of every spin-wait (globaltimer ns) */
         struct moeep_px px;      /* ranks at other daemons; px.remote 0 when none */
+        /* Elastic (shrink-mode) low-latency calls (moeep_ep_config.ll_shrink):
+         * a peer that does not come is masked (state->mask) instead of
+         * failing the call. Normal-mode kernels ignore these. */
+        int shrink;
+        uint64_t shrink_timeout_ns; /* a wait for a peer's counts masks it after this, for its rows after twice this */
+        /* Device pointer to the control page's lost_ranks (low 32 bits) and
+         * stopping (high 32 bits), read as one word; NULL without a version 2
+         * page. */
+        const volatile uint64_t *lost_word;
+        int32_t *active; /* this call's active_ranks (1 = active, 0 = masked for the call), or NULL */
 };
 
 #ifdef __cplusplus

@@ -35,6 +35,10 @@ enum moeep_kernel_error {
         MOEEP_KERR_ABORT = 2,    /* the daemon set the job's abort word */
         MOEEP_KERR_OVERFLOW = 3, /* low-latency: an expert got more pairs than it has slots */
         MOEEP_KERR_PROXY = 4,    /* the proxy ring to a remote rank failed (its error word), or was full too long */
+        /* Elastic endpoints: a source put its pairs where our view of the
+         * ranks' counts does not (a rank died while its counts were reaching
+         * some ranks but not others): the dispatch's outputs are undefined. */
+        MOEEP_KERR_SHRINK_VIEW = 5,
 };
 
 /* Routing state of one dispatch, kept for combine and for a cached dispatch.
@@ -130,6 +134,19 @@ int moeep_launch_ll_combine(const struct moeep_ctx *ctx, const void *y, int set,
  * expert outputs before the receive phase of moeep_launch_ll_combine. */
 int moeep_launch_ll_dispatch_relay(const struct moeep_ctx *ctx, int set, int slots, int *stats, cudaStream_t stream);
 int moeep_launch_ll_combine_relay(const struct moeep_ctx *ctx, int set, cudaStream_t stream);
+
+/* Elastic endpoints (ctx->shrink). The clean barrier: with every rank
+ * that is not masked (one that does not come within the shrink timeout is
+ * masked), then the dispatch's claim counters are zeroed. The mask:
+ * MOEEP_LL_MASK_QUERY copies it into out [ranks] (int32), _SET sets
+ * mask[rank] to value, _CLEAN zeroes it; on the stream, one tiny launch. */
+int moeep_launch_ll_clean(const struct moeep_ctx *ctx, cudaStream_t stream);
+enum {
+        MOEEP_LL_MASK_QUERY = 1,
+        MOEEP_LL_MASK_SET = 2,
+        MOEEP_LL_MASK_CLEAN = 3
+};
+int moeep_launch_ll_mask(const struct moeep_ctx *ctx, int op, int rank, int value, int32_t *out, cudaStream_t stream);
 
 /* Normal mode with ranks at other daemons (kernels/px_normal.cu), queued
  * around the intranode kernels, which skip remote ranks: dispatch stages

@@ -30,6 +30,9 @@ __device__ __forceinline__ void ll_combine_send(const struct moeep_ctx &ctx, con
         const int32_t *src = (const int32_t *)(ctx.peers[me] + ctx.ll.src[b]);
         const int32_t *kinfo = (const int32_t *)(ctx.peers[me] + ctx.ll.kinfo[b]);
         const int64_t *range = (const int64_t *)(ctx.peers[me] + ctx.ll.range[b]);
+        __shared__ uint32_t s_skip; /* elastic: the ranks this call leaves out */
+        if (threadIdx.x == 0)
+                s_skip = ctx.shrink ? ll_skip_now(ctx) : 0;
 
         /* The slots in use are the first count[le] of each expert, less our
          * own run with `local` (our range there, which the dispatch receive
@@ -80,6 +83,7 @@ __device__ __forceinline__ void ll_combine_send(const struct moeep_ctx &ctx, con
         const int n16 = H / 8, chunk = 32 * LL_COMBINE_SEND_UNROLL, nch = (n16 + chunk - 1) / chunk;
         const int rows = s_prefix[epr];
         const int pieces = ctx.px.remote || rows == 0 ? 1 : max(1, min(nch, warps / rows));
+        const uint32_t skip = s_skip;
         for (int item = gwarp; item < rows * pieces; item += warps) {
                 const int q = item / pieces, piece = item % pieces;
                 const int c0 = piece * nch / pieces, c1 = (piece + 1) * nch / pieces;
@@ -103,6 +107,8 @@ __device__ __forceinline__ void ll_combine_send(const struct moeep_ctx &ctx, con
                 ll_load_chunk(row, c0 * chunk, n16, v);
                 const int t = src[slot], ki = kinfo[slot];
                 const int s = moeep_ll_kinfo_rank(ki), k = moeep_ll_kinfo_k(ki);
+                if (skip >> s & 1) /* elastic: nothing goes to a rank left out */
+                        continue;
                 int4 *dst;
                 if (px_remote(ctx, s)) { /* staged: row, then (token, k) */
                         uint32_t p = 0;
@@ -130,11 +136,12 @@ __device__ __forceinline__ void ll_combine_send(const struct moeep_ctx &ctx, con
                         }
                 }
         }
-        ll_arrive(ctx, true, b, !local);
+        ll_arrive(ctx, true, b, !local, skip);
         if (ctx.px.remote && last_block_done(ctx) && threadIdx.x == 0) { /* every staged row is fenced */
                 const struct moeep_ctx c = ctx;                          /* see dispatch */
                 px_ship(c, c.px.ll_combine[b], c.px.ll_combine_seg, c.px.state->ll_comb_claim[b], c.px.ll_row,
-                        MOEEP_PX_COUNTER_LL_COMBINE(b, 0), px_seg_info(c.px.epoch + seq, (uint32_t)H * 2, 0, 0));
+                        MOEEP_PX_COUNTER_LL_COMBINE(b, 0), px_seg_info(c.px.epoch + seq, (uint32_t)H * 2, 0, 0), 0,
+                        skip);
         }
 }
 
@@ -154,23 +161,55 @@ __global__ void __launch_bounds__(LL_THREADS, 1) ll_pairs_relay(struct moeep_ctx
          * sources' counts (their table rows) and the earlier remote
          * sources' (the counts ahead of their staged pairs). */
         __shared__ int s_base[MOEEP_KERNEL_MAX_EXPERTS];
-        if (threadIdx.x < R && !px_remote(ctx, threadIdx.x))
-                wait_flag(ctx, &my->count_flag[b][threadIdx.x], seq, threadIdx.x);
+        /* Elastic: block 0 decides whose counts the layout is after (cv)
+         * and which remote sources' pairs are placed (ll-shrink.cuh); the
+         * others take its decision. */
+        __shared__ uint32_t s_dec;
+        uint32_t cv = ~0u, remote_in = ~0u;
+        if (!ctx.shrink) {
+                if (threadIdx.x < R && !px_remote(ctx, threadIdx.x))
+                        wait_flag(ctx, &my->count_flag[b][threadIdx.x], seq, threadIdx.x);
+        } else if (blockIdx.x == 0) {
+                const uint32_t send_dec = ll_decision_of(ctx, &ctx.state->ll_send_view[b], seq);
+                const uint32_t c = ll_decide_cv(ctx, b, seq, send_dec), skip = LL_DEC_SKIP(send_dec);
+                if (threadIdx.x == 0)
+                        s_dec = c;
+                __syncthreads();
+                /* twice the timeout: the sender may have waited one for counts */
+                if (threadIdx.x < R && px_remote(ctx, threadIdx.x) && !(skip >> threadIdx.x & 1) &&
+                    !ll_masked(ctx, threadIdx.x) &&
+                    wait_peer(ctx, &ctx.px.counters[MOEEP_PX_COUNTER_LL_DISPATCH(b, threadIdx.x)], ctx.px.epoch + seq,
+                              threadIdx.x, 2 * ctx.shrink_timeout_ns))
+                        atomicOr(&s_dec, 1u << (8 + threadIdx.x));
+                __syncthreads();
+                if (threadIdx.x == 0)
+                        publish_decision(&ctx.state->ll_recv_view[b], seq, s_dec);
+        } else if (threadIdx.x == 0) {
+                s_dec = wait_decision(ctx, &ctx.state->ll_recv_view[b], seq);
+        }
         __syncthreads();
+        if (ctx.shrink) {
+                cv = LL_DEC_CV(s_dec);
+                remote_in = LL_DEC_REMOTE(s_dec);
+        }
         for (int le = threadIdx.x; le < epr; le += blockDim.x) {
                 int local = 0;
                 for (int r = 0; r < R; r++)
-                        if (!px_remote(ctx, r))
+                        if (!px_remote(ctx, r) && (cv >> r & 1))
                                 local += *(volatile int32_t *)&my->table[b][r][ctx.rank * epr + le];
                 s_base[le] = local;
         }
         __syncthreads();
 
         for (int s = 0; s < ctx.ranks; s++) {
-                if (!px_remote(ctx, s))
+                if (!px_remote(ctx, s) || !(remote_in >> s & 1))
                         continue;
-                const struct moeep_px_seg *h = px_block_wait(ctx, ctx.px.ll_dispatch[b], ctx.px.ll_dispatch_seg,
-                                                             MOEEP_PX_COUNTER_LL_DISPATCH(b, s), ctx.px.epoch + seq, s);
+                /* Elastic: block 0 saw its signal already. */
+                const struct moeep_px_seg *h =
+                        ctx.shrink ? (const struct moeep_px_seg *)px_recv_seg(ctx, ctx.px.ll_dispatch[b],
+                                                                              ctx.px.ll_dispatch_seg, s)
+                                   : px_block_wait(ctx, ctx.px.ll_dispatch[b], ctx.px.ll_dispatch_seg,
+                                                   MOEEP_PX_COUNTER_LL_DISPATCH(b, s), ctx.px.epoch + seq, s);
                 if (!h)
                         break;
                 const int32_t *counts = (const int32_t *)((const char *)h + MOEEP_PX_SEG_HDR);
@@ -212,7 +251,11 @@ __global__ void __launch_bounds__(LL_THREADS, 1) ll_pairs_relay(struct moeep_ctx
         }
         if (!last_block_done(ctx))
                 return;
-        ll_recv_counts(ctx, b, seq, stats);
+        if (ctx.shrink)
+                ll_recv_shrink(ctx, b, seq, stats, slots, ll_decision_of(ctx, &ctx.state->ll_send_view[b], seq), true,
+                               false);
+        else
+                ll_recv_counts(ctx, b, seq, stats);
 }
 
 /* Places the expert outputs remote ranks staged for our tokens (set b)
@@ -222,12 +265,38 @@ __global__ void __launch_bounds__(LL_THREADS, 1) ll_rows_relay(struct moeep_ctx 
         const int warps = gridDim.x * LL_WARPS, gwarp = ll_warp_index();
         const uint64_t seq = *ll_seq_of(ctx, true, b);
         char *comb = ctx.peers[ctx.rank] + ctx.ll.comb[b];
+        /* Elastic: block 0 decides which remote sources' rows are placed,
+         * for every block and for the receive (state->ll_comb_view). */
+        __shared__ uint32_t s_in;
+        uint32_t remote_in = ~0u;
+        if (ctx.shrink) {
+                if (blockIdx.x == 0) {
+                        if (threadIdx.x == 0)
+                                s_in = 0;
+                        __syncthreads();
+                        const int r = threadIdx.x;
+                        if (r < ctx.ranks && px_remote(ctx, r) && !(ll_skip_now(ctx) >> r & 1) &&
+                            wait_peer(ctx, &ctx.px.counters[MOEEP_PX_COUNTER_LL_COMBINE(b, r)], ctx.px.epoch + seq, r,
+                                      2 * ctx.shrink_timeout_ns))
+                                atomicOr(&s_in, 1u << r);
+                        __syncthreads();
+                        if (threadIdx.x == 0)
+                                publish_decision(&ctx.state->ll_comb_view[b], seq, s_in << 8);
+                } else if (threadIdx.x == 0) {
+                        s_in = LL_DEC_REMOTE(wait_decision(ctx, &ctx.state->ll_comb_view[b], seq));
+                }
+                __syncthreads();
+                remote_in = s_in;
+        }
 
         for (int s = 0; s < ctx.ranks; s++) {
-                if (!px_remote(ctx, s))
+                if (!px_remote(ctx, s) || !(remote_in >> s & 1))
                         continue;
-                const struct moeep_px_seg *h = px_block_wait(ctx, ctx.px.ll_combine[b], ctx.px.ll_combine_seg,
-                                                             MOEEP_PX_COUNTER_LL_COMBINE(b, s), ctx.px.epoch + seq, s);
+                const struct moeep_px_seg *h =
+                        ctx.shrink ? (const struct moeep_px_seg *)px_recv_seg(ctx, ctx.px.ll_combine[b],
+                                                                              ctx.px.ll_combine_seg, s)
+                                   : px_block_wait(ctx, ctx.px.ll_combine[b], ctx.px.ll_combine_seg,
+                                                   MOEEP_PX_COUNTER_LL_COMBINE(b, s), ctx.px.epoch + seq, s);
                 if (!h)
                         break;
                 const uint32_t n = min(__ldcv((const int *)&h->count), (int)ctx.px.ll_slots);
@@ -245,10 +314,12 @@ __global__ void __launch_bounds__(LL_THREADS, 1) ll_rows_relay(struct moeep_ctx 
 
 /* Sums each token's expert outputs with its top-k weights (float), after
  * every rank's rows of set b, combine `seq`, landed. Experts masked (-1)
- * add nothing. With `local` (the send phase of this launch kept them), the
- * outputs of our own experts are read in place from y, at the slots the
- * dispatch noted (moeep_ll_layout.ref), and our own arrival is not waited
- * for. */
+ * add nothing; in an elastic call, neither do the experts of a rank whose
+ * rows this block did not take (masked, inactive, or not arrived within
+ * twice the shrink timeout, which masks it). With `local` (the send phase
+ * of this launch kept them), the outputs of our own experts are read in
+ * place from y, at the slots the dispatch noted (moeep_ll_layout.ref), and
+ * our own arrival is not waited for. */
 template <typename Idx>
 __device__ __forceinline__ void ll_combine_recv(const struct moeep_ctx &ctx, const Idx *topk_idx, const float *weights,
                                                 int num_tokens, int K, int b, uint64_t seq, int4 *out, const int4 *y,
@@ -276,10 +347,33 @@ __device__ __forceinline__ void ll_combine_recv(const struct moeep_ctx &ctx, con
                 if (local)
                         ref_first = ref[(size_t)(gwarp / pieces) * ctx.max_topk + lane];
         }
-        /* Remote ranks: ll_rows_relay ran before. */
-        if (threadIdx.x < ctx.ranks && !px_remote(ctx, threadIdx.x) && !(local && threadIdx.x == me))
-                wait_flag(ctx, &my->combine_flag[b][threadIdx.x], seq << 32, threadIdx.x);
+        /* Remote ranks: ll_rows_relay ran before. Elastic: the sources
+         * whose outputs this block sums (`in`): us, the remote ones the relay
+         * placed, and the ones whose arrival it saw within twice the timeout
+         * (a source may have waited one in its dispatch). */
+        __shared__ uint32_t s_in, s_skip;
+        uint32_t in = ~0u;
+        if (!ctx.shrink) {
+                if (threadIdx.x < ctx.ranks && !px_remote(ctx, threadIdx.x) && !(local && threadIdx.x == me))
+                        wait_flag(ctx, &my->combine_flag[b][threadIdx.x], seq << 32, threadIdx.x);
+        } else {
+                if (threadIdx.x == 0) {
+                        s_in = 1u << me |
+                               (ctx.px.remote ? LL_DEC_REMOTE(ll_decision_of(ctx, &ctx.state->ll_comb_view[b], seq))
+                                              : 0);
+                        s_skip = ll_skip_now(ctx);
+                }
+                __syncthreads();
+                const int s = threadIdx.x;
+                if (s == me && !local)
+                        ll_wait_own(ctx, &my->combine_flag[b][me], seq << 32);
+                else if (s < ctx.ranks && s != me && !px_remote(ctx, s) && !(s_skip >> s & 1) &&
+                         wait_peer(ctx, &my->combine_flag[b][s], seq << 32, s, 2 * ctx.shrink_timeout_ns))
+                        atomicOr(&s_in, 1u << s);
+        }
         __syncthreads();
+        if (ctx.shrink)
+                in = s_in;
         for (int item = gwarp; item < items; item += warps) {
                 const int t = item / pieces, i0 = (item % pieces) * LL_RECV_PIECE, i1 = min(n16, i0 + LL_RECV_PIECE);
                 float w = 0.0f;
@@ -290,7 +384,7 @@ __device__ __forceinline__ void ll_combine_recv(const struct moeep_ctx &ctx, con
                         const int64_t e = first ? e_first : (int64_t)topk_idx[(size_t)t * K + lane];
                         const float wt = first ? wt_first : weights[(size_t)t * K + lane];
                         const int32_t r = !local ? -1 : first ? ref_first : ref[(size_t)t * ctx.max_topk + lane];
-                        valid = e >= 0 && e < ctx.num_experts;
+                        valid = e >= 0 && e < ctx.num_experts && (in >> (e / epr) & 1);
                         w = valid ? wt : 0.0f;
                         /* In place when the dispatch put this pair at one of
                          * our slots of the same expert. */

@@ -51,12 +51,14 @@ __device__ __forceinline__ uint64_t *ll_seq_of(const struct moeep_ctx &ctx, bool
  * Our own flag is read on this GPU only: its release is at GPU scope. It
  * orders nothing (!ordered) where no one waits on it for rows: a combine
  * that reads ours in place, or a receive in the same launch, for which
- * the launch's end orders them. */
-__device__ __forceinline__ void ll_arrive(const struct moeep_ctx &ctx, bool combine, int b, bool ordered = true) {
+ * the launch's end orders them. An elastic call does not arrive at the
+ * ranks it leaves out (`skip`: the same for every block of the launch). */
+__device__ __forceinline__ void ll_arrive(const struct moeep_ctx &ctx, bool combine, int b, bool ordered = true,
+                                          uint32_t skip = 0) {
         const int d = threadIdx.x, me = ctx.rank;
 
         __syncthreads();
-        if (d < ctx.ranks && !px_remote(ctx, d)) {
+        if (d < ctx.ranks && !px_remote(ctx, d) && !(skip >> d & 1)) {
                 struct moeep_ll_sync *s = ll_sync_of(ctx, d);
                 uint64_t *flag = combine ? &s->combine_flag[b][me] : &s->dispatch_flag[b][me];
                 const uint64_t share = blockIdx.x == 0 ? (1ull << 32) - (gridDim.x - 1) : 1ull;
@@ -82,6 +84,8 @@ __device__ __forceinline__ void ll_note_ref(const struct moeep_ctx &ctx, int b, 
         ((int32_t *)(ctx.peers[ctx.rank] + ctx.ll.ref[b]))[(size_t)t * ctx.max_topk + k] =
                 ours ? (int32_t)((e % epr) * slots + pos) : -1;
 }
+
+#include "ll-shrink.cuh"
 
 /* FP8 cast of 16 bf16 channels (two int4 of a row) into one int4 of e4m3,
  * with the scale of their 128-channel group: the 8 lanes of an aligned
@@ -203,13 +207,20 @@ template <typename Idx> __device__ __forceinline__ void ll_load_ids(const Idx *t
  * thousand ids, in shared memory) and broadcasts them; every block sums
  * the rows of the ranks below us. s_begin[e] is our first slot at expert e.
  * With s_eid, every block also keeps every pair's expert there
- * (LL_NO_EXPERT when masked), from the ids ll_load_ids loaded. */
+ * (LL_NO_EXPERT when masked), from the ids ll_load_ids loaded.
+ *
+ * Elastic (ctx.shrink): block 0 also decides the ranks the call leaves out
+ * and the lower ranks whose counts our pairs go after (ll-shrink.cuh), and
+ * the other blocks take its decision (s_dec: skip, view) instead of
+ * waiting for the counts themselves. A pair for a rank left out is masked
+ * (LL_NO_EXPERT) and not counted; neither our counts nor our flag go to
+ * such a rank. */
 template <typename Idx>
 __device__ __forceinline__ void ll_exchange_counts(const struct moeep_ctx &ctx, const Idx *topk_idx, int n, int b,
                                                    uint64_t seq, int *s_begin, uint16_t *s_eid,
-                                                   const int64_t ids[LL_IDS]) {
+                                                   const int64_t ids[LL_IDS], uint32_t *s_dec, int use_fp8) {
         struct moeep_ll_sync *my = ll_sync_of(ctx, ctx.rank);
-        const int tid = threadIdx.x, R = ctx.ranks, E = ctx.num_experts, me = ctx.rank;
+        const int tid = threadIdx.x, R = ctx.ranks, E = ctx.num_experts, me = ctx.rank, epr = E / R;
         /* f(pair, expert id) for every pair of this thread. */
         auto each_pair = [&](auto f) {
                 if (s_eid) {
@@ -222,8 +233,23 @@ __device__ __forceinline__ void ll_exchange_counts(const struct moeep_ctx &ctx, 
                                 f(i, (int64_t)topk_idx[i]);
                 }
         };
+        /* Pairs for ranks left out become masked ones (elastic). */
+        auto drop_skipped = [&](uint32_t skip) {
+                if (!skip)
+                        return;
+                for (int e = tid; e < E; e += blockDim.x)
+                        if (skip >> (e / epr) & 1)
+                                s_begin[e] = 0;
+                if (s_eid)
+                        for (int i = tid; i < n; i += blockDim.x)
+                                if (s_eid[i] != LL_NO_EXPERT && (skip >> (s_eid[i] / epr) & 1))
+                                        s_eid[i] = LL_NO_EXPERT;
+        };
 
         if (blockIdx.x == 0) {
+                /* The daemon's word, a PCIe load: issued first, used after
+                 * the counting. */
+                const uint64_t lost = ctx.shrink && tid == 0 ? ll_lost_word(ctx) : 0;
                 for (int e = tid; e < E; e += blockDim.x)
                         s_begin[e] = 0; /* our counts first */
                 __syncthreads();
@@ -234,10 +260,18 @@ __device__ __forceinline__ void ll_exchange_counts(const struct moeep_ctx &ctx, 
                         if (s_eid)
                                 s_eid[i] = valid ? (uint16_t)e : LL_NO_EXPERT;
                 });
+                if (ctx.shrink) {
+                        if (tid == 0)
+                                s_dec[0] = ll_skip_of(ctx, lost);
+                        __syncthreads();
+                        drop_skipped(s_dec[0]);
+                }
                 __syncthreads();
-                const int epr = E / R;
+                const uint32_t skip = ctx.shrink ? s_dec[0] : 0;
                 for (int i = tid; i < R * E; i += blockDim.x) {
                         const int d = i / E;
+                        if (skip >> d & 1)
+                                continue;
                         if (!px_remote(ctx, d))
                                 ll_sync_of(ctx, d)->table[b][me][i % E] = s_begin[i % E];
                         else if (i % E / epr == d) /* d's experts, ahead of the pairs staged for d */
@@ -249,23 +283,54 @@ __device__ __forceinline__ void ll_exchange_counts(const struct moeep_ctx &ctx, 
                  * staged in host memory for the proxy are fenced by
                  * last_block_done before they are shipped. */
                 __syncthreads();
-                if (tid < R && !px_remote(ctx, tid)) {
+                if (tid < R && !px_remote(ctx, tid) && !(skip >> tid & 1)) {
                         uint64_t *flag = &ll_sync_of(ctx, tid)->count_flag[b][me];
                         if (tid == me) /* read on this GPU only (ll_arrive) */
                                 st_release_gpu(flag, seq);
                         else
                                 st_release_sys(flag, seq);
                 }
-        } else if (s_eid) {
+        } else if (s_eid && !ctx.shrink) {
                 each_pair([&](int i, int64_t e) { s_eid[i] = e >= 0 && e < E ? (uint16_t)e : LL_NO_EXPERT; });
         }
-        if (tid < me && !px_remote(ctx, tid))
+        uint32_t view = (1u << me) - 1; /* not elastic: every lower rank */
+        if (ctx.shrink && blockIdx.x == 0) {
+                /* The lower ranks whose counts came (a rank whose counts do
+                 * not come is masked, and left out from now on). */
+                if (tid == 0)
+                        s_dec[1] = 0;
+                __syncthreads();
+                if (tid < me && !px_remote(ctx, tid) && ll_counts_present(ctx, b, seq, tid, s_dec[0] >> tid & 1))
+                        atomicOr(&s_dec[1], 1u << tid);
+                __syncthreads();
+                if (tid == 0) {
+                        s_dec[0] |= ll_skip_now(ctx);
+                        publish_decision(&ctx.state->ll_send_view[b], seq,
+                                         s_dec[1] | s_dec[0] << 8 | (use_fp8 ? LL_DEC_FP8 : 0));
+                }
+                __syncthreads();
+                drop_skipped(s_dec[0]);
+                view = s_dec[1];
+        } else if (ctx.shrink) {
+                if (tid == 0) {
+                        const uint32_t w = wait_decision(ctx, &ctx.state->ll_send_view[b], seq);
+                        s_dec[0] = LL_DEC_SKIP(w);
+                        s_dec[1] = LL_DEC_VIEW(w);
+                }
+                __syncthreads();
+                view = s_dec[1];
+                if (s_eid)
+                        each_pair([&](int i, int64_t e) {
+                                s_eid[i] = e >= 0 && e < E && !(s_dec[0] >> (e / epr) & 1) ? (uint16_t)e : LL_NO_EXPERT;
+                        });
+        } else if (tid < me && !px_remote(ctx, tid)) {
                 wait_flag(ctx, &my->count_flag[b][tid], seq, tid);
+        }
         __syncthreads();
         for (int e = tid; e < E; e += blockDim.x) {
                 int begin = 0;
                 for (int s = 0; s < me; s++)
-                        if (!px_remote(ctx, s))
+                        if (!px_remote(ctx, s) && (view >> s & 1))
                                 begin += *(volatile int32_t *)&my->table[b][s][e];
                 s_begin[e] = begin;
         }
@@ -397,11 +462,17 @@ __device__ __forceinline__ void ll_dispatch(const struct moeep_ctx &ctx, const i
         const int nscales = H / MOEEP_SCALE_BLOCK;
 
         if (!(phases & MOEEP_LL_SEND)) {
-                ll_recv_counts(ctx, b, *ll_seq_of(ctx, false, b), stats);
+                const uint64_t seq = *ll_seq_of(ctx, false, b);
+                if (ctx.shrink)
+                        ll_recv_shrink(ctx, b, seq, stats, slots, ll_decision_of(ctx, &ctx.state->ll_send_view[b], seq),
+                                       false, false);
+                else
+                        ll_recv_counts(ctx, b, seq, stats);
                 return;
         }
         const uint64_t seq = *ll_seq_of(ctx, false, b) + 1;
         const int pairs = num_tokens * K;
+        __shared__ uint32_t s_dec[2]; /* elastic: the ranks left out, the view (ll_exchange_counts) */
 
         /* With every rank mapped and up to LL_SCAN_PAIRS pairs, every block
          * keeps every pair's expert in shared memory (s_eid) and counts a
@@ -423,7 +494,9 @@ __device__ __forceinline__ void ll_dispatch(const struct moeep_ctx &ctx, const i
         int4 v[8];
         if (by_token && t0 < num_tokens) /* the row does not depend on the counts */
                 ll_load_token_steps(x + (size_t)t0 * n16, 0, n16, v);
-        ll_exchange_counts(ctx, topk_idx, pairs, b, seq, s_begin, scan ? s_eid : (uint16_t *)nullptr, ids);
+        ll_exchange_counts(ctx, topk_idx, pairs, b, seq, s_begin, scan ? s_eid : (uint16_t *)nullptr, ids, s_dec,
+                           use_fp8);
+        const uint32_t skip = ctx.shrink ? s_dec[0] : 0;
         if (by_token)
                 ll_send_tokens(ctx, x, num_tokens, K, b, slots, use_fp8, round_scale, s_begin, s_eid, t0, v);
 
@@ -449,7 +522,8 @@ __device__ __forceinline__ void ll_dispatch(const struct moeep_ctx &ctx, const i
         for (int item = by_token ? pairs : ggroup; item < pairs; item += groups) {
                 const int t = item / K, k = item % K;
                 const int64_t e = !scan ? (int64_t)topk_idx[item] : s_eid[item] == LL_NO_EXPERT ? -1 : s_eid[item];
-                if (e < 0 || e >= ctx.num_experts) { /* the same for every warp of the group */
+                /* the same for every warp of the group; s_eid has no pair for a rank left out */
+                if (e < 0 || e >= ctx.num_experts || (skip >> (e / epr) & 1)) {
                         if (share == 0 && lane == 0)
                                 ll_note_ref(ctx, b, t, k, LL_NO_EXPERT, -1, slots);
                         continue;
@@ -541,7 +615,11 @@ __device__ __forceinline__ void ll_dispatch(const struct moeep_ctx &ctx, const i
         /* With the receive in this launch our own pairs are not waited for
          * (ll_recv_counts). */
         const bool own_in_launch = (phases & MOEEP_LL_RECV) && !(ctx.debug & MOEEP_DEBUG_COPY_SELF);
-        ll_arrive(ctx, false, b, !own_in_launch);
+        /* Elastic: where our pairs went, for each receiver's check; our own
+         * arrival orders our pairs, which the receive may have to move. */
+        if (ctx.shrink && blockIdx.x == 0)
+                ll_send_digests(ctx, b, seq, s_begin, skip);
+        ll_arrive(ctx, false, b, !own_in_launch || ctx.shrink, skip);
         if (!scan && last_block_done(ctx)) {
                 /* Every pair of ours is placed: the claimed positions start
                  * again at 0, and what is staged for remote ranks ships. */
@@ -555,7 +633,7 @@ __device__ __forceinline__ void ll_dispatch(const struct moeep_ctx &ctx, const i
                         const struct moeep_ctx c = ctx;
                         px_ship(c, c.px.ll_dispatch[b], c.px.ll_dispatch_seg, c.px.state->ll_claim[b],
                                 px_pair_bytes(xrow, H), MOEEP_PX_COUNTER_LL_DISPATCH(b, 0),
-                                px_seg_info(c.px.epoch + seq, (uint32_t)xrow, 0, 0), MOEEP_PX_LL_COUNTS);
+                                px_seg_info(c.px.epoch + seq, (uint32_t)xrow, 0, 0), MOEEP_PX_LL_COUNTS, skip);
                 }
         }
         if (threadIdx.x == 0)
@@ -563,8 +641,13 @@ __device__ __forceinline__ void ll_dispatch(const struct moeep_ctx &ctx, const i
         /* Without a hook block 0 goes on with the receive phase, which
          * waits for the other ranks' pairs; ours land before the launch
          * ends. */
-        if ((phases & MOEEP_LL_RECV) && blockIdx.x == 0)
-                ll_recv_counts(ctx, b, seq, stats, own_in_launch);
+        if ((phases & MOEEP_LL_RECV) && blockIdx.x == 0) {
+                if (ctx.shrink)
+                        ll_recv_shrink(ctx, b, seq, stats, slots, s_dec[1] | skip << 8 | (use_fp8 ? LL_DEC_FP8 : 0),
+                                       false, own_in_launch);
+                else
+                        ll_recv_counts(ctx, b, seq, stats, own_in_launch);
+        }
 }
 
 #include "ll-combine.cuh"

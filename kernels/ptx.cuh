@@ -109,6 +109,12 @@ __device__ __forceinline__ uint32_t ld_volatile_u32(const volatile uint32_t *p) 
         return v;
 }
 
+__device__ __forceinline__ uint64_t ld_volatile_u64(const volatile uint64_t *p) {
+        uint64_t v;
+        asm volatile("ld.volatile.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+        return v;
+}
+
 __device__ __forceinline__ void fence_acq_rel_sys(void) {
         asm volatile("fence.acq_rel.sys;" ::: "memory");
 }

@@ -12,12 +12,14 @@
 /* Ships what the kernel staged for every remote rank (claim[d] slots of
  * `slot` bytes in our segment d of `area`; claim[d] is zeroed) into our
  * segment at d, with the header `info` (count set here) and the signal
- * counter0 + our rank = info.value. One thread,
+ * counter0 + our rank = info.value; nothing goes to the ranks in `skip`
+ * (an elastic call leaves them out). One thread,
  * after every staging store of the grid was fenced (last_block_done, or a
  * block's own __threadfence_system and barrier); the ring's release orders
  * them, and the headers, before the tail. */
 static __device__ __noinline__ void px_ship(const struct moeep_ctx &ctx, size_t area, size_t seg, uint32_t *claim,
-                                            size_t slot, uint32_t counter0, struct moeep_px_seg info, size_t lead = 0) {
+                                            size_t slot, uint32_t counter0, struct moeep_px_seg info, size_t lead = 0,
+                                            uint32_t skip = 0) {
         struct moeep_px_state *st = ctx.px.state;
         struct ring_producer r = { (struct proxy_ring_hdr *)st->ring_hdr,
                                    (struct proxy_desc *)((char *)st->ring_hdr + PROXY_RING_HDR_BYTES), st->ring_cap,
@@ -28,6 +30,8 @@ static __device__ __noinline__ void px_ship(const struct moeep_ctx &ctx, size_t 
                         continue;
                 const uint32_t n = *(volatile uint32_t *)&claim[d];
                 claim[d] = 0;
+                if (skip >> d & 1) /* elastic: a rank the call leaves out gets nothing */
+                        continue;
                 volatile struct moeep_px_seg *h = (volatile struct moeep_px_seg *)px_send_seg(ctx, area, seg, d);
                 h->count = n;
                 h->row_bytes = info.row_bytes;
@@ -42,7 +46,12 @@ static __device__ __noinline__ void px_ship(const struct moeep_ctx &ctx, size_t 
                 desc.peer = (uint32_t)d;
                 desc.signal_id = counter0 + (uint32_t)ctx.rank;
                 desc.flags = PROXY_DESC_SIGNAL;
-                const int e = ring_put(r, desc, ctx.timeout_ns, ctx.abort_word);
+                /* An elastic endpoint goes on after a rank's abort; only
+                 * the daemon stopping (the page's stopping word, right after
+                 * lost_ranks) ends its wait for ring space. */
+                const int e = ring_put(r, desc, ctx.timeout_ns,
+                                       ctx.shrink && ctx.lost_word ? (const volatile uint32_t *)ctx.lost_word + 1
+                                                                   : ctx.abort_word);
                 if (e != 0) {
                         record_error(ctx, e == -ENOTCONN ? MOEEP_KERR_ABORT : MOEEP_KERR_PROXY, d);
                         break;

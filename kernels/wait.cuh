@@ -17,6 +17,15 @@
  *   none           a wait on another warp of the block that is itself
  *                  bounded (combine_copy on combine_wait), and the
  *                  benchmarks' timed delay.
+ *   spin_give_up_peer   an elastic endpoint's low-latency wait for a peer
+ *                  (wait_peer): ends, masking the peer, when the daemon
+ *                  marked it lost (the control page's lost_ranks) or the
+ *                  shrink timeout passed, or when another wait masked it
+ *                  already; only the daemon stopping, or another wait's
+ *                  failure, is an error.
+ *   spin_give_up_block  an elastic endpoint's wait for another block of the
+ *                  same launch (wait_decision): the daemon stopping, a
+ *                  failure of another wait, ctx.timeout_ns.
  *
  * A wait that gives up returns false; the kernel goes on, its results are
  * wrong and the recorded error says so: a lost peer never hangs the GPU. */
@@ -108,4 +117,100 @@ __device__ __forceinline__ bool mbar_wait(const struct moeep_ctx &ctx, uint64_t 
          * is called once per MBAR_SPINS tries, not on every one. */
         return spin_until([&] { return mbar_try_wait(bar, parity); },
                           [&] { return ++n % MBAR_SPINS == 0 && spin_give_up(ctx, s, -1); });
+}
+
+/* ---- Elastic endpoints (ctx.shrink; docs/reliability.md, "Elastic
+ * ranks"). */
+
+/* Whether `rank` is masked (DeepEP's mask buffer, state->mask). A volatile
+ * load: other blocks of the launch may mask it. */
+__device__ __forceinline__ bool ll_masked(const struct moeep_ctx &ctx, int rank) {
+        return *(volatile int32_t *)&ctx.state->mask[rank] != 0;
+}
+
+/* Masks `rank`: in the endpoint's mask, and in this call's active_ranks
+ * (the caller's view, which moeep keeps up to date). */
+__device__ __forceinline__ void ll_mask(const struct moeep_ctx &ctx, int rank) {
+        atomicExch(&ctx.state->mask[rank], 1);
+        if (ctx.active)
+                ctx.active[rank] = 0;
+}
+
+/* The control page's lost_ranks (low 32 bits) and stopping (high), one
+ * PCIe read; 0 without a version 2 page. */
+__device__ __forceinline__ uint64_t ll_lost_word(const struct moeep_ctx &ctx) {
+        return ctx.lost_word ? ld_volatile_u64(ctx.lost_word) : 0;
+}
+
+/* The give-up policy of an elastic wait for `peer`, called once per spin
+ * and looking every SPIN_CHECK_EVERY spins: true when the wait must end. It
+ * ends quietly when the peer is masked (by another wait, or now: the
+ * daemon marked it lost, or the wait is older than bound_ns), with an error
+ * when the daemon is stopping (recorded) or another wait failed. */
+__device__ __forceinline__ bool spin_give_up_peer(const struct moeep_ctx &ctx, struct spin &s, int peer,
+                                                  uint64_t bound_ns) {
+        if (++s.n % SPIN_CHECK_EVERY)
+                return false;
+        if (*(volatile uint32_t *)&ctx.state->error || ll_masked(ctx, peer))
+                return true;
+        const uint64_t w = ll_lost_word(ctx);
+        if (w >> 32) {
+                record_error(ctx, MOEEP_KERR_ABORT, peer);
+                return true;
+        }
+        if (((uint32_t)w >> peer & 1) || globaltimer_ns() - s.start > bound_ns) {
+                ll_mask(ctx, peer);
+                return true;
+        }
+        return false;
+}
+
+/* Bounded wait until *flag >= want, set by `peer`; false when it gave up:
+ * the peer is masked then, unless an error was recorded. */
+__device__ __forceinline__ bool wait_peer(const struct moeep_ctx &ctx, const uint64_t *flag, uint64_t want, int peer,
+                                          uint64_t bound_ns) {
+        struct spin s = spin_begin();
+
+        return spin_until([&] { return ld_acquire_sys(flag) >= want; },
+                          [&] { return spin_give_up_peer(ctx, s, peer, bound_ns); });
+}
+
+/* The give-up policy of an elastic endpoint's wait for another block of
+ * its own launch (which is itself bounded: its waits for peers take at
+ * most three shrink timeouts): the daemon stopping, another wait's failure,
+ * or ctx.timeout_ns past those (recorded as a timeout). */
+__device__ __forceinline__ bool spin_give_up_block(const struct moeep_ctx &ctx, struct spin &s) {
+        if (++s.n % SPIN_CHECK_EVERY)
+                return false;
+        if (*(volatile uint32_t *)&ctx.state->error)
+                return true;
+        if (ll_lost_word(ctx) >> 32) {
+                record_error(ctx, MOEEP_KERR_ABORT, -1);
+                return true;
+        }
+        if (globaltimer_ns() - s.start > ctx.timeout_ns + 3 * ctx.shrink_timeout_ns) {
+                record_error(ctx, MOEEP_KERR_TIMEOUT, ctx.rank);
+                return true;
+        }
+        return false;
+}
+
+/* A decision one block takes for the others (the state's ll_*_view words):
+ * (seq & 0xffffffff) << 32 | bits, released at GPU scope after everything
+ * it decided on was acquired, so that a block that acquires it sees that
+ * too. */
+__device__ __forceinline__ void publish_decision(uint64_t *word, uint64_t seq, uint32_t bits) {
+        st_release_gpu(word, (seq & 0xffffffffull) << 32 | bits);
+}
+
+/* Waits for the decision of sequence number seq in *word; returns its bits,
+ * or 0 when the wait gave up (an error is recorded). */
+__device__ __forceinline__ uint32_t wait_decision(const struct moeep_ctx &ctx, const uint64_t *word, uint64_t seq) {
+        struct spin s = spin_begin();
+        uint64_t w = 0;
+
+        if (!spin_until([&] { return ((w = ld_acquire_sys(word)) >> 32) == (seq & 0xffffffffull); },
+                        [&] { return spin_give_up_block(ctx, s); }))
+                return 0;
+        return (uint32_t)w;
 }

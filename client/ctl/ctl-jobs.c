@@ -7,6 +7,7 @@ static const struct ctl_column columns[] = {
         { "ID", "job_id", CTL_UINT },        { "NAME", "name", CTL_STRING },
         { "WORLD", "world_size", CTL_UINT }, { "JOINED", "joined_ranks", CTL_RANKS },
         { "STATE", "state", CTL_STRING },    { "OWNER", "owner_uid", CTL_UINT },
+        { "LOST", "lost_ranks", CTL_RANKS },
 };
 
 int ctl_jobs(struct ctl *ctl) {
@@ -32,6 +33,7 @@ int ctl_jobs(struct ctl *ctl) {
                                               { .list = j->joined_ranks, .n = j->n_joined_ranks },
                                               { .s = j->state },
                                               { .u = j->owner_uid },
+                                              { .list = j->lost_ranks, .n = j->n_lost_ranks },
                                       });
         }
         return ctl_table_finish(&t, r, ctl->json, false, resp);

@@ -55,8 +55,10 @@ int launch_result(struct moeep_ep *ep, const char *what, int r);
 
 /* 0 while the job lives, else -ENOTCONN (the daemon aborted it: a rank
  * was lost) or -ECONNRESET (moeepd is gone) with the error text set.
- * Every data call starts with it, so it launches nothing on a dead job. */
-int ep_check_live(struct moeep_ep *ep);
+ * Every data call starts with it, so it launches nothing on a dead job.
+ * `elastic`: the call goes on when ranks were lost (not when the daemon
+ * stops). */
+int ep_check_live(struct moeep_ep *ep, bool elastic);
 
 /* 0 for a known index type, else -EINVAL with the error text set. */
 int check_index_type(struct moeep_ep *ep, enum moeep_index_type t);

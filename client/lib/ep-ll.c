@@ -14,7 +14,7 @@ static int ll_check(struct moeep_ep *ep, const void *topk_idx, enum moeep_index_
                     int num_topk) {
         int r;
 
-        if ((r = ep_check_live(ep)) < 0)
+        if ((r = ep_check_live(ep, ep->ctx.shrink)) < 0)
                 return r;
         if (!ep->ctx.ll.max_tokens)
                 return ep_fail(ep, -EINVAL, "the endpoint has no low-latency buffers (ll_max_tokens 0)");
@@ -31,9 +31,31 @@ static int ll_check(struct moeep_ep *ep, const void *topk_idx, enum moeep_index_
         return 0;
 }
 
+/* The kernel context of one call: the endpoint's, or a copy with the
+ * call's active_ranks and shrink timeout (elastic endpoints only). */
+static int ll_call_ctx(struct moeep_ep *ep, const int32_t *active, int timeout_us, struct moeep_ctx *tmp,
+                       const struct moeep_ctx **ret) {
+        if (!active && timeout_us <= 0) {
+                *ret = &ep->ctx;
+                return 0;
+        }
+        if (!ep->ctx.shrink)
+                return ep_fail(ep, -EINVAL,
+                               "active_ranks and timeout_us need an elastic endpoint (ll_shrink, DeepEP's "
+                               "enable_shrink)");
+        *tmp = ep->ctx;
+        tmp->active = (int32_t *)active;
+        if (timeout_us > 0)
+                tmp->shrink_timeout_ns = (uint64_t)timeout_us * 1000;
+        *ret = tmp;
+        return 0;
+}
+
 int moeep_ll_dispatch(struct moeep_ep *ep, const struct moeep_ll_dispatch_args *a,
                       struct moeep_ll_dispatch_result *ret, struct moeep_ll_hook *ret_hook,
                       cudaStream_t stream) {
+        const struct moeep_ctx *ctx;
+        struct moeep_ctx tmp;
         char *own;
         int r, set, slots, idx64;
 
@@ -57,21 +79,22 @@ int moeep_ll_dispatch(struct moeep_ep *ep, const struct moeep_ll_dispatch_args *
                                a->num_max_tokens, a->num_tokens, ep->ctx.ll.max_tokens);
         slots = ep->ctx.ranks * (a->num_max_tokens ? a->num_max_tokens : ep->ctx.ll.max_tokens);
         idx64 = a->topk_idx_type == MOEEP_INDEX_INT64;
+        if ((r = ll_call_ctx(ep, a->active_ranks, a->timeout_us, &tmp, &ctx)) < 0)
+                return r;
 
         /* Without a hook, one launch does both phases. */
         set = (int)(ep->ll_calls & 1);
         r = launch_result(
                 ep, "low-latency dispatch",
                 moeep_launch_ll_dispatch(
-                        &ep->ctx, a->x, a->num_tokens, a->topk_idx, idx64, a->num_topk, set, slots,
-                        a->use_fp8, a->round_scale,
+                        ctx, a->x, a->num_tokens, a->topk_idx, idx64, a->num_topk, set, slots, a->use_fp8,
+                        a->round_scale,
                         MOEEP_LL_SEND | (!a->return_recv_hook && !ep->ctx.px.remote ? MOEEP_LL_RECV : 0),
                         a->cumulative_local_expert_recv_stats, stream));
         if (r == 0 && !a->return_recv_hook && ep->ctx.px.remote) /* remote pairs: the relay receives */
                 r = launch_result(ep, "low-latency dispatch relay",
-                                  moeep_launch_ll_dispatch_relay(&ep->ctx, set, slots,
-                                                                 a->cumulative_local_expert_recv_stats,
-                                                                 stream));
+                                  moeep_launch_ll_dispatch_relay(
+                                          ctx, set, slots, a->cumulative_local_expert_recv_stats, stream));
         if (r < 0)
                 return r;
         ep->ll_calls++;
@@ -82,7 +105,9 @@ int moeep_ll_dispatch(struct moeep_ep *ep, const struct moeep_ll_dispatch_args *
                                                     .idx_is_int64 = idx64,
                                                     .num_tokens = a->num_tokens,
                                                     .num_topk = a->num_topk,
-                                                    .slots = slots };
+                                                    .slots = slots,
+                                                    .active_ranks = a->active_ranks,
+                                                    .timeout_us = a->timeout_us };
 
         own = ep->ctx.peers[ep->ctx.rank];
         *ret = (struct moeep_ll_dispatch_result){
@@ -121,11 +146,15 @@ int moeep_ll_combine(struct moeep_ep *ep, const struct moeep_ll_combine_args *a,
                                a->handle->slots_per_expert);
 
         const int idx64 = a->topk_idx_type == MOEEP_INDEX_INT64;
+        const struct moeep_ctx *ctx;
+        struct moeep_ctx tmp;
+        if ((r = ll_call_ctx(ep, a->active_ranks, a->timeout_us, &tmp, &ctx)) < 0)
+                return r;
         /* Without a hook and without remote ranks (whose rows a relay kernel
          * places between the phases), one launch does both phases. */
         const int both = !a->return_recv_hook && !ep->ctx.px.remote;
         r = launch_result(ep, "low-latency combine",
-                          moeep_launch_ll_combine(&ep->ctx, a->x, a->handle->set, a->handle->slots_per_expert,
+                          moeep_launch_ll_combine(ctx, a->x, a->handle->set, a->handle->slots_per_expert,
                                                   MOEEP_LL_SEND | (both ? MOEEP_LL_RECV : 0), a->topk_idx,
                                                   idx64, a->topk_weights, a->handle->num_tokens, a->num_topk,
                                                   a->out, stream));
@@ -141,6 +170,8 @@ int moeep_ll_combine(struct moeep_ep *ep, const struct moeep_ll_combine_args *a,
                 .num_tokens = a->handle->num_tokens,
                 .num_topk = a->num_topk,
                 .out = a->out,
+                .active_ranks = a->active_ranks,
+                .timeout_us = a->timeout_us,
         };
         if (a->return_recv_hook) {
                 *ret_hook = hook;
@@ -150,10 +181,16 @@ int moeep_ll_combine(struct moeep_ep *ep, const struct moeep_ll_combine_args *a,
 }
 
 int moeep_ll_hook_run(struct moeep_ep *ep, const struct moeep_ll_hook *h, cudaStream_t stream) {
+        const struct moeep_ctx *ctx;
+        struct moeep_ctx tmp;
+        int r;
+
         if (!ep)
                 return -EINVAL;
         if (!h)
                 return ep_fail(ep, -EINVAL, "low-latency hook is NULL");
+        if (h->kind != HOOK_NONE && (r = ll_call_ctx(ep, h->active_ranks, h->timeout_us, &tmp, &ctx)) < 0)
+                return r;
         switch (h->kind) {
         case HOOK_NONE:
                 return 0;
@@ -161,24 +198,39 @@ int moeep_ll_hook_run(struct moeep_ep *ep, const struct moeep_ll_hook *h, cudaSt
                 if (ep->ctx.px.remote)
                         return launch_result(
                                 ep, "low-latency dispatch relay",
-                                moeep_launch_ll_dispatch_relay(&ep->ctx, h->set, h->slots, h->stats, stream));
+                                moeep_launch_ll_dispatch_relay(ctx, h->set, h->slots, h->stats, stream));
                 return launch_result(ep, "low-latency dispatch receive",
-                                     moeep_launch_ll_dispatch(&ep->ctx, NULL, h->num_tokens, NULL,
-                                                              h->idx_is_int64, h->num_topk, h->set, h->slots,
-                                                              0, 0, MOEEP_LL_RECV, h->stats, stream));
+                                     moeep_launch_ll_dispatch(ctx, NULL, h->num_tokens, NULL, h->idx_is_int64,
+                                                              h->num_topk, h->set, h->slots, 0, 0,
+                                                              MOEEP_LL_RECV, h->stats, stream));
         case HOOK_COMBINE:
                 if (ep->ctx.px.remote) {
-                        int r = launch_result(ep, "low-latency combine relay",
-                                              moeep_launch_ll_combine_relay(&ep->ctx, h->set, stream));
+                        r = launch_result(ep, "low-latency combine relay",
+                                          moeep_launch_ll_combine_relay(ctx, h->set, stream));
                         if (r < 0)
                                 return r;
                 }
                 return launch_result(ep, "low-latency combine receive",
-                                     moeep_launch_ll_combine(&ep->ctx, NULL, h->set, h->slots, MOEEP_LL_RECV,
+                                     moeep_launch_ll_combine(ctx, NULL, h->set, h->slots, MOEEP_LL_RECV,
                                                              h->topk_idx, h->idx_is_int64, h->topk_weights,
                                                              h->num_tokens, h->num_topk, h->out, stream));
         }
         return ep_fail(ep, -EINVAL, "low-latency hook of unknown kind %d", h->kind);
+}
+
+/* Elastic: the clean barrier on the device (moeep_launch_ll_clean), which
+ * needs no daemon barrier (the job may have lost ranks: its daemon barriers
+ * fail then). */
+static int ll_clean_elastic(struct moeep_ep *ep) {
+        int r;
+
+        if ((r = ep_check_live(ep, true)) < 0)
+                return r;
+        if (cudaDeviceSynchronize() != cudaSuccess)
+                return ep_fail(ep, -EIO, "cleaning the low-latency buffers: %s",
+                               cudaGetErrorString(cudaGetLastError()));
+        r = launch_result(ep, "low-latency clean barrier", moeep_launch_ll_clean(&ep->ctx, 0));
+        return r < 0 ? r : moeep_ep_check(ep);
 }
 
 int moeep_ll_clean(struct moeep_ep *ep) {
@@ -189,6 +241,8 @@ int moeep_ll_clean(struct moeep_ep *ep) {
                 return -EINVAL;
         if (!ep->ctx.ll.max_tokens)
                 return ep_fail(ep, -EINVAL, "the endpoint has no low-latency buffers (ll_max_tokens 0)");
+        if (ep->ctx.shrink)
+                return ll_clean_elastic(ep);
         own = ep->ctx.peers[ep->ctx.rank];
         /* Counters and counts only: flags carry sequence numbers and never
          * need it. */
@@ -202,4 +256,33 @@ int moeep_ll_clean(struct moeep_ep *ep) {
         if (r < 0)
                 return ep_fail(ep, r, "barrier after cleaning: %s", moeep_client_error(ep->client));
         return 0;
+}
+
+/* ------------------------------------------------------------------ elastic ranks: the mask */
+
+static int mask_op(struct moeep_ep *ep, int op, int rank, int value, int32_t *out, cudaStream_t stream,
+                   const char *what) {
+        if (!ep)
+                return -EINVAL;
+        if (!ep->ctx.shrink)
+                return ep_fail(ep, -EINVAL,
+                               "%s: the endpoint is not elastic (ll_shrink, DeepEP's enable_shrink)", what);
+        return launch_result(ep, what, moeep_launch_ll_mask(&ep->ctx, op, rank, value, out, stream));
+}
+
+int moeep_ll_mask_query(struct moeep_ep *ep, int32_t *mask_status, cudaStream_t stream) {
+        if (ep && !mask_status)
+                return ep_fail(ep, -EINVAL, "low-latency mask query: mask_status is NULL");
+        return mask_op(ep, MOEEP_LL_MASK_QUERY, 0, 0, mask_status, stream, "low-latency mask query");
+}
+
+int moeep_ll_mask_update(struct moeep_ep *ep, int rank, bool mask, cudaStream_t stream) {
+        if (ep && (rank < 0 || rank >= ep->ctx.ranks))
+                return ep_fail(ep, -EINVAL, "low-latency mask update: rank %d is outside 0..%d", rank,
+                               ep->ctx.ranks - 1);
+        return mask_op(ep, MOEEP_LL_MASK_SET, rank, mask ? 1 : 0, NULL, stream, "low-latency mask update");
+}
+
+int moeep_ll_mask_clean(struct moeep_ep *ep, cudaStream_t stream) {
+        return mask_op(ep, MOEEP_LL_MASK_CLEAN, 0, 0, NULL, stream, "low-latency mask clean");
 }

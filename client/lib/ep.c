@@ -72,6 +72,12 @@ static int config_check(struct moeep_ep *ep, const struct moeep_ep_config *c, in
         if (c->recv_areas < 0 || c->recv_areas > MOEEP_MAX_RECV_AREAS)
                 return ep_fail(ep, -EINVAL, "recv_areas %d is outside 0..%d", c->recv_areas,
                                MOEEP_MAX_RECV_AREAS);
+        if (c->ll_shrink != 0 && c->ll_shrink != 1)
+                return ep_fail(ep, -EINVAL, "ll_shrink %d is neither 0 nor 1", c->ll_shrink);
+        if (c->ll_shrink && !c->ll_max_tokens)
+                return ep_fail(ep, -EINVAL, "ll_shrink needs low-latency buffers (ll_max_tokens > 0)");
+        if (c->shrink_timeout_ms < 0)
+                return ep_fail(ep, -EINVAL, "shrink_timeout_ms %d is negative", c->shrink_timeout_ms);
         return 0;
 }
 
@@ -146,6 +152,15 @@ static void map_control_page(struct moeep_ep *ep) {
         }
         ep->ctx.abort_word =
                 (const volatile uint32_t *)((char *)dev + offsetof(struct moeep_control_page, abort));
+        /* lost_ranks and stopping, one 8-byte word for the kernels. */
+        _Static_assert(offsetof(struct moeep_control_page, stopping) ==
+                                       offsetof(struct moeep_control_page, lost_ranks) + 4 &&
+                               offsetof(struct moeep_control_page, lost_ranks) % 8 == 0,
+                       "lost word layout");
+        if (page->version >= 2)
+                ep->ctx.lost_word =
+                        (const volatile uint64_t *)((char *)dev +
+                                                    offsetof(struct moeep_control_page, lost_ranks));
 }
 
 static int ep_attach(struct moeep_ep *ep, const struct moeep_ep_config *c) {
@@ -259,6 +274,19 @@ static void ep_free(struct moeep_ep *ep) {
         free(ep);
 }
 
+/* The shrink timeout: the configuration's, else $MOEEP_SHRINK_TIMEOUT_MS
+ * (for programs that cannot pass it, e.g. DeepEP's tests), else the
+ * default. */
+static int shrink_timeout_ms(const struct moeep_ep_config *c) {
+        const char *env = getenv("MOEEP_SHRINK_TIMEOUT_MS");
+
+        if (c->shrink_timeout_ms)
+                return c->shrink_timeout_ms;
+        if (env && atoi(env) > 0)
+                return atoi(env);
+        return MOEEP_DEFAULT_SHRINK_TIMEOUT_MS;
+}
+
 int moeep_ep_create(struct moeep_client *client, const struct moeep_ep_config *config,
                     struct moeep_ep **ret_ep) {
         char why[sizeof(((struct moeep_ep *)0)->error)];
@@ -297,6 +325,8 @@ int moeep_ep_create(struct moeep_client *client, const struct moeep_ep_config *c
                 ep->ctx.combine_send_blocks = atoi(getenv("MOEEP_COMBINE_SEND_BLOCKS"));
         ep->ctx.timeout_ns =
                 (uint64_t)(config->timeout_ms ? config->timeout_ms : MOEEP_DEFAULT_TIMEOUT_MS) * 1000000;
+        ep->ctx.shrink = config->ll_shrink;
+        ep->ctx.shrink_timeout_ns = (uint64_t)shrink_timeout_ms(config) * 1000000;
         r = ep_attach(ep, config);
         if (r < 0)
                 goto fail;
@@ -334,11 +364,13 @@ static int ep_aborted(struct moeep_ep *ep, int peer) {
         return ep_fail(ep, -ENOTCONN, "rank %d: job aborted by moeepd (rank %d lost)", ep->ctx.rank, lost);
 }
 
-int ep_check_live(struct moeep_ep *ep) {
+int ep_check_live(struct moeep_ep *ep, bool elastic) {
         const volatile struct moeep_control_page *page = ep->control_page;
         int r;
 
-        if (page && page->abort)
+        /* An elastic call goes on after ranks were lost; not after the
+         * daemon stopped, nor with a page that cannot say which it is. */
+        if (page && page->abort && (!elastic || page->version < 2 || page->stopping))
                 return ep_aborted(ep, -1);
         if ((r = client_check_alive(ep->client)) < 0)
                 return ep_fail(ep, r, "rank %d: %s; the job is gone: destroy the endpoint and attach again",
@@ -362,8 +394,27 @@ static int state_error(struct moeep_ep *ep, uint32_t err, int peer) {
                 return ep_aborted(ep, peer);
         case MOEEP_KERR_PROXY:
                 return ep_px_error(ep, peer);
+        case MOEEP_KERR_SHRINK_VIEW:
+                return ep_fail(
+                        ep, -EPROTO,
+                        "rank %d: rank %d placed its low-latency pairs after counts this rank did not see "
+                        "(a rank died while its counts were reaching some ranks only): the dispatch's "
+                        "outputs are undefined; rebuild the job",
+                        ep->ctx.rank, peer);
         }
         return ep_fail(ep, -EIO, "rank %d: device error code %u", ep->ctx.rank, err);
+}
+
+int moeep_ep_lost_ranks(const struct moeep_ep *ep, uint32_t *ret_lost) {
+        const volatile struct moeep_control_page *page;
+
+        if (!ep || !ret_lost)
+                return -EINVAL;
+        page = ep->control_page;
+        if (!page || page->version < 2)
+                return -EOPNOTSUPP;
+        *ret_lost = __atomic_load_n(&page->lost_ranks, __ATOMIC_ACQUIRE);
+        return 0;
 }
 
 int moeep_ep_check(struct moeep_ep *ep) {
@@ -528,7 +579,7 @@ static int dispatch_topk(const struct moeep_dispatch_args *a) {
 static int dispatch_check(struct moeep_ep *ep, const struct moeep_dispatch_args *a) {
         int r;
 
-        if ((r = ep_check_live(ep)) < 0 || (r = check_dtype(ep, a->x_type)) < 0)
+        if ((r = ep_check_live(ep, false)) < 0 || (r = check_dtype(ep, a->x_type)) < 0)
                 return r;
         if (a->handle && a->handle->ep != ep)
                 return ep_fail(ep, -EINVAL, "the handle belongs to another endpoint");
@@ -691,7 +742,7 @@ int moeep_combine(struct moeep_ep *ep, const struct moeep_combine_args *a, cudaS
                 return -EINVAL;
         if (!a || !a->handle)
                 return ep_fail(ep, -EINVAL, "combine needs a dispatch handle");
-        if ((r = ep_check_live(ep)) < 0)
+        if ((r = ep_check_live(ep, false)) < 0)
                 return r;
         if (a->handle->ep != ep)
                 return ep_fail(ep, -EINVAL, "the handle belongs to another endpoint");

@@ -7,8 +7,13 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <stdbool.h>
 #include <stdio.h>
+#include <string.h>
+#include <sys/socket.h>
 #include <sys/types.h>
+#include <sys/un.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -35,6 +40,36 @@ static inline void sleep_ms(long ms) {
         struct timespec ts = { .tv_sec = ms / 1000, .tv_nsec = (ms % 1000) * 1000000 };
 
         nanosleep(&ts, NULL);
+}
+
+/* Starts moeepd (`moeepd`) from the configuration file `conf_path`, its
+ * output into `log_path`, and waits up to 10 s for it to accept on the
+ * Unix socket `sock_path`. Returns 0 with *ret_pid, or -1 (*ret_pid -1
+ * when it exited, else still its pid for the caller's cleanup). */
+static inline int proc_start_moeepd(const char *moeepd, const char *conf_path, const char *log_path,
+                                    const char *sock_path, pid_t *ret_pid) {
+        struct sockaddr_un a = { .sun_family = AF_UNIX };
+
+        snprintf(a.sun_path, sizeof(a.sun_path), "%s", sock_path);
+        *ret_pid =
+                proc_spawn_logged((char *const[]){ (char *)moeepd, "-c", (char *)conf_path, NULL }, log_path);
+        if (*ret_pid < 0)
+                return -1;
+        for (int i = 0; i < 400; i++) {
+                int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+                bool up = fd >= 0 && connect(fd, (const struct sockaddr *)&a, sizeof(a)) == 0;
+
+                if (fd >= 0)
+                        close(fd);
+                if (up)
+                        return 0;
+                if (waitpid(*ret_pid, NULL, WNOHANG) == *ret_pid) {
+                        *ret_pid = -1;
+                        return -1;
+                }
+                sleep_ms(25);
+        }
+        return -1;
 }
 
 /* Entries of /proc/PID/fd, or -1. */

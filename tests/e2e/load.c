@@ -162,23 +162,7 @@ static int start_daemon(const char *moeepd) {
                 "max_fds_per_uid = 65536\n",
                 sock_path);
         fclose(f);
-        daemon_pid = proc_spawn_logged((char *const[]){ (char *)moeepd, "-c", conf_path, NULL }, log_path);
-        if (daemon_pid < 0)
-                return -1;
-        for (int i = 0; i < 400; i++) {
-                struct moeep_client *c;
-
-                if (moeep_connect(sock_path, &c) == 0) {
-                        moeep_client_free(c);
-                        return 0;
-                }
-                if (waitpid(daemon_pid, NULL, WNOHANG) == daemon_pid) {
-                        daemon_pid = -1;
-                        return -1;
-                }
-                sleep_ms(25);
-        }
-        return -1;
+        return proc_start_moeepd(moeepd, conf_path, log_path, sock_path, &daemon_pid);
 }
 
 /* One cycle as the workers do it, so that what is allocated once (receive

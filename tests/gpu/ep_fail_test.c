@@ -85,27 +85,6 @@ struct shared {
         char msg[MOEEP_MAX_RANKS][240];
 };
 
-static int64_t now_ns(void) {
-        struct timespec ts;
-        clock_gettime(CLOCK_MONOTONIC, &ts);
-        return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
-
-static void sleep_ms(int ms) {
-        struct timespec ts = { .tv_sec = ms / 1000, .tv_nsec = (long)(ms % 1000) * 1000000L };
-        nanosleep(&ts, NULL);
-}
-
-/* Waits until *v >= want; false after timeout_ms. */
-static bool wait_shared(volatile int *v, int want, int timeout_ms) {
-        for (int i = 0; i < timeout_ms; i++) {
-                if (__atomic_load_n(v, __ATOMIC_ACQUIRE) >= want)
-                        return true;
-                sleep_ms(1);
-        }
-        return false;
-}
-
 #define FAIL(...)                                                        \
         do {                                                             \
                 snprintf(sh->msg[me], sizeof(sh->msg[me]), __VA_ARGS__); \

@@ -9,6 +9,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <time.h>
 
 #include "moeep.h"
 
@@ -49,5 +50,29 @@ int suite_start(const char *name, const char *default_ranks, bool with_case, int
 /* The next count of a --ranks list at *list, which moves past it and its
  * commas; false at the list's end. */
 bool suite_next_ranks(const char **list, int *ret_ranks);
+
+/* For the programs that drive their jobs themselves (ep_fail_test.c,
+ * ep_shrink_test.c): CLOCK_MONOTONIC in ns (the same clock in every
+ * process), a sleep, and a wait on a counter in memory shared with the
+ * other ranks: true once *v >= want, false after timeout_ms. */
+static inline int64_t now_ns(void) {
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static inline void sleep_ms(int ms) {
+        struct timespec ts = { .tv_sec = ms / 1000, .tv_nsec = (long)(ms % 1000) * 1000000L };
+        nanosleep(&ts, NULL);
+}
+
+static inline bool wait_shared(volatile int *v, int want, int timeout_ms) {
+        for (int i = 0; i < timeout_ms; i++) {
+                if (__atomic_load_n(v, __ATOMIC_ACQUIRE) >= want)
+                        return true;
+                sleep_ms(1);
+        }
+        return false;
+}
 
 #endif

@@ -17,8 +17,9 @@
  *
  * --expect-lost: instead of the third barrier and leaving, it creates FILE
  * (--ready-file) and enters a barrier that can only end because the test kills the other daemon: it
- * must fail with -ENOTCONN, the control page's abort word must be set, and
- * a PeerLost event must name a remote rank. --hold: instead, it creates
+ * must fail with -ENOTCONN, the control page's abort word must be set, its
+ * lost_ranks must name every remote rank, and a PeerLost event must name a
+ * remote rank. --hold: instead, it creates
  * FILE and waits to be killed (with its daemon).
  *
  * Exit status: 0 when everything checked out, 1 on any mismatch (one line
@@ -121,6 +122,14 @@ static int run(struct moeep_client *c, const char *id_file, bool create, int wor
         page = moeep_job_control_page(c);
         if (!page || page->abort != 1)
                 return fail("the control page's abort word is not set");
+        /* Every rank at the dead daemon is marked lost (control page
+         * version 2; a local rank that checked already and left is too). */
+        for (int i = 0; i < 1000 && (page->lost_ranks & want_remote) != want_remote; i++)
+                nanosleep(&(struct timespec){ .tv_nsec = 1000000 }, NULL);
+        if (page->version < 2 || (page->lost_ranks & want_remote) != want_remote || page->stopping)
+                return fail(
+                        "control page version %u: lost_ranks 0x%x, want the remote ranks 0x%x; stopping %u",
+                        page->version, page->lost_ranks, want_remote, page->stopping);
         r = moeep_event_next(c, &ev);
         if (r != 1 || ev.type != MOEEP_EVENT_PEER_LOST || ev.rank < 0 || !(want_remote & (1u << ev.rank)))
                 return fail("want a PeerLost event naming a remote rank: r=%d type %d rank %d", r,

@@ -30,6 +30,13 @@
  *   finished it creates FILE (--ready-file). It must end with the ring's
  *   error or the job's abort word (the test kills the other daemon) and
  *   prints which, with CLOCK_REALTIME in ns, so that the script can time it.
+ * --mode elastic: as stream (FILE once 2000 finished), but the test kills
+ *   one rank: a remote rank that the control page marks lost is written to
+ *   for LOST_WRITE_MS more (as an elastic endpoint's kernels may, until
+ *   they notice), then no more, and the others LOST_AFTER_MS past that,
+ *   longer than the daemon keeps a lost rank's regions. The ring must never
+ *   fail (writes in flight to a lost rank land; the job's abort word is
+ *   expected), and it ends 0.
  *
  * Exit status: 0 when everything checked out, 1 on a mismatch (one line on
  * stderr naming the rank, the check and the value seen), 2 on bad usage.
@@ -162,8 +169,10 @@ static int wait_counter(const struct ctx *x, uint64_t *counter, uint64_t value) 
         return 0;
 }
 
-static int push(struct ctx *x, uint32_t peer, uint64_t src_off, uint64_t dst_off, uint32_t len,
-                uint32_t signal_id, uint64_t value) {
+/* Writes one descriptor; -ENOTCONN when the job's abort word is set,
+ * unless `elastic` (an elastic job goes on after a loss). */
+static int push_desc(struct ctx *x, uint32_t peer, uint64_t src_off, uint64_t dst_off, uint32_t len,
+                     uint32_t signal_id, uint64_t value, bool elastic) {
         struct proxy_desc d = { .src_offset = src_off,
                                 .dst_offset = dst_off,
                                 .signal_value = value,
@@ -173,7 +182,12 @@ static int push(struct ctx *x, uint32_t peer, uint64_t src_off, uint64_t dst_off
                                 .flags = PROXY_DESC_SIGNAL };
         int r = drv_push(&x->ring, &d, deadline_ns);
 
-        return r == 0 && __atomic_load_n(&x->page->abort, __ATOMIC_ACQUIRE) ? -ENOTCONN : r;
+        return r == 0 && !elastic && __atomic_load_n(&x->page->abort, __ATOMIC_ACQUIRE) ? -ENOTCONN : r;
+}
+
+static int push(struct ctx *x, uint32_t peer, uint64_t src_off, uint64_t dst_off, uint32_t len,
+                uint32_t signal_id, uint64_t value) {
+        return push_desc(x, peer, src_off, dst_off, len, signal_id, value, false);
 }
 
 /* Slot of (peer, i) in a region: one S-byte slot per (rank, descriptor). */
@@ -403,6 +417,62 @@ static int mode_stream(struct ctx *x, const char *ready_file) {
         return 0;
 }
 
+#define LOST_WRITE_MS 300
+#define LOST_AFTER_MS 1500
+
+static int mode_elastic(struct ctx *x, const char *ready_file) {
+        uint64_t n = 0, lost_ns = 0;
+        uint32_t skip = 0, lost = 0;
+        bool ready = false;
+        int r = 0;
+
+        while (drv_now_ns() < deadline_ns) {
+                const uint64_t now = drv_now_ns();
+
+                lost = __atomic_load_n(&x->page->lost_ranks, __ATOMIC_ACQUIRE);
+                if (lost && !lost_ns)
+                        lost_ns = now;
+                if (lost_ns && now > lost_ns + LOST_WRITE_MS * 1000000ull)
+                        skip = lost;
+                if (lost_ns && now > lost_ns + (LOST_WRITE_MS + LOST_AFTER_MS) * 1000000ull)
+                        break;
+                for (uint32_t d = 0; d < (uint32_t)x->world && r == 0; d++) {
+                        uint32_t i = (uint32_t)(n % x->count);
+
+                        if (!(x->remote & (1u << d)) || (skip & (1u << d)))
+                                continue;
+                        if (n >= x->count)
+                                r = drv_wait_done(&x->ring, x->ring.tail + 1 - x->count, deadline_ns);
+                        if (r == 0)
+                                r = push_desc(x, d, slot(x, d, i), slot(x, (uint32_t)x->rank, i), x->size,
+                                              (uint32_t)x->rank * x->count + i, n + 1, true);
+                }
+                if (r == 0)
+                        r = DRV_LOAD_ACQ(&x->ring.hdr->error);
+                if (r < 0)
+                        return fail("elastic: the ring failed after %" PRIu64 " rounds: %s (peer %" PRId32
+                                    "), lost ranks 0x%x",
+                                    n, strerror(-r), (int32_t)x->ring.hdr->error_peer, lost);
+                n++;
+                if (!ready && n >= 2000 && DRV_LOAD_ACQ(&x->ring.hdr->done) >= 2000) {
+                        int fd = open(ready_file, O_WRONLY | O_CREAT | O_CLOEXEC, 0600);
+
+                        if (fd >= 0)
+                                close(fd);
+                        ready = true;
+                }
+        }
+        if (!lost_ns)
+                return fail("elastic: no rank was marked lost within the timeout (%" PRIu64 " rounds)", n);
+        if ((r = drv_wait_done(&x->ring, x->ring.tail, deadline_ns)) < 0)
+                return fail("elastic: the last writes did not finish: %s", strerror(-r));
+        printf("proxy-rank %d: elastic: %" PRIu64
+               " rounds; wrote to lost ranks 0x%x for %d ms after the loss, "
+               "then %d ms to the others: no ring error\n",
+               x->rank, n, lost & x->remote, LOST_WRITE_MS, LOST_AFTER_MS);
+        return 0;
+}
+
 /* ------------------------------------------------------------ main */
 
 static int run(struct ctx *x, const char *id_file, bool create, const char *mode, const char *ready_file) {
@@ -451,6 +521,8 @@ static int run(struct ctx *x, const char *id_file, bool create, const char *mode
                 r = mode_data(x);
         else if (strcmp(mode, "bad-local") == 0 || strcmp(mode, "bad-range") == 0)
                 r = mode_bad(x, strcmp(mode, "bad-local") == 0);
+        else if (strcmp(mode, "elastic") == 0)
+                r = mode_elastic(x, ready_file);
         else
                 r = mode_stream(x, ready_file);
         if (r == 0 && strcmp(mode, "data") == 0 && (r = moeep_job_leave(x->c)) < 0)
@@ -514,8 +586,8 @@ int main(int argc, char **argv) {
         if (!sock || !id_file || x.world < 2 || x.world > 32 || x.rank < 0 || x.rank >= x.world ||
             create < 0 || x.count == 0 || x.size < 64 || timeout <= 0 ||
             (strcmp(mode, "data") && strcmp(mode, "bad-local") && strcmp(mode, "bad-range") &&
-             strcmp(mode, "stream")) ||
-            (strcmp(mode, "stream") == 0 && !ready_file)) {
+             strcmp(mode, "stream") && strcmp(mode, "elastic")) ||
+            ((strcmp(mode, "stream") == 0 || strcmp(mode, "elastic") == 0) && !ready_file)) {
                 fprintf(stderr, "usage: see the comment at the top of proxy-rank.c\n");
                 return 2;
         }

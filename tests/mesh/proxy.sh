@@ -14,9 +14,14 @@
 #    its ring (-EINVAL) and aborts the job naming the writer ("not routed").
 # 3. bad-range: a descriptor past the receiver's region, the same ("range
 #    outside a region"). The daemons serve the next job.
-# 4. kill: the ranks stream; B is SIGKILLed; ranks 0 and 1 at A end with the
+# 4. elastic: the ranks stream; rank 3 (at B) is SIGKILLed; the ranks at A
+#    go on writing to it for 300 ms after its bit shows in their control
+#    page, then only to rank 2, for 1.5 s: no ring ever fails (B keeps the
+#    lost rank's receive and counters registered for a second), and B lets
+#    them go after that.
+# 5. kill: the ranks stream; B is SIGKILLed; ranks 0 and 1 at A end with the
 #    ring's error or the job's abort word within 10 s (the delay is printed).
-# 5. A stops on SIGTERM with exit status 0.
+# 6. A stops on SIGTERM with exit status 0.
 #
 # Everything it starts is killed and its temp dir removed on any exit; every
 # wait is bounded.
@@ -116,7 +121,22 @@ done
 log_has A "peer not routed: a rank at the ring's own daemon" || fail "A's log does not name the unrouted peer"
 log_has B "range outside a region" || fail "B's log does not name the bad range"
 
-# ------------------------------------------------------------ 4. kill
+# ------------------------------------------------------------ 4. elastic
+phase="elastic"
+job elastic --count 64 --size 4096 --ready-file "$tmp/ready-elastic" --timeout 30
+wait_until 20 "rank 0 to stream" test -e "$tmp/ready-elastic"
+sleep 0.2
+kill -KILL "${job_pids[3]}"
+wait "${job_pids[3]}" 2>/dev/null
+for r in 0 1 2; do
+        wait_until 20 "rank $r to end" bash -c "! kill -0 ${job_pids[$r]} 2>/dev/null"
+        wait "${job_pids[$r]}" || fail "rank $r exited $?: $(cat "$tmp/rank$r.out")"
+        cat "$tmp/rank$r.out"
+done
+wait_until 10 "B to let the lost rank's regions go" log_has B "rank 3: the lost rank's regions go"
+echo "ok: rank 3 killed mid-transfer: writes to it for 300 ms more landed, no ring failed, B released its regions after"
+
+# ------------------------------------------------------------ 5. kill
 phase="kill"
 job stream --count 64 --size 4096 --ready-file "$tmp/ready" --timeout 30
 wait_until 20 "rank 0 to stream" test -e "$tmp/ready"
@@ -137,7 +157,7 @@ kill -KILL "${job_pids[2]}" "${job_pids[3]}" 2>/dev/null
 kill -0 "${daemon_pid[A]}" || fail "A died"
 echo "ok: B killed mid-transfer: both ranks at A ended with an error, not a hang; A serves on"
 
-# ------------------------------------------------------------ 5. stop
+# ------------------------------------------------------------ 6. stop
 phase="stop"
 kill -TERM "${daemon_pid[A]}"
 wait_until 10 "A to exit" bash -c "! kill -0 ${daemon_pid[A]} 2>/dev/null"

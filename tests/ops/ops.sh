@@ -183,7 +183,7 @@ metric "$tmp/http.txt" 'moeepd_ranks=2' 'moeepd_jobs{state="ready"}=1' 'moeepd_j
         'moeepd_sessions{state="ready"}=2' 'moeepd_draining=0' 'moeepd_barriers_total=2' \
         'moeepd_requests_total{type="job_create"}=1' 'moeepd_requests_total{type="job_join"}=2' \
         'moeepd_requests_total{type="metrics_get"}=2' 'moeepd_errors_total{code="ERROR_DRAINING"}=0' \
-        'moeepd_ranks_lost_total=0' 'moeepd_http_requests_total=1'
+        'moeepd_ranks_lost_total=0' 'moeepd_job_lost_ranks=0' 'moeepd_http_requests_total=1'
 metric "$tmp/metrics.out" 'moeepd_ranks=2' 'moeepd_regions=2'
 # Same families, same HELP and TYPE lines, both ways.
 diff <(grep '^#' "$tmp/http.txt") <(grep '^#' "$tmp/metrics.out") >/dev/null ||

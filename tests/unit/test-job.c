@@ -154,10 +154,19 @@ static void test_unique_id_and_control_page(void **state) {
         page = mmap(NULL, MOEEP_CONTROL_PAGE_SIZE, PROT_READ, MAP_SHARED, fd, 0);
         assert_true(page != MAP_FAILED);
         assert_int_equal(page->magic, MOEEP_CONTROL_PAGE_MAGIC);
-        assert_int_equal(page->version, 1);
+        assert_int_equal(page->version, MOEEP_CONTROL_PAGE_VERSION);
+        assert_int_equal(page->version, 2);
         assert_int_equal(page->abort, 0);
         assert_int_equal(page->lost_rank, -1);
         assert_int_equal(page->job_id, job->id);
+        assert_int_equal(page->lost_ranks, 0);
+        assert_int_equal(page->stopping, 0);
+        /* Version 2 adds fields at the end: version 1's offsets stay. */
+        assert_int_equal(offsetof(struct moeep_control_page, abort), 8);
+        assert_int_equal(offsetof(struct moeep_control_page, lost_rank), 12);
+        assert_int_equal(offsetof(struct moeep_control_page, job_id), 16);
+        assert_int_equal(offsetof(struct moeep_control_page, lost_ranks), 24);
+        assert_int_equal(offsetof(struct moeep_control_page, stopping), 28);
         munmap((void *)page, MOEEP_CONTROL_PAGE_SIZE);
 }
 
@@ -301,6 +310,8 @@ static void test_abort_on_member_loss(void **state) {
         assert_int_equal(job->lost_rank, 1);
         assert_int_equal(page->abort, 1);
         assert_int_equal(page->lost_rank, 1);
+        assert_int_equal(page->lost_ranks, 1u << 1);
+        assert_int_equal(page->stopping, 0);
         /* The others are told; the waiter's barrier fails. */
         assert_int_equal(f->owners[0].peer_lost, 1);
         assert_int_equal(f->owners[0].lost_rank, 1);
@@ -313,8 +324,18 @@ static void test_abort_on_member_loss(void **state) {
         /* Aborted is final. */
         assert_int_equal(job_barrier(m[2], 8, errmsg), -ERROR_KIND_PEER_LOST);
         assert_int_equal(join(f, uid, 1, 3, 1, NULL), -ERROR_KIND_PEER_LOST);
-        /* A second loss keeps the first lost rank. */
+        /* A second loss keeps the first lost rank, and is marked lost too
+         * (elastic endpoints go on after the first). */
         job_member_lost(m[2], "test: killed");
+        assert_int_equal(page->lost_rank, 1);
+        assert_int_equal(page->lost_ranks, 1u << 1 | 1u << 2);
+        /* Told again of rank 2 (a mirror hears of it from its home too):
+         * nothing changes; the daemon stopping sets stopping only. */
+        job_abort(job, 2, "test: again");
+        assert_int_equal(f->owners[0].peer_lost, 2);
+        job_abort(job, JOB_NO_RANK, "test: the daemon is stopping");
+        assert_int_equal(page->stopping, 1);
+        assert_int_equal(page->lost_ranks, 1u << 1 | 1u << 2);
         assert_int_equal(page->lost_rank, 1);
         assert_int_equal(f->owners[0].peer_lost, 2);
         assert_int_equal(f->owners[0].lost_rank, 2);

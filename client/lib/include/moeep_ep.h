@@ -32,6 +32,10 @@ extern "C" {
 #define MOEEP_DEFAULT_NUM_SMS 24
 #define MOEEP_DEFAULT_TIMEOUT_MS 10000
 #define MOEEP_LL_MAX_TOKENS 1024
+/* Elastic endpoints: how long a low-latency call waits for a rank that
+ * neither comes nor is known lost before it masks it (see "Elastic ranks"
+ * below for why this value). */
+#define MOEEP_DEFAULT_SHRINK_TIMEOUT_MS 3000
 
 struct moeep_ep;
 struct moeep_ep_handle;
@@ -60,6 +64,13 @@ struct moeep_ep_config {
          * outputs of earlier dispatches in other areas stay intact (a
          * caller that hands them out as views picks an area nobody holds). */
         int recv_areas;
+        /* Elastic ranks (DeepEP's enable_shrink): 1 = the low-latency calls
+         * go on without ranks that are lost or masked (see "Elastic ranks"
+         * below); needs ll_max_tokens. Every rank of the job sets the same. */
+        int ll_shrink;
+        /* Elastic: the shrink timeout; 0 = $MOEEP_SHRINK_TIMEOUT_MS when set,
+         * else MOEEP_DEFAULT_SHRINK_TIMEOUT_MS. */
+        int shrink_timeout_ms;
 };
 
 /* Attaches to the job `client` joined (collective over the job's ranks) on
@@ -85,7 +96,9 @@ int moeep_ep_num_ranks(const struct moeep_ep *ep);
 int moeep_ep_set_num_sms(struct moeep_ep *ep, int num_sms);
 
 /* Waits for the device and reports a failure of an earlier device wait
- * (-ETIMEDOUT, or -ENOTCONN when the job was aborted); 0 when healthy. */
+ * (-ETIMEDOUT, or -ENOTCONN when the job was aborted; -EPROTO when an
+ * elastic dispatch found ranks placing pairs by different views, see
+ * "Elastic ranks"); 0 when healthy. */
 int moeep_ep_check(struct moeep_ep *ep);
 
 /* Layout of a routing, as DeepEP's get_dispatch_layout: from topk_idx
@@ -235,7 +248,9 @@ struct moeep_ll_hook {
         const float *topk_weights;
         int num_tokens, num_topk;
         void *out;
-        int slots; /* slots per expert of the dispatch */
+        int slots;                   /* slots per expert of the dispatch */
+        const int32_t *active_ranks; /* elastic: the call's, for its receive */
+        int timeout_us;
 };
 
 /* Routing of one low-latency dispatch, for its combine. Plain data. */
@@ -257,6 +272,12 @@ struct moeep_ll_dispatch_args {
         int *cumulative_local_expert_recv_stats; /* optional device [local experts]: += received per expert */
         int num_max_tokens; /* slots per expert = ranks * this (num_tokens..ll_max_tokens);
                                                  * 0 = ll_max_tokens */
+        /* Elastic endpoints only (NULL / 0 otherwise). Device int32 [ranks],
+         * the caller's view of the live ranks as Mooncake EP takes it: a rank
+         * at 0 is left out of this call (as if masked); moeep writes 0 for
+         * every rank the call masks. Same contents on every rank. */
+        const int32_t *active_ranks;
+        int timeout_us; /* > 0: this call's shrink timeout; 0 (or < 0): the endpoint's */
 };
 
 /* Device arrays in the endpoint's NVLink buffer (set `handle.set`). */
@@ -294,6 +315,8 @@ struct moeep_ll_combine_args {
         const struct moeep_ll_handle *handle;
         void *out; /* bf16 [num_tokens][hidden]: sum over k of weight * expert output */
         bool return_recv_hook;
+        const int32_t *active_ranks; /* elastic: as in moeep_ll_dispatch_args */
+        int timeout_us;
 };
 
 int moeep_ll_combine(struct moeep_ep *ep, const struct moeep_ll_combine_args *args,
@@ -303,8 +326,66 @@ int moeep_ll_combine(struct moeep_ep *ep, const struct moeep_ll_combine_args *ar
 int moeep_ll_hook_run(struct moeep_ep *ep, const struct moeep_ll_hook *hook, cudaStream_t stream);
 
 /* Resets the low-latency counters of both sets (collective: every rank
- * calls it while no low-latency call is in flight anywhere). */
+ * calls it while no low-latency call is in flight anywhere). Elastic: a
+ * barrier on the device with every rank that is not masked, where a rank
+ * that does not come within the shrink timeout is masked (DeepEP's
+ * clean_low_latency_buffer with shrink); synchronises the device. */
 int moeep_ll_clean(struct moeep_ep *ep);
+
+/* ------------------------------------------------------------------ elastic ranks
+ *
+ * An endpoint created with ll_shrink = 1 is elastic: its low-latency calls
+ * go on without ranks that are masked, as DeepEP's do with enable_shrink.
+ * The endpoint keeps a mask of ranks (DeepEP's mask buffer, on the device):
+ *
+ *  - Masked ranks' pairs are dropped in dispatch (not sent, not counted in
+ *    recv_count or layout_range: each expert's slots hold the other
+ *    sources' pairs from slot 0 on) and their experts' outputs left out of
+ *    combine (as if those top-k entries were -1). Nothing is written into a
+ *    masked rank's buffers.
+ *  - A rank is masked by a call that needed it and did not get it: the
+ *    daemon marked it lost (its process died, or its daemon, or the mesh
+ *    link to its daemon: the job's control page says so within
+ *    milliseconds, and a call waiting for it ends at once), or it did not
+ *    come within the shrink timeout (alive but silent: it skipped the
+ *    call). Every dispatch also masks the ranks the daemon marked lost
+ *    before it starts. Calls that were in flight complete.
+ *  - The shrink timeout (shrink_timeout_ms, $MOEEP_SHRINK_TIMEOUT_MS,
+ *    default MOEEP_DEFAULT_SHRINK_TIMEOUT_MS = 3 s; DeepEP's is 100 s)
+ *    only has to catch ranks that are alive but silent, since the daemon
+ *    reports dead ones: it must be longer than anything that can hold a
+ *    healthy rank back from a call (a decode step is tens of ms; a first
+ *    call may wait up to 2 s for a transport between daemons to open) and
+ *    short enough that a stuck rank costs seconds, not minutes. A wait for
+ *    a rank's counts masks it after the timeout, a wait for its rows after
+ *    twice it (its sender may have waited one timeout for counts first).
+ *  - Masks are per rank: every rank masks a dead rank, but a timeout is
+ *    each rank's own. Ranks whose masks differ (one masked a rank that the
+ *    others saw alive) keep working as long as what they send agrees; if a
+ *    dispatch finds a source that placed its pairs by counts it did not see
+ *    (a rank died while its counts reached some ranks and not others), the
+ *    call fails (-EPROTO from moeep_ep_check) instead of mixing rows.
+ *  - Normal-mode calls of an elastic endpoint fail when a rank is lost, as
+ *    any endpoint's do: rebuild the job over the survivors (docs/
+ *    reliability.md, "Rebuilding over the survivors").
+ *  - A masked rank can be unmasked (moeep_ll_mask_update) only when it made
+ *    the same low-latency calls as the others meanwhile (every call is
+ *    numbered); a rank that missed calls is rejoined by rebuilding. */
+
+/* Copies the mask into device int32 mask_status[ranks] (1 = masked) on
+ * `stream`. -EINVAL on an endpoint that is not elastic. */
+int moeep_ll_mask_query(struct moeep_ep *ep, int32_t *mask_status, cudaStream_t stream);
+
+/* Masks (mask true) or unmasks `rank`, on `stream`. */
+int moeep_ll_mask_update(struct moeep_ep *ep, int rank, bool mask, cudaStream_t stream);
+
+/* Unmasks every rank, on `stream`. */
+int moeep_ll_mask_clean(struct moeep_ep *ep, cudaStream_t stream);
+
+/* The ranks the daemon marked lost in the job's control page (bit r: rank
+ * r), read now on the host. -EOPNOTSUPP when the daemon's control page has
+ * no such word (an older moeepd). */
+int moeep_ep_lost_ranks(const struct moeep_ep *ep, uint32_t *ret_lost);
 
 #ifdef __cplusplus
 }

@@ -17,6 +17,7 @@ MOEEP_MAX_RANKS = 8
 MOEEP_DEFAULT_NUM_SMS = 24
 MOEEP_DEFAULT_TIMEOUT_MS = 10000
 MOEEP_LL_MAX_TOKENS = 1024
+MOEEP_DEFAULT_SHRINK_TIMEOUT_MS = 3000
 DEFAULT_SOCKET = "/run/moeep/moeepd.sock"
 
 # enum moeep_dtype, enum moeep_index_type
@@ -71,6 +72,8 @@ class EpConfig(ctypes.Structure):
         ("timeout_ms", _int),
         ("ll_max_tokens", _int),
         ("recv_areas", _int),
+        ("ll_shrink", _int),
+        ("shrink_timeout_ms", _int),
     ]
 
 
@@ -138,6 +141,8 @@ class LlHook(ctypes.Structure):
         ("num_topk", _int),
         ("out", _vp),
         ("slots", _int),
+        ("active_ranks", _vp),
+        ("timeout_us", _int),
     ]
 
 
@@ -157,6 +162,8 @@ class LlDispatchArgs(ctypes.Structure):
         ("return_recv_hook", ctypes.c_bool),
         ("cumulative_local_expert_recv_stats", _vp),
         ("num_max_tokens", _int),
+        ("active_ranks", _vp),
+        ("timeout_us", _int),
     ]
 
 
@@ -184,6 +191,8 @@ class LlCombineArgs(ctypes.Structure):
         ("handle", ctypes.POINTER(LlHandle)),
         ("out", _vp),
         ("return_recv_hook", ctypes.c_bool),
+        ("active_ranks", _vp),
+        ("timeout_us", _int),
     ]
 
 
@@ -235,6 +244,10 @@ _DATA = {
     "moeep_ll_combine": (_int, [_vp, _P(LlCombineArgs), _P(LlHook), _vp]),
     "moeep_ll_hook_run": (_int, [_vp, _P(LlHook), _vp]),
     "moeep_ll_clean": (_int, [_vp]),
+    "moeep_ll_mask_query": (_int, [_vp, _vp, _vp]),
+    "moeep_ll_mask_update": (_int, [_vp, _int, ctypes.c_bool, _vp]),
+    "moeep_ll_mask_clean": (_int, [_vp, _vp]),
+    "moeep_ep_lost_ranks": (_int, [_vp, _P(ctypes.c_uint32)]),
 }
 
 

@@ -29,14 +29,15 @@ class _LowLatencyMode:
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                              cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
                              use_fp8=True, round_scale=False, use_ue8m0=False, async_finish=False,
-                             return_recv_hook=False):
+                             return_recv_hook=False, *, active_ranks=None, timeout_us=0):
         """Decode dispatch into per-expert slots. Returns (recv_x, recv_count,
         handle, event, hook) as DeepEP: recv_x is bf16 [local experts,
         ranks * num_max_dispatch_tokens_per_rank, hidden] or, with use_fp8,
         (e4m3 tensor of that shape, float32 scales [.., .., hidden / 128]);
         with use_ue8m0 the scales are int32 [.., .., hidden / 512], four
         UE8M0 exponents each, in DeepEP's layout. The tensors are views into
-        moeep's buffer set (README: lifetimes)."""
+        moeep's buffer set (README: lifetimes). With enable_shrink,
+        active_ranks / timeout_us as Mooncake EP (_shrink.py)."""
         torch = _torch()
         if not self.low_latency_mode:
             raise ValueError("low_latency_dispatch needs Buffer(..., low_latency_mode=True)")
@@ -66,10 +67,13 @@ class _LowLatencyMode:
         if stats is not None:
             _check_tensor(torch, stats, "cumulative_local_expert_recv_stats", torch.int32, self.device, (L,))
 
+        active, timeout_us = self._active_ranks_arg(active_ranks, timeout_us)
         # DeepEP runs a call with a hook on the caller's stream; so does
         # _begin every call without async_finish.
         compute, side, ptr = self._begin(None, async_finish, False)
         args = self._ll_dispatch_args
+        args.active_ranks = active
+        args.timeout_us = timeout_us
         args.x = x.data_ptr() if T else None
         args.num_tokens = T
         args.topk_idx = topk_idx.data_ptr() if T else None
@@ -97,11 +101,11 @@ class _LowLatencyMode:
         llh = _lib.LlHandle(res.handle.set, res.handle.num_tokens, res.handle.slots_per_expert)
         handle = LowLatencyHandle(src_info, layout_range, num_max_dispatch_tokens_per_rank, H, num_experts, llh,
                                   id(self), res.combine_buffer)
-        event = self._finish(compute, side, False, [x, topk_idx, stats, packed]) if side is not None else \
-            EventOverlap(None)
+        event = self._finish(compute, side, False, [x, topk_idx, stats, packed, active_ranks]) \
+            if side is not None else EventOverlap(None)
         fn = None
         if return_recv_hook:
-            keep = [x, topk_idx, stats]
+            keep = [x, topk_idx, stats, active_ranks]
 
             def fn():
                 self._ep.check(self._ep.lib.moeep_ll_hook_run(self._ep.ptr, ctypes.byref(hook), ptr),
@@ -151,13 +155,15 @@ class _LowLatencyMode:
                      torch.bfloat16, self, self.device)
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False, zero_copy=False,
-                            async_finish=False, return_recv_hook=False, out=None, combine_wait_recv_cost_stats=None):
+                            async_finish=False, return_recv_hook=False, out=None, combine_wait_recv_cost_stats=None,
+                            *, active_ranks=None, timeout_us=0):
         """Sends expert outputs x (bf16 [local experts, slots, hidden], the
         dispatch's layout) back and reduces them with the top-k weights.
         Returns (combined_x bf16 [tokens, hidden], event, hook). With
         zero_copy the outputs are read from get_next_low_latency_combine_buffer
         (x is not read). use_logfmt changes nothing (BF16 on the wire);
-        combine_wait_recv_cost_stats is accepted and left as is."""
+        combine_wait_recv_cost_stats is accepted and left as is. With
+        enable_shrink, active_ranks / timeout_us as Mooncake EP (_shrink.py)."""
         torch = _torch()
         if not self.low_latency_mode:
             raise ValueError("low_latency_combine needs Buffer(..., low_latency_mode=True)")
@@ -180,6 +186,7 @@ class _LowLatencyMode:
                              (L, S, H, self.device, x.dtype, list(x.shape)))
         if out is not None:
             _check_tensor(torch, out, "out", torch.bfloat16, self.device, (T, H))
+        active, timeout_us = self._active_ranks_arg(active_ranks, timeout_us)
         compute, side, ptr = self._begin(None, async_finish, False)
         if x.stride() != (S * H, H, 1):
             # moeep reads slots with the dispatch's stride: stage.
@@ -190,6 +197,8 @@ class _LowLatencyMode:
         if out is None:
             out = torch.empty(T, H, dtype=torch.bfloat16, device=self.device)
         args = self._ll_combine_args
+        args.active_ranks = active
+        args.timeout_us = timeout_us
         args.x = x.data_ptr()
         args.topk_idx = topk_idx.data_ptr() if T else None
         args.topk_idx_type = _index_type(torch, topk_idx)
@@ -202,11 +211,11 @@ class _LowLatencyMode:
         ep.check(ep.lib.moeep_ll_combine(ep.ptr, self._ll_combine_args_ref,
                                          ctypes.byref(hook) if hook is not None else self._ll_no_hook_ref, ptr),
                  "low_latency_combine")
-        event = self._finish(compute, side, False, [x, topk_idx, topk_weights, out]) if side is not None else \
-            EventOverlap(None)
+        event = self._finish(compute, side, False, [x, topk_idx, topk_weights, out, active_ranks]) \
+            if side is not None else EventOverlap(None)
         fn = None
         if return_recv_hook:
-            keep = [x, topk_idx, topk_weights, out, llh]
+            keep = [x, topk_idx, topk_weights, out, llh, active_ranks]
 
             def fn():
                 self._ep.check(self._ep.lib.moeep_ll_hook_run(self._ep.ptr, ctypes.byref(hook), ptr),

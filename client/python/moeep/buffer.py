@@ -23,18 +23,23 @@ from ._job import attach
 from ._lib import MoeepError
 from ._low_latency import _LowLatencyMode, _pack_ue8m0  # noqa: F401
 from ._normal import _NormalMode, _inverse_rounds, _raw, _split_x, _torch_layout  # noqa: F401
+from ._shrink import _ShrinkMode, _shrink_config, _shrink_shapes
 from ._tensors import _Areas, _DevicePointer, _check_index, _check_tensor, _index_type, _record, _view  # noqa: F401
-from .config import DEFAULT_RECV_AREAS, Config, Plan, check_num_sms, low_latency_buffer_bytes
+from .config import (DEFAULT_RECV_AREAS, Config, LowLatencySizeHint, Plan, check_num_sms,  # noqa: F401
+                     low_latency_buffer_bytes)
 from .event import EventOverlap, _torch
 
 
-class Buffer(_NormalMode, _LowLatencyMode):
+class Buffer(_NormalMode, _LowLatencyMode, _ShrinkMode):
     """DeepEP-compatible expert-parallel communication buffer over moeep.
 
     Arguments as deep_ep.Buffer; those that do not apply are accepted:
     num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl,
-    use_fabric, enable_shrink and comm are ignored (one node, NVLink only);
+    use_fabric and comm are ignored (one node, NVLink only);
     explicitly_destroy only decides whether destroy() is required (as DeepEP).
+    enable_shrink makes the low-latency calls elastic (DeepEP's shrink mode:
+    the low_latency_*_mask_buffer calls, and active_ranks / timeout_us on
+    the calls as Mooncake EP takes them; README "Elastic ranks").
     num_nvl_bytes / num_rdma_bytes size the endpoint through the formulas of
     moeep.config (see README "Sizing"); keyword-only extras give the shapes
     directly: socket, hidden, num_experts, max_tokens_per_rank,
@@ -42,7 +47,9 @@ class Buffer(_NormalMode, _LowLatencyMode):
     recv_areas (normal-mode receive areas, default 3: a dispatch's outputs
     are views of one for as long as the caller holds any of them),
     copy_outputs (normal-mode outputs always as owned copies, default
-    False).
+    False), shrink_timeout_ms (enable_shrink: how long a call waits for a
+    rank that neither comes nor is known lost before masking it; 0 =
+    $MOEEP_SHRINK_TIMEOUT_MS, else 3000).
     """
 
     num_sms = _lib.MOEEP_DEFAULT_NUM_SMS
@@ -51,11 +58,21 @@ class Buffer(_NormalMode, _LowLatencyMode):
                  allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False, use_fabric=False,
                  explicitly_destroy=False, enable_shrink=False, comm=None, *, socket=None, hidden=None,
                  num_experts=None, max_tokens_per_rank=None, num_max_dispatch_tokens_per_rank=None,
-                 max_topk=None, timeout_ms=0, job_name=None, copy_outputs=False, recv_areas=DEFAULT_RECV_AREAS):
+                 max_topk=None, timeout_ms=0, job_name=None, copy_outputs=False, recv_areas=DEFAULT_RECV_AREAS,
+                 shrink_timeout_ms=0):
         self._ep = None
         self._client = None
         torch = _torch()
         import torch.distributed as dist
+
+        # The mask is the low-latency calls': without them there is nothing
+        # to shrink (the mask calls then say so).
+        self.enable_shrink = bool(enable_shrink) and bool(low_latency_mode)
+        if isinstance(shrink_timeout_ms, bool) or not isinstance(shrink_timeout_ms, int) or shrink_timeout_ms < 0:
+            raise ValueError("shrink_timeout_ms must be an int >= 0, not %r" % (shrink_timeout_ms,))
+        self._shrink_timeout_ms = shrink_timeout_ms
+        if self.enable_shrink:
+            hidden, num_experts = _shrink_shapes(num_rdma_bytes, hidden, num_experts)
 
         self.group = group
         self.rank = dist.get_rank(group)
@@ -118,7 +135,8 @@ class Buffer(_NormalMode, _LowLatencyMode):
             raise MoeepError(_errno.EBUSY, "the moeep endpoint is created at the first collective call, which "
                              "cannot be inside CUDA graph capture: pass hidden= and num_experts= to Buffer() "
                              "or make one call before capturing")
-        cfg = self._plan.config(num_sms=type(self).num_sms)
+        cfg = _shrink_config(self._plan.config(num_sms=type(self).num_sms), self.enable_shrink,
+                             self._shrink_timeout_ms)
         # libmoeep uses the calling thread's current device: make sure it is
         # ours and its primary context exists before the (collective) create.
         torch.cuda.set_device(self.device)
@@ -230,12 +248,14 @@ class Buffer(_NormalMode, _LowLatencyMode):
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts):
         """Bytes of moeep's low-latency buffers for these shapes (they live in
         the NVLink buffer; no RDMA memory is allocated). Passed back as
-        num_rdma_bytes, it gives back num_max_dispatch_tokens_per_rank."""
+        num_rdma_bytes, it gives back num_max_dispatch_tokens_per_rank (and to
+        an elastic Buffer the shapes too, LowLatencySizeHint)."""
         for name, v in (("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
                         ("hidden", hidden), ("num_ranks", num_ranks), ("num_experts", num_experts)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError("%s must be a positive int, not %r" % (name, v))
-        return low_latency_buffer_bytes(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        return LowLatencySizeHint(low_latency_buffer_bytes(num_max_dispatch_tokens_per_rank, hidden, num_experts),
+                                  num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
     @staticmethod
     def get_dispatch_config(num_ranks):

@@ -100,6 +100,17 @@ class SizeHint(int):
         return self
 
 
+class LowLatencySizeHint(int):
+    """A byte count from Buffer.get_low_latency_rdma_size_hint that remembers
+    the shapes it was computed for: an elastic Buffer given it
+    (enable_shrink) makes its endpoint at construction with them."""
+
+    def __new__(cls, nbytes, tokens, hidden, num_experts):
+        self = super().__new__(cls, nbytes)
+        self.tokens, self.hidden, self.num_experts = tokens, hidden, num_experts
+        return self
+
+
 class Config:
     """DeepEP's performance config. Only num_sms means something to moeep
     (blocks of dispatch/combine, moeep_ep_set_num_sms); the chunk sizes are

@@ -36,6 +36,7 @@ static void constants(void) {
         C(MOEEP_DEFAULT_NUM_SMS);
         C(MOEEP_DEFAULT_TIMEOUT_MS);
         C(MOEEP_LL_MAX_TOKENS);
+        C(MOEEP_DEFAULT_SHRINK_TIMEOUT_MS);
 #endif
 }
 
@@ -61,6 +62,8 @@ int main(int argc, char **argv) {
         F(ep_config, timeout_ms);
         F(ep_config, ll_max_tokens);
         F(ep_config, recv_areas);
+        F(ep_config, ll_shrink);
+        F(ep_config, shrink_timeout_ms);
         S(dispatch_args);
         F(dispatch_args, x);
         F(dispatch_args, x_type);
@@ -112,6 +115,8 @@ int main(int argc, char **argv) {
         F(ll_hook, num_topk);
         F(ll_hook, out);
         F(ll_hook, slots);
+        F(ll_hook, active_ranks);
+        F(ll_hook, timeout_us);
         S(ll_handle);
         F(ll_handle, set);
         F(ll_handle, num_tokens);
@@ -127,6 +132,8 @@ int main(int argc, char **argv) {
         F(ll_dispatch_args, return_recv_hook);
         F(ll_dispatch_args, cumulative_local_expert_recv_stats);
         F(ll_dispatch_args, num_max_tokens);
+        F(ll_dispatch_args, active_ranks);
+        F(ll_dispatch_args, timeout_us);
         S(ll_dispatch_result);
         F(ll_dispatch_result, recv_x);
         F(ll_dispatch_result, recv_x_scales);
@@ -146,6 +153,8 @@ int main(int argc, char **argv) {
         F(ll_combine_args, handle);
         F(ll_combine_args, out);
         F(ll_combine_args, return_recv_hook);
+        F(ll_combine_args, active_ranks);
+        F(ll_combine_args, timeout_us);
 #endif
         return 0;
 }

@@ -137,6 +137,7 @@ class AbiTest(unittest.TestCase):
                 "MOEEP_DEFAULT_NUM_SMS": _lib.MOEEP_DEFAULT_NUM_SMS,
                 "MOEEP_DEFAULT_TIMEOUT_MS": _lib.MOEEP_DEFAULT_TIMEOUT_MS,
                 "MOEEP_LL_MAX_TOKENS": _lib.MOEEP_LL_MAX_TOKENS,
+                "MOEEP_DEFAULT_SHRINK_TIMEOUT_MS": _lib.MOEEP_DEFAULT_SHRINK_TIMEOUT_MS,
             })
         for name, py in mirrors.items():
             self.assertIn(name, c)
