@@ -58,25 +58,8 @@ export MOEEP_LIBRARY=$NEW/client/libmoeep.so MOEEP_TEST_MOEEPD=$NEW/daemon/moeep
 T=$NEW/tests/gpu
 two=$([ "$NGPU" -ge 4 ] && echo 2,4 || echo 2)
 
-if has suites; then
-        run normal_test 120 "$T/ep_normal_test" --ranks "1,$two"
-        run ll_test 120 "$T/ep_ll_test" --ranks "$two"
-        run fail_test 150 "$T/ep_fail_test" --ranks "$two"
-        MOEEP_HARNESS_NODES=2 run normal_2nodes 120 "$T/ep_normal_test" --ranks "$two"
-        MOEEP_HARNESS_NODES=2 run ll_2nodes 120 "$T/ep_ll_test" --ranks "$two"
-        MOEEP_HARNESS_NODES=2 run fail_2nodes 150 "$T/ep_fail_test" --ranks 4
-        run ll_cuda2nodes 150 bash tests/gpu/cuda-transport.sh "$T/ep_ll_test" --ranks 2
-        run normal_cuda2nodes 150 bash tests/gpu/cuda-transport.sh "$T/ep_normal_test" --ranks 2
-        MOEEP_HARNESS_GPUS=1 run shared_normal 150 "$T/ep_normal_test" --ranks 2,4
-        MOEEP_HARNESS_GPUS=1 run shared_ll 150 "$T/ep_ll_test" --ranks 2,4
-        run python_buffer 200 python3 tests/gpu/test_python_buffer.py --ranks "$two"
-        run python_buffer_shared 200 python3 tests/gpu/test_python_buffer.py --gpus 1 --ranks 2,4
-        run deepep_semantics 200 python3 tests/gpu/test_deepep_semantics.py
-fi
-if has shrink && [ -x "$T/ep_shrink_test" ]; then
-        run shrink_test 150 "$T/ep_shrink_test" --ranks "$two"
-        MOEEP_HARNESS_NODES=2 run shrink_2nodes 150 "$T/ep_shrink_test" --ranks "$two"
-fi
+# Figures first (they are what a short budget must not lose), then DeepEP
+# side by side once its build is done, then the suites.
 if has bench; then
         for r in $RANKS; do
                 run "bench_new_$r" 90 "$NEW/client/bench/moeep-bench" --ranks "$r"
@@ -94,8 +77,8 @@ fi
 if [ -n "${BUILD_PID:-}" ]; then
         left=$((BUDGET - SECONDS - 30))
         while kill -0 "$BUILD_PID" 2>/dev/null && [ $left -gt 0 ]; do sleep 2; left=$((left - 2)); done
-        if [ -f /tmp/deepep-build/deep_ep/__init__.py ] && ls /tmp/deepep-build/deep_ep_cpp*.so > /dev/null 2>&1; then
-                echo "ok deepep-build" | tee -a "$S"
+        if ls /tmp/deepep-build/deep_ep_cpp*.so > /dev/null 2>&1; then
+                echo "ok deepep-build $(tail -1 "$L/deepep-build.log")" | tee -a "$S"
         else
                 echo "FAIL deepep-build" | tee -a "$S"
                 STEPS=${STEPS//deepep/}
@@ -105,17 +88,50 @@ if has deepep; then
         for r in $RANKS; do
                 # The real DeepEP, its own tests at their default sizes, then moeep by the same files.
                 (cd "$DEEPEP_TESTS" && PYTHONPATH=/tmp/deepep-build MASTER_ADDR=127.0.0.1 WORLD_SIZE=1 RANK=0 \
-                        MASTER_PORT=$((29600 + r)) run "deepep_intranode_$r" 200 python3 test_intranode.py --num-processes "$r")
-                run "moeep_deepep_$r" 300 bash "$DEEPEP_COMPAT/run.sh" -n "$r" --moeep-python "$PWD/client/python" \
-                        "$NEW" "$DEEPEP_TESTS" "$L/moeep_deepep_$r"
+                        MASTER_PORT=$((29600 + r)) run "deepep_intranode_$r" 150 python3 test_intranode.py --num-processes "$r")
                 (cd "$DEEPEP_TESTS" && PYTHONPATH=/tmp/deepep-build MASTER_ADDR=127.0.0.1 WORLD_SIZE=1 RANK=0 \
-                        MASTER_PORT=$((29700 + r)) run "deepep_ll_$r" 200 python3 test_low_latency.py --num-processes "$r")
+                        MASTER_PORT=$((29700 + r)) run "deepep_ll_$r" 150 python3 test_low_latency.py --num-processes "$r")
+                run "moeep_deepep_$r" 240 bash "$DEEPEP_COMPAT/run.sh" -n "$r" --moeep-python "$PWD/client/python" \
+                        "$NEW" "$DEEPEP_TESTS" "$L/moeep_deepep_$r"
                 PYTHONPATH=/tmp/deepep-build:$PWD/client/python run "pybench_deepep_$r" 120 \
                         python3 -m moeep.bench --impl deep_ep --ranks "$r"
         done
 fi
+if has suites; then
+        run normal_test 120 "$T/ep_normal_test" --ranks "1,$two"
+        run ll_test 120 "$T/ep_ll_test" --ranks "$two"
+        run fail_test 150 "$T/ep_fail_test" --ranks "$two"
+        run python_buffer 200 python3 tests/gpu/test_python_buffer.py --ranks "$two"
+        run deepep_semantics 200 python3 tests/gpu/test_deepep_semantics.py
+        MOEEP_HARNESS_NODES=2 run normal_2nodes 120 "$T/ep_normal_test" --ranks "$two"
+        MOEEP_HARNESS_NODES=2 run ll_2nodes 120 "$T/ep_ll_test" --ranks "$two"
+        MOEEP_HARNESS_NODES=2 run fail_2nodes 150 "$T/ep_fail_test" --ranks 4
+        run ll_cuda2nodes 150 bash tests/gpu/cuda-transport.sh "$T/ep_ll_test" --ranks 2
+        run normal_cuda2nodes 150 bash tests/gpu/cuda-transport.sh "$T/ep_normal_test" --ranks 2
+        MOEEP_HARNESS_GPUS=1 run shared_normal 150 "$T/ep_normal_test" --ranks 2,4
+        MOEEP_HARNESS_GPUS=1 run shared_ll 150 "$T/ep_ll_test" --ranks 2,4
+        run python_buffer_shared 200 python3 tests/gpu/test_python_buffer.py --gpus 1 --ranks 2,4
+fi
+if has shrink && [ -x "$T/ep_shrink_test" ]; then
+        run shrink_test 150 "$T/ep_shrink_test" --ranks "$two"
+        MOEEP_HARNESS_NODES=2 run shrink_2nodes 150 "$T/ep_shrink_test" --ranks "$two"
+        run python_shrink 150 python3 tests/gpu/test_python_shrink.py --ranks "$two"
+        run deepep_shrink 150 bash "$DEEPEP_COMPAT/run.sh" --one-gpu -n 8 --mps off --tests low_latency \
+                --moeep-python "$PWD/client/python" --ll-args \
+                "--num-tokens 128 --hidden 2048 --num-topk 8 --num-experts 64 --shrink-test" "$NEW" "$DEEPEP_TESTS" \
+                "$L/deepep_shrink"
+fi
 # The lines the issues quote, from every log.
-grep -hE "Best (dispatch|combine)|Dispatch \+ combine bandwidth|Dispatch bandwidth|passed|failed" "$L"/deepep_*.log \
-        "$L"/moeep_deepep_*/*.log 2>/dev/null | sort | uniq -c | head -40 >> "$S"
+for f in "$L"/deepep_*.log "$L"/moeep_deepep_*/test_*.log; do
+        [ -f "$f" ] || continue
+        echo "--- $f" >> "$S"
+        grep -hE "Best (dispatch|combine)|Dispatch \+ combine bandwidth|Dispatch bandwidth|Dispatch send" "$f" >> "$S"
+done
+for f in "$L"/bench_*.log "$L"/pybench_*.log; do
+        [ -f "$f" ] || continue
+        echo "--- $f" >> "$S"
+        grep -hE "^(dispatch|combine|ll |nvlink)|^(figure|LL|dispatch|combine)" "$f" >> "$S"
+done
+tail -q -n 2 "$L"/*.log 2>/dev/null | grep -E "passed|failed|OK" >> "$S"
 tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$L"
 cat "$S"

@@ -2,6 +2,7 @@
 DeepEP's tuples, with moeep's routing riding along."""
 
 import collections
+import ctypes
 import weakref
 
 
@@ -17,6 +18,7 @@ class LowLatencyHandle(collections.namedtuple(
     def __new__(cls, src_info, layout_range, num_max, hidden, num_experts, ll_handle, buffer_id, combine_buffer):
         self = super().__new__(cls, src_info, layout_range, num_max, hidden, num_experts)
         self.ll_handle = ll_handle
+        self.ll_handle_ptr = ctypes.pointer(ll_handle)  # what moeep_ll_combine_args.handle takes
         self.buffer_id = buffer_id
         self.combine_buffer = combine_buffer
         return self

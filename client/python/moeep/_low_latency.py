@@ -98,11 +98,16 @@ class _LowLatencyMode:
             if not return_recv_hook:
                 with self._on(side):
                     _pack_ue8m0(scales, packed)
-        llh = _lib.LlHandle(res.handle.set, res.handle.num_tokens, res.handle.slots_per_expert)
-        handle = LowLatencyHandle(src_info, layout_range, num_max_dispatch_tokens_per_rank, H, num_experts, llh,
-                                  id(self), res.combine_buffer)
+        # The handle depends on the set and the shapes only: made once each.
+        key = (res.handle.set, T, S, num_max_dispatch_tokens_per_rank, num_experts)
+        handle = self._ll_handles.get(key)
+        if handle is None:
+            llh = _lib.LlHandle(res.handle.set, res.handle.num_tokens, res.handle.slots_per_expert)
+            handle = LowLatencyHandle(src_info, layout_range, num_max_dispatch_tokens_per_rank, H, num_experts, llh,
+                                      id(self), res.combine_buffer)
+            self._ll_handles[key] = handle
         event = self._finish(compute, side, False, [x, topk_idx, stats, packed, active_ranks]) \
-            if side is not None else EventOverlap(None)
+            if side is not None else _NO_EVENT
         fn = None
         if return_recv_hook:
             keep = [x, topk_idx, stats, active_ranks]
@@ -180,8 +185,8 @@ class _LowLatencyMode:
         _check_index(torch, topk_idx, "topk_idx", self.device, rows=T)
         K = topk_idx.shape[1]
         _check_tensor(torch, topk_weights, "topk_weights", torch.float32, self.device, (T, K))
-        if x.dtype != torch.bfloat16 or x.dim() != 3 or x.shape[0] != L or x.shape[1] != S or x.shape[2] != H \
-                or x.device != self.device:
+        if x.dtype is not torch.bfloat16 or x.dim() != 3 or x.shape[0] != L or x.shape[1] != S or x.shape[2] != H \
+                or x.get_device() != self.device.index:
             raise ValueError("x must be bf16 [%d, %d, %d] on %s, not %s %s" %
                              (L, S, H, self.device, x.dtype, list(x.shape)))
         if out is not None:
@@ -204,7 +209,7 @@ class _LowLatencyMode:
         args.topk_idx_type = _index_type(torch, topk_idx)
         args.topk_weights = topk_weights.data_ptr() if T else None
         args.num_topk = K
-        args.handle = ctypes.pointer(llh)
+        args.handle = handle.ll_handle_ptr
         args.out = out.data_ptr() if T else None
         args.return_recv_hook = return_recv_hook
         hook = _lib.LlHook() if return_recv_hook else None
@@ -212,7 +217,7 @@ class _LowLatencyMode:
                                          ctypes.byref(hook) if hook is not None else self._ll_no_hook_ref, ptr),
                  "low_latency_combine")
         event = self._finish(compute, side, False, [x, topk_idx, topk_weights, out, active_ranks]) \
-            if side is not None else EventOverlap(None)
+            if side is not None else _NO_EVENT
         fn = None
         if return_recv_hook:
             keep = [x, topk_idx, topk_weights, out, llh, active_ranks]
@@ -222,6 +227,11 @@ class _LowLatencyMode:
                                "low-latency combine receive hook")
                 del keep[:]
         return out, event, fn
+
+
+# What a call without async_finish returns as its event (DeepEP's
+# EventOverlap(None)): the same empty object every time.
+_NO_EVENT = EventOverlap(None)
 
 
 def _pack_ue8m0(scales, packed):

@@ -104,6 +104,7 @@ class Buffer(_NormalMode, _LowLatencyMode, _ShrinkMode):
         self._ll_no_hook = _lib.LlHook()  # the hook out-parameter of calls that ask for none
         self._ll_no_hook_ref = ctypes.byref(self._ll_no_hook)
         self._ll_views = {}  # (buffer set, slots, fp8) -> the low-latency output views
+        self._ll_handles = {}  # (buffer set, tokens, slots, max tokens, experts) -> LowLatencyHandle
 
         src = 0
         if group is not None and group is not dist.group.WORLD:
@@ -195,6 +196,7 @@ class Buffer(_NormalMode, _LowLatencyMode, _ShrinkMode):
             for h in list(getattr(self, "_handles", ())):
                 h.release()
             self._ll_views.clear()
+            self._ll_handles.clear()
             self._ep.destroy()
             self._ep = None
         if self._client is not None:
