@@ -488,8 +488,11 @@ static bool daemon_mesh_session_can_join(const struct session *s) {
 }
 
 static void daemon_mesh_join_failed(struct session *s, uint64_t request_id, int code, const char *message) {
-        if (s->state != SESSION_CLOSED)
-                session_send_error(s, request_id, code, message);
+        if (s->state == SESSION_CLOSED)
+                return;
+        if (code == MOEEP__V1__ERROR_CODE__ERROR_NO_SUCH_JOB)
+                membership_join_failed(s);
+        session_send_error(s, request_id, code, message);
 }
 
 /* The peers, with the data path's functions, then the jobs across daemons
@@ -554,6 +557,10 @@ static int daemon_events(struct daemon *d) {
                 l->ev_resume = evtimer_new(d->base, daemon_accept_resume_cb, l);
                 if (!l->ev || !l->ev_resume || event_add(l->ev, NULL) < 0)
                         return -ENOMEM;
+                /* Priority 0 (of 2) for the operator's socket and sessions
+                 * (session.c): a loop busy with clients serves it first. */
+                if (l->admin)
+                        event_priority_set(l->ev, 0);
         }
         for (size_t i = 0; i < sizeof(daemon_signals) / sizeof(daemon_signals[0]); i++) {
                 d->ev_signal[i] = evsignal_new(d->base, daemon_signals[i], daemon_signal_cb, d);
@@ -603,7 +610,7 @@ int daemon_init(struct daemon *d, const struct daemon_options *options) {
         signal(SIGPIPE, SIG_IGN);
 
         d->base = event_base_new();
-        if (!d->base) {
+        if (!d->base || event_base_priority_init(d->base, 2) < 0) {
                 log_err("event_base_new failed");
                 return -ENOMEM;
         }

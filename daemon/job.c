@@ -306,12 +306,12 @@ int jobs_join(struct jobs *jobs, const uint8_t *unique_id, size_t len, uint32_t 
                 return gpu_uuid_refuse(gpu_uuid, errmsg);
         for (int i = 0; i < 8; i++)
                 id |= (uint64_t)unique_id[1 + i] << (8 * i);
+        /* An unknown id and a wrong secret get the same answer: a guesser
+         * must not learn which job ids exist. */
         job = jobs_find(jobs, id);
-        if (!job)
-                return errmsg_set(errmsg, -ERROR_KIND_NO_SUCH_JOB, "job %" PRIu64 ": no such job", id);
-        if (!secret_equal(job->secret, unique_id + 9))
-                return errmsg_set(errmsg, -ERROR_KIND_BAD_SECRET,
-                                  "job %" PRIu64 ": the unique id's secret does not match", id);
+        if (!job || !secret_equal(job->secret, unique_id + 9))
+                return errmsg_set(errmsg, -ERROR_KIND_NO_SUCH_JOB,
+                                  "job %" PRIu64 ": no live job has this id and secret", id);
         if (owner_in_a_job(jobs, owner))
                 return errmsg_set(errmsg, -ERROR_KIND_ALREADY_IN_JOB,
                                   "job %" PRIu64 ": the session already belongs to a job", id);

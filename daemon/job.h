@@ -215,7 +215,9 @@ int job_control_fd(const struct job *job);
 
 /* Joins the job named by `unique_id` as `rank`. Errors, in order of
  * checking, each an error kind (errors.h) but the last:
- * INVALID_ARGUMENT malformed id or gpu_uuid, NO_SUCH_JOB, BAD_SECRET,
+ * INVALID_ARGUMENT malformed id or gpu_uuid, NO_SUCH_JOB (no such job, or
+ * a secret that does not match: the same answer, so that nobody learns
+ * which ids exist),
  * ALREADY_IN_JOB (`owner` already belongs to a job), PEER_LOST (the job is
  * aborted), WORLD_SIZE_MISMATCH, RANK_OUT_OF_RANGE, RANK_TAKEN; -ENOMEM. */
 int jobs_join(struct jobs *jobs, const uint8_t *unique_id, size_t len, uint32_t rank, uint32_t world_size,

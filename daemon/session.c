@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "clientfd.h"
@@ -244,6 +245,8 @@ void sessions_reap(struct sessions *reg) {
         }
 }
 
+static void session_unthrottle(struct session *s);
+
 void session_close_now(struct session *s) {
         struct sessions *reg = s->reg;
 
@@ -255,6 +258,9 @@ void session_close_now(struct session *s) {
         event_del(s->ev_linger);
         event_del(s->ev_hello);
         out_clear(s);
+        session_unthrottle(s);
+        uids_session_remove(&reg->uids, s->uid_state);
+        s->uid_state = NULL;
         /* Closing the socket closes what the peer queued on it unread,
          * fds it attached included: off the loop. */
         clientfd_close_session(reg->clientfds, s->cred.uid, s->fd);
@@ -417,17 +423,95 @@ void session_pause(struct session *s) {
 
 void session_resume(struct session *s) {
         s->paused = false;
-        if (s->state != SESSION_CLOSED && s->fd >= 0)
+        if (s->state != SESSION_CLOSED && s->fd >= 0 && !s->throttled)
                 event_add(s->ev_read, NULL);
 }
 
+/* CPU time of the loop thread, in microseconds: what handling a record
+ * cost, whatever else ran on the machine meanwhile. */
+static uint64_t thread_cpu_us(void) {
+        struct timespec ts;
+
+        clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+        return (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
+}
+
+/* Stops reading `s` until its uid's share of the loop has grown back
+ * (sessions_throttle_cb). */
+static void session_throttle(struct session *s) {
+        struct sessions *reg = s->reg;
+        uint64_t wait = uid_loop_wait_us(s->uid_state, uids_now_us());
+        struct timeval tv = { .tv_sec = (time_t)(wait / 1000000u),
+                              .tv_usec = (suseconds_t)(wait % 1000000u) };
+
+        if (!s->uid_state->throttled)
+                log_debug("uid %u: its share of the loop is spent: its sessions wait %" PRIu64 " us",
+                          (unsigned)s->cred.uid, wait);
+        s->uid_state->throttled = true;
+        s->throttled = true;
+        reg->throttles++;
+        event_del(s->ev_read);
+        TAILQ_INSERT_TAIL(&reg->throttled, s, throttle_entry);
+        if (!evtimer_pending(reg->ev_throttle, NULL))
+                evtimer_add(reg->ev_throttle, &tv);
+}
+
+static void session_unthrottle(struct session *s) {
+        if (!s->throttled)
+                return;
+        TAILQ_REMOVE(&s->reg->throttled, s, throttle_entry);
+        s->throttled = false;
+        if (s->uid_state)
+                s->uid_state->throttled = false;
+}
+
+static void sessions_throttle_cb(evutil_socket_t fd, short what, void *arg) {
+        struct sessions *reg = arg;
+        uint64_t now = uids_now_us(), wait = UINT64_MAX;
+        struct session *s, *next;
+
+        for (s = TAILQ_FIRST(&reg->throttled); s; s = next) {
+                next = TAILQ_NEXT(s, throttle_entry);
+                if (!uid_loop_ok(s->uid_state, now)) {
+                        uint64_t w = uid_loop_wait_us(s->uid_state, now);
+
+                        wait = w < wait ? w : wait;
+                        continue;
+                }
+                session_unthrottle(s);
+                session_resume(s);
+        }
+        if (wait != UINT64_MAX) {
+                struct timeval tv = { .tv_sec = (time_t)(wait / 1000000u),
+                                      .tv_usec = (suseconds_t)(wait % 1000000u) };
+
+                evtimer_add(reg->ev_throttle, &tv);
+        }
+}
+
+/* Handles up to SESSION_READ_BATCH records, each charged to the uid's
+ * share of the loop (uids.h): a uid whose share is spent waits, however
+ * many sessions it has, and nobody else does. */
 static void session_read_cb(evutil_socket_t fd, short what, void *arg) {
         struct session *s = arg;
+        struct client_uid *cu = s->uid_state;
 
         session_ref(s);
-        for (int i = 0; i < SESSION_READ_BATCH && s->state != SESSION_CLOSED && !s->paused; i++)
-                if (!session_read_one(s))
+        for (int i = 0; i < SESSION_READ_BATCH && s->state != SESSION_CLOSED && !s->paused; i++) {
+                uint64_t t0;
+                int r;
+
+                if (cu && !uid_loop_ok(cu, uids_now_us())) {
+                        session_throttle(s);
                         break;
+                }
+                t0 = thread_cpu_us();
+                r = session_read_one(s);
+                if (cu)
+                        uid_loop_charge(cu, thread_cpu_us() - t0);
+                if (!r)
+                        break;
+        }
         session_unref(s);
 }
 
@@ -546,6 +630,18 @@ int session_new(struct sessions *reg, int fd, bool admin, struct session **ret_s
                 session_free(s);
                 return -ENOMEM;
         }
+        if (!admin) {
+                s->uid_state = uids_session_add(&reg->uids, cred.uid);
+                if (!s->uid_state) {
+                        session_free(s);
+                        return -ENOMEM;
+                }
+        } else {
+                /* The operator's requests go first when the loop is busy
+                 * (the admin socket's listener does too, daemon.c). */
+                event_priority_set(s->ev_read, 0);
+                event_priority_set(s->ev_write, 0);
+        }
         session_read_groups(s);
         s->id = reg->next_id++;
         reg->accepted++;
@@ -630,8 +726,13 @@ int sessions_new(struct event_base *base, const struct config *config, struct cl
         reg->next_id = 1;
         TAILQ_INIT(&reg->list);
         TAILQ_INIT(&reg->dead);
+        TAILQ_INIT(&reg->throttled);
+        uids_init(&reg->uids);
         reg->ev_reap = event_new(base, -1, 0, sessions_reap_cb, reg);
-        if (!reg->ev_reap) {
+        reg->ev_throttle = evtimer_new(base, sessions_throttle_cb, reg);
+        if (!reg->ev_reap || !reg->ev_throttle) {
+                if (reg->ev_reap)
+                        event_free(reg->ev_reap);
                 free(reg);
                 return -ENOMEM;
         }
@@ -645,5 +746,7 @@ void sessions_free(struct sessions *reg) {
         /* A session still referenced here is leaked rather than freed
          * under its holder, as before the registry had its own object. */
         event_free(reg->ev_reap);
+        event_free(reg->ev_throttle);
+        uids_done(&reg->uids);
         free(reg);
 }

@@ -31,6 +31,7 @@
 #include <protobuf-c/protobuf-c.h>
 
 #include "moeep.pb-c.h"
+#include "uids.h"
 
 struct clientfds;
 struct config;
@@ -76,7 +77,13 @@ struct session {
         size_t out_bytes;
         const char *broken; /* static; set when output overflowed, acted on from the loop */
         bool paused;        /* reads nothing until session_resume() (a request in progress) */
+        /* Not owning: the registry's entry of its uid (its share of the
+         * loop, its failed joins); NULL for admin sessions, which are never
+         * throttled. */
+        struct client_uid *uid_state;
+        bool throttled; /* in the registry's `throttled`: its uid's share of the loop is spent */
         TAILQ_ENTRY(session) entry;
+        TAILQ_ENTRY(session) throttle_entry;
 };
 
 TAILQ_HEAD(session_list, session);
@@ -133,6 +140,10 @@ struct sessions {
         uint64_t accepted;                    /* connections that became sessions */
         uint64_t refused;                     /* connections turned away by max_sessions* */
         uint64_t errors[SESSION_ERROR_CODES]; /* Error responses sent, by code */
+        struct uids uids;                     /* owns; per client uid (uids.h) */
+        struct session_list throttled;        /* not owning; sessions waiting for their uid's share */
+        struct event *ev_throttle;            /* owns; reads them again once it has grown back */
+        uint64_t throttles;                   /* times a session waited for its uid's share */
 };
 
 /* Makes the registry. Returns 0 with *ret, or -ENOMEM. */
