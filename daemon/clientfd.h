@@ -13,16 +13,24 @@
  *     filesystem or driver (fcntl, statx with AT_STATX_DONT_SYNC, the
  *     kernel's own /proc/self/fdinfo text), in the order that proves each
  *     later call safe before it is made;
- *   - clientfd_close() hands an fd to closer threads. Each uid has its own
- *     queue, served by at most one closer at a time, so a close that never
- *     returns stalls only the queue of the uid that sent it; its pending
- *     closes stay charged to that uid until they finish;
+ *   - clientfd_close() hands an fd to closer threads. Each uid has its
+ *     own queues, each served by at most one closer at a time, and a
+ *     closer is started whenever work waits and none is idle, so a close
+ *     that never returns stalls only the uid that sent the descriptor,
+ *     whatever the number of such uids (clientfd-internal.h has the
+ *     bounds); its pending closes stay charged to that uid until they
+ *     finish. A timer ends every wait a signal can end (SO_LINGER);
  *   - every fd the daemon holds for a uid (its regions, duplicates queued
- *     in unsent replies, received fds not yet handled, and closes still
- *     pending) is charged to it and capped by max_fds_per_uid (its
- *     sessions have max_sessions_per_uid); all uids together, sessions
- *     included, stay below RLIMIT_NOFILE less a reserve, so accept() and
- *     the operator's path keep working.
+ *     in unsent replies, received fds not yet handled, its jobs' control
+ *     pages, and closes still pending, session sockets included) is
+ *     charged to it and capped by max_fds_per_uid (its open sessions have
+ *     max_sessions_per_uid); all uids together, open sessions included,
+ *     stay below RLIMIT_NOFILE less a reserve, so accept() and the
+ *     operator's path keep working: a record that may bring descriptors
+ *     (up to 253) is read only while they fit (clientfds_read_check());
+ *   - the client socket takes no descriptors before Welcome (SO_PASSRIGHTS,
+ *     Linux 6.16+), so that a connection the daemon turns away closes at
+ *     once, whatever its uid.
  *
  * Charges are made and returned on the event-loop thread only. */
 #ifndef MOEEPD_CLIENTFD_H
@@ -38,6 +46,12 @@
 struct config;
 struct event_base;
 struct clientfds;
+
+/* Descriptors kept out of the clients' reach: the listening sockets, the
+ * operator's sessions (16), mesh connections (64 authenticating, the
+ * peers), metrics connections (32) and the libraries' own. At least this
+ * many, or an eighth of RLIMIT_NOFILE. */
+#define CLIENTFDS_RESERVE_MIN 192
 
 /* Starts the closer machinery. With `base` NULL every close happens at once
  * on the caller's thread (unit tests of code that takes fds). Reads
@@ -69,28 +83,39 @@ void clientfds_uncharge(struct clientfds *cf, uid_t uid, uint32_t n);
 uint32_t clientfds_held(const struct clientfds *cf, uid_t uid);
 
 /* Closes `fd`, charged to `uid`, off the event-loop thread; the charge is
- * returned once close() came back, or at once when the fd is of a kind
- * whose close cannot block (a memfd, the NVIDIA device). Accepts -1 (does
- * nothing). */
+ * returned once close() came back. Accepts -1 (does nothing). */
 void clientfd_close(struct clientfds *cf, uid_t uid, int fd);
 
-/* Whether `uid` may send more fds: -EDQUOT (errmsg says why) once its
- * closes still pending (fds and session sockets) reach max_fds_per_uid
- * while one of them has been stuck in close() for a while, which only
- * closes that block (its own FUSE server, SO_LINGER) make happen. */
+/* Whether a new session of `uid` is taken: -EDQUOT (errmsg says why) once
+ * it holds more than max_fds_per_uid while one of its closes has been
+ * stuck for a while, which only closes that block (its own FUSE server)
+ * make happen. */
 int clientfds_closing_check(struct clientfds *cf, uid_t uid, char *errmsg);
 
-/* Closes the socket `fd` of a session of `uid` without blocking the loop:
- * shuts it down, reads the records still queued on it (their fds go to
- * clientfd_close(), charged to `uid`), then clientfd_close_socket(). */
-void clientfd_close_session(struct clientfds *cf, uid_t uid, int fd);
+/* Whether the next record on the session socket `sock` of `uid` may be
+ * read: 0 while the up to 253 descriptors it may bring fit the uid's cap
+ * and the daemon's budget, or when it brings none (a peek tells, without
+ * taking them); else -EDQUOT (the uid holds more than max_fds_per_uid, its
+ * closes pending) or -EMFILE (the budget), with errmsg: the session is
+ * then ended without the record being read. */
+int clientfds_read_check(struct clientfds *cf, uid_t uid, int sock, char *errmsg);
 
-/* Closes the socket of a session of `uid` off the event-loop thread, in
- * `uid`'s own queue: whatever the peer left queued on it unread is closed
- * with it, so it may block like the fds the peer sent. It counts as one
- * of the uid's pending closes (clientfds_closing_check()), not against
- * the fds it holds. */
-void clientfd_close_socket(struct clientfds *cf, uid_t uid, int fd);
+/* A client session socket was accepted: it counts against the daemon-wide
+ * budget (not the uid's cap) until clientfd_close_session() with
+ * CLIENTFD_SESSION_COUNTED. */
+void clientfds_session_opened(struct clientfds *cf);
+
+/* Flags of clientfd_close_session(). */
+enum {
+        CLIENTFD_SESSION_COUNTED = 1u << 0, /* clientfds_session_opened() counted it */
+        CLIENTFD_SESSION_NO_FDS = 1u << 1,  /* its peer could send it no fds (SO_PASSRIGHTS off) */
+};
+
+/* Closes the socket `fd` of a session of `uid` without blocking the loop:
+ * shuts it down, then closes it at once when it cannot hold fds, else in
+ * `uid`'s own queue of sockets, charged to it until closed: whatever the
+ * peer left queued on it unread is released with it. */
+void clientfd_close_session(struct clientfds *cf, uid_t uid, int fd, unsigned flags);
 
 /* Whether `n` more descriptors fit the daemon-wide budget: 0, or -EMFILE
  * with errmsg naming the numbers. */

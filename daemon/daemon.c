@@ -547,6 +547,22 @@ static void daemon_listener_done(struct daemon_listener *l) {
         }
 }
 
+/* The client socket takes no fds before a session is welcomed (sessions
+ * inherit the listener's SO_PASSRIGHTS, session_welcome() turns it on):
+ * a connection turned away at accept then holds nothing whose release
+ * could wait, and closes at once. Kernels before 6.16 lack the option. */
+static void daemon_client_fds_off(struct daemon *d) {
+        const int off = 0;
+
+        if (setsockopt(d->listen.fd, SOL_SOCKET, SESSION_SO_PASSRIGHTS, &off, sizeof(off)) == 0) {
+                d->sessions->fds_after_welcome = true;
+                return;
+        }
+        log_info("client socket: no SO_PASSRIGHTS (%s; Linux 6.16+): connections may send fds before "
+                 "Hello, and those turned away close in their uid's closer queue",
+                 strerror(errno));
+}
+
 static int daemon_events(struct daemon *d) {
         struct daemon_listener *listeners[] = { &d->listen, &d->admin };
 
@@ -644,6 +660,7 @@ int daemon_init(struct daemon *d, const struct daemon_options *options) {
         r = daemon_listen(d);
         if (r < 0)
                 return r;
+        daemon_client_fds_off(d);
         r = daemon_events(d);
         if (r < 0)
                 goto oom;

@@ -40,14 +40,15 @@ int membership_join(const struct membership *ms, struct session *s, uint64_t rid
          * daemon named in any spelling is this daemon. */
         forwarded = job_unique_id_node(jj->unique_id.data, jj->unique_id.len, home) == 0 && home[0] &&
                     (!here || !mesh_address_is_self(ms->mesh, home));
-        if (forwarded) /* the answer comes later (mesh-joins.c) */
-                r = mesh_jobs_join_forward(ms->mesh_jobs, s, rid, jj, home, errmsg);
-        else
-                r = jobs_join(ms->jobs, jj->unique_id.data, jj->unique_id.len, jj->rank, jj->world_size,
-                              jj->gpu_uuid, s, &m, errmsg);
+        /* A forwarded join's answer comes later (mesh-joins.c); refused here,
+         * it tested no secret (a daemon that is no peer) and counts not. */
+        if (forwarded)
+                return mesh_jobs_join_forward(ms->mesh_jobs, s, rid, jj, home, errmsg);
+        r = jobs_join(ms->jobs, jj->unique_id.data, jj->unique_id.len, jj->rank, jj->world_size, jj->gpu_uuid,
+                      s, &m, errmsg);
         if (r == -ERROR_KIND_NO_SUCH_JOB)
                 membership_join_failed(s);
-        if (r < 0 || forwarded)
+        if (r < 0)
                 return r;
         r = membership_joined(s, rid, m);
         mesh_jobs_changed(ms->mesh_jobs, m->job);

@@ -63,6 +63,25 @@ const char *session_state_to_string(enum session_state s) {
         return "unknown";
 }
 
+/* ------------------------------------------------------------ sockets */
+
+/* How a socket accepted on the client (`admin` false) or admin listener
+ * closes before it became a session: one of the client listener cannot
+ * hold fds when the listener refuses them (SO_PASSRIGHTS off). */
+static unsigned accepted_close_flags(const struct sessions *reg, bool admin) {
+        return !admin && reg->fds_after_welcome ? CLIENTFD_SESSION_NO_FDS : 0;
+}
+
+/* How the socket of `s` closes: counted while it was a client session,
+ * and at once when its peer could never send it fds. */
+static unsigned session_close_flags(const struct session *s) {
+        unsigned flags = s->admin ? 0 : CLIENTFD_SESSION_COUNTED;
+
+        if (!s->fds_allowed)
+                flags |= accepted_close_flags(s->reg, s->admin);
+        return flags;
+}
+
 /* ------------------------------------------------------------ output */
 
 /* Frees a record taken off the queue. Its duplicates may be the last
@@ -216,7 +235,10 @@ void session_unref(struct session *s) {
 
 static void session_free(struct session *s) {
         out_clear(s);
-        clientfd_close_session(s->reg->clientfds, s->cred.uid, s->fd);
+        /* Only a session that never made it into the list still has its
+         * socket here: not counted. */
+        clientfd_close_session(s->reg->clientfds, s->cred.uid, s->fd,
+                               session_close_flags(s) & ~CLIENTFD_SESSION_COUNTED);
         if (s->ev_read)
                 event_free(s->ev_read);
         if (s->ev_write)
@@ -263,7 +285,7 @@ void session_close_now(struct session *s) {
         s->uid_state = NULL;
         /* Closing the socket closes what the peer queued on it unread,
          * fds it attached included: off the loop. */
-        clientfd_close_session(reg->clientfds, s->cred.uid, s->fd);
+        clientfd_close_session(reg->clientfds, s->cred.uid, s->fd, session_close_flags(s));
         s->fd = -1;
         TAILQ_REMOVE(&reg->list, s, entry);
         reg->count--;
@@ -373,9 +395,10 @@ static int session_read_one(struct session *s) {
         uint64_t rid;
         int r;
 
-        /* A uid whose fds do not close (its own FUSE server, SO_LINGER)
-         * gets nothing more read: each record could bring 253 more. */
-        if (clientfds_closing_check(s->reg->clientfds, s->cred.uid, errmsg) < 0) {
+        /* A record may bring up to 253 fds: read only while they fit its
+         * uid's cap and the daemon's budget, or when it brings none. A uid
+         * whose fds do not close (its own FUSE server) gets nothing more. */
+        if (clientfds_read_check(s->reg->clientfds, s->cred.uid, s->fd, errmsg) < 0) {
                 session_fail(s, MOEEP__V1__ERROR_CODE__ERROR_LIMIT_EXCEEDED, 0, "%s", errmsg);
                 return 0;
         }
@@ -554,14 +577,14 @@ static uint32_t sessions_count_uid(const struct sessions *reg, uid_t uid) {
 
 /* Turns a connection away with an error it can read, without making a
  * session: a fresh socket's buffer always takes one small record. */
-static int session_refuse(struct sessions *reg, int fd, uid_t uid, int r, const char *why) {
+static int session_refuse(struct sessions *reg, int fd, bool admin, uid_t uid, int r, const char *why) {
         Moeep__V1__Error err;
         Moeep__V1__Response resp;
 
         reg->refused++;
         error_fill(reg, MOEEP__V1__ERROR_CODE__ERROR_LIMIT_EXCEEDED, why, &err, &resp);
         (void)moeep_record_send(fd, MOEEP__V1__RESPONSE__BODY_ERROR, 0, &resp.base, NULL, 0);
-        clientfd_close_session(reg->clientfds, uid, fd);
+        clientfd_close_session(reg->clientfds, uid, fd, accepted_close_flags(reg, admin));
         return r;
 }
 
@@ -577,7 +600,8 @@ int session_new(struct sessions *reg, int fd, bool admin, struct session **ret_s
         if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) < 0) {
                 int r = -errno;
 
-                clientfd_close_session(reg->clientfds, 65534, fd); /* whose it is is unknown: overflowuid */
+                /* Whose it is is unknown: overflowuid's. */
+                clientfd_close_session(reg->clientfds, 65534, fd, accepted_close_flags(reg, admin));
                 return r;
         }
         if (admin && reg->nadmin >= SESSIONS_ADMIN_MAX) {
@@ -585,20 +609,20 @@ int session_new(struct sessions *reg, int fd, bool admin, struct session **ret_s
                          SESSIONS_ADMIN_MAX);
                 log_notice("refusing pid %d uid %u on the admin socket: %s", (int)cred.pid,
                            (unsigned)cred.uid, why);
-                return session_refuse(reg, fd, cred.uid, -EDQUOT, why);
+                return session_refuse(reg, fd, admin, cred.uid, -EDQUOT, why);
         }
         /* Client sessions count against the daemon's fd budget, whose
          * reserve keeps accept() and the operator's sessions working. */
-        if (!admin && (clientfds_budget_check(reg->clientfds, reg->count + 1, why) < 0 ||
+        if (!admin && (clientfds_budget_check(reg->clientfds, 1, why) < 0 ||
                        clientfds_closing_check(reg->clientfds, cred.uid, why) < 0)) {
                 log_notice("refusing pid %d uid %u: %s", (int)cred.pid, (unsigned)cred.uid, why);
-                return session_refuse(reg, fd, cred.uid, -EDQUOT, why);
+                return session_refuse(reg, fd, admin, cred.uid, -EDQUOT, why);
         }
         if (!admin && reg->count - reg->nadmin >= reg->config->max_sessions) {
                 snprintf(why, sizeof(why), "%" PRIu32 " sessions connected (max_sessions = %" PRIu32 ")",
                          reg->count - reg->nadmin, reg->config->max_sessions);
                 log_notice("refusing pid %d uid %u: %s", (int)cred.pid, (unsigned)cred.uid, why);
-                return session_refuse(reg, fd, cred.uid, -EDQUOT, why);
+                return session_refuse(reg, fd, admin, cred.uid, -EDQUOT, why);
         }
         n = admin ? 0 : sessions_count_uid(reg, cred.uid);
         if (!admin && n >= reg->config->max_sessions_per_uid) {
@@ -606,12 +630,12 @@ int session_new(struct sessions *reg, int fd, bool admin, struct session **ret_s
                          "uid %u has %" PRIu32 " sessions (max_sessions_per_uid = %" PRIu32 ")",
                          (unsigned)cred.uid, n, reg->config->max_sessions_per_uid);
                 log_notice("refusing pid %d: %s", (int)cred.pid, why);
-                return session_refuse(reg, fd, cred.uid, -EDQUOT, why);
+                return session_refuse(reg, fd, admin, cred.uid, -EDQUOT, why);
         }
 
         s = calloc(1, sizeof(*s));
         if (!s) {
-                clientfd_close_session(reg->clientfds, cred.uid, fd);
+                clientfd_close_session(reg->clientfds, cred.uid, fd, accepted_close_flags(reg, admin));
                 return -ENOMEM;
         }
         s->fd = fd;
@@ -643,6 +667,8 @@ int session_new(struct sessions *reg, int fd, bool admin, struct session **ret_s
                 event_priority_set(s->ev_write, 0);
         }
         session_read_groups(s);
+        if (!admin)
+                clientfds_session_opened(reg->clientfds);
         s->id = reg->next_id++;
         reg->accepted++;
         TAILQ_INSERT_TAIL(&reg->list, s, entry);
@@ -699,6 +725,12 @@ static void copy_printable(char *dst, size_t size, const char *src) {
 }
 
 void session_welcome(struct session *s, const char *client_name, uint64_t features) {
+        const int on = 1;
+
+        /* From now on it may send fds (the listener refused them). */
+        if (s->reg->fds_after_welcome && !s->admin &&
+            setsockopt(s->fd, SOL_SOCKET, SESSION_SO_PASSRIGHTS, &on, sizeof(on)) == 0)
+                s->fds_allowed = true;
         copy_printable(s->name, sizeof(s->name), client_name);
         s->features = features;
         s->state = SESSION_HELLO;

@@ -81,7 +81,8 @@ struct session {
          * loop, its failed joins); NULL for admin sessions, which are never
          * throttled. */
         struct client_uid *uid_state;
-        bool throttled; /* in the registry's `throttled`: its uid's share of the loop is spent */
+        bool throttled;   /* in the registry's `throttled`: its uid's share of the loop is spent */
+        bool fds_allowed; /* welcomed on a listener that refuses fds: it takes them now */
         TAILQ_ENTRY(session) entry;
         TAILQ_ENTRY(session) throttle_entry;
 };
@@ -119,6 +120,14 @@ enum {
         SESSION_ERROR_CODES
 };
 
+/* SO_PASSRIGHTS (Linux 6.16, asm-generic/socket.h): whether a socket
+ * takes SCM_RIGHTS; accepted sockets inherit the listener's. */
+#ifdef SO_PASSRIGHTS
+#define SESSION_SO_PASSRIGHTS SO_PASSRIGHTS
+#else
+#define SESSION_SO_PASSRIGHTS 83
+#endif
+
 /* Admin sessions at once: the operator's own small cap, apart from the
  * client caps, so that no number of client sessions can lock it out. */
 #define SESSIONS_ADMIN_MAX 16
@@ -136,7 +145,11 @@ struct sessions {
         uint32_t count;           /* length of `list` */
         uint32_t nadmin;          /* of them, sessions accepted on the admin socket */
         uint64_t next_id;
-        bool stopping;                        /* sessions_shutdown() ran: everybody gets Shutdown */
+        bool stopping; /* sessions_shutdown() ran: everybody gets Shutdown */
+        /* The client listener refuses fds (SO_PASSRIGHTS off, Linux 6.16+;
+         * daemon.c): a client session takes them only once welcomed, and a
+         * socket turned away before closes at once. */
+        bool fds_after_welcome;
         uint64_t accepted;                    /* connections that became sessions */
         uint64_t refused;                     /* connections turned away by max_sessions* */
         uint64_t errors[SESSION_ERROR_CODES]; /* Error responses sent, by code */

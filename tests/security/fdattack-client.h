@@ -118,6 +118,7 @@ static void on_alarm(int sig) {
 struct conn {
         int fd;
         uint64_t rid;
+        int send_error; /* of the last conn_call(): 0 or -errno (-EPERM: fds before Welcome) */
         struct moeep_record rec;
 };
 
@@ -168,9 +169,18 @@ static bool give_fds;
 static Moeep__V1__Response *conn_call(struct conn *c, Moeep__V1__Request *req, const int *fds, size_t nfds) {
         int r = moeep_record_send(c->fd, (uint16_t)req->body_case, ++c->rid, &req->base, fds, nfds);
 
+        c->send_error = r;
         if (give_fds)
-                for (size_t i = 0; i < nfds; i++)
+                for (size_t i = 0; i < nfds; i++) {
+                        /* Not sent (the socket takes no fds before Welcome):
+                         * our close is the last; a socket of ours resets
+                         * rather than lingers. */
+                        if (r < 0)
+                                setsockopt(fds[i], SOL_SOCKET, SO_LINGER,
+                                           &(struct linger){ .l_onoff = 1, .l_linger = 0 },
+                                           sizeof(struct linger));
                         close(fds[i]);
+                }
         if (r < 0)
                 return NULL;
         return conn_response(c);
@@ -209,7 +219,19 @@ static int hello_with(struct conn *c, const int *fds, size_t nfds, char *msg, si
                 moeep__v1__response__free_unpacked(resp, NULL);
                 return 0;
         }
+        if (!resp && c->send_error == -EPERM) {
+                if (msg)
+                        snprintf(msg, size, "the kernel refused the send: no fds before Welcome");
+                return -EPERM;
+        }
         return code_of(resp, msg, size) ?: -1;
+}
+
+/* Whether a Hello carrying fds was refused: by the kernel, where the
+ * client socket takes no fds before Welcome (SO_PASSRIGHTS, Linux 6.16+),
+ * or else by the daemon (ERROR_BAD_FDS). */
+static inline bool hello_fds_refused(int code) {
+        return code == -EPERM || code == MOEEP__V1__ERROR_CODE__ERROR_BAD_FDS;
 }
 
 /* After the Hello: a job of one rank of its own, named `name`. Returns 0

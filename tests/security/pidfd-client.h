@@ -115,6 +115,8 @@ static int run_namespaced(const char *what, int (*fn)(void *), void *arg, int ti
                         prctl(PR_SET_PDEATHSIG, SIGKILL);
                         if (getpid() != 1)
                                 _exit(102);
+                        if (fuse_stub_device() >= 0) /* the FUSE server's alone */
+                                close(fuse_stub_device());
                         if (drop_to_attack_uid() < 0)
                                 _exit(100);
                         failures = 0;
