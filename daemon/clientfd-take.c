@@ -185,8 +185,8 @@ void clientfd_take_run(struct cf_take *t) {
 }
 
 void clientfd_take_finish(struct clientfds *cf, struct cf_take *t) {
-        if (t->fd < 0)
-                clientfds_uncharge(cf, t->uid, 1);
+        /* The pidfd is closed by now; the fd stays charged when taken. */
+        clientfds_uncharge(cf, t->uid, t->fd < 0 ? 2 : 1);
         /* When the daemon exits, nobody waits for the reply; the exit
          * closes the fd. */
         if (!cf->takes_dropped)
@@ -229,19 +229,20 @@ int clientfd_take(struct clientfds *cf, int sock, const struct ucred *cred, int6
         if (number < 0 || number > INT_MAX)
                 return errmsg_set(errmsg, -ERROR_KIND_INVALID_ARGUMENT,
                                   "fd number %" PRId64 " is outside 0..%d", number, INT_MAX);
-        /* The fd to come counts now: its uid's cap bounds the takes too. */
-        r = clientfds_charge(cf, cred->uid, 1, errmsg);
+        /* The fd to come and the pidfd count now: its uid's cap bounds the
+         * takes too. */
+        r = clientfds_charge(cf, cred->uid, 2, errmsg);
         if (r < 0)
                 return r;
         t = calloc(1, sizeof(*t));
         if (!t) {
-                clientfds_uncharge(cf, cred->uid, 1);
+                clientfds_uncharge(cf, cred->uid, 2);
                 return errmsg_set(errmsg, -ENOMEM, "fd %" PRId64 ": out of memory", number);
         }
         pidfd = peer_pidfd(sock, cred, number, errmsg);
         if (pidfd < 0) {
                 free(t);
-                clientfds_uncharge(cf, cred->uid, 1);
+                clientfds_uncharge(cf, cred->uid, 2);
                 return pidfd;
         }
         t->pidfd = pidfd;
@@ -261,7 +262,7 @@ int clientfd_take(struct clientfds *cf, int sock, const struct ucred *cred, int6
         if (r < 0) {
                 close(t->pidfd); /* a pidfd's close cannot block */
                 free(t);
-                clientfds_uncharge(cf, cred->uid, 1);
+                clientfds_uncharge(cf, cred->uid, 2);
                 return errmsg_set(errmsg, r, "fd %" PRId64 ": out of memory", number);
         }
         return 0;

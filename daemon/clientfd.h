@@ -147,7 +147,8 @@ typedef void clientfd_take_fn(void *ctx, int fd, int error, const char *errmsg);
  * so a recycled pid cannot stand in for it; after the take, its user and
  * group ids (real, effective, saved, filesystem) must still be cred's, so
  * that nothing is taken from a set-id program the client started on the
- * connection. The descriptor is charged to cred->uid before it is taken.
+ * connection. The descriptor and the pidfd are charged to cred->uid before
+ * it is taken (the pidfd's charge goes when it is closed).
  * pidfd_getfd() waits for an execve() in progress in the client (its
  * exec_update_lock), which a client can make last as long as it likes (a
  * close-on-exec FUSE file), so the take runs in the uid's own closer

@@ -61,6 +61,15 @@ static void daemon_changed(void *ctx) {
         daemon_status_changed(ctx);
 }
 
+/* The jobs' hooks: a control page's fds are charged like a client's. */
+static int daemon_jobs_charge(void *ctx, uid_t uid, uint32_t n, char *errmsg) {
+        return clientfds_charge(ctx, uid, n, errmsg);
+}
+
+static void daemon_jobs_uncharge(void *ctx, uid_t uid, uint32_t n) {
+        clientfds_uncharge(ctx, uid, n);
+}
+
 static int daemon_metrics_snapshot(void *ctx, Moeep__V1__Metrics **ret) {
         struct daemon *d = ctx;
 
@@ -483,6 +492,10 @@ static uint64_t daemon_mesh_session_id(const struct session *s) {
         return s->id;
 }
 
+static uid_t daemon_mesh_session_uid(const struct session *s) {
+        return s->cred.uid;
+}
+
 static bool daemon_mesh_session_can_join(const struct session *s) {
         return s->state != SESSION_CLOSED && !s->member;
 }
@@ -514,6 +527,7 @@ static int daemon_mesh_start(struct daemon *d, char *errmsg) {
                 .session_ref = session_ref,
                 .session_unref = session_unref,
                 .session_id = daemon_mesh_session_id,
+                .session_uid = daemon_mesh_session_uid,
                 .session_can_join = daemon_mesh_session_can_join,
                 .join_failed = daemon_mesh_join_failed,
                 .joined = session_joined,
@@ -637,6 +651,9 @@ int daemon_init(struct daemon *d, const struct daemon_options *options) {
         r = clientfds_new(d->base, &d->config, &d->clientfds);
         if (r < 0)
                 goto oom;
+        d->jobs->fds = (struct jobs_fd_hooks){ .ctx = d->clientfds,
+                                               .charge = daemon_jobs_charge,
+                                               .uncharge = daemon_jobs_uncharge };
         r = broker_new(&d->config, d->clientfds, &d->broker);
         if (r < 0)
                 goto oom;

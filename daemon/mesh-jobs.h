@@ -62,6 +62,8 @@ struct mesh_jobs_hooks {
         void (*session_unref)(struct session *s);
         /* The session's id, for log lines. */
         uint64_t (*session_id)(const struct session *s);
+        /* The session's uid: a mirror's control page is charged to it. */
+        uid_t (*session_uid)(const struct session *s);
         /* Whether the session is still open and in no job (the home's
          * answer may make it a mirror's member). */
         bool (*session_can_join)(const struct session *s);

@@ -517,7 +517,7 @@ static int write_config(void) {
                 "max_regions_per_session = %d\n"
                 "max_fds_per_uid = %d\n"
                 "max_region_bytes_per_uid = %u\n",
-                sock_path, CAP_SESSIONS_PER_UID, CAP_JOBS_PER_UID, CAP_REGIONS_PER_SESSION, CAP_FDS_PER_UID,
+                sock_path, CAP_SESSIONS_PER_UID, CAP_JOBS_PER_UID, CAP_REGIONS_PER_SESSION, CAP_FDS_CONFIG,
                 CAP_BYTES_PER_UID);
         return fclose(f);
 }
