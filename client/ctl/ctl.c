@@ -7,6 +7,7 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/un.h>
+#include <unistd.h>
 
 #include "admin-socket.h"
 #include "ctl.h"
@@ -178,8 +179,22 @@ static int ctl_connect(struct ctl *ctl, const char *socket_path, const char *adm
                                 admin_path = derived;
                 }
                 if (admin_path) {
+                        uid_t uid = 0;
+
                         r = client_connect(admin_path, "moeepctl/" MOEEP_VERSION, &ctl->client,
                                            ctl->admin_error, sizeof(ctl->admin_error));
+                        /* The daemon runs as root or as us: a socket there
+                         * that another uid serves is not the daemon's. */
+                        if (r == 0 &&
+                            (client_peer_uid(ctl->client, &uid) < 0 || (uid != 0 && uid != geteuid()))) {
+                                snprintf(ctl->admin_error, sizeof(ctl->admin_error),
+                                         "%s is served by uid %u, neither root nor you: not the daemon's, "
+                                         "not used",
+                                         admin_path, (unsigned)uid);
+                                moeep_client_free(ctl->client);
+                                ctl->client = NULL;
+                                r = -EPERM;
+                        }
                         if (r == 0) {
                                 ctl->admin = true;
                                 return 0;

@@ -85,7 +85,13 @@ static void pump(void) {
 int LLVMFuzzerInitialize(int *argc, char ***argv) {
         struct daemon_options o = { .log_level = "err" };
 
-        snprintf(sock_path, sizeof(sock_path), "/tmp/moeep-fuzz-session-%d.sock", (int)getpid());
+        static char dir[] = "/tmp/moeep-fuzz-session.XXXXXX";
+
+        /* A directory of its own: the admin socket goes beside it, in
+         * DIR-admin (proto/admin-socket.h). */
+        if (!mkdtemp(dir))
+                abort();
+        snprintf(sock_path, sizeof(sock_path), "%s/moeepd.sock", dir);
         o.socket = sock_path;
         if (daemon_init(&d, &o) < 0)
                 abort();
@@ -93,7 +99,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
         d.config.max_sessions_per_uid = 3;
         d.config.max_jobs_per_uid = 2;
         d.config.max_regions_per_session = 3;
-        d.config.max_fds_per_uid = 4;
+        d.config.max_fds_per_uid = 4 + 2 * JOB_CONTROL_FDS; /* and the jobs' control pages */
         d.config.max_region_bytes_per_uid = 1 << 20;
         devnull = open("/dev/null", O_RDWR | O_CLOEXEC);
         if (devnull < 0)

@@ -96,9 +96,10 @@ static void cleanup(void) {
         }
         fuse_stub_stop();
         if (have_tmpdir) {
-                char cmd[sizeof(tmpdir) + 16];
+                char cmd[2 * sizeof(tmpdir) + 32];
 
-                snprintf(cmd, sizeof(cmd), "rm -rf '%s'", tmpdir);
+                /* With the admin socket's directory (proto/admin-socket.h). */
+                snprintf(cmd, sizeof(cmd), "rm -rf '%s' '%s-admin'", tmpdir, tmpdir);
                 (void)!system(cmd);
                 have_tmpdir = false;
         }

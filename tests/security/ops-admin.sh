@@ -161,7 +161,7 @@ if "$probe" "$tmp/act.sock" 1 1000 drain >"$tmp/act.out" 2>&1; then
 fi
 "$probe" "$tmp/operator.sock" 1 1000 drain >"$tmp/act.out" 2>&1 || fail "Drain refused on the activated admin socket: $(cat "$tmp/act.out")"
 grep -q "listening on the admin socket systemd passed (fd 4, 'admin')" "$log" || fail "no admin socket from systemd in the log"
-[[ ! -e $tmp/act-admin.sock ]] || fail "the daemon bound an admin socket of its own besides systemd's"
+[[ ! -e ${tmp}-admin/act.sock ]] || fail "the daemon bound an admin socket of its own besides systemd's"
 grep -q "admin socket $tmp/operator.sock is mode 0644: anyone who can open it is an operator" "$log" ||
         fail "no warning about the admin socket's mode 0644"
 stop_daemon

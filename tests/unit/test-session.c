@@ -27,7 +27,8 @@
 
 struct fixture {
         struct daemon d;
-        char path[64];
+        char dir[64];
+        char path[96];
         int fds_before;
         struct moeep_record rec;
 };
@@ -43,7 +44,12 @@ static int setup(void **state) {
 
         if (!f)
                 return -1;
-        snprintf(f->path, sizeof(f->path), "/tmp/moeep-unit-%d.sock", (int)getpid());
+        /* A directory of its own: the admin socket goes beside it, in
+         * DIR-admin (proto/admin-socket.h). */
+        snprintf(f->dir, sizeof(f->dir), "/tmp/moeep-unit-session.XXXXXX");
+        if (!mkdtemp(f->dir))
+                return -1;
+        snprintf(f->path, sizeof(f->path), "%s/moeepd.sock", f->dir);
         o.socket = f->path;
         if (daemon_init(&f->d, &o) < 0)
                 return -1;
@@ -61,6 +67,7 @@ static int teardown(void **state) {
         assert_int_equal(unit_count_fds(), f->fds_before);
         daemon_done(&f->d);
         assert_int_equal(access(f->path, F_OK), -1); /* the self-bound socket is gone */
+        rmdir(f->dir);
         free(f);
         return 0;
 }
