@@ -469,6 +469,12 @@ static bool daemon_mesh_session_can_join(const struct session *s) {
         return s->state != SESSION_CLOSED && !s->member;
 }
 
+static void daemon_mesh_remote_rank_gone(void *arg, const struct job *job, uint32_t rank) {
+        struct daemon *d = arg;
+
+        datapath_remote_rank_gone(d->datapath, job, rank);
+}
+
 static void daemon_mesh_join_failed(struct session *s, uint64_t request_id, int code, const char *message) {
         if (s->state == SESSION_CLOSED)
                 return;
@@ -500,6 +506,7 @@ static int daemon_mesh_start(struct daemon *d, char *errmsg) {
                 .session_can_join = daemon_mesh_session_can_join,
                 .join_failed = daemon_mesh_join_failed,
                 .joined = session_joined,
+                .remote_rank_gone = daemon_mesh_remote_rank_gone,
         };
         int r;
 

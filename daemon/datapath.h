@@ -130,6 +130,19 @@ int datapath_region_release(struct datapath *dp, struct job_member *m, uint64_t 
 int datapath_channel_open(struct datapath *dp, struct job_member *m, uint32_t capacity, int *ret_fd,
                           uint64_t *ret_ring_id, uint32_t *ret_capacity, char *errmsg);
 
+/* Rank `rank` of `job`, at another daemon, released its receive or
+ * counter region, or left the job: the routes to it in the rings of the
+ * job's ranks here lead nowhere from now on (proxy_route_drop()), so that
+ * a descriptor naming it fails its own ring instead of reaching a region
+ * that daemon no longer knows. */
+void datapath_remote_rank_gone(struct datapath *dp, const struct job *job, uint32_t rank);
+
+/* How long a receive or counter registration outlives its release (or
+ * its rank): writes to it that were on their way land, rather than meet a
+ * key the transport no longer knows (datapath.c, mr_retire()). Twice the
+ * proxy's write timeout. */
+#define DATAPATH_MR_LINGER_MS 10000
+
 /* `m`'s job was aborted: its channels are removed from the proxy (their
  * producers see the job's abort word). */
 void datapath_member_aborted(struct datapath *dp, struct job_member *m);

@@ -72,6 +72,10 @@ struct mesh_jobs_hooks {
         void (*join_failed)(struct session *s, uint64_t request_id, int code, const char *message);
         /* It succeeded: `m` is the session's member of the mirror. */
         int (*joined)(struct session *s, uint64_t request_id, struct job_member *m);
+        /* Rank `rank` of `job`, at another daemon, released its receive or
+         * counter region or left: routes to it lead nowhere from now on
+         * (datapath_remote_rank_gone()). */
+        void (*remote_rank_gone)(void *arg, const struct job *job, uint32_t rank);
 };
 
 /* The per-job state of a job that spans daemons (opaque outside

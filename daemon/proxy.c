@@ -334,6 +334,27 @@ int proxy_ring_remove(struct proxy *p, uint64_t ring_id) {
         return 0;
 }
 
+int proxy_route_drop(struct proxy *p, uint64_t ring_id, uint32_t route) {
+        struct cmd *c;
+        bool known;
+
+        if (!p || route >= PROXY_MAX_ROUTES)
+                return -EINVAL;
+        pthread_mutex_lock(&p->lock);
+        known = ring_id_find(p, ring_id) != NULL;
+        pthread_mutex_unlock(&p->lock);
+        if (!known)
+                return -ENOENT;
+        c = calloc(1, sizeof(*c));
+        if (!c)
+                return -ENOMEM;
+        c->type = CMD_ROUTE_DROP;
+        c->ring_id = ring_id;
+        c->tp_peer = route;
+        cmd_push(p, c);
+        return 0;
+}
+
 int proxy_peer_fail(struct proxy *p, uint32_t tp_peer, int error) {
         struct cmd *c;
 
