@@ -13,6 +13,7 @@
 
 #include "clientfd.h"
 #include "log.h" /* ERRMSG_MAX */
+#include "record.h"
 
 /* Closer threads: one is started whenever work waits and none is idle, so
  * that a uid whose close never returns (a FUSE server that does not answer
@@ -70,6 +71,14 @@
  * (the take can wait on a lock the client holds, see clientfd_take()),
  * handed back to the loop through clientfds.takes_done. */
 struct cf_take {
+        /* A discard (clientfd_discard_record()) rather than a take: `pidfd`
+         * is then a duplicate of the session socket, whose next record the
+         * closer reads and drops (its fds released, never taken), giving
+         * its header and length; `discarded` is called instead of `done`. */
+        bool discard;
+        struct moeep_record_header hdr; /* its header, when `len` covers it */
+        long len;                       /* the record's length; -errno when none was read */
+        clientfd_discard_fn *discarded;
         int pidfd;  /* owns until the closer closes it */
         int number; /* the descriptor number in the client's process */
         pid_t pid;  /* SO_PEERCRED's, for messages */
@@ -103,8 +112,8 @@ TAILQ_HEAD(cf_job_list, cf_job);
  * closes t->pidfd. Never logs. */
 void clientfd_take_run(struct cf_take *t);
 
-/* clientfd.c, on the loop: queues `t` in its uid's closer queue. Returns
- * 0 or -ENOMEM. */
+/* clientfd.c, on the loop: queues `t` in its uid's closer queue (a
+ * discard: in its queue of sockets). Returns 0 or -ENOMEM. */
 int clientfd_queue_take(struct clientfds *cf, struct cf_take *t);
 
 /* clientfd-take.c, on the loop: calls t->done and frees `t`. */

@@ -160,29 +160,47 @@ int clientfds_closing_check(struct clientfds *cf, uid_t uid, char *errmsg) {
 int clientfds_read_check(struct clientfds *cf, uid_t uid, int sock, char *errmsg) {
         const struct cf_uid *u = uid_find(cf, uid);
         uint32_t held = u ? u->held : 0, cap = cf->config->max_fds_per_uid;
-        char byte;
-        struct iovec iov = { .iov_base = &byte, .iov_len = 1 };
+        uint64_t all = (uint64_t)cf->total + cf->sessions;
+        uint32_t room = held < cap ? cap - held : 0,
+                 room_all = all < cf->budget ? cf->budget - (uint32_t)all : 0;
+        struct moeep_record_header hdr;
+        struct iovec iov = { .iov_base = &hdr, .iov_len = sizeof(hdr) };
         struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1 };
+        ssize_t n;
+        uint32_t claim;
+        int r;
 
-        if (held <= cap && (uint64_t)cf->total + cf->sessions + MOEEP_RECORD_RECV_FDS <= cf->budget)
+        if (room >= MOEEP_RECORD_RECV_FDS && room_all >= MOEEP_RECORD_RECV_FDS)
                 return 0;
         /* Whether the next record carries descriptors, without taking them:
          * a peek with no room for them only sets MSG_CTRUNC (the kernel
-         * drops its extra references, never the last one). */
-        if (recvmsg(sock, &mh, MSG_PEEK | MSG_DONTWAIT) < 0 || !(mh.msg_flags & MSG_CTRUNC))
+         * drops its extra references, never the last one). How many its
+         * header says: a record that lies is refused once read, and only
+         * one such fits past a cap (the reserve has room for it). */
+        n = recvmsg(sock, &mh, MSG_PEEK | MSG_DONTWAIT);
+        if (n < 0 || !(mh.msg_flags & MSG_CTRUNC))
                 return 0;
-        if (held > cap)
-                return errmsg_set(errmsg, -EDQUOT,
-                                  "uid %u holds %" PRIu32
-                                  " descriptors in the daemon (max_fds_per_uid = %" PRIu32 "), %" PRIu32
-                                  " of them still being closed: a record with descriptors "
-                                  "is not read",
-                                  (unsigned)uid, held, cap, u ? u->closing : 0);
-        return errmsg_set(errmsg, -EMFILE,
-                          "the daemon holds %" PRIu32 " descriptors for clients and keeps %" PRIu32
-                          " of its RLIMIT_NOFILE %" PRIu32 " in reserve: a record with descriptors is "
-                          "not read",
-                          cf->total + cf->sessions, cf->limit - cf->budget, cf->limit);
+        claim = (size_t)n >= sizeof(hdr) && hdr.magic == MOEEP_RECORD_MAGIC && hdr.nfds
+                        ? hdr.nfds
+                        : MOEEP_RECORD_RECV_FDS;
+        if (claim <= room && claim <= room_all)
+                return 0;
+        if (claim > room)
+                r = errmsg_set(errmsg, -EDQUOT,
+                               "uid %u holds %" PRIu32
+                               " descriptors in the daemon (max_fds_per_uid = %" PRIu32 "), %" PRIu32
+                               " of them still being closed: a record with %" PRIu32 " more is not read",
+                               (unsigned)uid, held, cap, u ? u->closing : 0, claim);
+        else
+                r = errmsg_set(errmsg, -EMFILE,
+                               "the daemon holds %" PRIu64 " descriptors for clients and keeps %" PRIu32
+                               " of its RLIMIT_NOFILE %" PRIu32 " in reserve: a record with %" PRIu32
+                               " more is not read",
+                               all, cf->limit - cf->budget, cf->limit, claim);
+        /* Room may come soon: closes under way (and not stuck). */
+        if (claim > room ? u && u->closing && !uid_stuck(cf, u) : cf->pending > 0)
+                return -EAGAIN;
+        return r;
 }
 
 /* ------------------------------------------------------------ closing */
@@ -420,7 +438,7 @@ int clientfd_queue_take(struct clientfds *cf, struct cf_take *t) {
         job->fd = -1;
         job->cost = CF_TAKE;
         job->take = t;
-        job_push(cf, &u->lanes[CF_LANE_FDS], job);
+        job_push(cf, &u->lanes[t->discard ? CF_LANE_SOCKETS : CF_LANE_FDS], job);
         return 0;
 }
 
@@ -559,6 +577,13 @@ int clientfds_new(struct event_base *base, const struct config *config, struct c
         log_info("client descriptors: RLIMIT_NOFILE %" PRIu32 ", %" PRIu32 " for clients, %" PRIu32
                  " in reserve",
                  cf->limit, cf->budget, cf->limit - cf->budget);
+        if ((uint64_t)config->max_fds_per_uid + MOEEP_RECORD_RECV_FDS > cf->budget / 2)
+                log_warn("client descriptors: max_fds_per_uid %" PRIu32
+                         " (and one record of up to %d past it) "
+                         "lets two uids fill the %" PRIu32
+                         " descriptors all clients share (RLIMIT_NOFILE %" PRIu32
+                         "): raise RLIMIT_NOFILE or lower max_fds_per_uid",
+                         config->max_fds_per_uid, MOEEP_RECORD_RECV_FDS, cf->budget, cf->limit);
         *ret_clientfds = cf;
         return 0;
 
@@ -602,7 +627,7 @@ void clientfds_free(struct clientfds *cf, int timeout_ms) {
                         while ((job = TAILQ_FIRST(&u->lanes[l].queue))) {
                                 TAILQ_REMOVE(&u->lanes[l].queue, job, entry);
                                 if (job->take) /* never run: its caller is gone with the loop */
-                                        close(job->take->pidfd);
+                                        close(job->take->pidfd); /* a pidfd, or a discard's socket */
                                 free(job->take);
                                 free(job);
                         }

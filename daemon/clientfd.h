@@ -42,6 +42,7 @@
 #include <sys/types.h>
 
 #include "moeep.pb-c.h"
+#include "record.h" /* MOEEP_RECORD_RECV_FDS */
 
 struct config;
 struct event_base;
@@ -49,9 +50,11 @@ struct clientfds;
 
 /* Descriptors kept out of the clients' reach: the listening sockets, the
  * operator's sessions (16), mesh connections (64 authenticating, the
- * peers), metrics connections (32) and the libraries' own. At least this
- * many, or an eighth of RLIMIT_NOFILE. */
-#define CLIENTFDS_RESERVE_MIN 192
+ * peers), metrics connections (32) and the libraries' own (192 in all),
+ * and room for one record whose header understates its descriptors
+ * (MOEEP_RECORD_RECV_FDS): at least this many, or an eighth of
+ * RLIMIT_NOFILE. */
+#define CLIENTFDS_RESERVE_MIN (192 + MOEEP_RECORD_RECV_FDS)
 
 /* Starts the closer machinery. With `base` NULL every close happens at once
  * on the caller's thread (unit tests of code that takes fds). Reads
@@ -94,10 +97,14 @@ int clientfds_closing_check(struct clientfds *cf, uid_t uid, char *errmsg);
 
 /* Whether the next record on the session socket `sock` of `uid` may be
  * read: 0 while the up to 253 descriptors it may bring fit the uid's cap
- * and the daemon's budget, or when it brings none (a peek tells, without
- * taking them); else -EDQUOT (the uid holds more than max_fds_per_uid, its
- * closes pending) or -EMFILE (the budget), with errmsg: the session is
- * then ended without the record being read. */
+ * and the daemon's budget, or when it brings none or as many as its header
+ * says and those fit (a peek tells, without taking them); else -EDQUOT
+ * (the uid's cap, its closes pending) or -EMFILE (the budget), with
+ * errmsg: the session is then ended without the record being read; or
+ * -EAGAIN (errmsg filled as well) while closes that would make room are
+ * under way and not stuck (the caller tries again a moment later). A
+ * record whose header understates its descriptors is refused once read;
+ * one such fits in the reserve. */
 int clientfds_read_check(struct clientfds *cf, uid_t uid, int sock, char *errmsg);
 
 /* A client session socket was accepted: it counts against the daemon-wide
@@ -164,6 +171,26 @@ typedef void clientfd_take_fn(void *ctx, int fd, int error, const char *errmsg);
  * changed). */
 int clientfd_take(struct clientfds *cf, int sock, const struct ucred *cred, int64_t number,
                   clientfd_take_fn *done, void *ctx, char *errmsg);
+
+/* What a discard hands back, on the loop: the record read and dropped, its
+ * length `len` (0: a record of zero bytes, or the end; -errno: nothing
+ * was read) and its header (`hdr` NULL when the record is shorter than
+ * one), and the errmsg given to clientfd_discard_record(). */
+typedef void clientfd_discard_fn(void *ctx, const struct moeep_record_header *hdr, long len,
+                                 const char *errmsg);
+
+/* Reads the next record queued on session socket `sock` of `uid` and drops
+ * it, its descriptors released without ever being taken: for a record
+ * that may not be read (clientfds_read_check()), so that it can be
+ * refused with an Error while the session goes on. Releasing what a client
+ * sent can wait (a socket lingering with SO_LINGER), so it happens in the
+ * uid's queue of sockets, under its closer's timer; `sock` is duplicated
+ * for it (charged to `uid` until closed). The caller reads nothing more
+ * from `sock` until `done` (called later on the loop, exactly once, with
+ * `errmsg` copied; with `base` NULL: before this returns). Returns 0 or
+ * -errno. */
+int clientfd_discard_record(struct clientfds *cf, uid_t uid, int sock, const char *errmsg,
+                            clientfd_discard_fn *done, void *ctx);
 
 /* A short name of a region kind ("memfd", "cumem-fd", "dma-buf"). */
 const char *clientfd_kind_to_string(Moeep__V1__RegionKind kind);

@@ -17,7 +17,9 @@
 #include "config.h"
 #include "errors.h"
 #include "log.h"
+#include "messages.h"
 #include "record.h"
+#include "session-internal.h"
 #include "session.h"
 
 /* Output a session may queue before we decide its peer does not read: a
@@ -36,7 +38,6 @@
 /* How long a connection may stay without saying Hello: libmoeep sends it
  * right after connect(). */
 #define SESSION_HELLO_DEADLINE_MS 5000
-
 struct session_out {
         TAILQ_ENTRY(session_out) entry;
         size_t len;
@@ -267,8 +268,6 @@ void sessions_reap(struct sessions *reg) {
         }
 }
 
-static void session_unthrottle(struct session *s);
-
 void session_close_now(struct session *s) {
         struct sessions *reg = s->reg;
 
@@ -280,7 +279,7 @@ void session_close_now(struct session *s) {
         event_del(s->ev_linger);
         event_del(s->ev_hello);
         out_clear(s);
-        session_unthrottle(s);
+        session_unhold(s);
         uids_session_remove(&reg->uids, s->uid_state);
         s->uid_state = NULL;
         /* Closing the socket closes what the peer queued on it unread,
@@ -390,18 +389,13 @@ static void session_write_cb(evutil_socket_t fd, short what, void *arg) {
 
 /* Receives and handles one record. Returns 1 to go on, 0 to stop. */
 static int session_read_one(struct session *s) {
-        char errmsg[ERRMSG_MAX];
         const char *why = NULL;
         uint64_t rid;
         int r;
 
-        /* A record may bring up to 253 fds: read only while they fit its
-         * uid's cap and the daemon's budget, or when it brings none. A uid
-         * whose fds do not close (its own FUSE server) gets nothing more. */
-        if (clientfds_read_check(s->reg->clientfds, s->cred.uid, s->fd, errmsg) < 0) {
-                session_fail(s, MOEEP__V1__ERROR_CODE__ERROR_LIMIT_EXCEEDED, 0, "%s", errmsg);
+        /* A record may bring up to 253 fds (session-hold.c). */
+        if (!session_read_admitted(s))
                 return 0;
-        }
         memset(&rx.hdr, 0, sizeof(rx.hdr));
         r = moeep_record_recv_keep(s->fd, &rx, &why);
         /* Whatever arrived is the daemon's to close now, and the sender's
@@ -450,68 +444,6 @@ void session_resume(struct session *s) {
                 event_add(s->ev_read, NULL);
 }
 
-/* CPU time of the loop thread, in microseconds: what handling a record
- * cost, whatever else ran on the machine meanwhile. */
-static uint64_t thread_cpu_us(void) {
-        struct timespec ts;
-
-        clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-        return (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
-}
-
-/* Stops reading `s` until its uid's share of the loop has grown back
- * (sessions_throttle_cb). */
-static void session_throttle(struct session *s) {
-        struct sessions *reg = s->reg;
-        uint64_t wait = uid_loop_wait_us(s->uid_state, uids_now_us());
-        struct timeval tv = { .tv_sec = (time_t)(wait / 1000000u),
-                              .tv_usec = (suseconds_t)(wait % 1000000u) };
-
-        if (!s->uid_state->throttled)
-                log_debug("uid %u: its share of the loop is spent: its sessions wait %" PRIu64 " us",
-                          (unsigned)s->cred.uid, wait);
-        s->uid_state->throttled = true;
-        s->throttled = true;
-        reg->throttles++;
-        event_del(s->ev_read);
-        TAILQ_INSERT_TAIL(&reg->throttled, s, throttle_entry);
-        if (!evtimer_pending(reg->ev_throttle, NULL))
-                evtimer_add(reg->ev_throttle, &tv);
-}
-
-static void session_unthrottle(struct session *s) {
-        if (!s->throttled)
-                return;
-        TAILQ_REMOVE(&s->reg->throttled, s, throttle_entry);
-        s->throttled = false;
-        if (s->uid_state)
-                s->uid_state->throttled = false;
-}
-
-static void sessions_throttle_cb(evutil_socket_t fd, short what, void *arg) {
-        struct sessions *reg = arg;
-        uint64_t now = uids_now_us(), wait = UINT64_MAX;
-        struct session *s, *next;
-
-        for (s = TAILQ_FIRST(&reg->throttled); s; s = next) {
-                next = TAILQ_NEXT(s, throttle_entry);
-                if (!uid_loop_ok(s->uid_state, now)) {
-                        uint64_t w = uid_loop_wait_us(s->uid_state, now);
-
-                        wait = w < wait ? w : wait;
-                        continue;
-                }
-                session_unthrottle(s);
-                session_resume(s);
-        }
-        if (wait != UINT64_MAX) {
-                struct timeval tv = { .tv_sec = (time_t)(wait / 1000000u),
-                                      .tv_usec = (suseconds_t)(wait % 1000000u) };
-
-                evtimer_add(reg->ev_throttle, &tv);
-        }
-}
-
 /* Handles up to SESSION_READ_BATCH records, each charged to the uid's
  * share of the loop (uids.h): a uid whose share is spent waits, however
  * many sessions it has, and nobody else does. */
@@ -525,13 +457,13 @@ static void session_read_cb(evutil_socket_t fd, short what, void *arg) {
                 int r;
 
                 if (cu && !uid_loop_ok(cu, uids_now_us())) {
-                        session_throttle(s);
+                        session_hold(s, 0);
                         break;
                 }
-                t0 = thread_cpu_us();
+                t0 = session_thread_cpu_us();
                 r = session_read_one(s);
                 if (cu)
-                        uid_loop_charge(cu, thread_cpu_us() - t0);
+                        uid_loop_charge(cu, session_thread_cpu_us() - t0);
                 if (!r)
                         break;
         }
@@ -761,7 +693,7 @@ int sessions_new(struct event_base *base, const struct config *config, struct cl
         TAILQ_INIT(&reg->throttled);
         uids_init(&reg->uids);
         reg->ev_reap = event_new(base, -1, 0, sessions_reap_cb, reg);
-        reg->ev_throttle = evtimer_new(base, sessions_throttle_cb, reg);
+        reg->ev_throttle = evtimer_new(base, sessions_hold_cb, reg);
         if (!reg->ev_reap || !reg->ev_throttle) {
                 if (reg->ev_reap)
                         event_free(reg->ev_reap);

@@ -81,8 +81,11 @@ struct session {
          * loop, its failed joins); NULL for admin sessions, which are never
          * throttled. */
         struct client_uid *uid_state;
-        bool throttled;   /* in the registry's `throttled`: its uid's share of the loop is spent */
-        bool fds_allowed; /* welcomed on a listener that refuses fds: it takes them now */
+        bool throttled;             /* in the registry's `throttled`: held (its uid's share of the loop
+                                     * is spent, or its next record's fds do not fit yet) */
+        uint64_t hold_until_us;     /* held at least until then (CLOCK_MONOTONIC us) */
+        uint64_t fds_wait_since_us; /* its next record's fds do not fit since then; 0 = they do */
+        bool fds_allowed;           /* welcomed on a listener that refuses fds: it takes them now */
         TAILQ_ENTRY(session) entry;
         TAILQ_ENTRY(session) throttle_entry;
 };
