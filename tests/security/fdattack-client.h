@@ -182,7 +182,9 @@ static Moeep__V1__Response *conn_call(struct conn *c, Moeep__V1__Request *req, c
                                            sizeof(struct linger));
                         close(fds[i]);
                 }
-        if (r < 0)
+        /* A daemon that turned the connection away may have said why
+         * before closing it (as libmoeep, read that). */
+        if (r < 0 && r != -EPIPE && r != -ECONNRESET)
                 return NULL;
         return conn_response(c);
 }
@@ -411,13 +413,17 @@ static bool log_has(const char *text) {
 
 /* ------------------------------------------------------------ attackers */
 
-/* In a child: no supplementary groups, ATTACK_UID's gid and uid (which
+/* In a child: no supplementary groups, `uid` as its uid and gid (which
  * leaves it no capabilities). Returns 0 or -1. */
-static int drop_to_attack_uid(void) {
-        if (setgroups(0, NULL) < 0 || setresgid(ATTACK_UID, ATTACK_UID, ATTACK_UID) < 0 ||
-            setresuid(ATTACK_UID, ATTACK_UID, ATTACK_UID) < 0)
+static int drop_to_uid(uid_t uid) {
+        if (setgroups(0, NULL) < 0 || setresgid((gid_t)uid, (gid_t)uid, (gid_t)uid) < 0 ||
+            setresuid(uid, uid, uid) < 0)
                 return -1;
         return 0;
+}
+
+static int drop_to_attack_uid(void) {
+        return drop_to_uid(ATTACK_UID);
 }
 
 /* Waits for the child `pid`, checking the well-behaved client meanwhile.
@@ -436,6 +442,27 @@ static int watch_child(const char *who, const char *what, pid_t pid, int timeout
                 return -1;
         }
         return st;
+}
+
+/* Starts `fn` in a child as `uid`, FUSE's device closed there. Returns its
+ * pid, or -1. */
+static inline pid_t spawn_as(uid_t uid, int (*fn)(void *), void *arg) {
+        pid_t pid;
+
+        fflush(stdout);
+        pid = fork();
+        if (pid == 0) {
+                prctl(PR_SET_PDEATHSIG, SIGKILL);
+                if (drop_to_uid(uid) < 0)
+                        _exit(100);
+                if (fuse_stub_device() >= 0) /* the FUSE server's alone */
+                        close(fuse_stub_device());
+                failures = 0;
+                fn(arg);
+                fflush(stdout);
+                _exit(failures > 0 ? 1 : 0);
+        }
+        return pid;
 }
 
 /* Runs `fn` in a child as ATTACK_UID; while it runs the well-behaved
