@@ -42,6 +42,10 @@
  * holds more than max_fds_per_uid, it gets no new session. Legitimate
  * bursts of closes (a job's ranks leaving) finish in microseconds. */
 #define CF_STUCK_MS 200
+/* Records without fds read and dropped from a session socket before it
+ * is closed, so that its peer reads the Error it was sent rather than a
+ * reset. */
+#define CF_DRAIN_MAX 64
 /* A close that takes longer than this is logged at notice once it
  * returns (at info past CF_INTERRUPT_MS, at most once per
  * CF_LOG_INTERVAL_MS and uid). */

@@ -248,6 +248,26 @@ static int peer_pidfd(int sock, const struct ucred *cred, int64_t number, char *
         return pidfd;
 }
 
+/* Runs `t` (at once without a loop), or queues it; on failure undoes it:
+ * its pidfd (or duplicate of a socket nothing was read from) closes at
+ * once, and the `charged` fds go back. */
+static int take_start(struct clientfds *cf, struct cf_take *t, uint32_t charged) {
+        int r;
+
+        if (!cf->base) {
+                clientfd_take_run(t);
+                clientfd_take_finish(cf, t);
+                return 0;
+        }
+        r = clientfd_queue_take(cf, t);
+        if (r < 0) {
+                close(t->pidfd);
+                clientfds_uncharge(cf, t->uid, charged);
+                free(t);
+        }
+        return r;
+}
+
 int clientfd_take(struct clientfds *cf, int sock, const struct ucred *cred, int64_t number,
                   clientfd_take_fn *done, void *ctx, char *errmsg) {
         struct cf_take *t;
@@ -280,18 +300,9 @@ int clientfd_take(struct clientfds *cf, int sock, const struct ucred *cred, int6
         t->fd = -1;
         t->done = done;
         t->ctx = ctx;
-        if (!cf->base) {
-                clientfd_take_run(t);
-                clientfd_take_finish(cf, t);
-                return 0;
-        }
-        r = clientfd_queue_take(cf, t);
-        if (r < 0) {
-                close(t->pidfd); /* a pidfd's close cannot block */
-                free(t);
-                clientfds_uncharge(cf, cred->uid, 2);
+        r = take_start(cf, t, 2);
+        if (r < 0)
                 return errmsg_set(errmsg, r, "fd %" PRId64 ": out of memory", number);
-        }
         return 0;
 }
 
@@ -315,16 +326,5 @@ int clientfd_discard_record(struct clientfds *cf, uid_t uid, int sock, const cha
                 return r;
         }
         clientfds_charge_held(cf, uid, 1);
-        if (!cf->base) {
-                clientfd_take_run(t);
-                clientfd_take_finish(cf, t);
-                return 0;
-        }
-        r = clientfd_queue_take(cf, t);
-        if (r < 0) {
-                close(t->pidfd); /* nothing was read from it: a duplicate closes at once */
-                clientfds_uncharge(cf, uid, 1);
-                free(t);
-        }
-        return r;
+        return take_start(cf, t, 1);
 }

@@ -488,12 +488,32 @@ void clientfds_session_opened(struct clientfds *cf) {
  * lane, charged to it until it returns, never behind a close of an fd that
  * may never return. A socket that could not be sent fds (SO_PASSRIGHTS
  * off) closes at once, here. */
+/* Reads and drops the records queued on `fd` that carry no fds (a peek
+ * tells, taking none), at most CF_DRAIN_MAX, stopping at one that does: a
+ * socket closed with unread input resets its peer, which then never reads
+ * the Error it was sent. */
+static void session_drain(int fd, bool no_fds) {
+        static uint8_t sink[MOEEP_RECORD_MAX];
+
+        for (int i = 0; i < CF_DRAIN_MAX; i++) {
+                struct iovec iov = { .iov_base = sink, .iov_len = sizeof(sink) };
+                struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1 };
+
+                if (!no_fds &&
+                    (recvmsg(fd, &mh, MSG_PEEK | MSG_DONTWAIT) <= 0 || (mh.msg_flags & MSG_CTRUNC)))
+                        return;
+                if (recv(fd, sink, sizeof(sink), MSG_DONTWAIT) <= 0)
+                        return;
+        }
+}
+
 void clientfd_close_session(struct clientfds *cf, uid_t uid, int fd, unsigned flags) {
         if (fd < 0)
                 return;
         if (flags & CLIENTFD_SESSION_COUNTED)
                 cf->sessions -= cf->sessions > 0;
         (void)shutdown(fd, SHUT_RDWR); /* the peer's sends fail from now on */
+        session_drain(fd, flags & CLIENTFD_SESSION_NO_FDS);
         if (!cf->base || (flags & CLIENTFD_SESSION_NO_FDS)) {
                 close(fd);
                 return;

@@ -422,10 +422,6 @@ static int drop_to_uid(uid_t uid) {
         return 0;
 }
 
-static int drop_to_attack_uid(void) {
-        return drop_to_uid(ATTACK_UID);
-}
-
 /* Waits for the child `pid`, checking the well-behaved client meanwhile.
  * Past `timeout_ms` it is killed and "FAIL: <who>'<what>' ran past" said.
  * Returns its wait status, or -1 when it ran past. */
@@ -446,7 +442,7 @@ static int watch_child(const char *who, const char *what, pid_t pid, int timeout
 
 /* Starts `fn` in a child as `uid`, FUSE's device closed there. Returns its
  * pid, or -1. */
-static inline pid_t spawn_as(uid_t uid, int (*fn)(void *), void *arg) {
+static pid_t spawn_as(uid_t uid, int (*fn)(void *), void *arg) {
         pid_t pid;
 
         fflush(stdout);
@@ -468,22 +464,9 @@ static inline pid_t spawn_as(uid_t uid, int (*fn)(void *), void *arg) {
 /* Runs `fn` in a child as ATTACK_UID; while it runs the well-behaved
  * client is checked. Returns the child's failures. */
 static int run_attacker(const char *what, int (*fn)(void *), void *arg, int timeout_ms) {
+        pid_t pid = spawn_as(ATTACK_UID, fn, arg);
         int st;
-        pid_t pid;
 
-        fflush(stdout);
-        pid = fork();
-        if (pid == 0) {
-                prctl(PR_SET_PDEATHSIG, SIGKILL);
-                if (drop_to_attack_uid() < 0)
-                        _exit(100);
-                if (fuse_stub_device() >= 0) /* the FUSE server's alone */
-                        close(fuse_stub_device());
-                failures = 0;
-                fn(arg);
-                fflush(stdout);
-                _exit(failures > 0 ? 1 : 0);
-        }
         fuse_stub_answer_flush_from(pid); /* its own closes of FUSE files return */
         st = watch_child("attacker ", what, pid, timeout_ms);
         return st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0 ? 0 : 1;
@@ -518,6 +501,53 @@ static int sec_begin(const char *name, const char *what, int argc, char **argv) 
         snprintf(conf_path, sizeof(conf_path), "%s/moeepd.conf", tmpdir);
         snprintf(log_path, sizeof(log_path), "%s/moeepd.log", tmpdir);
         return 0;
+}
+
+/* Waits up to 20 s for the daemon just started (daemon_pid) to answer
+ * Hello on sock_path. Returns 0, or -1 when it did not (or died). */
+static int sec_wait_daemon(void) {
+        for (int i = 0; daemon_pid > 0 && i < 400; i++) {
+                struct conn *c = conn_open();
+
+                if (c) {
+                        int ok = hello_with(c, NULL, 0, NULL, 0) == 0;
+
+                        conn_close(c);
+                        if (ok)
+                                return 0;
+                }
+                if (waitpid(daemon_pid, NULL, WNOHANG) == daemon_pid) {
+                        daemon_pid = -1;
+                        return -1;
+                }
+                sleep_ms(50);
+        }
+        return -1;
+}
+
+/* One case of a security test program. */
+struct sec_case {
+        const char *name;
+        void (*fn)(void);
+};
+
+/* Runs the cases in order (only the one named `only` when not NULL),
+ * saying "ok" or "FAIL" after each; stops when the daemon died. */
+static void sec_run_cases(const struct sec_case *cases, size_t n, const char *only) {
+        for (size_t i = 0; i < n; i++) {
+                int before = failures;
+
+                if (only && strcmp(only, cases[i].name) != 0)
+                        continue;
+                cases[i].fn();
+                say("%s %s", failures == before ? "ok  " : "FAIL", cases[i].name);
+                if (daemon_pid > 0 && waitpid(daemon_pid, NULL, WNOHANG) == daemon_pid) {
+                        say("FAIL: moeepd died");
+                        daemon_pid = -1;
+                        failures++;
+                        break;
+                }
+        }
 }
 
 /* Warms the daemon up (first allocations, closer threads), then takes the

@@ -503,37 +503,16 @@ static int start_daemon(const char *moeepd) {
         if (fclose(f) != 0)
                 return -1;
         daemon_pid = proc_spawn_logged((char *const[]){ (char *)moeepd, "-c", conf_path, NULL }, log_path);
-        if (daemon_pid < 0)
-                return -1;
-        for (int i = 0; i < 400; i++) {
-                struct conn *c = conn_open();
-
-                if (c) {
-                        int ok = hello_with(c, NULL, 0, NULL, 0) == 0;
-
-                        conn_close(c);
-                        if (ok)
-                                return 0;
-                }
-                if (waitpid(daemon_pid, NULL, WNOHANG) == daemon_pid) {
-                        daemon_pid = -1;
-                        return -1;
-                }
-                sleep_ms(50);
-        }
-        return -1;
+        return sec_wait_daemon();
 }
 
 int main(int argc, char **argv) {
         const char *only = argc > 3 ? argv[3] : NULL;
-        static const struct {
-                const char *name;
-                void (*fn)(void);
-        } cases[] = { { "kinds", case_kinds },
-                      { "linger", case_linger },
-                      { "fuse", case_fuse },
-                      { "fetch", case_fetch },
-                      { "hello", case_hello } };
+        static const struct sec_case cases[] = { { "kinds", case_kinds },
+                                                 { "linger", case_linger },
+                                                 { "fuse", case_fuse },
+                                                 { "fetch", case_fetch },
+                                                 { "hello", case_hello } };
         int fd, r = sec_begin("fdattack", "run attackers as uid 65534", argc, argv);
 
         if (r != 0)
@@ -551,20 +530,7 @@ int main(int argc, char **argv) {
                 return 1;
         }
         sec_baseline();
-        for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
-                int before = failures;
-
-                if (only && strcmp(only, cases[i].name) != 0)
-                        continue;
-                cases[i].fn();
-                say("%s %s", failures == before ? "ok  " : "FAIL", cases[i].name);
-                if (daemon_pid > 0 && waitpid(daemon_pid, NULL, WNOHANG) == daemon_pid) {
-                        say("FAIL: moeepd died");
-                        daemon_pid = -1;
-                        failures++;
-                        break;
-                }
-        }
+        sec_run_cases(cases, sizeof(cases) / sizeof(cases[0]), only);
         /* SIGTERM while closes of lingering sockets are stuck: the loop
          * acts on it, and the daemon ends cleanly (LeakSanitizer finding
          * nothing in ASan builds) within 5 s. */

@@ -546,11 +546,9 @@ static void case_noptrace(void) {
 
 int main(int argc, char **argv) {
         const char *only = argc > 3 ? argv[3] : NULL;
-        static const struct {
-                const char *name;
-                void (*fn)(void);
-        } cases[] = { { "share", case_share },   { "hostile", case_hostile }, { "frame", case_frame },
-                      { "exited", case_exited }, { "late", case_late },       { "noptrace", case_noptrace } };
+        static const struct sec_case cases[] = { { "share", case_share }, { "hostile", case_hostile },
+                                                 { "frame", case_frame }, { "exited", case_exited },
+                                                 { "late", case_late },   { "noptrace", case_noptrace } };
         int r = sec_begin("pidfd", "run clients as uid 65534 in PID namespaces", argc, argv);
 
         if (r != 0)
@@ -563,20 +561,7 @@ int main(int argc, char **argv) {
                 return 1;
         }
         sec_baseline();
-        for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
-                int before = failures;
-
-                if (only && strcmp(only, cases[i].name) != 0)
-                        continue;
-                cases[i].fn();
-                say("%s %s", failures == before ? "ok  " : "FAIL", cases[i].name);
-                if (daemon_pid > 0 && waitpid(daemon_pid, NULL, WNOHANG) == daemon_pid) {
-                        say("FAIL: moeepd died");
-                        daemon_pid = -1;
-                        failures++;
-                        break;
-                }
-        }
+        sec_run_cases(cases, sizeof(cases) / sizeof(cases[0]), only);
         check_ctl("after every case");
         /* A clean exit on SIGTERM within 5 s (in ASan builds LeakSanitizer
          * runs then: a take that leaked its session or fd would fail it). */

@@ -647,31 +647,16 @@ static int start_daemon(const char *moeepd) {
         daemon_pid = proc_spawn_logged(
                 (char *const[]){ "prlimit", prlimit_arg, "--", (char *)moeepd, "-c", conf_path, NULL },
                 log_path);
-        for (int i = 0; daemon_pid > 0 && i < 400; i++) {
-                struct conn *c = conn_open();
-
-                if (c) {
-                        int ok = hello_with(c, NULL, 0, NULL, 0) == 0;
-
-                        conn_close(c);
-                        if (ok)
-                                return 0;
-                }
-                sleep_ms(50);
-        }
-        return -1;
+        return sec_wait_daemon();
 }
 
 int main(int argc, char **argv) {
         const char *only = argc > 3 ? argv[3] : NULL;
-        static const struct {
-                const char *name;
-                void (*fn)(void);
-        } cases[] = { { "fds", case_fds },
-                      { "closers", case_closers },
-                      { "unknown", case_unknown },
-                      { "pages", case_pages },
-                      { "joins", case_joins } };
+        static const struct sec_case cases[] = { { "fds", case_fds },
+                                                 { "closers", case_closers },
+                                                 { "unknown", case_unknown },
+                                                 { "pages", case_pages },
+                                                 { "joins", case_joins } };
         int r = sec_begin("share", "run attackers under uids of their own", argc, argv);
 
         if (r != 0)
@@ -685,20 +670,7 @@ int main(int argc, char **argv) {
                 return 1;
         }
         sec_baseline();
-        for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
-                int before = failures;
-
-                if (only && strcmp(only, cases[i].name) != 0)
-                        continue;
-                cases[i].fn();
-                say("%s %s", failures == before ? "ok  " : "FAIL", cases[i].name);
-                if (daemon_pid > 0 && waitpid(daemon_pid, NULL, WNOHANG) == daemon_pid) {
-                        say("FAIL: moeepd died");
-                        daemon_pid = -1;
-                        failures++;
-                        break;
-                }
-        }
+        sec_run_cases(cases, sizeof(cases) / sizeof(cases[0]), only);
         (void)tarpit_open;
         (void)lingering_socket;
         (void)reg_path;
