@@ -581,6 +581,7 @@ int main(int argc, char **argv) {
         (void)reg_path;
         (void)tarpit_open;
         (void)lingering_socket;
+        (void)sec_wait_daemon; /* its daemon_start() waits for Hello with its own features */
         if (failures) {
                 char cmd[2 * sizeof(log_path) + 64];
 
