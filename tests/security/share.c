@@ -45,6 +45,16 @@
 #define RECV_FDS 253            /* MOEEP_RECORD_RECV_FDS */
 #define HOLD_FOREVER_MS 3600000 /* the daemon's FLUSH waits until the stub stops */
 
+/* The floods of the unknown case free what they allocate, but ASan's
+ * quarantine (256 MiB by default) keeps it for a while: RSS is checked
+ * against that there (LeakSanitizer catches leaks at the daemon's exit),
+ * and after it the baseline is taken again. */
+#if defined(__SANITIZE_ADDRESS__)
+#define UNKNOWN_RSS_SLACK_KIB (300 * 1024)
+#else
+#define UNKNOWN_RSS_SLACK_KIB RSS_SLACK_KIB
+#endif
+
 static char admin_path[sizeof(tmpdir) + 40];
 static bool have_fuse;
 
@@ -468,20 +478,32 @@ static void case_unknown(void) {
             "fields and "
             "8 uids of valid requests",
             n ? t[n / 2] : -1, n ? t[n - 1] : -1, n);
-        check_baseline("unknown");
+        check_baseline_slack("unknown", UNKNOWN_RSS_SLACK_KIB);
+#if defined(__SANITIZE_ADDRESS__)
+        rss_base = proc_rss_kib(daemon_pid); /* the quarantine stays filled */
+#endif
 }
 
 /* ------------------------------------------------------------ pages */
 
 static int attack_pages(void *arg) {
         struct conn *c = conn_open();
-        int made = 0, refused = 0;
+        int made = 0, refused = 0, code;
+        char msg[512] = "";
 
-        CHECK(c && hello_with(c, NULL, 0, NULL, 0) == 0, "pages: Hello");
+        /* The others' jobs may have spent the budget already: then this
+         * session is turned away at once, naming it. */
+        code = c ? hello_with(c, NULL, 0, msg, sizeof(msg)) : -1;
+        CHECK(code == 0 ||
+                      (code == MOEEP__V1__ERROR_CODE__ERROR_LIMIT_EXCEEDED && strstr(msg, "RLIMIT_NOFILE")),
+              "pages: Hello: code %d (%s)", code, msg);
+        if (code != 0) {
+                conn_close(c);
+                return 0;
+        }
         for (int i = 0; c && i < 16; i++) {
                 Moeep__V1__JobCreate jc = MOEEP__V1__JOB_CREATE__INIT;
                 Moeep__V1__Request req = MOEEP__V1__REQUEST__INIT;
-                int code;
 
                 jc.name = "pages";
                 jc.world_size = 1;
