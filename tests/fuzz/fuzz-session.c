@@ -86,15 +86,27 @@ static void pump(void) {
                 event_base_loop(d.base, EVLOOP_NONBLOCK);
 }
 
+static char dir[] = "/tmp/moeep-fuzz-session.XXXXXX";
+
+static void cleanup(void) {
+        char admin[sizeof(dir) + 32];
+
+        unlink(sock_path);
+        rmdir(dir);
+        snprintf(admin, sizeof(admin), "%s-admin/moeepd.sock", dir);
+        unlink(admin);
+        snprintf(admin, sizeof(admin), "%s-admin", dir);
+        rmdir(admin);
+}
+
 int LLVMFuzzerInitialize(int *argc, char ***argv) {
         struct daemon_options o = { .log_level = "err" };
 
-        static char dir[] = "/tmp/moeep-fuzz-session.XXXXXX";
-
         /* A directory of its own: the admin socket goes beside it, in
-         * DIR-admin (proto/admin-socket.h). */
+         * DIR-admin (proto/admin-socket.h). Both go with the process. */
         if (!mkdtemp(dir))
                 abort();
+        atexit(cleanup);
         snprintf(sock_path, sizeof(sock_path), "%s/moeepd.sock", dir);
         o.socket = sock_path;
         if (daemon_init(&d, &o) < 0)
