@@ -24,6 +24,7 @@
 #include <unistd.h>
 
 #include "clientfd-internal.h"
+#include "record.h"
 #include "errors.h"
 #include "log.h"
 
@@ -134,7 +135,25 @@ static int take_check_ids(struct cf_take *t) {
         return 0;
 }
 
+/* A discard, on a closer: reads the next record's header without room
+ * for its fds (the kernel releases them here; the closer's timer ends a
+ * lingering socket's wait), the rest of the record dropped with it. */
+static void discard_run(struct cf_take *t) {
+        struct iovec iov = { .iov_base = &t->hdr, .iov_len = sizeof(t->hdr) };
+        struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1 };
+        /* MSG_TRUNC: the record's whole length, however much is copied. */
+        ssize_t n = recvmsg(t->pidfd, &mh, MSG_DONTWAIT | MSG_TRUNC);
+
+        t->len = n < 0 ? -errno : (long)n;
+        close(t->pidfd);
+        t->pidfd = -1;
+}
+
 void clientfd_take_run(struct cf_take *t) {
+        if (t->discard) {
+                discard_run(t);
+                return;
+        }
         int fd = (int)syscall(SYS_pidfd_getfd, t->pidfd, t->number, 0);
         int e = errno;
 
@@ -185,8 +204,16 @@ void clientfd_take_run(struct cf_take *t) {
 }
 
 void clientfd_take_finish(struct clientfds *cf, struct cf_take *t) {
-        if (t->fd < 0)
-                clientfds_uncharge(cf, t->uid, 1);
+        if (t->discard) {
+                clientfds_uncharge(cf, t->uid, 1); /* its duplicate of the socket is closed */
+                if (!cf->takes_dropped)
+                        t->discarded(t->ctx, t->len >= (long)sizeof(t->hdr) ? &t->hdr : NULL, t->len,
+                                     t->errmsg);
+                free(t);
+                return;
+        }
+        /* The pidfd is closed by now; the fd stays charged when taken. */
+        clientfds_uncharge(cf, t->uid, t->fd < 0 ? 2 : 1);
         /* When the daemon exits, nobody waits for the reply; the exit
          * closes the fd. */
         if (!cf->takes_dropped)
@@ -221,6 +248,26 @@ static int peer_pidfd(int sock, const struct ucred *cred, int64_t number, char *
         return pidfd;
 }
 
+/* Runs `t` (at once without a loop), or queues it; on failure undoes it:
+ * its pidfd (or duplicate of a socket nothing was read from) closes at
+ * once, and the `charged` fds go back. */
+static int take_start(struct clientfds *cf, struct cf_take *t, uint32_t charged) {
+        int r;
+
+        if (!cf->base) {
+                clientfd_take_run(t);
+                clientfd_take_finish(cf, t);
+                return 0;
+        }
+        r = clientfd_queue_take(cf, t);
+        if (r < 0) {
+                close(t->pidfd);
+                clientfds_uncharge(cf, t->uid, charged);
+                free(t);
+        }
+        return r;
+}
+
 int clientfd_take(struct clientfds *cf, int sock, const struct ucred *cred, int64_t number,
                   clientfd_take_fn *done, void *ctx, char *errmsg) {
         struct cf_take *t;
@@ -229,19 +276,20 @@ int clientfd_take(struct clientfds *cf, int sock, const struct ucred *cred, int6
         if (number < 0 || number > INT_MAX)
                 return errmsg_set(errmsg, -ERROR_KIND_INVALID_ARGUMENT,
                                   "fd number %" PRId64 " is outside 0..%d", number, INT_MAX);
-        /* The fd to come counts now: its uid's cap bounds the takes too. */
-        r = clientfds_charge(cf, cred->uid, 1, errmsg);
+        /* The fd to come and the pidfd count now: its uid's cap bounds the
+         * takes too. */
+        r = clientfds_charge(cf, cred->uid, 2, errmsg);
         if (r < 0)
                 return r;
         t = calloc(1, sizeof(*t));
         if (!t) {
-                clientfds_uncharge(cf, cred->uid, 1);
+                clientfds_uncharge(cf, cred->uid, 2);
                 return errmsg_set(errmsg, -ENOMEM, "fd %" PRId64 ": out of memory", number);
         }
         pidfd = peer_pidfd(sock, cred, number, errmsg);
         if (pidfd < 0) {
                 free(t);
-                clientfds_uncharge(cf, cred->uid, 1);
+                clientfds_uncharge(cf, cred->uid, 2);
                 return pidfd;
         }
         t->pidfd = pidfd;
@@ -252,17 +300,31 @@ int clientfd_take(struct clientfds *cf, int sock, const struct ucred *cred, int6
         t->fd = -1;
         t->done = done;
         t->ctx = ctx;
-        if (!cf->base) {
-                clientfd_take_run(t);
-                clientfd_take_finish(cf, t);
-                return 0;
-        }
-        r = clientfd_queue_take(cf, t);
-        if (r < 0) {
-                close(t->pidfd); /* a pidfd's close cannot block */
-                free(t);
-                clientfds_uncharge(cf, cred->uid, 1);
+        r = take_start(cf, t, 2);
+        if (r < 0)
                 return errmsg_set(errmsg, r, "fd %" PRId64 ": out of memory", number);
-        }
         return 0;
+}
+
+int clientfd_discard_record(struct clientfds *cf, uid_t uid, int sock, const char *errmsg,
+                            clientfd_discard_fn *done, void *ctx) {
+        struct cf_take *t = calloc(1, sizeof(*t));
+        int r;
+
+        if (!t)
+                return -ENOMEM;
+        t->discard = true;
+        t->uid = uid;
+        t->fd = -1;
+        t->discarded = done;
+        t->ctx = ctx;
+        snprintf(t->errmsg, sizeof(t->errmsg), "%s", errmsg);
+        t->pidfd = fcntl(sock, F_DUPFD_CLOEXEC, 3);
+        if (t->pidfd < 0) {
+                r = -errno;
+                free(t);
+                return r;
+        }
+        clientfds_charge_held(cf, uid, 1);
+        return take_start(cf, t, 1);
 }

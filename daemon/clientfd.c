@@ -16,6 +16,7 @@
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/sysmacros.h>
 #include <sys/vfs.h>
 #include <time.h>
@@ -53,7 +54,10 @@ static struct cf_uid *uid_get(struct clientfds *cf, uid_t uid) {
         if (!u)
                 return NULL;
         u->uid = uid;
-        TAILQ_INIT(&u->queue);
+        for (int l = 0; l < CF_LANES; l++) {
+                u->lanes[l].uid = u;
+                TAILQ_INIT(&u->lanes[l].queue);
+        }
         pthread_mutex_lock(&cf->lock);
         LIST_INSERT_HEAD(&cf->uids, u, entry);
         pthread_mutex_unlock(&cf->lock);
@@ -63,9 +67,12 @@ static struct cf_uid *uid_get(struct clientfds *cf, uid_t uid) {
 /* Frees `u` once it owes nothing and no closer can reach it. Call with the
  * lock held. */
 static void uid_maybe_free_locked(struct cf_uid *u) {
-        if (u->held || u->closing || u->done || u->done_charged || u->busy || u->ready ||
-            !TAILQ_EMPTY(&u->queue))
+        if (u->held || u->closing)
                 return;
+        for (int l = 0; l < CF_LANES; l++)
+                if (u->lanes[l].done || u->lanes[l].busy || u->lanes[l].ready ||
+                    !TAILQ_EMPTY(&u->lanes[l].queue))
+                        return;
         LIST_REMOVE(u, entry);
         free(u);
 }
@@ -78,8 +85,8 @@ int clientfds_charge(struct clientfds *cf, uid_t uid, uint32_t n, char *errmsg) 
 
         if (held + (uint64_t)n > cap)
                 return errmsg_set(errmsg, -EDQUOT,
-                                  "uid %u holds %" PRIu32 " descriptors in the daemon (sessions, regions, "
-                                  "unsent replies, closes pending); %" PRIu32
+                                  "uid %u holds %" PRIu32 " descriptors in the daemon (regions, "
+                                  "unsent replies, job control pages, closes pending); %" PRIu32
                                   " more would pass max_fds_per_uid = %" PRIu32,
                                   (unsigned)uid, held, n, cap);
         r = clientfds_budget_check(cf, n, errmsg);
@@ -127,93 +134,219 @@ uint32_t clientfds_held(const struct clientfds *cf, uid_t uid) {
         return u ? u->held : 0;
 }
 
-int clientfds_closing_check(struct clientfds *cf, uid_t uid, char *errmsg) {
-        const struct cf_uid *u = uid_find(cf, uid);
+/* Whether the fds lane of `u` has been in one close (or take) for longer
+ * than CF_STUCK_MS. */
+static bool uid_stuck(struct clientfds *cf, const struct cf_uid *u) {
         bool stuck;
 
-        if (!u || u->closing < cf->config->max_fds_per_uid)
-                return 0;
         pthread_mutex_lock(&cf->lock);
-        stuck = u->busy && now_ms() - u->busy_since > CF_STUCK_MS;
+        stuck = u->lanes[CF_LANE_FDS].busy && now_ms() - u->lanes[CF_LANE_FDS].busy_since > CF_STUCK_MS;
         pthread_mutex_unlock(&cf->lock);
-        if (stuck)
-                return errmsg_set(errmsg, -EDQUOT,
-                                  "uid %u has %" PRIu32 " descriptors it sent still being closed "
-                                  "(max_fds_per_uid = %" PRIu32 "): nothing more is taken from it",
-                                  (unsigned)uid, u->closing, cf->config->max_fds_per_uid);
-        return 0;
+        return stuck;
+}
+
+int clientfds_closing_check(struct clientfds *cf, uid_t uid, char *errmsg) {
+        const struct cf_uid *u = uid_find(cf, uid);
+
+        if (!u || u->held <= cf->config->max_fds_per_uid || !uid_stuck(cf, u))
+                return 0;
+        return errmsg_set(errmsg, -EDQUOT,
+                          "uid %u holds %" PRIu32 " descriptors in the daemon (max_fds_per_uid = %" PRIu32
+                          "), %" PRIu32 " of them still being closed, one for more than %d ms: nothing "
+                          "more is taken from it",
+                          (unsigned)uid, u->held, cf->config->max_fds_per_uid, u->closing, CF_STUCK_MS);
+}
+
+int clientfds_read_check(struct clientfds *cf, uid_t uid, int sock, char *errmsg) {
+        const struct cf_uid *u = uid_find(cf, uid);
+        uint32_t held = u ? u->held : 0, cap = cf->config->max_fds_per_uid;
+        uint64_t all = (uint64_t)cf->total + cf->sessions;
+        uint32_t room = held < cap ? cap - held : 0,
+                 room_all = all < cf->budget ? cf->budget - (uint32_t)all : 0;
+        struct moeep_record_header hdr;
+        struct iovec iov = { .iov_base = &hdr, .iov_len = sizeof(hdr) };
+        struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1 };
+        ssize_t n;
+        uint32_t claim;
+        int r;
+
+        if (room >= MOEEP_RECORD_RECV_FDS && room_all >= MOEEP_RECORD_RECV_FDS)
+                return 0;
+        /* Whether the next record carries descriptors, without taking them:
+         * a peek with no room for them only sets MSG_CTRUNC (the kernel
+         * drops its extra references, never the last one). How many its
+         * header says: a record that lies is refused once read, and only
+         * one such fits past a cap (the reserve has room for it). */
+        n = recvmsg(sock, &mh, MSG_PEEK | MSG_DONTWAIT);
+        if (n < 0 || !(mh.msg_flags & MSG_CTRUNC))
+                return 0;
+        claim = (size_t)n >= sizeof(hdr) && hdr.magic == MOEEP_RECORD_MAGIC && hdr.nfds
+                        ? hdr.nfds
+                        : MOEEP_RECORD_RECV_FDS;
+        if (claim <= room && claim <= room_all)
+                return 0;
+        if (claim > room)
+                r = errmsg_set(errmsg, -EDQUOT,
+                               "uid %u holds %" PRIu32
+                               " descriptors in the daemon (max_fds_per_uid = %" PRIu32 "), %" PRIu32
+                               " of them still being closed: a record with %" PRIu32 " more is not read",
+                               (unsigned)uid, held, cap, u ? u->closing : 0, claim);
+        else
+                r = errmsg_set(errmsg, -EMFILE,
+                               "the daemon holds %" PRIu64 " descriptors for clients and keeps %" PRIu32
+                               " of its RLIMIT_NOFILE %" PRIu32 " in reserve: a record with %" PRIu32
+                               " more is not read",
+                               all, cf->limit - cf->budget, cf->limit, claim);
+        /* Room may come soon: closes under way (and not stuck). */
+        if (claim > room ? u && u->closing && !uid_stuck(cf, u) : cf->pending > 0)
+                return -EAGAIN;
+        return r;
 }
 
 /* ------------------------------------------------------------ closing */
 
-/* A closer: takes one fd of the uid first in line, closes it, and puts the
- * uid back in line when it has more. Never logs (logging is the loop's). */
+static void closer_signal_cb(int sig) {
+        /* Nothing: being delivered is what ends the wait it interrupted. */
+}
+
+/* The timer that interrupts this thread's waits (CF_INTERRUPT_MS); false
+ * when there is none (then a lingering close waits its time out). */
+static bool closer_timer_new(timer_t *ret) {
+        struct sigevent sev = { .sigev_notify = SIGEV_THREAD_ID, .sigev_signo = CF_SIGNAL };
+        sigset_t set;
+
+        sev._sigev_un._tid = (pid_t)syscall(SYS_gettid);
+        if (timer_create(CLOCK_MONOTONIC, &sev, ret) < 0)
+                return false;
+        sigemptyset(&set);
+        sigaddset(&set, CF_SIGNAL);
+        pthread_sigmask(SIG_UNBLOCK, &set, NULL);
+        return true;
+}
+
+static void closer_timer_arm(timer_t timer, bool on) {
+        struct itimerspec it = { .it_value = { .tv_nsec = on ? CF_INTERRUPT_MS * 1000000L : 0 } };
+
+        timer_settime(timer, 0, &it, NULL);
+}
+
+/* Runs one job, under the interrupting timer. Returns how long it took. */
+static long closer_run(struct cf_job *job, timer_t timer, bool have_timer) {
+        long t0 = now_ms();
+
+        if (have_timer)
+                closer_timer_arm(timer, true);
+        if (job->take)
+                clientfd_take_run(job->take); /* may wait on the client's execve() */
+        else
+                close(job->fd); /* may block for as long as the sender arranged */
+        if (have_timer)
+                closer_timer_arm(timer, false);
+        return now_ms() - t0;
+}
+
+/* A closer: takes one job of the lane first in line, runs it, and puts the
+ * lane back in line when it has more. Ends when idle for CF_IDLE_EXIT_MS
+ * with CF_WORKERS_KEEP others left, or when stopping. Never logs (logging
+ * is the loop's). */
 static void *closer_main(void *arg) {
         struct clientfds *cf = arg;
+        bool have_timer;
+        timer_t timer;
         uint64_t one = 1;
 
+        have_timer = closer_timer_new(&timer);
         pthread_mutex_lock(&cf->lock);
-        while (!cf->stopping) {
-                struct cf_uid *u = TAILQ_FIRST(&cf->ready);
+        for (;;) {
+                struct cf_lane *lane = TAILQ_FIRST(&cf->ready);
                 struct cf_job *job;
-                enum cf_cost job_cost;
-                long t0, took;
+                long took;
 
-                if (!u) {
+                if (!lane) {
+                        struct timespec until;
+                        int r;
+
+                        if (cf->stopping)
+                                break;
+                        clock_gettime(CLOCK_REALTIME, &until);
+                        until.tv_sec += CF_IDLE_EXIT_MS / 1000;
                         cf->nidle++;
-                        pthread_cond_wait(&cf->wake, &cf->lock);
+                        r = pthread_cond_timedwait(&cf->wake, &cf->lock, &until);
                         cf->nidle--;
+                        if (r == ETIMEDOUT && TAILQ_EMPTY(&cf->ready) && cf->nworkers > CF_WORKERS_KEEP)
+                                break;
                         continue;
                 }
-                TAILQ_REMOVE(&cf->ready, u, ready_entry);
-                u->ready = false;
-                job = TAILQ_FIRST(&u->queue);
-                TAILQ_REMOVE(&u->queue, job, entry);
-                u->busy = true;
-                u->busy_since = now_ms();
+                TAILQ_REMOVE(&cf->ready, lane, ready_entry);
+                lane->ready = false;
+                job = TAILQ_FIRST(&lane->queue);
+                TAILQ_REMOVE(&lane->queue, job, entry);
+                lane->busy = true;
+                lane->busy_since = now_ms();
                 pthread_mutex_unlock(&cf->lock);
 
-                t0 = now_ms();
-                if (job->take)
-                        clientfd_take_run(job->take); /* may wait on the client's execve() */
-                else
-                        close(job->fd); /* may block for as long as the sender arranged */
-                took = now_ms() - t0;
-                job_cost = job->cost;
+                took = closer_run(job, timer, have_timer);
 
                 pthread_mutex_lock(&cf->lock);
                 if (job->take)
                         TAILQ_INSERT_TAIL(&cf->takes_done, job->take, entry);
+                else
+                        lane->done++;
                 free(job);
-                u->busy = false;
-                u->done += job_cost != CF_QUICK && job_cost != CF_TAKE;
-                u->done_charged += job_cost == CF_CHARGED;
-                if (took > CF_SLOW_CLOSE_MS && (uint32_t)took > u->slow_ms)
-                        u->slow_ms = (uint32_t)took;
+                lane->busy = false;
+                if (took >= CF_INTERRUPT_MS && (uint32_t)took > lane->slow_ms)
+                        lane->slow_ms = (uint32_t)took;
                 cf->pending--;
-                if (!TAILQ_EMPTY(&u->queue)) {
-                        TAILQ_INSERT_TAIL(&cf->ready, u, ready_entry);
-                        u->ready = true;
+                if (!TAILQ_EMPTY(&lane->queue)) {
+                        TAILQ_INSERT_TAIL(&cf->ready, lane, ready_entry);
+                        lane->ready = true;
                 }
                 pthread_cond_broadcast(&cf->settled);
                 (void)!write(cf->efd, &one, sizeof(one));
         }
+        cf->nworkers--;
+        pthread_cond_broadcast(&cf->exited);
         pthread_mutex_unlock(&cf->lock);
+        if (have_timer)
+                timer_delete(timer);
         return NULL;
 }
 
 /* Starts one more closer. Call with the lock held. */
 static void closer_spawn_locked(struct clientfds *cf) {
         sigset_t all, old;
+        pthread_attr_t attr;
+        pthread_t thread;
 
-        if (cf->nworkers >= CF_WORKERS_MAX)
+        if (cf->nworkers >= CF_WORKERS_MAX || pthread_attr_init(&attr) != 0)
                 return;
-        /* Signals are the loop's business (libevent's handlers). */
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        pthread_attr_setstacksize(&attr, CF_STACK_BYTES);
+        /* Signals are the loop's business (libevent's handlers); each
+         * closer unblocks CF_SIGNAL alone. */
         sigfillset(&all);
         pthread_sigmask(SIG_BLOCK, &all, &old);
-        if (pthread_create(&cf->workers[cf->nworkers], NULL, closer_main, cf) == 0)
+        if (pthread_create(&thread, &attr, closer_main, cf) == 0)
                 cf->nworkers++;
         pthread_sigmask(SIG_SETMASK, &old, NULL);
+        pthread_attr_destroy(&attr);
+}
+
+/* Logs how long the closes of `u` took, at most once per
+ * CF_LOG_INTERVAL_MS (a stuck close once it returns: always). */
+static void uid_log_slow(struct cf_uid *u, uint32_t slow_ms) {
+        long now = now_ms();
+
+        if (slow_ms > CF_SLOW_CLOSE_MS)
+                log_notice("uid %u: closing a descriptor it sent took %" PRIu32 " ms", (unsigned)u->uid,
+                           slow_ms);
+        else if (!u->logged_ms || now - u->logged_ms >= CF_LOG_INTERVAL_MS)
+                log_info("uid %u: closing a descriptor it sent took %" PRIu32 " ms (a wait a signal "
+                         "ends, as SO_LINGER's, is cut short after %d ms)",
+                         (unsigned)u->uid, slow_ms, CF_INTERRUPT_MS);
+        else
+                return;
+        u->logged_ms = now;
 }
 
 /* Returns the charges of finished closes and hands back finished takes
@@ -228,20 +361,20 @@ static void clientfds_collect(struct clientfds *cf) {
         pthread_mutex_lock(&cf->lock);
         TAILQ_CONCAT(&takes, &cf->takes_done, entry);
         for (u = LIST_FIRST(&cf->uids); u; u = next) {
+                uint32_t done = 0, slow = 0;
+
                 next = LIST_NEXT(u, entry);
-                if (!u->done) {
-                        uid_maybe_free_locked(u);
-                        continue;
+                for (int l = 0; l < CF_LANES; l++) {
+                        done += u->lanes[l].done;
+                        slow = u->lanes[l].slow_ms > slow ? u->lanes[l].slow_ms : slow;
+                        u->lanes[l].done = 0;
+                        u->lanes[l].slow_ms = 0;
                 }
-                if (u->slow_ms)
-                        log_notice("uid %u: closing a descriptor it sent took %" PRIu32 " ms",
-                                   (unsigned)u->uid, u->slow_ms);
-                cf->total -= u->done_charged < cf->total ? u->done_charged : cf->total;
-                u->held -= u->done_charged < u->held ? u->done_charged : u->held;
-                u->closing -= u->done < u->closing ? u->done : u->closing;
-                u->done = 0;
-                u->done_charged = 0;
-                u->slow_ms = 0;
+                if (slow)
+                        uid_log_slow(u, slow);
+                cf->total -= done < cf->total ? done : cf->total;
+                u->held -= done < u->held ? done : u->held;
+                u->closing -= done < u->closing ? done : u->closing;
                 uid_maybe_free_locked(u);
         }
         pthread_mutex_unlock(&cf->lock);
@@ -256,39 +389,29 @@ static void clientfds_done_cb(evutil_socket_t fd, short what, void *arg) {
         clientfds_collect(arg);
 }
 
-/* Whether closing `fd` cannot block, by facts that never block to learn:
- * shmem files (F_GET_SEALS works on nothing else) have no flush and free
- * pages only; the NVIDIA driver's release does not wait for a client. */
-static bool close_is_quick(int fd) {
-        struct statx stx;
-
-        if (fcntl(fd, F_GET_SEALS) >= 0)
-                return true;
-        return statx(fd, "", AT_EMPTY_PATH | AT_STATX_DONT_SYNC, STATX_TYPE, &stx) == 0 &&
-               S_ISCHR(stx.stx_mode) && stx.stx_rdev_major == NVIDIA_MAJOR;
-}
-
-/* Appends `job` to `u`'s queue and wakes a closer (starting one when none
- * is idle). */
-static void job_push(struct clientfds *cf, struct cf_uid *u, struct cf_job *job) {
+/* Appends `job` to `lane` and wakes a closer, starting one when none is
+ * idle: a lane whose close never returns holds its closer, and the others
+ * get one of their own. */
+static void job_push(struct clientfds *cf, struct cf_lane *lane, struct cf_job *job) {
         pthread_mutex_lock(&cf->lock);
-        TAILQ_INSERT_TAIL(&u->queue, job, entry);
+        TAILQ_INSERT_TAIL(&lane->queue, job, entry);
         cf->pending++;
-        if (!u->busy && !u->ready) {
-                TAILQ_INSERT_TAIL(&cf->ready, u, ready_entry);
-                u->ready = true;
+        if (!lane->busy && !lane->ready) {
+                TAILQ_INSERT_TAIL(&cf->ready, lane, ready_entry);
+                lane->ready = true;
         }
-        if (cf->nidle == 0)
+        if (cf->nidle == 0 && lane->ready)
                 closer_spawn_locked(cf);
         pthread_cond_signal(&cf->wake);
         pthread_mutex_unlock(&cf->lock);
 }
 
+/* Queues the close of `fd`, charged to `uid` (the caller charged it). */
 static void close_queue(struct clientfds *cf, uid_t uid, int fd, enum cf_cost cost) {
         struct cf_job *job;
         struct cf_uid *u;
 
-        u = uid_get(cf, cost == CF_QUICK ? CF_QUICK_UID : uid);
+        u = uid_get(cf, uid);
         job = malloc(sizeof(*job));
         if (!u || !job) {
                 /* Closing here could block the loop: keep the fd (and its
@@ -300,8 +423,8 @@ static void close_queue(struct clientfds *cf, uid_t uid, int fd, enum cf_cost co
         job->fd = fd;
         job->cost = cost;
         job->take = NULL;
-        u->closing += cost != CF_QUICK;
-        job_push(cf, u, job);
+        u->closing++;
+        job_push(cf, &u->lanes[cost == CF_SOCKET ? CF_LANE_SOCKETS : CF_LANE_FDS], job);
 }
 
 int clientfd_queue_take(struct clientfds *cf, struct cf_take *t) {
@@ -315,95 +438,88 @@ int clientfd_queue_take(struct clientfds *cf, struct cf_take *t) {
         job->fd = -1;
         job->cost = CF_TAKE;
         job->take = t;
-        job_push(cf, u, job);
+        job_push(cf, &u->lanes[t->discard ? CF_LANE_SOCKETS : CF_LANE_FDS], job);
         return 0;
+}
+
+/* Whether closing `fd` costs the loop only a moment, by facts that never
+ * block to learn: a shmem file (F_GET_SEALS works on nothing else) has no
+ * flush, and freeing at most CF_INLINE_BYTES of its pages is quick. */
+static bool close_is_cheap(int fd) {
+        struct statx stx;
+
+        return fcntl(fd, F_GET_SEALS) >= 0 &&
+               statx(fd, "", AT_EMPTY_PATH | AT_STATX_DONT_SYNC, STATX_BLOCKS, &stx) == 0 &&
+               (stx.stx_mask & STATX_BLOCKS) && stx.stx_blocks * 512 <= CF_INLINE_BYTES;
 }
 
 void clientfd_close(struct clientfds *cf, uid_t uid, int fd) {
-        bool quick;
-
         if (fd < 0)
                 return;
-        if (!cf->base) {
+        /* A small memfd closes here: a client that releases a region and
+         * registers another at once finds its charge returned. Anything
+         * else closes off the loop, charged until it returned. */
+        if (!cf->base || close_is_cheap(fd)) {
                 close(fd);
                 clientfds_uncharge(cf, uid, 1);
                 return;
         }
-        /* A close that cannot block is off the loop all the same, but its
-         * charge is returned now: a client that releases a region and
-         * registers another at once is not refused for a close in flight. */
-        quick = close_is_quick(fd);
-        if (quick)
-                clientfds_uncharge(cf, uid, 1);
-        close_queue(cf, uid, fd, quick ? CF_QUICK : CF_CHARGED);
-}
-
-void clientfd_close_socket(struct clientfds *cf, uid_t uid, int fd) {
-        if (fd < 0)
-                return;
-        if (!cf->base) {
-                close(fd);
-                return;
-        }
-        close_queue(cf, uid, fd, CF_SOCKET);
+        close_queue(cf, uid, fd, CF_CHARGED);
 }
 
 int clientfds_budget_check(const struct clientfds *cf, uint32_t n, char *errmsg) {
-        if (cf->total + (uint64_t)n > cf->budget)
+        if ((uint64_t)cf->total + cf->sessions + n > cf->budget)
                 return errmsg_set(errmsg, -EMFILE,
                                   "the daemon holds %" PRIu32 " descriptors for clients and keeps %" PRIu32
                                   " of its RLIMIT_NOFILE %" PRIu32 " in reserve",
-                                  cf->total + n, cf->limit - cf->budget, cf->limit);
+                                  cf->total + cf->sessions + n, cf->limit - cf->budget, cf->limit);
         return 0;
 }
 
-/* Closing a session's socket closes whatever the peer queued on it unread,
- * the fds it attached included, in the closing thread: a socket with SO_LINGER or a FUSE file
- * among them blocks there. So the socket is shut first (the peer's sends
- * fail from now on), records still queued are read here, a bounded number,
- * each fd found going to the closers charged to `uid`, and the socket
- * itself closes in `uid`'s own closing queue: what is left in it (records
- * past the bound, or behind a zero-length one, which reads like the end)
- * can stall only that uid. */
-void clientfd_close_session(struct clientfds *cf, uid_t uid, int fd) {
-        union {
-                char buf[CMSG_SPACE(sizeof(int) * MOEEP_RECORD_RECV_FDS)];
-                struct cmsghdr align;
-        } control;
-        char byte;
+void clientfds_session_opened(struct clientfds *cf) {
+        cf->sessions++;
+}
 
+/* Closing a session's socket releases whatever the peer queued on it
+ * unread, the fds it attached included. Those are released, never closed
+ * as an fd is (no FLUSH to a FUSE server), so only a socket lingering with
+ * SO_LINGER among them can make that close wait, and the closer's timer
+ * ends such a wait (CF_INTERRUPT_MS): the close goes to the uid's sockets
+ * lane, charged to it until it returns, never behind a close of an fd that
+ * may never return. A socket that could not be sent fds (SO_PASSRIGHTS
+ * off) closes at once, here. */
+/* Reads and drops the records queued on `fd` that carry no fds (a peek
+ * tells, taking none), at most CF_DRAIN_MAX, stopping at one that does: a
+ * socket closed with unread input resets its peer, which then never reads
+ * the Error it was sent. */
+static void session_drain(int fd, bool no_fds) {
+        static uint8_t sink[MOEEP_RECORD_MAX];
+
+        for (int i = 0; i < CF_DRAIN_MAX; i++) {
+                struct iovec iov = { .iov_base = sink, .iov_len = sizeof(sink) };
+                struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1 };
+
+                if (!no_fds &&
+                    (recvmsg(fd, &mh, MSG_PEEK | MSG_DONTWAIT) <= 0 || (mh.msg_flags & MSG_CTRUNC)))
+                        return;
+                if (recv(fd, sink, sizeof(sink), MSG_DONTWAIT) <= 0)
+                        return;
+        }
+}
+
+void clientfd_close_session(struct clientfds *cf, uid_t uid, int fd, unsigned flags) {
         if (fd < 0)
                 return;
-        (void)shutdown(fd, SHUT_RDWR);
-        for (int i = 0; i < CF_DRAIN_MAX && clientfds_closing_check(cf, uid, NULL) == 0; i++) {
-                struct iovec iov = { .iov_base = &byte, .iov_len = 1 };
-                struct msghdr mh = { .msg_iov = &iov,
-                                     .msg_iovlen = 1,
-                                     .msg_control = control.buf,
-                                     .msg_controllen = sizeof(control.buf) };
-                ssize_t n = recvmsg(fd, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
-
-                if (n < 0)
-                        break;
-                for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c)) {
-                        size_t nfds = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-
-                        if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
-                                continue;
-                        for (size_t k = 0; k < nfds; k++) {
-                                int got;
-
-                                memcpy(&got, CMSG_DATA(c) + k * sizeof(int), sizeof(got));
-                                clientfds_charge_held(cf, uid, 1);
-                                clientfd_close(cf, uid, got);
-                        }
-                }
-                /* The end, or a record of zero bytes without fds: they
-                 * read alike, so stop. */
-                if (n == 0 && mh.msg_controllen == 0)
-                        break;
+        if (flags & CLIENTFD_SESSION_COUNTED)
+                cf->sessions -= cf->sessions > 0;
+        (void)shutdown(fd, SHUT_RDWR); /* the peer's sends fail from now on */
+        session_drain(fd, flags & CLIENTFD_SESSION_NO_FDS);
+        if (!cf->base || (flags & CLIENTFD_SESSION_NO_FDS)) {
+                close(fd);
+                return;
         }
-        clientfd_close_socket(cf, uid, fd);
+        clientfds_charge_held(cf, uid, 1);
+        close_queue(cf, uid, fd, CF_SOCKET);
 }
 
 int clientfds_settle(struct clientfds *cf, int timeout_ms) {
@@ -448,11 +564,15 @@ int clientfds_new(struct event_base *base, const struct config *config, struct c
         pthread_mutex_init(&cf->lock, NULL);
         pthread_cond_init(&cf->wake, NULL);
         pthread_cond_init(&cf->settled, NULL);
+        pthread_cond_init(&cf->exited, NULL);
+        /* The closers' timers interrupt waits with CF_SIGNAL: a handler
+         * that does nothing, without SA_RESTART. Only closers unblock it. */
+        sigaction(CF_SIGNAL, &(struct sigaction){ .sa_handler = closer_signal_cb }, NULL);
 
         if (getrlimit(RLIMIT_NOFILE, &rl) < 0 || rl.rlim_cur == RLIM_INFINITY || rl.rlim_cur > (1u << 30))
                 rl.rlim_cur = 1u << 30;
         cf->limit = (uint32_t)rl.rlim_cur;
-        reserve = cf->limit / 8 > CF_RESERVE_MIN ? cf->limit / 8 : CF_RESERVE_MIN;
+        reserve = cf->limit / 8 > CLIENTFDS_RESERVE_MIN ? cf->limit / 8 : CLIENTFDS_RESERVE_MIN;
         cf->budget = cf->limit > 2 * reserve ? cf->limit - reserve : cf->limit / 2;
 
         /* Where memfds live: one internal shmem mount for all of them. A
@@ -477,6 +597,13 @@ int clientfds_new(struct event_base *base, const struct config *config, struct c
         log_info("client descriptors: RLIMIT_NOFILE %" PRIu32 ", %" PRIu32 " for clients, %" PRIu32
                  " in reserve",
                  cf->limit, cf->budget, cf->limit - cf->budget);
+        if ((uint64_t)config->max_fds_per_uid + MOEEP_RECORD_RECV_FDS > cf->budget / 2)
+                log_warn("client descriptors: max_fds_per_uid %" PRIu32
+                         " (and one record of up to %d past it) "
+                         "lets two uids fill the %" PRIu32
+                         " descriptors all clients share (RLIMIT_NOFILE %" PRIu32
+                         "): raise RLIMIT_NOFILE or lower max_fds_per_uid",
+                         config->max_fds_per_uid, MOEEP_RECORD_RECV_FDS, cf->budget, cf->limit);
         *ret_clientfds = cf;
         return 0;
 
@@ -486,9 +613,9 @@ fail:
 }
 
 void clientfds_free(struct clientfds *cf, int timeout_ms) {
+        struct timespec until;
         struct cf_take *t;
         struct cf_uid *u;
-        bool stuck = false;
 
         if (!cf)
                 return;
@@ -497,31 +624,33 @@ void clientfds_free(struct clientfds *cf, int timeout_ms) {
         if (clientfds_settle(cf, timeout_ms) < 0)
                 log_warn("%" PRIu32 " client descriptors are still being closed: leaving them to the exit",
                          cf->pending);
+        /* The idle closers end at once; the others as their job returns. */
+        clock_gettime(CLOCK_REALTIME, &until);
+        until.tv_sec += 1;
         pthread_mutex_lock(&cf->lock);
         cf->stopping = true;
         pthread_cond_broadcast(&cf->wake);
-        LIST_FOREACH (u, &cf->uids, entry)
-                stuck = stuck || u->busy;
-        pthread_mutex_unlock(&cf->lock);
-        if (stuck) {
+        while (cf->nworkers > 0 && pthread_cond_timedwait(&cf->exited, &cf->lock, &until) == 0)
+                ;
+        if (cf->nworkers > 0) {
                 /* A closer is still in close(): it would touch `cf` when it
                  * returns, so nothing is freed. */
-                for (unsigned i = 0; i < cf->nworkers; i++)
-                        pthread_detach(cf->workers[i]);
+                pthread_mutex_unlock(&cf->lock);
                 return;
         }
-        for (unsigned i = 0; i < cf->nworkers; i++)
-                pthread_join(cf->workers[i], NULL);
+        pthread_mutex_unlock(&cf->lock);
         /* Queued fds no closer took: the process's exit closes them. */
         while ((u = LIST_FIRST(&cf->uids))) {
-                struct cf_job *job;
+                for (int l = 0; l < CF_LANES; l++) {
+                        struct cf_job *job;
 
-                while ((job = TAILQ_FIRST(&u->queue))) {
-                        TAILQ_REMOVE(&u->queue, job, entry);
-                        if (job->take) /* never run: its caller is gone with the loop */
-                                close(job->take->pidfd);
-                        free(job->take);
-                        free(job);
+                        while ((job = TAILQ_FIRST(&u->lanes[l].queue))) {
+                                TAILQ_REMOVE(&u->lanes[l].queue, job, entry);
+                                if (job->take) /* never run: its caller is gone with the loop */
+                                        close(job->take->pidfd); /* a pidfd, or a discard's socket */
+                                free(job->take);
+                                free(job);
+                        }
                 }
                 LIST_REMOVE(u, entry);
                 free(u);
@@ -537,6 +666,7 @@ void clientfds_free(struct clientfds *cf, int timeout_ms) {
                 event_free(cf->ev_done);
         if (cf->efd >= 0)
                 close(cf->efd);
+        pthread_cond_destroy(&cf->exited);
         pthread_cond_destroy(&cf->settled);
         pthread_cond_destroy(&cf->wake);
         pthread_mutex_destroy(&cf->lock);

@@ -13,16 +13,24 @@
  *     filesystem or driver (fcntl, statx with AT_STATX_DONT_SYNC, the
  *     kernel's own /proc/self/fdinfo text), in the order that proves each
  *     later call safe before it is made;
- *   - clientfd_close() hands an fd to closer threads. Each uid has its own
- *     queue, served by at most one closer at a time, so a close that never
- *     returns stalls only the queue of the uid that sent it; its pending
- *     closes stay charged to that uid until they finish;
+ *   - clientfd_close() hands an fd to closer threads. Each uid has its
+ *     own queues, each served by at most one closer at a time, and a
+ *     closer is started whenever work waits and none is idle, so a close
+ *     that never returns stalls only the uid that sent the descriptor,
+ *     whatever the number of such uids (clientfd-internal.h has the
+ *     bounds); its pending closes stay charged to that uid until they
+ *     finish. A timer ends every wait a signal can end (SO_LINGER);
  *   - every fd the daemon holds for a uid (its regions, duplicates queued
- *     in unsent replies, received fds not yet handled, and closes still
- *     pending) is charged to it and capped by max_fds_per_uid (its
- *     sessions have max_sessions_per_uid); all uids together, sessions
- *     included, stay below RLIMIT_NOFILE less a reserve, so accept() and
- *     the operator's path keep working.
+ *     in unsent replies, received fds not yet handled, its jobs' control
+ *     pages, and closes still pending, session sockets included) is
+ *     charged to it and capped by max_fds_per_uid (its open sessions have
+ *     max_sessions_per_uid); all uids together, open sessions included,
+ *     stay below RLIMIT_NOFILE less a reserve, so accept() and the
+ *     operator's path keep working: a record that may bring descriptors
+ *     (up to 253) is read only while they fit (clientfds_read_check());
+ *   - the client socket takes no descriptors before Welcome (SO_PASSRIGHTS,
+ *     Linux 6.16+), so that a connection the daemon turns away closes at
+ *     once, whatever its uid.
  *
  * Charges are made and returned on the event-loop thread only. */
 #ifndef MOEEPD_CLIENTFD_H
@@ -34,10 +42,19 @@
 #include <sys/types.h>
 
 #include "moeep.pb-c.h"
+#include "record.h" /* MOEEP_RECORD_RECV_FDS */
 
 struct config;
 struct event_base;
 struct clientfds;
+
+/* Descriptors kept out of the clients' reach: the listening sockets, the
+ * operator's sessions (16), mesh connections (64 authenticating, the
+ * peers), metrics connections (32) and the libraries' own (192 in all),
+ * and room for one record whose header understates its descriptors
+ * (MOEEP_RECORD_RECV_FDS): at least this many, or an eighth of
+ * RLIMIT_NOFILE. */
+#define CLIENTFDS_RESERVE_MIN (192 + MOEEP_RECORD_RECV_FDS)
 
 /* Starts the closer machinery. With `base` NULL every close happens at once
  * on the caller's thread (unit tests of code that takes fds). Reads
@@ -69,28 +86,43 @@ void clientfds_uncharge(struct clientfds *cf, uid_t uid, uint32_t n);
 uint32_t clientfds_held(const struct clientfds *cf, uid_t uid);
 
 /* Closes `fd`, charged to `uid`, off the event-loop thread; the charge is
- * returned once close() came back, or at once when the fd is of a kind
- * whose close cannot block (a memfd, the NVIDIA device). Accepts -1 (does
- * nothing). */
+ * returned once close() came back. Accepts -1 (does nothing). */
 void clientfd_close(struct clientfds *cf, uid_t uid, int fd);
 
-/* Whether `uid` may send more fds: -EDQUOT (errmsg says why) once its
- * closes still pending (fds and session sockets) reach max_fds_per_uid
- * while one of them has been stuck in close() for a while, which only
- * closes that block (its own FUSE server, SO_LINGER) make happen. */
+/* Whether a new session of `uid` is taken: -EDQUOT (errmsg says why) once
+ * it holds more than max_fds_per_uid while one of its closes has been
+ * stuck for a while, which only closes that block (its own FUSE server)
+ * make happen. */
 int clientfds_closing_check(struct clientfds *cf, uid_t uid, char *errmsg);
 
-/* Closes the socket `fd` of a session of `uid` without blocking the loop:
- * shuts it down, reads the records still queued on it (their fds go to
- * clientfd_close(), charged to `uid`), then clientfd_close_socket(). */
-void clientfd_close_session(struct clientfds *cf, uid_t uid, int fd);
+/* Whether the next record on the session socket `sock` of `uid` may be
+ * read: 0 while the up to 253 descriptors it may bring fit the uid's cap
+ * and the daemon's budget, or when it brings none or as many as its header
+ * says and those fit (a peek tells, without taking them); else -EDQUOT
+ * (the uid's cap, its closes pending) or -EMFILE (the budget), with
+ * errmsg: the session is then ended without the record being read; or
+ * -EAGAIN (errmsg filled as well) while closes that would make room are
+ * under way and not stuck (the caller tries again a moment later). A
+ * record whose header understates its descriptors is refused once read;
+ * one such fits in the reserve. */
+int clientfds_read_check(struct clientfds *cf, uid_t uid, int sock, char *errmsg);
 
-/* Closes the socket of a session of `uid` off the event-loop thread, in
- * `uid`'s own queue: whatever the peer left queued on it unread is closed
- * with it, so it may block like the fds the peer sent. It counts as one
- * of the uid's pending closes (clientfds_closing_check()), not against
- * the fds it holds. */
-void clientfd_close_socket(struct clientfds *cf, uid_t uid, int fd);
+/* A client session socket was accepted: it counts against the daemon-wide
+ * budget (not the uid's cap) until clientfd_close_session() with
+ * CLIENTFD_SESSION_COUNTED. */
+void clientfds_session_opened(struct clientfds *cf);
+
+/* Flags of clientfd_close_session(). */
+enum {
+        CLIENTFD_SESSION_COUNTED = 1u << 0, /* clientfds_session_opened() counted it */
+        CLIENTFD_SESSION_NO_FDS = 1u << 1,  /* its peer could send it no fds (SO_PASSRIGHTS off) */
+};
+
+/* Closes the socket `fd` of a session of `uid` without blocking the loop:
+ * shuts it down, then closes it at once when it cannot hold fds, else in
+ * `uid`'s own queue of sockets, charged to it until closed: whatever the
+ * peer left queued on it unread is released with it. */
+void clientfd_close_session(struct clientfds *cf, uid_t uid, int fd, unsigned flags);
 
 /* Whether `n` more descriptors fit the daemon-wide budget: 0, or -EMFILE
  * with errmsg naming the numbers. */
@@ -122,7 +154,8 @@ typedef void clientfd_take_fn(void *ctx, int fd, int error, const char *errmsg);
  * so a recycled pid cannot stand in for it; after the take, its user and
  * group ids (real, effective, saved, filesystem) must still be cred's, so
  * that nothing is taken from a set-id program the client started on the
- * connection. The descriptor is charged to cred->uid before it is taken.
+ * connection. The descriptor and the pidfd are charged to cred->uid before
+ * it is taken (the pidfd's charge goes when it is closed).
  * pidfd_getfd() waits for an execve() in progress in the client (its
  * exec_update_lock), which a client can make last as long as it likes (a
  * close-on-exec FUSE file), so the take runs in the uid's own closer
@@ -138,6 +171,26 @@ typedef void clientfd_take_fn(void *ctx, int fd, int error, const char *errmsg);
  * changed). */
 int clientfd_take(struct clientfds *cf, int sock, const struct ucred *cred, int64_t number,
                   clientfd_take_fn *done, void *ctx, char *errmsg);
+
+/* What a discard hands back, on the loop: the record read and dropped, its
+ * length `len` (0: a record of zero bytes, or the end; -errno: nothing
+ * was read) and its header (`hdr` NULL when the record is shorter than
+ * one), and the errmsg given to clientfd_discard_record(). */
+typedef void clientfd_discard_fn(void *ctx, const struct moeep_record_header *hdr, long len,
+                                 const char *errmsg);
+
+/* Reads the next record queued on session socket `sock` of `uid` and drops
+ * it, its descriptors released without ever being taken: for a record
+ * that may not be read (clientfds_read_check()), so that it can be
+ * refused with an Error while the session goes on. Releasing what a client
+ * sent can wait (a socket lingering with SO_LINGER), so it happens in the
+ * uid's queue of sockets, under its closer's timer; `sock` is duplicated
+ * for it (charged to `uid` until closed). The caller reads nothing more
+ * from `sock` until `done` (called later on the loop, exactly once, with
+ * `errmsg` copied; with `base` NULL: before this returns). Returns 0 or
+ * -errno. */
+int clientfd_discard_record(struct clientfds *cf, uid_t uid, int sock, const char *errmsg,
+                            clientfd_discard_fn *done, void *ctx);
 
 /* A short name of a region kind ("memfd", "cumem-fd", "dma-buf"). */
 const char *clientfd_kind_to_string(Moeep__V1__RegionKind kind);

@@ -33,6 +33,7 @@
 #include "record.h"
 #include "requests.h"
 #include "session.h"
+#include "sockdir.h"
 #include "view.h"
 
 /* Connections accepted per callback before others get a turn. */
@@ -59,6 +60,15 @@ static void daemon_status_changed(struct daemon *d) {
 
 static void daemon_changed(void *ctx) {
         daemon_status_changed(ctx);
+}
+
+/* The jobs' hooks: a control page's fds are charged like a client's. */
+static int daemon_jobs_charge(void *ctx, uid_t uid, uint32_t n, char *errmsg) {
+        return clientfds_charge(ctx, uid, n, errmsg);
+}
+
+static void daemon_jobs_uncharge(void *ctx, uid_t uid, uint32_t n) {
+        clientfds_uncharge(ctx, uid, n);
 }
 
 static int daemon_metrics_snapshot(void *ctx, Moeep__V1__Metrics **ret) {
@@ -158,126 +168,54 @@ fail:
         return r;
 }
 
-/* A socket already at `path`: refuse when a daemon answers there, remove
- * it when it is a stale leftover of a daemon that died. */
-static int daemon_clear_stale(const struct sockaddr_un *sa) {
-        struct stat st;
-        int fd, r;
-
-        if (lstat(sa->sun_path, &st) < 0)
-                return errno == ENOENT ? 0 : -errno;
-        if (!S_ISSOCK(st.st_mode))
-                return -EEXIST;
-        fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
-        if (fd < 0)
-                return -errno;
-        r = connect(fd, (const struct sockaddr *)sa, sizeof(*sa));
-        close(fd);
-        if (r == 0)
-                return -EADDRINUSE;
-        if (unlink(sa->sun_path) < 0 && errno != ENOENT)
-                return -errno;
-        return 0;
-}
-
-/* Binds a listener's socket ourselves at `path`: created under a umask so
- * that it is never more open than 0600 before the chmod, then given `mode`
- * and `group` ("" to leave it). */
-static int daemon_bind(struct daemon_listener *l, const char *path, mode_t mode, const char *group) {
+/* Binds a listener's socket ourselves at `path` (sockdir.h): created with
+ * `mode` and `group` ("" to leave it). The admin socket's directory is
+ * made when missing (0700), must be the daemon's uid's and writable by
+ * nobody else, and may be neither the client socket's directory nor below
+ * it (`client`, NULL when unknown): containers are given that one. */
+static int daemon_bind(struct daemon_listener *l, const char *path, mode_t mode, const char *group,
+                       const struct stat *client) {
         const char *what = l->admin ? "admin socket" : "socket";
-        struct sockaddr_un sa = { .sun_family = AF_UNIX };
-        mode_t old_umask;
+        char errmsg[ERRMSG_MAX];
+        gid_t gid = (gid_t)-1;
         int fd, r;
 
-        if (strlen(path) >= sizeof(sa.sun_path)) {
-                log_err("%s %s: longer than %zu bytes", what, path, sizeof(sa.sun_path) - 1);
-                return -ENAMETOOLONG;
-        }
-        snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", path);
-        r = daemon_clear_stale(&sa);
-        if (r < 0) {
-                log_err("%s %s: %s", what, path,
-                        r == -EADDRINUSE ? "another daemon is listening there"
-                        : r == -EEXIST   ? "exists and is not a socket"
-                                         : strerror(-r));
-                return r;
-        }
-        fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-        if (fd < 0) {
-                r = -errno;
-                log_err("%s %s: socket(): %s", what, path, strerror(errno));
-                return r;
-        }
-        old_umask = umask(0177);
-        r = bind(fd, (struct sockaddr *)&sa, sizeof(sa));
-        umask(old_umask);
-        if (r < 0) {
-                r = -errno;
-                log_err("%s %s: bind: %s", what, path, strerror(errno));
-                goto fail;
-        }
-        l->bound_path = strdup(path);
-        if (!l->bound_path) {
-                r = -ENOMEM;
-                unlink(path);
-                goto fail;
-        }
-        if (chmod(path, mode) < 0) {
-                r = -errno;
-                log_err("%s %s: chmod 0%o: %s", what, path, (unsigned)mode, strerror(errno));
-                goto fail;
-        }
         if (group[0]) {
                 struct group gr, *grr = NULL;
                 char buf[4096];
 
                 if (getgrnam_r(group, &gr, buf, sizeof(buf), &grr) != 0 || !grr) {
-                        r = -ENOENT;
                         log_err("socket_group '%s': no such group", group);
-                        goto fail;
+                        return -ENOENT;
                 }
-                if (chown(path, (uid_t)-1, gr.gr_gid) < 0) {
-                        r = -errno;
-                        log_err("%s %s: chgrp %s: %s", what, path, group, strerror(errno));
-                        goto fail;
-                }
+                gid = gr.gr_gid;
         }
-        if (listen(fd, SOMAXCONN) < 0) {
-                r = -errno;
-                log_err("%s %s: listen: %s", what, path, strerror(errno));
-                goto fail;
+        r = sockdir_open(&l->dir, path, l->admin, errmsg);
+        if (r == 0 && l->admin)
+                r = sockdir_check_private(&l->dir, errmsg);
+        if (r == 0 && l->admin && client && sockdir_within(&l->dir, client) == 1)
+                r = errmsg_set(errmsg, -EPERM,
+                               "directory %s is the client socket's directory or below it, which containers "
+                               "are given: set admin_socket to a path outside it",
+                               l->dir.path);
+        if (r < 0) {
+                log_err("%s %s: %s", what, path, errmsg);
+                sockdir_close(&l->dir, false);
+                return r;
+        }
+        if (l->dir.created)
+                log_info("%s: created %s (mode 0700)", what, l->dir.path);
+        fd = sockdir_bind(&l->dir, mode, gid, errmsg);
+        if (fd < 0) {
+                log_err("%s: %s", what, errmsg);
+                sockdir_close(&l->dir, false);
+                return fd;
         }
         l->fd = fd;
+        l->bound = true;
         log_info("listening on %s %s (mode 0%o%s%s)", what, path, (unsigned)mode, group[0] ? ", group " : "",
                  group);
         return 0;
-
-fail:
-        close(fd);
-        return r;
-}
-
-/* Creates the admin socket's directory (/run/moeep-admin) when it is
- * missing, for the daemon's uid alone; tmpfiles.d and moeepd-admin.socket
- * make it under systemd. A failure shows when binding. */
-static void daemon_admin_dir(const char *path) {
-        char dir[sizeof(((struct sockaddr_un *)0)->sun_path)];
-        struct stat st;
-        char *slash;
-
-        snprintf(dir, sizeof(dir), "%s", path);
-        slash = strrchr(dir, '/');
-        if (!slash || slash == dir)
-                return;
-        *slash = '\0';
-        if (mkdir(dir, 0700) == 0)
-                log_info("admin socket: created %s (mode 0700)", dir);
-        else if (stat(dir, &st) == 0 && (st.st_mode & 0022))
-                /* Whoever may write there may put a socket of their own
-                 * where moeepctl looks for the daemon's. */
-                log_warn("admin socket %s: its directory is writable by others (mode 0%o): set admin_socket "
-                         "to a path in a directory only the daemon's uid may write",
-                         path, (unsigned)(st.st_mode & 07777));
 }
 
 /* Warns when the admin socket systemd passed is open to more than its
@@ -320,12 +258,57 @@ static int daemon_take_fd(struct daemon_listener *l, int fd, const char *name) {
         return 0;
 }
 
+/* Where the client socket is (`ret_path`: the configured path, or the one
+ * systemd bound) and its directory's identity: true, or false when it
+ * cannot be told. */
+static bool daemon_client_dir(const struct daemon *d, char ret_path[static 108], struct stat *ret) {
+        struct sockaddr_un sa = { 0 };
+        socklen_t len = sizeof(sa) - 1; /* keeps a NUL after the path */
+        char errmsg[ERRMSG_MAX];
+        struct sockdir dir;
+
+        snprintf(ret_path, 108, "%s", d->config.socket);
+        if (d->listen.bound) {
+                *ret = d->listen.dir.st;
+                return true;
+        }
+        if (getsockname(d->listen.fd, (struct sockaddr *)&sa, &len) == 0 && sa.sun_path[0] == '/')
+                snprintf(ret_path, 108, "%s", sa.sun_path);
+        if (sockdir_open(&dir, ret_path, false, errmsg) < 0)
+                return false;
+        *ret = dir.st;
+        sockdir_close(&dir, false);
+        return true;
+}
+
+/* The admin socket systemd passed: the operator placed it; a warning when
+ * it lies where containers reach. */
+static void daemon_admin_placement_check(const struct daemon *d, const struct stat *client) {
+        struct sockaddr_un sa = { 0 };
+        socklen_t len = sizeof(sa) - 1;
+        char errmsg[ERRMSG_MAX];
+        struct sockdir dir;
+
+        if (!client || getsockname(d->admin.fd, (struct sockaddr *)&sa, &len) < 0 || sa.sun_path[0] != '/' ||
+            sockdir_open(&dir, sa.sun_path, false, errmsg) < 0)
+                return;
+        if (sockdir_within(&dir, client) == 1)
+                log_warn("admin socket %s is in the client socket's directory or below it: whoever is given "
+                         "that directory (a container) reaches the operator's socket; move it "
+                         "(moeepd-admin.socket)",
+                         sa.sun_path);
+        sockdir_close(&dir, false);
+}
+
 /* Takes the sockets systemd passed (moeepd.socket: named "client", or
  * unnamed; moeepd-admin.socket: named "admin"), and binds what it did not
  * pass: a unit from before the admin socket passes only the client socket,
  * and the daemon then binds the admin socket itself. */
 static int daemon_listen(struct daemon *d) {
         char admin_path[sizeof(((struct sockaddr_un *)0)->sun_path)];
+        char client_path[sizeof(((struct sockaddr_un *)0)->sun_path)];
+        struct stat client_dir;
+        bool have_client_dir;
         char **names = NULL;
         int n, r = 0;
 
@@ -353,32 +336,27 @@ static int daemon_listen(struct daemon *d) {
         if (r < 0)
                 return r;
         if (d->listen.fd < 0) {
-                r = daemon_bind(&d->listen, d->config.socket, d->config.socket_mode, d->config.socket_group);
+                r = daemon_bind(&d->listen, d->config.socket, d->config.socket_mode, d->config.socket_group,
+                                NULL);
                 if (r < 0)
                         return r;
         }
-        if (d->admin.fd < 0) {
-                struct sockaddr_un sa = { 0 };
-                socklen_t len = sizeof(sa) - 1; /* keeps a NUL after the path */
-                const char *next_to = d->config.socket;
-
-                /* Next to the client socket systemd passed, where that is
-                 * not where the configuration says. */
-                if (!d->listen.bound_path && !d->config.admin_socket[0] &&
-                    getsockname(d->listen.fd, (struct sockaddr *)&sa, &len) == 0 && sa.sun_path[0] == '/')
-                        next_to = sa.sun_path;
-                r = d->config.admin_socket[0]
-                            ? config_admin_socket(&d->config, admin_path, sizeof(admin_path))
-                            : moeep_admin_socket_path(next_to, admin_path, sizeof(admin_path));
-                if (r < 0) {
-                        log_err("admin socket next to %s: the path is too long; set admin_socket", next_to);
-                        return -ENAMETOOLONG;
-                }
-                daemon_admin_dir(admin_path);
-                /* The operator's: only the daemon's own uid may connect. */
-                r = daemon_bind(&d->admin, admin_path, 0600, "");
+        have_client_dir = daemon_client_dir(d, client_path, &client_dir);
+        if (d->admin.fd >= 0) {
+                daemon_admin_placement_check(d, have_client_dir ? &client_dir : NULL);
+                return 0;
         }
-        return r;
+        r = d->config.admin_socket[0] ? config_admin_socket(&d->config, admin_path, sizeof(admin_path))
+                                      : moeep_admin_socket_path(client_path, admin_path, sizeof(admin_path));
+        if (r < 0) {
+                log_err("admin socket next to %s: %s; set admin_socket", client_path,
+                        r == -ENAMETOOLONG
+                                ? "the path is too long"
+                                : "the client socket has no directory of its own to put it next to");
+                return r;
+        }
+        /* The operator's: only the daemon's own uid may connect. */
+        return daemon_bind(&d->admin, admin_path, 0600, "", have_client_dir ? &client_dir : NULL);
 }
 
 static void daemon_accept_cb(evutil_socket_t lfd, short what, void *arg) {
@@ -483,13 +461,26 @@ static uint64_t daemon_mesh_session_id(const struct session *s) {
         return s->id;
 }
 
+static uid_t daemon_mesh_session_uid(const struct session *s) {
+        return s->cred.uid;
+}
+
 static bool daemon_mesh_session_can_join(const struct session *s) {
         return s->state != SESSION_CLOSED && !s->member;
 }
 
+static void daemon_mesh_remote_rank_gone(void *arg, const struct job *job, uint32_t rank) {
+        struct daemon *d = arg;
+
+        datapath_remote_rank_gone(d->datapath, job, rank);
+}
+
 static void daemon_mesh_join_failed(struct session *s, uint64_t request_id, int code, const char *message) {
-        if (s->state != SESSION_CLOSED)
-                session_send_error(s, request_id, code, message);
+        if (s->state == SESSION_CLOSED)
+                return;
+        if (code == MOEEP__V1__ERROR_CODE__ERROR_NO_SUCH_JOB)
+                membership_join_failed(s);
+        session_send_error(s, request_id, code, message);
 }
 
 /* The peers, with the data path's functions, then the jobs across daemons
@@ -511,9 +502,11 @@ static int daemon_mesh_start(struct daemon *d, char *errmsg) {
                 .session_ref = session_ref,
                 .session_unref = session_unref,
                 .session_id = daemon_mesh_session_id,
+                .session_uid = daemon_mesh_session_uid,
                 .session_can_join = daemon_mesh_session_can_join,
                 .join_failed = daemon_mesh_join_failed,
                 .joined = session_joined,
+                .remote_rank_gone = daemon_mesh_remote_rank_gone,
         };
         int r;
 
@@ -527,8 +520,8 @@ static int daemon_mesh_start(struct daemon *d, char *errmsg) {
 }
 
 static void daemon_listeners_init(struct daemon *d) {
-        d->listen = (struct daemon_listener){ .daemon = d, .admin = false, .fd = -1 };
-        d->admin = (struct daemon_listener){ .daemon = d, .admin = true, .fd = -1 };
+        d->listen = (struct daemon_listener){ .daemon = d, .admin = false, .fd = -1, .dir.fd = -1 };
+        d->admin = (struct daemon_listener){ .daemon = d, .admin = true, .fd = -1, .dir.fd = -1 };
 }
 
 static void daemon_listener_done(struct daemon_listener *l) {
@@ -538,10 +531,23 @@ static void daemon_listener_done(struct daemon_listener *l) {
                 event_free(l->ev_resume);
         if (l->fd >= 0)
                 close(l->fd);
-        if (l->bound_path) {
-                unlink(l->bound_path);
-                free(l->bound_path);
+        sockdir_close(&l->dir, l->bound);
+}
+
+/* The client socket takes no fds before a session is welcomed (sessions
+ * inherit the listener's SO_PASSRIGHTS, session_welcome() turns it on):
+ * a connection turned away at accept then holds nothing whose release
+ * could wait, and closes at once. Kernels before 6.16 lack the option. */
+static void daemon_client_fds_off(struct daemon *d) {
+        const int off = 0;
+
+        if (setsockopt(d->listen.fd, SOL_SOCKET, SESSION_SO_PASSRIGHTS, &off, sizeof(off)) == 0) {
+                d->sessions->fds_after_welcome = true;
+                return;
         }
+        log_info("client socket: no SO_PASSRIGHTS (%s; Linux 6.16+): connections may send fds before "
+                 "Hello, and those turned away close in their uid's closer queue",
+                 strerror(errno));
 }
 
 static int daemon_events(struct daemon *d) {
@@ -554,6 +560,10 @@ static int daemon_events(struct daemon *d) {
                 l->ev_resume = evtimer_new(d->base, daemon_accept_resume_cb, l);
                 if (!l->ev || !l->ev_resume || event_add(l->ev, NULL) < 0)
                         return -ENOMEM;
+                /* Priority 0 (of 2) for the operator's socket and sessions
+                 * (session.c): a loop busy with clients serves it first. */
+                if (l->admin)
+                        event_priority_set(l->ev, 0);
         }
         for (size_t i = 0; i < sizeof(daemon_signals) / sizeof(daemon_signals[0]); i++) {
                 d->ev_signal[i] = evsignal_new(d->base, daemon_signals[i], daemon_signal_cb, d);
@@ -603,7 +613,7 @@ int daemon_init(struct daemon *d, const struct daemon_options *options) {
         signal(SIGPIPE, SIG_IGN);
 
         d->base = event_base_new();
-        if (!d->base) {
+        if (!d->base || event_base_priority_init(d->base, 2) < 0) {
                 log_err("event_base_new failed");
                 return -ENOMEM;
         }
@@ -614,6 +624,9 @@ int daemon_init(struct daemon *d, const struct daemon_options *options) {
         r = clientfds_new(d->base, &d->config, &d->clientfds);
         if (r < 0)
                 goto oom;
+        d->jobs->fds = (struct jobs_fd_hooks){ .ctx = d->clientfds,
+                                               .charge = daemon_jobs_charge,
+                                               .uncharge = daemon_jobs_uncharge };
         r = broker_new(&d->config, d->clientfds, &d->broker);
         if (r < 0)
                 goto oom;
@@ -637,6 +650,7 @@ int daemon_init(struct daemon *d, const struct daemon_options *options) {
         r = daemon_listen(d);
         if (r < 0)
                 return r;
+        daemon_client_fds_off(d);
         r = daemon_events(d);
         if (r < 0)
                 goto oom;

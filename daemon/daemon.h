@@ -19,6 +19,7 @@
 #include "metrics.h"
 #include "notify.h"
 #include "requests.h"
+#include "sockdir.h"
 #include "view.h"
 
 struct event;
@@ -46,7 +47,8 @@ struct daemon_listener {
         struct daemon *daemon;   /* not owning */
         bool admin;              /* the operator socket */
         int fd;                  /* owns; -1 when none */
-        char *bound_path;        /* owns; the path we bound (unlinked at exit), NULL when socket-activated */
+        bool bound;              /* we bound it (in `dir`, removed at exit); false when socket-activated */
+        struct sockdir dir;      /* owns; the directory we bound it in (sockdir.h) */
         struct event *ev;        /* owns */
         struct event *ev_resume; /* owns; re-enables accepting after EMFILE */
 };

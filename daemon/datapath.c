@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/queue.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "broker.h"
@@ -27,20 +28,9 @@ struct dp_channel {
 
 TAILQ_HEAD(dp_channel_list, dp_channel);
 
-/* How long the receive and counters regions of a lost rank stay
- * registered: writes that other daemons' proxies had in flight to it land
- * there instead of failing their transport peer (which would cut every
- * rank at this daemon off from them). Their producers stop writing within
- * milliseconds of the loss (elastic endpoints mask the rank as soon as
- * their daemon marks it lost); this is a wide margin that still gives the
- * memory back soon after. */
-#define DATAPATH_LOST_LINGER_MS 1000
-
 /* The proxy state of one rank at this daemon. */
 struct dp_rank {
         struct job_member *member; /* not owning; NULL once it went (the rank lingers for its rings) */
-        struct datapath *dp;       /* not owning; for the linger timer */
-        struct event *linger;      /* owns; pending while a lost rank's recv and counters stay registered */
         uint64_t job_id;           /* for messages after the member went */
         uint32_t rank;
         uint64_t region_id[ROLES];       /* 0 = none */
@@ -52,14 +42,25 @@ struct dp_rank {
 
 TAILQ_HEAD(dp_rank_list, dp_rank);
 
+/* A receive or counter registration the rank let go, kept until no
+ * writer can still be on its way (DATAPATH_MR_LINGER_MS). */
+struct dp_retired {
+        struct tp_mr *mr; /* owns */
+        uint64_t until_ms;
+        TAILQ_ENTRY(dp_retired) entry;
+};
+
+TAILQ_HEAD(dp_retired_list, dp_retired);
+
 struct datapath {
-        struct event_base *base;     /* not owning */
-        struct datapath_hooks hooks; /* how it tells the mesh */
-        struct transport tp;         /* owns; zeroed when not open */
-        struct proxy *proxy;         /* owns; NULL when not up */
-        struct event *ev_proxy;      /* owns; the proxy's event fd */
-        char why[ERRMSG_MAX];        /* why it is not up */
-        struct dp_rank_list ranks;   /* owns */
+        struct datapath_hooks hooks;    /* how it tells the mesh */
+        struct dp_retired_list retired; /* owns; oldest first */
+        struct event *ev_retired;       /* owns; frees them when their time is up */
+        struct transport tp;            /* owns; zeroed when not open */
+        struct proxy *proxy;            /* owns; NULL when not up */
+        struct event *ev_proxy;         /* owns; the proxy's event fd */
+        char why[ERRMSG_MAX];           /* why it is not up */
+        struct dp_rank_list ranks;      /* owns */
         uint64_t next_ring_id;
 };
 
@@ -111,32 +112,77 @@ static bool rank_has_regions(const struct dp_rank *dr) {
         return false;
 }
 
+static uint64_t dp_now_ms(void) {
+        struct timespec ts;
+
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
+
+/* Frees the retired registrations whose time is up; arms the timer for
+ * the next one. */
+static void retired_free(struct datapath *dp, bool all) {
+        struct dp_retired *rt;
+        uint64_t now = dp_now_ms();
+
+        while ((rt = TAILQ_FIRST(&dp->retired)) && (all || rt->until_ms <= now)) {
+                TAILQ_REMOVE(&dp->retired, rt, entry);
+                dp->tp.ops->mr_free(dp->tp.tp, rt->mr);
+                free(rt);
+        }
+        if (rt && dp->ev_retired) {
+                struct timeval tv = { .tv_sec = (time_t)((rt->until_ms - now) / 1000),
+                                      .tv_usec = (suseconds_t)((rt->until_ms - now) % 1000 * 1000) };
+
+                evtimer_add(dp->ev_retired, &tv);
+        }
+}
+
+static void retired_cb(evutil_socket_t fd, short what, void *arg) {
+        retired_free(arg, false);
+}
+
+/* A receive or counter registration its rank let go: writers at other
+ * daemons may still be on their way to it (their daemons learn of the
+ * release over the mesh, and drop their routes to it then), and a write to
+ * a key its target no longer knows makes some transports (libfabric tcp)
+ * close the connection every job between the two daemons shares. So the
+ * registration stays, holding the memory (the client's fd is closed), for
+ * DATAPATH_MR_LINGER_MS; what arrives meanwhile lands where nobody reads. */
+static void mr_retire(struct datapath *dp, struct tp_mr *mr) {
+        struct dp_retired *rt;
+
+        if (!mr)
+                return;
+        rt = dp->ev_retired ? calloc(1, sizeof(*rt)) : NULL;
+        if (!rt) {
+                dp->tp.ops->mr_free(dp->tp.tp, mr);
+                return;
+        }
+        rt->mr = mr;
+        rt->until_ms = dp_now_ms() + DATAPATH_MR_LINGER_MS;
+        TAILQ_INSERT_TAIL(&dp->retired, rt, entry);
+        if (!evtimer_pending(dp->ev_retired, NULL))
+                retired_free(dp, false);
+}
+
 static void rank_mr_drop(struct datapath *dp, struct dp_rank *dr, uint32_t role) {
-        dp->tp.ops->mr_free(dp->tp.tp, dr->mr[role]);
+        if (role == MOEEP__V1__PROXY_ROLE__PROXY_ROLE_SEND)
+                dp->tp.ops->mr_free(dp->tp.tp, dr->mr[role]); /* no ring reads it any more */
+        else
+                mr_retire(dp, dr->mr[role]);
         dr->mr[role] = NULL;
         dr->region_id[role] = 0;
 }
 
-/* Frees a rank that has no member, no ring and no lingering regions left. */
+/* Frees a rank that has no member and no ring left. */
 static void rank_maybe_free(struct datapath *dp, struct dp_rank *dr) {
-        if (dr->member || dr->nchannels || (dr->linger && evtimer_pending(dr->linger, NULL)))
+        if (dr->member || dr->nchannels)
                 return;
         for (uint32_t role = 0; role < ROLES; role++)
                 rank_mr_drop(dp, dr, role);
-        if (dr->linger)
-                event_free(dr->linger);
         TAILQ_REMOVE(&dp->ranks, dr, entry);
         free(dr);
-}
-
-static void rank_linger_done(evutil_socket_t fd, short what, void *arg) {
-        struct dp_rank *dr = arg;
-
-        (void)fd;
-        (void)what;
-        log_debug("datapath: job %" PRIu64 " rank %" PRIu32 ": the lost rank's regions go", dr->job_id,
-                  dr->rank);
-        rank_maybe_free(dr->dp, dr);
 }
 
 static void channels_remove(struct datapath *dp, struct dp_rank *dr) {
@@ -155,25 +201,32 @@ static void channels_remove(struct datapath *dp, struct dp_rank *dr) {
         }
 }
 
-void datapath_member_gone(struct datapath *dp, struct job_member *m, bool lost) {
-        const struct timeval linger = { .tv_sec = DATAPATH_LOST_LINGER_MS / 1000,
-                                        .tv_usec = DATAPATH_LOST_LINGER_MS % 1000 * 1000 };
+void datapath_remote_rank_gone(struct datapath *dp, const struct job *job, uint32_t rank) {
+        struct dp_rank *dr;
+        struct dp_channel *ch;
+
+        if (!datapath_up(dp, NULL))
+                return;
+        TAILQ_FOREACH (dr, &dp->ranks, entry) {
+                if (!dr->member || dr->member->job != job)
+                        continue;
+                TAILQ_FOREACH (ch, &dr->channels, entry)
+                        if (!ch->removing && proxy_route_drop(dp->proxy, ch->ring_id, rank) == -ENOMEM)
+                                log_warn("datapath: job %" PRIu64 " rank %" PRIu32 ": ring %" PRIu64
+                                         ": out of memory dropping its route to rank %" PRIu32,
+                                         dr->job_id, dr->rank, ch->ring_id, rank);
+        }
+}
+
+void datapath_member_gone(struct datapath *dp, struct job_member *m) {
         struct dp_rank *dr = dp ? rank_find(dp, m) : NULL;
 
         if (!dr)
                 return;
         channels_remove(dp, dr);
-        dr->member = NULL;
-        if (lost && (dr->region_id[MOEEP__V1__PROXY_ROLE__PROXY_ROLE_RECV] ||
-                     dr->region_id[MOEEP__V1__PROXY_ROLE__PROXY_ROLE_COUNTERS])) {
-                /* Without the timer the regions go now, as for a leave. */
-                if (!dr->linger)
-                        dr->linger = evtimer_new(dp->base, rank_linger_done, dr);
-                if (dr->linger && evtimer_add(dr->linger, &linger) == 0)
-                        return;
-        }
         rank_mr_drop(dp, dr, MOEEP__V1__PROXY_ROLE__PROXY_ROLE_RECV);
         rank_mr_drop(dp, dr, MOEEP__V1__PROXY_ROLE__PROXY_ROLE_COUNTERS);
+        dr->member = NULL;
         rank_maybe_free(dp, dr);
 }
 
@@ -266,7 +319,6 @@ int datapath_region_register(struct datapath *dp, struct broker *b, struct job_m
                 if (!dr)
                         return errmsg_set(errmsg, -ENOMEM, "%s: out of memory", name);
                 dr->member = m;
-                dr->dp = dp;
                 dr->job_id = m->job->id;
                 dr->rank = m->rank;
                 TAILQ_INIT(&dr->channels);
@@ -545,9 +597,14 @@ int datapath_start(struct event_base *base, const struct config *c, const struct
         dp = calloc(1, sizeof(*dp));
         if (!dp)
                 return -ENOMEM;
-        dp->base = base;
         dp->hooks = *hooks;
         TAILQ_INIT(&dp->ranks);
+        TAILQ_INIT(&dp->retired);
+        dp->ev_retired = evtimer_new(base, retired_cb, dp);
+        if (!dp->ev_retired) {
+                free(dp);
+                return -ENOMEM;
+        }
         r = transport_open(&cfg, &dp->tp, errmsg);
         if (r == 0)
                 r = proxy_new(&dp->tp, NULL, "moeepd", &dp->proxy, errmsg);
@@ -618,11 +675,13 @@ void datapath_free(struct datapath *dp) {
                 }
                 for (uint32_t role = 0; role < ROLES; role++)
                         rank_mr_drop(dp, dr, role);
-                if (dr->linger)
-                        event_free(dr->linger);
                 TAILQ_REMOVE(&dp->ranks, dr, entry);
                 free(dr);
         }
+        if (dp->ev_retired)
+                event_free(dp->ev_retired);
+        dp->ev_retired = NULL;
+        retired_free(dp, true);
         transport_close(&dp->tp);
         free(dp);
 }

@@ -130,14 +130,27 @@ int datapath_region_release(struct datapath *dp, struct job_member *m, uint64_t 
 int datapath_channel_open(struct datapath *dp, struct job_member *m, uint32_t capacity, int *ret_fd,
                           uint64_t *ret_ring_id, uint32_t *ret_capacity, char *errmsg);
 
+/* Rank `rank` of `job`, at another daemon, released its receive or
+ * counter region, or left the job: the routes to it in the rings of the
+ * job's ranks here lead nowhere from now on (proxy_route_drop()), so that
+ * a descriptor naming it fails its own ring instead of reaching a region
+ * that daemon no longer knows. */
+void datapath_remote_rank_gone(struct datapath *dp, const struct job *job, uint32_t rank);
+
+/* How long a receive or counter registration outlives its release (or
+ * its rank): writes to it that were on their way land, rather than meet a
+ * key the transport no longer knows (datapath.c, mr_retire()). Twice the
+ * proxy's write timeout. */
+#define DATAPATH_MR_LINGER_MS 10000
+
 /* `m` leaves its job or is lost: its channels are removed and its
- * registrations dropped (the send region once the rings are gone). A lost
- * rank's receive and counters regions stay registered for
- * DATAPATH_LOST_LINGER_MS (datapath.c): writes other daemons had in flight
- * to it still land. Call before broker_drop_member(). Accepts dp NULL.
- * (A job that loses a rank keeps its other ranks' channels: an elastic job
+ * registrations dropped (the send region once the rings are gone; the
+ * receive and counters registrations retire for DATAPATH_MR_LINGER_MS, so
+ * that writes other daemons had in flight to a lost rank still land). A
+ * job that loses a rank keeps its other ranks' channels: an elastic job
  * goes on without the rank; an endpoint that is not elastic stops at the
- * abort word, and its channels go when it leaves.) */
-void datapath_member_gone(struct datapath *dp, struct job_member *m, bool lost);
+ * abort word, and its channels go when it leaves. Call before
+ * broker_drop_member(). Accepts dp NULL. */
+void datapath_member_gone(struct datapath *dp, struct job_member *m);
 
 #endif

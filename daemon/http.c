@@ -38,8 +38,9 @@ enum http_conn_state {
 };
 
 struct http_conn {
-        struct http *http; /* not owning */
-        int fd;            /* owns */
+        struct http *http;  /* not owning */
+        int fd;             /* owns */
+        uint8_t source[16]; /* its source: an IPv4 address (mapped) or an IPv6 /64 */
         enum http_conn_state state;
         bool peer_closed;          /* EOF while writing: free once the answer is out */
         struct event *ev_read;     /* owns */
@@ -238,24 +239,84 @@ static void http_deadline_cb(evutil_socket_t fd, short what, void *arg) {
         http_conn_free(c);
 }
 
-static void http_conn_new(struct http *h, int fd) {
+/* The quota's key of a peer address: the IPv4 address (as v4-mapped
+ * IPv6), or the /64 of an IPv6 one. */
+static void http_source_key(const struct sockaddr_storage *ss, uint8_t ret[static 16]) {
+        memset(ret, 0, 16);
+        if (ss->ss_family == AF_INET) {
+                ret[10] = ret[11] = 0xff;
+                memcpy(ret + 12, &((const struct sockaddr_in *)ss)->sin_addr, 4);
+        } else if (ss->ss_family == AF_INET6) {
+                const struct in6_addr *a = &((const struct sockaddr_in6 *)ss)->sin6_addr;
+
+                memcpy(ret, a->s6_addr, IN6_IS_ADDR_V4MAPPED(a) ? 16 : 8);
+        }
+}
+
+/* The oldest connection from `source` (the list is in accept order), and
+ * how many there are. */
+static struct http_conn *http_source_oldest(const struct http *h, const uint8_t source[static 16],
+                                            uint32_t *ret_count) {
+        struct http_conn *c, *oldest = NULL;
+        uint32_t n = 0;
+
+        TAILQ_FOREACH (c, &h->conns, entry)
+                if (memcmp(c->source, source, 16) == 0) {
+                        oldest = oldest ? oldest : c;
+                        n++;
+                }
+        *ret_count = n;
+        return oldest;
+}
+
+/* Makes room for one more connection from `source`: its own oldest goes
+ * when it is at its quota; when every slot is taken, the oldest of the
+ * source that holds the most. A scraper's request comes in its first
+ * milliseconds, so only connections that dawdle are ever displaced. */
+static void http_make_room(struct http *h, const uint8_t source[static 16]) {
+        struct http_conn *c, *victim;
+        uint32_t n, most = 0;
+        bool own;
+
+        victim = http_source_oldest(h, source, &n);
+        own = n >= HTTP_MAX_PER_SOURCE;
+        if (!own)
+                victim = NULL;
+        if (!victim && h->counters.connections >= HTTP_MAX_CONNECTIONS)
+                TAILQ_FOREACH (c, &h->conns, entry) {
+                        struct http_conn *o = http_source_oldest(h, c->source, &n);
+
+                        if (n > most) {
+                                most = n;
+                                victim = o;
+                        }
+                }
+        if (!victim)
+                return;
+        h->counters.refused++;
+        log_debug("metrics: connection fd %d displaced: its source holds %s", victim->fd,
+                  own ? "its quota" : "the most of the connections");
+        (void)send(victim->fd, http_busy, sizeof(http_busy) - 1, MSG_NOSIGNAL | MSG_DONTWAIT);
+        http_conn_free(victim);
+}
+
+static void http_conn_new(struct http *h, int fd, const struct sockaddr_storage *peer) {
         struct timeval deadline = { .tv_sec = HTTP_DEADLINE_MS / 1000,
                                     .tv_usec = (HTTP_DEADLINE_MS % 1000) * 1000 };
+        uint8_t source[16];
         struct http_conn *c;
 
-        if (h->counters.connections >= HTTP_MAX_CONNECTIONS) {
-                h->counters.refused++;
-                (void)send(fd, http_busy, sizeof(http_busy) - 1, MSG_NOSIGNAL | MSG_DONTWAIT);
-                close(fd);
-                return;
-        }
+        http_source_key(peer, source);
+        http_make_room(h, source);
         c = calloc(1, sizeof(*c));
         if (!c) {
+                h->counters.refused++;
                 close(fd);
                 return;
         }
         c->http = h;
         c->fd = fd;
+        memcpy(c->source, source, sizeof(source));
         c->state = HTTP_READING;
         TAILQ_INSERT_TAIL(&h->conns, c, entry);
         h->counters.connections++;
@@ -273,7 +334,9 @@ static void http_accept_cb(evutil_socket_t lfd, short what, void *arg) {
                                  .tv_usec = (HTTP_ACCEPT_PAUSE_MS % 1000) * 1000 };
 
         for (int i = 0; i < HTTP_ACCEPT_BATCH; i++) {
-                int fd = accept4(lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+                struct sockaddr_storage peer = { 0 };
+                socklen_t len = sizeof(peer);
+                int fd = accept4(lfd, (struct sockaddr *)&peer, &len, SOCK_NONBLOCK | SOCK_CLOEXEC);
 
                 if (fd < 0) {
                         if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
@@ -284,7 +347,7 @@ static void http_accept_cb(evutil_socket_t lfd, short what, void *arg) {
                         }
                         return;
                 }
-                http_conn_new(h, fd);
+                http_conn_new(h, fd, &peer);
         }
 }
 

@@ -9,8 +9,14 @@
  * evhttp (2.1) can neither cap its connections nor bound a connection's
  * whole life: its timeout restarts with every byte, so a client that drips
  * one byte a second keeps its fd for ever. Here:
- * - at most HTTP_MAX_CONNECTIONS connections are open; one more is
- *   answered 503 and closed at once, without being read;
+ * - at most HTTP_MAX_CONNECTIONS connections are open, at most
+ *   HTTP_MAX_PER_SOURCE of them from one source (an IPv4 address or an
+ *   IPv6 /64): a new connection from a source at its quota displaces that
+ *   source's oldest, and when every slot is taken it displaces the oldest
+ *   of the source that holds the most (as the mesh's pre-authentication
+ *   slots do), so that no source, however fast it reconnects, keeps a
+ *   scraper of another out; a displaced connection is answered 503 and
+ *   closed;
  * - a connection lives at most HTTP_DEADLINE_MS from accept to close,
  *   however it trickles (reading the request, writing the answer, waiting
  *   for the client to close);
@@ -26,6 +32,7 @@
 #include <stdint.h>
 
 #define HTTP_MAX_CONNECTIONS 32
+#define HTTP_MAX_PER_SOURCE 8
 #define HTTP_DEADLINE_MS 5000
 #define HTTP_MAX_REQUEST 8192
 
@@ -45,7 +52,7 @@ struct http_hooks {
 /* What the listener counts, for the metrics. Written by http.c only. */
 struct http_counters {
         uint64_t requests;    /* scrapes served */
-        uint64_t refused;     /* connections closed at once: HTTP_MAX_CONNECTIONS were open */
+        uint64_t refused;     /* connections closed for the caps: displaced (or out of memory) */
         uint64_t deadlines;   /* connections closed at HTTP_DEADLINE_MS */
         uint32_t connections; /* open now */
 };

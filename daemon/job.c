@@ -48,6 +48,8 @@ static const struct job_callbacks *member_cb(const struct job_member *m) {
 static void job_free(struct job *job) {
         if (!job)
                 return;
+        if (job->fds_charged && job->jobs->fds.uncharge)
+                job->jobs->fds.uncharge(job->jobs->fds.ctx, job->fds_uid, job->fds_charged);
         if (job->control)
                 munmap(job->control, MOEEP_CONTROL_PAGE_SIZE);
         if (job->control_fd >= 0)
@@ -127,9 +129,10 @@ static int control_page_create(struct job *job, char *errmsg) {
         return 0;
 }
 
-/* A new job with a secret and a control page, in the registry, without
- * references. */
-static int job_alloc(struct jobs *jobs, const char *name, uint32_t world_size, uid_t uid,
+/* A new job with a secret and a control page (its fds charged to `uid`),
+ * in the registry, without references; `owner_uid` counts it against
+ * max_jobs_per_uid. */
+static int job_alloc(struct jobs *jobs, const char *name, uint32_t world_size, uid_t owner_uid, uid_t uid,
                      struct job **ret_job, char *errmsg) {
         struct job *job;
         ssize_t n;
@@ -143,12 +146,22 @@ static int job_alloc(struct jobs *jobs, const char *name, uint32_t world_size, u
         job->home_id = job->id;
         snprintf(job->name, sizeof(job->name), "%s", name);
         job->world_size = world_size;
-        job->owner_uid = uid;
+        job->owner_uid = owner_uid;
         job->state = JOB_FORMING;
         job->lost_rank = -1;
         job->jobs = jobs;
         /* getrandom() without flags blocks only before the pool is
          * initialised at boot; 32 bytes never come back short. */
+        /* The control page's fds count against the uid before they exist. */
+        if (jobs->fds.charge) {
+                r = jobs->fds.charge(jobs->fds.ctx, uid, JOB_CONTROL_FDS, errmsg);
+                if (r < 0) {
+                        free(job);
+                        return -ERROR_KIND_LIMIT_EXCEEDED;
+                }
+                job->fds_uid = uid;
+                job->fds_charged = JOB_CONTROL_FDS;
+        }
         n = getrandom(job->secret, sizeof(job->secret), 0);
         if (n != (ssize_t)sizeof(job->secret)) {
                 r = errmsg_set(errmsg, n < 0 ? -errno : -EIO, "job '%s': getrandom for the secret: %s", name,
@@ -158,6 +171,10 @@ static int job_alloc(struct jobs *jobs, const char *name, uint32_t world_size, u
         r = control_page_create(job, errmsg);
         if (r < 0)
                 goto fail;
+        if (job->control_ro_fd < 0 && job->fds_charged) { /* one fd only */
+                jobs->fds.uncharge(jobs->fds.ctx, uid, 1);
+                job->fds_charged--;
+        }
 
         jobs->next_id++;
         TAILQ_INSERT_TAIL(&jobs->list, job, entry);
@@ -189,7 +206,7 @@ int jobs_create(struct jobs *jobs, const char *name, uint32_t world_size, uid_t 
                                   "uid %u already has %" PRIu32 " jobs (max_jobs_per_uid = %" PRIu32 ")",
                                   (unsigned)uid, have, jobs->config->max_jobs_per_uid);
 
-        r = job_alloc(jobs, name, world_size, uid, &job, errmsg);
+        r = job_alloc(jobs, name, world_size, uid, uid, &job, errmsg);
         if (r < 0)
                 return r;
         job->creator = creator;
@@ -308,12 +325,12 @@ int jobs_join(struct jobs *jobs, const uint8_t *unique_id, size_t len, uint32_t 
                 return gpu_uuid_refuse(gpu_uuid, errmsg);
         for (int i = 0; i < 8; i++)
                 id |= (uint64_t)unique_id[1 + i] << (8 * i);
+        /* An unknown id and a wrong secret get the same answer: a guesser
+         * must not learn which job ids exist. */
         job = jobs_find(jobs, id);
-        if (!job)
-                return errmsg_set(errmsg, -ERROR_KIND_NO_SUCH_JOB, "job %" PRIu64 ": no such job", id);
-        if (!secret_equal(job->secret, unique_id + 9))
-                return errmsg_set(errmsg, -ERROR_KIND_BAD_SECRET,
-                                  "job %" PRIu64 ": the unique id's secret does not match", id);
+        if (!job || !secret_equal(job->secret, unique_id + 9))
+                return errmsg_set(errmsg, -ERROR_KIND_NO_SUCH_JOB,
+                                  "job %" PRIu64 ": no live job has this id and secret", id);
         if (owner_in_a_job(jobs, owner))
                 return errmsg_set(errmsg, -ERROR_KIND_ALREADY_IN_JOB,
                                   "job %" PRIu64 ": the session already belongs to a job", id);
@@ -336,7 +353,7 @@ int jobs_join(struct jobs *jobs, const uint8_t *unique_id, size_t len, uint32_t 
 }
 
 int jobs_join_mirror(struct jobs *jobs, const char *home, uint64_t home_id, const char *name,
-                     uint32_t world_size, uint32_t rank, const char *gpu_uuid, void *owner,
+                     uint32_t world_size, uint32_t rank, const char *gpu_uuid, void *owner, uid_t uid,
                      struct job_member **ret_member, char *errmsg) {
         struct job *job = jobs_find_mirror(jobs, home, home_id);
         int r;
@@ -364,8 +381,8 @@ int jobs_join_mirror(struct jobs *jobs, const char *home, uint64_t home_id, cons
                                   "job %" PRIu64 " at %s: rank %" PRIu32 " is already taken here", home_id,
                                   home, rank);
         if (!job) {
-                r = job_alloc(jobs, name && moeep_job_name_valid(name) ? name : "remote", world_size, 0, &job,
-                              errmsg);
+                r = job_alloc(jobs, name && moeep_job_name_valid(name) ? name : "remote", world_size, 0, uid,
+                              &job, errmsg);
                 if (r < 0)
                         return r;
                 snprintf(job->home, sizeof(job->home), "%s", home);

@@ -99,11 +99,17 @@ struct job_member {
         uint32_t nregions;
 };
 
+/* Descriptors of a job's control page (the memfd and its read-only
+ * reopening), charged to the uid whose session made the job (clientfd.h). */
+#define JOB_CONTROL_FDS 2
+
 struct job {
         uint64_t id; /* public, daemon-wide unique, never reused */
         char name[MOEEP_JOB_NAME_MAX + 1];
         uint32_t world_size;
-        uid_t owner_uid; /* uid of the creator, counted against max_jobs_per_uid */
+        uid_t owner_uid;      /* uid of the creator, counted against max_jobs_per_uid */
+        uid_t fds_uid;        /* charged for the control page's fds (a mirror: its first rank's uid) */
+        uint32_t fds_charged; /* how many of them (jobs.fds hooks) */
         enum job_state state;
         int32_t lost_rank;                         /* first rank lost, -1 while none */
         uint8_t secret[JOB_SECRET_BYTES];          /* never logged or shown */
@@ -136,6 +142,16 @@ struct job {
 
 TAILQ_HEAD(job_list, job);
 
+/* How the jobs charge their control pages' fds to uids (clientfd.h's
+ * clientfds_charge and clientfds_uncharge, through daemon.c); without
+ * them (unit tests) nothing is charged. */
+struct jobs_fd_hooks {
+        void *ctx; /* not owning */
+        /* 0, or -EDQUOT/-EMFILE with errmsg naming the cap. */
+        int (*charge)(void *ctx, uid_t uid, uint32_t n, char *errmsg);
+        void (*uncharge)(void *ctx, uid_t uid, uint32_t n);
+};
+
 /* The daemon's set of jobs. */
 struct jobs {
         struct job_list list;
@@ -143,6 +159,7 @@ struct jobs {
         uint64_t next_id;
         const struct config *config;    /* not owning; caps are read at each call */
         const struct job_callbacks *cb; /* not owning */
+        struct jobs_fd_hooks fds;       /* zeroed: control pages are charged to nobody */
         /* Totals since start-up, for the metrics (moeepd_barriers_total,
          * moeepd_ranks_lost_total). */
         uint64_t barriers_completed; /* barrier generations every rank passed */
@@ -155,8 +172,10 @@ int jobs_new(const struct config *config, const struct job_callbacks *cb, struct
 void jobs_free(struct jobs *jobs);
 
 /* Creates a job in state forming, with one reference held by `creator`.
- * Returns 0, -ERROR_KIND_INVALID_ARGUMENT (name or world size),
- * -ERROR_KIND_LIMIT_EXCEEDED (max_jobs_per_uid), or -errno from
+ * Its control page's fds are charged to `uid`. Returns 0,
+ * -ERROR_KIND_INVALID_ARGUMENT (name or world size),
+ * -ERROR_KIND_LIMIT_EXCEEDED (max_jobs_per_uid, or no room for the control
+ * page's fds in the uid's cap or the daemon's budget), or -errno from
  * memfd/getrandom. */
 int jobs_create(struct jobs *jobs, const char *name, uint32_t world_size, uid_t uid, void *creator,
                 struct job **ret_job, char *errmsg);
@@ -179,14 +198,14 @@ int job_unique_id_node(const uint8_t *unique_id, size_t len, char ret_node[stati
  * daemon `home`, or NULL. */
 struct job *jobs_find_mirror(const struct jobs *jobs, const char *home, uint64_t home_id);
 
-/* Joins `owner` as `rank` of the mirror of job `home_id` at `home`
- * (creating the mirror, with its own control page, when it is the first
- * local rank). The home daemon already checked secret, rank and world size.
+/* Joins `owner` (of uid `uid`) as `rank` of the mirror of job `home_id` at
+ * `home` (creating the mirror, with its own control page charged to `uid`,
+ * when it is the first local rank). The home daemon already checked secret, rank and world size.
  * Returns 0, -ERROR_KIND_INVALID_ARGUMENT (bad mirror or gpu_uuid),
  * -ERROR_KIND_ALREADY_IN_JOB, -ERROR_KIND_PEER_LOST (mirror aborted),
  * -ERROR_KIND_RANK_TAKEN (rank taken here) or -errno from memfd/ENOMEM. */
 int jobs_join_mirror(struct jobs *jobs, const char *home, uint64_t home_id, const char *name,
-                     uint32_t world_size, uint32_t rank, const char *gpu_uuid, void *owner,
+                     uint32_t world_size, uint32_t rank, const char *gpu_uuid, void *owner, uid_t uid,
                      struct job_member **ret_member, char *errmsg);
 
 /* Aborts the job because rank `rank` (not a member here: remote, or its
@@ -217,7 +236,9 @@ int job_control_fd(const struct job *job);
 
 /* Joins the job named by `unique_id` as `rank`. Errors, in order of
  * checking, each an error kind (errors.h) but the last:
- * INVALID_ARGUMENT malformed id or gpu_uuid, NO_SUCH_JOB, BAD_SECRET,
+ * INVALID_ARGUMENT malformed id or gpu_uuid, NO_SUCH_JOB (no such job, or
+ * a secret that does not match: the same answer, so that nobody learns
+ * which ids exist),
  * ALREADY_IN_JOB (`owner` already belongs to a job), PEER_LOST (the job is
  * aborted), WORLD_SIZE_MISMATCH, RANK_OUT_OF_RANGE, RANK_TAKEN; -ENOMEM. */
 int jobs_join(struct jobs *jobs, const uint8_t *unique_id, size_t len, uint32_t rank, uint32_t world_size,

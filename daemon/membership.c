@@ -12,24 +12,42 @@
 #include "mesh.h"
 #include "session.h"
 
+void membership_join_failed(struct session *s) {
+        if (s->uid_state)
+                uid_join_failed(s->uid_state, uids_now_us());
+}
+
 int membership_join(const struct membership *ms, struct session *s, uint64_t rid,
                     const Moeep__V1__JobJoin *jj, char *errmsg) {
         const char *here = mesh_address(ms->mesh);
         char home[JOB_NODE_MAX + 1];
         struct job_member *m;
+        bool forwarded;
         int r;
 
         if (s->member)
                 return errmsg_set(errmsg, -ERROR_KIND_ALREADY_IN_JOB,
                                   "session %" PRIu64 " is already rank %" PRIu32 " of job %" PRIu64, s->id,
                                   s->member->rank, s->member->job->id);
+        /* Secrets are 256 bits, so guessing is hopeless; still, a uid that
+         * keeps naming jobs it may not join is slowed down and logged. */
+        if (s->uid_state && uid_join_allowed(s->uid_state, uids_now_us()) < 0)
+                return errmsg_set(errmsg, -ERROR_KIND_LIMIT_EXCEEDED,
+                                  "uid %u named too many jobs it may not join (an unknown id or a wrong "
+                                  "secret; %d a second at most): this join was not checked, try later",
+                                  (unsigned)s->cred.uid, UID_JOINS_PER_S);
         /* A job created at another daemon is joined there (mesh-jobs.c); this
          * daemon named in any spelling is this daemon. */
-        if (job_unique_id_node(jj->unique_id.data, jj->unique_id.len, home) == 0 && home[0] &&
-            (!here || !mesh_address_is_self(ms->mesh, home)))
+        forwarded = job_unique_id_node(jj->unique_id.data, jj->unique_id.len, home) == 0 && home[0] &&
+                    (!here || !mesh_address_is_self(ms->mesh, home));
+        /* A forwarded join's answer comes later (mesh-joins.c); refused here,
+         * it tested no secret (a daemon that is no peer) and counts not. */
+        if (forwarded)
                 return mesh_jobs_join_forward(ms->mesh_jobs, s, rid, jj, home, errmsg);
         r = jobs_join(ms->jobs, jj->unique_id.data, jj->unique_id.len, jj->rank, jj->world_size, jj->gpu_uuid,
                       s, &m, errmsg);
+        if (r == -ERROR_KIND_NO_SUCH_JOB)
+                membership_join_failed(s);
         if (r < 0)
                 return r;
         r = membership_joined(s, rid, m);
@@ -91,7 +109,7 @@ int membership_release(const struct membership *ms, struct session *s, uint64_t 
 void membership_end(const struct membership *ms, struct session *s, bool lost, const char *reason) {
         if (!s->member)
                 return;
-        datapath_member_gone(ms->datapath, s->member, lost);
+        datapath_member_gone(ms->datapath, s->member);
         broker_drop_member(ms->broker, s->member);
         mesh_jobs_member_gone(ms->mesh_jobs, s->member, lost, reason);
         if (lost)

@@ -43,6 +43,10 @@ struct membership {
 int membership_join(const struct membership *ms, struct session *s, uint64_t rid,
                     const Moeep__V1__JobJoin *jj, char *errmsg);
 
+/* A join of `s` named no job it may join (ERROR_NO_SUCH_JOB, here or at
+ * the job's home daemon): counted against its uid's allowance (uids.h). */
+void membership_join_failed(struct session *s);
+
 /* `s` became member `m`: READY, and JobJoined (request `rid`) with the
  * control page queued. Returns 0 or -errno from session_respond(). */
 int membership_joined(struct session *s, uint64_t rid, struct job_member *m);

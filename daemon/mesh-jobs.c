@@ -317,6 +317,7 @@ static void handle_leave(struct mesh_jobs *mj, struct mesh_peer *p, const Moeep_
                  p->address);
         /* The job may go away with its last member: tell the others first. */
         remote_regions_drop(mr->member->job, pl->rank);
+        mj->hooks.remote_rank_gone(mj->hooks.arg, mr->member->job, pl->rank);
         job_changed_except(mj, mr->member->job, pl->rank);
         job_member_leave(rank_detach(mr));
         mj->hooks.status_changed(mj->hooks.arg);
@@ -467,6 +468,22 @@ void mesh_jobs_region_changed(struct mesh_jobs *mj, const struct job_member *m, 
                 mesh_peer_send(p, &msg);
 }
 
+/* A remote rank's region changed in `job`: kept (or forgotten), and when a
+ * receive or counter region goes, the routes to its rank are dropped. */
+static void remote_region_changed(struct mesh_jobs *mj, struct job *job, const Moeep__V1__PeerRegion *pr) {
+        uint32_t proxy = MOEEP__V1__PROXY_ROLE__PROXY_ROLE_NONE, n;
+        const struct job_remote_region *known = mesh_jobs_remote_regions(job, &n);
+
+        /* A release names the region, not its role: the role is ours. */
+        for (uint32_t i = 0; pr->released && i < n; i++)
+                if (known[i].rank == pr->rank && known[i].region_id == pr->region_id)
+                        proxy = known[i].proxy;
+        remote_region_update(job, pr);
+        if (proxy == MOEEP__V1__PROXY_ROLE__PROXY_ROLE_RECV ||
+            proxy == MOEEP__V1__PROXY_ROLE__PROXY_ROLE_COUNTERS)
+                mj->hooks.remote_rank_gone(mj->hooks.arg, job, pr->rank);
+}
+
 static void handle_region(struct mesh_jobs *mj, struct mesh_peer *p, const Moeep__V1__PeerRegion *pr) {
         struct mesh_rank *mr = rank_find(mj, p, pr->job_id, pr->rank);
         struct job *job;
@@ -474,7 +491,7 @@ static void handle_region(struct mesh_jobs *mj, struct mesh_peer *p, const Moeep
         if (mr) { /* we are the home: keep it, pass it on to the others */
                 Moeep__V1__PeerMessage msg = MOEEP__V1__PEER_MESSAGE__INIT;
 
-                remote_region_update(mr->member->job, pr);
+                remote_region_changed(mj, mr->member->job, pr);
                 msg.body_case = MOEEP__V1__PEER_MESSAGE__BODY_REGION;
                 msg.region = (Moeep__V1__PeerRegion *)pr;
                 job_peers_send(mr->member->job, &msg, p, -1);
@@ -482,7 +499,7 @@ static void handle_region(struct mesh_jobs *mj, struct mesh_peer *p, const Moeep
         }
         job = jobs_find_mirror(mj->jobs, p->address, pr->job_id);
         if (job && pr->rank < job->world_size && !job_rank_local(job, pr->rank))
-                remote_region_update(job, pr);
+                remote_region_changed(mj, job, pr);
 }
 
 /* ------------------------------------------------------------ failures */

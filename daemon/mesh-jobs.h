@@ -62,6 +62,8 @@ struct mesh_jobs_hooks {
         void (*session_unref)(struct session *s);
         /* The session's id, for log lines. */
         uint64_t (*session_id)(const struct session *s);
+        /* The session's uid: a mirror's control page is charged to it. */
+        uid_t (*session_uid)(const struct session *s);
         /* Whether the session is still open and in no job (the home's
          * answer may make it a mirror's member). */
         bool (*session_can_join)(const struct session *s);
@@ -70,6 +72,10 @@ struct mesh_jobs_hooks {
         void (*join_failed)(struct session *s, uint64_t request_id, int code, const char *message);
         /* It succeeded: `m` is the session's member of the mirror. */
         int (*joined)(struct session *s, uint64_t request_id, struct job_member *m);
+        /* Rank `rank` of `job`, at another daemon, released its receive or
+         * counter region or left: routes to it lead nowhere from now on
+         * (datapath_remote_rank_gone()). */
+        void (*remote_rank_gone)(void *arg, const struct job *job, uint32_t rank);
 };
 
 /* The per-job state of a job that spans daemons (opaque outside

@@ -161,7 +161,7 @@ void mesh_joins_handle_joined(struct mesh_jobs *mj, struct mesh_peer *p, const M
         r = -ECANCELED;
         if (mj->hooks.session_can_join(s))
                 r = jobs_join_mirror(mj->jobs, p->address, pj->job_id, pj->name, pj->world_size, j->rank,
-                                     j->gpu_uuid, s, &m, errmsg);
+                                     j->gpu_uuid, s, mj->hooks.session_uid(s), &m, errmsg);
         if (r < 0) {
                 Moeep__V1__PeerLeave leave = MOEEP__V1__PEER_LEAVE__INIT;
                 PEER_MSG(msg, leave, &leave, LEAVE);

@@ -69,7 +69,8 @@ struct slot {
 enum cmd_type {
         CMD_RING_ADD,
         CMD_RING_REMOVE,
-        CMD_PEER_FAIL
+        CMD_PEER_FAIL,
+        CMD_ROUTE_DROP, /* ring `ring_id`'s route `tp_peer` leads nowhere from now on */
 };
 
 struct cmd {

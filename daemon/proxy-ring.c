@@ -176,6 +176,12 @@ static int desc_start(struct proxy *p, struct ring *ring, uint64_t seq, const st
                 return 0;
         }
         route = &ring->routes[d->peer];
+        if (route->tp_peer == PROXY_ROUTE_GONE) {
+                ring_bad_desc(p, ring, seq, d->peer, -EINVAL,
+                              "the receiving rank released its region (or left the job)");
+                ring_finish(ring, seq);
+                return 0;
+        }
         if (route->tp_peer == PROXY_ROUTE_NONE) {
                 ring_bad_desc(p, ring, seq, d->peer, -EINVAL,
                               "peer not routed: a rank at the ring's own daemon (NVLink reaches it)");
@@ -294,6 +300,14 @@ static int ring_poll(struct proxy *p, struct ring *ring) {
         return (int)n;
 }
 
+/* Whether a completion's error is about that write alone (a key or range
+ * the target refused) rather than the connection: the transports say so
+ * with these (tp-cuda: -EACCES for a key its peer does not know). */
+static bool completion_error_is_write_s(int status) {
+        return status == -EINVAL || status == -EACCES || status == -EPERM || status == -EFAULT ||
+               status == -ENOKEY || status == -ERANGE;
+}
+
 static void complete(struct proxy *p, const struct tp_completion *c) {
         uint64_t i = c->cookie / 2;
         struct slot *s;
@@ -311,6 +325,16 @@ static void complete(struct proxy *p, const struct tp_completion *c) {
                 return;
         s->pending--;
         if (c->status < 0) {
+                /* The write's own ring fails first: its job ends, naming
+                 * the writer. Only an error that is not about this write
+                 * alone (the connection, not a key or a range) fails the
+                 * peer, and with it every ring routing there. */
+                ring_bad_desc(p, s->ring, s->seq, s->route, c->status, "a write completed with an error");
+                if (completion_error_is_write_s(c->status)) {
+                        s->need_signal = false;
+                        slot_finish(p, (uint32_t)i, true);
+                        return;
+                }
                 peer_failed(p, s->tp_peer, c->status, "write completed with an error");
                 return; /* peer_failed ended the slot */
         }
@@ -364,6 +388,12 @@ static void run_commands(struct proxy *p) {
                         break;
                 case CMD_PEER_FAIL:
                         peer_failed(p, c->tp_peer, c->error, "reported by the daemon");
+                        break;
+                case CMD_ROUTE_DROP:
+                        TAILQ_FOREACH (ring, &p->rings, entry)
+                                if (ring->id == c->ring_id && c->tp_peer < ring->nroutes &&
+                                    ring->routes[c->tp_peer].tp_peer != PROXY_ROUTE_NONE)
+                                        ring->routes[c->tp_peer].tp_peer = PROXY_ROUTE_GONE;
                         break;
                 }
                 free(c);

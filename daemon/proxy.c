@@ -314,12 +314,11 @@ err_alloc:
         return r;
 }
 
-int proxy_ring_remove(struct proxy *p, uint64_t ring_id) {
+/* Queues command `type` about ring `ring_id` (`arg` in its tp_peer). */
+static int ring_cmd(struct proxy *p, enum cmd_type type, uint64_t ring_id, uint32_t arg) {
         struct cmd *c;
         bool known;
 
-        if (!p)
-                return -EINVAL;
         pthread_mutex_lock(&p->lock);
         known = ring_id_find(p, ring_id) != NULL;
         pthread_mutex_unlock(&p->lock);
@@ -328,10 +327,23 @@ int proxy_ring_remove(struct proxy *p, uint64_t ring_id) {
         c = calloc(1, sizeof(*c));
         if (!c)
                 return -ENOMEM;
-        c->type = CMD_RING_REMOVE;
+        c->type = type;
         c->ring_id = ring_id;
+        c->tp_peer = arg;
         cmd_push(p, c);
         return 0;
+}
+
+int proxy_ring_remove(struct proxy *p, uint64_t ring_id) {
+        if (!p)
+                return -EINVAL;
+        return ring_cmd(p, CMD_RING_REMOVE, ring_id, 0);
+}
+
+int proxy_route_drop(struct proxy *p, uint64_t ring_id, uint32_t route) {
+        if (!p || route >= PROXY_MAX_ROUTES)
+                return -EINVAL;
+        return ring_cmd(p, CMD_ROUTE_DROP, ring_id, route);
 }
 
 int proxy_peer_fail(struct proxy *p, uint32_t tp_peer, int error) {

@@ -43,6 +43,8 @@ struct proxy_route {
  * does. moeepd leaves the ranks at its own node unrouted (NVLink reaches
  * them); their rkeys are ignored. */
 #define PROXY_ROUTE_NONE UINT32_MAX
+/* proxy_route.tp_peer of a route proxy_route_drop() dropped. */
+#define PROXY_ROUTE_GONE (UINT32_MAX - 1)
 
 /* Tunables; zero fields take the defaults in brackets. */
 struct proxy_params {
@@ -55,7 +57,8 @@ struct proxy_params {
 enum proxy_event_type {
         PROXY_EVENT_RING_REMOVED, /* proxy_ring_remove finished: nothing of the ring is in flight */
         PROXY_EVENT_PEER_FAILED,  /* a transport peer failed; every ring routing to it has its error set */
-        PROXY_EVENT_RING_ERROR,   /* a ring's descriptor was invalid (error set on the ring) */
+        PROXY_EVENT_RING_ERROR,   /* a ring's descriptor was invalid, or its write failed (error set on
+                                   * the ring) */
 };
 const char *proxy_event_type_to_string(enum proxy_event_type t);
 
@@ -98,6 +101,14 @@ int proxy_ring_add(struct proxy *p, uint64_t ring_id, int ring_fd, struct tp_mr 
 /* Asks the thread to stop reading ring `ring_id`; PROXY_EVENT_RING_REMOVED
  * follows once nothing of it is in flight. -ENOENT when unknown. */
 int proxy_ring_remove(struct proxy *p, uint64_t ring_id);
+
+/* The receiver of route `route` of ring `ring_id` let its regions go (a
+ * released recv or counter region, a rank that left): from now on a
+ * descriptor naming that route fails the ring (-EINVAL, "released"),
+ * never reaching a region its daemon no longer knows, which some
+ * transports answer by closing the connection that every job shares.
+ * -ENOENT when the ring is unknown. */
+int proxy_route_drop(struct proxy *p, uint64_t ring_id, uint32_t route);
 
 /* Tells the proxy that transport peer `tp_peer` is gone (e.g. the mesh lost
  * that daemon): every ring routing to it gets `error` (-errno), and its

@@ -314,6 +314,7 @@ static int requests_dispatch(void *ctx, struct session *s, struct moeep_record *
         char errmsg[ERRMSG_MAX] = "";
         const struct moeep_message *h;
         Moeep__V1__Request *req;
+        const char *why = NULL;
         int r;
 
         /* moeep_record_recv() let only known types through: a response or
@@ -333,6 +334,14 @@ static int requests_dispatch(void *ctx, struct session *s, struct moeep_record *
         if (s->state == SESSION_NEW && type != MOEEP__V1__REQUEST__BODY_HELLO) {
                 session_fail(s, MOEEP__V1__ERROR_CODE__ERROR_NOT_WELCOMED, rid,
                              "%s (request %" PRIu64 ") before Hello", h->name, rid);
+                return 0;
+        }
+        /* Checked before protobuf-c allocates anything for it: a record of
+         * thousands of unknown fields would cost the loop a millisecond. */
+        if (moeep_record_scan(&moeep__v1__request__descriptor, rec->payload, rec->hdr.length, &why) < 0) {
+                session_fail(s, MOEEP__V1__ERROR_CODE__ERROR_BAD_RECORD, rid,
+                             "%s request (type %u) of %" PRIu32 " payload bytes refused before decoding: %s",
+                             h->name, type, rec->hdr.length, why);
                 return 0;
         }
         req = moeep_record_decode_request(rec);

@@ -10,13 +10,16 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "clientfd.h"
 #include "config.h"
 #include "errors.h"
 #include "log.h"
+#include "messages.h"
 #include "record.h"
+#include "session-internal.h"
 #include "session.h"
 
 /* Output a session may queue before we decide its peer does not read: a
@@ -35,7 +38,6 @@
 /* How long a connection may stay without saying Hello: libmoeep sends it
  * right after connect(). */
 #define SESSION_HELLO_DEADLINE_MS 5000
-
 struct session_out {
         TAILQ_ENTRY(session_out) entry;
         size_t len;
@@ -60,6 +62,25 @@ const char *session_state_to_string(enum session_state s) {
                 return "closed";
         }
         return "unknown";
+}
+
+/* ------------------------------------------------------------ sockets */
+
+/* How a socket accepted on the client (`admin` false) or admin listener
+ * closes before it became a session: one of the client listener cannot
+ * hold fds when the listener refuses them (SO_PASSRIGHTS off). */
+static unsigned accepted_close_flags(const struct sessions *reg, bool admin) {
+        return !admin && reg->fds_after_welcome ? CLIENTFD_SESSION_NO_FDS : 0;
+}
+
+/* How the socket of `s` closes: counted while it was a client session,
+ * and at once when its peer could never send it fds. */
+static unsigned session_close_flags(const struct session *s) {
+        unsigned flags = s->admin ? 0 : CLIENTFD_SESSION_COUNTED;
+
+        if (!s->fds_allowed)
+                flags |= accepted_close_flags(s->reg, s->admin);
+        return flags;
 }
 
 /* ------------------------------------------------------------ output */
@@ -215,7 +236,10 @@ void session_unref(struct session *s) {
 
 static void session_free(struct session *s) {
         out_clear(s);
-        clientfd_close_session(s->reg->clientfds, s->cred.uid, s->fd);
+        /* Only a session that never made it into the list still has its
+         * socket here: not counted. */
+        clientfd_close_session(s->reg->clientfds, s->cred.uid, s->fd,
+                               session_close_flags(s) & ~CLIENTFD_SESSION_COUNTED);
         if (s->ev_read)
                 event_free(s->ev_read);
         if (s->ev_write)
@@ -255,9 +279,12 @@ void session_close_now(struct session *s) {
         event_del(s->ev_linger);
         event_del(s->ev_hello);
         out_clear(s);
+        session_unhold(s);
+        uids_session_remove(&reg->uids, s->uid_state);
+        s->uid_state = NULL;
         /* Closing the socket closes what the peer queued on it unread,
          * fds it attached included: off the loop. */
-        clientfd_close_session(reg->clientfds, s->cred.uid, s->fd);
+        clientfd_close_session(reg->clientfds, s->cred.uid, s->fd, session_close_flags(s));
         s->fd = -1;
         TAILQ_REMOVE(&reg->list, s, entry);
         reg->count--;
@@ -362,17 +389,13 @@ static void session_write_cb(evutil_socket_t fd, short what, void *arg) {
 
 /* Receives and handles one record. Returns 1 to go on, 0 to stop. */
 static int session_read_one(struct session *s) {
-        char errmsg[ERRMSG_MAX];
         const char *why = NULL;
         uint64_t rid;
         int r;
 
-        /* A uid whose fds do not close (its own FUSE server, SO_LINGER)
-         * gets nothing more read: each record could bring 253 more. */
-        if (clientfds_closing_check(s->reg->clientfds, s->cred.uid, errmsg) < 0) {
-                session_fail(s, MOEEP__V1__ERROR_CODE__ERROR_LIMIT_EXCEEDED, 0, "%s", errmsg);
+        /* A record may bring up to 253 fds (session-hold.c). */
+        if (!session_read_admitted(s))
                 return 0;
-        }
         memset(&rx.hdr, 0, sizeof(rx.hdr));
         r = moeep_record_recv_keep(s->fd, &rx, &why);
         /* Whatever arrived is the daemon's to close now, and the sender's
@@ -417,17 +440,33 @@ void session_pause(struct session *s) {
 
 void session_resume(struct session *s) {
         s->paused = false;
-        if (s->state != SESSION_CLOSED && s->fd >= 0)
+        if (s->state != SESSION_CLOSED && s->fd >= 0 && !s->throttled)
                 event_add(s->ev_read, NULL);
 }
 
+/* Handles up to SESSION_READ_BATCH records, each charged to the uid's
+ * share of the loop (uids.h): a uid whose share is spent waits, however
+ * many sessions it has, and nobody else does. */
 static void session_read_cb(evutil_socket_t fd, short what, void *arg) {
         struct session *s = arg;
+        struct client_uid *cu = s->uid_state;
 
         session_ref(s);
-        for (int i = 0; i < SESSION_READ_BATCH && s->state != SESSION_CLOSED && !s->paused; i++)
-                if (!session_read_one(s))
+        for (int i = 0; i < SESSION_READ_BATCH && s->state != SESSION_CLOSED && !s->paused; i++) {
+                uint64_t t0;
+                int r;
+
+                if (cu && !uid_loop_ok(cu, uids_now_us())) {
+                        session_hold(s, 0);
                         break;
+                }
+                t0 = session_thread_cpu_us();
+                r = session_read_one(s);
+                if (cu)
+                        uid_loop_charge(cu, session_thread_cpu_us() - t0);
+                if (!r)
+                        break;
+        }
         session_unref(s);
 }
 
@@ -470,14 +509,14 @@ static uint32_t sessions_count_uid(const struct sessions *reg, uid_t uid) {
 
 /* Turns a connection away with an error it can read, without making a
  * session: a fresh socket's buffer always takes one small record. */
-static int session_refuse(struct sessions *reg, int fd, uid_t uid, int r, const char *why) {
+static int session_refuse(struct sessions *reg, int fd, bool admin, uid_t uid, int r, const char *why) {
         Moeep__V1__Error err;
         Moeep__V1__Response resp;
 
         reg->refused++;
         error_fill(reg, MOEEP__V1__ERROR_CODE__ERROR_LIMIT_EXCEEDED, why, &err, &resp);
         (void)moeep_record_send(fd, MOEEP__V1__RESPONSE__BODY_ERROR, 0, &resp.base, NULL, 0);
-        clientfd_close_session(reg->clientfds, uid, fd);
+        clientfd_close_session(reg->clientfds, uid, fd, accepted_close_flags(reg, admin));
         return r;
 }
 
@@ -493,7 +532,8 @@ int session_new(struct sessions *reg, int fd, bool admin, struct session **ret_s
         if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) < 0) {
                 int r = -errno;
 
-                clientfd_close_session(reg->clientfds, 65534, fd); /* whose it is is unknown: overflowuid */
+                /* Whose it is is unknown: overflowuid's. */
+                clientfd_close_session(reg->clientfds, 65534, fd, accepted_close_flags(reg, admin));
                 return r;
         }
         if (admin && reg->nadmin >= SESSIONS_ADMIN_MAX) {
@@ -501,20 +541,20 @@ int session_new(struct sessions *reg, int fd, bool admin, struct session **ret_s
                          SESSIONS_ADMIN_MAX);
                 log_notice("refusing pid %d uid %u on the admin socket: %s", (int)cred.pid,
                            (unsigned)cred.uid, why);
-                return session_refuse(reg, fd, cred.uid, -EDQUOT, why);
+                return session_refuse(reg, fd, admin, cred.uid, -EDQUOT, why);
         }
         /* Client sessions count against the daemon's fd budget, whose
          * reserve keeps accept() and the operator's sessions working. */
-        if (!admin && (clientfds_budget_check(reg->clientfds, reg->count + 1, why) < 0 ||
+        if (!admin && (clientfds_budget_check(reg->clientfds, 1, why) < 0 ||
                        clientfds_closing_check(reg->clientfds, cred.uid, why) < 0)) {
                 log_notice("refusing pid %d uid %u: %s", (int)cred.pid, (unsigned)cred.uid, why);
-                return session_refuse(reg, fd, cred.uid, -EDQUOT, why);
+                return session_refuse(reg, fd, admin, cred.uid, -EDQUOT, why);
         }
         if (!admin && reg->count - reg->nadmin >= reg->config->max_sessions) {
                 snprintf(why, sizeof(why), "%" PRIu32 " sessions connected (max_sessions = %" PRIu32 ")",
                          reg->count - reg->nadmin, reg->config->max_sessions);
                 log_notice("refusing pid %d uid %u: %s", (int)cred.pid, (unsigned)cred.uid, why);
-                return session_refuse(reg, fd, cred.uid, -EDQUOT, why);
+                return session_refuse(reg, fd, admin, cred.uid, -EDQUOT, why);
         }
         n = admin ? 0 : sessions_count_uid(reg, cred.uid);
         if (!admin && n >= reg->config->max_sessions_per_uid) {
@@ -522,12 +562,12 @@ int session_new(struct sessions *reg, int fd, bool admin, struct session **ret_s
                          "uid %u has %" PRIu32 " sessions (max_sessions_per_uid = %" PRIu32 ")",
                          (unsigned)cred.uid, n, reg->config->max_sessions_per_uid);
                 log_notice("refusing pid %d: %s", (int)cred.pid, why);
-                return session_refuse(reg, fd, cred.uid, -EDQUOT, why);
+                return session_refuse(reg, fd, admin, cred.uid, -EDQUOT, why);
         }
 
         s = calloc(1, sizeof(*s));
         if (!s) {
-                clientfd_close_session(reg->clientfds, cred.uid, fd);
+                clientfd_close_session(reg->clientfds, cred.uid, fd, accepted_close_flags(reg, admin));
                 return -ENOMEM;
         }
         s->fd = fd;
@@ -546,7 +586,21 @@ int session_new(struct sessions *reg, int fd, bool admin, struct session **ret_s
                 session_free(s);
                 return -ENOMEM;
         }
+        if (!admin) {
+                s->uid_state = uids_session_add(&reg->uids, cred.uid);
+                if (!s->uid_state) {
+                        session_free(s);
+                        return -ENOMEM;
+                }
+        } else {
+                /* The operator's requests go first when the loop is busy
+                 * (the admin socket's listener does too, daemon.c). */
+                event_priority_set(s->ev_read, 0);
+                event_priority_set(s->ev_write, 0);
+        }
         session_read_groups(s);
+        if (!admin)
+                clientfds_session_opened(reg->clientfds);
         s->id = reg->next_id++;
         reg->accepted++;
         TAILQ_INSERT_TAIL(&reg->list, s, entry);
@@ -603,6 +657,12 @@ static void copy_printable(char *dst, size_t size, const char *src) {
 }
 
 void session_welcome(struct session *s, const char *client_name, uint64_t features) {
+        const int on = 1;
+
+        /* From now on it may send fds (the listener refused them). */
+        if (s->reg->fds_after_welcome && !s->admin &&
+            setsockopt(s->fd, SOL_SOCKET, SESSION_SO_PASSRIGHTS, &on, sizeof(on)) == 0)
+                s->fds_allowed = true;
         copy_printable(s->name, sizeof(s->name), client_name);
         s->features = features;
         s->state = SESSION_HELLO;
@@ -630,8 +690,13 @@ int sessions_new(struct event_base *base, const struct config *config, struct cl
         reg->next_id = 1;
         TAILQ_INIT(&reg->list);
         TAILQ_INIT(&reg->dead);
+        TAILQ_INIT(&reg->throttled);
+        uids_init(&reg->uids);
         reg->ev_reap = event_new(base, -1, 0, sessions_reap_cb, reg);
-        if (!reg->ev_reap) {
+        reg->ev_throttle = evtimer_new(base, sessions_hold_cb, reg);
+        if (!reg->ev_reap || !reg->ev_throttle) {
+                if (reg->ev_reap)
+                        event_free(reg->ev_reap);
                 free(reg);
                 return -ENOMEM;
         }
@@ -645,5 +710,7 @@ void sessions_free(struct sessions *reg) {
         /* A session still referenced here is leaked rather than freed
          * under its holder, as before the registry had its own object. */
         event_free(reg->ev_reap);
+        event_free(reg->ev_throttle);
+        uids_done(&reg->uids);
         free(reg);
 }

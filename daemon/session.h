@@ -31,6 +31,7 @@
 #include <protobuf-c/protobuf-c.h>
 
 #include "moeep.pb-c.h"
+#include "uids.h"
 
 struct clientfds;
 struct config;
@@ -76,7 +77,17 @@ struct session {
         size_t out_bytes;
         const char *broken; /* static; set when output overflowed, acted on from the loop */
         bool paused;        /* reads nothing until session_resume() (a request in progress) */
+        /* Not owning: the registry's entry of its uid (its share of the
+         * loop, its failed joins); NULL for admin sessions, which are never
+         * throttled. */
+        struct client_uid *uid_state;
+        bool throttled;             /* in the registry's `throttled`: held (its uid's share of the loop
+                                     * is spent, or its next record's fds do not fit yet) */
+        uint64_t hold_until_us;     /* held at least until then (CLOCK_MONOTONIC us) */
+        uint64_t fds_wait_since_us; /* its next record's fds do not fit since then; 0 = they do */
+        bool fds_allowed;           /* welcomed on a listener that refuses fds: it takes them now */
         TAILQ_ENTRY(session) entry;
+        TAILQ_ENTRY(session) throttle_entry;
 };
 
 TAILQ_HEAD(session_list, session);
@@ -112,6 +123,14 @@ enum {
         SESSION_ERROR_CODES
 };
 
+/* SO_PASSRIGHTS (Linux 6.16, asm-generic/socket.h): whether a socket
+ * takes SCM_RIGHTS; accepted sockets inherit the listener's. */
+#ifdef SO_PASSRIGHTS
+#define SESSION_SO_PASSRIGHTS SO_PASSRIGHTS
+#else
+#define SESSION_SO_PASSRIGHTS 83
+#endif
+
 /* Admin sessions at once: the operator's own small cap, apart from the
  * client caps, so that no number of client sessions can lock it out. */
 #define SESSIONS_ADMIN_MAX 16
@@ -129,10 +148,18 @@ struct sessions {
         uint32_t count;           /* length of `list` */
         uint32_t nadmin;          /* of them, sessions accepted on the admin socket */
         uint64_t next_id;
-        bool stopping;                        /* sessions_shutdown() ran: everybody gets Shutdown */
+        bool stopping; /* sessions_shutdown() ran: everybody gets Shutdown */
+        /* The client listener refuses fds (SO_PASSRIGHTS off, Linux 6.16+;
+         * daemon.c): a client session takes them only once welcomed, and a
+         * socket turned away before closes at once. */
+        bool fds_after_welcome;
         uint64_t accepted;                    /* connections that became sessions */
         uint64_t refused;                     /* connections turned away by max_sessions* */
         uint64_t errors[SESSION_ERROR_CODES]; /* Error responses sent, by code */
+        struct uids uids;                     /* owns; per client uid (uids.h) */
+        struct session_list throttled;        /* not owning; sessions waiting for their uid's share */
+        struct event *ev_throttle;            /* owns; reads them again once it has grown back */
+        uint64_t throttles;                   /* times a session waited for its uid's share */
 };
 
 /* Makes the registry. Returns 0 with *ret, or -ENOMEM. */

@@ -228,10 +228,128 @@ fail:
         return -EBADMSG;
 }
 
+/* ------------------------------------------------------------ wire scan */
+
+/* Reads a varint at *p (at most 10 bytes, before `end`). */
+static int scan_varint(const uint8_t **p, const uint8_t *end, uint64_t *ret) {
+        uint64_t v = 0;
+
+        for (unsigned shift = 0; shift < 64 && *p < end; shift += 7) {
+                uint8_t b = *(*p)++;
+
+                v |= (uint64_t)(b & 0x7f) << shift;
+                if (!(b & 0x80)) {
+                        *ret = v;
+                        return 0;
+                }
+        }
+        return -EBADMSG;
+}
+
+/* Fields of one message seen so far: non-repeated fields by their index in
+ * the descriptor, oneofs by their case member's offset. */
+struct scan_seen {
+        uint64_t fields[4];
+        unsigned oneofs[8];
+        unsigned noneofs;
+};
+
+static int scan_fail(const char **ret_why, const char *why) {
+        if (ret_why)
+                *ret_why = why;
+        return -EBADMSG;
+}
+
+/* Records that field `f` of `desc` appeared; -EBADMSG for a second time of
+ * a field that is not repeated, or a second member of one oneof. */
+static int scan_seen_add(struct scan_seen *seen, const ProtobufCMessageDescriptor *desc,
+                         const ProtobufCFieldDescriptor *f, const char **ret_why) {
+        size_t i = (size_t)(f - desc->fields);
+
+        if (f->label == PROTOBUF_C_LABEL_REPEATED)
+                return 0;
+        if (i < 64 * sizeof(seen->fields) / sizeof(seen->fields[0])) {
+                if (seen->fields[i / 64] & (UINT64_C(1) << (i % 64)))
+                        return scan_fail(ret_why, "a field that is not repeated appears twice");
+                seen->fields[i / 64] |= UINT64_C(1) << (i % 64);
+        }
+        if (f->flags & PROTOBUF_C_FIELD_FLAG_ONEOF) {
+                for (unsigned k = 0; k < seen->noneofs; k++)
+                        if (seen->oneofs[k] == f->quantifier_offset)
+                                return scan_fail(ret_why, "two members of one oneof");
+                if (seen->noneofs < sizeof(seen->oneofs) / sizeof(seen->oneofs[0]))
+                        seen->oneofs[seen->noneofs++] = f->quantifier_offset;
+        }
+        return 0;
+}
+
+static int scan_message(const ProtobufCMessageDescriptor *desc, const uint8_t *p, const uint8_t *end,
+                        unsigned depth, const char **ret_why) {
+        struct scan_seen seen = { 0 };
+        unsigned unknown = 0;
+
+        if (depth > MOEEP_RECORD_DEPTH_MAX)
+                return scan_fail(ret_why, "messages nested too deep");
+        while (p < end) {
+                const ProtobufCFieldDescriptor *f;
+                const uint8_t *value;
+                uint64_t tag, n;
+                int r;
+
+                if (scan_varint(&p, end, &tag) < 0 || tag >> 3 == 0 || tag >> 3 > 0x1fffffff)
+                        return scan_fail(ret_why, "a malformed field tag");
+                switch (tag & 7) {
+                case 0:
+                        if (scan_varint(&p, end, &n) < 0)
+                                return scan_fail(ret_why, "a malformed varint");
+                        n = 0;
+                        break;
+                case 1:
+                case 5:
+                        n = (tag & 7) == 1 ? 8 : 4;
+                        break;
+                case 2:
+                        if (scan_varint(&p, end, &n) < 0)
+                                return scan_fail(ret_why, "a malformed length");
+                        break;
+                default: /* groups (3, 4) and the wire types 6, 7 that do not exist */
+                        return scan_fail(ret_why, "a group or an unknown wire type");
+                }
+                if (n > (uint64_t)(end - p))
+                        return scan_fail(ret_why, "a field longer than the message");
+                value = p;
+                p += n;
+                f = protobuf_c_message_descriptor_get_field(desc, (unsigned)(tag >> 3));
+                if (!f) {
+                        if (++unknown > MOEEP_RECORD_UNKNOWN_MAX)
+                                return scan_fail(ret_why, "more fields the daemon does not know than "
+                                                          "MOEEP_RECORD_UNKNOWN_MAX (64) in one message");
+                        continue;
+                }
+                r = scan_seen_add(&seen, desc, f, ret_why);
+                if (r < 0)
+                        return r;
+                if (f->type == PROTOBUF_C_TYPE_MESSAGE && (tag & 7) == 2) {
+                        r = scan_message(f->descriptor, value, value + n, depth + 1, ret_why);
+                        if (r < 0)
+                                return r;
+                }
+        }
+        return 0;
+}
+
+int moeep_record_scan(const ProtobufCMessageDescriptor *desc, const uint8_t *data, size_t len,
+                      const char **ret_why) {
+        return scan_message(desc, data, data + len, 1, ret_why);
+}
+
+/* ------------------------------------------------------------ decoding */
+
 Moeep__V1__Request *moeep_record_decode_request(const struct moeep_record *rec) {
         Moeep__V1__Request *m;
 
-        if (rec->hdr.type < MOEEP_TYPE_REQUEST_MIN || rec->hdr.type > MOEEP_TYPE_REQUEST_MAX)
+        if (rec->hdr.type < MOEEP_TYPE_REQUEST_MIN || rec->hdr.type > MOEEP_TYPE_REQUEST_MAX ||
+            moeep_record_scan(&moeep__v1__request__descriptor, rec->payload, rec->hdr.length, NULL) < 0)
                 return NULL;
         m = moeep__v1__request__unpack(NULL, rec->hdr.length, rec->payload);
         if (m && (unsigned)m->body_case != rec->hdr.type) {

@@ -112,9 +112,31 @@ int moeep_record_recv_keep(int sock, struct moeep_record *rec, const char **ret_
 /* Closes every descriptor the record still owns. Accepts NULL. */
 void moeep_record_release(struct moeep_record *rec);
 
+/* Most fields one message of a request may carry that the daemon does not
+ * know (fields a newer minor added, rule 3 of proto/README.md). protobuf-c
+ * keeps each unknown field in an allocation of its own, so that a 64 KiB
+ * record of 16,000 tiny ones would cost the daemon a millisecond to decode;
+ * more than this many are refused before anything is decoded. */
+#define MOEEP_RECORD_UNKNOWN_MAX 64
+/* How deep messages may nest in a request (Request, its body, TakeFd). */
+#define MOEEP_RECORD_DEPTH_MAX 8
+
+/* Checks the protobuf wire form of `len` bytes at `data`, a message of type
+ * `desc`, without decoding or allocating anything: every tag, varint and
+ * length well formed; no groups; in every message at most
+ * MOEEP_RECORD_UNKNOWN_MAX fields its schema does not know, a field that is
+ * not `repeated` at most once, and at most one member of each oneof;
+ * messages nested at most MOEEP_RECORD_DEPTH_MAX deep. Its cost grows with
+ * `len` alone. Returns 0, or -EBADMSG with *ret_why (static text; may be
+ * NULL) naming what was wrong. */
+int moeep_record_scan(const ProtobufCMessageDescriptor *desc, const uint8_t *data, size_t len,
+                      const char **ret_why);
+
 /* Decoders: check that the type is in the envelope's range and that the
  * decoded body case equals the header type. Return NULL on any mismatch;
- * free the result with the matching __free_unpacked(msg, NULL). */
+ * free the result with the matching __free_unpacked(msg, NULL).
+ * moeep_record_decode_request() decodes only what moeep_record_scan()
+ * accepts: a request comes from a client the daemon does not trust. */
 Moeep__V1__Request *moeep_record_decode_request(const struct moeep_record *rec);
 Moeep__V1__Response *moeep_record_decode_response(const struct moeep_record *rec);
 Moeep__V1__Event *moeep_record_decode_event(const struct moeep_record *rec);

@@ -15,6 +15,7 @@
 
 #include <signal.h>
 #include <stdbool.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/types.h>
@@ -29,6 +30,8 @@ static struct {
         const char *files[CLEANUP_MAX]; /* not owned; "" while not written */
         int nfiles;
         const char *dir;         /* not owned; NULL until made */
+        char admin_dir[128];     /* dir + "-admin": where its daemons put their admin sockets */
+        char admin_sock[160];    /* admin_dir + "/moeepd.sock" */
         const char *timeout_msg; /* written to stdout when the alarm fires */
 } cleanup_state;
 
@@ -42,9 +45,14 @@ static inline void cleanup_add_file(const char *path) {
                 cleanup_state.files[cleanup_state.nfiles++] = path;
 }
 
-/* `dir` exists (mkdtemp() succeeded) and is removed last. */
+/* `dir` exists (mkdtemp() succeeded) and is removed last, after the admin
+ * socket directory a daemon on `dir`/moeepd.sock makes beside it
+ * (proto/admin-socket.h). */
 static inline void cleanup_add_dir(const char *dir) {
         cleanup_state.dir = dir;
+        snprintf(cleanup_state.admin_dir, sizeof(cleanup_state.admin_dir), "%s-admin", dir);
+        snprintf(cleanup_state.admin_sock, sizeof(cleanup_state.admin_sock), "%s/moeepd.sock",
+                 cleanup_state.admin_dir);
 }
 
 static void cleanup_run(void) {
@@ -62,6 +70,8 @@ static void cleanup_run(void) {
                         unlink(cleanup_state.files[i]);
         if (cleanup_state.dir) {
                 rmdir(cleanup_state.dir);
+                unlink(cleanup_state.admin_sock);
+                rmdir(cleanup_state.admin_dir);
                 cleanup_state.dir = NULL;
         }
 }

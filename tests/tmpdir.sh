@@ -4,8 +4,9 @@
 # moeep-$test_name.XXXXXX under $TMPDIR (or /tmp), and the array pids, to
 # which the test adds every process it starts. On any exit each process in
 # pids and in daemon_pid (one pid, or an array of them, where the test
-# has it) is killed with SIGKILL and reaped, and $tmp is removed; INT and
-# TERM exit with 130.
+# has it) is killed with SIGKILL and reaped, and $tmp is removed with
+# ${tmp}-admin, where a daemon with its client socket in $tmp puts its admin
+# socket (proto/admin-socket.h); INT and TERM exit with 130.
 # shellcheck shell=bash
 
 tmp=$(mktemp -d "${TMPDIR:-/tmp}/moeep-$test_name.XXXXXX")
@@ -22,7 +23,7 @@ cleanup() {
         for p in "${all[@]}"; do
                 [[ -n $p ]] && wait "$p" 2>/dev/null
         done
-        rm -rf "$tmp"
+        rm -rf "$tmp" "${tmp}-admin"
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM

@@ -7,6 +7,7 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/un.h>
+#include <unistd.h>
 
 #include "admin-socket.h"
 #include "ctl.h"
@@ -52,8 +53,8 @@ static void usage(FILE *f) {
                 "Options:\n"
                 "  -s, --socket PATH  client socket (default: $MOEEP_SOCKET, else %s)\n"
                 "  -a, --admin-socket PATH\n"
-                "                     admin socket (default: $MOEEP_ADMIN_SOCKET, else next to the client\n"
-                "                     socket: NAME-admin.sock for NAME.sock)\n"
+                "                     admin socket (default: $MOEEP_ADMIN_SOCKET, else beside the client\n"
+                "                     socket's directory: DIR-admin/NAME for DIR/NAME)\n"
                 "  -c, --client       use the client socket only (what a client sees)\n"
                 "  -j, --json         machine-readable output\n"
                 "  -h, --help         show this help\n"
@@ -156,6 +157,29 @@ static int parse_options(int argc, char **argv, struct ctl *ctl, const char **so
         return -1;
 }
 
+/* The uid serving socket `path` (SO_PEERCRED of a connection made and
+ * closed at once): 0, or -errno. */
+static int admin_peer_uid(const char *path, uid_t *ret_uid) {
+        struct sockaddr_un sa = { .sun_family = AF_UNIX };
+        struct ucred cred;
+        socklen_t len = sizeof(cred);
+        int fd, r = 0;
+
+        if (strlen(path) >= sizeof(sa.sun_path))
+                return -ENAMETOOLONG;
+        memcpy(sa.sun_path, path, strlen(path) + 1);
+        fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+        if (fd < 0)
+                return -errno;
+        if (connect(fd, (struct sockaddr *)&sa, sizeof(sa)) < 0 ||
+            getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) < 0)
+                r = -errno;
+        else
+                *ret_uid = cred.uid;
+        close(fd);
+        return r;
+}
+
 /* Connects to the admin socket (the operator's view and the admin
  * commands), else to the client socket. */
 static int ctl_connect(struct ctl *ctl, const char *socket_path, const char *admin_path, char *err,
@@ -178,8 +202,27 @@ static int ctl_connect(struct ctl *ctl, const char *socket_path, const char *adm
                                 admin_path = derived;
                 }
                 if (admin_path) {
-                        r = client_connect(admin_path, "moeepctl/" MOEEP_VERSION, &ctl->client,
-                                           ctl->admin_error, sizeof(ctl->admin_error));
+                        uid_t uid = 0;
+
+                        /* The daemon runs as root or as us: a socket there
+                         * that another uid serves is not the daemon's; it
+                         * is not even told Hello. */
+                        r = admin_peer_uid(admin_path, &uid);
+                        if (r == 0 && uid != 0 && uid != geteuid())
+                                r = -EPERM;
+                        else
+                                r = client_connect(admin_path, "moeepctl/" MOEEP_VERSION, &ctl->client,
+                                                   ctl->admin_error, sizeof(ctl->admin_error));
+                        if (r == -EPERM || (r == 0 && (client_peer_uid(ctl->client, &uid) < 0 ||
+                                                       (uid != 0 && uid != geteuid())))) {
+                                snprintf(ctl->admin_error, sizeof(ctl->admin_error),
+                                         "%s is served by uid %u, neither root nor you: not the daemon's, "
+                                         "not used",
+                                         admin_path, (unsigned)uid);
+                                moeep_client_free(ctl->client);
+                                ctl->client = NULL;
+                                r = -EPERM;
+                        }
                         if (r == 0) {
                                 ctl->admin = true;
                                 return 0;

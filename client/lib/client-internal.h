@@ -6,6 +6,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/types.h>
 
 #include "moeep.h"
 #include "record.h"
@@ -70,6 +71,10 @@ int client_error_set(struct moeep_client *client, int r, const char *fmt, ...)
 
 /* Events dropped because the queue was full. */
 uint64_t client_events_dropped(const struct moeep_client *client);
+
+/* The uid of the process serving the handle's socket (SO_PEERCRED).
+ * Returns 0 or -errno. */
+int client_peer_uid(const struct moeep_client *client, uid_t *ret_uid);
 
 /* The socket path the handle connected to (after the $MOEEP_SOCKET /
  * default resolution). */

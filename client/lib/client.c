@@ -457,6 +457,16 @@ fail:
         return r;
 }
 
+int client_peer_uid(const struct moeep_client *client, uid_t *ret_uid) {
+        struct ucred cred;
+        socklen_t len = sizeof(cred);
+
+        if (getsockopt(client->sock, SOL_SOCKET, SO_PEERCRED, &cred, &len) < 0)
+                return -errno;
+        *ret_uid = cred.uid;
+        return 0;
+}
+
 int moeep_connect(const char *socket_path, struct moeep_client **ret_client) {
         return client_connect(socket_path, NULL, ret_client, NULL, 0);
 }

@@ -197,13 +197,27 @@ static int send_with_fd_refused(int fd, const uint8_t *buf, size_t len) {
         return BAD(MOEEP__V1__ERROR_CODE__ERROR_BAD_FDS, MOEEP__V1__ERROR_CODE__ERROR_BAD_RECORD);
 }
 
-/* A Hello with a descriptor the header owns up to: Hello may not carry any. */
+/* A Hello with a descriptor the header owns up to: Hello may not carry any.
+ * Where the kernel has SO_PASSRIGHTS (Linux 6.16+), the client socket takes
+ * no descriptor at all before Welcome: the send itself fails (EPERM) and
+ * the session goes on; elsewhere the daemon refuses the record. */
 static int case_fd_on_hello(int fd) {
         uint8_t buf[MOEEP_RECORD_MAX];
         size_t len = hello_record(buf);
+        int mfd = memfd_of(4096), r;
 
+        if (mfd < 0)
+                return -1;
         header_patch(buf, set_one_fd);
-        return send_with_fd_refused(fd, buf, len);
+        r = send_raw(fd, buf, len, &mfd, 1);
+        close(mfd);
+        if (r == -EPERM) {
+                say("    the socket takes no descriptor before Welcome (SO_PASSRIGHTS): EPERM");
+                return hello(fd);
+        }
+        if (r < 0)
+                return -1;
+        return BAD(MOEEP__V1__ERROR_CODE__ERROR_BAD_FDS, MOEEP__V1__ERROR_CODE__ERROR_BAD_RECORD);
 }
 
 /* A descriptor the header does not mention. */

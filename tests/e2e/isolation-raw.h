@@ -40,7 +40,9 @@
 #define CAP_SESSIONS_PER_UID 8
 #define CAP_JOBS_PER_UID 2
 #define CAP_REGIONS_PER_SESSION 4
-#define CAP_FDS_PER_UID 6
+#define CAP_FDS_PER_UID 6  /* regions; the daemon's cap also holds the jobs' control pages: */
+#define CONTROL_PAGE_FDS 2 /* job.h's JOB_CONTROL_FDS, charged per job to its creator's uid */
+#define CAP_FDS_CONFIG (CAP_FDS_PER_UID + CONTROL_PAGE_FDS * CAP_JOBS_PER_UID)
 #define CAP_BYTES_PER_UID (1u << 20)
 #define REGION_BYTES 4096
 #define TOTAL_TIMEOUT_S 280

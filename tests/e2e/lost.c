@@ -69,7 +69,7 @@ static int start_daemon(const char *moeepd) {
 
         if (!f)
                 return -1;
-        fprintf(f, "socket = %s\nadmin_socket = %s\nlog_level = info\n", sock_path, admin_path);
+        fprintf(f, "socket = %s\nlog_level = info\n", sock_path); /* the admin socket: its default, beside */
         fclose(f);
         return proc_start_moeepd(moeepd, conf_path, log_path, sock_path, &daemon_pid);
 }
@@ -203,7 +203,6 @@ int main(int argc, char **argv) {
         for (int r = 1; r < RANKS; r++)
                 cleanup_add_pid(&rank_pid[r]);
         cleanup_add_file(sock_path);
-        cleanup_add_file(admin_path);
         cleanup_add_file(conf_path);
         cleanup_add_file(log_path);
         cleanup_add_file(out_path);
@@ -214,7 +213,8 @@ int main(int argc, char **argv) {
         }
         cleanup_add_dir(tmpdir);
         snprintf(sock_path, sizeof(sock_path), "%s/moeepd.sock", tmpdir);
-        snprintf(admin_path, sizeof(admin_path), "%s/admin.sock", tmpdir);
+        /* Where the daemon puts it: a directory of its own beside the client socket's. */
+        snprintf(admin_path, sizeof(admin_path), "%s-admin/moeepd.sock", tmpdir);
         snprintf(conf_path, sizeof(conf_path), "%s/moeepd.conf", tmpdir);
         snprintf(log_path, sizeof(log_path), "%s/moeepd.log", tmpdir);
         snprintf(out_path, sizeof(out_path), "%s/ctl.out", tmpdir);

@@ -184,12 +184,19 @@ static uint32_t inbound_live(void) {
 }
 
 /* The key, configuration and socket live in a private directory that
- * goes with the process. */
+ * goes with the process, and so does the admin socket's, beside it
+ * (proto/admin-socket.h). */
 static void cleanup(void) {
+        char admin[sizeof(dir) + 32];
+
         unlink(key_path);
         unlink(conf_path);
         unlink(sock_path);
         rmdir(dir);
+        snprintf(admin, sizeof(admin), "%s-admin/moeepd.sock", dir);
+        unlink(admin);
+        snprintf(admin, sizeof(admin), "%s-admin", dir);
+        rmdir(admin);
 }
 
 int LLVMFuzzerInitialize(int *argc, char ***argv) {

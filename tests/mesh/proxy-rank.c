@@ -5,7 +5,7 @@
  *
  *   moeep-proxy-rank --socket PATH --id-file FILE --world N --rank R
  *                    (--create|--join) --mode MODE [--count K] [--size S]
- *                    [--ready-file FILE] [--timeout SECONDS]
+ *                    [--ready-file FILE] [--timeout SECONDS] [--duration MS]
  *
  * Every mode: create or join the job (the unique id goes through FILE, as
  * in mesh-rank.c), register the three proxy regions (sealed memfds), pass a
@@ -26,6 +26,12 @@
  *   routed" in its reason.
  * --mode bad-range: the same from rank world-1 with a dst_offset past rank
  *   0's recv region: "range outside a region".
+ * --mode stream-ok: the same for --duration MS (3000), with other jobs'
+ *   faults around it: it must end without a ring error or an abort.
+ * --mode release-write: rank 0 releases its recv region; rank world/2 (at
+ *   the other daemon) keeps writing to it: its ring must fail with -EINVAL
+ *   naming peer 0, and every rank then sees the job aborted with a PeerLost
+ *   naming it, "released" in its reason.
  * --mode stream: descriptors to the remote ranks without end; once 2000
  *   finished it creates FILE (--ready-file). It must end with the ring's
  *   error or the job's abort word (the test kills the other daemon) and
@@ -64,6 +70,7 @@
 #include "rank-fail.h"
 
 static uint64_t deadline_ns;
+static uint32_t duration_ms = 3000; /* --duration, for stream-ok */
 
 /* ------------------------------------------------------------ regions */
 
@@ -71,6 +78,7 @@ struct region {
         int fd;
         uint8_t *map;
         uint64_t size;
+        uint64_t id; /* the daemon's region id */
 };
 
 /* A sealed memfd of `size` bytes, mapped; registered with `role`. */
@@ -90,6 +98,7 @@ static int region_new(struct moeep_client *c, struct region *ret, uint64_t size,
         r = client_proxy_region_register(c, ret->fd, size, role, 0, &id);
         if (r < 0)
                 return fail("registering the %s region: %s (%s)", name, strerror(-r), moeep_client_error(c));
+        ret->id = id;
         return 0;
 }
 
@@ -375,13 +384,15 @@ static int mode_bad(struct ctx *x, bool local) {
         return 0;
 }
 
-static int mode_stream(struct ctx *x, const char *ready_file) {
+/* Streams to every remote rank until an error, or until `until_ns` (then
+ * returns 0 without a ring error or abort); creates `ready_file` once 2000
+ * rounds are done. */
+static int stream(struct ctx *x, const char *ready_file, uint64_t until_ns, uint64_t *ret_rounds) {
         uint64_t n = 0;
         bool ready = false;
-        struct timespec ts;
         int r = 0;
 
-        while (drv_now_ns() < deadline_ns) {
+        while (drv_now_ns() < until_ns) {
                 for (uint32_t d = 0; d < (uint32_t)x->world && r == 0; d++) {
                         uint32_t i = (uint32_t)(n % x->count);
 
@@ -400,13 +411,22 @@ static int mode_stream(struct ctx *x, const char *ready_file) {
                         break;
                 n++;
                 if (!ready && n >= 2000 && DRV_LOAD_ACQ(&x->ring.hdr->done) >= 2000) {
-                        int fd = open(ready_file, O_WRONLY | O_CREAT | O_CLOEXEC, 0600);
+                        int fd = ready_file ? open(ready_file, O_WRONLY | O_CREAT | O_CLOEXEC, 0600) : -1;
 
                         if (fd >= 0)
                                 close(fd);
                         ready = true;
                 }
         }
+        *ret_rounds = n;
+        return r;
+}
+
+static int mode_stream(struct ctx *x, const char *ready_file) {
+        struct timespec ts;
+        uint64_t n;
+        int r = stream(x, ready_file, deadline_ns, &n);
+
         clock_gettime(CLOCK_REALTIME, &ts);
         if (r == 0 || r == -ETIMEDOUT)
                 return fail("streaming: no error within the timeout (%" PRIu64 " rounds)", n);
@@ -473,6 +493,93 @@ static int mode_elastic(struct ctx *x, const char *ready_file) {
         return 0;
 }
 
+/* Streams for `ms` milliseconds, another job's faults around it: must end
+ * without a ring error or an abort, its last writes done. */
+static int mode_stream_ok(struct ctx *x, const char *ready_file, uint32_t ms) {
+        uint64_t n;
+        int r = stream(x, ready_file, drv_now_ns() + (uint64_t)ms * 1000000u, &n);
+
+        if (r == 0)
+                r = drv_wait_done(&x->ring, x->ring.tail, deadline_ns);
+        if (r == 0)
+                r = health(x);
+        if (r < 0)
+                return fail("streaming for %" PRIu32 " ms: %s after %" PRIu64
+                            " rounds (ring error %d, peer %" PRId32 ", abort word %u, lost rank %d)",
+                            ms, strerror(-r), n, x->ring.hdr->error, (int32_t)x->ring.hdr->error_peer,
+                            x->page->abort, x->page->lost_rank);
+        printf("proxy-rank %d: streamed %" PRIu64 " rounds for %" PRIu32 " ms, no error\n", x->rank, n, ms);
+        /* Nobody leaves while others still stream: one leaving is no fault. */
+        r = moeep_job_barrier(x->c);
+        if (r == 0)
+                r = health(x);
+        if (r == 0)
+                r = moeep_job_leave(x->c);
+        if (r < 0)
+                return fail("after streaming: %s (%s)", strerror(-r), moeep_client_error(x->c));
+        return 0;
+}
+
+/* Rank 0 releases its recv region; rank world/2, at the other daemon,
+ * keeps writing to it: its own ring must fail ("released") and the job be
+ * aborted naming it, the transport connection and other jobs untouched. */
+static int mode_release_write(struct ctx *x) {
+        int writer = x->world / 2, r;
+        struct moeep_event ev;
+        uint64_t n = 0;
+
+        if (x->rank == 0) {
+                usleep(300 * 1000); /* while rank world/2 writes to it */
+                r = moeep_region_release(x->c, x->recv.id);
+                if (r < 0)
+                        return fail("releasing the recv region: %s (%s)", strerror(-r),
+                                    moeep_client_error(x->c));
+        }
+        if (x->rank == writer) {
+                r = 0;
+                while (r == 0 && drv_now_ns() < deadline_ns) {
+                        uint32_t i = (uint32_t)(n % x->count);
+
+                        if (n >= x->count)
+                                r = drv_wait_done(&x->ring, x->ring.tail + 1 - x->count, deadline_ns);
+                        if (r == 0)
+                                r = push(x, 0, slot(x, 0, i), slot(x, (uint32_t)x->rank, i), x->size,
+                                         (uint32_t)x->rank * x->count + i, n + 1);
+                        if (r == 0)
+                                r = health(x);
+                        n++;
+                }
+                /* Writes were on their way when the region went (they
+                 * landed), then the next one failed the ring. */
+                if (DRV_LOAD_ACQ(&x->ring.hdr->error) != -EINVAL || x->ring.hdr->error_peer != 0 ||
+                    x->ring.hdr->error_seq == 0)
+                        return fail("writing to the released region: ring error %d, peer %" PRId32
+                                    ", descriptor %" PRIu64 " of %" PRIu64
+                                    ", want -EINVAL naming peer 0 after some got through",
+                                    x->ring.hdr->error, (int32_t)x->ring.hdr->error_peer,
+                                    x->ring.hdr->error_seq, n);
+                printf("proxy-rank %d: %" PRIu64 " descriptors to rank 0's recv region, released meanwhile: "
+                       "descriptor %" PRIu64 " failed its ring: %s\n",
+                       x->rank, n, x->ring.hdr->error_seq, strerror(EINVAL));
+        }
+        while (!__atomic_load_n(&x->page->abort, __ATOMIC_ACQUIRE) && drv_now_ns() < deadline_ns)
+                usleep(1000);
+        if (!x->page->abort || x->page->lost_rank != writer)
+                return fail("job abort word %u, lost rank %d: want 1 and %d", x->page->abort,
+                            x->page->lost_rank, writer);
+        r = moeep_job_barrier(x->c);
+        if (r != -ENOTCONN)
+                return fail("barrier on the aborted job: %d (%s), want -ENOTCONN", r,
+                            moeep_client_error(x->c));
+        while ((r = moeep_event_next(x->c, &ev)) == 1 &&
+               !(ev.type == MOEEP_EVENT_PEER_LOST && ev.rank == writer))
+                ;
+        if (r != 1 || !strstr(ev.reason, "released"))
+                return fail("no PeerLost event naming rank %d with 'released' in its reason (%d)", writer, r);
+        printf("proxy-rank %d: job aborted, PeerLost rank %d: %s\n", x->rank, writer, ev.reason);
+        return 0;
+}
+
 /* ------------------------------------------------------------ main */
 
 static int run(struct ctx *x, const char *id_file, bool create, const char *mode, const char *ready_file) {
@@ -523,6 +630,10 @@ static int run(struct ctx *x, const char *id_file, bool create, const char *mode
                 r = mode_bad(x, strcmp(mode, "bad-local") == 0);
         else if (strcmp(mode, "elastic") == 0)
                 r = mode_elastic(x, ready_file);
+        else if (strcmp(mode, "stream-ok") == 0)
+                r = mode_stream_ok(x, ready_file, duration_ms);
+        else if (strcmp(mode, "release-write") == 0)
+                r = mode_release_write(x);
         else
                 r = mode_stream(x, ready_file);
         if (r == 0 && strcmp(mode, "data") == 0 && (r = moeep_job_leave(x->c)) < 0)
@@ -532,12 +643,19 @@ static int run(struct ctx *x, const char *id_file, bool create, const char *mode
 
 int main(int argc, char **argv) {
         static const struct option opts[] = {
-                { "socket", required_argument, NULL, 's' },  { "id-file", required_argument, NULL, 'i' },
-                { "world", required_argument, NULL, 'w' },   { "rank", required_argument, NULL, 'r' },
-                { "create", no_argument, NULL, 'c' },        { "join", no_argument, NULL, 'j' },
-                { "mode", required_argument, NULL, 'm' },    { "count", required_argument, NULL, 'n' },
-                { "size", required_argument, NULL, 'z' },    { "ready-file", required_argument, NULL, 'f' },
-                { "timeout", required_argument, NULL, 't' }, { NULL, 0, NULL, 0 },
+                { "socket", required_argument, NULL, 's' },
+                { "id-file", required_argument, NULL, 'i' },
+                { "world", required_argument, NULL, 'w' },
+                { "rank", required_argument, NULL, 'r' },
+                { "create", no_argument, NULL, 'c' },
+                { "join", no_argument, NULL, 'j' },
+                { "mode", required_argument, NULL, 'm' },
+                { "count", required_argument, NULL, 'n' },
+                { "size", required_argument, NULL, 'z' },
+                { "ready-file", required_argument, NULL, 'f' },
+                { "timeout", required_argument, NULL, 't' },
+                { "duration", required_argument, NULL, 'd' },
+                { NULL, 0, NULL, 0 },
         };
         const char *sock = NULL, *id_file = NULL, *mode = "data", *ready_file = NULL;
         struct ctx x = { .world = 0, .count = 500, .size = 1024, .ring_fd = -1 };
@@ -579,6 +697,9 @@ int main(int argc, char **argv) {
                 case 't':
                         timeout = atoi(optarg);
                         break;
+                case 'd':
+                        duration_ms = (uint32_t)atoi(optarg);
+                        break;
                 default:
                         return 2;
                 }
@@ -586,7 +707,8 @@ int main(int argc, char **argv) {
         if (!sock || !id_file || x.world < 2 || x.world > 32 || x.rank < 0 || x.rank >= x.world ||
             create < 0 || x.count == 0 || x.size < 64 || timeout <= 0 ||
             (strcmp(mode, "data") && strcmp(mode, "bad-local") && strcmp(mode, "bad-range") &&
-             strcmp(mode, "stream") && strcmp(mode, "elastic")) ||
+             strcmp(mode, "stream") && strcmp(mode, "elastic") && strcmp(mode, "stream-ok") &&
+             strcmp(mode, "release-write")) ||
             ((strcmp(mode, "stream") == 0 || strcmp(mode, "elastic") == 0) && !ready_file)) {
                 fprintf(stderr, "usage: see the comment at the top of proxy-rank.c\n");
                 return 2;

@@ -17,11 +17,14 @@
 # 4. elastic: the ranks stream; rank 3 (at B) is SIGKILLed; the ranks at A
 #    go on writing to it for 300 ms after its bit shows in their control
 #    page, then only to rank 2, for 1.5 s: no ring ever fails (B keeps the
-#    lost rank's receive and counters registered for a second), and B lets
-#    them go after that.
-# 5. kill: the ranks stream; B is SIGKILLed; ranks 0 and 1 at A end with the
+#    lost rank's receive and counters registered for DATAPATH_MR_LINGER_MS).
+# 5. release (issue 27, item 4): rank 0 of job X releases its recv region
+#    and rank 2 keeps writing to it while job V streams between the same
+#    daemons: X's writer's ring fails ("released"), X is aborted naming it,
+#    V streams on without an error and no transport connection fails.
+# 6. kill: the ranks stream; B is SIGKILLed; ranks 0 and 1 at A end with the
 #    ring's error or the job's abort word within 10 s (the delay is printed).
-# 6. A stops on SIGTERM with exit status 0.
+# 7. A stops on SIGTERM with exit status 0.
 #
 # Everything it starts is killed and its temp dir removed on any exit; every
 # wait is bounded.
@@ -65,7 +68,8 @@ CONF
 log_has() { grep -qF -- "$2" "$tmp/$1.log"; }
 
 # job MODE [ARGS...]: the four ranks of a fresh job, 0 and 1 at A, 2 and 3
-# at B, in the background; their pids in job_pids.
+# at B, in the background; their pids in job_pids, their output in
+# $tmp/${out}N.out (out=rank unless set).
 job_no=0
 job() {
         local mode=$1 r sock how
@@ -77,7 +81,7 @@ job() {
                 ((r >= 2)) && sock=$tmp/B.sock
                 ((r == 0)) && how=--create
                 "$rank" --socket "$sock" --id-file "$tmp/id.$job_no" --world 4 --rank "$r" $how \
-                        --mode "$mode" "$@" >"$tmp/rank$r.out" 2>&1 &
+                        --mode "$mode" "$@" >"$tmp/${out:-rank}$r.out" 2>&1 &
                 job_pids+=($!)
                 pids+=($!)
         done
@@ -90,9 +94,9 @@ job_wait() {
                 wait_until "$limit" "rank $r to exit" bash -c "! kill -0 ${job_pids[$r]} 2>/dev/null"
                 wait "${job_pids[$r]}"
                 st=$?
-                ((st == 0)) || fail "rank $r exited $st: $(cat "$tmp/rank$r.out")"
+                ((st == 0)) || fail "rank $r exited $st: $(cat "$tmp/${out:-rank}$r.out")"
         done
-        cat "$tmp"/rank[0-3].out
+        cat "$tmp"/"${out:-rank}"[0-3].out
 }
 
 # ------------------------------------------------------------ set-up
@@ -133,10 +137,28 @@ for r in 0 1 2; do
         wait "${job_pids[$r]}" || fail "rank $r exited $?: $(cat "$tmp/rank$r.out")"
         cat "$tmp/rank$r.out"
 done
-wait_until 10 "B to let the lost rank's regions go" log_has B "rank 3: the lost rank's regions go"
-echo "ok: rank 3 killed mid-transfer: writes to it for 300 ms more landed, no ring failed, B released its regions after"
+echo "ok: rank 3 killed mid-transfer: writes to it for 300 ms more landed, no ring failed"
+# ------------------------------------------------------------ 5. release
+# A tenant's fault ends its own job only (issue 27, item 4): rank 0 of job X
+# releases its recv region and rank 2 (at B) keeps writing to it, while job
+# V streams both ways between the same two daemons. X's writer's ring fails
+# ("released") and X is aborted naming it; V streams on to its end without
+# an error, and neither daemon fails its transport connection.
+phase="release"
+peer_failures() { grep -c "transport peer [0-9]* failed" "$tmp/A.log" "$tmp/B.log" | awk -F: '{ n += $2 } END { print n }'; }
+failed_before=$(peer_failures)
+out=v job stream-ok --count 64 --size 4096 --duration 5000 --ready-file "$tmp/v.ready" --timeout 30
+v_pids=("${job_pids[@]}")
+wait_until 20 "job V to stream" test -e "$tmp/v.ready"
+out=x job release-write --count 64 --size 4096 --timeout 20
+out=x job_wait 30
+job_pids=("${v_pids[@]}")
+out=v job_wait 30
+(($(peer_failures) == failed_before)) || fail "a transport connection failed: $(grep "transport peer" "$tmp/A.log" "$tmp/B.log" | tail -n 3)"
+log_has B "the receiving rank released its region" || fail "B's log does not name the released region"
+echo "ok: release: job X's writer into a released region failed its own ring, X was aborted naming it; job V streamed on without an error, no transport connection failed"
 
-# ------------------------------------------------------------ 5. kill
+# ------------------------------------------------------------ 6. kill
 phase="kill"
 job stream --count 64 --size 4096 --ready-file "$tmp/ready" --timeout 30
 wait_until 20 "rank 0 to stream" test -e "$tmp/ready"

@@ -96,9 +96,10 @@ static void cleanup(void) {
         }
         fuse_stub_stop();
         if (have_tmpdir) {
-                char cmd[sizeof(tmpdir) + 16];
+                char cmd[2 * sizeof(tmpdir) + 32];
 
-                snprintf(cmd, sizeof(cmd), "rm -rf '%s'", tmpdir);
+                /* With the admin socket's directory (proto/admin-socket.h). */
+                snprintf(cmd, sizeof(cmd), "rm -rf '%s' '%s-admin'", tmpdir, tmpdir);
                 (void)!system(cmd);
                 have_tmpdir = false;
         }
@@ -118,6 +119,7 @@ static void on_alarm(int sig) {
 struct conn {
         int fd;
         uint64_t rid;
+        int send_error; /* of the last conn_call(): 0 or -errno (-EPERM: fds before Welcome) */
         struct moeep_record rec;
 };
 
@@ -168,10 +170,21 @@ static bool give_fds;
 static Moeep__V1__Response *conn_call(struct conn *c, Moeep__V1__Request *req, const int *fds, size_t nfds) {
         int r = moeep_record_send(c->fd, (uint16_t)req->body_case, ++c->rid, &req->base, fds, nfds);
 
+        c->send_error = r;
         if (give_fds)
-                for (size_t i = 0; i < nfds; i++)
+                for (size_t i = 0; i < nfds; i++) {
+                        /* Not sent (the socket takes no fds before Welcome):
+                         * our close is the last; a socket of ours resets
+                         * rather than lingers. */
+                        if (r < 0)
+                                setsockopt(fds[i], SOL_SOCKET, SO_LINGER,
+                                           &(struct linger){ .l_onoff = 1, .l_linger = 0 },
+                                           sizeof(struct linger));
                         close(fds[i]);
-        if (r < 0)
+                }
+        /* A daemon that turned the connection away may have said why
+         * before closing it (as libmoeep, read that). */
+        if (r < 0 && r != -EPIPE && r != -ECONNRESET)
                 return NULL;
         return conn_response(c);
 }
@@ -209,7 +222,19 @@ static int hello_with(struct conn *c, const int *fds, size_t nfds, char *msg, si
                 moeep__v1__response__free_unpacked(resp, NULL);
                 return 0;
         }
+        if (!resp && c->send_error == -EPERM) {
+                if (msg)
+                        snprintf(msg, size, "the kernel refused the send: no fds before Welcome");
+                return -EPERM;
+        }
         return code_of(resp, msg, size) ?: -1;
+}
+
+/* Whether a Hello carrying fds was refused: by the kernel, where the
+ * client socket takes no fds before Welcome (SO_PASSRIGHTS, Linux 6.16+),
+ * or else by the daemon (ERROR_BAD_FDS). */
+static inline bool hello_fds_refused(int code) {
+        return code == -EPERM || code == MOEEP__V1__ERROR_CODE__ERROR_BAD_FDS;
 }
 
 /* After the Hello: a job of one rank of its own, named `name`. Returns 0
@@ -363,13 +388,17 @@ static void check_ctl(const char *when) {
 }
 
 /* The daemon's fds and RSS are back to the baseline. */
-static void check_baseline(const char *when) {
+static void check_baseline_slack(const char *when, long slack_kib) {
         int n = proc_fds_settle(daemon_pid, fds_base);
         long rss = proc_rss_kib(daemon_pid);
 
         CHECK(n == fds_base, "%s: the daemon holds %d fds, %d at the baseline", when, n, fds_base);
-        CHECK(rss >= 0 && rss <= rss_base + RSS_SLACK_KIB, "%s: daemon RSS %ld KiB, %ld KiB at the baseline",
+        CHECK(rss >= 0 && rss <= rss_base + slack_kib, "%s: daemon RSS %ld KiB, %ld KiB at the baseline",
               when, rss, rss_base);
+}
+
+static void check_baseline(const char *when) {
+        check_baseline_slack(when, RSS_SLACK_KIB);
 }
 
 /* Whether the daemon's log has a line containing `text`. */
@@ -388,11 +417,11 @@ static bool log_has(const char *text) {
 
 /* ------------------------------------------------------------ attackers */
 
-/* In a child: no supplementary groups, ATTACK_UID's gid and uid (which
+/* In a child: no supplementary groups, `uid` as its uid and gid (which
  * leaves it no capabilities). Returns 0 or -1. */
-static int drop_to_attack_uid(void) {
-        if (setgroups(0, NULL) < 0 || setresgid(ATTACK_UID, ATTACK_UID, ATTACK_UID) < 0 ||
-            setresuid(ATTACK_UID, ATTACK_UID, ATTACK_UID) < 0)
+static int drop_to_uid(uid_t uid) {
+        if (setgroups(0, NULL) < 0 || setresgid((gid_t)uid, (gid_t)uid, (gid_t)uid) < 0 ||
+            setresuid(uid, uid, uid) < 0)
                 return -1;
         return 0;
 }
@@ -415,17 +444,16 @@ static int watch_child(const char *who, const char *what, pid_t pid, int timeout
         return st;
 }
 
-/* Runs `fn` in a child as ATTACK_UID; while it runs the well-behaved
- * client is checked. Returns the child's failures. */
-static int run_attacker(const char *what, int (*fn)(void *), void *arg, int timeout_ms) {
-        int st;
+/* Starts `fn` in a child as `uid`, FUSE's device closed there. Returns its
+ * pid, or -1. */
+static pid_t spawn_as(uid_t uid, int (*fn)(void *), void *arg) {
         pid_t pid;
 
         fflush(stdout);
         pid = fork();
         if (pid == 0) {
                 prctl(PR_SET_PDEATHSIG, SIGKILL);
-                if (drop_to_attack_uid() < 0)
+                if (drop_to_uid(uid) < 0)
                         _exit(100);
                 if (fuse_stub_device() >= 0) /* the FUSE server's alone */
                         close(fuse_stub_device());
@@ -434,6 +462,15 @@ static int run_attacker(const char *what, int (*fn)(void *), void *arg, int time
                 fflush(stdout);
                 _exit(failures > 0 ? 1 : 0);
         }
+        return pid;
+}
+
+/* Runs `fn` in a child as ATTACK_UID; while it runs the well-behaved
+ * client is checked. Returns the child's failures. */
+static int run_attacker(const char *what, int (*fn)(void *), void *arg, int timeout_ms) {
+        pid_t pid = spawn_as(ATTACK_UID, fn, arg);
+        int st;
+
         fuse_stub_answer_flush_from(pid); /* its own closes of FUSE files return */
         st = watch_child("attacker ", what, pid, timeout_ms);
         return st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0 ? 0 : 1;
@@ -468,6 +505,53 @@ static int sec_begin(const char *name, const char *what, int argc, char **argv) 
         snprintf(conf_path, sizeof(conf_path), "%s/moeepd.conf", tmpdir);
         snprintf(log_path, sizeof(log_path), "%s/moeepd.log", tmpdir);
         return 0;
+}
+
+/* Waits up to 20 s for the daemon just started (daemon_pid) to answer
+ * Hello on sock_path. Returns 0, or -1 when it did not (or died). */
+static int sec_wait_daemon(void) {
+        for (int i = 0; daemon_pid > 0 && i < 400; i++) {
+                struct conn *c = conn_open();
+
+                if (c) {
+                        int ok = hello_with(c, NULL, 0, NULL, 0) == 0;
+
+                        conn_close(c);
+                        if (ok)
+                                return 0;
+                }
+                if (waitpid(daemon_pid, NULL, WNOHANG) == daemon_pid) {
+                        daemon_pid = -1;
+                        return -1;
+                }
+                sleep_ms(50);
+        }
+        return -1;
+}
+
+/* One case of a security test program. */
+struct sec_case {
+        const char *name;
+        void (*fn)(void);
+};
+
+/* Runs the cases in order (only the one named `only` when not NULL),
+ * saying "ok" or "FAIL" after each; stops when the daemon died. */
+static void sec_run_cases(const struct sec_case *cases, size_t n, const char *only) {
+        for (size_t i = 0; i < n; i++) {
+                int before = failures;
+
+                if (only && strcmp(only, cases[i].name) != 0)
+                        continue;
+                cases[i].fn();
+                say("%s %s", failures == before ? "ok  " : "FAIL", cases[i].name);
+                if (daemon_pid > 0 && waitpid(daemon_pid, NULL, WNOHANG) == daemon_pid) {
+                        say("FAIL: moeepd died");
+                        daemon_pid = -1;
+                        failures++;
+                        break;
+                }
+        }
 }
 
 /* Warms the daemon up (first allocations, closer threads), then takes the

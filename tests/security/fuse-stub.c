@@ -11,6 +11,7 @@
 #include <string.h>
 #include <sys/mount.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "fuse-stub.h"
@@ -21,6 +22,29 @@ static pthread_t fuse_thread;
 static volatile pid_t fuse_flush_pid; /* FLUSH from it is answered, from others never */
 static volatile int fuse_stop;        /* the thread closes the device: the connection aborts */
 static int fuse_stuck_flushes;
+static volatile pid_t fuse_hold_pid; /* FLUSH from its threads is answered fuse_hold_ms late */
+static volatile int fuse_hold_ms;
+/* FLUSH requests held back, answered at their deadline (CLOCK_MONOTONIC ms). */
+static struct {
+        uint64_t unique;
+        long deadline;
+} fuse_held[64];
+static int fuse_nheld;
+
+static long fuse_now_ms(void) {
+        struct timespec ts;
+
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        return ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* Whether thread `tid` belongs to process `pid`. */
+static int fuse_thread_of(pid_t tid, pid_t pid) {
+        char path[64];
+
+        snprintf(path, sizeof(path), "/proc/%d/task/%d", (int)pid, (int)tid);
+        return access(path, F_OK) == 0;
+}
 
 static void fuse_reply(uint64_t unique, int error, const void *out, size_t len) {
         char buf[sizeof(struct fuse_out_header) + 256];
@@ -59,7 +83,12 @@ static void *fuse_main(void *arg) {
                         fuse_fd = -1;
                         break;
                 }
-                if (poll(&pfd, 1, 100) <= 0)
+                for (int i = 0; i < fuse_nheld; i++)
+                        if (fuse_now_ms() >= fuse_held[i].deadline) {
+                                fuse_reply(fuse_held[i].unique, 0, NULL, 0);
+                                fuse_held[i--] = fuse_held[--fuse_nheld];
+                        }
+                if (poll(&pfd, 1, fuse_nheld ? 10 : 100) <= 0)
                         continue;
                 n = read(fuse_fd, buf, sizeof(buf));
 
@@ -104,10 +133,18 @@ static void *fuse_main(void *arg) {
                         break;
                 }
                 case FUSE_FLUSH:
-                        if ((pid_t)h->pid == fuse_flush_pid)
+                        if ((pid_t)h->pid == fuse_flush_pid) {
                                 fuse_reply(h->unique, 0, NULL, 0);
-                        else
+                        } else if (fuse_hold_pid && fuse_thread_of((pid_t)h->pid, fuse_hold_pid) &&
+                                   fuse_nheld < (int)(sizeof(fuse_held) / sizeof(fuse_held[0]))) {
+                                fuse_held[fuse_nheld].unique = h->unique;
+                                fuse_held[fuse_nheld++].deadline = fuse_now_ms() + fuse_hold_ms;
                                 __atomic_add_fetch(&fuse_stuck_flushes, 1, __ATOMIC_SEQ_CST);
+                        } else if (fuse_hold_pid) {
+                                fuse_reply(h->unique, 0, NULL, 0);
+                        } else {
+                                __atomic_add_fetch(&fuse_stuck_flushes, 1, __ATOMIC_SEQ_CST);
+                        }
                         break;
                 case FUSE_FORGET:
                 case FUSE_BATCH_FORGET:
@@ -152,6 +189,7 @@ int fuse_stub_start(const char *dir) {
                 return r;
         }
         fuse_stop = 0;
+        fuse_nheld = 0;
         if (pthread_create(&fuse_thread, NULL, fuse_main, NULL) != 0) {
                 umount2(fuse_dir, MNT_DETACH);
                 close(fuse_fd);
@@ -163,6 +201,11 @@ int fuse_stub_start(const char *dir) {
 
 void fuse_stub_answer_flush_from(pid_t pid) {
         fuse_flush_pid = pid;
+}
+
+void fuse_stub_hold_flushes(pid_t holder, int ms) {
+        fuse_hold_ms = ms;
+        fuse_hold_pid = holder;
 }
 
 int fuse_stub_device(void) {
@@ -179,5 +222,6 @@ void fuse_stub_stop(void) {
         umount2(fuse_dir, MNT_DETACH);
         fuse_stop = 1;
         pthread_join(fuse_thread, NULL);
+        fuse_hold_pid = 0;
         rmdir(fuse_dir);
 }

@@ -4,7 +4,8 @@
  * fd of it sends, is answered only when it comes from the pid set with
  * fuse_stub_answer_flush_from(); from anyone else (moeepd) it is never
  * answered, so that close() hangs until fuse_stub_stop() aborts the
- * connection. Needs root (mount) and /dev/fuse. Test code only. */
+ * connection (or fuse_stub_hold_flushes() says otherwise). Needs root
+ * (mount) and /dev/fuse. Test code only. */
 #ifndef MOEEP_SECURITY_FUSE_STUB_H
 #define MOEEP_SECURITY_FUSE_STUB_H
 
@@ -16,6 +17,13 @@ int fuse_stub_start(const char *dir);
 
 /* FLUSH from `pid` is answered (the attacker closing its own copy). */
 void fuse_stub_answer_flush_from(pid_t pid);
+
+/* From now on FLUSH from a thread of process `holder` (moeepd) is answered
+ * `ms` after it came, every other FLUSH at once: the daemon's close of a
+ * file of this filesystem then takes `ms`, and no signal shortens it (FUSE
+ * waits for FLUSH's answer uninterruptibly). holder 0: back to never
+ * answering the daemon. */
+void fuse_stub_hold_flushes(pid_t holder, int ms);
 
 /* The /dev/fuse fd: a forked child closes it, so that only the server's
  * thread holds the device and fuse_stub_stop() can abort the connection. */

@@ -14,9 +14,16 @@
 #    caps.
 # 5. Listings stay fast at the caps: 1,000 sessions, and status, clients and
 #    jobs on the admin socket answer within 100 ms.
-# 6. Under socket activation the two sockets are told apart by their fd
+# 6. Where the admin socket goes (issue 27, item 5): beside a client socket
+#    gpu0.sock in DIR it is DIR-admin/gpu0.sock (0600 in a 0700 directory
+#    the daemon made and removes), never in DIR; an admin directory of
+#    another uid stops the daemon, naming the owner, and moeepctl does not
+#    use a socket another uid serves there; an admin socket named below the
+#    client socket's directory is refused.
+# 7. Under socket activation the two sockets are told apart by their fd
 #    names (client, admin), whatever their paths; an admin socket that is
-#    open to more than its owner is warned about.
+#    open to more than its owner, or beside the client socket, is warned
+#    about.
 # Then the daemon's fds are back to their baseline and SIGTERM exits 0.
 #
 #   ops-admin.sh MOEEPD MOEEPCTL RANK PROBE
@@ -145,7 +152,70 @@ echo "ok: status, clients and jobs answer within 100 ms with 1,000 sessions; fds
 phase="stop"
 stop_daemon
 
-# 6. Socket activation: two sockets told apart by name.
+# 6. Where the admin socket goes (issue 27, item 5).
+phase="admin socket placement"
+mkdir "$tmp/place" && chmod 0755 "$tmp/place"
+cat >"$tmp/place.conf" <<CONF
+[moeepd]
+socket = $tmp/place/gpu0.sock
+socket_mode = 0666
+CONF
+"$moeepd" --config "$tmp/place.conf" --foreground >"$tmp/place.log" 2>&1 &
+daemon_pid=$!
+pids+=("$daemon_pid")
+wait_until 20 "gpu0.sock" test -S "$tmp/place/gpu0.sock"
+wait_until 20 "its admin socket" test -S "$tmp/place-admin/gpu0.sock"
+[[ $(ls -A "$tmp/place") == gpu0.sock ]] || fail "the client socket's directory holds more than gpu0.sock: $(ls -A "$tmp/place")"
+[[ $(stat -c '%a %u' "$tmp/place-admin") == "700 0" ]] || fail "the admin directory is $(stat -c '%a %u' "$tmp/place-admin")"
+[[ $(stat -c '%a %u' "$tmp/place-admin/gpu0.sock") == "600 0" ]] || fail "the admin socket is $(stat -c '%a %u' "$tmp/place-admin/gpu0.sock")"
+[[ $(stat -c '%a' "$tmp/place/gpu0.sock") == 666 ]] || fail "gpu0.sock is mode $(stat -c '%a' "$tmp/place/gpu0.sock")"
+rc=0
+"$probe" "$tmp/place/gpu0.sock" 1 1000 drain >"$tmp/place-drain.out" 2>&1 || rc=$?
+[[ $rc -eq 3 ]] || fail "Drain through gpu0.sock: exit $rc: $(cat "$tmp/place-drain.out")"
+timeout 10 "$moeepctl" --socket "$tmp/place/gpu0.sock" drain --off >/dev/null 2>"$tmp/place-ctl.err" ||
+        fail "moeepctl drain --off through the derived admin socket: $(cat "$tmp/place-ctl.err")"
+stop_daemon
+[[ ! -e $tmp/place-admin ]] || fail "the admin directory the daemon made is left behind"
+echo "ok: client socket gpu0.sock: the admin socket is $tmp/place-admin/gpu0.sock (0600 in 0700), nothing beside gpu0.sock; Drain refused there, moeepctl finds the admin socket"
+
+# An admin directory someone else made first: the daemon refuses to start.
+mkdir -m 0700 "$tmp/place-admin" && chown 65534:65534 "$tmp/place-admin"
+if timeout 10 "$moeepd" --config "$tmp/place.conf" --foreground >"$tmp/place2.log" 2>&1; then
+        fail "moeepd started with an admin directory of uid 65534"
+fi
+grep -q "directory $tmp/place-admin is owned by uid 65534, not by the daemon's uid 0" "$tmp/place2.log" ||
+        fail "no word of the admin directory's owner: $(tail -n 3 "$tmp/place2.log")"
+# uid 65534 serving a socket there: moeepctl does not take it for the daemon's.
+"${nobody[@]}" /usr/bin/python3 -c '
+import os, socket, sys, time
+s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+s.bind(sys.argv[1]); os.chmod(sys.argv[1], 0o666); s.listen(8)
+open(sys.argv[2], "w").close()
+s.settimeout(10)
+try:
+    c, _ = s.accept(); time.sleep(2)
+except OSError:
+    pass' "$tmp/place-admin/gpu0.sock" "$tmp/place-admin/ready" &
+pids+=($!)
+wait_until 10 "the fake admin socket" test -e "$tmp/place-admin/ready"
+if timeout 10 "$moeepctl" --socket "$tmp/place/gpu0.sock" drain >/dev/null 2>"$tmp/fake-ctl.err"; then
+        fail "moeepctl drain succeeded against a socket of uid 65534"
+fi
+grep -q "is served by uid 65534, neither root nor you: not the daemon's, not used" "$tmp/fake-ctl.err" ||
+        fail "moeepctl does not say why it did not use the fake admin socket: $(cat "$tmp/fake-ctl.err")"
+rm -rf "$tmp/place-admin"
+# admin_socket named inside the client socket's directory: refused.
+printf 'admin_socket = %s\n' "$tmp/place/sub/admin.sock" >>"$tmp/place.conf"
+mkdir -m 0700 "$tmp/place/sub"
+if timeout 10 "$moeepd" --config "$tmp/place.conf" --foreground >"$tmp/place3.log" 2>&1; then
+        fail "moeepd started with its admin socket below the client socket's directory"
+fi
+grep -q "is the client socket's directory or below it" "$tmp/place3.log" ||
+        fail "no word of the admin socket inside the client socket's directory: $(tail -n 3 "$tmp/place3.log")"
+echo "ok: an admin directory of uid 65534 stops the daemon (naming the owner), moeepctl does not use a socket uid 65534 serves there, and an admin socket below the client socket's directory is refused"
+log=$tmp/moeepd.log
+
+# 7. Socket activation: two sockets told apart by name.
 phase="socket activation"
 command -v systemd-socket-activate >/dev/null || { echo "skip: no systemd-socket-activate"; exit 0; }
 log=$tmp/activated.log
@@ -161,9 +231,11 @@ if "$probe" "$tmp/act.sock" 1 1000 drain >"$tmp/act.out" 2>&1; then
 fi
 "$probe" "$tmp/operator.sock" 1 1000 drain >"$tmp/act.out" 2>&1 || fail "Drain refused on the activated admin socket: $(cat "$tmp/act.out")"
 grep -q "listening on the admin socket systemd passed (fd 4, 'admin')" "$log" || fail "no admin socket from systemd in the log"
-[[ ! -e $tmp/act-admin.sock ]] || fail "the daemon bound an admin socket of its own besides systemd's"
+[[ ! -e ${tmp}-admin/act.sock ]] || fail "the daemon bound an admin socket of its own besides systemd's"
 grep -q "admin socket $tmp/operator.sock is mode 0644: anyone who can open it is an operator" "$log" ||
         fail "no warning about the admin socket's mode 0644"
+grep -q "admin socket $tmp/operator.sock is in the client socket's directory or below it" "$log" ||
+        fail "no warning about the admin socket beside the client socket"
 stop_daemon
 echo "ok: socket activation: the fd named admin is the admin socket, the one named client is not"
 echo "ops-admin: all checks passed"

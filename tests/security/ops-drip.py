@@ -5,12 +5,17 @@ for SECONDS in all; connections the daemon closes are counted, not
 reopened. Prints one JSON object:
 
   attempts      connections opened
-  refused       answered 503 by the daemon (over the connection cap)
+  refused       answered 503 by the daemon (displaced: its source held its
+                quota, or the most when every slot was taken)
   deadline      closed by the daemon without an answer (the deadline)
   open_at_end   still open when we stopped (must be 0 past the deadline)
   max_life_s    the longest a connection lived before the daemon closed it
 
-    ops-drip.py PORT TOTAL SECONDS INTERVAL
+Connections come from 127.0.0.1, or with FIRST and COUNT from COUNT
+source addresses from FIRST on (127.0.1.1 and 24: 127.0.1.1 .. 127.0.1.24),
+in turn.
+
+    ops-drip.py PORT TOTAL SECONDS INTERVAL [FIRST COUNT]
 """
 import errno
 import json
@@ -21,6 +26,17 @@ import sys
 import time
 
 port, total, seconds, interval = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
+first = sys.argv[5] if len(sys.argv) > 5 else None
+nsources = int(sys.argv[6]) if len(sys.argv) > 6 else 1
+
+
+def source(i):
+    """The i-th source address, or None for the default one."""
+    if first is None:
+        return None
+    a = [int(x) for x in first.split(".")]
+    n = a[3] - 1 + i % nsources
+    return "%d.%d.%d.%d" % (a[0], a[1], a[2] + n // 254, 1 + n % 254)
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
 resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, total + 256), hard))
 
@@ -47,6 +63,8 @@ while time.monotonic() < end:
         if stats["attempts"] >= total:
             break
         s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        if source(stats["attempts"]):
+            s.bind((source(stats["attempts"]), 0))
         s.setblocking(False)
         try:
             s.connect(("127.0.0.1", port))

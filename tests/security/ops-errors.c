@@ -7,8 +7,9 @@
  *    ERROR_BAD_SECRET. Now it is ERROR_BAD_FDS (-EBADF here) and the text
  *    says the fd cannot be mapped for writing.
  * 2. The same memfd writable registers (so 1 failed for the fd alone).
- * 3. A join with a wrong secret is still ERROR_BAD_SECRET (-EACCES here),
- *    now from its explicit error kind.
+ * 3. A join with a wrong secret is ERROR_NO_SUCH_JOB (-ENOENT here), the
+ *    answer an unknown job id gets (issue 27, item 8), from its explicit
+ *    error kind.
  *
  *   moeep-ops-errors SOCKET
  */
@@ -75,7 +76,8 @@ int main(int argc, char **argv) {
         bad = id;
         bad.bytes[9] ^= 0x5a; /* the secret's first byte (job.h: bytes 9..40) */
         r = moeep_job_join(other, &bad, 0, 1, NULL);
-        check(r == -EACCES, "a wrong secret is still ERROR_BAD_SECRET", other, r);
+        check(r == -ENOENT && strstr(moeep_client_error(other), "no live job has this id and secret"),
+              "a wrong secret is ERROR_NO_SUCH_JOB, as an unknown id is", other, r);
 
         close(ro);
         close(fd);

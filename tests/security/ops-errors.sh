@@ -23,6 +23,10 @@ phase="errors"
 "$(dirname "$probe")/moeep-ops-errors" "$sock" || fail "moeep-ops-errors"
 ctl metrics metrics
 grep -qx 'moeepd_errors_total{code="ERROR_BAD_FDS"} 1' "$tmp/metrics.out" || fail "ERROR_BAD_FDS not counted once"
-grep -qx 'moeepd_errors_total{code="ERROR_BAD_SECRET"} 1' "$tmp/metrics.out" || fail "ERROR_BAD_SECRET not counted once"
+grep -qx 'moeepd_errors_total{code="ERROR_NO_SUCH_JOB"} 1' "$tmp/metrics.out" || fail "ERROR_NO_SUCH_JOB not counted once"
+grep -q 'uid 0: 1 job joins named no job it may join' "$log" || fail "the failed join was not logged"
+if grep -q 'moeepd_errors_total{code="ERROR_BAD_SECRET"} [1-9]' "$tmp/metrics.out"; then
+        fail "ERROR_BAD_SECRET was sent"
+fi
 stop_daemon
 echo "ops-errors: all checks passed"

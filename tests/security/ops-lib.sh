@@ -15,7 +15,7 @@ test_name=sec-ops
 source "$here/../tmpdir.sh"
 chmod 0755 "$tmp" # uid 65534 must reach the client socket
 sock=$tmp/moeepd.sock
-admin=$tmp/moeepd-admin.sock
+admin=${tmp}-admin/moeepd.sock # proto/admin-socket.h: beside the client socket's directory
 log=$tmp/moeepd.log
 conf=$tmp/moeepd.conf
 daemon_pid=""

@@ -115,7 +115,9 @@ static int run_namespaced(const char *what, int (*fn)(void *), void *arg, int ti
                         prctl(PR_SET_PDEATHSIG, SIGKILL);
                         if (getpid() != 1)
                                 _exit(102);
-                        if (drop_to_attack_uid() < 0)
+                        if (fuse_stub_device() >= 0) /* the FUSE server's alone */
+                                close(fuse_stub_device());
+                        if (drop_to_uid(ATTACK_UID) < 0)
                                 _exit(100);
                         failures = 0;
                         fn(arg);

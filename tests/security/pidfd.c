@@ -28,10 +28,11 @@
  *              process as exited (SO_PEERPIDFD never names the child, nor a
  *              process that got the pid later)
  *   late       the same between the request and the take: the take waits
- *              in the uid's closer queue behind a close that lingers 2 s
- *              (a socket with SO_LINGER the client sent), the connecting
- *              process exits meanwhile; the take then finds it gone, and
- *              everyone else is served during the wait
+ *              in the uid's closer queue behind a close that takes 2 s (a
+ *              file of the test's FUSE filesystem, whose FLUSH is answered
+ *              late; no signal cuts it short, unlike a socket's SO_LINGER),
+ *              the connecting process exits meanwhile; the take then finds
+ *              it gone, and everyone else is served during the wait
  *   noptrace   a second moeepd started without CAP_SYS_PTRACE (setpriv):
  *              the take is refused with ERROR_PERMISSION_DENIED naming the
  *              capability; the session serves on
@@ -334,13 +335,14 @@ static void case_exited(void) {
 
 /* ------------------------------------------------------------ late */
 
-#define LINGER_S 2
+#define HOLD_MS 2000
 
 /* The process exits between the request and the take. P (the connecting
- * process) sends a lingering socket as a region: refused, and its close
- * holds the uid's closer queue for LINGER_S. Q, P's child with the socket,
- * then asks to take P's memfd; the take waits in the queue, P exits
- * meanwhile, and when its turn comes the take finds P gone. */
+ * process) sends a file of the test's FUSE filesystem as a region:
+ * refused, and the daemon's close of it waits HOLD_MS for FLUSH's answer,
+ * which no signal cuts short, holding the uid's queue. Q, P's child with
+ * the socket, then asks to take P's memfd; the take waits in the queue, P
+ * exits meanwhile, and when its turn comes the take finds P gone. */
 static int late_client(void *arg) {
         const uint64_t pidfd_bit = MOEEP__V1__FEATURE__FEATURE_PIDFD;
         int sent[2], st = 0;
@@ -349,36 +351,23 @@ static int late_client(void *arg) {
         CHECK(pipe2(sent, O_CLOEXEC) == 0, "late: pipe");
         p = fork();
         if (p == 0) {
+                char byte, msg[512], path[sizeof(fuse_dir) + 8];
                 struct conn *c = conn_open();
-                int fd = memfd_of(4096), code = -1;
-                char byte, msg[512];
+                int fd = memfd_of(4096), code, held;
                 pid_t q;
 
                 if (!c || enter_job_with(c, pidfd_bit) != 0)
                         _exit(1);
-                /* Our copy is closed right after sending, so that the
-                 * daemon's close is the last one and lingers. On a loaded
-                 * machine the daemon can refuse and close its copy first:
-                 * then our close lingers instead (seen as our call taking
-                 * the linger time), the daemon's queue is free, and the
-                 * setup is made again, six times at most. */
-                for (int try = 0; try < 6; try++) {
-                        int sock = lingering_socket(LINGER_S);
-                        long t0 = now_ms();
-
-                        if (sock < 0)
-                                _exit(1);
-                        give_fds = true;
-                        code = region_register(c, MOEEP__V1__REGION_KIND__REGION_KIND_MEMFD, 4096, sock, NULL,
-                                               msg, sizeof(msg));
-                        give_fds = false;
-                        if (code != MOEEP__V1__ERROR_CODE__ERROR_BAD_FDS) {
-                                say("FAIL late: the lingering socket got code %d (%s)", code, msg);
-                                _exit(1);
-                        }
-                        if (now_ms() - t0 < LINGER_S * 1000 / 2)
-                                break;
-                        CHECK(try < 5, "late: the daemon closed the lingering socket first, six times");
+                snprintf(path, sizeof(path), "%s/f", fuse_dir);
+                held = open(path, O_RDWR | O_CLOEXEC);
+                if (held < 0)
+                        _exit(1);
+                code = region_register(c, MOEEP__V1__REGION_KIND__REGION_KIND_MEMFD, 4096, held, NULL, msg,
+                                       sizeof(msg));
+                close(held);
+                if (code != MOEEP__V1__ERROR_CODE__ERROR_BAD_FDS) {
+                        say("FAIL late: the FUSE file got code %d (%s)", code, msg);
+                        _exit(1);
                 }
                 q = fork();
                 if (q == 0) {
@@ -399,10 +388,10 @@ static int late_client(void *arg) {
                         code = code_of(conn_response(c), msg, sizeof(msg));
                         CHECK(code == MOEEP__V1__ERROR_CODE__ERROR_BAD_FDS && strstr(msg, "has exited"),
                               "late: code %d '%s'", code, msg);
-                        /* It waited behind the lingering close: the request
+                        /* It waited behind the held close: the request
                          * came before the exit, the take after it. */
-                        CHECK(now_ms() - t0 >= 1000, "late: answered after %ld ms, before the close let go",
-                              now_ms() - t0);
+                        CHECK(now_ms() - t0 >= HOLD_MS / 2,
+                              "late: answered after %ld ms, before the close let go", now_ms() - t0);
                         fflush(stdout);
                         _exit(failures ? 1 : 0);
                 }
@@ -428,13 +417,17 @@ static int late_client(void *arg) {
 }
 
 static void case_late(void) {
-        if (tarpit_open() < 0) {
-                CHECK(0, "late: tarpit: %s", strerror(errno));
+        int r;
+
+        snprintf(fuse_dir, sizeof(fuse_dir), "%s/fuse", tmpdir);
+        r = fuse_stub_start(fuse_dir);
+        if (r < 0) {
+                say("late: cannot mount a FUSE filesystem here (%s): case skipped", strerror(-r));
                 return;
         }
+        fuse_stub_hold_flushes(daemon_pid, HOLD_MS);
         failures += run_namespaced("late", late_client, NULL, 20000);
-        close(tarpit_fd);
-        tarpit_fd = -1;
+        fuse_stub_stop();
         check_served("late, after", 5);
         check_baseline("late");
 }
@@ -553,11 +546,9 @@ static void case_noptrace(void) {
 
 int main(int argc, char **argv) {
         const char *only = argc > 3 ? argv[3] : NULL;
-        static const struct {
-                const char *name;
-                void (*fn)(void);
-        } cases[] = { { "share", case_share },   { "hostile", case_hostile }, { "frame", case_frame },
-                      { "exited", case_exited }, { "late", case_late },       { "noptrace", case_noptrace } };
+        static const struct sec_case cases[] = { { "share", case_share }, { "hostile", case_hostile },
+                                                 { "frame", case_frame }, { "exited", case_exited },
+                                                 { "late", case_late },   { "noptrace", case_noptrace } };
         int r = sec_begin("pidfd", "run clients as uid 65534 in PID namespaces", argc, argv);
 
         if (r != 0)
@@ -570,20 +561,7 @@ int main(int argc, char **argv) {
                 return 1;
         }
         sec_baseline();
-        for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
-                int before = failures;
-
-                if (only && strcmp(only, cases[i].name) != 0)
-                        continue;
-                cases[i].fn();
-                say("%s %s", failures == before ? "ok  " : "FAIL", cases[i].name);
-                if (daemon_pid > 0 && waitpid(daemon_pid, NULL, WNOHANG) == daemon_pid) {
-                        say("FAIL: moeepd died");
-                        daemon_pid = -1;
-                        failures++;
-                        break;
-                }
-        }
+        sec_run_cases(cases, sizeof(cases) / sizeof(cases[0]), only);
         check_ctl("after every case");
         /* A clean exit on SIGTERM within 5 s (in ASan builds LeakSanitizer
          * runs then: a take that leaked its session or fd would fail it). */
@@ -598,10 +576,12 @@ int main(int argc, char **argv) {
                 if (WIFEXITED(st) || WIFSIGNALED(st))
                         daemon_pid = -1;
         }
-        /* fdattack-client.h's FUSE and attacker helpers are not used here. */
+        /* fdattack-client.h's attacker and lingering helpers are not used here. */
         (void)run_attacker;
-        (void)fuse_dir;
         (void)reg_path;
+        (void)tarpit_open;
+        (void)lingering_socket;
+        (void)sec_wait_daemon; /* its daemon_start() waits for Hello with its own features */
         if (failures) {
                 char cmd[2 * sizeof(log_path) + 64];
 
