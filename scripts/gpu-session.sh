@@ -15,12 +15,13 @@
 #   DEEPEP_COMPAT the deepep-compat runner folder (run.sh)
 #   BUDGET        seconds for the whole script (default 560)
 #   RANKS         rank counts to measure (default: 2, and 4 when 4 GPUs are there)
-# STEPS: a comma list of suites,deepep,bench,pybench,shrink (default all).
+# STEPS: a comma list of bench,pybench,suites,shrink,deepep (the default, in
+# the order they run), suites-more, shrink-more (the slower rest).
 # Logs under $OUT (one tarball, logs.tgz, and summary.txt).
 set -u
 NEW=$(cd "${1:?NEW_BUNDLE}" && pwd)
 BASE=${2:+$(cd "$2" && pwd)}
-STEPS=${3:-suites,deepep,bench,pybench,shrink}
+STEPS=${3:-bench,pybench,suites,shrink,deepep}
 OUT=${OUT:-/tmp/moeep-gpu-session}
 L=$OUT/logs
 mkdir -p "$L"
@@ -74,6 +75,35 @@ if has pybench; then
                         python3 -m moeep.bench --ranks "$r" --moeepd "$NEW/daemon/moeepd"
         done
 fi
+if has suites; then
+        run normal_test 120 "$T/ep_normal_test" --ranks "1,$two"
+        run ll_test 120 "$T/ep_ll_test" --ranks "$two"
+        MOEEP_HARNESS_NODES=2 run fail_2nodes 150 "$T/ep_fail_test" --ranks 4
+        run ll_cuda2nodes 150 bash tests/gpu/cuda-transport.sh "$T/ep_ll_test" --ranks 2
+        run python_buffer 200 python3 tests/gpu/test_python_buffer.py --ranks "$two"
+fi
+if has shrink && [ -x "$T/ep_shrink_test" ]; then
+        run shrink_test 150 "$T/ep_shrink_test" --ranks "$two"
+        MOEEP_HARNESS_NODES=2 run shrink_2nodes 150 "$T/ep_shrink_test" --ranks "$two"
+fi
+if has suites-more; then
+        run fail_test 150 "$T/ep_fail_test" --ranks "$two"
+        run deepep_semantics 200 python3 tests/gpu/test_deepep_semantics.py
+        MOEEP_HARNESS_NODES=2 run normal_2nodes 120 "$T/ep_normal_test" --ranks "$two"
+        MOEEP_HARNESS_NODES=2 run ll_2nodes 120 "$T/ep_ll_test" --ranks "$two"
+        run normal_cuda2nodes 150 bash tests/gpu/cuda-transport.sh "$T/ep_normal_test" --ranks 2
+        MOEEP_HARNESS_GPUS=1 run shared_normal 150 "$T/ep_normal_test" --ranks 2,4
+        MOEEP_HARNESS_GPUS=1 run shared_ll 150 "$T/ep_ll_test" --ranks 2,4
+        run python_buffer_shared 200 python3 tests/gpu/test_python_buffer.py --gpus 1 --ranks 2,4
+fi
+if has shrink-more && [ -x "$T/ep_shrink_test" ]; then
+        run python_shrink 150 python3 tests/gpu/test_python_shrink.py --ranks "$two"
+        run deepep_shrink 150 bash "$DEEPEP_COMPAT/run.sh" --one-gpu -n 8 --mps off --tests low_latency \
+                --moeep-python "$PWD/client/python" --ll-args \
+                "--num-tokens 128 --hidden 2048 --num-topk 8 --num-experts 64 --shrink-test" "$NEW" "$DEEPEP_TESTS" \
+                "$L/deepep_shrink"
+fi
+# The lines the issues quote, from every log.
 if [ -n "${BUILD_PID:-}" ]; then
         left=$((BUDGET - SECONDS - 30))
         while kill -0 "$BUILD_PID" 2>/dev/null && [ $left -gt 0 ]; do sleep 2; left=$((left - 2)); done
@@ -97,31 +127,6 @@ if has deepep; then
                         python3 -m moeep.bench --impl deep_ep --ranks "$r"
         done
 fi
-if has suites; then
-        run normal_test 120 "$T/ep_normal_test" --ranks "1,$two"
-        run ll_test 120 "$T/ep_ll_test" --ranks "$two"
-        run fail_test 150 "$T/ep_fail_test" --ranks "$two"
-        run python_buffer 200 python3 tests/gpu/test_python_buffer.py --ranks "$two"
-        run deepep_semantics 200 python3 tests/gpu/test_deepep_semantics.py
-        MOEEP_HARNESS_NODES=2 run normal_2nodes 120 "$T/ep_normal_test" --ranks "$two"
-        MOEEP_HARNESS_NODES=2 run ll_2nodes 120 "$T/ep_ll_test" --ranks "$two"
-        MOEEP_HARNESS_NODES=2 run fail_2nodes 150 "$T/ep_fail_test" --ranks 4
-        run ll_cuda2nodes 150 bash tests/gpu/cuda-transport.sh "$T/ep_ll_test" --ranks 2
-        run normal_cuda2nodes 150 bash tests/gpu/cuda-transport.sh "$T/ep_normal_test" --ranks 2
-        MOEEP_HARNESS_GPUS=1 run shared_normal 150 "$T/ep_normal_test" --ranks 2,4
-        MOEEP_HARNESS_GPUS=1 run shared_ll 150 "$T/ep_ll_test" --ranks 2,4
-        run python_buffer_shared 200 python3 tests/gpu/test_python_buffer.py --gpus 1 --ranks 2,4
-fi
-if has shrink && [ -x "$T/ep_shrink_test" ]; then
-        run shrink_test 150 "$T/ep_shrink_test" --ranks "$two"
-        MOEEP_HARNESS_NODES=2 run shrink_2nodes 150 "$T/ep_shrink_test" --ranks "$two"
-        run python_shrink 150 python3 tests/gpu/test_python_shrink.py --ranks "$two"
-        run deepep_shrink 150 bash "$DEEPEP_COMPAT/run.sh" --one-gpu -n 8 --mps off --tests low_latency \
-                --moeep-python "$PWD/client/python" --ll-args \
-                "--num-tokens 128 --hidden 2048 --num-topk 8 --num-experts 64 --shrink-test" "$NEW" "$DEEPEP_TESTS" \
-                "$L/deepep_shrink"
-fi
-# The lines the issues quote, from every log.
 for f in "$L"/deepep_*.log "$L"/moeep_deepep_*/test_*.log; do
         [ -f "$f" ] || continue
         echo "--- $f" >> "$S"
