@@ -27,6 +27,10 @@ enum moeep_kernel_debug {
          * peer's go (into the comb slots; waited for through our own flag),
          * so that one rank times what more ranks do (results stay right). */
         MOEEP_DEBUG_COPY_SELF = 8,
+        /* Waits do not read the job's abort word (a mapped host page): to
+         * time what those reads cost (results stay right; a lost rank is
+         * then seen by the timeout only). */
+        MOEEP_DEBUG_NO_ABORT_POLL = 16,
 };
 
 enum moeep_kernel_error {

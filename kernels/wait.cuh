@@ -70,7 +70,7 @@ __device__ __forceinline__ struct spin spin_begin(void) {
 __device__ __forceinline__ bool spin_give_up(const struct moeep_ctx &ctx, struct spin &s, int peer) {
         if (++s.n % SPIN_CHECK_EVERY)
                 return false;
-        if (ctx.abort_word && ld_volatile_u32(ctx.abort_word)) {
+        if (ctx.abort_word && !(ctx.debug & MOEEP_DEBUG_NO_ABORT_POLL) && ld_volatile_u32(ctx.abort_word)) {
                 record_error(ctx, MOEEP_KERR_ABORT, peer);
                 return true;
         }

@@ -185,6 +185,16 @@ class _NormalMode:
                   ("recv_topk_idx", (n_recv, K), idx_dtype) if has_topk else None,
                   ("recv_topk_weights", (n_recv, K), torch.float32) if has_topk else None]
         outs = self._areas.views(torch, area, self, self.device, arrays)
+        if views and has_topk:
+            # The top-k ids and weights are owned copies (small: K words a
+            # row): a caller that keeps them (DeepEP's tests do, under
+            # other names than recv_x) must not hold the whole area.
+            with self._alloc_stream(allocate_on_comm_stream):
+                small = [torch.empty_like(outs[2]), torch.empty_like(outs[3])]
+            with self._on(side):
+                small[0].copy_(outs[2])
+                small[1].copy_(outs[3])
+            outs[2:] = small
         if not views:
             # Owned copies; the area stays free (the next call on this
             # stream comes after the copies).
