@@ -325,12 +325,16 @@ static void complete(struct proxy *p, const struct tp_completion *c) {
                 return;
         s->pending--;
         if (c->status < 0) {
-                /* The write's own ring fails first: its job ends, naming
-                 * the writer. Only an error that is not about this write
-                 * alone (the connection, not a key or a range) fails the
-                 * peer, and with it every ring routing there. */
-                ring_bad_desc(p, s->ring, s->seq, s->route, c->status, "a write completed with an error");
+                /* An error about this write alone (a key or a range the
+                 * target refused) fails the write's own ring: its job
+                 * ends, naming the writer. Any other (the connection) fails
+                 * the peer, and with it every ring routing there, naming
+                 * no writer: when the peer is another daemon that died, an
+                 * elastic job goes on without its ranks, and a writer here
+                 * did nothing wrong (blaming it, a survivor was masked). */
                 if (completion_error_is_write_s(c->status)) {
+                        ring_bad_desc(p, s->ring, s->seq, s->route, c->status,
+                                      "a write completed with an error");
                         s->need_signal = false;
                         slot_finish(p, (uint32_t)i, true);
                         return;
