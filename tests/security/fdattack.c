@@ -529,7 +529,10 @@ int main(int argc, char **argv) {
         close(fd);
         if (start_daemon(argv[1]) < 0) {
                 say("FAIL: moeepd did not start; its log:");
-                (void)!system("cat \"$(ls -d /tmp/moeep-sec-fd.*/moeepd.log | head -1)\" | tail -20");
+                char cmd[sizeof(log_path) + 32];
+
+                snprintf(cmd, sizeof(cmd), "tail -n 20 '%s'", log_path);
+                (void)!system(cmd);
                 return 1;
         }
         sec_baseline();

@@ -13,17 +13,18 @@
 
 #include <cmocka.h>
 
+#include "../tmpdir.h"
 #include "config.h"
 #include "log.h"
 #include "moeep-config.h"
 
 /* Writes `text` to a fresh temporary file; returns its path (static). */
 static const char *write_file(const char *text) {
-        static char path[64];
+        static char path[128];
         FILE *f;
         int fd;
 
-        snprintf(path, sizeof(path), "/tmp/moeep-unit-config-XXXXXX");
+        test_tmp_path(path, sizeof(path), "moeep-unit-config-XXXXXX");
         fd = mkstemp(path);
         assert_true(fd >= 0);
         f = fdopen(fd, "w");
