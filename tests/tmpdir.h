@@ -2,7 +2,7 @@
  * under $TMPDIR when it names an absolute path, else under /tmp, as
  * mktemp(1) and Python's tempfile do. scripts/test.sh points TMPDIR at a
  * directory of its own and fails when a test leaves anything in it, so no
- * test names /tmp itself (the unit test `no-tmp-paths` checks the sources).
+ * test names /tmp itself (the unit test `tmp-paths` checks the sources).
  * Test code. */
 #ifndef MOEEP_TESTS_TMPDIR_H
 #define MOEEP_TESTS_TMPDIR_H

@@ -259,7 +259,7 @@ static int attack_kinds(void *arg) {
         cases[n++] =
                 (struct fd_case){ "moeepd connection", self->fd, { "a socket", "a socket", "a socket" } };
         cases[n++] = (struct fd_case){ "directory",
-                                       open("/tmp", O_RDONLY | O_DIRECTORY | O_CLOEXEC),
+                                       open("/", O_RDONLY | O_DIRECTORY | O_CLOEXEC),
                                        { "a directory", "a directory", "a directory" } };
         cases[n++] = (struct fd_case){ "eventfd",
                                        eventfd(0, EFD_CLOEXEC),
