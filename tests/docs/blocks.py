@@ -20,6 +20,12 @@ not commands and need none.
 
   blocks.py list SOURCE_ROOT
   blocks.py run SOURCE_ROOT [MESON_SETUP_OPTION...]
+  blocks.py script SOURCE_ROOT > FILE
+
+`script` writes the blocks marked run (and file), in the order `run` takes,
+as one bash script with nothing substituted and no stand-ins: the commands
+exactly as a reader would type them, for a real machine (run it from the
+repository root after the two commands, with systemd as PID 1).
 
 `run` runs the blocks in order (README.md, docs/operations.md, then the other
 files by name) in one bash, from a working directory that shows the source
@@ -197,8 +203,10 @@ __start() {
                 [[ -S $client && -S $admin ]] && break
                 sleep 0.1
         done
-        [[ -S $client && -S $admin ]] || __fail "systemd-socket-activate did not listen: $(tail -n 5 "$R/moeepd.log")"
-        echo "(docs-test: systemctl: moeepd.socket and moeepd-admin.socket listen; moeepd starts on the first connection)"
+        [[ -S $client && -S $admin ]] ||
+                __fail "systemd-socket-activate did not listen: $(tail -n 5 "$R/moeepd.log")"
+        echo "(docs-test: systemctl: moeepd.socket and moeepd-admin.socket listen;" \
+                "moeepd starts on the first connection)"
 }
 __stop() {
         if [[ -n $__daemon ]]; then
@@ -260,7 +268,8 @@ __stop
 if [[ ! -e $R/usr/local/sbin/moeepd ]]; then
         left=$(cd "$R/usr/local" && find . ! -type d ! -path './etc/moeep/*' | sort)
         [[ -z $left ]] || __fail "the uninstall left files under the prefix: $left"
-        echo "(docs-test: the uninstall removed everything but etc/moeep/: $(ls "$R/usr/local/etc/moeep" | tr '\n' ' '))"
+        echo "(docs-test: the uninstall removed everything but etc/moeep/:" \
+                "$(ls "$R/usr/local/etc/moeep" | tr '\n' ' '))"
 fi
 echo "docs-test: every block ran"
 """
@@ -268,8 +277,7 @@ echo "docs-test: every block ran"
 
 def script(blocks, root, work, libdir):
     out = [PROLOGUE.replace("@R@", root).replace("@W@", work).replace("@LIBDIR@", libdir)]
-    last = [b for b in blocks if b.action == "run" and b.arg.startswith("last")]
-    for b in [b for b in blocks if b not in last] + last:
+    for b in ordered(blocks):
         out.append("\n__block=%s\ncd \"$W\"\n" % b.where())
         if b.action == "skip":
             out.append("echo \"=== docs-test: %s: skipped: %s\"\n" % (b.where(), b.arg.replace('"', "'")))
@@ -283,6 +291,28 @@ def script(blocks, root, work, libdir):
         else:
             out.append("echo \"=== docs-test: %s\"\n%s" % (b.where(), text))
     out.append(EPILOGUE)
+    return "".join(out)
+
+
+def ordered(blocks):
+    """The blocks in the order they run: as they come, `run last` ones at
+    the end."""
+    last = [b for b in blocks if b.action == "run" and b.arg.startswith("last")]
+    return [b for b in blocks if b not in last] + last
+
+
+def plain_script(blocks):
+    out = ["#!/usr/bin/env bash\n# The documents' command blocks as written (tests/docs/blocks.py script).\n"
+           "set -eE -o pipefail\ntrap 'echo \"FAILED: $__block: \\`$BASH_COMMAND\\` exited $?\" >&2' ERR\n"]
+    for b in ordered(blocks):
+        if b.action == "skip":
+            continue
+        out.append("\n__block=%s\necho \"=== %s\"\n" % (b.where(), b.where()))
+        if b.action == "file":
+            out.append("cat >%s <<'__DOCS_TEST_EOF'\n%s__DOCS_TEST_EOF\n" % (b.arg, b.text))
+        else:
+            out.append(b.text)
+    out.append("\necho \"every block ran\"\n")
     return "".join(out)
 
 
@@ -354,6 +384,14 @@ def main(argv):
         for b in found:
             print("%s %s %s %s" % (b.where(), b.lang, b.action, b.arg))
         return 0 if found else 1
+    if len(argv) == 3 and argv[1] == "script":
+        try:
+            found = all_blocks(argv[2])
+        except Unmarked as e:
+            print(e, file=sys.stderr)
+            return 1
+        print(plain_script(found), end="")
+        return 0
     if len(argv) >= 3 and argv[1] == "run":
         return run_all(os.path.abspath(argv[2]), argv[3:])
     print(__doc__, file=sys.stderr)
