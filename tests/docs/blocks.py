@@ -43,8 +43,9 @@ end with every process started:
   command as it is (the test runs as root), systemd-sysusers and
   systemd-tmpfiles get --root=R, `ldconfig` adds R's libdir to
   LD_LIBRARY_PATH (the dynamic linker's cache), `usermod -aG GROUP USER`
-  checks that the group exists in R and the user here, `moeepctl` (the
-  installed one) is pointed at R's sockets, pkg-config looks in R;
+  checks that the group exists in R and the user here, `sg GROUP CMD`
+  that the group exists in R before it runs CMD, `moeepctl` (the installed
+  one) is pointed at R's sockets, pkg-config looks in R;
 - systemd is not PID 1 here, so `systemctl` stands in for it: daemon-reload
   runs `systemd-analyze verify` on the installed units (any complaint
   fails), enable runs `systemctl --root=R enable`, and --now, start,
@@ -179,6 +180,12 @@ usermod() {
         echo "(docs-test: usermod: $3 would join group $2)"
 }
 moeepctl() { MOEEP_ADMIN_SOCKET=$R/run/moeep-admin/moeepd.sock command moeepctl "$@"; }
+sg() {
+        grep -q "^$1:" "$R/etc/group" 2>/dev/null || __fail "sg: group '$1' does not exist"
+        shift
+        [[ $1 != -c ]] || shift
+        bash -c "$*"
+}
 
 __daemon=
 __unit() { sed -n "s/^$2=//p" "$units/$1" | head -n 1; }
