@@ -118,18 +118,27 @@ def parse(path, name=None):
     return out
 
 
+def source_files(src):
+    """The files of the source tree, relative to it: git's tracked files, or
+    where there is no git (a tarball, a minimal root without git) every
+    file but those of build directories, hidden ones and __pycache__."""
+    try:
+        r = subprocess.run(["git", "ls-files"], cwd=src, capture_output=True, text=True)
+        if r.returncode == 0:
+            return sorted(f for f in r.stdout.split() if os.path.isfile(os.path.join(src, f)))
+    except FileNotFoundError:
+        pass
+    files = []
+    for d, dirs, names in os.walk(src, followlinks=True):
+        dirs[:] = sorted(x for x in dirs if not x.startswith(("build", ".")) and x != "__pycache__")
+        files += [os.path.relpath(os.path.join(d, n), src) for n in names]
+    return sorted(files)
+
+
 def documents(src):
-    """Every tracked markdown file, README.md and docs/operations.md first
-    (the later ones build on what those install and start)."""
-    r = subprocess.run(["git", "ls-files", "*.md"], cwd=src, capture_output=True, text=True)
-    if r.returncode == 0:
-        files = sorted(f for f in r.stdout.split() if os.path.isfile(os.path.join(src, f)))
-    else:  # not a checkout: every markdown file but those of build directories
-        files = []
-        for d, dirs, names in os.walk(src, followlinks=True):
-            dirs[:] = sorted(x for x in dirs if not x.startswith(("build", ".")))
-            files += [os.path.relpath(os.path.join(d, n), src) for n in names if n.endswith(".md")]
-        files.sort()
+    """Every markdown file, README.md and docs/operations.md first (the
+    later ones build on what those install and start)."""
+    files = [f for f in source_files(src) if f.endswith(".md")]
     first = [f for f in ("README.md", "docs/operations.md") if f in files]
     return first + [f for f in files if f not in first]
 

@@ -342,11 +342,7 @@ def links(src):
     it was written on) or at the documents the comments once cited; the
     README links every document of docs/ and names every folder of
     tests/."""
-    files = run(["git", "ls-files"], cwd=src).stdout.split() if os.path.isdir(os.path.join(src, ".git")) or \
-        os.path.isfile(os.path.join(src, ".git")) else []
-    if not files:
-        print("not a git checkout: the tracked files are unknown")
-        return SKIP
+    files = blocks.source_files(src)
     rep = Report("links")
     checked = 0
     for f in files:
