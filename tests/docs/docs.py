@@ -360,6 +360,11 @@ def links(src):
                 checked += 1
                 if not os.path.exists(os.path.normpath(os.path.join(os.path.dirname(path), target))):
                     rep.problems.append("%s links to %s, which does not exist" % (f, target))
+        if f.endswith(".md") or f.startswith("docs/man/"):
+            for n, line in enumerate(text.split("\n"), 1):  # splitlines() would split at a form feed
+                if re.search(r"[\x00-\x08\x0b-\x1f\x7f]", line):
+                    rep.problems.append("%s:%d has a control character (troff and markdown show it as "
+                                        "garbage)" % (f, n))
         if f == "tests/docs/docs.py":
             continue
         for bad in ("/work/", "../shared", "STYLE.md", "BENCHMARKS.md", "DESIGN.md"):
