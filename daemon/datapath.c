@@ -59,7 +59,7 @@ struct datapath {
         struct transport tp;            /* owns; zeroed when not open */
         struct proxy *proxy;            /* owns; NULL when not up */
         struct event *ev_proxy;         /* owns; the proxy's event fd */
-        char why[ERRMSG_MAX];           /* why it is not up */
+        char why[ERRMSG_MAX + 160];     /* why it is not up: the transport's message and a hint */
         struct dp_rank_list ranks;      /* owns */
         uint64_t next_ring_id;
 };

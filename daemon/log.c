@@ -50,6 +50,8 @@ const char *log_level_to_string(int level) {
 /* Messages quote names that clients chose (job names, client names), so
  * control characters are replaced: a client must not be able to forge log
  * lines or priority prefixes. */
+static void vlog(int pri, const char *fmt, va_list ap) __attribute__((format(printf, 2, 0)));
+
 static void vlog(int pri, const char *fmt, va_list ap) {
         char line[1024];
         int saved = errno;

@@ -18,8 +18,9 @@ static void usage(FILE *f) {
                 "expert-parallel jobs over a Unix socket.\n"
                 "\n"
                 "  -s, --socket PATH       listen on PATH (default %s); ignored under socket activation\n"
-                "  -a, --admin-socket PATH the operator socket, mode 0600 (default: next to the socket,\n"
-                "                          PATH-admin.sock); ignored when systemd passes one named admin\n"
+                "  -a, --admin-socket PATH the operator socket, mode 0600 (default: beside the socket's\n"
+                "                          directory, DIR-admin/NAME for DIR/NAME: %s);\n"
+                "                          ignored when systemd passes one named admin\n"
                 "  -f, --foreground        accepted for compatibility: moeepd never forks\n"
                 "  -c, --config FILE       read FILE (INI) over the embedded defaults; SIGHUP re-reads it\n"
                 "                          (default %s, when it exists)\n"
@@ -31,7 +32,7 @@ static void usage(FILE *f) {
                 "  -d, --dump-config       print the configuration in effect (file syntax) and exit\n"
                 "  -h, --help              show this help\n"
                 "  -V, --version           show the version\n",
-                MOEEP_DEFAULT_SOCKET, MOEEP_DEFAULT_CONFIG);
+                MOEEP_DEFAULT_SOCKET, MOEEP_DEFAULT_ADMIN_SOCKET, MOEEP_DEFAULT_CONFIG);
 }
 
 /* --check-config: builds the configuration as start-up would and says

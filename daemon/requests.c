@@ -97,8 +97,9 @@ static int handle_job_create(struct requests *rq, struct session *s, uint64_t ri
 
 static int handle_barrier(struct requests *rq, struct session *s, uint64_t rid, const Moeep__V1__Request *req,
                           struct moeep_record *rec, char *errmsg) {
-        /* 0: the reply comes from session_barrier_done(); 1: from the
-         * job's home daemon, through the mesh. */
+        /* 0: the reply comes from requests_barrier_done() (the job's
+         * barrier_done callback); 1: from the job's home daemon, through
+         * the mesh. */
         int r = job_barrier(s->member, rid, errmsg);
 
         if (r == 1) {

@@ -1,7 +1,7 @@
 #!/bin/sh
 # Lists the source files longer than the limit (800 lines unless given), the
-# longest first: a file that long usually holds two concepts (STYLE.md, "one
-# file per concept"). Source files are the tracked C, CUDA, Python, shell,
+# longest first: a file that long usually holds two concepts (docs/style.md,
+# "One file per concept"). Source files are the tracked C, CUDA, Python, shell,
 # meson and protobuf files (git ls-files; every such file under the tree when
 # it is not a git checkout). Exit status: 0 when none is over, 1 when some
 # are, 2 on a usage error.

@@ -138,7 +138,7 @@ done
 
 # ---------------------------------------------------------------------------
 # HOOK: GPU benchmark. When this machine has GPUs (and the build has CUDA),
-# moeep-bench (BENCHMARKS.md: moeep vs the NVLink floor vs NCCL, one run)
+# moeep-bench (docs/benchmarks.md: moeep vs the NVLink floor vs NCCL, one run)
 # runs here against the same daemon, one rank per GPU (at most 8).
 gpu_benchmark() {
         local bench=$build/client/bench/moeep-bench ngpus

@@ -31,6 +31,13 @@ moeep_packages=(
         clang-14 libclang-rt-14-dev valgrind
         # The format check (scripts/check-format.sh, test "format").
         clang-format-14
+        # What `meson install` puts in place must be usable: the man pages
+        # need man, moeepctl's completion bash-completion; a minimal Debian
+        # 12 has neither.
+        man-db bash-completion
+        # The README's commands say `sudo ...` so that they work as a user
+        # with sudo; a minimal root has no sudo, and root may use it.
+        sudo
 )
 
 moeep_missing_packages() {

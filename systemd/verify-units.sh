@@ -13,7 +13,8 @@
 #       pass by checking nothing.
 #   verify-units.sh sysusers-tmpfiles SYSUSERS TMPFILES
 #       Applies both to an empty root: the groups must be created and
-#       /run/moeep must come out 0750 root:moeep.
+#       /run/moeep must come out 0750 root:moeep. Skipped (77) when not run
+#       as root, which the chown needs.
 set -euo pipefail
 
 die() { echo "verify-units: $*" >&2; exit 1; }
@@ -82,6 +83,10 @@ sysusers-tmpfiles)
         for t in systemd-sysusers systemd-tmpfiles; do
                 command -v $t >/dev/null || { echo "$t not installed"; exit 77; }
         done
+        if [[ $(id -u) -ne 0 ]]; then
+                echo "needs root: systemd-tmpfiles gives the directories to root and group moeep"
+                exit 77
+        fi
         root=$tmp/root
         mkdir -p "$root/etc"
         timeout 60 systemd-sysusers --root="$root" "$sysusers"

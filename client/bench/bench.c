@@ -253,7 +253,8 @@ int main(int argc, char **argv) {
                 }
         }
         if (optind < argc && strcmp(argv[optind], "ll") == 0) {
-                /* Low-latency mode: the standard shape of BENCHMARKS.md unless given. */
+                /* Low-latency mode: the standard shape (docs/benchmarks.md,
+                 * "Conventions") unless given. */
                 o.ll = true;
                 if (!tokens_set)
                         o.tokens = 128;

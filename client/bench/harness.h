@@ -19,7 +19,7 @@ struct harness {
         int nodes; /* 1 or 2 */
         char socket_b[128];
         pid_t daemon_b_pid;
-        char moeepd[4096]; /* its program, for harness_daemon_restart() */
+        char moeepd[4096]; /* its program, for starting the daemons (the second one too) */
         void *shared;      /* MAP_SHARED anonymous memory, seen by every rank */
         size_t shared_bytes;
 };

@@ -203,6 +203,7 @@ int ctl_table_add(struct ctl_table *t, const struct ctl_value *row) {
 
         for (size_t c = 0; c < t->ncolumns; c++) {
                 size_t hlen, jlen;
+                int hr, jr;
                 FILE *hf = open_memstream(&human[base + c], &hlen);
                 FILE *jf = hf ? open_memstream(&json[base + c], &jlen) : NULL;
 
@@ -219,7 +220,10 @@ int ctl_table_add(struct ctl_table *t, const struct ctl_value *row) {
                         return -ENOMEM;
                 }
                 format_value(&t->columns[c], &row[c], hf, jf);
-                if ((fclose(hf) != 0) | (fclose(jf) != 0)) {
+                /* Both streams are closed, whatever the first one says. */
+                hr = fclose(hf);
+                jr = fclose(jf);
+                if (hr != 0 || jr != 0) {
                         for (size_t k = 0; k <= c; k++) {
                                 free(human[base + k]);
                                 free(json[base + k]);

@@ -13,6 +13,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include "../tmpdir.h"
 #include "client-internal.h"
 
 static int failures;
@@ -392,7 +393,7 @@ static void test_no_daemon(void) {
         longpath[sizeof(longpath) - 1] = '\0';
         CHECK_ERR(client_connect(longpath, NULL, &c, err, sizeof(err)), -EINVAL);
         CHECK(strstr(err, "longer than") != NULL);
-        CHECK_ERR(moeep_connect("/tmp", NULL), -EINVAL);
+        CHECK_ERR(moeep_connect("/run/moeep/unused.sock", NULL), -EINVAL);
 
         /* $MOEEP_SOCKET picks the default path. */
         setenv("MOEEP_SOCKET", "/nonexistent/env.sock", 1);
@@ -591,7 +592,7 @@ static void test_job(const char *path) {
 }
 
 int main(int argc, char **argv) {
-        char dir[] = "/tmp/moeep-test-client-XXXXXX", path[108];
+        char dir[64], path[108];
 
         /* test-client --serve PATH: only the fake daemon, for test-ctl.sh. */
         if (argc == 3 && strcmp(argv[1], "--serve") == 0) {
@@ -604,6 +605,7 @@ int main(int argc, char **argv) {
         test_null_handle();
         test_error_mapping();
 
+        test_tmp_path(dir, sizeof(dir), "moeep-test-client-XXXXXX");
         if (!mkdtemp(dir)) {
                 perror("mkdtemp");
                 return 1;

@@ -5,7 +5,7 @@
 set -eu
 ctl=$1
 fake=$2
-dir=$(mktemp -d /tmp/moeep-test-ctl-XXXXXX)
+dir=$(mktemp -d "${TMPDIR:-/tmp}/moeep-test-ctl-XXXXXX")
 sock=$dir/moeepd.sock
 "$fake" --serve "$sock" &
 pid=$!

@@ -27,6 +27,7 @@
 #include <unistd.h>
 
 #include "../cleanup.h"
+#include "../tmpdir.h"
 #include "isolation-proc.h"
 #include "record.h"
 #include "say.h"
@@ -37,7 +38,7 @@
 
 extern char **environ;
 
-static char tmpdir[] = "/tmp/moeep-badinput.XXXXXX";
+static char tmpdir[64];
 static char sock_path[sizeof(tmpdir) + 32];
 static char log_path[sizeof(tmpdir) + 32];
 static pid_t daemon_pid = -1;

@@ -540,6 +540,7 @@ int main(int argc, char **argv) {
         }
         signal(SIGPIPE, SIG_IGN);
         cleanup_setup();
+        test_tmp_path(tmpdir, sizeof(tmpdir), "moeep-badinput.XXXXXX");
         if (!mkdtemp(tmpdir)) {
                 perror("mkdtemp");
                 return 1;

@@ -29,6 +29,7 @@
 #include <unistd.h>
 
 #include "../cleanup.h"
+#include "../tmpdir.h"
 #include "isolation-proc.h"
 #include "moeep.h"
 #include "record.h"
@@ -48,7 +49,7 @@
 #define TOTAL_TIMEOUT_S 280
 #define START_TIMEOUT_MS 60000 /* valgrind starts slowly */
 
-static char tmpdir[] = "/tmp/moeep-isolation.XXXXXX";
+static char tmpdir[64];
 static char sock_path[96], conf_path[96], log_path[96];
 static pid_t daemon_pid = -1, job_a_pid = -1;
 static int failures;

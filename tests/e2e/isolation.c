@@ -600,6 +600,7 @@ int main(int argc, char **argv) {
         cleanup_setup();
         signal(SIGPIPE, SIG_IGN);
         srand(7);
+        test_tmp_path(tmpdir, sizeof(tmpdir), "moeep-isolation.XXXXXX");
         if (!mkdtemp(tmpdir) || chmod(tmpdir, 0711) < 0) {
                 perror("isolation: temp dir");
                 return 1;

@@ -39,6 +39,7 @@
 #include <unistd.h>
 
 #include "../cleanup.h"
+#include "../tmpdir.h"
 #include "isolation-proc.h"
 #include "moeep.h"
 
@@ -59,7 +60,7 @@
 #define UNDER_ASAN 0
 #endif
 
-static char tmpdir[] = "/tmp/moeep-load.XXXXXX";
+static char tmpdir[64];
 static char sock_path[96], conf_path[96], log_path[96];
 static pid_t daemon_pid = -1;
 
@@ -257,6 +258,7 @@ int main(int argc, char **argv) {
                 rl.rlim_cur = rl.rlim_max;
                 setrlimit(RLIMIT_NOFILE, &rl);
         }
+        test_tmp_path(tmpdir, sizeof(tmpdir), "moeep-load.XXXXXX");
         if (!mkdtemp(tmpdir)) {
                 perror("load: mkdtemp");
                 return 1;

@@ -30,6 +30,7 @@
 #include <unistd.h>
 
 #include "../cleanup.h"
+#include "../tmpdir.h"
 #include "isolation-proc.h"
 #include "moeep.h"
 
@@ -37,7 +38,7 @@
 #define LOST_LIMIT_MS 100.0 /* a loaded 2-core CI machine; the bound the GPU tests hold is 10 ms */
 #define TOTAL_TIMEOUT_S 60
 
-static char tmpdir[] = "/tmp/moeep-lost.XXXXXX";
+static char tmpdir[64];
 static char sock_path[96], admin_path[96], conf_path[96], log_path[96], out_path[96];
 static pid_t daemon_pid = -1, rank_pid[RANKS] = { -1, -1, -1, -1 };
 
@@ -207,6 +208,7 @@ int main(int argc, char **argv) {
         cleanup_add_file(log_path);
         cleanup_add_file(out_path);
         cleanup_arm(TOTAL_TIMEOUT_S, "lost: timed out\n");
+        test_tmp_path(tmpdir, sizeof(tmpdir), "moeep-lost.XXXXXX");
         if (!mkdtemp(tmpdir)) {
                 perror("lost: mkdtemp");
                 return 1;

@@ -392,7 +392,7 @@ static int outsider_attempt(const struct options *o, const struct moeep_unique_i
                         moeep_regions_free(regs, n);
                 break;
         case ATTEMPT_FORGED_ID:
-                /* See forged_ids(). */
+                /* See the forged ids in run_outsider(). */
                 forged = *id;
                 forged.bytes[flip_byte] ^= 0x01;
                 r = moeep_job_join(c, &forged, o->world - 1, o->world, NULL);

@@ -45,6 +45,7 @@
 
 #include "auth.h"
 #include "daemon.h"
+#include "../tmpdir.h"
 #include "fuzz.h"
 #include "log.h"
 #include "mesh.h"
@@ -208,8 +209,8 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
         int fd;
 
         signal(SIGPIPE, SIG_IGN);
-        snprintf(dir, sizeof(dir), "/tmp/moeep-fuzz-mesh-%d", (int)getpid());
-        if (mkdir(dir, 0700) < 0 && errno != EEXIST)
+        test_tmp_path(dir, sizeof(dir), "moeep-fuzz-mesh.XXXXXX");
+        if (!mkdtemp(dir))
                 abort();
         atexit(cleanup);
         snprintf(key_path, sizeof(key_path), "%s/key", dir);

@@ -33,6 +33,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "../tmpdir.h"
 #include "fuzz.h"
 #include "broker.h"
 #include "clientfd.h"
@@ -46,7 +47,7 @@
 #define MAX_IDS 8
 
 static struct daemon d;
-static char sock_path[64];
+static char sock_path[96];
 static int devnull = -1;
 static int fds_baseline;
 static struct moeep_record rec;
@@ -86,7 +87,7 @@ static void pump(void) {
                 event_base_loop(d.base, EVLOOP_NONBLOCK);
 }
 
-static char dir[] = "/tmp/moeep-fuzz-session.XXXXXX";
+static char dir[64];
 
 static void cleanup(void) {
         char admin[sizeof(dir) + 32];
@@ -100,10 +101,11 @@ static void cleanup(void) {
 }
 
 int LLVMFuzzerInitialize(int *argc, char ***argv) {
-        struct daemon_options o = { .log_level = "err" };
+        struct daemon_options o = { .log_level = "err", .no_config = true };
 
         /* A directory of its own: the admin socket goes beside it, in
          * DIR-admin (proto/admin-socket.h). Both go with the process. */
+        test_tmp_path(dir, sizeof(dir), "moeep-fuzz-session.XXXXXX");
         if (!mkdtemp(dir))
                 abort();
         atexit(cleanup);

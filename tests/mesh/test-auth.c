@@ -16,6 +16,7 @@
 
 #include <cmocka.h>
 
+#include "../tmpdir.h"
 #include "auth.h"
 #include "log.h"
 
@@ -208,7 +209,7 @@ static void test_frames(void **state) {
 }
 
 static char *write_key(const char *text, mode_t mode) {
-        char *path = strdup("/tmp/moeep-test-key.XXXXXX");
+        char *path = strdup(test_tmp_path((char[256]){ 0 }, 256, "moeep-test-key.XXXXXX"));
         int fd = mkstemp(path);
 
         assert_true(fd >= 0);

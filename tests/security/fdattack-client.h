@@ -32,6 +32,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "../tmpdir.h"
 #include "fuse-stub.h"
 #include "isolation-proc.h"
 #include "record.h"
@@ -51,7 +52,7 @@
 #endif
 #define TOTAL_TIMEOUT_S 280
 
-static char tmpdir[] = "/tmp/moeep-sec-fd.XXXXXX";
+static char tmpdir[64];
 static char sock_path[sizeof(tmpdir) + 32], conf_path[sizeof(tmpdir) + 32], log_path[sizeof(tmpdir) + 32];
 static char fuse_dir[sizeof(tmpdir) + 32], reg_path[sizeof(tmpdir) + 32];
 static bool have_tmpdir;
@@ -495,6 +496,7 @@ static int sec_begin(const char *name, const char *what, int argc, char **argv) 
         signal(SIGALRM, on_alarm);
         signal(SIGPIPE, SIG_IGN);
         alarm(TOTAL_TIMEOUT_S);
+        test_tmp_path(tmpdir, sizeof(tmpdir), "moeep-sec-fd.XXXXXX");
         if (!mkdtemp(tmpdir) || chmod(tmpdir, 0755) < 0) {
                 say("%s: temp dir: %s", name, strerror(errno));
                 return 1;

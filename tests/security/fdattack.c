@@ -259,7 +259,7 @@ static int attack_kinds(void *arg) {
         cases[n++] =
                 (struct fd_case){ "moeepd connection", self->fd, { "a socket", "a socket", "a socket" } };
         cases[n++] = (struct fd_case){ "directory",
-                                       open("/tmp", O_RDONLY | O_DIRECTORY | O_CLOEXEC),
+                                       open("/", O_RDONLY | O_DIRECTORY | O_CLOEXEC),
                                        { "a directory", "a directory", "a directory" } };
         cases[n++] = (struct fd_case){ "eventfd",
                                        eventfd(0, EFD_CLOEXEC),
@@ -529,7 +529,10 @@ int main(int argc, char **argv) {
         close(fd);
         if (start_daemon(argv[1]) < 0) {
                 say("FAIL: moeepd did not start; its log:");
-                (void)!system("cat \"$(ls -d /tmp/moeep-sec-fd.*/moeepd.log | head -1)\" | tail -20");
+                char cmd[sizeof(log_path) + 32];
+
+                snprintf(cmd, sizeof(cmd), "tail -n 20 '%s'", log_path);
+                (void)!system(cmd);
                 return 1;
         }
         sec_baseline();

@@ -688,7 +688,10 @@ int main(int argc, char **argv) {
         have_fuse = fuse_stub_start(fuse_dir) == 0;
         if (start_daemon(argv[1]) < 0) {
                 say("FAIL: moeepd did not start; its log:");
-                (void)!system("tail -n 20 \"$(ls -d /tmp/moeep-sec-fd.*/moeepd.log | head -1)\"");
+                char cmd[sizeof(log_path) + 32];
+
+                snprintf(cmd, sizeof(cmd), "tail -n 20 '%s'", log_path);
+                (void)!system(cmd);
                 return 1;
         }
         sec_baseline();

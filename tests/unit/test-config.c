@@ -13,17 +13,18 @@
 
 #include <cmocka.h>
 
+#include "../tmpdir.h"
 #include "config.h"
 #include "log.h"
 #include "moeep-config.h"
 
 /* Writes `text` to a fresh temporary file; returns its path (static). */
 static const char *write_file(const char *text) {
-        static char path[64];
+        static char path[128];
         FILE *f;
         int fd;
 
-        snprintf(path, sizeof(path), "/tmp/moeep-unit-config-XXXXXX");
+        test_tmp_path(path, sizeof(path), "moeep-unit-config-XXXXXX");
         fd = mkstemp(path);
         assert_true(fd >= 0);
         f = fdopen(fd, "w");
@@ -71,7 +72,7 @@ static void test_good_file(void **state) {
         assert_int_equal(load(&c,
                               "# a comment\n"
                               "[moeepd]\n"
-                              "socket = /tmp/moeep-test.sock\n"
+                              "socket = /run/moeep-test/moeepd.sock\n"
                               "socket_mode = 0600\n"
                               "socket_group = users\n"
                               "admin_group = wheel\n"
@@ -84,7 +85,7 @@ static void test_good_file(void **state) {
                               "max_fds_per_uid = 16\n",
                               errmsg),
                          0);
-        assert_string_equal(c.socket, "/tmp/moeep-test.sock");
+        assert_string_equal(c.socket, "/run/moeep-test/moeepd.sock");
         assert_int_equal(c.socket_mode, 0600);
         assert_string_equal(c.socket_group, "users");
         assert_string_equal(c.admin_group, "wheel");
@@ -237,7 +238,7 @@ static void test_set_and_reload(void **state) {
 
         assert_int_equal(config_init(&live), 0);
         assert_int_equal(config_init(&fresh), 0);
-        assert_int_equal(config_set(&fresh, "socket", "/tmp/other.sock", errmsg), 0);
+        assert_int_equal(config_set(&fresh, "socket", "/run/moeep-test/other.sock", errmsg), 0);
         assert_int_equal(config_set(&fresh, "log_level", "warn", errmsg), 0);
         assert_int_equal(config_set(&fresh, "log_level", "3", errmsg), 0);
         assert_int_equal(config_set(&fresh, "max_jobs_per_uid", "2", errmsg), 0);

@@ -15,6 +15,7 @@
 
 #include <cmocka.h>
 
+#include "../tmpdir.h"
 #include "nics.h"
 
 static void test_distance(void **state) {
@@ -34,13 +35,16 @@ static void test_distance(void **state) {
         assert_string_equal(nics_distance("nonsense", 0, "nonsense", 0), "NODE");
 }
 
-static char root[64];
+static char root[128];
+
+/* snprintf() into an array, failing the test rather than cutting the path. */
+#define PATHF(buf, ...) assert_true((size_t)snprintf(buf, sizeof(buf), __VA_ARGS__) < sizeof(buf))
 
 static void put(const char *rel, const char *text) {
         char path[PATH_MAX];
         FILE *f;
 
-        snprintf(path, sizeof(path), "%s/%s", root, rel);
+        PATHF(path, "%s/%s", root, rel);
         f = fopen(path, "w");
         assert_non_null(f);
         fputs(text, f);
@@ -50,7 +54,7 @@ static void put(const char *rel, const char *text) {
 static void mkdirs(const char *rel) {
         char path[PATH_MAX];
 
-        snprintf(path, sizeof(path), "mkdir -p '%s/%s'", root, rel);
+        PATHF(path, "mkdir -p '%s/%s'", root, rel);
         assert_int_equal(system(path), 0);
 }
 
@@ -59,16 +63,16 @@ static void device(const char *path, const char *vendor, const char *class, cons
         const char *addr = strrchr(path, '/') + 1;
         char rel[PATH_MAX], target[PATH_MAX], link[PATH_MAX];
 
-        snprintf(rel, sizeof(rel), "devices/%s", path);
+        PATHF(rel, "devices/%s", path);
         mkdirs(rel);
-        snprintf(link, sizeof(link), "%s/vendor", rel);
+        PATHF(link, "%s/vendor", rel);
         put(link, vendor);
-        snprintf(link, sizeof(link), "%s/class", rel);
+        PATHF(link, "%s/class", rel);
         put(link, class);
-        snprintf(link, sizeof(link), "%s/numa_node", rel);
+        PATHF(link, "%s/numa_node", rel);
         put(link, numa);
-        snprintf(target, sizeof(target), "%s/%s", root, rel);
-        snprintf(link, sizeof(link), "%s/bus/pci/devices/%s", root, addr);
+        PATHF(target, "%s/%s", root, rel);
+        PATHF(link, "%s/bus/pci/devices/%s", root, addr);
         assert_int_equal(symlink(target, link), 0);
 }
 
@@ -87,9 +91,9 @@ static Moeep__V1__NicInfo *nic(const char *name, const char *pci, int numa) {
 
 static void test_map_fake_tree(void **state) {
         Moeep__V1__Nics *n = calloc(1, sizeof(*n));
-        char cmd[128];
+        char cmd[192];
 
-        snprintf(root, sizeof(root), "/tmp/moeep-unit-sysfs-XXXXXX");
+        test_tmp_path(root, sizeof(root), "moeep-unit-sysfs-XXXXXX");
         assert_non_null(mkdtemp(root));
         mkdirs("bus/pci/devices");
         device("pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:00.0/0000:03:00.0", "0x10de\n", "0x030200\n",
@@ -125,7 +129,7 @@ static void test_map_fake_tree(void **state) {
         assert_int_equal(n->n_gpus, 0);
         nics_free(n);
 
-        snprintf(cmd, sizeof(cmd), "rm -rf '%s'", root);
+        PATHF(cmd, "rm -rf '%s'", root);
         assert_int_equal(system(cmd), 0);
 }
 
@@ -134,10 +138,10 @@ static void test_map_fake_tree(void **state) {
  * not at all where there is none or where the path is no device. */
 static void test_gdrdrv(void **state) {
         Moeep__V1__Nics *n = calloc(1, sizeof(*n));
-        char cmd[128], file[96];
+        char cmd[192], file[192];
         FILE *f;
 
-        snprintf(root, sizeof(root), "/tmp/moeep-unit-sysfs-XXXXXX");
+        test_tmp_path(root, sizeof(root), "moeep-unit-sysfs-XXXXXX");
         assert_non_null(mkdtemp(root));
         mkdirs("module/gdrdrv");
         put("module/gdrdrv/version", "2.4.1\n");
@@ -160,7 +164,7 @@ static void test_gdrdrv(void **state) {
         nics_free(n);
 
         /* Absent, and a regular file where the node should be: nothing. */
-        snprintf(file, sizeof(file), "%s/gdrdrv", root);
+        PATHF(file, "%s/gdrdrv", root);
         f = fopen(file, "w");
         assert_non_null(f);
         fclose(f);
@@ -172,7 +176,7 @@ static void test_gdrdrv(void **state) {
         assert_null(n->gdrdrv);
         nics_free(n);
 
-        snprintf(cmd, sizeof(cmd), "rm -rf '%s'", root);
+        PATHF(cmd, "rm -rf '%s'", root);
         assert_int_equal(system(cmd), 0);
 }
 

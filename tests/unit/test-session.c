@@ -24,10 +24,11 @@
 #include "record.h"
 #include "session.h"
 #include "unit.h"
+#include "../tmpdir.h"
 
 struct fixture {
         struct daemon d;
-        char dir[64];
+        char dir[80];
         char path[96];
         int fds_before;
         struct moeep_record rec;
@@ -40,13 +41,13 @@ static void pump(struct fixture *f) {
 
 static int setup(void **state) {
         struct fixture *f = calloc(1, sizeof(*f));
-        struct daemon_options o = { .log_level = "err" };
+        struct daemon_options o = { .log_level = "err", .no_config = true };
 
         if (!f)
                 return -1;
         /* A directory of its own: the admin socket goes beside it, in
          * DIR-admin (proto/admin-socket.h). */
-        snprintf(f->dir, sizeof(f->dir), "/tmp/moeep-unit-session.XXXXXX");
+        test_tmp_path(f->dir, sizeof(f->dir), "moeep-unit-session.XXXXXX");
         if (!mkdtemp(f->dir))
                 return -1;
         snprintf(f->path, sizeof(f->path), "%s/moeepd.sock", f->dir);

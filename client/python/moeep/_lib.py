@@ -332,9 +332,14 @@ def candidate_paths():
     build = _checkout_build_library()
     if build:
         out.append((build, "the build tree of this checkout"))
-    out.append((ctypes.util.find_library("moeep"), "ctypes.util.find_library('moeep')"))
+    out.append((ctypes.util.find_library("moeep"), FIND_LIBRARY))
     return out
 
+
+# The last place tried, and what to do when it finds nothing: `meson install`
+# does not update the dynamic linker's cache.
+FIND_LIBRARY = "ctypes.util.find_library('moeep')"
+FIND_LIBRARY_HINT = "not in the dynamic linker's cache (after `meson install` into a system libdir, run `sudo ldconfig`)"
 
 _loaded = None
 
@@ -348,7 +353,7 @@ def load_library():
     tried = []
     for path, origin in candidate_paths():
         if path is None:
-            tried.append("%s: not found" % origin)
+            tried.append("%s: %s" % (origin, FIND_LIBRARY_HINT if origin == FIND_LIBRARY else "not found"))
             continue
         if os.sep in path and not os.path.exists(path):
             tried.append("%s (%s): no such file" % (path, origin))
@@ -363,7 +368,7 @@ def load_library():
     raise OSError(
         _errno.ENOENT,
         "cannot load libmoeep.so: build and install it (meson setup build && meson compile -C build && "
-        "sudo meson install -C build), or set MOEEP_LIBRARY to its path. Tried: " + "; ".join(tried),
+        "sudo meson install -C build && sudo ldconfig), or set MOEEP_LIBRARY to its path. Tried: " + "; ".join(tried),
     )
 
 

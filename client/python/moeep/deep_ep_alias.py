@@ -104,8 +104,9 @@ def uninstall():
 
 def report():
     """Prints what `import deep_ep` gives here; True when it is moeep."""
-    print("%s=%r; start-up hook %s in this interpreter" % (ENV, os.environ.get(ENV), "active" if installed()
-                                                           else "not active"))
+    value = os.environ.get(ENV)
+    print("%s; start-up hook %s in this interpreter" % ("%s unset" % ENV if value is None else "%s=%r" % (ENV, value),
+                                                        "active" if installed() else "not active"))
     real = find_real_deep_ep()
     print("real DeepEP: %s" % (real or "none"))
     try:

@@ -78,9 +78,9 @@ class LoadTest(unittest.TestCase):
         saved = os.environ.pop("MOEEP_SOCKET", None)
         try:
             self.assertEqual(_lib.resolve_socket(), ("/run/moeep/moeepd.sock", "the default"))
-            os.environ["MOEEP_SOCKET"] = "/tmp/a.sock"
-            self.assertEqual(_lib.resolve_socket(), ("/tmp/a.sock", "$MOEEP_SOCKET"))
-            self.assertEqual(_lib.resolve_socket("/tmp/b.sock"), ("/tmp/b.sock", "the socket argument"))
+            os.environ["MOEEP_SOCKET"] = "/srv/a.sock"
+            self.assertEqual(_lib.resolve_socket(), ("/srv/a.sock", "$MOEEP_SOCKET"))
+            self.assertEqual(_lib.resolve_socket("/srv/b.sock"), ("/srv/b.sock", "the socket argument"))
         finally:
             os.environ.pop("MOEEP_SOCKET", None)
             if saved is not None:
