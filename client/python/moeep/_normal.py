@@ -185,26 +185,20 @@ class _NormalMode:
                   ("recv_topk_idx", (n_recv, K), idx_dtype) if has_topk else None,
                   ("recv_topk_weights", (n_recv, K), torch.float32) if has_topk else None]
         outs = self._areas.views(torch, area, self, self.device, arrays)
-        if views and has_topk:
-            # The top-k ids and weights are owned copies (small: K words a
-            # row): a caller that keeps them (DeepEP's tests do, under
-            # other names than recv_x) must not hold the whole area.
+        # Owned copies of what must not hold the area: all of it when no
+        # other area stays free (the area then stays free: the next call on
+        # this stream comes after the copies), else the top-k ids and
+        # weights (small, K words a row: a caller that keeps them, as
+        # DeepEP's tests do under other names than recv_x, must not hold it).
+        first = 2 if views else 0
+        if any(t is not None for t in outs[first:]):
             with self._alloc_stream(allocate_on_comm_stream):
-                small = [torch.empty_like(outs[2]), torch.empty_like(outs[3])]
+                owned = [torch.empty_like(t) if t is not None else None for t in outs[first:]]
             with self._on(side):
-                small[0].copy_(outs[2])
-                small[1].copy_(outs[3])
-            outs[2:] = small
-        if not views:
-            # Owned copies; the area stays free (the next call on this
-            # stream comes after the copies).
-            with self._alloc_stream(allocate_on_comm_stream):
-                owned = [torch.empty_like(t) if t is not None else None for t in outs]
-            with self._on(side):
-                for o, t in zip(owned, outs):
+                for o, t in zip(owned, outs[first:]):
                     if o is not None:
                         o.copy_(t)
-            outs = owned
+            outs[first:] = owned
         if scale_cols is not None:
             # Opaque 4-byte scales rode in the first columns: back in their own dtype.
             with self._alloc_stream(allocate_on_comm_stream):
