@@ -1,6 +1,7 @@
 /* moeep-bench (bench.c): timing, results and inputs shared by every
  * measurement. */
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -115,6 +116,31 @@ static double clock_us(clockid_t clock) {
         return (double)ts.tv_sec * 1e6 + (double)ts.tv_nsec / 1e3;
 }
 
+/* MOEEP_BENCH_DUMP=DIR: every series' per-call GPU times, one JSON line
+ * per series (numbered in the order this rank timed them) in
+ * DIR/moeep-bench-rank<r>.jsonl, to see tails that medians hide. */
+static void dump_series(struct rank_env *env, int parts, int n) {
+        static int index;
+        const char *dir = getenv("MOEEP_BENCH_DUMP");
+        char path[4096];
+        FILE *f;
+
+        if (!dir ||
+            snprintf(path, sizeof(path), "%s/moeep-bench-rank%d.jsonl", dir, env->rank) >=
+                    (int)sizeof(path) ||
+            !(f = fopen(path, "a")))
+                return;
+        fprintf(f, "{\"series\": %d, \"parts\": %d, \"gpu_us\": [", index++, parts);
+        for (int p = 0; p <= parts; p++) {
+                fprintf(f, "%s[", p ? ", " : "");
+                for (int i = 0; i < n; i++)
+                        fprintf(f, "%s%.2f", i ? ", " : "", env->s_gpu[p][i]);
+                fprintf(f, "]");
+        }
+        fprintf(f, "]}\n");
+        fclose(f);
+}
+
 /* Times fn back to back (see bench.h), as DeepEP's bench() does: events
  * recorded around each call, the calls issued one after the other, one
  * synchronisation at the end; the time of a call is between its own two
@@ -158,6 +184,7 @@ int time_series(struct rank_env *env, part_fn fn, void *arg, int parts, struct s
                 CUDA_OK(cudaEventElapsedTime(&ms, ev[i * stride], ev[i * stride + parts]));
                 env->s_gpu[parts][i] = ms * 1e3;
         }
+        dump_series(env, parts, n);
         for (int p = 0; p <= parts; p++) {
                 ret->gpu_us[p] = median(env->s_gpu[p], n);
                 ret->host_us[p] = median(env->s_host[p], n);

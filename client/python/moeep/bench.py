@@ -180,6 +180,8 @@ def _ll(torch, deep_ep, a, rank, R, group, device, cache):
     res = {}
     comm = pairs * ((H + H / 128 * 4 + 16) + H * 2)  # DeepEP's test: FP8 pairs out, BF16 pairs back
     res["LL dispatch + combine, eager"] = _summary(*_series(torch, step, a.iters, a.warmup, cache), comm)
+    if os.environ.get("MOEEP_BENCH_DUMP"):
+        _ll_split(torch, buf, x, idx, w, y, T, E, stats, rank, a.iters, cache)
     if a.profile:
         # Every rank makes the calls (they are collective); rank 0 reports.
         prof = cProfile.Profile()
@@ -220,6 +222,27 @@ def _ll(torch, deep_ep, a, rank, R, group, device, cache):
         del g
     buf.destroy()
     return res
+
+
+def _ll_split(torch, buf, x, idx, w, y, T, E, stats, rank, iters, cache):
+    """MOEEP_BENCH_DUMP only: the eager step again, with an event between
+    its dispatch and its combine, every step's two times dumped (where a
+    tail is: dispatch or combine, which steps)."""
+    cache.zero_()
+    ev = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(iters)]
+    for i in range(iters):
+        ev[i][0].record()
+        _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, cumulative_local_expert_recv_stats=stats,
+                                                      use_fp8=True, async_finish=False, return_recv_hook=False)
+        ev[i][1].record()
+        buf.low_latency_combine(y, idx, w, handle, async_finish=False, return_recv_hook=False)
+        ev[i][2].record()
+    torch.cuda.synchronize()
+    d = [e[0].elapsed_time(e[1]) * 1e3 for e in ev]
+    c = [e[1].elapsed_time(e[2]) * 1e3 for e in ev]
+    gap = [ev[i][2].elapsed_time(ev[i + 1][0]) * 1e3 for i in range(iters - 1)]
+    with open(os.path.join(os.environ["MOEEP_BENCH_DUMP"], "ll-split-%d.jsonl" % rank), "a") as f:
+        f.write(json.dumps({"rank": rank, "dispatch_us": d, "combine_us": c, "gap_us": gap}) + "\n")
 
 
 def _c_calls(torch, buf, step):
