@@ -31,10 +31,6 @@ enum moeep_kernel_debug {
          * time what those reads cost (results stay right; a lost rank is
          * then seen by the timeout only). */
         MOEEP_DEBUG_NO_ABORT_POLL = 16,
-        /* The job's waits poll with acquire loads, as before 2026-11-27,
-         * instead of relaxed loads and one acquire fence (wait.cuh): to
-         * time the difference (results stay right). */
-        MOEEP_DEBUG_ACQUIRE_POLL = 128,
 };
 
 enum moeep_kernel_error {

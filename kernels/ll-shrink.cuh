@@ -158,7 +158,7 @@ __device__ __forceinline__ uint32_t ll_decide_cv(const struct moeep_ctx &ctx, in
 __device__ __forceinline__ void ll_wait_own(const struct moeep_ctx &ctx, const uint64_t *flag, uint64_t want) {
         struct spin s = spin_begin();
 
-        spin_acquire([&] { return ld_poll(ctx, flag) >= want; }, [&] { return spin_give_up_block(ctx, s); });
+        spin_until([&] { return ld_acquire_sys(flag) >= want; }, [&] { return spin_give_up_block(ctx, s); });
 }
 
 /* Moves n slots of local expert le from slot `from` on to slot `to` on

@@ -20,18 +20,6 @@ __device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t *p) {
         return v;
 }
 
-__device__ __forceinline__ uint64_t ld_relaxed_sys(const uint64_t *p) {
-        uint64_t v;
-        asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-        return v;
-}
-
-__device__ __forceinline__ uint32_t ld_relaxed_sys_u32(const uint32_t *p) {
-        uint32_t v;
-        asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-        return v;
-}
-
 __device__ __forceinline__ uint32_t ld_acquire_sys_u32(const uint32_t *p) {
         uint32_t v;
         asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");

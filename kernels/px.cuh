@@ -68,16 +68,16 @@ static __device__ __noinline__ bool px_wait(const struct moeep_ctx &ctx, uint32_
         const struct proxy_ring_hdr *hdr = (const struct proxy_ring_hdr *)ctx.px.state->ring_hdr;
         struct spin s = spin_begin();
 
-        return spin_acquire([&] { return ld_poll(ctx, &ctx.px.counters[counter]) >= want; },
-                            [&] {
-                                    if (spin_give_up(ctx, s, peer))
-                                            return true;
-                                    if (s.n % SPIN_CHECK_EVERY == 0 && ring_error(hdr)) {
-                                            record_error(ctx, MOEEP_KERR_PROXY, peer);
-                                            return true;
-                                    }
-                                    return false;
-                            });
+        return spin_until([&] { return ld_acquire_sys(&ctx.px.counters[counter]) >= want; },
+                          [&] {
+                                  if (spin_give_up(ctx, s, peer))
+                                          return true;
+                                  if (s.n % SPIN_CHECK_EVERY == 0 && ring_error(hdr)) {
+                                          record_error(ctx, MOEEP_KERR_PROXY, peer);
+                                          return true;
+                                  }
+                                  return false;
+                          });
 }
 
 __device__ __forceinline__ struct moeep_px_seg px_seg_info(uint64_t value, uint32_t row_bytes, uint32_t topk,

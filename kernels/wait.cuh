@@ -45,30 +45,6 @@ template <typename Done, typename GiveUp> __device__ __forceinline__ bool spin_u
         return true;
 }
 
-/* The loads the job's waits poll a flag with: relaxed, at system scope.
- * A wait that saw its condition then acquires once (spin_acquire), the
- * acquire pattern of the PTX memory model (a relaxed read of a release,
- * then fence.acq_rel): what follows sees what the writer released, as
- * after an acquire load. Acquire loads in the loop itself, from every
- * block's waiter of a flag at once, made one low-latency step in seven to
- * ten take 2-3 times as long (docs/benchmarks.md); they stay behind
- * MOEEP_DEBUG_ACQUIRE_POLL to time the difference. */
-__device__ __forceinline__ uint64_t ld_poll(const struct moeep_ctx &ctx, const uint64_t *p) {
-        return ctx.debug & MOEEP_DEBUG_ACQUIRE_POLL ? ld_acquire_sys(p) : ld_relaxed_sys(p);
-}
-
-__device__ __forceinline__ uint32_t ld_poll_u32(const struct moeep_ctx &ctx, const uint32_t *p) {
-        return ctx.debug & MOEEP_DEBUG_ACQUIRE_POLL ? ld_acquire_sys_u32(p) : ld_relaxed_sys_u32(p);
-}
-
-/* spin_until over ld_poll loads, then the acquire (see ld_poll). */
-template <typename Done, typename GiveUp> __device__ __forceinline__ bool spin_acquire(Done done, GiveUp give_up) {
-        if (!spin_until(done, give_up))
-                return false;
-        fence_acq_rel_sys();
-        return true;
-}
-
 /* Records the first failure of a device wait in the local state; sticky
  * until the host clears it. */
 __device__ __forceinline__ void record_error(const struct moeep_ctx &ctx, uint32_t err, int peer) {
@@ -112,7 +88,7 @@ __device__ __forceinline__ bool spin_give_up(const struct moeep_ctx &ctx, struct
 __device__ __forceinline__ bool wait_flag(const struct moeep_ctx &ctx, const uint64_t *flag, uint64_t want, int peer) {
         struct spin s = spin_begin();
 
-        return spin_acquire([&] { return ld_poll(ctx, flag) >= want; }, [&] { return spin_give_up(ctx, s, peer); });
+        return spin_until([&] { return ld_acquire_sys(flag) >= want; }, [&] { return spin_give_up(ctx, s, peer); });
 }
 
 /* Bounded wait until the 32-bit counter reaches want, or at once when
@@ -121,8 +97,8 @@ __device__ __forceinline__ bool wait_counter(const struct moeep_ctx &ctx, const 
                                              bool skip, int peer) {
         struct spin s = spin_begin();
 
-        return spin_acquire([&] { return skip || ld_poll_u32(ctx, counter) >= want; },
-                            [&] { return spin_give_up(ctx, s, peer); });
+        return spin_until([&] { return skip || ld_acquire_sys_u32(counter) >= want; },
+                          [&] { return spin_give_up(ctx, s, peer); });
 }
 
 /* Bounded wait for an mbarrier phase (the producer/consumer pipeline of a
@@ -195,8 +171,8 @@ __device__ __forceinline__ bool wait_peer(const struct moeep_ctx &ctx, const uin
                                           uint64_t bound_ns) {
         struct spin s = spin_begin();
 
-        return spin_acquire([&] { return ld_poll(ctx, flag) >= want; },
-                            [&] { return spin_give_up_peer(ctx, s, peer, bound_ns); });
+        return spin_until([&] { return ld_acquire_sys(flag) >= want; },
+                          [&] { return spin_give_up_peer(ctx, s, peer, bound_ns); });
 }
 
 /* The give-up policy of an elastic endpoint's wait for another block of
@@ -233,8 +209,8 @@ __device__ __forceinline__ uint32_t wait_decision(const struct moeep_ctx &ctx, c
         struct spin s = spin_begin();
         uint64_t w = 0;
 
-        if (!spin_acquire([&] { return ((w = ld_poll(ctx, word)) >> 32) == (seq & 0xffffffffull); },
-                          [&] { return spin_give_up_block(ctx, s); }))
+        if (!spin_until([&] { return ((w = ld_acquire_sys(word)) >> 32) == (seq & 0xffffffffull); },
+                        [&] { return spin_give_up_block(ctx, s); }))
                 return 0;
         return (uint32_t)w;
 }
