@@ -126,10 +126,18 @@ enum {
 
 /* ---- Bounded device waits (kernels/ptx.cuh). */
 
-/* Spins between the checks of spin_give_up: the abort word lives in host
- * memory, and reading it on every spin would put a PCIe round trip into
- * every poll of the flag the wait is for. */
+/* Spins between the checks of spin_give_up (device memory and the clock). */
 #define SPIN_CHECK_EVERY 32
+/* The words the daemon sets live in host memory (the abort word, the
+ * control page's lost ranks): a PCIe round trip, longer from the other
+ * socket, and a read from every waiting thread of every block at once.
+ * Read every 32 spins, they made low-latency dispatches wait 2-5 times as
+ * long on some hosts (docs/benchmarks.md). A wait reads them only once it
+ * has lasted SPIN_HOST_AFTER_NS, then every SPIN_HOST_EVERY_NS: the waits
+ * of a healthy call never do, and a failure is still seen within a
+ * fraction of a millisecond. */
+#define SPIN_HOST_AFTER_NS 200000ull
+#define SPIN_HOST_EVERY_NS 100000ull
 /* mbarrier waits call spin_give_up once per this many tries. */
 #define MBAR_SPINS 64
 

@@ -7,10 +7,11 @@
  *                  own copy pipeline (mbar_wait, checking once per
  *                  MBAR_SPINS tries) and, adding the ring's error word, a
  *                  remote rank's proxy signal (px_wait, px.cuh). It looks,
- *                  every SPIN_CHECK_EVERY spins, at the job's abort word, a
- *                  failure of another wait of the launch and
- *                  ctx.timeout_ns, and records the failure in the local
- *                  state (record_error) for the host to report.
+ *                  every SPIN_CHECK_EVERY spins, at a failure of another
+ *                  wait of the launch and ctx.timeout_ns and, once the
+ *                  wait is long (spin_host_due), at the job's abort word,
+ *                  and records the failure in the local state
+ *                  (record_error) for the host to report.
  *   ring_wait      the proxy ring's producer (ring.cuh): the ring's error
  *                  word, the abort word and a timeout, on every spin,
  *                  returned to the producer as -errno.
@@ -54,29 +55,44 @@ __device__ __forceinline__ void record_error(const struct moeep_ctx &ctx, uint32
 
 /* The state of one bounded device wait; see spin_give_up. */
 struct spin {
-        uint64_t start; /* globaltimer at the first spin */
-        uint32_t n;     /* spins so far */
+        uint64_t start;     /* globaltimer at the first spin */
+        uint64_t host_next; /* when the wait next reads host memory */
+        uint32_t n;         /* spins so far */
 };
 
 __device__ __forceinline__ struct spin spin_begin(void) {
-        return { globaltimer_ns(), 0 };
+        const uint64_t now = globaltimer_ns();
+        return { now, now + SPIN_HOST_AFTER_NS, 0 };
+}
+
+/* Whether the wait reads the daemon's words in host memory at `now`
+ * (SPIN_HOST_AFTER_NS, params.h): true at most once per
+ * SPIN_HOST_EVERY_NS, never in the wait's first SPIN_HOST_AFTER_NS. */
+__device__ __forceinline__ bool spin_host_due(struct spin &s, uint64_t now) {
+        if (now < s.host_next)
+                return false;
+        s.host_next = now + SPIN_HOST_EVERY_NS;
+        return true;
 }
 
 /* The give-up policy of the job's waits, called once per spin: true when
  * the wait must end without its condition, because the job's abort word is
  * set, another wait of this launch already failed, or the timeout passed
  * (the error is recorded, naming `peer`, -1 when unknown). It looks only
- * every SPIN_CHECK_EVERY spins (params.h). */
+ * every SPIN_CHECK_EVERY spins, and at the abort word (host memory) only
+ * when spin_host_due says so (params.h). */
 __device__ __forceinline__ bool spin_give_up(const struct moeep_ctx &ctx, struct spin &s, int peer) {
         if (++s.n % SPIN_CHECK_EVERY)
                 return false;
-        if (ctx.abort_word && !(ctx.debug & MOEEP_DEBUG_NO_ABORT_POLL) && ld_volatile_u32(ctx.abort_word)) {
+        if (*(volatile uint32_t *)&ctx.state->error)
+                return true;
+        const uint64_t now = globaltimer_ns();
+        if (ctx.abort_word && !(ctx.debug & MOEEP_DEBUG_NO_ABORT_POLL) && spin_host_due(s, now) &&
+            ld_volatile_u32(ctx.abort_word)) {
                 record_error(ctx, MOEEP_KERR_ABORT, peer);
                 return true;
         }
-        if (*(volatile uint32_t *)&ctx.state->error)
-                return true;
-        if (globaltimer_ns() - s.start > ctx.timeout_ns) {
+        if (now - s.start > ctx.timeout_ns) {
                 record_error(ctx, MOEEP_KERR_TIMEOUT, peer);
                 return true;
         }
@@ -113,8 +129,8 @@ __device__ __forceinline__ bool mbar_wait(const struct moeep_ctx &ctx, uint64_t 
         uint32_t n = 0;
 
         /* These waits are short and frequent (a block's own copy pipeline):
-         * spin_give_up reads the abort word over PCIe every 32nd call, so it
-         * is called once per MBAR_SPINS tries, not on every one. */
+         * spin_give_up reads the clock, so it is called once per MBAR_SPINS
+         * tries, not on every one. */
         return spin_until([&] { return mbar_try_wait(bar, parity); },
                           [&] { return ++n % MBAR_SPINS == 0 && spin_give_up(ctx, s, -1); });
 }
@@ -143,7 +159,8 @@ __device__ __forceinline__ uint64_t ll_lost_word(const struct moeep_ctx &ctx) {
 }
 
 /* The give-up policy of an elastic wait for `peer`, called once per spin
- * and looking every SPIN_CHECK_EVERY spins: true when the wait must end. It
+ * and looking every SPIN_CHECK_EVERY spins (at the control page only when
+ * spin_host_due says so): true when the wait must end. It
  * ends quietly when the peer is masked (by another wait, or now: the
  * daemon marked it lost, or the wait is older than bound_ns), with an error
  * when the daemon is stopping (recorded) or another wait failed. */
@@ -153,12 +170,13 @@ __device__ __forceinline__ bool spin_give_up_peer(const struct moeep_ctx &ctx, s
                 return false;
         if (*(volatile uint32_t *)&ctx.state->error || ll_masked(ctx, peer))
                 return true;
-        const uint64_t w = ll_lost_word(ctx);
+        const uint64_t now = globaltimer_ns();
+        const uint64_t w = spin_host_due(s, now) ? ll_lost_word(ctx) : 0;
         if (w >> 32) {
                 record_error(ctx, MOEEP_KERR_ABORT, peer);
                 return true;
         }
-        if (((uint32_t)w >> peer & 1) || globaltimer_ns() - s.start > bound_ns) {
+        if (((uint32_t)w >> peer & 1) || now - s.start > bound_ns) {
                 ll_mask(ctx, peer);
                 return true;
         }
@@ -184,11 +202,12 @@ __device__ __forceinline__ bool spin_give_up_block(const struct moeep_ctx &ctx, 
                 return false;
         if (*(volatile uint32_t *)&ctx.state->error)
                 return true;
-        if (ll_lost_word(ctx) >> 32) {
+        const uint64_t now = globaltimer_ns();
+        if (spin_host_due(s, now) && ll_lost_word(ctx) >> 32) {
                 record_error(ctx, MOEEP_KERR_ABORT, -1);
                 return true;
         }
-        if (globaltimer_ns() - s.start > ctx.timeout_ns + 3 * ctx.shrink_timeout_ns) {
+        if (now - s.start > ctx.timeout_ns + 3 * ctx.shrink_timeout_ns) {
                 record_error(ctx, MOEEP_KERR_TIMEOUT, ctx.rank);
                 return true;
         }
