@@ -18,6 +18,7 @@ import weakref
 
 from . import _lib
 from ._endpoint import Endpoint
+from ._hosttime import install as _install_host_time
 from ._handles import DispatchHandle, LowLatencyHandle, _Route  # noqa: F401
 from ._job import attach
 from ._lib import MoeepError
@@ -332,6 +333,9 @@ class Buffer(_NormalMode, _LowLatencyMode, _ShrinkMode):
         """Where a call's outputs are allocated: the caller's stream, or the
         comm stream (DeepEP's allocate_on_comm_stream)."""
         return _torch().cuda.stream(self.comm_stream) if allocate_on_comm_stream else contextlib.nullcontext()
+
+
+_install_host_time(Buffer)  # MOEEP_HOST_TIME=1 only (_hosttime.py)
 
 
 def _current_stream(torch, index):
