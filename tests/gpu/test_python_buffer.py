@@ -12,7 +12,9 @@ top-k weights). Low-latency mode: BF16 and FP8 (tolerance of the e4m3 cast,
 power-of-two scales with round_scale, UE8M0 packing) dispatch checked per
 local expert as a set of (rank, token) slots, receive hooks, cumulative
 stats, and combine of an expert-dependent function with the top-k weights.
-Errors: a rank whose moeepd session ends without leaving makes the others'
+The first call of each kind also runs under a torch function mode (as
+torch.set_default_device sets, which DeepEP's tests do): it must see none of
+the calls' tensor methods, and the results are checked as the others. Errors: a rank whose moeepd session ends without leaving makes the others'
 next dispatch raise MoeepError naming it.
 
 Usage: test_python_buffer.py [--ranks LIST] [--gpus N]: each rank count of
@@ -26,6 +28,7 @@ Environment: MOEEP_LIBRARY, MOEEP_TEST_MOEEPD (meson sets both).
 """
 
 import argparse
+import contextlib
 import os
 import socket as _socket
 import sys
@@ -99,6 +102,30 @@ def gather(t, group, R):
     return [o.view(t.dtype)[:int(ns[i].item())] for i, o in enumerate(outs)]
 
 
+class CountingMode(torch.overrides.TorchFunctionMode):
+    """A torch function mode that notes what reaches it: moeep's calls
+    must pass none of their tensor methods through one (they run as DeepEP's
+    C++ binding does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.seen.append(getattr(func, "__name__", repr(func)))
+        return func(*args, **(kwargs or {}))
+
+
+def counted(first):
+    """A CountingMode for the first call of a kind, else no mode."""
+    return CountingMode() if first else contextlib.nullcontext()
+
+
+def check_unseen(mode, what):
+    if isinstance(mode, CountingMode):
+        check(not mode.seen, "%s under a torch function mode: it saw %s" % (what, mode.seen[:8]))
+
+
 def test_normal(rank, R, group, sock):
     H, E, K = 4096, 64, 6
     L = E // R
@@ -133,9 +160,11 @@ def test_normal(rank, R, group, sock):
         n_recv = ref_rows.shape[0]
 
         for align in (1, 8):
-            rx, ridx, rw, counts, handle, ev = buf.dispatch(
-                x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-                topk_idx=idx, topk_weights=w, expert_alignment=align)
+            with counted(align == 1) as mode:
+                rx, ridx, rw, counts, handle, ev = buf.dispatch(
+                    x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                    topk_idx=idx, topk_weights=w, expert_alignment=align)
+            check_unseen(mode, "dispatch")
             check(rx.shape == (n_recv, H) and rx.dtype == torch.bfloat16, "recv_x shape %s" % (rx.shape,))
             check(torch.equal(rx, ref_rows), "recv_x rows (T=%d)" % T)
             same(ridx, ref_idx, "recv_topk_idx (T=%d, align %d)" % (T, align))
@@ -249,9 +278,11 @@ def test_low_latency(rank, R, group, sock):
         x = torch.randn(T, H, generator=gen, device="cuda").to(torch.bfloat16)
         idx, w = routing(T, E, K, gen)  # distinct experts per token (top-k)
         all_x, all_idx = gather(x, group, R), gather(idx, group, R)
-        recv, count, handle, ev, fn = buf.low_latency_dispatch(
-            x, idx, NT, E, cumulative_local_expert_recv_stats=stats, use_fp8=fp8, round_scale=round_scale,
-            use_ue8m0=ue8m0, return_recv_hook=hook)
+        with counted(it == 0) as mode:
+            recv, count, handle, ev, fn = buf.low_latency_dispatch(
+                x, idx, NT, E, cumulative_local_expert_recv_stats=stats, use_fp8=fp8, round_scale=round_scale,
+                use_ue8m0=ue8m0, return_recv_hook=hook)
+        check_unseen(mode, "low_latency_dispatch")
         if hook:
             check(fn is not None, "hook returned")
             fn()
@@ -298,7 +329,9 @@ def test_low_latency(rank, R, group, sock):
             rows = deq[e, :n] if deq is not None else torch.stack(
                 [all_x[s][t] for s, t in pairs_of[e]]).float()
             y[e, :n] = (rows * scale_of[rank * L + e]).to(torch.bfloat16)
-        out, ev, fn2 = buf.low_latency_combine(y, idx, w, handle, return_recv_hook=hook)
+        with counted(it == 0) as mode:
+            out, ev, fn2 = buf.low_latency_combine(y, idx, w, handle, return_recv_hook=hook)
+        check_unseen(mode, "low_latency_combine")
         if hook:
             fn2()
         ref = torch.zeros(T, H, device="cuda")

@@ -8,7 +8,7 @@ import ctypes
 from . import _lib
 from ._handles import LowLatencyHandle
 from ._tensors import _check_index, _check_tensor, _index_type, _view
-from .event import EventOverlap, _torch
+from .event import EventOverlap, _as_binding, _torch
 
 
 class _LowLatencyMode:
@@ -26,6 +26,7 @@ class _LowLatencyMode:
         if self._ep is not None:
             self._ep.check(self._ep.lib.moeep_ll_clean(self._ep.ptr), "clean_low_latency_buffer")
 
+    @_as_binding
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                              cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
                              use_fp8=True, round_scale=False, use_ue8m0=False, async_finish=False,
@@ -146,6 +147,7 @@ class _LowLatencyMode:
             self._ll_views[key] = views
         return views
 
+    @_as_binding
     def get_next_low_latency_combine_buffer(self, handle):
         """The bf16 [local experts, slots, hidden] buffer that
         low_latency_combine(..., zero_copy=True) reads the expert outputs
@@ -159,6 +161,7 @@ class _LowLatencyMode:
         return _view(torch, handle.combine_buffer, (L, handle.ll_handle.slots_per_expert, self._plan.hidden),
                      torch.bfloat16, self, self.device)
 
+    @_as_binding
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False, zero_copy=False,
                             async_finish=False, return_recv_hook=False, out=None, combine_wait_recv_cost_stats=None,
                             *, active_ranks=None, timeout_us=0):

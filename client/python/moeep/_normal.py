@@ -8,7 +8,7 @@ import ctypes
 from . import _lib
 from ._handles import DispatchHandle, _Route
 from ._tensors import _check_index, _check_tensor, _index_type, _record, _view
-from .event import _torch
+from .event import _as_binding, _torch
 
 
 class _NormalMode:
@@ -17,6 +17,7 @@ class _NormalMode:
     _handles, the reused ctypes structures (_dispatch_args, _combine_args),
     _apply_num_sms(), _begin(), _on(), _finish(), _alloc_stream()."""
 
+    @_as_binding
     def get_dispatch_layout(self, topk_idx, num_experts, previous_event=None, async_finish=False,
                             allocate_on_comm_stream=False):
         """(num_tokens_per_rank int32 [ranks], None, num_tokens_per_expert
@@ -47,6 +48,7 @@ class _NormalMode:
         event = self._finish(compute, side, allocate_on_comm_stream, [topk_idx, per_rank, per_expert, in_rank])
         return per_rank, None, per_expert, in_rank, event
 
+    @_as_binding
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
                  is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
                  expert_alignment=1, num_worst_tokens=0, config=None, previous_event=None, async_finish=False,
@@ -316,6 +318,7 @@ class _NormalMode:
                 _raw(torch, o).index_copy_(0, order, _raw(torch, torch.cat([p["outs"][i] for p in parts])))
         return outs
 
+    @_as_binding
     def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
                 async_finish=False, allocate_on_comm_stream=False):
         """Sends the received rows back and sums them per token: returns
