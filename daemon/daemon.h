@@ -15,12 +15,12 @@
 #include <sys/queue.h>
 #include <time.h>
 
+#include "clients/requests.h"
+#include "clients/sockdir.h"
 #include "config.h"
-#include "metrics.h"
-#include "notify.h"
-#include "requests.h"
-#include "sockdir.h"
-#include "view.h"
+#include "ops/metrics.h"
+#include "ops/notify.h"
+#include "ops/view.h"
 
 struct event;
 struct clientfds;

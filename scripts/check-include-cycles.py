@@ -35,11 +35,12 @@ def module_of(name):
 def read_graph(src):
     """Returns (edges, where): edges[x] is the set of modules x depends on,
     where[(x, y)] the first "file:line" that makes the edge."""
-    names = sorted(n for n in os.listdir(src) if n.endswith((".c", ".h")))
-    headers = {n for n in names if n.endswith(".h")}
+    paths = sorted(os.path.relpath(os.path.join(d, n), src) for d, _, ns in os.walk(src) for n in ns
+                   if n.endswith((".c", ".h")))
+    headers = {os.path.basename(n) for n in paths if n.endswith(".h")}
     edges, where = {}, {}
-    for name in names:
-        x = module_of(name)
+    for name in paths:
+        x = module_of(os.path.basename(name))
         edges.setdefault(x, set())
         with open(os.path.join(src, name), encoding="utf-8", errors="replace") as f:
             in_comment = False

@@ -258,18 +258,19 @@ def metrics(moeepd, moeepctl, src):
     # Some families appear only with the mesh or a transport on; every one
     # is named by a string literal of the daemon's sources.
     named = set()
-    for f in os.listdir(os.path.join(src, "daemon")):
-        if f.endswith(".c"):
-            named.update(re.findall(r'"(moeepd_[a-z_]+)', read(os.path.join(src, "daemon", f))))
+    for d, _, names in os.walk(os.path.join(src, "daemon")):
+        for f in names:
+            if f.endswith(".c"):
+                named.update(re.findall(r'"(moeepd_[a-z_]+)', read(os.path.join(d, f))))
     ops = read(os.path.join(src, "docs", "operations.md"))
     documented = md_table_first_column(ops, "metric", "5. Metrics")
     rep = Report("metrics")
     rep.compare(named, documented, "docs/operations.md (5. Metrics)", "metric")
     for name in sorted(served - named):
-        rep.problems.append("moeepd serves %s, which no string of daemon/*.c names: the check is blind" % name)
+        rep.problems.append("moeepd serves %s, which no string of daemon/**/*.c names: the check is blind" % name)
     if not served:
         rep.problems.append("moeepd served no metric at all")
-    return rep.done("the %d metric families of daemon/*.c (%d served by a fresh moeepd) are the ones "
+    return rep.done("the %d metric families of daemon/**/*.c (%d served by a fresh moeepd) are the ones "
                     "docs/operations.md lists" % (len(named), len(served)))
 
 

@@ -43,12 +43,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "auth.h"
-#include "daemon.h"
 #include "../tmpdir.h"
+#include "daemon.h"
 #include "fuzz.h"
 #include "log.h"
-#include "mesh.h"
+#include "mesh/auth.h"
+#include "mesh/mesh.h"
 #include "moeep.pb-c.h"
 #include "record.h"
 

@@ -34,14 +34,14 @@
 #include <unistd.h>
 
 #include "../tmpdir.h"
-#include "fuzz.h"
-#include "broker.h"
-#include "clientfd.h"
+#include "clients/session.h"
 #include "daemon.h"
-#include "job.h"
+#include "fuzz.h"
 #include "log.h"
 #include "record.h"
-#include "session.h"
+#include "state/broker.h"
+#include "state/clientfd.h"
+#include "state/job.h"
 
 #define NCLIENTS 4
 #define MAX_IDS 8

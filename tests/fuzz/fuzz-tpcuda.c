@@ -20,8 +20,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "datapath/tp-cuda-wire.h"
 #include "fuzz.h"
-#include "tp-cuda-wire.h"
 
 int LLVMFuzzerInitialize(int *argc, char ***argv) {
         return 0;

@@ -24,8 +24,8 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "auth.h"
 #include "log.h"
+#include "mesh/auth.h"
 #include "moeep.h"
 #include "moeep.pb-c.h"
 #include "record.h"

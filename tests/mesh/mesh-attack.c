@@ -53,8 +53,8 @@
  *       MAX_MS.
  *
  * Every loop is bounded in count and time. */
+#include "clients/uids.h" /* UID_JOINS_BURST */
 #include "mesh-attack-wire.h"
-#include "uids.h" /* UID_JOINS_BURST */
 
 /* ------------------------------------------------------------ reflect */
 

@@ -17,8 +17,8 @@
 #include <cmocka.h>
 
 #include "../tmpdir.h"
-#include "auth.h"
 #include "log.h"
+#include "mesh/auth.h"
 
 #define ID_A "127.0.0.1:7100"
 #define ID_B "127.0.0.1:7101"

@@ -9,7 +9,7 @@
 #include <stdint.h>
 #include <time.h>
 
-#include "proxy.h"
+#include "datapath/proxy.h"
 
 #define DRV_LOAD_ACQ(p) __atomic_load_n((p), __ATOMIC_ACQUIRE)
 #define DRV_STORE_REL(p, v) __atomic_store_n((p), (v), __ATOMIC_RELEASE)

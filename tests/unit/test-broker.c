@@ -11,11 +11,11 @@
 
 #include <cmocka.h>
 
-#include "broker.h"
-#include "clientfd.h"
 #include "config.h"
 #include "errors.h"
-#include "job.h"
+#include "state/broker.h"
+#include "state/clientfd.h"
+#include "state/job.h"
 #include "unit.h"
 
 #define MEMFD MOEEP__V1__REGION_KIND__REGION_KIND_MEMFD

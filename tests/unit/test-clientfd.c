@@ -19,10 +19,10 @@
 
 #include <cmocka.h>
 
-#include "clientfd.h"
 #include "config.h"
 #include "errors.h"
 #include "log.h"
+#include "state/clientfd.h"
 #include "unit.h"
 
 #define MEMFD MOEEP__V1__REGION_KIND__REGION_KIND_MEMFD

@@ -15,7 +15,7 @@
 
 #include "config.h"
 #include "errors.h"
-#include "job.h"
+#include "state/job.h"
 #include "unit.h"
 
 /* One owner per would-be rank; the callbacks write into them. */

@@ -17,14 +17,14 @@
 
 #include <cmocka.h>
 
-#include "broker.h"
-#include "clientfd.h"
-#include "daemon.h"
-#include "job.h"
-#include "record.h"
-#include "session.h"
-#include "unit.h"
 #include "../tmpdir.h"
+#include "clients/session.h"
+#include "daemon.h"
+#include "record.h"
+#include "state/broker.h"
+#include "state/clientfd.h"
+#include "state/job.h"
+#include "unit.h"
 
 struct fixture {
         struct daemon d;

@@ -7,7 +7,7 @@
 
 #include <cuda.h>
 
-#include "tp-cuda-api.h"
+#include "datapath/tp-cuda-api.h"
 
 _Static_assert(sizeof(tpc_result) == sizeof(CUresult), "CUresult");
 _Static_assert(sizeof(tpc_device) == sizeof(CUdevice), "CUdevice");

@@ -1,0 +1,156 @@
+/* The internode data path of moeepd: the transport opened at start-up
+ * (transport.h), the one proxy thread over it (proxy.h), the transport
+ * connections to the other daemons of the mesh, the ranks' proxy regions
+ * and their channels (descriptor rings).
+ *
+ * Who calls what:
+ *  - daemon.c starts it when the mesh is on (datapath_start) and frees it
+ *    after the sessions and the mesh are gone. It hands it struct
+ *    datapath_hooks, the only way the data path reaches the mesh (daemon.c's
+ *    hooks call mesh.c and mesh-jobs.c), so that datapath.c includes nothing
+ *    above it.
+ *  - mesh-transport.c, when a peer daemon's connection comes up, makes the
+ *    local half of a transport connection (datapath_peer_new), sends its
+ *    address in PeerTransport and connects with the peer's
+ *    (datapath_peer_connect); when the connection goes down it fails the
+ *    transport peer (datapath_peer_fail) so rings routing to it get an
+ *    error. It calls these through the struct mesh_transport_hooks that
+ *    daemon.c fills with them (mesh.h), not directly.
+ *  - membership.c registers regions with a proxy role
+ *    (datapath_region_register), releases them and tells it when a member
+ *    goes; requests.c opens channels (datapath_channel_open) and tells it
+ *    when a member's job is aborted.
+ *
+ * Lifetime of a rank's send region: a ring reads it until the proxy says the
+ * ring is removed (PROXY_EVENT_RING_REMOVED), so when its member goes the
+ * rank's state lingers here, holding the send registration, until every one
+ * of its rings is removed. Receive and counter registrations go at once.
+ *
+ * Proxy events come through the proxy's eventfd on the loop: a ring error
+ * (a bad descriptor) aborts the producer's job naming its rank; a failed
+ * transport peer fails the mesh connection to that daemon (mesh.c): its
+ * client (mesh-jobs.c) aborts every job with ranks there, and the mesh
+ * makes a fresh transport connection when the connection comes back. */
+#ifndef MOEEPD_DATAPATH_H
+#define MOEEPD_DATAPATH_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "datapath/transport.h"
+#include "moeep.pb-c.h"
+#include "state/job.h"
+
+struct broker;
+struct config;
+struct datapath;
+struct event_base;
+
+/* How the data path reaches the mesh (mesh.h and mesh-jobs.h have each
+ * call's meaning: the hooks are mesh_jobs_region_changed,
+ * mesh_transport_peer, mesh_jobs_nodes, mesh_jobs_remote_regions,
+ * mesh_jobs_rank_failed and mesh_transport_failed). Called on the loop
+ * with `ctx`; each must work while the mesh is off. */
+struct datapath_hooks {
+        void *ctx; /* not owning */
+        void (*region_changed)(void *ctx, const struct job_member *m, uint64_t region_id, uint32_t tag,
+                               uint32_t kind, uint64_t size, bool released, uint32_t proxy,
+                               const struct tp_rkey *rkey);
+        int (*transport_peer)(void *ctx, const char *address, uint32_t *ret_tp_peer);
+        bool (*job_nodes)(void *ctx, const struct job *job, struct job_node ret[MOEEP_MAX_RANKS]);
+        const struct job_remote_region *(*remote_regions)(void *ctx, const struct job *job, uint32_t *ret_n);
+        void (*rank_failed)(void *ctx, struct job *job, uint32_t rank, const char *reason);
+        void (*transport_failed)(void *ctx, uint32_t tp_peer, const char *why);
+};
+
+/* Descriptors of a ring when ChannelOpen says 0. */
+#define DATAPATH_RING_DEFAULT 1024
+/* Channels (rings) one rank may open. */
+#define DATAPATH_MAX_CHANNELS 8
+
+/* Starts the data path when the mesh is on (mesh_listen set): opens the
+ * configured transport (transport, fabric_provider, transport_device,
+ * transport_address) and starts the proxy. When the transport does not
+ * open, moeepd runs without the internode data path: that is logged once
+ * (a warning naming the transport and why) and every request that needs it
+ * is answered with the same text. Returns 0 (*ret NULL when the mesh is
+ * off) or -ENOMEM. */
+int datapath_start(struct event_base *base, const struct config *c, const struct datapath_hooks *hooks,
+                   struct datapath **ret);
+
+/* Stops the proxy, drops every registration and closes the transport.
+ * Accepts NULL. */
+void datapath_free(struct datapath *dp);
+
+/* Whether the transport is open and the proxy runs; when not, `why` (may
+ * be NULL) gets the reason. */
+bool datapath_up(const struct datapath *dp, const char **ret_why);
+
+/* Backend name of the transport ("fabric", "verbs", "cuda"). */
+const char *datapath_backend(const struct datapath *dp);
+
+/* The transport's byte counters (transport.h, struct tp_stats): true and
+ * *ret filled where the backend counts (cuda), false otherwise. */
+bool datapath_transport_stats(const struct datapath *dp, struct tp_stats *ret);
+
+/* Mesh hooks: the local half of a connection to one more daemon and its
+ * address blob (TP_ADDR_MAX bytes at most); the peer's blob; the peer's
+ * loss (-errno). Set-up calls return -errno with errmsg. */
+int datapath_peer_new(struct datapath *dp, uint32_t *ret_tp_peer, uint8_t ret_blob[TP_ADDR_MAX],
+                      size_t *ret_len, char *errmsg);
+int datapath_peer_connect(struct datapath *dp, uint32_t tp_peer, const void *blob, size_t len, char *errmsg);
+void datapath_peer_fail(struct datapath *dp, uint32_t tp_peer, int error);
+
+/* RegionRegister with a proxy role: checks the role (one region of each
+ * per rank), the kind (a memfd sealed with F_SEAL_SHRINK; a dma-buf where
+ * the transport takes one) and the size (counters: a multiple of 8),
+ * registers the region with the broker and with the transport, and tells
+ * the mesh (with the rkey for recv and counter regions). `*fd` is taken
+ * (set to -1) once the broker took it, on success and on a later failure
+ * alike (the broker then closes it, off the loop), so the caller closes it
+ * only while it is still >= 0. Errors as broker_register (a bad role, kind,
+ * seal or size: -ERROR_KIND_INVALID_ARGUMENT), plus -ENODEV without a data
+ * path, -EOPNOTSUPP for a kind the transport cannot register. */
+int datapath_region_register(struct datapath *dp, struct broker *b, struct job_member *m, uid_t uid,
+                             const Moeep__V1__RegionRegister *rr, int *fd, uint64_t *ret_id, char *errmsg);
+
+/* Before broker_release(): drops the transport registration when `id` is one
+ * of `m`'s proxy regions. -ERROR_KIND_INVALID_ARGUMENT for a send region
+ * that an open channel reads. */
+int datapath_region_release(struct datapath *dp, struct job_member *m, uint64_t id, char *errmsg);
+
+/* ChannelOpen: creates a ring of `capacity` descriptors (0: the default)
+ * whose descriptor peer r goes to rank r of `m`'s job, hands it to the
+ * proxy and returns its fd (the caller's) and id. Errors: -ENODEV without a
+ * data path, and error kinds (errors.h): PEER_LOST for an aborted job,
+ * INVALID_ARGUMENT no send region or a bad capacity, LIMIT_EXCEEDED past
+ * DATAPATH_MAX_CHANNELS, NOT_READY when a rank at another daemon has not joined, has no transport connection
+ * yet, or has not registered its recv and counters regions. */
+int datapath_channel_open(struct datapath *dp, struct job_member *m, uint32_t capacity, int *ret_fd,
+                          uint64_t *ret_ring_id, uint32_t *ret_capacity, char *errmsg);
+
+/* Rank `rank` of `job`, at another daemon, released its receive or
+ * counter region, or left the job: the routes to it in the rings of the
+ * job's ranks here lead nowhere from now on (proxy_route_drop()), so that
+ * a descriptor naming it fails its own ring instead of reaching a region
+ * that daemon no longer knows. */
+void datapath_remote_rank_gone(struct datapath *dp, const struct job *job, uint32_t rank);
+
+/* How long a receive or counter registration outlives its release (or
+ * its rank): writes to it that were on their way land, rather than meet a
+ * key the transport no longer knows (datapath.c, mr_retire()). Twice the
+ * proxy's write timeout. */
+#define DATAPATH_MR_LINGER_MS 10000
+
+/* `m` leaves its job or is lost: its channels are removed and its
+ * registrations dropped (the send region once the rings are gone; the
+ * receive and counters registrations retire for DATAPATH_MR_LINGER_MS, so
+ * that writes other daemons had in flight to a lost rank still land). A
+ * job that loses a rank keeps its other ranks' channels: an elastic job
+ * goes on without the rank; an endpoint that is not elastic stops at the
+ * abort word, and its channels go when it leaves. Call before
+ * broker_drop_member(). Accepts dp NULL. */
+void datapath_member_gone(struct datapath *dp, struct job_member *m);
+
+#endif
