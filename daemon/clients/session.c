@@ -1,6 +1,9 @@
 /* Sessions: one per client connection, and their registry; see
  * session.h. Nothing here knows what a request means: records go up
- * through the registry's hooks. */
+ * through the registry's hooks. At the end, the sessions held back: not
+ * read while their uid's share of the loop is spent (uids.h), or while
+ * the descriptors their next record may bring do not fit yet
+ * (clientfd.h); and the records refused unread because of that. */
 #include <errno.h>
 #include <event2/event.h>
 #include <fcntl.h>
@@ -13,7 +16,6 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "clients/session-internal.h"
 #include "clients/session.h"
 #include "config.h"
 #include "errors.h"
@@ -21,6 +23,13 @@
 #include "messages.h"
 #include "record.h"
 #include "state/clientfd.h"
+
+/* Sessions held back (at the end of this file). */
+static uint64_t session_thread_cpu_us(void);
+static void session_hold(struct session *s, uint64_t until_us);
+static void session_unhold(struct session *s);
+static void sessions_hold_cb(evutil_socket_t fd, short what, void *arg);
+static int session_read_admitted(struct session *s);
 
 /* Output a session may queue before we decide its peer does not read: a
  * slow peer must not make the daemon buffer without bound. */
@@ -393,7 +402,7 @@ static int session_read_one(struct session *s) {
         uint64_t rid;
         int r;
 
-        /* A record may bring up to 253 fds (session-hold.c). */
+        /* A record may bring up to 253 fds (session_read_admitted()). */
         if (!session_read_admitted(s))
                 return 0;
         memset(&rx.hdr, 0, sizeof(rx.hdr));
@@ -715,12 +724,8 @@ void sessions_free(struct sessions *reg) {
         free(reg);
 }
 
-/* ============================================================ (was session-hold.c) */
+/* ------------------------------------------------------------ sessions held back */
 
-/* Sessions held back: not read while their uid's share of the loop is
- * spent (uids.h), or while the descriptors their next record may bring do
- * not fit yet (clientfd.h); and the records refused unread because of
- * that. See session.h. */
 /* A record whose fds do not fit yet, while closes that would make room are
  * under way, is tried again every SESSION_FDS_RETRY_US for at most
  * SESSION_FDS_WAIT_MS; then the session ends. */
@@ -732,7 +737,7 @@ void sessions_free(struct sessions *reg) {
 
 /* CPU time of the loop thread, in microseconds: what handling a record
  * cost, whatever else ran on the machine meanwhile. */
-uint64_t session_thread_cpu_us(void) {
+static uint64_t session_thread_cpu_us(void) {
         struct timespec ts;
 
         clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
@@ -753,7 +758,7 @@ static void sessions_hold_arm(struct sessions *reg, uint64_t wait_us) {
 
 /* Stops reading `s` until `until_us` has come and its uid's share of the
  * loop has grown back (sessions_hold_cb). */
-void session_hold(struct session *s, uint64_t until_us) {
+static void session_hold(struct session *s, uint64_t until_us) {
         struct sessions *reg = s->reg;
         uint64_t now = uids_now_us(), wait = uid_loop_wait_us(s->uid_state, now);
 
@@ -771,7 +776,8 @@ void session_hold(struct session *s, uint64_t until_us) {
         sessions_hold_arm(reg, wait);
 }
 
-void session_unhold(struct session *s) {
+/* Takes `s` off the held list (it closes, or is read again). */
+static void session_unhold(struct session *s) {
         if (!s->throttled)
                 return;
         TAILQ_REMOVE(&s->reg->throttled, s, throttle_entry);
@@ -780,7 +786,8 @@ void session_unhold(struct session *s) {
                 s->uid_state->throttled = false;
 }
 
-void sessions_hold_cb(evutil_socket_t fd, short what, void *arg) {
+/* The registry's ev_throttle: reads held sessions again when they may. */
+static void sessions_hold_cb(evutil_socket_t fd, short what, void *arg) {
         struct sessions *reg = arg;
         uint64_t now = uids_now_us(), wait = UINT64_MAX;
         struct session *s, *next;
@@ -837,7 +844,11 @@ static void session_discarded(void *ctx, const struct moeep_record_header *hdr, 
         session_unref(s);
 }
 
-int session_read_admitted(struct session *s) {
+/* Before reading a record of `s`: 1 to read it, or 0 when it is not read
+ * now: `s` is held (fds that would make room are being closed), or the
+ * record is being refused unread (its fds released by a closer, never
+ * taken; the session is paused until then), or `s` failed. */
+static int session_read_admitted(struct session *s) {
         char errmsg[ERRMSG_MAX];
         int r;
 

@@ -1,10 +1,11 @@
-/* What tp-cuda.c (the backend: CUDA context, regions, writes, completions)
- * and tp-cuda-peer.c (the Unix socket through which two daemons of one host
- * pass each other their regions' fds) share. Not for any other file.
+/* The inside of tp-cuda.c (the backend: CUDA context, regions, writes,
+ * completions, and the Unix socket through which two daemons of one host
+ * pass each other their regions' fds), for the unit tests, which open it
+ * over a libcuda stand-in (tpc_open()). Not for any other file.
  *
  * Threads, as transport.h allows: the event loop calls open, close, mr_new,
  * mr_free, peer_new and peer_connect; the proxy thread calls write and poll;
- * the backend's own server thread (tp-cuda-peer.c) answers the other
+ * the backend's own server thread (tpc_server_start()) answers the other
  * daemons. `lock` guards what more than one of them touches: the region
  * list, the tokens and the server's connections (every send on them). The
  * proxy thread alone owns the operation queue and each peer's imports. */
@@ -138,28 +139,5 @@ struct tp {
 /* tp_cuda_ops.open with the driver's entry points from `api` (the unit
  * tests' stand-in for libcuda), or from libcuda.so.1 when NULL. */
 int tpc_open(const struct tp_config *cfg, const struct tpc_api *api, struct tp **ret, char *errmsg);
-int tpc_cuda_errmsg(const struct tp *tp, char *errmsg, int r, tpc_result cr, const char *fmt, ...)
-        __attribute__((format(printf, 5, 6)));
-int tpc_mapping_import(struct tp *tp, int fd, bool memfd, uint64_t length, const char *name,
-                       struct tpc_mapping *ret, char *errmsg);
-void tpc_mapping_release(struct tp *tp, struct tpc_mapping *m);
-
-/* tp-cuda-peer.c */
-int tpc_server_start(struct tp *tp, char *errmsg);
-void tpc_server_stop(struct tp *tp);
-void tpc_revoke_broadcast(struct tp *tp, uint64_t key);
-int tpc_peer_new(struct tp *tp, uint32_t *ret_peer, void *ret_blob, size_t *ret_len, char *errmsg);
-int tpc_peer_connect(struct tp *tp, uint32_t peer, const void *blob, size_t len, char *errmsg);
-/* Proxy thread: the import of `key` at `peer`, fetched on first use; NULL
- * with *ret_error -EACCES (the peer has no such region) or another -errno
- * (the connection failed: the peer is dead now). */
-struct tpc_remote *tpc_remote_get(struct tp *tp, uint32_t peer, uint64_t key, int *ret_error);
-/* Proxy thread: tp_ops.peer_fail; the proxy failed `peer` (the mesh lost its
- * daemon, or a write to it failed): its imports go now and its connection
- * is shut down, so that the peer's server drops it too. */
-void tpc_peer_fail(struct tp *tp, uint32_t peer);
-/* Proxy thread: reads what peers sent unasked (REVOKE, a late WELCOME, EOF). */
-void tpc_peers_drain(struct tp *tp);
-void tpc_peers_free(struct tp *tp);
 
 #endif

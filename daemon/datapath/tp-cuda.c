@@ -13,7 +13,7 @@
  * - A peer daemon's regions are reached through its fds: peer_new's blob
  *   names our abstract Unix socket and a fresh token; the peer connects,
  *   presents the token (one connection per token) and fetches the fd of a
- *   key the first time it writes there (tp-cuda-peer.c).
+ *   key the first time it writes there (the peer socket, at the end).
  * - write is a copy on one daemon stream (cuMemcpyDtoDAsync between device
  *   regions) followed by an event; a stream runs its copies in order, so
  *   the proxy's signal write, posted after the data, lands after it: the
@@ -42,7 +42,31 @@
 
 #include "datapath/tp-cuda-internal.h"
 
-int tpc_cuda_errmsg(const struct tp *tp, char *errmsg, int r, tpc_result cr, const char *fmt, ...) {
+static int tpc_cuda_errmsg(const struct tp *tp, char *errmsg, int r, tpc_result cr, const char *fmt, ...)
+        __attribute__((format(printf, 5, 6)));
+static int tpc_mapping_import(struct tp *tp, int fd, bool memfd, uint64_t length, const char *name,
+                              struct tpc_mapping *ret, char *errmsg);
+static void tpc_mapping_release(struct tp *tp, struct tpc_mapping *m);
+
+/* The peer socket (below, after the backend). */
+static int tpc_server_start(struct tp *tp, char *errmsg);
+static void tpc_server_stop(struct tp *tp);
+static void tpc_revoke_broadcast(struct tp *tp, uint64_t key);
+static int tpc_peer_new(struct tp *tp, uint32_t *ret_peer, void *ret_blob, size_t *ret_len, char *errmsg);
+static int tpc_peer_connect(struct tp *tp, uint32_t peer, const void *blob, size_t len, char *errmsg);
+/* Proxy thread: the import of `key` at `peer`, fetched on first use; NULL
+ * with *ret_error -EACCES (the peer has no such region) or another -errno
+ * (the connection failed: the peer is dead now). */
+static struct tpc_remote *tpc_remote_get(struct tp *tp, uint32_t peer, uint64_t key, int *ret_error);
+/* Proxy thread: tp_ops.peer_fail; the proxy failed `peer` (the mesh lost its
+ * daemon, or a write to it failed): its imports go now and its connection
+ * is shut down, so that the peer's server drops it too. */
+static void tpc_peer_fail(struct tp *tp, uint32_t peer);
+/* Proxy thread: reads what peers sent unasked (REVOKE, a late WELCOME, EOF). */
+static void tpc_peers_drain(struct tp *tp);
+static void tpc_peers_free(struct tp *tp);
+
+static int tpc_cuda_errmsg(const struct tp *tp, char *errmsg, int r, tpc_result cr, const char *fmt, ...) {
         const char *s = NULL;
         char what[ERRMSG_MAX];
         va_list ap;
@@ -216,8 +240,8 @@ static void cuda_close(struct tp *tp) {
 
 /* ------------------------------------------------------------ memory */
 
-int tpc_mapping_import(struct tp *tp, int fd, bool memfd, uint64_t length, const char *name,
-                       struct tpc_mapping *ret, char *errmsg) {
+static int tpc_mapping_import(struct tp *tp, int fd, bool memfd, uint64_t length, const char *name,
+                              struct tpc_mapping *ret, char *errmsg) {
         struct tpc_access_desc access = { TPC_LOCATION_DEVICE, tp->ordinal, TPC_ACCESS_READWRITE };
         struct tpc_mapping m = { 0 };
         tpc_result cr;
@@ -274,7 +298,7 @@ fail_release:
                 name, m.cumem_size, fd, length);
 }
 
-void tpc_mapping_release(struct tp *tp, struct tpc_mapping *m) {
+static void tpc_mapping_release(struct tp *tp, struct tpc_mapping *m) {
         tp->api.ctx_set_current(tp->ctx);
         if (m->cumem_size) {
                 tp->api.unmap(m->ptr, m->cumem_size);
@@ -510,10 +534,10 @@ const struct tp_ops tp_cuda_ops = {
         .peer_fail = tpc_peer_fail,
 };
 
-/* ============================================================ (was tp-cuda-peer.c) */
+/* ------------------------------------------------------------ the peer socket */
 
 /* tp-cuda between daemons of one host: how daemon A's proxy reaches the
- * GPU memory registered at daemon B (see tp-cuda.c for the backend).
+ * GPU memory registered at daemon B (the backend is above).
  *
  * B listens on an abstract SOCK_SEQPACKET socket with a random name. For
  * each peer, peer_new puts that name, B's pid and uid and a fresh 32-byte
@@ -742,7 +766,7 @@ static void *server_main(void *arg) {
         return NULL;
 }
 
-int tpc_server_start(struct tp *tp, char *errmsg) {
+static int tpc_server_start(struct tp *tp, char *errmsg) {
         struct sockaddr_un addr;
         uint64_t nonce;
         socklen_t alen;
@@ -772,7 +796,7 @@ int tpc_server_start(struct tp *tp, char *errmsg) {
         return 0;
 }
 
-void tpc_server_stop(struct tp *tp) {
+static void tpc_server_stop(struct tp *tp) {
         uint64_t one = 1;
 
         if (tp->server_started) {
@@ -792,7 +816,7 @@ void tpc_server_stop(struct tp *tp) {
         tp->listen_fd = tp->stop_fd = -1;
 }
 
-void tpc_revoke_broadcast(struct tp *tp, uint64_t key) {
+static void tpc_revoke_broadcast(struct tp *tp, uint64_t key) {
         struct tpc_msg m = { .magic = TPC_MSG_MAGIC, .type = TPC_MSG_REVOKE, .key = key };
 
         /* Every authenticated connection: which of them fetched the key is
@@ -815,7 +839,7 @@ void tpc_revoke_broadcast(struct tp *tp, uint64_t key) {
         pthread_mutex_unlock(&tp->lock);
 }
 
-int tpc_peer_new(struct tp *tp, uint32_t *ret_peer, void *ret_blob, size_t *ret_len, char *errmsg) {
+static int tpc_peer_new(struct tp *tp, uint32_t *ret_peer, void *ret_blob, size_t *ret_len, char *errmsg) {
         struct tpc_blob b = tp->self;
         uint32_t i;
 
@@ -841,7 +865,7 @@ int tpc_peer_new(struct tp *tp, uint32_t *ret_peer, void *ret_blob, size_t *ret_
 
 /* ------------------------------------------------------------ client (A) */
 
-int tpc_peer_connect(struct tp *tp, uint32_t peer, const void *blob, size_t len, char *errmsg) {
+static int tpc_peer_connect(struct tp *tp, uint32_t peer, const void *blob, size_t len, char *errmsg) {
         struct tpc_msg hello = { .magic = TPC_MSG_MAGIC, .type = TPC_MSG_HELLO };
         struct epoll_event ev = { .events = EPOLLIN, .data.u32 = peer };
         struct tpc_peer *p;
@@ -1038,7 +1062,7 @@ static bool peer_read(struct tp *tp, uint32_t peer) {
         }
 }
 
-void tpc_peer_fail(struct tp *tp, uint32_t peer) {
+static void tpc_peer_fail(struct tp *tp, uint32_t peer) {
         /* A peer still NEW has no connection and no import, and the loop
          * thread may be connecting it: left alone (the proxy never writes
          * to it again either way). */
@@ -1047,7 +1071,7 @@ void tpc_peer_fail(struct tp *tp, uint32_t peer) {
                 peer_dead(tp, peer, "failed by the proxy");
 }
 
-void tpc_peers_drain(struct tp *tp) {
+static void tpc_peers_drain(struct tp *tp) {
         struct epoll_event ev[16];
         int n = epoll_wait(tp->epoll_fd, ev, 16, 0);
 
@@ -1058,7 +1082,7 @@ void tpc_peers_drain(struct tp *tp) {
                         peer_read(tp, ev[i].data.u32);
 }
 
-struct tpc_remote *tpc_remote_get(struct tp *tp, uint32_t peer, uint64_t key, int *ret_error) {
+static struct tpc_remote *tpc_remote_get(struct tp *tp, uint32_t peer, uint64_t key, int *ret_error) {
         struct tpc_peer *p = &tp->peers[peer];
         struct tpc_msg m = { .magic = TPC_MSG_MAGIC, .type = TPC_MSG_FETCH, .key = key };
         uint64_t deadline = now_ms() + TPC_FETCH_TIMEOUT_MS;
@@ -1128,7 +1152,7 @@ struct tpc_remote *tpc_remote_get(struct tp *tp, uint32_t peer, uint64_t key, in
         return rem;
 }
 
-void tpc_peers_free(struct tp *tp) {
+static void tpc_peers_free(struct tp *tp) {
         for (uint32_t i = 0; tp->peers && i < tp->npeers; i++) {
                 struct tpc_peer *p = &tp->peers[i];
 

@@ -53,7 +53,7 @@ enum auth_role {
 const char *auth_role_to_string(enum auth_role r);
 
 /* What both sides must agree on; the identities are canonical mesh
- * addresses (mesh_address_canon(), mesh-handshake.c), NUL-terminated, not
+ * addresses (mesh_address_canon(), mesh.c), NUL-terminated, not
  * owned. */
 struct auth_transcript {
         uint8_t nonce_dialler[AUTH_NONCE_BYTES];

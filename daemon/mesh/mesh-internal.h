@@ -1,6 +1,6 @@
-/* What the peer layer's files share: mesh.c (connections), mesh-frame.c
- * (framing and sealing), mesh-handshake.c (identities, admission, handshake) and mesh-transport.c
- * (each connection's transport peer). Not for any other file: the rest of
+/* What the peer layer's files share: mesh.c (connections, framing and
+ * sealing, identities, admission, handshake) and mesh-transport.c (each
+ * connection's transport peer). Not for any other file: the rest of
  * the daemon, the jobs across daemons included, uses mesh.h. */
 #ifndef MOEEPD_MESH_INTERNAL_H
 #define MOEEPD_MESH_INTERNAL_H
@@ -41,7 +41,7 @@ void mesh_peer_refuse(struct mesh_peer *p, const char *why);
  * a connection to the same daemon). */
 void mesh_peer_up(struct mesh_peer *p);
 
-/* ------------------------------------------------ mesh-handshake.c: addresses */
+/* ------------------------------------------------ mesh.c: addresses */
 
 /* "IPV4:PORT" or "[IPV6]:PORT" of `sa`, "?" for another family. */
 void mesh_sockaddr_string(const struct sockaddr *sa, char *buf, size_t size);
@@ -54,7 +54,7 @@ int mesh_address_resolve(const char *address, struct sockaddr_storage *ret_ss, s
  * listener's socket. */
 void mesh_address_set(struct mesh *mesh);
 
-/* ------------------------------------------------ mesh-frame.c */
+/* ------------------------------------------------ mesh.c: frames */
 
 /* Whether messages of case `c` travel in clear (the handshake's, but
  * PeerWelcome, the acceptor's first sealed frame). */
@@ -78,7 +78,7 @@ void mesh_transport_handle(struct mesh_peer *p, const Moeep__V1__PeerTransport *
  * connected. */
 bool mesh_transport_drop(struct mesh_peer *p, bool fail);
 
-/* ------------------------------------------------ mesh-handshake.c: handshake */
+/* ------------------------------------------------ mesh.c: handshake */
 
 /* Dialler: the connection is made; sends PeerHello. */
 void mesh_hello_send(struct mesh_peer *p);
@@ -89,7 +89,7 @@ void mesh_challenge_handle(struct mesh_peer *p, const Moeep__V1__PeerChallenge *
 void mesh_proof_handle(struct mesh_peer *p, const Moeep__V1__PeerProof *pr);
 void mesh_welcome_handle(struct mesh_peer *p);
 
-/* ------------------------------------------------ mesh-handshake.c: admission */
+/* ------------------------------------------------ mesh.c: admission */
 
 /* Whether one more pre-authentication refusal may be logged now. */
 bool mesh_preauth_log_ok(struct mesh *mesh);

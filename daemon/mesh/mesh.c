@@ -1,9 +1,9 @@
-/* The internode mesh's peers: connections, their failure, liveness, dial,
- * accept and reap, and the routing of each message; see mesh.h. Frames
- * and sealing are in mesh-frame.c, identities, admission and the handshake
- * in mesh-handshake.c, each connection's transport peer in
- * mesh-transport.c; the jobs across daemons, which this file hands their
- * messages to, in mesh-jobs.c. */
+/* The internode mesh's peers; see mesh.h. In order: connections, their
+ * failure, liveness, dial, accept and reap, and the routing of each
+ * message; the frames and their sealing; identities, admission and the
+ * handshake. Each connection's transport peer is mesh-transport.c's; the
+ * jobs across daemons, which this file hands their messages to, are
+ * mesh-jobs.c's. */
 #include <arpa/inet.h>
 #include <errno.h>
 #include <event2/buffer.h>
@@ -648,12 +648,13 @@ uint32_t mesh_peer_jobs(const struct mesh *mesh, const struct mesh_peer *p) {
         return mesh->client.peer_jobs ? mesh->client.peer_jobs(mesh->client.arg, p) : 0;
 }
 
-/* ============================================================ (was mesh-frame.c) */
+/* ============================================================ frames */
 
 /* The mesh's frames: a 4-byte big-endian length and a PeerMessage, in
  * clear for the handshake and sealed (auth.h) after it, written by
  * mesh_peer_send() and read by mesh_peer_read_cb(), which hands each
- * message to mesh_peer_handle() (mesh.c). See mesh.h. */
+ * message to mesh_peer_handle(). */
+
 /* ------------------------------------------------------------ sending */
 
 /* Messages that travel in clear during the handshake. PeerWelcome is not
@@ -817,11 +818,11 @@ void mesh_peer_read_cb(struct bufferevent *bev, void *arg) {
         }
 }
 
-/* ============================================================ (was mesh-handshake.c) */
+/* ============================================================ identities, admission, handshake */
 
 /* The node mesh's identities, admission and handshake; see mesh.h and
- * auth.h. mesh.c keeps the connections and their framing; mesh-internal.h
- * is what the peer layer's files share. */
+ * auth.h. */
+
 /* ------------------------------------------------------------ addresses */
 
 void mesh_sockaddr_string(const struct sockaddr *sa, char *buf, size_t size) {

@@ -15,7 +15,7 @@
  * identities (auth.h), and is freed once it fails. Nothing a client sends
  * creates a peer or a connection: a forwarded join goes only to a
  * configured peer. Mesh addresses are kept canonical (mesh_address_canon()
- * in mesh-handshake.c: numeric, "IPV4:PORT" or "[IPV6]:PORT"), so that two
+ * in mesh.c: numeric, "IPV4:PORT" or "[IPV6]:PORT"), so that two
  * spellings of one socket address compare equal as strings. A peer is
  * usable only in state UP; until then it may send only handshake messages,
  * frames of at most MESH_FRAME_MAX_UNAUTH bytes, and must finish within
@@ -212,7 +212,7 @@ const char *mesh_address(const struct mesh *mesh);
  * this daemon's own. False when the mesh is off or it is no address. */
 bool mesh_address_is_self(const struct mesh *mesh, const char *address);
 
-/* The canonical spelling of `address` (see mesh-handshake.c). Returns 0 or
+/* The canonical spelling of `address` (see mesh.c). Returns 0 or
  * -EINVAL. */
 int mesh_address_canon(const char *address, char ret[static JOB_NODE_MAX + 1]);
 

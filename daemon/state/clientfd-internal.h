@@ -71,7 +71,7 @@
 #define DMA_BUF_MAGIC 0x444d4142
 
 /* A descriptor taken from a client's process with pidfd_getfd()
- * (clientfd-take.c). Made on the loop, run by a closer in its uid's queue
+ * (clientfd.c, clientfd_take()). Made on the loop, run by a closer in its uid's queue
  * (the take can wait on a lock the client holds, see clientfd_take()),
  * handed back to the loop through clientfds.takes_done. */
 struct cf_take {
@@ -110,18 +110,6 @@ struct cf_job {
         TAILQ_ENTRY(cf_job) entry;
 };
 TAILQ_HEAD(cf_job_list, cf_job);
-
-/* clientfd-take.c, on a closer thread: does `t` (pidfd_getfd and the
- * checks of the process), filling t->fd or t->error and t->errmsg, and
- * closes t->pidfd. Never logs. */
-void clientfd_take_run(struct cf_take *t);
-
-/* clientfd.c, on the loop: queues `t` in its uid's closer queue (a
- * discard: in its queue of sockets). Returns 0 or -ENOMEM. */
-int clientfd_queue_take(struct clientfds *cf, struct cf_take *t);
-
-/* clientfd-take.c, on the loop: calls t->done and frees `t`. */
-void clientfd_take_finish(struct clientfds *cf, struct cf_take *t);
 
 /* One queue of a uid, served by at most one closer at a time. Each uid has
  * two: the fds it sent and its takes, whose close (or take) may never

@@ -1,6 +1,7 @@
 /* Descriptors that clients send; see clientfd.h. This file charges them to
- * their uids and closes them on the closer threads; clientfd-check.c checks
- * that an fd is of the kind a client says. */
+ * their uids, closes them on the closer threads and takes them from a
+ * client's process (pidfd_getfd); clientfd-check.c checks that an fd is of
+ * the kind a client says. */
 #include <errno.h>
 #include <event2/event.h>
 #include <fcntl.h>
@@ -29,6 +30,13 @@
 #include "log.h"
 #include "record.h"
 #include "state/clientfd-internal.h"
+
+/* Takes (at the end of this file): on a closer thread, does `t`
+ * (pidfd_getfd and the checks of the process), filling t->fd or t->error
+ * and t->errmsg, and closes t->pidfd, never logging; on the loop, calls
+ * t->done and frees `t`. */
+static void clientfd_take_run(struct cf_take *t);
+static void clientfd_take_finish(struct clientfds *cf, struct cf_take *t);
 
 /* ------------------------------------------------------------ accounting */
 
@@ -430,7 +438,9 @@ static void close_queue(struct clientfds *cf, uid_t uid, int fd, enum cf_cost co
         job_push(cf, &u->lanes[cost == CF_SOCKET ? CF_LANE_SOCKETS : CF_LANE_FDS], job);
 }
 
-int clientfd_queue_take(struct clientfds *cf, struct cf_take *t) {
+/* Queues `t` in its uid's closer queue (a discard: in its queue of
+ * sockets). Returns 0 or -ENOMEM. */
+static int clientfd_queue_take(struct clientfds *cf, struct cf_take *t) {
         struct cf_uid *u = uid_get(cf, t->uid);
         struct cf_job *job = malloc(sizeof(*job));
 
@@ -676,7 +686,7 @@ void clientfds_free(struct clientfds *cf, int timeout_ms) {
         free(cf);
 }
 
-/* ============================================================ (was clientfd-take.c) */
+/* ------------------------------------------------------------ takes */
 
 /* Descriptors the daemon takes from a client's process with pidfd_getfd()
  * (RegionRegister.take); see clientfd_take() in clientfd.h. The loop part
@@ -811,7 +821,7 @@ static void discard_run(struct cf_take *t) {
         t->pidfd = -1;
 }
 
-void clientfd_take_run(struct cf_take *t) {
+static void clientfd_take_run(struct cf_take *t) {
         if (t->discard) {
                 discard_run(t);
                 return;
@@ -865,7 +875,7 @@ void clientfd_take_run(struct cf_take *t) {
         t->pidfd = -1;
 }
 
-void clientfd_take_finish(struct clientfds *cf, struct cf_take *t) {
+static void clientfd_take_finish(struct clientfds *cf, struct cf_take *t) {
         if (t->discard) {
                 clientfds_uncharge(cf, t->uid, 1); /* its duplicate of the socket is closed */
                 if (!cf->takes_dropped)

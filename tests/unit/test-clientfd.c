@@ -1,4 +1,4 @@
-/* Client descriptors (daemon/clientfd.c): the kind table, the charges and
+/* Client descriptors (daemon/state/clientfd.c): the kind table, the charges and
  * caps, and the closers. The attacks on a real daemon (SO_LINGER, FUSE)
  * are in tests/security/fdattack.c. */
 #include <errno.h>
@@ -206,7 +206,7 @@ static struct take_result take(struct fixture *f, int sock, const struct ucred *
         return res;
 }
 
-/* Takes (clientfd-take.c) from this very process: the peer of a
+/* Takes (clientfd_take()) from this very process: the peer of a
  * socketpair is the process that made it. */
 static void test_takes(void **state) {
         struct fixture *f = *state;
