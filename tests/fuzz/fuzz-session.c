@@ -1,4 +1,4 @@
-/* libFuzzer target: the request dispatcher (daemon/session.c with job.c,
+/* libFuzzer target: the request dispatcher (daemon/clients/session.c with job.c,
  * broker.c and query.c behind it).
  *
  * A real daemon object runs in-process on a private socket (as in

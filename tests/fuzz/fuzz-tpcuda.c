@@ -1,5 +1,5 @@
 /* libFuzzer target: what the cuda transport reads from other processes
- * (daemon/tp-cuda-wire.c): a peer daemon's address blob, and the messages
+ * (daemon/datapath/tp-cuda-wire.c): a peer daemon's address blob, and the messages
  * on its peer socket, which any local process may send.
  *
  * Byte 0 picks the entry point, byte 1 its options, the rest is the input:

@@ -1,4 +1,4 @@
-/* Attacks on moeepd's node mesh (daemon/mesh.c, daemon/auth.c), for
+/* Attacks on moeepd's node mesh (daemon/mesh/mesh.c, daemon/mesh/auth.c), for
  * attack.sh. Each command attacks a real daemon on 127.0.0.1 and exits 0
  * only when the daemon refused the attack as it must; what it saw goes to
  * stdout, one line per step, and the reason for a failure to stderr.

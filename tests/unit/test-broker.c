@@ -1,4 +1,4 @@
-/* The handle broker (daemon/broker.c): registration checks and caps, and
+/* The handle broker (daemon/state/broker.c): registration checks and caps, and
  * that a member only ever gets regions of its own job. */
 #include <errno.h>
 #include <setjmp.h>

@@ -1,4 +1,4 @@
-/* The job state machine (daemon/job.c) driven directly: members are plain
+/* The job state machine (daemon/state/job.c) driven directly: members are plain
  * tokens and the callbacks record what the job told them. */
 #include <errno.h>
 #include <fcntl.h>

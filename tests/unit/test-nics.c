@@ -1,4 +1,4 @@
-/* daemon/nics.c: PCIe distances, and the GPU -> NIC mapping on a fake
+/* daemon/clients/nics.c: PCIe distances, and the GPU -> NIC mapping on a fake
  * sysfs tree (two host bridges, a PCIe switch with a GPU and a NIC behind
  * it, a GPU and a NIC on another NUMA node, an NVSwitch that is no GPU). */
 #include <errno.h>
