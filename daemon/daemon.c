@@ -62,15 +62,6 @@ static void daemon_changed(void *ctx) {
         daemon_status_changed(ctx);
 }
 
-/* The jobs' hooks: a control page's fds are charged like a client's. */
-static int daemon_jobs_charge(void *ctx, uid_t uid, uint32_t n, char *errmsg) {
-        return clientfds_charge(ctx, uid, n, errmsg);
-}
-
-static void daemon_jobs_uncharge(void *ctx, uid_t uid, uint32_t n) {
-        clientfds_uncharge(ctx, uid, n);
-}
-
 static int daemon_metrics_snapshot(void *ctx, Moeep__V1__Metrics **ret) {
         struct daemon *d = ctx;
 
@@ -618,15 +609,12 @@ int daemon_init(struct daemon *d, const struct daemon_options *options) {
                 return -ENOMEM;
         }
         /* From the bottom up: each object is handed what it calls. */
-        r = jobs_new(&d->config, &requests_job_callbacks, &d->jobs);
-        if (r < 0)
-                goto oom;
         r = clientfds_new(d->base, &d->config, &d->clientfds);
         if (r < 0)
                 goto oom;
-        d->jobs->fds = (struct jobs_fd_hooks){ .ctx = d->clientfds,
-                                               .charge = daemon_jobs_charge,
-                                               .uncharge = daemon_jobs_uncharge };
+        r = jobs_new(&d->config, &requests_job_callbacks, d->clientfds, &d->jobs);
+        if (r < 0)
+                goto oom;
         r = broker_new(&d->config, d->clientfds, &d->broker);
         if (r < 0)
                 goto oom;

@@ -13,6 +13,7 @@
 #include "config.h"
 #include "errors.h"
 #include "log.h"
+#include "state/clientfd.h"
 #include "state/job.h"
 
 const char *job_state_to_string(enum job_state s) {
@@ -27,7 +28,8 @@ const char *job_state_to_string(enum job_state s) {
         return "unknown";
 }
 
-int jobs_new(const struct config *config, const struct job_callbacks *cb, struct jobs **ret_jobs) {
+int jobs_new(const struct config *config, const struct job_callbacks *cb, struct clientfds *clientfds,
+             struct jobs **ret_jobs) {
         struct jobs *jobs = calloc(1, sizeof(*jobs));
 
         if (!jobs)
@@ -36,6 +38,7 @@ int jobs_new(const struct config *config, const struct job_callbacks *cb, struct
         jobs->next_id = 1;
         jobs->config = config;
         jobs->cb = cb;
+        jobs->clientfds = clientfds;
         *ret_jobs = jobs;
         return 0;
 }
@@ -48,8 +51,8 @@ static const struct job_callbacks *member_cb(const struct job_member *m) {
 static void job_free(struct job *job) {
         if (!job)
                 return;
-        if (job->fds_charged && job->jobs->fds.uncharge)
-                job->jobs->fds.uncharge(job->jobs->fds.ctx, job->fds_uid, job->fds_charged);
+        if (job->fds_charged)
+                clientfds_uncharge(job->jobs->clientfds, job->fds_uid, job->fds_charged);
         if (job->control)
                 munmap(job->control, MOEEP_CONTROL_PAGE_SIZE);
         if (job->control_fd >= 0)
@@ -153,8 +156,8 @@ static int job_alloc(struct jobs *jobs, const char *name, uint32_t world_size, u
         /* getrandom() without flags blocks only before the pool is
          * initialised at boot; 32 bytes never come back short. */
         /* The control page's fds count against the uid before they exist. */
-        if (jobs->fds.charge) {
-                r = jobs->fds.charge(jobs->fds.ctx, uid, JOB_CONTROL_FDS, errmsg);
+        if (jobs->clientfds) {
+                r = clientfds_charge(jobs->clientfds, uid, JOB_CONTROL_FDS, errmsg);
                 if (r < 0) {
                         free(job);
                         return -ERROR_KIND_LIMIT_EXCEEDED;
@@ -172,7 +175,7 @@ static int job_alloc(struct jobs *jobs, const char *name, uint32_t world_size, u
         if (r < 0)
                 goto fail;
         if (job->control_ro_fd < 0 && job->fds_charged) { /* one fd only */
-                jobs->fds.uncharge(jobs->fds.ctx, uid, 1);
+                clientfds_uncharge(jobs->clientfds, uid, 1);
                 job->fds_charged--;
         }
 

@@ -16,6 +16,7 @@
 #include "moeep.h"
 #include "names.h" /* MOEEP_JOB_NAME_MAX, MOEEP_GPU_UUID_MAX */
 
+struct clientfds;
 struct config;
 struct mesh_job;
 struct region;
@@ -142,16 +143,6 @@ struct job {
 
 TAILQ_HEAD(job_list, job);
 
-/* How the jobs charge their control pages' fds to uids (clientfd.h's
- * clientfds_charge and clientfds_uncharge, through daemon.c); without
- * them (unit tests) nothing is charged. */
-struct jobs_fd_hooks {
-        void *ctx; /* not owning */
-        /* 0, or -EDQUOT/-EMFILE with errmsg naming the cap. */
-        int (*charge)(void *ctx, uid_t uid, uint32_t n, char *errmsg);
-        void (*uncharge)(void *ctx, uid_t uid, uint32_t n);
-};
-
 /* The daemon's set of jobs. */
 struct jobs {
         struct job_list list;
@@ -159,15 +150,20 @@ struct jobs {
         uint64_t next_id;
         const struct config *config;    /* not owning; caps are read at each call */
         const struct job_callbacks *cb; /* not owning */
-        struct jobs_fd_hooks fds;       /* zeroed: control pages are charged to nobody */
+        /* Not owning; where the control pages' fds are charged to uids
+         * (clientfds_charge()); NULL (unit tests): charged to nobody. */
+        struct clientfds *clientfds;
         /* Totals since start-up, for the metrics (moeepd_barriers_total,
          * moeepd_ranks_lost_total). */
         uint64_t barriers_completed; /* barrier generations every rank passed */
         uint64_t ranks_lost;         /* members lost (job_member_lost()) */
 };
 
-/* Returns 0 or -ENOMEM. */
-int jobs_new(const struct config *config, const struct job_callbacks *cb, struct jobs **ret_jobs);
+/* Makes the registry: `cb` reaches the members' owners unless a member has
+ * callbacks of its own, `clientfds` (may be NULL) is charged for the
+ * control pages' fds. Returns 0 or -ENOMEM. */
+int jobs_new(const struct config *config, const struct job_callbacks *cb, struct clientfds *clientfds,
+             struct jobs **ret_jobs);
 /* Frees every job; members must be gone. Accepts NULL. */
 void jobs_free(struct jobs *jobs);
 

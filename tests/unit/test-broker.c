@@ -46,7 +46,7 @@ static int setup(void **state) {
         if (!f)
                 return -1;
         f->fds_before = unit_count_fds();
-        if (config_init(&f->config) < 0 || jobs_new(&f->config, &callbacks, &f->jobs) < 0 ||
+        if (config_init(&f->config) < 0 || jobs_new(&f->config, &callbacks, NULL, &f->jobs) < 0 ||
             clientfds_new(NULL, &f->config, &f->fds) < 0 || broker_new(&f->config, f->fds, &f->broker) < 0)
                 return -1;
         for (int j = 0; j < 2; j++) {

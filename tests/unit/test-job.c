@@ -58,7 +58,7 @@ static int setup(void **state) {
         if (!f)
                 return -1;
         f->fds_before = unit_count_fds();
-        if (config_init(&f->config) < 0 || jobs_new(&f->config, &callbacks, &f->jobs) < 0)
+        if (config_init(&f->config) < 0 || jobs_new(&f->config, &callbacks, NULL, &f->jobs) < 0)
                 return -1;
         *state = f;
         return 0;
