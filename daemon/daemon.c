@@ -673,15 +673,24 @@ oom:
 }
 
 int daemon_run(struct daemon *d) {
+        int r;
+
         log_notice("moeepd %s ready (protocol %d.%d, pid %d)", MOEEP_VERSION, MOEEP_PROTOCOL_MAJOR,
                    MOEEP_PROTOCOL_MINOR, (int)getpid());
         notify_ready();
-        daemon_status_changed(d);
-        if (event_base_dispatch(d->base) < 0) {
-                log_err("event loop failed");
-                return -EIO;
+        /* After every turn of the loop the STATUS= line says how many
+         * sessions and jobs there are (notify_status() sends it only when
+         * that changed), whatever changed them. */
+        for (;;) {
+                daemon_status_changed(d);
+                r = event_base_loop(d->base, EVLOOP_ONCE);
+                if (r < 0) {
+                        log_err("event loop failed");
+                        return -EIO;
+                }
+                if (r == 1 || event_base_got_exit(d->base) || event_base_got_break(d->base))
+                        return 0;
         }
-        return 0;
 }
 
 void daemon_done(struct daemon *d) {
