@@ -68,46 +68,6 @@ static int daemon_metrics_snapshot(void *ctx, Moeep__V1__Metrics **ret) {
         return metrics_snapshot(&d->view, ret);
 }
 
-/* The data path's hooks: the mesh is started after the data path (its
- * connections offer the data path's transport), so each looks it up when
- * called; every mesh_*() and mesh_jobs_*() accepts NULL (the mesh is off). */
-static void daemon_dp_region_changed(void *ctx, const struct job_member *m, uint64_t region_id, uint32_t tag,
-                                     uint32_t kind, uint64_t size, bool released, uint32_t proxy,
-                                     const struct tp_rkey *rkey) {
-        struct daemon *d = ctx;
-
-        mesh_jobs_region_changed(d->mesh_jobs, m, region_id, tag, kind, size, released, proxy, rkey);
-}
-
-static int daemon_dp_transport_peer(void *ctx, const char *address, uint32_t *ret_tp_peer) {
-        struct daemon *d = ctx;
-
-        return mesh_transport_peer(d->mesh, address, ret_tp_peer);
-}
-
-static bool daemon_dp_job_nodes(void *ctx, const struct job *job, struct job_node ret[MOEEP_MAX_RANKS]) {
-        struct daemon *d = ctx;
-
-        return mesh_jobs_nodes(d->mesh_jobs, job, ret);
-}
-
-static const struct job_remote_region *daemon_dp_remote_regions(void *ctx, const struct job *job,
-                                                                uint32_t *ret_n) {
-        return mesh_jobs_remote_regions(job, ret_n);
-}
-
-static void daemon_dp_rank_failed(void *ctx, struct job *job, uint32_t rank, const char *reason) {
-        struct daemon *d = ctx;
-
-        mesh_jobs_rank_failed(d->mesh_jobs, job, rank, reason);
-}
-
-static void daemon_dp_transport_failed(void *ctx, uint32_t tp_peer, const char *why) {
-        struct daemon *d = ctx;
-
-        mesh_transport_failed(d->mesh, tp_peer, why);
-}
-
 /* ------------------------------------------------------------ configuration */
 
 const char *daemon_config_path(const struct daemon_options *o) {
@@ -438,76 +398,10 @@ static void daemon_signal_cb(evutil_socket_t sig, short what, void *arg) {
         event_del(d->listen.ev);
         event_del(d->admin.ev);
         jobs_abort_all(d->jobs, "the daemon is shutting down");
+        mesh_jobs_stop(d->mesh_jobs);
         d->stopping = true;
         sessions_shutdown(d->sessions, "the daemon is shutting down");
         event_base_loopexit(d->base, NULL);
-}
-
-/* The mesh's hooks into the daemon and its sessions (mesh-jobs.h). */
-static bool daemon_mesh_stopping(void *arg) {
-        return ((struct daemon *)arg)->stopping;
-}
-
-static uint64_t daemon_mesh_session_id(const struct session *s) {
-        return s->id;
-}
-
-static uid_t daemon_mesh_session_uid(const struct session *s) {
-        return s->cred.uid;
-}
-
-static bool daemon_mesh_session_can_join(const struct session *s) {
-        return s->state != SESSION_CLOSED && !s->member;
-}
-
-static void daemon_mesh_remote_rank_gone(void *arg, const struct job *job, uint32_t rank) {
-        struct daemon *d = arg;
-
-        datapath_remote_rank_gone(d->datapath, job, rank);
-}
-
-static void daemon_mesh_join_failed(struct session *s, uint64_t request_id, int code, const char *message) {
-        if (s->state == SESSION_CLOSED)
-                return;
-        if (code == MOEEP__V1__ERROR_CODE__ERROR_NO_SUCH_JOB)
-                membership_join_failed(s);
-        session_send_error(s, request_id, code, message);
-}
-
-/* The peers, with the data path's functions, then the jobs across daemons
- * on them, with the hooks above. */
-static int daemon_mesh_start(struct daemon *d, char *errmsg) {
-        const struct mesh_transport_hooks transport = {
-                .dp = d->datapath,
-                .up = datapath_up,
-                .backend = datapath_backend,
-                .peer_new = datapath_peer_new,
-                .peer_connect = datapath_peer_connect,
-                .peer_fail = datapath_peer_fail,
-        };
-        const struct mesh_jobs_hooks hooks = {
-                .arg = d,
-                .status_changed = daemon_changed,
-                .stopping = daemon_mesh_stopping,
-                .error_code = error_code,
-                .session_ref = session_ref,
-                .session_unref = session_unref,
-                .session_id = daemon_mesh_session_id,
-                .session_uid = daemon_mesh_session_uid,
-                .session_can_join = daemon_mesh_session_can_join,
-                .join_failed = daemon_mesh_join_failed,
-                .joined = session_joined,
-                .remote_rank_gone = daemon_mesh_remote_rank_gone,
-        };
-        int r;
-
-        r = mesh_start(d->base, &d->config, &transport, &d->mesh, errmsg);
-        if (r < 0)
-                return r;
-        r = mesh_jobs_new(d->mesh, d->jobs, &hooks, &d->mesh_jobs);
-        if (r < 0)
-                return errmsg_set(errmsg, r, "mesh: out of memory");
-        return 0;
 }
 
 static void daemon_listeners_init(struct daemon *d) {
@@ -569,15 +463,6 @@ int daemon_init(struct daemon *d, const struct daemon_options *options) {
                 .ctx = d,
                 .snapshot = daemon_metrics_snapshot,
                 .snapshot_free = metrics_snapshot_free,
-        };
-        const struct datapath_hooks dp_hooks = {
-                .ctx = d,
-                .region_changed = daemon_dp_region_changed,
-                .transport_peer = daemon_dp_transport_peer,
-                .job_nodes = daemon_dp_job_nodes,
-                .remote_regions = daemon_dp_remote_regions,
-                .rank_failed = daemon_dp_rank_failed,
-                .transport_failed = daemon_dp_transport_failed,
         };
         struct session_hooks session_hooks;
         char errmsg[ERRMSG_MAX] = "";
@@ -649,20 +534,25 @@ int daemon_init(struct daemon *d, const struct daemon_options *options) {
                         return r;
                 }
         }
-        /* Before the mesh, whose connections offer its transport. */
         d->view.http = d->http;
-        r = datapath_start(d->base, &d->config, &dp_hooks, &d->datapath);
-        if (r < 0)
-                goto oom;
-        d->requests.membership.datapath = d->datapath;
-        d->view.datapath = d->datapath;
-        r = daemon_mesh_start(d, errmsg);
+        /* The peers, the jobs across daemons on them, then the data path,
+         * which calls both and subscribes to the peers for its transport
+         * connections; none is reached before the loop runs. */
+        r = mesh_start(d->base, &d->config, &d->mesh, errmsg);
         if (r < 0) {
                 log_err("%s", errmsg);
                 return r;
         }
-        d->requests.membership.mesh = d->mesh;
-        d->requests.membership.mesh_jobs = d->mesh_jobs;
+        r = mesh_jobs_new(d->mesh, d->jobs, &d->mesh_jobs);
+        if (r < 0)
+                goto oom;
+        r = datapath_start(d->base, &d->config, d->mesh, d->mesh_jobs, &d->datapath);
+        if (r < 0)
+                goto oom;
+        r = membership_init(&d->requests.membership, d->jobs, d->broker, d->mesh, d->mesh_jobs, d->datapath);
+        if (r < 0)
+                goto oom;
+        d->view.datapath = d->datapath;
         d->view.mesh = d->mesh;
         d->view.mesh_jobs = d->mesh_jobs;
         return 0;
@@ -680,7 +570,7 @@ int daemon_run(struct daemon *d) {
         notify_ready();
         /* After every turn of the loop the STATUS= line says how many
          * sessions and jobs there are (notify_status() sends it only when
-         * that changed), whatever changed them. */
+         * that changed): no object tells the daemon of a change. */
         for (;;) {
                 daemon_status_changed(d);
                 r = event_base_loop(d->base, EVLOOP_ONCE);
@@ -702,6 +592,8 @@ void daemon_done(struct daemon *d) {
                 sessions_close_all(d->sessions, "the daemon is exiting");
         /* The mesh after the sessions left their jobs (they tell it), and
          * before the reaping: forwarded joins hold session references. */
+        membership_done(&d->requests.membership);
+        mesh_jobs_stop(d->mesh_jobs);
         mesh_jobs_free(d->mesh_jobs);
         d->mesh_jobs = NULL;
         mesh_free(d->mesh);

@@ -8,7 +8,7 @@
  * for one: EACCES from mmap() of a read-only fd is not "bad secret", EPERM
  * from a sealed fd is not "permission denied", ESHUTDOWN or EDOM from
  * anywhere is not "draining" or "world size mismatch". Those refusals exist
- * only as kinds: job.c, broker.c, datapath.c, mesh-joins.c, requests.c and
+ * only as kinds: job.c, broker.c, datapath.c, membership.c, requests.c and
  * the rest return -ERROR_KIND_* for every refusal they decide (datapath.c
  * also for the transports' and the proxy's -EINVAL, which speak errno).
  * One errno value is still read as a kind (errors.c's `aliases`): EDQUOT,

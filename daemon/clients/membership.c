@@ -1,6 +1,10 @@
-/* A rank's lifecycle at this daemon; see membership.h. */
+/* A rank's lifecycle at this daemon; see membership.h. At the end, the
+ * joins forwarded to another daemon and its answer. */
 #include <errno.h>
 #include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "clients/membership.h"
 #include "clients/session.h"
@@ -17,8 +21,12 @@ void membership_join_failed(struct session *s) {
                 uid_join_failed(s->uid_state, uids_now_us());
 }
 
-int membership_join(const struct membership *ms, struct session *s, uint64_t rid,
-                    const Moeep__V1__JobJoin *jj, char *errmsg) {
+/* Forwarded joins (at the end of this file). */
+static int forward_join(struct membership *ms, struct session *s, uint64_t rid, const Moeep__V1__JobJoin *jj,
+                        const char *home, char *errmsg);
+
+int membership_join(struct membership *ms, struct session *s, uint64_t rid, const Moeep__V1__JobJoin *jj,
+                    char *errmsg) {
         const char *here = mesh_address(ms->mesh);
         char home[JOB_NODE_MAX + 1];
         struct job_member *m;
@@ -40,10 +48,10 @@ int membership_join(const struct membership *ms, struct session *s, uint64_t rid
          * daemon named in any spelling is this daemon. */
         forwarded = job_unique_id_node(jj->unique_id.data, jj->unique_id.len, home) == 0 && home[0] &&
                     (!here || !mesh_address_is_self(ms->mesh, home));
-        /* A forwarded join's answer comes later (mesh-joins.c); refused here,
+        /* A forwarded join's answer comes later (forward_answer()); refused here,
          * it tested no secret (a daemon that is no peer) and counts not. */
         if (forwarded)
-                return mesh_jobs_join_forward(ms->mesh_jobs, s, rid, jj, home, errmsg);
+                return forward_join(ms, s, rid, jj, home, errmsg);
         r = jobs_join(ms->jobs, jj->unique_id.data, jj->unique_id.len, jj->rank, jj->world_size, jj->gpu_uuid,
                       s, &m, errmsg);
         if (r == -ERROR_KIND_NO_SUCH_JOB)
@@ -119,4 +127,239 @@ void membership_end(const struct membership *ms, struct session *s, bool lost, c
         s->member = NULL;
         if (!lost)
                 s->state = SESSION_HELLO;
+}
+
+/* ------------------------------------------------------------ forwarded joins */
+
+/* A client's JobJoin forwarded to its job's home. */
+struct forward {
+        uint64_t token;
+        struct session *session; /* holds a reference */
+        uint64_t request_id;
+        bool sent; /* PeerJoin is out; waiting for PeerJoined */
+        char home[JOB_NODE_MAX + 1];
+        uint8_t unique_id[MOEEP_UNIQUE_ID_BYTES]; /* never logged */
+        size_t unique_id_len;
+        uint32_t rank, world_size;
+        char gpu_uuid[MOEEP_GPU_UUID_MAX + 1];
+        TAILQ_ENTRY(forward) entry;
+};
+
+/* Sends the forwarded joins that wait for `p` (UP): the mesh's peer_up. */
+static void forwards_flush(void *arg, struct mesh_peer *p) {
+        struct membership *ms = arg;
+        struct forward *j;
+
+        TAILQ_FOREACH (j, &ms->forwards, entry) {
+                Moeep__V1__PeerJoin pj = MOEEP__V1__PEER_JOIN__INIT;
+                PEER_MSG(msg, join, &pj, JOIN);
+
+                if (j->sent || strcmp(j->home, p->address) != 0)
+                        continue;
+                pj.token = j->token;
+                pj.unique_id.data = j->unique_id;
+                pj.unique_id.len = j->unique_id_len;
+                pj.rank = j->rank;
+                pj.world_size = j->world_size;
+                pj.gpu_uuid = j->gpu_uuid;
+                if (mesh_peer_send(p, &msg) == 0)
+                        j->sent = true;
+        }
+}
+
+static struct forward *forward_find(const struct membership *ms, uint64_t token) {
+        struct forward *j;
+
+        TAILQ_FOREACH (j, &ms->forwards, entry)
+                if (j->token == token)
+                        return j;
+        return NULL;
+}
+
+static void forward_free(struct membership *ms, struct forward *j) {
+        TAILQ_REMOVE(&ms->forwards, j, entry);
+        session_unref(j->session);
+        explicit_bzero(j->unique_id, sizeof(j->unique_id));
+        free(j);
+}
+
+/* A forwarded join of request `request_id` failed: Error `code` with
+ * `message`, unless the session is closed; a join that named no job it may
+ * join counts against its uid (membership_join_failed()). */
+static void forward_failed(struct session *s, uint64_t request_id, int code, const char *message) {
+        if (s->state == SESSION_CLOSED)
+                return;
+        if (code == MOEEP__V1__ERROR_CODE__ERROR_NO_SUCH_JOB)
+                membership_join_failed(s);
+        session_send_error(s, request_id, code, message);
+}
+
+/* Fails the forwarded joins waiting for daemon `home` (it cannot be
+ * reached: `why`). */
+static void forwards_fail(struct membership *ms, const char *home, const char *why) {
+        struct forward *j, *next;
+        char msg[ERRMSG_MAX + JOB_NODE_MAX + 48];
+
+        for (j = TAILQ_FIRST(&ms->forwards); j; j = next) {
+                next = TAILQ_NEXT(j, entry);
+                if (strcmp(j->home, home) != 0)
+                        continue;
+                snprintf(msg, sizeof(msg), "the job's daemon %s cannot be reached: %s", home, why);
+                forward_failed(j->session, j->request_id, MOEEP__V1__ERROR_CODE__ERROR_NO_SUCH_JOB, msg);
+                forward_free(ms, j);
+        }
+}
+
+/* Forwards session `s`'s JobJoin (request `rid`) to the job's home daemon
+ * `home` (from the unique id, as the client sent it), which must be one of
+ * mesh_peers in some spelling: nothing else is ever dialled. Returns 0 when
+ * the reply is held back (the home's answer, or the failure to reach it,
+ * sends it), or an error kind (errors.h) with errmsg naming the address:
+ * NO_SUCH_JOB when the mesh is off or `home` is not a configured peer,
+ * INVALID_ARGUMENT when it is no address or this daemon, or when `s`
+ * already waits for one; or -ENOMEM. */
+static int forward_join(struct membership *ms, struct session *s, uint64_t rid, const Moeep__V1__JobJoin *jj,
+                        const char *home, char *errmsg) {
+        char canon[JOB_NODE_MAX + 1], said[JOB_NODE_MAX + 1];
+        struct forward *j;
+        struct mesh_peer *p;
+
+        mesh_claim_printable(home, said);
+        if (!ms->mesh)
+                return errmsg_set(
+                        errmsg, -ERROR_KIND_NO_SUCH_JOB,
+                        "the job was created at daemon %s, and this daemon's mesh is off (mesh_listen)",
+                        said);
+        if (jj->unique_id.len > MOEEP_UNIQUE_ID_BYTES || strlen(jj->gpu_uuid) > MOEEP_GPU_UUID_MAX)
+                return errmsg_set(errmsg, -ERROR_KIND_INVALID_ARGUMENT,
+                                  "unique id of %zu bytes or gpu uuid of %zu: too long", jj->unique_id.len,
+                                  strlen(jj->gpu_uuid));
+        /* The address comes from the client: it is only ever looked up
+         * among the configured peers, never dialled as it is. */
+        if (mesh_address_canon(home, canon) < 0)
+                return errmsg_set(errmsg, -ERROR_KIND_INVALID_ARGUMENT,
+                                  "the unique id names daemon '%s', which is not a mesh address", said);
+        if (strcmp(canon, mesh_address(ms->mesh)) == 0)
+                return errmsg_set(errmsg, -ERROR_KIND_INVALID_ARGUMENT,
+                                  "the unique id names daemon '%s', which is this one (%s)", said,
+                                  mesh_address(ms->mesh));
+        p = mesh_configured_find(ms->mesh, canon);
+        if (!p)
+                return errmsg_set(errmsg, -ERROR_KIND_NO_SUCH_JOB,
+                                  "the job's daemon %s (named in the unique id) is not one of this daemon's "
+                                  "mesh_peers: the join is not forwarded",
+                                  said);
+        TAILQ_FOREACH (j, &ms->forwards, entry)
+                if (j->session == s)
+                        return errmsg_set(errmsg, -ERROR_KIND_INVALID_ARGUMENT,
+                                          "session %" PRIu64 " already waits for a join at daemon %s", s->id,
+                                          j->home);
+        j = calloc(1, sizeof(*j));
+        if (!j)
+                return errmsg_set(errmsg, -ENOMEM, "out of memory");
+        j->token = ++ms->next_token;
+        j->session = s;
+        session_ref(s);
+        j->request_id = rid;
+        snprintf(j->home, sizeof(j->home), "%s", canon);
+        memcpy(j->unique_id, jj->unique_id.data, jj->unique_id.len);
+        j->unique_id_len = jj->unique_id.len;
+        j->rank = jj->rank;
+        j->world_size = jj->world_size;
+        snprintf(j->gpu_uuid, sizeof(j->gpu_uuid), "%s", jj->gpu_uuid);
+        TAILQ_INSERT_TAIL(&ms->forwards, j, entry);
+        log_info("session %" PRIu64 ": join as rank %" PRIu32 " forwarded to daemon %s", s->id, j->rank,
+                 canon);
+        /* A configured peer that is down is being redialled; the join
+         * goes when it is up, or fails with the next failed dial. */
+        p = mesh_peer_find(ms->mesh, canon);
+        if (p)
+                forwards_flush(ms, p);
+        return 0;
+}
+
+/* The home's answer to a forwarded join (PeerJoined): the mesh's message
+ * of MESH_OWNER_JOINS. */
+static void forward_answer(void *arg, struct mesh_peer *p, const Moeep__V1__PeerMessage *answer) {
+        struct membership *ms = arg;
+        const Moeep__V1__PeerJoined *pj = answer->joined;
+        struct forward *j = forward_find(ms, pj->token);
+        char errmsg[ERRMSG_MAX] = "";
+        struct job_member *m;
+        struct session *s;
+        int r;
+
+        if (!j || strcmp(j->home, p->address) != 0) {
+                log_debug("mesh: peer %s: PeerJoined for unknown token %" PRIu64, p->address, pj->token);
+                return;
+        }
+        s = j->session;
+        if (pj->error != MOEEP__V1__ERROR_CODE__ERROR_UNSPECIFIED) {
+                snprintf(errmsg, sizeof(errmsg), "at daemon %s: %s", p->address,
+                         pj->message ? pj->message : "");
+                forward_failed(s, j->request_id, pj->error, errmsg);
+                forward_free(ms, j);
+                return;
+        }
+        r = -ECANCELED;
+        /* Still open and in no job: the answer makes it a mirror's member. */
+        if (s->state != SESSION_CLOSED && !s->member)
+                r = jobs_join_mirror(ms->jobs, p->address, pj->job_id, pj->name, pj->world_size, j->rank,
+                                     j->gpu_uuid, s, s->cred.uid, &m, errmsg);
+        if (r < 0) {
+                Moeep__V1__PeerLeave leave = MOEEP__V1__PEER_LEAVE__INIT;
+                PEER_MSG(msg, leave, &leave, LEAVE);
+
+                leave.job_id = pj->job_id;
+                leave.rank = j->rank;
+                mesh_peer_send(p, &msg);
+                if (r != -ECANCELED)
+                        forward_failed(s, j->request_id, error_code(r), errmsg);
+                forward_free(ms, j);
+                return;
+        }
+        membership_joined(s, j->request_id, m);
+        forward_free(ms, j);
+}
+
+/* A connection went down: the forwarded joins that wait for its daemon
+ * fail, unless another connection to it is up. An inbound connection that
+ * never came up has no identity: nothing waits on it. */
+static void forwards_peer_down(void *arg, struct mesh_peer *p, bool was_up, bool transport_was_connected,
+                               const char *lost, const char *why) {
+        struct membership *ms = arg;
+
+        if ((p->outbound || was_up) && !mesh_peer_find(ms->mesh, p->address))
+                forwards_fail(ms, p->address, why);
+}
+
+int membership_init(struct membership *ms, struct jobs *jobs, struct broker *broker, struct mesh *mesh,
+                    struct mesh_jobs *mesh_jobs, struct datapath *datapath) {
+        const struct mesh_subscriber sub = {
+                .arg = ms,
+                .message = forward_answer,
+                .peer_up = forwards_flush,
+                .peer_down = forwards_peer_down,
+        };
+
+        *ms = (struct membership){
+                .jobs = jobs,
+                .broker = broker,
+                .mesh = mesh,
+                .mesh_jobs = mesh_jobs,
+                .datapath = datapath,
+        };
+        TAILQ_INIT(&ms->forwards);
+        if (mesh)
+                mesh_subscribe(mesh, MESH_OWNER_JOINS, &sub);
+        return 0;
+}
+
+void membership_done(struct membership *ms) {
+        struct forward *j;
+
+        while ((j = TAILQ_FIRST(&ms->forwards)))
+                forward_free(ms, j);
+        if (ms->mesh)
+                mesh_subscribe(ms->mesh, MESH_OWNER_JOINS, NULL);
 }

@@ -5,16 +5,21 @@
  * (proxy regions and channels), the broker (regions), the mesh (the job's
  * other daemons), then the job itself.
  *
- * Who calls what: requests.c calls these for JobJoin, RegionRegister,
- * RegionRelease and JobLeave, and (through the session hooks) when a
- * session fails; mesh-joins.c reaches membership_joined() through
- * session_joined() (its hooks->joined) when a forwarded join is accepted. membership.c writes
- * struct session's `member` and its READY state, nothing else of it. */
+ * A join that names another daemon is forwarded there, and that daemon's
+ * answer (PeerJoined, for which this module subscribes to the mesh) makes
+ * the session a member of a mirror of the job here.
+ *
+ * Who calls what: daemon.c makes it (membership_init()) after the mesh,
+ * the jobs across daemons and the data path, which it calls. requests.c
+ * calls these for JobJoin, RegionRegister, RegionRelease and JobLeave, and
+ * when a session ends. membership.c writes struct session's `member` and
+ * its READY state, nothing else of it. */
 #ifndef MOEEPD_MEMBERSHIP_H
 #define MOEEPD_MEMBERSHIP_H
 
 #include <stdbool.h>
 #include <stdint.h>
+#include <sys/queue.h>
 
 #include "moeep.pb-c.h"
 
@@ -26,22 +31,37 @@ struct mesh;
 struct mesh_jobs;
 struct session;
 
-/* The objects a lifecycle step tells. Filled by daemon.c at start; none
- * of them is owned here. */
+struct forward; /* a join forwarded to another daemon (membership.c) */
+TAILQ_HEAD(forward_list, forward);
+
+/* The objects a lifecycle step tells (none owned here), and the joins
+ * waiting for another daemon's answer. */
 struct membership {
         struct jobs *jobs;
         struct broker *broker;
-        struct datapath *datapath;   /* NULL unless the mesh is on */
-        struct mesh *mesh;           /* NULL unless the mesh is on */
-        struct mesh_jobs *mesh_jobs; /* NULL unless the mesh is on */
+        struct datapath *datapath;    /* NULL unless the mesh is on */
+        struct mesh *mesh;            /* NULL unless the mesh is on */
+        struct mesh_jobs *mesh_jobs;  /* NULL unless the mesh is on */
+        struct forward_list forwards; /* owns; each holds a reference on its session */
+        uint64_t next_token;
 };
+
+/* Fills `ms` with the objects it calls and subscribes to `mesh` (when on)
+ * for the answers to forwarded joins. Returns 0. */
+int membership_init(struct membership *ms, struct jobs *jobs, struct broker *broker, struct mesh *mesh,
+                    struct mesh_jobs *mesh_jobs, struct datapath *datapath);
+
+/* Drops the forwarded joins (no answer is sent: the daemon stops) and
+ * unsubscribes. Call after the sessions left their jobs, before the mesh
+ * is freed. */
+void membership_done(struct membership *ms);
 
 /* JobJoin from `s` (request `rid`): forwarded to the job's home daemon
  * when the unique id names another one (the reply comes later), else
  * joined here, JobJoined queued and the job's other daemons told. Returns
  * 0 or -errno with errmsg. */
-int membership_join(const struct membership *ms, struct session *s, uint64_t rid,
-                    const Moeep__V1__JobJoin *jj, char *errmsg);
+int membership_join(struct membership *ms, struct session *s, uint64_t rid, const Moeep__V1__JobJoin *jj,
+                    char *errmsg);
 
 /* A join of `s` named no job it may join (ERROR_NO_SUCH_JOB, here or at
  * the job's home daemon): counted against its uid's allowance (uids.h). */

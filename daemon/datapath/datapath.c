@@ -1,4 +1,6 @@
-/* The internode data path; see datapath.h. */
+/* The internode data path; see datapath.h. At the end, its side of the
+ * mesh: each connection's transport peer (PeerTransport), as a subscriber
+ * of the mesh, and what the proxy's events tell the mesh. */
 #include <errno.h>
 #include <event2/event.h>
 #include <fcntl.h>
@@ -13,6 +15,8 @@
 #include "config.h"
 #include "datapath/datapath.h"
 #include "datapath/proxy.h"
+#include "mesh/mesh-jobs.h"
+#include "mesh/mesh.h"
 #include "errors.h"
 #include "log.h"
 #include "state/broker.h"
@@ -53,7 +57,8 @@ struct dp_retired {
 TAILQ_HEAD(dp_retired_list, dp_retired);
 
 struct datapath {
-        struct datapath_hooks hooks;    /* how it tells the mesh */
+        struct mesh *mesh;              /* not owning; the peer daemons */
+        struct mesh_jobs *mesh_jobs;    /* not owning; the jobs across them */
         struct dp_retired_list retired; /* owns; oldest first */
         struct event *ev_retired;       /* owns; frees them when their time is up */
         struct transport tp;            /* owns; zeroed when not open */
@@ -63,6 +68,11 @@ struct datapath {
         struct dp_rank_list ranks;      /* owns */
         uint64_t next_ring_id;
 };
+
+/* Its side of the mesh (at the end of this file). */
+static int transport_peer(const struct datapath *dp, const char *address, uint32_t *ret_tp_peer);
+static void transport_failed(struct datapath *dp, uint32_t tp_peer, const char *why);
+static void mesh_transport_subscribe(struct datapath *dp);
 
 static const char *role_to_string(uint32_t role) {
         switch ((Moeep__V1__ProxyRole)role) {
@@ -201,7 +211,13 @@ static void channels_remove(struct datapath *dp, struct dp_rank *dr) {
         }
 }
 
-void datapath_remote_rank_gone(struct datapath *dp, const struct job *job, uint32_t rank) {
+/* Rank `rank` of `job`, at another daemon, released its receive or
+ * counter region, or left the job (mesh_rank_gone()): the routes to it in
+ * the rings of the job's ranks here lead nowhere from now on
+ * (proxy_route_drop()), so that a descriptor naming it fails its own ring
+ * instead of reaching a region that daemon no longer knows. */
+static void remote_rank_gone(void *arg, const struct job *job, uint32_t rank) {
+        struct datapath *dp = arg;
         struct dp_rank *dr;
         struct dp_channel *ch;
 
@@ -291,6 +307,7 @@ int datapath_region_register(struct datapath *dp, struct broker *b, struct job_m
         struct tp_mem mem;
         struct tp_mr *mr;
         struct tp_rkey rkey;
+        struct job_rkey jrkey;
         char name[96];
         uint64_t id;
         int r;
@@ -342,9 +359,10 @@ int datapath_region_register(struct datapath *dp, struct broker *b, struct job_m
         dr->region_id[rr->proxy] = id;
         dp->tp.ops->mr_rkey(mr, &rkey);
         log_info("datapath: %s registered (region %" PRIu64 ", %" PRIu64 " bytes)", name, id, rr->size);
-        dp->hooks.region_changed(dp->hooks.ctx, m, id, rr->tag, (uint32_t)rr->kind, rr->size, false,
+        jrkey = (struct job_rkey){ .base = rkey.base, .key = rkey.key, .length = rkey.length };
+        mesh_jobs_region_changed(dp->mesh_jobs, m, id, rr->tag, (uint32_t)rr->kind, rr->size, false,
                                  (uint32_t)rr->proxy,
-                                 rr->proxy == MOEEP__V1__PROXY_ROLE__PROXY_ROLE_SEND ? NULL : &rkey);
+                                 rr->proxy == MOEEP__V1__PROXY_ROLE__PROXY_ROLE_SEND ? NULL : &jrkey);
         *ret_id = id;
         return 0;
 
@@ -382,7 +400,7 @@ int datapath_region_release(struct datapath *dp, struct job_member *m, uint64_t 
 static const struct job_remote_region *remote_find(const struct datapath *dp, const struct job *job,
                                                    uint32_t rank, uint32_t role) {
         uint32_t n;
-        const struct job_remote_region *remote = dp->hooks.remote_regions(dp->hooks.ctx, job, &n);
+        const struct job_remote_region *remote = mesh_jobs_remote_regions(job, &n);
 
         for (uint32_t i = 0; i < n; i++)
                 if (remote[i].rank == rank && remote[i].proxy == role)
@@ -404,7 +422,7 @@ static int route_fill(struct datapath *dp, const struct job_member *m, const str
         if (!nodes[r].address[0])
                 return errmsg_set(errmsg, -ERROR_KIND_NOT_READY,
                                   "rank %" PRIu32 " of job %" PRIu64 " has not joined yet", r, job->id);
-        e = dp->hooks.transport_peer(dp->hooks.ctx, nodes[r].address, &ret->tp_peer);
+        e = transport_peer(dp, nodes[r].address, &ret->tp_peer);
         if (e < 0)
                 return errmsg_set(
                         errmsg, -ERROR_KIND_NOT_READY,
@@ -425,8 +443,12 @@ static int route_fill(struct datapath *dp, const struct job_member *m, const str
                                   : !recv            ? "recv"
                                                      : "counters",
                                   !recv && !counters ? "s" : "");
-        ret->data = recv->rkey;
-        ret->counters = counters->rkey;
+        ret->data = (struct tp_rkey){ .base = recv->rkey.base,
+                                      .key = recv->rkey.key,
+                                      .length = recv->rkey.length };
+        ret->counters = (struct tp_rkey){ .base = counters->rkey.base,
+                                          .key = counters->rkey.key,
+                                          .length = counters->rkey.length };
         return 0;
 }
 
@@ -457,7 +479,7 @@ int datapath_channel_open(struct datapath *dp, struct job_member *m, uint32_t ca
                 return errmsg_set(errmsg, -ERROR_KIND_LIMIT_EXCEEDED,
                                   "channel open: rank %" PRIu32 " already has %d channels", m->rank,
                                   DATAPATH_MAX_CHANNELS);
-        dp->hooks.job_nodes(dp->hooks.ctx, m->job, nodes);
+        mesh_jobs_nodes(dp->mesh_jobs, m->job, nodes);
         for (uint32_t i = 0; i < m->job->world_size; i++) {
                 r = route_fill(dp, m, nodes, i, &routes[i], errmsg);
                 if (r < 0)
@@ -495,8 +517,11 @@ int datapath_channel_open(struct datapath *dp, struct job_member *m, uint32_t ca
 
 /* ------------------------------------------------------------ peers */
 
-int datapath_peer_new(struct datapath *dp, uint32_t *ret_tp_peer, uint8_t ret_blob[TP_ADDR_MAX],
-                      size_t *ret_len, char *errmsg) {
+/* The local half of a connection to one more daemon and its address blob
+ * (TP_ADDR_MAX bytes at most); the peer's blob; the peer's loss (-errno).
+ * Set-up calls return -errno with errmsg. */
+static int datapath_peer_new(struct datapath *dp, uint32_t *ret_tp_peer, uint8_t ret_blob[TP_ADDR_MAX],
+                             size_t *ret_len, char *errmsg) {
         const char *why;
 
         if (!datapath_up(dp, &why))
@@ -504,7 +529,8 @@ int datapath_peer_new(struct datapath *dp, uint32_t *ret_tp_peer, uint8_t ret_bl
         return dp->tp.ops->peer_new(dp->tp.tp, ret_tp_peer, ret_blob, ret_len, errmsg);
 }
 
-int datapath_peer_connect(struct datapath *dp, uint32_t tp_peer, const void *blob, size_t len, char *errmsg) {
+static int datapath_peer_connect(struct datapath *dp, uint32_t tp_peer, const void *blob, size_t len,
+                                 char *errmsg) {
         const char *why;
 
         if (!datapath_up(dp, &why))
@@ -512,7 +538,7 @@ int datapath_peer_connect(struct datapath *dp, uint32_t tp_peer, const void *blo
         return dp->tp.ops->peer_connect(dp->tp.tp, tp_peer, blob, len, errmsg);
 }
 
-void datapath_peer_fail(struct datapath *dp, uint32_t tp_peer, int error) {
+static void datapath_peer_fail(struct datapath *dp, uint32_t tp_peer, int error) {
         if (datapath_up(dp, NULL) && proxy_peer_fail(dp->proxy, tp_peer, error) < 0)
                 log_warn("datapath: transport peer %" PRIu32 " could not be failed (out of memory)", tp_peer);
 }
@@ -559,11 +585,11 @@ static void proxy_event(struct datapath *dp, const struct proxy_event *ev) {
                  * its counters: the job cannot go on. */
                 /* What happened to the ring, without the proxy's name. */
                 snprintf(why, sizeof(why), "channel: %s", ev->msg + ev->what);
-                dp->hooks.rank_failed(dp->hooks.ctx, dr->member->job, dr->member->rank, why);
+                mesh_jobs_rank_failed(dp->mesh_jobs, dr->member->job, dr->member->rank, why);
                 return;
         case PROXY_EVENT_PEER_FAILED:
                 log_warn("datapath: %s", ev->msg);
-                dp->hooks.transport_failed(dp->hooks.ctx, ev->tp_peer, ev->msg);
+                transport_failed(dp, ev->tp_peer, ev->msg);
                 return;
         }
 }
@@ -578,8 +604,8 @@ static void proxy_event_cb(evutil_socket_t fd, short what, void *arg) {
 
 /* ------------------------------------------------------------ start, stop */
 
-int datapath_start(struct event_base *base, const struct config *c, const struct datapath_hooks *hooks,
-                   struct datapath **ret) {
+int datapath_start(struct event_base *base, const struct config *c, struct mesh *mesh,
+                   struct mesh_jobs *mesh_jobs, struct datapath **ret) {
         struct tp_config cfg = {
                 .backend = c->transport,
                 .provider = c->fabric_provider,
@@ -597,7 +623,8 @@ int datapath_start(struct event_base *base, const struct config *c, const struct
         dp = calloc(1, sizeof(*dp));
         if (!dp)
                 return -ENOMEM;
-        dp->hooks = *hooks;
+        dp->mesh = mesh;
+        dp->mesh_jobs = mesh_jobs;
         TAILQ_INIT(&dp->ranks);
         TAILQ_INIT(&dp->retired);
         dp->ev_retired = evtimer_new(base, retired_cb, dp);
@@ -633,6 +660,7 @@ int datapath_start(struct event_base *base, const struct config *c, const struct
                 dp->proxy = NULL;
                 transport_close(&dp->tp);
         }
+        mesh_transport_subscribe(dp);
         *ret = dp;
         return 0;
 }
@@ -662,6 +690,8 @@ void datapath_free(struct datapath *dp) {
 
         if (!dp)
                 return;
+        if (dp->mesh)
+                mesh_subscribe(dp->mesh, MESH_OWNER_TRANSPORT, NULL);
         if (dp->ev_proxy)
                 event_free(dp->ev_proxy);
         /* The thread first: it drops the rings that still read send
@@ -684,4 +714,111 @@ void datapath_free(struct datapath *dp) {
         retired_free(dp, true);
         transport_close(&dp->tp);
         free(dp);
+}
+
+/* ------------------------------------------------------------ the mesh */
+
+/* A connection to a daemon came up: makes our half of a transport
+ * connection to it and sends its address. Peers older than 1.3 would
+ * refuse the message, and a daemon without a data path has nothing to
+ * offer. */
+static void transport_offer(void *arg, struct mesh_peer *p) {
+        struct datapath *dp = arg;
+        Moeep__V1__PeerTransport pt = MOEEP__V1__PEER_TRANSPORT__INIT;
+        PEER_MSG(msg, transport, &pt, TRANSPORT);
+        char errmsg[ERRMSG_MAX] = "";
+        uint8_t blob[TP_ADDR_MAX];
+        size_t len = 0;
+
+        if (p->minor < 3 || !datapath_up(dp, NULL))
+                return;
+        if (datapath_peer_new(dp, &p->tp_peer, blob, &len, errmsg) < 0) {
+                log_warn("mesh: peer %s: no transport connection: %s", p->address, errmsg);
+                return;
+        }
+        pt.backend = (char *)datapath_backend(dp);
+        pt.address.data = blob;
+        pt.address.len = len;
+        mesh_peer_send(p, &msg);
+}
+
+/* The peer's PeerTransport: connects our half with its address. */
+static void transport_message(void *arg, struct mesh_peer *p, const Moeep__V1__PeerMessage *msg) {
+        struct datapath *dp = arg;
+        const Moeep__V1__PeerTransport *pt = msg->transport;
+        char errmsg[ERRMSG_MAX] = "";
+
+        if (p->tp_peer == MESH_NO_TP_PEER || p->tp_connected) {
+                log_debug("mesh: peer %s: PeerTransport ignored (%s)", p->address,
+                          p->tp_connected ? "already connected" : "this daemon has no data path");
+                return;
+        }
+        if (!pt->backend || strcmp(pt->backend, datapath_backend(dp)) != 0) {
+                log_warn("mesh: peer %s: its transport is '%.32s', ours '%s': no internode data path with it",
+                         p->address, pt->backend ? pt->backend : "", datapath_backend(dp));
+                return;
+        }
+        if (pt->address.len == 0 || pt->address.len > TP_ADDR_MAX ||
+            datapath_peer_connect(dp, p->tp_peer, pt->address.data, pt->address.len, errmsg) < 0) {
+                log_warn("mesh: peer %s: transport address of %zu bytes refused: %s", p->address,
+                         pt->address.len, errmsg[0] ? errmsg : "bad length");
+                return;
+        }
+        p->tp_connected = true;
+        log_info("mesh: peer %s: transport connected (transport peer %" PRIu32 ")", p->address, p->tp_peer);
+}
+
+/* The connection went down: its transport peer is failed in the proxy
+ * (rings routing to it get an error) and forgotten. */
+static void transport_peer_down(void *arg, struct mesh_peer *p, bool was_up, bool transport_was_connected,
+                                const char *lost, const char *why) {
+        if (!was_up)
+                return;
+        if (p->tp_peer != MESH_NO_TP_PEER)
+                datapath_peer_fail(arg, p->tp_peer, -ECONNRESET);
+        p->tp_peer = MESH_NO_TP_PEER;
+        p->tp_connected = false;
+}
+
+/* The transport peer that reaches daemon `address`: 0 and *ret_tp_peer,
+ * -ENOTCONN when no connection to it is up, -ENODEV when it is up but no
+ * transport connection was made over it. */
+static int transport_peer(const struct datapath *dp, const char *address, uint32_t *ret_tp_peer) {
+        struct mesh_peer *p = dp->mesh ? mesh_peer_find(dp->mesh, address) : NULL;
+
+        if (!p)
+                return -ENOTCONN;
+        if (!p->tp_connected)
+                return -ENODEV;
+        *ret_tp_peer = p->tp_peer;
+        return 0;
+}
+
+/* The proxy failed transport peer `tp_peer` (`why` says how): the mesh
+ * connection is failed (its subscribers abort every job with ranks at that
+ * daemon, naming one), so that a fresh transport connection is made when
+ * it comes back. */
+static void transport_failed(struct datapath *dp, uint32_t tp_peer, const char *why) {
+        struct mesh_peer *p;
+
+        if (!dp->mesh)
+                return;
+        TAILQ_FOREACH (p, &dp->mesh->peers, entry)
+                if (p->state == MESH_PEER_UP && p->tp_peer == tp_peer) {
+                        mesh_peer_fail(p, false, "its transport connection failed: %s", why);
+                        return;
+                }
+}
+
+static void mesh_transport_subscribe(struct datapath *dp) {
+        const struct mesh_subscriber sub = {
+                .arg = dp,
+                .message = transport_message,
+                .peer_up = transport_offer,
+                .peer_down = transport_peer_down,
+                .rank_gone = remote_rank_gone,
+        };
+
+        if (dp->mesh)
+                mesh_subscribe(dp->mesh, MESH_OWNER_TRANSPORT, &sub);
 }

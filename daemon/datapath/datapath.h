@@ -4,22 +4,18 @@
  * and their channels (descriptor rings).
  *
  * Who calls what:
- *  - daemon.c starts it when the mesh is on (datapath_start) and frees it
- *    after the sessions and the mesh are gone. It hands it struct
- *    datapath_hooks, the only way the data path reaches the mesh (daemon.c's
- *    hooks call mesh.c and mesh-jobs.c), so that datapath.c includes nothing
- *    above it.
- *  - mesh-transport.c, when a peer daemon's connection comes up, makes the
- *    local half of a transport connection (datapath_peer_new), sends its
- *    address in PeerTransport and connects with the peer's
- *    (datapath_peer_connect); when the connection goes down it fails the
- *    transport peer (datapath_peer_fail) so rings routing to it get an
- *    error. It calls these through the struct mesh_transport_hooks that
- *    daemon.c fills with them (mesh.h), not directly.
+ *  - daemon.c starts it when the mesh is on (datapath_start), after the
+ *    mesh and the jobs across daemons, which it calls (mesh.h,
+ *    mesh-jobs.h), and frees it after the sessions and the mesh are gone.
+ *  - It subscribes to the mesh for each connection's transport peer: when
+ *    a peer daemon's connection comes up it makes the local half of a
+ *    transport connection, sends its address in PeerTransport and connects
+ *    with the peer's; when the connection goes down it fails the transport
+ *    peer so rings routing to it get an error; when a remote rank goes
+ *    (mesh_rank_gone()) the routes to it lead nowhere.
  *  - membership.c registers regions with a proxy role
  *    (datapath_region_register), releases them and tells it when a member
- *    goes; requests.c opens channels (datapath_channel_open) and tells it
- *    when a member's job is aborted.
+ *    goes; requests.c opens channels (datapath_channel_open).
  *
  * Lifetime of a rank's send region: a ring reads it until the proxy says the
  * ring is removed (PROXY_EVENT_RING_REMOVED), so when its member goes the
@@ -46,23 +42,8 @@ struct broker;
 struct config;
 struct datapath;
 struct event_base;
-
-/* How the data path reaches the mesh (mesh.h and mesh-jobs.h have each
- * call's meaning: the hooks are mesh_jobs_region_changed,
- * mesh_transport_peer, mesh_jobs_nodes, mesh_jobs_remote_regions,
- * mesh_jobs_rank_failed and mesh_transport_failed). Called on the loop
- * with `ctx`; each must work while the mesh is off. */
-struct datapath_hooks {
-        void *ctx; /* not owning */
-        void (*region_changed)(void *ctx, const struct job_member *m, uint64_t region_id, uint32_t tag,
-                               uint32_t kind, uint64_t size, bool released, uint32_t proxy,
-                               const struct tp_rkey *rkey);
-        int (*transport_peer)(void *ctx, const char *address, uint32_t *ret_tp_peer);
-        bool (*job_nodes)(void *ctx, const struct job *job, struct job_node ret[MOEEP_MAX_RANKS]);
-        const struct job_remote_region *(*remote_regions)(void *ctx, const struct job *job, uint32_t *ret_n);
-        void (*rank_failed)(void *ctx, struct job *job, uint32_t rank, const char *reason);
-        void (*transport_failed)(void *ctx, uint32_t tp_peer, const char *why);
-};
+struct mesh;
+struct mesh_jobs;
 
 /* Descriptors of a ring when ChannelOpen says 0. */
 #define DATAPATH_RING_DEFAULT 1024
@@ -76,8 +57,8 @@ struct datapath_hooks {
  * (a warning naming the transport and why) and every request that needs it
  * is answered with the same text. Returns 0 (*ret NULL when the mesh is
  * off) or -ENOMEM. */
-int datapath_start(struct event_base *base, const struct config *c, const struct datapath_hooks *hooks,
-                   struct datapath **ret);
+int datapath_start(struct event_base *base, const struct config *c, struct mesh *mesh,
+                   struct mesh_jobs *mesh_jobs, struct datapath **ret);
 
 /* Stops the proxy, drops every registration and closes the transport.
  * Accepts NULL. */
@@ -93,14 +74,6 @@ const char *datapath_backend(const struct datapath *dp);
 /* The transport's byte counters (transport.h, struct tp_stats): true and
  * *ret filled where the backend counts (cuda), false otherwise. */
 bool datapath_transport_stats(const struct datapath *dp, struct tp_stats *ret);
-
-/* Mesh hooks: the local half of a connection to one more daemon and its
- * address blob (TP_ADDR_MAX bytes at most); the peer's blob; the peer's
- * loss (-errno). Set-up calls return -errno with errmsg. */
-int datapath_peer_new(struct datapath *dp, uint32_t *ret_tp_peer, uint8_t ret_blob[TP_ADDR_MAX],
-                      size_t *ret_len, char *errmsg);
-int datapath_peer_connect(struct datapath *dp, uint32_t tp_peer, const void *blob, size_t len, char *errmsg);
-void datapath_peer_fail(struct datapath *dp, uint32_t tp_peer, int error);
 
 /* RegionRegister with a proxy role: checks the role (one region of each
  * per rank), the kind (a memfd sealed with F_SEAL_SHRINK; a dma-buf where
@@ -129,13 +102,6 @@ int datapath_region_release(struct datapath *dp, struct job_member *m, uint64_t 
  * yet, or has not registered its recv and counters regions. */
 int datapath_channel_open(struct datapath *dp, struct job_member *m, uint32_t capacity, int *ret_fd,
                           uint64_t *ret_ring_id, uint32_t *ret_capacity, char *errmsg);
-
-/* Rank `rank` of `job`, at another daemon, released its receive or
- * counter region, or left the job: the routes to it in the rings of the
- * job's ranks here lead nowhere from now on (proxy_route_drop()), so that
- * a descriptor naming it fails its own ring instead of reaching a region
- * that daemon no longer knows. */
-void datapath_remote_rank_gone(struct datapath *dp, const struct job *job, uint32_t rank);
 
 /* How long a receive or counter registration outlives its release (or
  * its rank): writes to it that were on their way land, rather than meet a

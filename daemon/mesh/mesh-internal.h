@@ -1,6 +1,5 @@
 /* What the peer layer's files share: mesh.c (connections, framing and
- * sealing, identities, admission, handshake) and mesh-transport.c (each
- * connection's transport peer). Not for any other file: the rest of
+ * sealing, identities, admission, handshake). Not for any other file: the rest of
  * the daemon, the jobs across daemons included, uses mesh.h. */
 #ifndef MOEEPD_MESH_INTERNAL_H
 #define MOEEPD_MESH_INTERNAL_H
@@ -27,12 +26,6 @@ static inline uint64_t mesh_now_ns(void) {
  * the dialler's PeerWelcome, then anything but a handshake message (job
  * messages go to the mesh's client). */
 void mesh_peer_handle(struct mesh_peer *p, const Moeep__V1__PeerMessage *msg, bool sealed);
-
-/* The one way a connection ends: logs `fmt` once, closes (flushing a
- * queued PeerRefused when `flush`), fails what depended on it, then
- * redials (outbound) or frees the peer from the loop (inbound). */
-void mesh_peer_fail(struct mesh_peer *p, bool flush, const char *fmt, ...)
-        __attribute__((format(printf, 3, 4)));
 
 /* Refuses `p` during the handshake: PeerRefused{why}, then mesh_peer_fail(). */
 void mesh_peer_refuse(struct mesh_peer *p, const char *why);
@@ -63,20 +56,6 @@ bool mesh_is_clear_handshake(Moeep__V1__PeerMessage__BodyCase c);
 /* The bufferevent read callback of every connection (arg: its peer): cuts
  * frames, opens sealed ones, hands each message to mesh_peer_handle(). */
 void mesh_peer_read_cb(struct bufferevent *bev, void *arg);
-
-/* ------------------------------------------------ mesh-transport.c */
-
-/* `p` came up: makes our half of a transport connection to that daemon
- * and offers it (PeerTransport). */
-void mesh_transport_offer(struct mesh_peer *p);
-
-/* The peer's PeerTransport: connects our half with its address. */
-void mesh_transport_handle(struct mesh_peer *p, const Moeep__V1__PeerTransport *pt);
-
-/* Forgets the connection's transport peer, failing it in the proxy when
- * `fail` (rings routing to it get an error). Returns whether it was
- * connected. */
-bool mesh_transport_drop(struct mesh_peer *p, bool fail);
 
 /* ------------------------------------------------ mesh.c: handshake */
 

@@ -1,7 +1,6 @@
 /* Jobs across daemons: home and mirror jobs and the barrier, region,
- * leave and loss messages between them; see mesh-jobs.h. Forwarded joins
- * are in mesh-joins.c. The connections they travel on are mesh.c's
- * (mesh.h). */
+ * leave and loss messages between them; see mesh-jobs.h. The connections
+ * they travel on are mesh.c's (mesh.h). */
 #include <errno.h>
 #include <inttypes.h>
 #include <stdio.h>
@@ -11,10 +10,19 @@
 
 #include "errors.h"
 #include "log.h"
-#include "mesh/mesh-jobs-internal.h"
 #include "mesh/mesh-jobs.h"
 #include "mesh/mesh.h"
 #include "state/job.h"
+
+struct mesh_rank;
+TAILQ_HEAD(mesh_rank_list, mesh_rank);
+
+struct mesh_jobs {
+        struct mesh *mesh;           /* not owning; the peers */
+        struct jobs *jobs;           /* not owning; the registry */
+        struct mesh_rank_list ranks; /* owns; remote ranks of our home jobs, in order of joining */
+        bool stopping;               /* the daemon is shutting down: joins are refused */
+};
 
 /* A rank of one of our home jobs that joined through a peer: the owner of
  * that (remote) member. */
@@ -73,7 +81,7 @@ static void rank_barrier_done(void *owner, const struct job *job, uint64_t reque
                 return;
         done.job_id = job->id;
         done.rank = mr->member->rank;
-        done.error = error ? mr->mj->hooks.error_code(error) : MOEEP__V1__ERROR_CODE__ERROR_UNSPECIFIED;
+        done.error = error ? error_code(error) : MOEEP__V1__ERROR_CODE__ERROR_UNSPECIFIED;
         mesh_peer_send(mr->peer, &msg);
 }
 
@@ -216,7 +224,7 @@ static void remote_region_update(struct job *job, const Moeep__V1__PeerRegion *p
         rr->size = pr->size;
         rr->region_id = pr->region_id;
         rr->proxy = (uint32_t)pr->proxy;
-        rr->rkey = (struct tp_rkey){ .base = pr->rkey_base, .key = pr->rkey_key, .length = pr->rkey_length };
+        rr->rkey = (struct job_rkey){ .base = pr->rkey_base, .key = pr->rkey_key, .length = pr->rkey_length };
 }
 
 /* Tells every daemon with ranks of home job `job` (but the rank `gone`,
@@ -253,14 +261,14 @@ static void handle_join(struct mesh_jobs *mj, struct mesh_peer *p, const Moeep__
         mr = calloc(1, sizeof(*mr));
         if (!mr)
                 r = errmsg_set(errmsg, -ENOMEM, "out of memory");
-        else if (mj->hooks.stopping(mj->hooks.arg))
+        else if (mj->stopping)
                 r = errmsg_set(errmsg, -ERROR_KIND_DRAINING, "the job's daemon is shutting down");
         else
                 r = jobs_join(mj->jobs, pj->unique_id.data, pj->unique_id.len, pj->rank, pj->world_size,
                               pj->gpu_uuid, mr, &m, errmsg);
         if (r < 0) {
                 free(mr);
-                joined.error = mj->hooks.error_code(r);
+                joined.error = error_code(r);
                 joined.message = errmsg;
                 log_info("mesh: peer %s: join as rank %" PRIu32 " refused: %s", p->address, pj->rank, errmsg);
                 mesh_peer_send(p, &msg);
@@ -280,7 +288,6 @@ static void handle_join(struct mesh_jobs *mj, struct mesh_peer *p, const Moeep__
         joined.world_size = m->job->world_size;
         mesh_peer_send(p, &msg);
         mesh_jobs_changed(mj, m->job);
-        mj->hooks.status_changed(mj->hooks.arg);
 }
 
 /* Takes `mr` off the list; returns its member. */
@@ -317,10 +324,9 @@ static void handle_leave(struct mesh_jobs *mj, struct mesh_peer *p, const Moeep_
                  p->address);
         /* The job may go away with its last member: tell the others first. */
         remote_regions_drop(mr->member->job, pl->rank);
-        mj->hooks.remote_rank_gone(mj->hooks.arg, mr->member->job, pl->rank);
+        mesh_rank_gone(mj->mesh, mr->member->job, pl->rank);
         job_changed_except(mj, mr->member->job, pl->rank);
         job_member_leave(rank_detach(mr));
-        mj->hooks.status_changed(mj->hooks.arg);
 }
 
 static void handle_rank_lost_home(struct mesh_jobs *mj, struct mesh_rank *mr, struct mesh_peer *p,
@@ -330,7 +336,6 @@ static void handle_rank_lost_home(struct mesh_jobs *mj, struct mesh_rank *mr, st
         snprintf(reason, sizeof(reason), "%s (at daemon %s)", pl->reason ? pl->reason : "lost", p->address);
         remote_regions_drop(mr->member->job, pl->rank);
         job_member_lost(rank_detach(mr), reason);
-        mj->hooks.status_changed(mj->hooks.arg);
 }
 
 /* `p` went down: every rank that joined through it is lost. */
@@ -344,7 +349,6 @@ static void peer_ranks_lost(struct mesh_jobs *mj, const struct mesh_peer *p, con
                 remote_regions_drop(mr->member->job, mr->member->rank);
                 job_member_lost(rank_detach(mr), why);
         }
-        mj->hooks.status_changed(mj->hooks.arg);
 }
 
 /* ------------------------------------------------------------ jobs, mirror side */
@@ -439,7 +443,7 @@ void mesh_jobs_member_gone(struct mesh_jobs *mj, struct job_member *m, bool lost
 
 void mesh_jobs_region_changed(struct mesh_jobs *mj, const struct job_member *m, uint64_t region_id,
                               uint32_t tag, uint32_t kind, uint64_t size, bool released, uint32_t proxy,
-                              const struct tp_rkey *rkey) {
+                              const struct job_rkey *rkey) {
         Moeep__V1__PeerRegion pr = MOEEP__V1__PEER_REGION__INIT;
         PEER_MSG(msg, region, &pr, REGION);
         struct mesh_peer *p;
@@ -481,7 +485,7 @@ static void remote_region_changed(struct mesh_jobs *mj, struct job *job, const M
         remote_region_update(job, pr);
         if (proxy == MOEEP__V1__PROXY_ROLE__PROXY_ROLE_RECV ||
             proxy == MOEEP__V1__PROXY_ROLE__PROXY_ROLE_COUNTERS)
-                mj->hooks.remote_rank_gone(mj->hooks.arg, job, pr->rank);
+                mesh_rank_gone(mj->mesh, job, pr->rank);
 }
 
 static void handle_region(struct mesh_jobs *mj, struct mesh_peer *p, const Moeep__V1__PeerRegion *pr) {
@@ -530,7 +534,7 @@ static void jobs_abort_at(struct mesh_jobs *mj, const char *address, const char 
         }
 }
 
-/* ------------------------------------------------------------ the peer layer's client */
+/* ------------------------------------------------------------ the mesh's subscriber */
 
 /* A job message from `p` (UP). */
 static void client_message(void *arg, struct mesh_peer *p, const Moeep__V1__PeerMessage *msg) {
@@ -540,9 +544,6 @@ static void client_message(void *arg, struct mesh_peer *p, const Moeep__V1__Peer
         switch (msg->body_case) {
         case MOEEP__V1__PEER_MESSAGE__BODY_JOIN:
                 handle_join(mj, p, msg->join);
-                return;
-        case MOEEP__V1__PEER_MESSAGE__BODY_JOINED:
-                mesh_joins_handle_joined(mj, p, msg->joined);
                 return;
         case MOEEP__V1__PEER_MESSAGE__BODY_RANKS:
                 handle_ranks(mj, p, msg->ranks);
@@ -567,7 +568,8 @@ static void client_message(void *arg, struct mesh_peer *p, const Moeep__V1__Peer
                 else
                         handle_rank_lost_mirror(mj, p, msg->rank_lost);
                 return;
-        case MOEEP__V1__PEER_MESSAGE__BODY_HELLO: /* mesh.c's own: never handed here */
+        case MOEEP__V1__PEER_MESSAGE__BODY_HELLO: /* others': never handed here */
+        case MOEEP__V1__PEER_MESSAGE__BODY_JOINED:
         case MOEEP__V1__PEER_MESSAGE__BODY_CHALLENGE:
         case MOEEP__V1__PEER_MESSAGE__BODY_PROOF:
         case MOEEP__V1__PEER_MESSAGE__BODY_WELCOME:
@@ -582,29 +584,22 @@ static void client_message(void *arg, struct mesh_peer *p, const Moeep__V1__Peer
         }
 }
 
-static void client_peer_up(void *arg, struct mesh_peer *p) {
-        mesh_joins_flush(arg, p);
-}
-
 static void client_peer_down(void *arg, struct mesh_peer *p, bool was_up, bool transport_was_connected,
                              const char *lost, const char *why) {
         struct mesh_jobs *mj = arg;
 
         if (was_up) {
-                /* The rings writing to it ended first (mesh.c), so that no
-                 * producer waits on it while the jobs are aborted. */
+                /* The rings writing to it ended first (the transport is told
+                 * first, mesh.h), so that no producer waits on it while the
+                 * jobs are aborted. */
                 if (transport_was_connected)
                         jobs_abort_at(mj, p->address, lost);
                 peer_ranks_lost(mj, p, lost);
-                /* Mirrors and forwarded joins name the daemon, not the
-                 * connection: they go on over another one that is up. */
+                /* Mirrors name the daemon, not the connection: they go on
+                 * over another one that is up. */
                 if (!mesh_peer_find(mj->mesh, p->address))
                         mirrors_abort(mj, p->address, lost);
         }
-        /* An inbound connection that never came up has no identity:
-         * nothing waits on it. */
-        if ((p->outbound || was_up) && !mesh_peer_find(mj->mesh, p->address))
-                mesh_joins_fail(mj, p->address, why);
 }
 
 /* Jobs with ranks at both this daemon and `p`. */
@@ -628,12 +623,10 @@ static uint32_t client_peer_jobs(void *arg, const struct mesh_peer *p) {
 
 /* ------------------------------------------------------------ life */
 
-int mesh_jobs_new(struct mesh *mesh, struct jobs *jobs, const struct mesh_jobs_hooks *hooks,
-                  struct mesh_jobs **ret) {
+int mesh_jobs_new(struct mesh *mesh, struct jobs *jobs, struct mesh_jobs **ret) {
         struct mesh_jobs *mj;
-        struct mesh_client client = {
+        struct mesh_subscriber sub = {
                 .message = client_message,
-                .peer_up = client_peer_up,
                 .peer_down = client_peer_down,
                 .peer_jobs = client_peer_jobs,
         };
@@ -646,11 +639,9 @@ int mesh_jobs_new(struct mesh *mesh, struct jobs *jobs, const struct mesh_jobs_h
                 return -ENOMEM;
         mj->mesh = mesh;
         mj->jobs = jobs;
-        mj->hooks = *hooks;
         TAILQ_INIT(&mj->ranks);
-        TAILQ_INIT(&mj->joins);
-        client.arg = mj;
-        mesh_client_set(mesh, &client);
+        sub.arg = mj;
+        mesh_subscribe(mesh, MESH_OWNER_JOBS, &sub);
         *ret = mj;
         return 0;
 }
@@ -660,12 +651,16 @@ void mesh_jobs_free(struct mesh_jobs *mj) {
 
         if (!mj)
                 return;
-        mesh_joins_free_all(mj);
         /* Every connection down first, so that the members let go below
          * send nothing. */
         mesh_close_all(mj->mesh);
         while ((mr = TAILQ_FIRST(&mj->ranks)))
                 job_member_leave(rank_detach(mr));
-        mesh_client_set(mj->mesh, NULL);
+        mesh_subscribe(mj->mesh, MESH_OWNER_JOBS, NULL);
         free(mj);
+}
+
+void mesh_jobs_stop(struct mesh_jobs *mj) {
+        if (mj)
+                mj->stopping = true;
 }

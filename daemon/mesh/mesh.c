@@ -1,9 +1,7 @@
 /* The internode mesh's peers; see mesh.h. In order: connections, their
  * failure, liveness, dial, accept and reap, and the routing of each
- * message; the frames and their sealing; identities, admission and the
- * handshake. Each connection's transport peer is mesh-transport.c's; the
- * jobs across daemons, which this file hands their messages to, are
- * mesh-jobs.c's. */
+ * message to its owner; the frames and their sealing; identities,
+ * admission and the handshake. */
 #include <arpa/inet.h>
 #include <errno.h>
 #include <event2/buffer.h>
@@ -86,9 +84,25 @@ static void peer_handshake_reset(struct mesh_peer *p) {
         p->claimed[0] = '\0';
 }
 
+/* The subscribers of the mesh are told that `p` went down: the transport
+ * first (see struct mesh_subscriber), then the others in owner order. */
+static void subscribers_peer_down(struct mesh *mesh, struct mesh_peer *p, bool was_up, bool tp_was_connected,
+                                  const char *lost, const char *why) {
+        const struct mesh_subscriber *tp = &mesh->subscribers[MESH_OWNER_TRANSPORT];
+
+        if (tp->peer_down)
+                tp->peer_down(tp->arg, p, was_up, tp_was_connected, lost, why);
+        for (int o = MESH_OWNER_PEERS + 1; o < MESH_OWNERS; o++) {
+                const struct mesh_subscriber *s = &mesh->subscribers[o];
+
+                if (o != MESH_OWNER_TRANSPORT && s->peer_down)
+                        s->peer_down(s->arg, p, was_up, tp_was_connected, lost, why);
+        }
+}
+
 /* The one way a peer connection ends: logs `fmt` once, drops the
- * connection (flushing a queued PeerRefused when `flush`), fails what
- * depended on it, and then redials (outbound) or frees the peer from the
+ * connection (flushing a queued PeerRefused when `flush`), tells the
+ * subscribers, and then redials (outbound) or frees the peer from the
  * loop (inbound). */
 void mesh_peer_fail(struct mesh_peer *p, bool flush, const char *fmt, ...) {
         struct mesh *mesh = p->mesh;
@@ -128,13 +142,10 @@ void mesh_peer_fail(struct mesh_peer *p, bool flush, const char *fmt, ...) {
         peer_handshake_reset(p);
         if (was == MESH_PEER_UP) {
                 snprintf(lost, sizeof(lost), "daemon %s lost: %s", p->address, why);
-                /* Rings writing to it end first, so that no producer waits
-                 * on it while the jobs are aborted. */
-                tp_was_connected = mesh_transport_drop(p, true);
+                tp_was_connected = p->tp_connected;
         }
-        /* The jobs across daemons let go of what depended on it. */
-        if (mesh->client.peer_down)
-                mesh->client.peer_down(mesh->client.arg, p, was == MESH_PEER_UP, tp_was_connected, lost, why);
+        /* The layers above let go of what depended on it. */
+        subscribers_peer_down(mesh, p, was == MESH_PEER_UP, tp_was_connected, lost, why);
         if (p->outbound) {
                 timer_arm(p, MESH_REDIAL_MS);
         } else {
@@ -150,8 +161,9 @@ static void peer_drop(struct mesh_peer *p) {
         struct mesh *mesh = p->mesh;
 
         /* No job spans the daemon (mesh_peer_up() checked): nothing routes to
-         * its transport peer. */
-        mesh_transport_drop(p, false);
+         * its transport peer, which is forgotten without a word. */
+        p->tp_peer = MESH_NO_TP_PEER;
+        p->tp_connected = false;
         if (!p->outbound && p->state != MESH_PEER_UP)
                 mesh->unauthenticated--;
         p->state = MESH_PEER_DOWN;
@@ -294,9 +306,10 @@ void mesh_peer_up(struct mesh_peer *p) {
         p->rtt_us = 0;
         log_notice("mesh: peer %s up (%s, %s)", p->address, p->remote, p->outbound ? "dialled" : "accepted");
         timer_arm(p, MESH_PING_MS);
-        if (mesh->client.peer_up) /* forwarded joins that wait for it */
-                mesh->client.peer_up(mesh->client.arg, p);
-        mesh_transport_offer(p);
+        /* Forwarded joins that wait for it, then its transport peer. */
+        for (int o = MESH_OWNER_PEERS + 1; o < MESH_OWNERS; o++)
+                if (mesh->subscribers[o].peer_up)
+                        mesh->subscribers[o].peer_up(mesh->subscribers[o].arg, p);
 }
 
 static void peer_event_cb(struct bufferevent *bev, short what, void *arg) {
@@ -355,6 +368,15 @@ static void peer_timer_cb(evutil_socket_t fd, short what, void *arg) {
 }
 
 /* ------------------------------------------------------------ messages */
+
+/* Hands `msg` of `p` to the subscriber of `owner`, when there is one. */
+static void subscriber_message(struct mesh *mesh, enum mesh_owner owner, struct mesh_peer *p,
+                               const Moeep__V1__PeerMessage *msg) {
+        const struct mesh_subscriber *s = &mesh->subscribers[owner];
+
+        if (s->message)
+                s->message(s->arg, p, msg);
+}
 
 /* Handles one message; `sealed` says whether it came in a sealed frame.
  * In clear: only the handshake messages, each in its turn. Sealed: the
@@ -422,18 +444,19 @@ void mesh_peer_handle(struct mesh_peer *p, const Moeep__V1__PeerMessage *msg, bo
                 return;
         }
         case MOEEP__V1__PEER_MESSAGE__BODY_TRANSPORT:
-                mesh_transport_handle(p, msg->transport);
+                subscriber_message(mesh, MESH_OWNER_TRANSPORT, p, msg);
+                return;
+        case MOEEP__V1__PEER_MESSAGE__BODY_JOINED: /* the answer to a forwarded join */
+                subscriber_message(mesh, MESH_OWNER_JOINS, p, msg);
                 return;
         case MOEEP__V1__PEER_MESSAGE__BODY_JOIN: /* the jobs across daemons' (mesh-jobs.c) */
-        case MOEEP__V1__PEER_MESSAGE__BODY_JOINED:
         case MOEEP__V1__PEER_MESSAGE__BODY_RANKS:
         case MOEEP__V1__PEER_MESSAGE__BODY_BARRIER:
         case MOEEP__V1__PEER_MESSAGE__BODY_BARRIER_DONE:
         case MOEEP__V1__PEER_MESSAGE__BODY_LEAVE:
         case MOEEP__V1__PEER_MESSAGE__BODY_REGION:
         case MOEEP__V1__PEER_MESSAGE__BODY_RANK_LOST:
-                if (mesh->client.message)
-                        mesh->client.message(mesh->client.arg, p, msg);
+                subscriber_message(mesh, MESH_OWNER_JOBS, p, msg);
                 return;
         case MOEEP__V1__PEER_MESSAGE__BODY_SEALED: /* refused above */
         case MOEEP__V1__PEER_MESSAGE__BODY__NOT_SET:
@@ -504,8 +527,7 @@ static void mesh_reap_cb(evutil_socket_t fd, short what, void *arg) {
         }
 }
 
-int mesh_start(struct event_base *base, const struct config *c, const struct mesh_transport_hooks *transport,
-               struct mesh **ret_mesh, char *errmsg) {
+int mesh_start(struct event_base *base, const struct config *c, struct mesh **ret_mesh, char *errmsg) {
         struct sockaddr_storage ss;
         struct mesh *mesh;
         socklen_t len;
@@ -527,7 +549,6 @@ int mesh_start(struct event_base *base, const struct config *c, const struct mes
         if (!mesh)
                 return errmsg_set(errmsg, -ENOMEM, "mesh: out of memory");
         mesh->base = base;
-        mesh->transport = *transport;
         TAILQ_INIT(&mesh->peers);
         if (c->cluster_key_file[0]) {
                 r = auth_key_load(c->cluster_key_file, mesh->key, errmsg);
@@ -633,11 +654,17 @@ void mesh_count(const struct mesh *mesh, uint32_t ret_counts[MESH_PEER_DOWN + 1]
                         ret_counts[p->state]++;
 }
 
-void mesh_client_set(struct mesh *mesh, const struct mesh_client *client) {
-        if (client)
-                mesh->client = *client;
+void mesh_subscribe(struct mesh *mesh, enum mesh_owner owner, const struct mesh_subscriber *s) {
+        if (s)
+                mesh->subscribers[owner] = *s;
         else
-                memset(&mesh->client, 0, sizeof(mesh->client));
+                memset(&mesh->subscribers[owner], 0, sizeof(mesh->subscribers[owner]));
+}
+
+void mesh_rank_gone(struct mesh *mesh, const struct job *job, uint32_t rank) {
+        for (int o = MESH_OWNER_PEERS + 1; o < MESH_OWNERS; o++)
+                if (mesh->subscribers[o].rank_gone)
+                        mesh->subscribers[o].rank_gone(mesh->subscribers[o].arg, job, rank);
 }
 
 struct mesh_peer *mesh_peer_find(const struct mesh *mesh, const char *address) {
@@ -645,7 +672,12 @@ struct mesh_peer *mesh_peer_find(const struct mesh *mesh, const char *address) {
 }
 
 uint32_t mesh_peer_jobs(const struct mesh *mesh, const struct mesh_peer *p) {
-        return mesh->client.peer_jobs ? mesh->client.peer_jobs(mesh->client.arg, p) : 0;
+        uint32_t n = 0;
+
+        for (int o = MESH_OWNER_PEERS + 1; o < MESH_OWNERS; o++)
+                if (mesh->subscribers[o].peer_jobs)
+                        n += mesh->subscribers[o].peer_jobs(mesh->subscribers[o].arg, p);
+        return n;
 }
 
 /* ============================================================ frames */

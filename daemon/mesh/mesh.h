@@ -1,7 +1,7 @@
 /* The internode mesh's peers: TCP connections between moeepd daemons,
  * their mutual authentication with the cluster key (auth.h), liveness and
  * round-trip time (PeerPing), and the transport connection made over each
- * (mesh-transport.c). What travels over them for jobs is the business of
+ * (datapath/datapath.c). What travels over them for jobs is the business of
  * the layer above, the jobs across daemons (mesh-jobs.h).
  *
  * Wire: every frame is a 4-byte big-endian length and one PeerMessage
@@ -28,19 +28,15 @@
  * (mesh_peer_fail() in mesh.c), which logs once (pre-authentication
  * refusals at most MESH_PREAUTH_LOGS_PER_S lines a second, then a count).
  *
- * Who calls what:
- *  - daemon.c starts the mesh (mesh_start()) after the data path, handing
- *    it the data path's functions as struct mesh_transport_hooks, and frees
- *    it last of the mesh (after mesh_jobs_free()).
- *  - The jobs across daemons (mesh-jobs.c) register as the mesh's one
- *    client (struct mesh_client): the mesh hands them every job message of
- *    a connection that is up and tells them when a peer comes up or goes
- *    down; they send with mesh_peer_send() to peers they find with
- *    mesh_peer_find(). The mesh includes nothing of theirs.
- *  - datapath.c, through daemon.c's datapath_hooks, asks for the transport
- *    peer of a daemon (mesh_transport_peer()) and reports a failed one
- *    (mesh_transport_failed()); query.c and metrics.c read the peers
- *    (struct view).
+ * Who calls what: daemon.c starts the mesh (mesh_start()) first of the
+ * floors above the state, and frees it after the jobs across daemons
+ * (mesh_jobs_free()). The layers above it subscribe, one per owner of the
+ * mesh's messages (struct mesh_subscriber): the jobs across daemons
+ * (mesh-jobs.c), the forwarded joins (clients/membership.c) and each
+ * connection's transport peer (datapath/datapath.c). The mesh hands each
+ * the messages it owns of a connection that is up and tells them all when
+ * a peer comes up or goes down; they send with mesh_peer_send() to peers
+ * they find with mesh_peer_find(). The mesh includes nothing of theirs.
  * The mesh owns its peers, their connections, timers and keys. */
 #ifndef MOEEPD_MESH_H
 #define MOEEPD_MESH_H
@@ -132,46 +128,49 @@ struct mesh_peer {
 
 TAILQ_HEAD(mesh_peer_list, mesh_peer);
 
-/* The data path's side of each connection's transport peer (datapath.h's
- * functions of the same names, handed in by daemon.c). */
-struct mesh_transport_hooks {
-        struct datapath *dp; /* not owning; may be NULL (then `up` says no) */
-        bool (*up)(const struct datapath *dp, const char **ret_why);
-        const char *(*backend)(const struct datapath *dp);
-        int (*peer_new)(struct datapath *dp, uint32_t *ret_tp_peer, uint8_t ret_blob[TP_ADDR_MAX],
-                        size_t *ret_len, char *errmsg);
-        int (*peer_connect)(struct datapath *dp, uint32_t tp_peer, const void *blob, size_t len,
-                            char *errmsg);
-        void (*peer_fail)(struct datapath *dp, uint32_t tp_peer, int error);
+/* Who handles a mesh message: the peers themselves (the handshake and
+ * liveness), or one of the layers above, each subscribed once. */
+enum mesh_owner {
+        MESH_OWNER_PEERS,     /* mesh.c */
+        MESH_OWNER_JOBS,      /* the jobs across daemons, mesh-jobs.c */
+        MESH_OWNER_JOINS,     /* the forwarded joins, clients/membership.c */
+        MESH_OWNER_TRANSPORT, /* each connection's transport peer, datapath/datapath.c */
+        MESH_OWNERS,
 };
 
-/* The layer above (the jobs across daemons, mesh-jobs.c), registered with
- * mesh_client_set(). Each member may be NULL. Called from the loop, from
- * inside the mesh's own callbacks: they may send, and must not free a
+/* A layer above the peers, subscribed with mesh_subscribe() for the
+ * messages of one owner. Each member may be NULL. Called from the loop,
+ * from inside the mesh's own callbacks: they may send, and must not free a
  * peer (the mesh does, from the loop). */
-struct mesh_client {
+struct mesh_subscriber {
         void *arg; /* handed to each */
-        /* A job message (PeerJoin, PeerJoined, PeerRanks, PeerBarrier,
-         * PeerBarrierDone, PeerLeave, PeerRegion, PeerRankLost) from `p`,
-         * which is UP; the mesh frees `msg` after. */
+        /* A message of the subscriber's owner from `p`, which is UP; the
+         * mesh frees `msg` after. */
         void (*message)(void *arg, struct mesh_peer *p, const Moeep__V1__PeerMessage *msg);
-        /* `p` came up. */
+        /* `p` came up. Told in the order of enum mesh_owner. */
         void (*peer_up)(void *arg, struct mesh_peer *p);
         /* `p` failed (mesh_peer_fail(), already DOWN). `was_up`: it was UP,
          * `lost` says so ("daemon X lost: why"), and `transport_was_connected`
-         * whether its transport peer was connected (it was failed just
-         * before). `why` is the failure as logged. Not called for a
-         * duplicate connection dropped without a word. */
+         * whether its transport peer was connected. `why` is the failure as
+         * logged. Told the transport first (rings writing to that daemon
+         * end before its jobs are aborted, so that no producer waits on it
+         * meanwhile), then in the order of enum mesh_owner. Not called for
+         * a duplicate connection dropped without a word. */
         void (*peer_down)(void *arg, struct mesh_peer *p, bool was_up, bool transport_was_connected,
                           const char *lost, const char *why);
         /* Jobs with ranks at both this daemon and `p`. */
         uint32_t (*peer_jobs)(void *arg, const struct mesh_peer *p);
+        /* Rank `rank` of `job`, at another daemon, released its receive or
+         * counter region or left the job: what routed to it leads nowhere
+         * from now on (mesh_rank_gone()). */
+        void (*rank_gone)(void *arg, const struct job *job, uint32_t rank);
 };
 
 struct mesh {
         struct event_base *base; /* not owning */
-        struct mesh_transport_hooks transport;
-        struct mesh_client client;       /* the jobs across daemons; all NULL until one registers */
+        /* The layers above, by owner (all NULL until one subscribes;
+         * [MESH_OWNER_PEERS] unused). */
+        struct mesh_subscriber subscribers[MESH_OWNERS];
         struct evconnlistener *listener; /* owns */
         char address[JOB_NODE_MAX + 1];  /* ours: mesh_listen, with the real port when it said 0 */
         bool keyed;                      /* `key` was loaded from cluster_key_file */
@@ -190,19 +189,18 @@ struct mesh {
 /* Starts the mesh when config's mesh_listen is set: loads the key,
  * listens, dials mesh_peers, on loop `base`. Returns 0 (with *ret_mesh NULL
  * when the mesh is off) or -errno with errmsg naming the key or value. */
-int mesh_start(struct event_base *base, const struct config *config,
-               const struct mesh_transport_hooks *transport, struct mesh **ret_mesh, char *errmsg);
+int mesh_start(struct event_base *base, const struct config *config, struct mesh **ret_mesh, char *errmsg);
 
-/* Takes every connection down without a word (no client hook is called,
+/* Takes every connection down without a word (no subscriber is told,
  * nothing is logged): the daemon is stopping. */
 void mesh_close_all(struct mesh *mesh);
 
 /* Closes every connection and frees every peer. Accepts NULL. */
 void mesh_free(struct mesh *mesh);
 
-/* Registers the mesh's one client (a copy of `client` is kept), or
- * unregisters it (NULL). */
-void mesh_client_set(struct mesh *mesh, const struct mesh_client *client);
+/* Subscribes `s` (a copy is kept) for the messages of `owner` and the
+ * mesh's news, or unsubscribes it (NULL). */
+void mesh_subscribe(struct mesh *mesh, enum mesh_owner owner, const struct mesh_subscriber *s);
 
 /* Our mesh address, or NULL when the mesh is off (mesh NULL). */
 const char *mesh_address(const struct mesh *mesh);
@@ -239,22 +237,21 @@ struct mesh_peer *mesh_peer_find(const struct mesh *mesh, const char *address);
  * the connection cannot carry it, as to a peer that is down). */
 int mesh_peer_send(struct mesh_peer *p, Moeep__V1__PeerMessage *msg);
 
-/* The transport peer (datapath.h) that reaches daemon `address`: 0 and
- * *ret_tp_peer, -ENOTCONN when no connection to it is up, -ENODEV when it
- * is up but no transport connection was made over it. */
-int mesh_transport_peer(const struct mesh *mesh, const char *address, uint32_t *ret_tp_peer);
+/* The one way a connection ends: logs `fmt` once, closes (flushing a
+ * queued PeerRefused when `flush`), tells the subscribers, then redials
+ * (outbound) or frees the peer from the loop (inbound). */
+void mesh_peer_fail(struct mesh_peer *p, bool flush, const char *fmt, ...)
+        __attribute__((format(printf, 3, 4)));
 
-/* The proxy failed transport peer `tp_peer` (`why` says how): the mesh
- * connection is failed (the client aborts every job with ranks at that
- * daemon, naming one), so that a fresh transport connection is made when
- * it comes back. */
-void mesh_transport_failed(struct mesh *mesh, uint32_t tp_peer, const char *why);
+/* Tells every subscriber that rank `rank` of `job`, at another daemon,
+ * is gone from where it was reached (its receive or counter region
+ * released, or the rank left): mesh-jobs.c, as it learns it. */
+void mesh_rank_gone(struct mesh *mesh, const struct job *job, uint32_t rank);
 
 /* Peers in each state, for the metrics. */
 void mesh_count(const struct mesh *mesh, uint32_t ret_counts[MESH_PEER_DOWN + 1]);
 
-/* Jobs with ranks at both this daemon and `p` (the client's count; 0
- * without one). */
+/* Jobs with ranks at both this daemon and `p` (the subscribers' count). */
 uint32_t mesh_peer_jobs(const struct mesh *mesh, const struct mesh_peer *p);
 
 #endif

@@ -11,8 +11,7 @@
 #include <sys/queue.h>
 #include <sys/types.h>
 
-#include "datapath/transport.h" /* struct tp_rkey */
-#include "log.h"                /* ERRMSG_MAX */
+#include "log.h" /* ERRMSG_MAX */
 #include "moeep.h"
 #include "names.h" /* MOEEP_JOB_NAME_MAX, MOEEP_GPU_UUID_MAX */
 
@@ -69,15 +68,24 @@ struct job_node {
 
 TAILQ_HEAD(region_list, region);
 
+/* Where a rank's daemon registered a region with its transport: what a
+ * writer at another daemon names (datapath/transport.h's struct tp_rkey,
+ * field for field; it travels in PeerRegion). */
+struct job_rkey {
+        uint64_t base;
+        uint64_t key;
+        uint64_t length;
+};
+
 /* A region of a rank joined at another daemon: metadata only (mesh-jobs.c). */
 struct job_remote_region {
         uint32_t rank;
         uint32_t tag;
         uint32_t kind; /* Moeep__V1__RegionKind */
         uint64_t size;
-        uint64_t region_id;  /* at the rank's daemon */
-        uint32_t proxy;      /* Moeep__V1__ProxyRole; RECV and COUNTERS come with `rkey` */
-        struct tp_rkey rkey; /* where the rank's daemon registered it with its transport */
+        uint64_t region_id;   /* at the rank's daemon */
+        uint32_t proxy;       /* Moeep__V1__ProxyRole; RECV and COUNTERS come with `rkey` */
+        struct job_rkey rkey; /* where the rank's daemon registered it with its transport */
 };
 
 /* Most remote regions one job lists: every rank's max_regions_per_session
