@@ -23,10 +23,80 @@
 #include "config.h"
 #include "log.h"
 #include "mesh/auth.h"
-#include "mesh/mesh-internal.h"
 #include "mesh/mesh.h"
 #include "record.h"
 #include "state/job.h"
+
+/* What the parts of this file call of each other, declared ahead. */
+
+static uint64_t mesh_now_ns(void) {
+        struct timespec ts;
+
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* ------------------------------------------------ connections */
+
+/* Handles one message of `p`; `sealed` says whether it came in a sealed
+ * frame. In clear: only the handshake messages, each in its turn. Sealed:
+ * the dialler's PeerWelcome, then anything but a handshake message (job
+ * messages go to their owner's subscriber). */
+static void mesh_peer_handle(struct mesh_peer *p, const Moeep__V1__PeerMessage *msg, bool sealed);
+
+/* Refuses `p` during the handshake: PeerRefused{why}, then mesh_peer_fail(). */
+static void mesh_peer_refuse(struct mesh_peer *p, const char *why);
+
+/* Both sides proved the key: `p` is usable (or dropped as a duplicate of
+ * a connection to the same daemon). */
+static void mesh_peer_up(struct mesh_peer *p);
+
+/* ------------------------------------------------ addresses */
+
+/* "IPV4:PORT" or "[IPV6]:PORT" of `sa`, "?" for another family. */
+static void mesh_sockaddr_string(const struct sockaddr *sa, char *buf, size_t size);
+
+/* Parses a mesh address (config_listen_split()'s forms) into a sockaddr.
+ * Returns 0 or -EINVAL. */
+static int mesh_address_resolve(const char *address, struct sockaddr_storage *ret_ss, socklen_t *ret_len);
+
+/* Our advertised address and identity (mesh->address), from the
+ * listener's socket. */
+static void mesh_address_set(struct mesh *mesh);
+
+/* ------------------------------------------------ frames */
+
+/* Whether messages of case `c` travel in clear (the handshake's, but
+ * PeerWelcome, the acceptor's first sealed frame). */
+static bool mesh_is_clear_handshake(Moeep__V1__PeerMessage__BodyCase c);
+
+/* The bufferevent read callback of every connection (arg: its peer): cuts
+ * frames, opens sealed ones, hands each message to mesh_peer_handle(). */
+static void mesh_peer_read_cb(struct bufferevent *bev, void *arg);
+
+/* ------------------------------------------------ handshake */
+
+/* Dialler: the connection is made; sends PeerHello. */
+static void mesh_hello_send(struct mesh_peer *p);
+
+/* The handshake messages, each in its turn (mesh_peer_handle() checked
+ * the order). */
+static void mesh_hello_handle(struct mesh_peer *p, const Moeep__V1__PeerHello *h);
+static void mesh_challenge_handle(struct mesh_peer *p, const Moeep__V1__PeerChallenge *c);
+static void mesh_proof_handle(struct mesh_peer *p, const Moeep__V1__PeerProof *pr);
+static void mesh_welcome_handle(struct mesh_peer *p);
+
+/* ------------------------------------------------ admission */
+
+/* Whether one more pre-authentication refusal may be logged now. */
+static bool mesh_preauth_log_ok(struct mesh *mesh);
+
+/* The pre-authentication quota's key of source address `sa`. */
+static void mesh_source_key(const struct sockaddr *sa, uint8_t ret[static 16]);
+
+/* Makes room for one more inbound connection authenticating from `source`
+ * (displacing the oldest of its source, or of the biggest source). */
+static void mesh_preauth_make_room(struct mesh *mesh, const uint8_t source[static 16]);
 
 const char *mesh_peer_state_to_string(enum mesh_peer_state s) {
         switch (s) {
@@ -184,7 +254,7 @@ static void peer_drop(struct mesh_peer *p) {
 }
 
 /* Refuses a peer during the handshake: tells it why, logs, closes. */
-void mesh_peer_refuse(struct mesh_peer *p, const char *why) {
+static void mesh_peer_refuse(struct mesh_peer *p, const char *why) {
         Moeep__V1__PeerRefused refused = MOEEP__V1__PEER_REFUSED__INIT;
         PEER_MSG(msg, refused, &refused, REFUSED);
 
@@ -274,7 +344,7 @@ static struct mesh_peer *peer_find(const struct mesh *mesh, const char *address,
 }
 
 /* Both sides proved the key: the peer is usable. */
-void mesh_peer_up(struct mesh_peer *p) {
+static void mesh_peer_up(struct mesh_peer *p) {
         struct mesh *mesh = p->mesh;
         struct mesh_peer *q = peer_find(mesh, p->address, true);
 
@@ -381,7 +451,7 @@ static void subscriber_message(struct mesh *mesh, enum mesh_owner owner, struct 
 /* Handles one message; `sealed` says whether it came in a sealed frame.
  * In clear: only the handshake messages, each in its turn. Sealed: the
  * dialler's PeerWelcome, then anything but a handshake message. */
-void mesh_peer_handle(struct mesh_peer *p, const Moeep__V1__PeerMessage *msg, bool sealed) {
+static void mesh_peer_handle(struct mesh_peer *p, const Moeep__V1__PeerMessage *msg, bool sealed) {
         struct mesh *mesh = p->mesh;
         Moeep__V1__PeerMessage__BodyCase c = msg->body_case;
         bool ok;
@@ -691,7 +761,7 @@ uint32_t mesh_peer_jobs(const struct mesh *mesh, const struct mesh_peer *p) {
 
 /* Messages that travel in clear during the handshake. PeerWelcome is not
  * one: it is the acceptor's first sealed frame. */
-bool mesh_is_clear_handshake(Moeep__V1__PeerMessage__BodyCase c) {
+static bool mesh_is_clear_handshake(Moeep__V1__PeerMessage__BodyCase c) {
         return c == MOEEP__V1__PEER_MESSAGE__BODY_HELLO || c == MOEEP__V1__PEER_MESSAGE__BODY_CHALLENGE ||
                c == MOEEP__V1__PEER_MESSAGE__BODY_PROOF || c == MOEEP__V1__PEER_MESSAGE__BODY_REFUSED;
 }
@@ -813,7 +883,7 @@ static void peer_handle_sealed(struct mesh_peer *p, const ProtobufCBinaryData *b
         moeep__v1__peer_message__free_unpacked(inner, NULL);
 }
 
-void mesh_peer_read_cb(struct bufferevent *bev, void *arg) {
+static void mesh_peer_read_cb(struct bufferevent *bev, void *arg) {
         struct mesh_peer *p = arg;
 
         while (p->bev == bev && p->state != MESH_PEER_DOWN) {
@@ -857,7 +927,7 @@ void mesh_peer_read_cb(struct bufferevent *bev, void *arg) {
 
 /* ------------------------------------------------------------ addresses */
 
-void mesh_sockaddr_string(const struct sockaddr *sa, char *buf, size_t size) {
+static void mesh_sockaddr_string(const struct sockaddr *sa, char *buf, size_t size) {
         char host[INET6_ADDRSTRLEN] = "?";
 
         if (sa->sa_family == AF_INET) {
@@ -876,7 +946,7 @@ void mesh_sockaddr_string(const struct sockaddr *sa, char *buf, size_t size) {
 }
 
 /* Parses a mesh address (config_listen_split()'s forms) into a sockaddr. */
-int mesh_address_resolve(const char *address, struct sockaddr_storage *ret_ss, socklen_t *ret_len) {
+static int mesh_address_resolve(const char *address, struct sockaddr_storage *ret_ss, socklen_t *ret_len) {
         char host[CONFIG_HOST_MAX];
         uint16_t port;
 
@@ -963,7 +1033,7 @@ void mesh_claim_printable(const char *claim, char ret[static JOB_NODE_MAX + 1]) 
 
 /* Our advertised address and identity: mesh_listen, canonical (as
  * mesh_address_canon()), with the port the kernel chose when it said 0. */
-void mesh_address_set(struct mesh *mesh) {
+static void mesh_address_set(struct mesh *mesh) {
         struct sockaddr_storage ss;
         socklen_t len = sizeof(ss);
         char spelled[JOB_NODE_MAX + 1];
@@ -981,7 +1051,7 @@ void mesh_address_set(struct mesh *mesh) {
 
 /* ------------------------------------------------------------ handshake */
 
-void mesh_hello_send(struct mesh_peer *p) {
+static void mesh_hello_send(struct mesh_peer *p) {
         Moeep__V1__PeerHello hello = MOEEP__V1__PEER_HELLO__INIT;
         PEER_MSG(msg, hello, &hello, HELLO);
 
@@ -997,7 +1067,7 @@ void mesh_hello_send(struct mesh_peer *p) {
 
 /* Acceptor: a dialler says who it is and sends its nonce. Only an identity
  * of mesh_peers is answered; it is believed once PeerProof proves it. */
-void mesh_hello_handle(struct mesh_peer *p, const Moeep__V1__PeerHello *h) {
+static void mesh_hello_handle(struct mesh_peer *p, const Moeep__V1__PeerHello *h) {
         struct mesh *mesh = p->mesh;
         Moeep__V1__PeerChallenge ch = MOEEP__V1__PEER_CHALLENGE__INIT;
         PEER_MSG(msg, challenge, &ch, CHALLENGE);
@@ -1068,7 +1138,7 @@ void mesh_hello_handle(struct mesh_peer *p, const Moeep__V1__PeerHello *h) {
 /* Dialler: the acceptor must be the daemon we dialled and prove the key
  * over the transcript with both identities; only then do we prove
  * ourselves. */
-void mesh_challenge_handle(struct mesh_peer *p, const Moeep__V1__PeerChallenge *c) {
+static void mesh_challenge_handle(struct mesh_peer *p, const Moeep__V1__PeerChallenge *c) {
         struct mesh *mesh = p->mesh;
         Moeep__V1__PeerProof proof = MOEEP__V1__PEER_PROOF__INIT;
         PEER_MSG(msg, proof, &proof, PROOF);
@@ -1125,7 +1195,7 @@ void mesh_challenge_handle(struct mesh_peer *p, const Moeep__V1__PeerChallenge *
 
 /* Acceptor: the dialler proved the key and the identity it claimed. From
  * here on every frame is sealed, PeerWelcome first. */
-void mesh_proof_handle(struct mesh_peer *p, const Moeep__V1__PeerProof *pr) {
+static void mesh_proof_handle(struct mesh_peer *p, const Moeep__V1__PeerProof *pr) {
         Moeep__V1__PeerWelcome welcome = MOEEP__V1__PEER_WELCOME__INIT;
         PEER_MSG(msg, welcome, &welcome, WELCOME);
 
@@ -1142,7 +1212,7 @@ void mesh_proof_handle(struct mesh_peer *p, const Moeep__V1__PeerProof *pr) {
 
 /* Dialler: the sealed PeerWelcome opened, so the acceptor holds this
  * connection's keys. */
-void mesh_welcome_handle(struct mesh_peer *p) {
+static void mesh_welcome_handle(struct mesh_peer *p) {
         auth_session_done(&p->auth);
         p->sealed = true;
         mesh_peer_up(p);
@@ -1153,7 +1223,7 @@ void mesh_welcome_handle(struct mesh_peer *p) {
 /* Whether one more pre-authentication refusal may be logged this second:
  * a flood of connections must not become a flood of log lines. The count
  * of those not logged is said with the first line of a later second. */
-bool mesh_preauth_log_ok(struct mesh *mesh) {
+static bool mesh_preauth_log_ok(struct mesh *mesh) {
         uint64_t second = mesh_now_ns() / 1000000000u;
 
         if (second != mesh->log_second) {
@@ -1176,7 +1246,7 @@ bool mesh_preauth_log_ok(struct mesh *mesh) {
 /* The source that a connection counts against for the pre-authentication
  * quota: its IPv4 address (as IPv4-mapped IPv6), or the /64 of its IPv6
  * address (one host commonly holds a whole /64). */
-void mesh_source_key(const struct sockaddr *sa, uint8_t ret[static 16]) {
+static void mesh_source_key(const struct sockaddr *sa, uint8_t ret[static 16]) {
         memset(ret, 0, 16);
         if (sa->sa_family == AF_INET) {
                 ret[10] = ret[11] = 0xff;
@@ -1213,7 +1283,7 @@ static struct mesh_peer *preauth_oldest(const struct mesh *mesh, const uint8_t s
  * finishes its handshake in a round trip or two, so only connections that
  * sit idle are ever displaced, and one source (however fast it reconnects)
  * holds at most its quota while any other source still gets in. */
-void mesh_preauth_make_room(struct mesh *mesh, const uint8_t source[static 16]) {
+static void mesh_preauth_make_room(struct mesh *mesh, const uint8_t source[static 16]) {
         struct mesh_peer *p, *victim;
         uint32_t n;
         const char *why = "its source is at its quota of connections authenticating: the oldest goes";
