@@ -47,19 +47,12 @@ uint64_t daemon_uptime_ms(const struct daemon *d) {
         return view_uptime_ms(&d->view);
 }
 
-/* Updates systemd's STATUS= line after sessions or jobs changed; the
- * objects reach it through their hooks (daemon_changed()). */
+/* Updates systemd's STATUS= line after a turn of the loop (daemon_run()). */
 static void daemon_status_changed(struct daemon *d) {
         /* While stopping, STOPPING=1 carried the last STATUS=. */
         if (!d->jobs || !d->sessions || d->stopping)
                 return;
         notify_status(&d->notify, d->sessions->count, d->jobs->count);
-}
-
-/* ------------------------------------------------------------ wiring */
-
-static void daemon_changed(void *ctx) {
-        daemon_status_changed(ctx);
 }
 
 static int daemon_metrics_snapshot(void *ctx, Moeep__V1__Metrics **ret) {
@@ -464,7 +457,6 @@ int daemon_init(struct daemon *d, const struct daemon_options *options) {
                 .snapshot = daemon_metrics_snapshot,
                 .snapshot_free = metrics_snapshot_free,
         };
-        struct session_hooks session_hooks;
         char errmsg[ERRMSG_MAX] = "";
         int r;
 
@@ -507,9 +499,7 @@ int daemon_init(struct daemon *d, const struct daemon_options *options) {
         d->requests.membership.broker = d->broker;
         d->requests.view = &d->view;
         d->requests.counters = &d->metrics;
-        d->requests.hooks = (struct requests_hooks){ .ctx = d, .changed = daemon_changed };
-        requests_session_hooks(&d->requests, &session_hooks);
-        r = sessions_new(d->base, &d->config, d->clientfds, &session_hooks, &d->sessions);
+        r = sessions_new(d->base, &d->config, d->clientfds, requests_dispatch, &d->requests, &d->sessions);
         if (r < 0)
                 goto oom;
         d->view = (struct view){

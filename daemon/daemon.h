@@ -1,7 +1,7 @@
 /* The daemon object: the top of moeepd. It owns the event base, the
  * listening sockets, the signals and every object below, creates them in
- * order at start, handing each the objects it calls, the hooks it needs
- * (struct session_hooks, requests_hooks, http_hooks) and what it reads
+ * order at start, handing each the objects it calls, the callbacks it
+ * needs (the session registry's dispatch, http_hooks) and what it reads
  * (struct view); no object reaches a sibling through struct daemon. There
  * is one, owned by main(), and only the event loop thread touches it (the
  * proxy's and clientfd's threads have state of their own). Its fields are

@@ -83,7 +83,6 @@ static int handle_job_create(struct requests *rq, struct session *s, uint64_t ri
         rq->counters->jobs_created++;
         log_info("session %" PRIu64 " (uid %u): created job %" PRIu64 " '%s' of %" PRIu32 " ranks", s->id,
                  (unsigned)s->cred.uid, job->id, job->name, job->world_size);
-        rq->hooks.changed(rq->hooks.ctx);
 
         created.unique_id.data = uid;
         created.unique_id.len = job_unique_id_with_node(job, mesh_address(rq->membership.mesh), uid);
@@ -308,8 +307,7 @@ static handler_fn *const handlers[MOEEP_TYPE_REQUEST_MAX + 1] = {
 
 /* Handles one received record. Returns 1 to go on reading, 0 when the
  * session failed. */
-static int requests_dispatch(void *ctx, struct session *s, struct moeep_record *rec) {
-        struct requests *rq = ctx;
+static int requests_handle(struct requests *rq, struct session *s, struct moeep_record *rec) {
         uint16_t type = rec->hdr.type;
         uint64_t rid = rec->hdr.request_id;
         char errmsg[ERRMSG_MAX] = "";
@@ -391,6 +389,18 @@ static int requests_dispatch(void *ctx, struct session *s, struct moeep_record *
         return s->state != SESSION_CLOSED;
 }
 
+int requests_dispatch(void *ctx, struct session *s, struct moeep_record *rec, const char *why) {
+        struct requests *rq = ctx;
+
+        if (rec)
+                return requests_handle(rq, s, rec);
+        /* The session ends: it leaves its job as a lost rank and gives up
+         * the jobs it created. */
+        membership_end(&rq->membership, s, true, why);
+        jobs_creator_gone(rq->membership.jobs, s);
+        return 0;
+}
+
 /* ------------------------------------------------------------ job callbacks */
 
 static void requests_barrier_done(void *owner, const struct job *job, uint64_t request_id, int error) {
@@ -428,35 +438,3 @@ const struct job_callbacks requests_job_callbacks = {
         .barrier_done = requests_barrier_done,
         .peer_lost = requests_peer_lost,
 };
-
-/* ------------------------------------------------------------ session hooks */
-
-/* A session ends: it leaves its job as a lost rank and gives up the jobs
- * it created. */
-static void requests_session_gone(void *ctx, struct session *s, const char *reason) {
-        struct requests *rq = ctx;
-
-        membership_end(&rq->membership, s, true, reason);
-        jobs_creator_gone(rq->membership.jobs, s);
-        rq->hooks.changed(rq->hooks.ctx);
-}
-
-static int requests_session_joined(void *ctx, struct session *s, uint64_t rid, struct job_member *m) {
-        return membership_joined(s, rid, m);
-}
-
-static void requests_sessions_changed(void *ctx) {
-        struct requests *rq = ctx;
-
-        rq->hooks.changed(rq->hooks.ctx);
-}
-
-void requests_session_hooks(struct requests *rq, struct session_hooks *ret_hooks) {
-        *ret_hooks = (struct session_hooks){
-                .ctx = rq,
-                .dispatch = requests_dispatch,
-                .gone = requests_session_gone,
-                .joined = requests_session_joined,
-                .changed = requests_sessions_changed,
-        };
-}

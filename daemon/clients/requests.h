@@ -10,10 +10,10 @@
  * return it, and the handler here sends it.
  *
  * Who calls what: daemon.c makes the one struct requests and hands
- * requests_session_hooks() to the session registry, through which
- * session.c reaches requests_dispatch() and the end of a session;
- * requests_job_callbacks are what jobs call (barrier replies, PeerLost).
- * Upward it calls only its own hooks (the STATUS= line). */
+ * requests_dispatch() to the session registry as its dispatch callback,
+ * through which session.c brings every record and the end of every
+ * session; requests_job_callbacks are what jobs call (barrier replies,
+ * PeerLost). It calls nothing above it. */
 #ifndef MOEEPD_REQUESTS_H
 #define MOEEPD_REQUESTS_H
 
@@ -22,27 +22,22 @@
 #include "clients/membership.h"
 
 struct metrics;
-struct session_hooks;
+struct moeep_record;
+struct session;
 struct view;
-
-/* How the request layer reaches the daemon above it. */
-struct requests_hooks {
-        void *ctx; /* not owning; struct daemon */
-        /* Sessions or jobs came or went: the STATUS= line may change. */
-        void (*changed)(void *ctx);
-};
 
 struct requests {
         struct membership membership; /* the objects a rank's lifecycle tells; set by daemon.c */
         const struct view *view;      /* not owning; what the listings read */
         struct metrics *counters;     /* not owning; requests by type, jobs created, regions registered */
-        struct requests_hooks hooks;
         bool draining; /* Drain: JobCreate is refused with ERROR_DRAINING; written by admin_drain() */
 };
 
-/* The hooks a session registry needs to hand records and ends of sessions
- * to `rq`. */
-void requests_session_hooks(struct requests *rq, struct session_hooks *ret_hooks);
+/* The session registry's dispatch callback (session.h,
+ * session_dispatch_fn), `ctx` the struct requests: handles one received
+ * record, or (`rec` NULL) the end of session `s`. Returns 1 to go on
+ * reading, 0 when the session failed. */
+int requests_dispatch(void *ctx, struct session *s, struct moeep_record *rec, const char *why);
 
 /* The callbacks jobs use to reach their members' sessions (the owner of
  * every local member is its struct session). */

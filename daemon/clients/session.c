@@ -1,6 +1,6 @@
 /* Sessions: one per client connection, and their registry; see
  * session.h. Nothing here knows what a request means: records go up
- * through the registry's hooks. At the end, the sessions held back: not
+ * through the registry's dispatch callback. At the end, the sessions held back: not
  * read while their uid's share of the loop is spent (uids.h), or while
  * the descriptors their next record may bring do not fit yet
  * (clientfd.h); and the records refused unread because of that. */
@@ -261,10 +261,6 @@ static void session_free(struct session *s) {
         free(s);
 }
 
-void *session_hooks_ctx(const struct session *s) {
-        return s->reg->hooks.ctx;
-}
-
 void sessions_reap(struct sessions *reg) {
         struct session *s, *next;
 
@@ -299,7 +295,6 @@ void session_close_now(struct session *s) {
         reg->count--;
         reg->nadmin -= s->admin;
         TAILQ_INSERT_TAIL(&reg->dead, s, entry);
-        reg->hooks.changed(reg->hooks.ctx);
         session_unref(s); /* the list's reference */
 }
 
@@ -352,7 +347,7 @@ void session_fail(struct session *s, int code, uint64_t request_id, const char *
         if (code && !s->broken)
                 session_send_error(s, request_id, code, why);
         /* Leaves the job as a lost rank, gives up the jobs it created. */
-        s->reg->hooks.gone(s->reg->hooks.ctx, s, why);
+        s->reg->dispatch(s->reg->dispatch_ctx, s, NULL, why);
         s->state = SESSION_CLOSED;
         event_del(s->ev_read);
         if (s->broken)
@@ -437,7 +432,7 @@ static int session_read_one(struct session *s) {
                 session_fail(s, 0, 0, "receiving: %s", strerror(-r));
                 return 0;
         }
-        r = s->reg->hooks.dispatch(s->reg->hooks.ctx, s, &rx);
+        r = s->reg->dispatch(s->reg->dispatch_ctx, s, &rx, NULL);
         session_release_fds(s, &rx);
         return r;
 }
@@ -618,7 +613,6 @@ int session_new(struct sessions *reg, int fd, bool admin, struct session **ret_s
         log_debug("session %" PRIu64 ": connected%s, pid %d uid %u gid %u, %zu groups", s->id,
                   admin ? " on the admin socket" : "", (int)cred.pid, (unsigned)cred.uid, (unsigned)cred.gid,
                   s->ngroups);
-        reg->hooks.changed(reg->hooks.ctx);
         *ret_session = s;
         return 0;
 }
@@ -678,16 +672,12 @@ void session_welcome(struct session *s, const char *client_name, uint64_t featur
         event_del(s->ev_hello);
 }
 
-int session_joined(struct session *s, uint64_t rid, struct job_member *m) {
-        return s->reg->hooks.joined(s->reg->hooks.ctx, s, rid, m);
-}
-
 static void sessions_reap_cb(evutil_socket_t fd, short what, void *arg) {
         sessions_reap(arg);
 }
 
 int sessions_new(struct event_base *base, const struct config *config, struct clientfds *clientfds,
-                 const struct session_hooks *hooks, struct sessions **ret) {
+                 session_dispatch_fn *dispatch, void *dispatch_ctx, struct sessions **ret) {
         struct sessions *reg = calloc(1, sizeof(*reg));
 
         if (!reg)
@@ -695,7 +685,8 @@ int sessions_new(struct event_base *base, const struct config *config, struct cl
         reg->base = base;
         reg->config = config;
         reg->clientfds = clientfds;
-        reg->hooks = *hooks;
+        reg->dispatch = dispatch;
+        reg->dispatch_ctx = dispatch_ctx;
         reg->next_id = 1;
         TAILQ_INIT(&reg->list);
         TAILQ_INIT(&reg->dead);

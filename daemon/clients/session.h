@@ -8,13 +8,12 @@
  * one of their own callbacks.
  *
  * Who calls what:
- *  - daemon.c makes the registry (sessions_new) with the hooks below and
- *    hands every accepted connection to session_new().
- *  - session.c calls upward only through those hooks: a received record
- *    goes to `dispatch` (requests.c), a session that ends to `gone`
- *    (membership.c's lifecycle, through requests.c), a change in the number of
- *    sessions to `changed` (the STATUS= line).
- *  - requests.c, membership.c and mesh.c reply with session_send(),
+ *  - daemon.c makes the registry (sessions_new) with the one callback
+ *    below and hands every accepted connection to session_new().
+ *  - session.c calls upward only through that callback, as tmux's peer has
+ *    one dispatch callback: a received record goes to it, and so does the
+ *    end of a session (the request layer, requests.c).
+ *  - requests.c and membership.c reply with session_send(),
  *    session_respond(), session_send_ok() and session_send_error().
  *
  * Who owns which field of struct session: session.c writes everything but
@@ -92,22 +91,14 @@ struct session {
 
 TAILQ_HEAD(session_list, session);
 
-/* How the connection layer reaches the request layer above it. Every hook
- * is called on the loop with `ctx`. */
-struct session_hooks {
-        void *ctx; /* not owning; the request layer (struct requests) */
-        /* A record arrived on `s` (not CLOSED) and passed the framing checks;
-         * the hook owns nothing of it (session.c closes its fds afterwards).
-         * Returns 1 to read on, 0 when `s` failed. */
-        int (*dispatch)(void *ctx, struct session *s, struct moeep_record *rec);
-        /* `s` ends (session_fail()): it leaves its job as a lost rank and
-         * gives up the jobs it created. */
-        void (*gone)(void *ctx, struct session *s, const char *reason);
-        /* `s` became member `m` of a job (session_joined()). */
-        int (*joined)(void *ctx, struct session *s, uint64_t request_id, struct job_member *m);
-        /* The number of sessions changed. */
-        void (*changed)(void *ctx);
-};
+/* How the connection layer reaches the request layer above it, on the
+ * loop with `ctx`: the one callback. With `rec`, a record arrived on `s`
+ * (not CLOSED) and passed the framing checks; the callback owns nothing of
+ * it (session.c closes its fds afterwards) and returns 1 to read on, 0
+ * when `s` failed. With `rec` NULL, `s` ends (session_fail(), `why` says
+ * why): it leaves its job as a lost rank and gives up the jobs it created;
+ * the return value is not read. */
+typedef int session_dispatch_fn(void *ctx, struct session *s, struct moeep_record *rec, const char *why);
 
 /* Error codes counted: every ErrorCode value is below SESSION_ERROR_CODES,
  * ERROR_UNSPECIFIED (never sent) and one per row of proto/errors.def, which
@@ -141,7 +132,8 @@ struct sessions {
         struct event_base *base;     /* not owning */
         const struct config *config; /* not owning; the live configuration (caps) */
         struct clientfds *clientfds; /* not owning; checks, counts and closes client fds */
-        struct session_hooks hooks;
+        session_dispatch_fn *dispatch;
+        void *dispatch_ctx;       /* not owning; the request layer (struct requests) */
         struct event *ev_reap;    /* owns; frees dead sessions from the loop */
         struct session_list list; /* owns; live sessions, CLOSED ones that still flush included */
         struct session_list dead; /* owns; closed sessions waiting to be freed */
@@ -164,7 +156,7 @@ struct sessions {
 
 /* Makes the registry. Returns 0 with *ret, or -ENOMEM. */
 int sessions_new(struct event_base *base, const struct config *config, struct clientfds *clientfds,
-                 const struct session_hooks *hooks, struct sessions **ret);
+                 session_dispatch_fn *dispatch, void *dispatch_ctx, struct sessions **ret);
 
 /* Frees the registry; every session must be dead and unreferenced by now
  * (sessions_close_all(), then sessions_reap()). Accepts NULL. */
@@ -202,8 +194,9 @@ int session_send_ok(struct session *s, uint64_t request_id);
 int session_send_error(struct session *s, uint64_t request_id, int code, const char *message);
 
 /* The one way a session ends: logs `why` once, queues Error(`code`) when
- * `code` is not 0, stops reading, leaves its job as a lost rank (the `gone`
- * hook), and closes once the output is flushed (or after a short linger).
+ * `code` is not 0, stops reading, leaves its job as a lost rank (the
+ * dispatch callback, with no record), and closes once the output is
+ * flushed (or after a short linger).
  * Safe to call twice. */
 void session_fail(struct session *s, int code, uint64_t request_id, const char *fmt, ...)
         __attribute__((format(printf, 4, 5)));
@@ -229,9 +222,6 @@ void session_unref(struct session *s);
  * deadline. */
 void session_welcome(struct session *s, const char *client_name, uint64_t features);
 
-/* The request layer `s` was given (its hooks' ctx). */
-void *session_hooks_ctx(const struct session *s);
-
 /* Frees every dead, unreferenced session (the registry's ev_reap calls it). */
 void sessions_reap(struct sessions *reg);
 
@@ -242,11 +232,5 @@ void sessions_shutdown(struct sessions *reg, const char *reason);
 /* Fails and closes every session at once, unsent output dropped (the
  * daemon exits). */
 void sessions_close_all(struct sessions *reg, const char *reason);
-
-/* `s` became member `m` (a local join, or one its job's home daemon
- * accepted): the session is READY and JobJoined (request `rid`) with the
- * control page is queued. Returns 0 or -errno from session_respond(). A
- * thin entry point for mesh.c: the `joined` hook (membership.c) does it. */
-int session_joined(struct session *s, uint64_t rid, struct job_member *m);
 
 #endif
