@@ -30,7 +30,6 @@
 #include "ops/http.h"
 #include "ops/metrics.h"
 #include "ops/notify.h"
-#include "ops/view.h"
 #include "record.h"
 #include "state/broker.h"
 #include "state/clientfd.h"
@@ -43,22 +42,12 @@
 
 static const int daemon_signals[] = { SIGTERM, SIGINT, SIGHUP };
 
-uint64_t daemon_uptime_ms(const struct daemon *d) {
-        return view_uptime_ms(&d->view);
-}
-
 /* Updates systemd's STATUS= line after a turn of the loop (daemon_run()). */
 static void daemon_status_changed(struct daemon *d) {
         /* While stopping, STOPPING=1 carried the last STATUS=. */
         if (!d->jobs || !d->sessions || d->stopping)
                 return;
         notify_status(&d->notify, d->sessions->count, d->jobs->count);
-}
-
-static int daemon_metrics_snapshot(void *ctx, Moeep__V1__Metrics **ret) {
-        struct daemon *d = ctx;
-
-        return metrics_snapshot(&d->view, ret);
 }
 
 /* ------------------------------------------------------------ configuration */
@@ -452,18 +441,14 @@ static int daemon_events(struct daemon *d) {
 }
 
 int daemon_init(struct daemon *d, const struct daemon_options *options) {
-        const struct http_hooks http_hooks = {
-                .ctx = d,
-                .snapshot = daemon_metrics_snapshot,
-                .snapshot_free = metrics_snapshot_free,
-        };
         char errmsg[ERRMSG_MAX] = "";
+        struct timespec started;
         int r;
 
+        clock_gettime(CLOCK_MONOTONIC, &started);
         memset(d, 0, sizeof(*d));
         daemon_listeners_init(d);
         d->options = *options;
-        clock_gettime(CLOCK_MONOTONIC, &d->view.started);
 
         r = daemon_config_build(options, &d->config, errmsg);
         if (r < 0) {
@@ -485,71 +470,49 @@ int daemon_init(struct daemon *d, const struct daemon_options *options) {
                 log_err("event_base_new failed");
                 return -ENOMEM;
         }
-        /* From the bottom up: each object is handed what it calls. */
+        /* The floors from the bottom up (docs/architecture.md): each object
+         * is handed the objects it calls, made before it; nothing is reached
+         * before the loop runs. A constructor that can only run out of
+         * memory leaves errmsg empty. */
         r = clientfds_new(d->base, &d->config, &d->clientfds);
-        if (r < 0)
-                goto oom;
-        r = jobs_new(&d->config, &requests_job_callbacks, d->clientfds, &d->jobs);
-        if (r < 0)
-                goto oom;
-        r = broker_new(&d->config, d->clientfds, &d->broker);
-        if (r < 0)
-                goto oom;
-        d->requests.membership.jobs = d->jobs;
-        d->requests.membership.broker = d->broker;
-        d->requests.view = &d->view;
-        d->requests.counters = &d->metrics;
-        r = sessions_new(d->base, &d->config, d->clientfds, requests_dispatch, &d->requests, &d->sessions);
-        if (r < 0)
-                goto oom;
-        d->view = (struct view){
-                .sessions = d->sessions,
-                .jobs = d->jobs,
-                .broker = d->broker,
-                .counters = &d->metrics,
-                .draining = &d->requests.draining,
-                .started = d->view.started,
-        };
+        if (r == 0)
+                r = jobs_new(&d->config, &requests_job_callbacks, d->clientfds, &d->jobs);
+        if (r == 0)
+                r = broker_new(&d->config, d->clientfds, &d->broker);
+        if (r == 0)
+                r = mesh_start(d->base, &d->config, &d->mesh, errmsg);
+        if (r == 0)
+                r = mesh_jobs_new(d->mesh, d->jobs, &d->mesh_jobs);
+        if (r == 0)
+                r = datapath_start(d->base, &d->config, d->mesh, d->mesh_jobs, &d->datapath);
+        if (r == 0) {
+                metrics_init(&d->metrics, &started, d->jobs, d->broker, d->mesh, d->datapath);
+                if (d->config.metrics_listen[0])
+                        r = http_start(d->base, d->config.metrics_listen, &d->metrics, &d->http, errmsg);
+        }
+        if (r == 0)
+                r = membership_init(&d->requests.membership, d->jobs, d->broker, d->mesh, d->mesh_jobs,
+                                    d->datapath);
+        if (r == 0) {
+                d->requests.metrics = &d->metrics;
+                r = sessions_new(d->base, &d->config, d->clientfds, &d->metrics, requests_dispatch,
+                                 &d->requests, &d->sessions);
+        }
+        if (r < 0) {
+                log_err("%s", errmsg[0] ? errmsg : "start-up: out of memory");
+                return r;
+        }
+        /* Then the sockets clients reach it on, and the signals. */
         r = daemon_listen(d);
         if (r < 0)
                 return r;
         daemon_client_fds_off(d);
         r = daemon_events(d);
-        if (r < 0)
-                goto oom;
-        if (d->config.metrics_listen[0]) {
-                r = http_start(d->base, d->config.metrics_listen, &http_hooks, &d->http, errmsg);
-                if (r < 0) {
-                        log_err("%s", errmsg);
-                        return r;
-                }
-        }
-        d->view.http = d->http;
-        /* The peers, the jobs across daemons on them, then the data path,
-         * which calls both and subscribes to the peers for its transport
-         * connections; none is reached before the loop runs. */
-        r = mesh_start(d->base, &d->config, &d->mesh, errmsg);
         if (r < 0) {
-                log_err("%s", errmsg);
+                log_err("start-up: out of memory");
                 return r;
         }
-        r = mesh_jobs_new(d->mesh, d->jobs, &d->mesh_jobs);
-        if (r < 0)
-                goto oom;
-        r = datapath_start(d->base, &d->config, d->mesh, d->mesh_jobs, &d->datapath);
-        if (r < 0)
-                goto oom;
-        r = membership_init(&d->requests.membership, d->jobs, d->broker, d->mesh, d->mesh_jobs, d->datapath);
-        if (r < 0)
-                goto oom;
-        d->view.datapath = d->datapath;
-        d->view.mesh = d->mesh;
-        d->view.mesh_jobs = d->mesh_jobs;
         return 0;
-
-oom:
-        log_err("start-up: out of memory");
-        return r;
 }
 
 int daemon_run(struct daemon *d) {
@@ -589,7 +552,6 @@ void daemon_done(struct daemon *d) {
         mesh_free(d->mesh);
         d->mesh = NULL;
         datapath_free(d->datapath);
-        d->view.datapath = NULL;
         d->datapath = NULL;
         if (d->sessions)
                 sessions_reap(d->sessions);

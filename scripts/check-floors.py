@@ -52,14 +52,6 @@ ROOT_FILES = {
     "main": "roof",
 }
 
-# Edges that break the rule today, each with what removes it: reported as
-# notes, left out of the circles. The list only shrinks: an entry that no
-# edge uses any more is a problem of its own.
-EXCEPTIONS = {
-    ("ops/metrics.c", "clients/session.h"): "the sessions' gauges and counters (issue 30, step b)",
-    ("ops/metrics.c", "clients/session.c"): "session_state_to_string (issue 30, step b)",
-}
-
 INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"')
 
 
@@ -222,19 +214,9 @@ def main(argv):
                             % (f, ", ".join(x + "/" for x in FLOORS[1:-1]), os.path.basename(__file__)))
     placed = [f for f in files if floor_of(f)]
 
-    notes, excepted = [], set()
-
-    def excepted_edge(a, b):
-        if (a, b) not in EXCEPTIONS:
-            return False
-        if (a, b) not in excepted:
-            notes.append("note: %s -> %s is allowed for now: %s" % (a, b, EXCEPTIONS[(a, b)]))
-        excepted.add((a, b))
-        return True
-
     module_edges, module_where = {}, {}
     for f, line, inc in read_includes(src, placed):
-        if floor_of(inc) is None or excepted_edge(f, inc):
+        if floor_of(inc) is None:
             continue
         if rank(inc) > rank(f):
             problems.append("%s:%d (%s) includes %s (%s): a floor above" % (f, line, floor_of(f), inc,
@@ -255,8 +237,6 @@ def main(argv):
         call_edges = {}
         for (a, b), syms in sorted(calls.items()):
             ncalls += 1
-            if excepted_edge(a, b):
-                continue
             if rank(b) > rank(a):
                 problems.append("%s (%s) calls %s (%s), a floor above: %s" % (a, floor_of(a), b, floor_of(b),
                                                                             ", ".join(syms)))
@@ -265,11 +245,6 @@ def main(argv):
             steps = ["%s -> %s (%s)" % (a, b, ", ".join(calls[(a, b)])) for a, b in zip(cycle, cycle[1:] + cycle[:1])]
             problems.append("files %s call each other in a circle: %s" % (" ".join(comp), "; ".join(steps)))
 
-    for a, b in sorted(EXCEPTIONS):
-        if (a, b) not in excepted and (lib or not b.endswith(".c")):
-            problems.append("%s -> %s is no longer made: remove it from EXCEPTIONS" % (a, b))
-    for n in notes:
-        print(n)
     if problems:
         for p in problems:
             print(p)

@@ -17,7 +17,7 @@ struct session;
  * refuses. */
 int admin_log_level_set(const struct session *s, const char *level, char *errmsg);
 
-/* Starts (`on`) or ends draining (*draining, struct requests' flag): while
+/* Starts (`on`) or ends draining (*draining, struct jobs' flag): while
  * draining, JobCreate is refused with ERROR_DRAINING and jobs that exist go
  * on. Not kept across restarts. */
 int admin_drain(const struct session *s, bool *draining, bool on, char *errmsg);

@@ -69,7 +69,7 @@ int membership_joined(struct session *s, uint64_t rid, struct job_member *m) {
         int fd;
 
         s->member = m;
-        s->state = SESSION_READY;
+        session_state_set(s, SESSION_READY);
         log_info("session %" PRIu64 " (pid %d uid %u): joined job %" PRIu64 " as rank %" PRIu32 "/%" PRIu32
                  " gpu '%s' (%s%s%s)",
                  s->id, (int)s->cred.pid, (unsigned)s->cred.uid, m->job->id, m->rank, m->job->world_size,
@@ -126,7 +126,7 @@ void membership_end(const struct membership *ms, struct session *s, bool lost, c
                 job_member_leave(s->member);
         s->member = NULL;
         if (!lost)
-                s->state = SESSION_HELLO;
+                session_state_set(s, SESSION_HELLO);
 }
 
 /* ------------------------------------------------------------ forwarded joins */

@@ -14,7 +14,6 @@
 #include "mesh/mesh.h"
 #include "moeep-config.h"
 #include "ops/metrics.h"
-#include "ops/view.h"
 #include "record.h"
 #include "state/job.h"
 
@@ -63,7 +62,8 @@ void query_response_done(struct query_response *q) {
         memset(q, 0, sizeof(*q));
 }
 
-int query_status(const struct view *v, const struct session *s, struct query_response *q, char *errmsg) {
+int query_status(const struct jobs *jobs, const struct metrics *m, const struct session *s,
+                 struct query_response *q, char *errmsg) {
         bool admin = s->admin;
         Moeep__V1__Status *st = &q->body.status;
         const struct session *o;
@@ -71,24 +71,24 @@ int query_status(const struct view *v, const struct session *s, struct query_res
 
         query_response_init(q);
         moeep__v1__status__init(st);
-        TAILQ_FOREACH (o, &v->sessions->list, entry)
+        TAILQ_FOREACH (o, &s->reg->list, entry)
                 st->sessions += session_visible(s, admin, o);
-        TAILQ_FOREACH (job, &v->jobs->list, entry)
+        TAILQ_FOREACH (job, &jobs->list, entry)
                 st->jobs += job_visible(s, admin, job);
         st->daemon_version = (char *)MOEEP_VERSION;
         st->major = MOEEP_PROTOCOL_MAJOR;
         st->minor = MOEEP_PROTOCOL_MINOR;
-        st->uptime_ms = view_uptime_ms(v);
+        st->uptime_ms = metrics_uptime_ms(m);
         st->pid = (uint32_t)getpid();
-        st->draining = *v->draining;
+        st->draining = jobs->draining;
         st->log_level = (char *)log_level_to_string(log_get_level());
         q->resp.body_case = MOEEP__V1__RESPONSE__BODY_STATUS;
         q->resp.status = st;
         return 0;
 }
 
-int query_jobs(const struct view *v, const struct session *s, struct query_response *q, char *errmsg) {
-        const struct jobs *all = v->jobs;
+int query_jobs(const struct jobs *all, const struct mesh_jobs *mj, const struct session *s,
+               struct query_response *q, char *errmsg) {
         bool admin = s->admin;
         Moeep__V1__Jobs *jobs = &q->body.jobs;
         Moeep__V1__JobInfo *infos = NULL, **ptrs = NULL;
@@ -131,7 +131,7 @@ int query_jobs(const struct view *v, const struct session *s, struct query_respo
                 ji->home = job->home;
                 /* A job that spans daemons: its ranks joined elsewhere
                  * count as joined too, and say where they are. */
-                if (mesh_jobs_nodes(v->mesh_jobs, job, &nodes[n * MOEEP_MAX_RANKS])) {
+                if (mesh_jobs_nodes(mj, job, &nodes[n * MOEEP_MAX_RANKS])) {
                         ji->rank_nodes = &node_ptrs[n * MOEEP_MAX_RANKS];
                         ji->n_rank_nodes = job->world_size;
                         for (uint32_t rank = 0; rank < job->world_size; rank++)
@@ -160,8 +160,8 @@ int query_jobs(const struct view *v, const struct session *s, struct query_respo
         return 0;
 }
 
-int query_clients(const struct view *v, const struct session *s, struct query_response *q, char *errmsg) {
-        const struct sessions *all = v->sessions;
+int query_clients(const struct session *s, struct query_response *q, char *errmsg) {
+        const struct sessions *all = s->reg;
         bool admin = s->admin;
         Moeep__V1__Clients *clients = &q->body.clients;
         Moeep__V1__ClientInfo *infos = NULL, **ptrs = NULL;
@@ -203,11 +203,11 @@ int query_clients(const struct view *v, const struct session *s, struct query_re
         return 0;
 }
 
-int query_metrics(const struct view *v, const struct session *s, struct query_response *q, char *errmsg) {
+int query_metrics(const struct metrics *m, const struct session *s, struct query_response *q, char *errmsg) {
         int r;
 
         query_response_init(q);
-        r = metrics_snapshot(v, &q->metrics);
+        r = metrics_snapshot(m, &q->metrics);
         if (r < 0)
                 return errmsg_set(errmsg, r, "MetricsGet: out of memory");
         q->resp.body_case = MOEEP__V1__RESPONSE__BODY_METRICS;
@@ -215,7 +215,7 @@ int query_metrics(const struct view *v, const struct session *s, struct query_re
         return 0;
 }
 
-int query_nics(const struct view *v, const struct session *s, struct query_response *q, char *errmsg) {
+int query_nics(const struct session *s, struct query_response *q, char *errmsg) {
         int r;
 
         query_response_init(q);
@@ -236,8 +236,7 @@ static int peer_address_cmp(const void *a, const void *b) {
         return strcmp(p->address, q->address);
 }
 
-int query_mesh(const struct view *v, const struct session *s, struct query_response *q, char *errmsg) {
-        const struct mesh *mesh = v->mesh;
+int query_mesh(const struct mesh *mesh, const struct session *s, struct query_response *q, char *errmsg) {
         Moeep__V1__Mesh *m = &q->body.mesh;
         Moeep__V1__MeshPeer *infos = NULL, **ptrs = NULL;
         const struct mesh_peer *p, **sorted = NULL;

@@ -11,9 +11,10 @@
  * proto/messages.def says so, and requests.c refuses it elsewhere). The job secret is
  * never part of any answer. Every listing is linear in what it lists.
  *
- * Each query fills a struct query_response from what struct view shows of
- * the daemon and returns; it sends nothing. requests.c sends `resp` and
- * then calls query_response_done(). */
+ * Each query fills a struct query_response from the objects it is handed
+ * (the viewer's registry of sessions is its own, s->reg) and returns; it
+ * sends nothing. requests.c sends `resp` and then calls
+ * query_response_done(). */
 #ifndef MOEEPD_QUERY_H
 #define MOEEPD_QUERY_H
 
@@ -22,8 +23,11 @@
 
 #include "moeep.pb-c.h"
 
+struct jobs;
+struct mesh;
+struct mesh_jobs;
+struct metrics;
 struct session;
-struct view;
 
 /* One answer: `resp` and everything it points to. */
 struct query_response {
@@ -41,15 +45,21 @@ struct query_response {
 
 /* Each fills *ret for viewer `s`: 0, or -errno with errmsg (*ret is then
  * still to be freed). */
-int query_status(const struct view *v, const struct session *s, struct query_response *ret, char *errmsg);
-int query_jobs(const struct view *v, const struct session *s, struct query_response *ret, char *errmsg);
-int query_clients(const struct view *v, const struct session *s, struct query_response *ret, char *errmsg);
+/* StatusGet: the sessions and jobs `s` sees, the uptime (metrics.h), the
+ * drain. */
+int query_status(const struct jobs *jobs, const struct metrics *m, const struct session *s,
+                 struct query_response *ret, char *errmsg);
+/* JobsList: with where the ranks of a job that spans daemons are. */
+int query_jobs(const struct jobs *jobs, const struct mesh_jobs *mj, const struct session *s,
+               struct query_response *ret, char *errmsg);
+int query_clients(const struct session *s, struct query_response *ret, char *errmsg);
 /* MetricsGet: a snapshot of the metrics (metrics.h); the same for everyone. */
-int query_metrics(const struct view *v, const struct session *s, struct query_response *ret, char *errmsg);
+int query_metrics(const struct metrics *m, const struct session *s, struct query_response *ret, char *errmsg);
 /* NicsList: the RDMA devices and the GPU -> NIC mapping (nics.h). */
-int query_nics(const struct view *v, const struct session *s, struct query_response *ret, char *errmsg);
-/* MeshList: the peer daemons of the mesh (mesh.h); admin sessions only. */
-int query_mesh(const struct view *v, const struct session *s, struct query_response *ret, char *errmsg);
+int query_nics(const struct session *s, struct query_response *ret, char *errmsg);
+/* MeshList: the peer daemons of the mesh (mesh.h; NULL when it is off);
+ * admin sessions only. */
+int query_mesh(const struct mesh *mesh, const struct session *s, struct query_response *ret, char *errmsg);
 
 /* Frees what a query filled. */
 void query_response_done(struct query_response *q);

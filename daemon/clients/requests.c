@@ -73,14 +73,14 @@ static int handle_job_create(struct requests *rq, struct session *s, uint64_t ri
 
         if (s->reg->stopping)
                 return errmsg_set(errmsg, -ERROR_KIND_DRAINING, "the daemon is shutting down: no new jobs");
-        if (rq->draining)
+        if (rq->membership.jobs->draining)
                 return errmsg_set(errmsg, -ERROR_KIND_DRAINING,
                                   "the daemon is draining: no new jobs (an admin ends it with "
                                   "'moeepctl drain --off')");
         r = jobs_create(rq->membership.jobs, jc->name, jc->world_size, s->cred.uid, s, &job, errmsg);
         if (r < 0)
                 return r;
-        rq->counters->jobs_created++;
+        rq->metrics->jobs_created++;
         log_info("session %" PRIu64 " (uid %u): created job %" PRIu64 " '%s' of %" PRIu32 " ranks", s->id,
                  (unsigned)s->cred.uid, job->id, job->name, job->world_size);
 
@@ -207,13 +207,13 @@ static int handle_region_register(struct requests *rq, struct session *s, uint64
                                           " to take, but session %" PRIu64
                                           " did not offer FEATURE_PIDFD in Hello",
                                           rr->take->fd_number, s->id);
-                return region_take_start(&rq->membership, rq->counters, s, rid, rr, errmsg);
+                return region_take_start(&rq->membership, rq->metrics, s, rid, rr, errmsg);
         }
         r = membership_register(&rq->membership, s, rr, &rec->fds[0], &registered.region_id, errmsg);
         if (r < 0)
                 return r;
         rec->fds[0] = -1; /* the broker owns it now */
-        rq->counters->regions_registered++;
+        rq->metrics->regions_registered++;
         resp.body_case = MOEEP__V1__RESPONSE__BODY_REGION_REGISTERED;
         resp.region_registered = &registered;
         return session_respond(s, rid, &resp, NULL, 0);
@@ -237,21 +237,49 @@ static int reply_query(struct session *s, uint64_t rid, int r, struct query_resp
 }
 
 /* The listings: each handler runs its query (query.h), which fills an
- * answer from the daemon's view, and sends it. */
-#define QUERY_HANDLER(field, query)                                                                        \
-        static int handle_##field(struct requests *rq, struct session *s, uint64_t rid,                    \
-                                  const Moeep__V1__Request *req, struct moeep_record *rec, char *errmsg) { \
-                struct query_response q;                                                                   \
-                                                                                                           \
-                return reply_query(s, rid, query(rq->view, s, &q, errmsg), &q);                            \
-        }
-QUERY_HANDLER(status_get, query_status)
-QUERY_HANDLER(jobs_list, query_jobs)
-QUERY_HANDLER(clients_list, query_clients)
-QUERY_HANDLER(metrics_get, query_metrics)
-QUERY_HANDLER(nics_list, query_nics)
-QUERY_HANDLER(mesh_list, query_mesh)
-#undef QUERY_HANDLER
+ * answer from what it is handed, and sends it. */
+static int handle_status_get(struct requests *rq, struct session *s, uint64_t rid,
+                             const Moeep__V1__Request *req, struct moeep_record *rec, char *errmsg) {
+        struct query_response q;
+
+        return reply_query(s, rid, query_status(rq->membership.jobs, rq->metrics, s, &q, errmsg), &q);
+}
+
+static int handle_jobs_list(struct requests *rq, struct session *s, uint64_t rid,
+                            const Moeep__V1__Request *req, struct moeep_record *rec, char *errmsg) {
+        struct query_response q;
+
+        return reply_query(s, rid, query_jobs(rq->membership.jobs, rq->membership.mesh_jobs, s, &q, errmsg),
+                           &q);
+}
+
+static int handle_clients_list(struct requests *rq, struct session *s, uint64_t rid,
+                               const Moeep__V1__Request *req, struct moeep_record *rec, char *errmsg) {
+        struct query_response q;
+
+        return reply_query(s, rid, query_clients(s, &q, errmsg), &q);
+}
+
+static int handle_metrics_get(struct requests *rq, struct session *s, uint64_t rid,
+                              const Moeep__V1__Request *req, struct moeep_record *rec, char *errmsg) {
+        struct query_response q;
+
+        return reply_query(s, rid, query_metrics(rq->metrics, s, &q, errmsg), &q);
+}
+
+static int handle_nics_list(struct requests *rq, struct session *s, uint64_t rid,
+                            const Moeep__V1__Request *req, struct moeep_record *rec, char *errmsg) {
+        struct query_response q;
+
+        return reply_query(s, rid, query_nics(s, &q, errmsg), &q);
+}
+
+static int handle_mesh_list(struct requests *rq, struct session *s, uint64_t rid,
+                            const Moeep__V1__Request *req, struct moeep_record *rec, char *errmsg) {
+        struct query_response q;
+
+        return reply_query(s, rid, query_mesh(rq->membership.mesh, s, &q, errmsg), &q);
+}
 
 static int handle_log_level_set(struct requests *rq, struct session *s, uint64_t rid,
                                 const Moeep__V1__Request *req, struct moeep_record *rec, char *errmsg) {
@@ -262,7 +290,7 @@ static int handle_log_level_set(struct requests *rq, struct session *s, uint64_t
 
 static int handle_drain(struct requests *rq, struct session *s, uint64_t rid, const Moeep__V1__Request *req,
                         struct moeep_record *rec, char *errmsg) {
-        int r = admin_drain(s, &rq->draining, req->drain->on, errmsg);
+        int r = admin_drain(s, &rq->membership.jobs->draining, req->drain->on, errmsg);
 
         return r < 0 ? r : session_send_ok(s, rid);
 }
@@ -329,7 +357,7 @@ static int requests_handle(struct requests *rq, struct session *s, struct moeep_
                              "request type %u is not known", type);
                 return 0;
         }
-        rq->counters->requests[type]++;
+        rq->metrics->requests[type]++;
         if (s->state == SESSION_NEW && type != MOEEP__V1__REQUEST__BODY_HELLO) {
                 session_fail(s, MOEEP__V1__ERROR_CODE__ERROR_NOT_WELCOMED, rid,
                              "%s (request %" PRIu64 ") before Hello", h->name, rid);

@@ -24,13 +24,10 @@
 struct metrics;
 struct moeep_record;
 struct session;
-struct view;
 
 struct requests {
-        struct membership membership; /* the objects a rank's lifecycle tells; set by daemon.c */
-        const struct view *view;      /* not owning; what the listings read */
-        struct metrics *counters;     /* not owning; requests by type, jobs created, regions registered */
-        bool draining; /* Drain: JobCreate is refused with ERROR_DRAINING; written by admin_drain() */
+        struct membership membership; /* a rank's lifecycle (membership_init()) */
+        struct metrics *metrics; /* not owning; counts requests by type, jobs created, regions registered */
 };
 
 /* The session registry's dispatch callback (session.h,

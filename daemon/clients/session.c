@@ -21,6 +21,7 @@
 #include "errors.h"
 #include "log.h"
 #include "messages.h"
+#include "ops/metrics.h"
 #include "record.h"
 #include "state/clientfd.h"
 
@@ -211,8 +212,8 @@ static void error_fill(struct sessions *reg, int code, const char *message, Moee
         err->message = (char *)message;
         resp->body_case = MOEEP__V1__RESPONSE__BODY_ERROR;
         resp->error = err;
-        if (code > 0 && code < SESSION_ERROR_CODES)
-                reg->errors[code]++;
+        if (code > 0 && code < METRICS_ERROR_CODES)
+                reg->metrics->errors[code]++;
 }
 
 int session_send_error(struct session *s, uint64_t request_id, int code, const char *message) {
@@ -278,7 +279,7 @@ void session_close_now(struct session *s) {
 
         if (s->fd < 0)
                 return;
-        s->state = SESSION_CLOSED;
+        session_state_set(s, SESSION_CLOSED);
         event_del(s->ev_read);
         event_del(s->ev_write);
         event_del(s->ev_linger);
@@ -348,7 +349,7 @@ void session_fail(struct session *s, int code, uint64_t request_id, const char *
                 session_send_error(s, request_id, code, why);
         /* Leaves the job as a lost rank, gives up the jobs it created. */
         s->reg->dispatch(s->reg->dispatch_ctx, s, NULL, why);
-        s->state = SESSION_CLOSED;
+        session_state_set(s, SESSION_CLOSED);
         event_del(s->ev_read);
         if (s->broken)
                 out_clear(s);
@@ -517,7 +518,7 @@ static int session_refuse(struct sessions *reg, int fd, bool admin, uid_t uid, i
         Moeep__V1__Error err;
         Moeep__V1__Response resp;
 
-        reg->refused++;
+        reg->metrics->sessions_refused++;
         error_fill(reg, MOEEP__V1__ERROR_CODE__ERROR_LIMIT_EXCEEDED, why, &err, &resp);
         (void)moeep_record_send(fd, MOEEP__V1__RESPONSE__BODY_ERROR, 0, &resp.base, NULL, 0);
         clientfd_close_session(reg->clientfds, uid, fd, accepted_close_flags(reg, admin));
@@ -606,9 +607,10 @@ int session_new(struct sessions *reg, int fd, bool admin, struct session **ret_s
         if (!admin)
                 clientfds_session_opened(reg->clientfds);
         s->id = reg->next_id++;
-        reg->accepted++;
+        reg->metrics->sessions_accepted++;
         TAILQ_INSERT_TAIL(&reg->list, s, entry);
         reg->count++;
+        reg->metrics->sessions[SESSION_NEW]++;
         reg->nadmin += admin;
         log_debug("session %" PRIu64 ": connected%s, pid %d uid %u gid %u, %zu groups", s->id,
                   admin ? " on the admin socket" : "", (int)cred.pid, (unsigned)cred.uid, (unsigned)cred.gid,
@@ -659,6 +661,18 @@ static void copy_printable(char *dst, size_t size, const char *src) {
         dst[i] = '\0';
 }
 
+_Static_assert(SESSION_NEW == 0 && SESSION_HELLO == 1 && SESSION_READY == 2 &&
+                       SESSION_CLOSED == METRICS_SESSION_STATES,
+               "struct metrics counts the states before CLOSED by their values");
+
+void session_state_set(struct session *s, enum session_state to) {
+        if (s->state != SESSION_CLOSED)
+                s->reg->metrics->sessions[s->state]--;
+        s->state = to;
+        if (to != SESSION_CLOSED)
+                s->reg->metrics->sessions[to]++;
+}
+
 void session_welcome(struct session *s, const char *client_name, uint64_t features) {
         const int on = 1;
 
@@ -668,7 +682,7 @@ void session_welcome(struct session *s, const char *client_name, uint64_t featur
                 s->fds_allowed = true;
         copy_printable(s->name, sizeof(s->name), client_name);
         s->features = features;
-        s->state = SESSION_HELLO;
+        session_state_set(s, SESSION_HELLO);
         event_del(s->ev_hello);
 }
 
@@ -677,7 +691,8 @@ static void sessions_reap_cb(evutil_socket_t fd, short what, void *arg) {
 }
 
 int sessions_new(struct event_base *base, const struct config *config, struct clientfds *clientfds,
-                 session_dispatch_fn *dispatch, void *dispatch_ctx, struct sessions **ret) {
+                 struct metrics *metrics, session_dispatch_fn *dispatch, void *dispatch_ctx,
+                 struct sessions **ret) {
         struct sessions *reg = calloc(1, sizeof(*reg));
 
         if (!reg)
@@ -685,6 +700,7 @@ int sessions_new(struct event_base *base, const struct config *config, struct cl
         reg->base = base;
         reg->config = config;
         reg->clientfds = clientfds;
+        reg->metrics = metrics;
         reg->dispatch = dispatch;
         reg->dispatch_ctx = dispatch_ctx;
         reg->next_id = 1;

@@ -17,7 +17,8 @@
  *    session_respond(), session_send_ok() and session_send_error().
  *
  * Who owns which field of struct session: session.c writes everything but
- * `member` and the READY state, which membership.c writes at join and leave. */
+ * `member` and the READY state, which membership.c writes at join and leave
+ * (with session_state_set()). */
 #ifndef MOEEPD_SESSION_H
 #define MOEEPD_SESSION_H
 
@@ -34,6 +35,7 @@
 
 struct clientfds;
 struct config;
+struct metrics;
 struct event;
 struct event_base;
 struct job_member;
@@ -100,20 +102,6 @@ TAILQ_HEAD(session_list, session);
  * the return value is not read. */
 typedef int session_dispatch_fn(void *ctx, struct session *s, struct moeep_record *rec, const char *why);
 
-/* Error codes counted: every ErrorCode value is below SESSION_ERROR_CODES,
- * ERROR_UNSPECIFIED (never sent) and one per row of proto/errors.def, which
- * lists the codes in the enum's order (tests/unit/test-messages.c), so that
- * a new code is counted without a change here. */
-enum {
-        SESSION_ERROR_UNSPECIFIED,
-#define MOEEP_ERROR_REFUSAL(CODE, ERRNO, TEXT) SESSION_ERROR_##CODE,
-#define MOEEP_ERROR_OTHER MOEEP_ERROR_REFUSAL
-#include "errors.def"
-#undef MOEEP_ERROR_OTHER
-#undef MOEEP_ERROR_REFUSAL
-        SESSION_ERROR_CODES
-};
-
 /* SO_PASSRIGHTS (Linux 6.16, asm-generic/socket.h): whether a socket
  * takes SCM_RIGHTS; accepted sockets inherit the listener's. */
 #ifdef SO_PASSRIGHTS
@@ -126,12 +114,14 @@ enum {
  * client caps, so that no number of client sessions can lock it out. */
 #define SESSIONS_ADMIN_MAX 16
 
-/* The registry: every session, and the connection counters the metrics
- * read. One, owned by daemon.c; only the loop thread touches it. */
+/* The registry: every session. It counts its connections, its sessions by
+ * state and its Error responses in struct metrics (metrics.h). One, owned
+ * by daemon.c; only the loop thread touches it. */
 struct sessions {
         struct event_base *base;     /* not owning */
         const struct config *config; /* not owning; the live configuration (caps) */
         struct clientfds *clientfds; /* not owning; checks, counts and closes client fds */
+        struct metrics *metrics;     /* not owning; where it counts */
         session_dispatch_fn *dispatch;
         void *dispatch_ctx;       /* not owning; the request layer (struct requests) */
         struct event *ev_reap;    /* owns; frees dead sessions from the loop */
@@ -145,18 +135,16 @@ struct sessions {
          * daemon.c): a client session takes them only once welcomed, and a
          * socket turned away before closes at once. */
         bool fds_after_welcome;
-        uint64_t accepted;                    /* connections that became sessions */
-        uint64_t refused;                     /* connections turned away by max_sessions* */
-        uint64_t errors[SESSION_ERROR_CODES]; /* Error responses sent, by code */
-        struct uids uids;                     /* owns; per client uid (uids.h) */
-        struct session_list throttled;        /* not owning; sessions waiting for their uid's share */
-        struct event *ev_throttle;            /* owns; reads them again once it has grown back */
-        uint64_t throttles;                   /* times a session waited for its uid's share */
+        struct uids uids;              /* owns; per client uid (uids.h) */
+        struct session_list throttled; /* not owning; sessions waiting for their uid's share */
+        struct event *ev_throttle;     /* owns; reads them again once it has grown back */
+        uint64_t throttles;            /* times a session waited for its uid's share */
 };
 
 /* Makes the registry. Returns 0 with *ret, or -ENOMEM. */
 int sessions_new(struct event_base *base, const struct config *config, struct clientfds *clientfds,
-                 session_dispatch_fn *dispatch, void *dispatch_ctx, struct sessions **ret);
+                 struct metrics *metrics, session_dispatch_fn *dispatch, void *dispatch_ctx,
+                 struct sessions **ret);
 
 /* Frees the registry; every session must be dead and unreferenced by now
  * (sessions_close_all(), then sessions_reap()). Accepts NULL. */
@@ -216,6 +204,11 @@ void session_resume(struct session *s);
  * dead and unreferenced. */
 void session_ref(struct session *s);
 void session_unref(struct session *s);
+
+/* Moves `s` to state `to`, keeping the registry's count of live sessions
+ * by state (struct metrics' `sessions`) true: a session counts from
+ * session_new() until it is CLOSED. */
+void session_state_set(struct session *s, enum session_state to);
 
 /* Hello was accepted: keeps the client's name (sanitised for display) and
  * the agreed features, moves `s` from NEW to HELLO and stops the Hello

@@ -16,6 +16,7 @@
 #include "log.h"
 #include "metrics-text.h"
 #include "ops/http.h"
+#include "ops/metrics.h"
 
 /* Connections accepted per callback before others get a turn. */
 #define HTTP_ACCEPT_BATCH 64
@@ -56,26 +57,19 @@ struct http_conn {
 TAILQ_HEAD(http_conn_list, http_conn);
 
 struct http {
-        struct event_base *base; /* not owning */
-        struct http_hooks hooks;
-        struct http_counters counters;
+        struct event_base *base;     /* not owning */
+        struct metrics *metrics;     /* not owning; what it serves and where it counts */
         int fd;                      /* owns; the listening socket */
         struct event *ev_accept;     /* owns */
         struct event *ev_resume;     /* owns; re-enables accepting after EMFILE */
         struct http_conn_list conns; /* owns */
 };
 
-const struct http_counters *http_counters(const struct http *h) {
-        static const struct http_counters none;
-
-        return h ? &h->counters : &none;
-}
-
 static void http_conn_free(struct http_conn *c) {
         struct http *h = c->http;
 
         TAILQ_REMOVE(&h->conns, c, entry);
-        h->counters.connections--;
+        h->metrics->http_connections--;
         if (c->ev_read)
                 event_free(c->ev_read);
         if (c->ev_write)
@@ -122,8 +116,8 @@ static void http_answer_metrics(struct http_conn *c, bool head_only) {
         size_t len = 0;
         FILE *f;
 
-        c->http->counters.requests++;
-        if (c->http->hooks.snapshot(c->http->hooks.ctx, &m) < 0) {
+        c->http->metrics->http_requests++;
+        if (metrics_snapshot(c->http->metrics, &m) < 0) {
                 http_answer_text(c, 500, "Internal Server Error", "out of memory\n", "");
                 return;
         }
@@ -131,11 +125,11 @@ static void http_answer_metrics(struct http_conn *c, bool head_only) {
         if (!f || moeep_metrics_write_text(m, f) < 0 || fclose(f) != 0) {
                 if (f)
                         free(text);
-                c->http->hooks.snapshot_free(m);
+                metrics_snapshot_free(m);
                 http_answer_text(c, 500, "Internal Server Error", "out of memory\n", "");
                 return;
         }
-        c->http->hooks.snapshot_free(m);
+        metrics_snapshot_free(m);
         http_answer(c, 200, "OK", MOEEP_METRICS_CONTENT_TYPE, text, len, head_only, "");
         free(text);
 }
@@ -235,7 +229,7 @@ static void http_deadline_cb(evutil_socket_t fd, short what, void *arg) {
 
         log_debug("metrics: connection fd %d: %d ms passed, closing it (%s)", c->fd, HTTP_DEADLINE_MS,
                   c->state == HTTP_READING ? "the request never completed" : "the client did not close");
-        c->http->counters.deadlines++;
+        c->http->metrics->http_deadlines++;
         http_conn_free(c);
 }
 
@@ -282,7 +276,7 @@ static void http_make_room(struct http *h, const uint8_t source[static 16]) {
         own = n >= HTTP_MAX_PER_SOURCE;
         if (!own)
                 victim = NULL;
-        if (!victim && h->counters.connections >= HTTP_MAX_CONNECTIONS)
+        if (!victim && h->metrics->http_connections >= HTTP_MAX_CONNECTIONS)
                 TAILQ_FOREACH (c, &h->conns, entry) {
                         struct http_conn *o = http_source_oldest(h, c->source, &n);
 
@@ -293,7 +287,7 @@ static void http_make_room(struct http *h, const uint8_t source[static 16]) {
                 }
         if (!victim)
                 return;
-        h->counters.refused++;
+        h->metrics->http_refused++;
         log_debug("metrics: connection fd %d displaced: its source holds %s", victim->fd,
                   own ? "its quota" : "the most of the connections");
         (void)send(victim->fd, http_busy, sizeof(http_busy) - 1, MSG_NOSIGNAL | MSG_DONTWAIT);
@@ -310,7 +304,7 @@ static void http_conn_new(struct http *h, int fd, const struct sockaddr_storage 
         http_make_room(h, source);
         c = calloc(1, sizeof(*c));
         if (!c) {
-                h->counters.refused++;
+                h->metrics->http_refused++;
                 close(fd);
                 return;
         }
@@ -319,7 +313,7 @@ static void http_conn_new(struct http *h, int fd, const struct sockaddr_storage 
         memcpy(c->source, source, sizeof(source));
         c->state = HTTP_READING;
         TAILQ_INSERT_TAIL(&h->conns, c, entry);
-        h->counters.connections++;
+        h->metrics->http_connections++;
         c->ev_read = event_new(h->base, fd, EV_READ | EV_PERSIST, http_read_cb, c);
         c->ev_write = event_new(h->base, fd, EV_WRITE | EV_PERSIST, http_write_cb, c);
         c->ev_deadline = evtimer_new(h->base, http_deadline_cb, c);
@@ -410,8 +404,8 @@ out:
         return r;
 }
 
-int http_start(struct event_base *base, const char *listen, const struct http_hooks *hooks,
-               struct http **ret_http, char *errmsg) {
+int http_start(struct event_base *base, const char *listen, struct metrics *m, struct http **ret_http,
+               char *errmsg) {
         char host[CONFIG_HOST_MAX];
         struct http *h;
         uint16_t port;
@@ -429,7 +423,7 @@ int http_start(struct event_base *base, const char *listen, const struct http_ho
                 return errmsg_set(errmsg, -ENOMEM, "metrics_listen '%s': out of memory", listen);
         }
         h->base = base;
-        h->hooks = *hooks;
+        h->metrics = m;
         h->fd = fd;
         TAILQ_INIT(&h->conns);
         h->ev_accept = event_new(base, fd, EV_READ | EV_PERSIST, http_accept_cb, h);

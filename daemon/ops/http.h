@@ -23,9 +23,9 @@
  * - a request head (request line and headers) is at most HTTP_MAX_REQUEST
  *   bytes (431 beyond).
  *
- * It knows nothing of the daemon: daemon.c starts it with the hooks that
- * take and free a snapshot (metrics.c), and metrics.c reads its counters
- * through http_counters(). */
+ * It answers with a snapshot of struct metrics (metrics.h), which it is
+ * handed at start and where it counts its scrapes and connections; daemon.c
+ * starts it. */
 #ifndef MOEEPD_HTTP_H
 #define MOEEPD_HTTP_H
 
@@ -36,35 +36,16 @@
 #define HTTP_DEADLINE_MS 5000
 #define HTTP_MAX_REQUEST 8192
 
-#include "moeep.pb-c.h"
-
 struct event_base;
 struct http;
+struct metrics;
 
-/* Where the answers come from. Called on the loop with `ctx`. */
-struct http_hooks {
-        void *ctx; /* not owning */
-        /* A snapshot of the metrics: 0 with *ret, or -ENOMEM. */
-        int (*snapshot)(void *ctx, Moeep__V1__Metrics **ret);
-        void (*snapshot_free)(Moeep__V1__Metrics *m);
-};
-
-/* What the listener counts, for the metrics. Written by http.c only. */
-struct http_counters {
-        uint64_t requests;    /* scrapes served */
-        uint64_t refused;     /* connections closed for the caps: displaced (or out of memory) */
-        uint64_t deadlines;   /* connections closed at HTTP_DEADLINE_MS */
-        uint32_t connections; /* open now */
-};
-
-/* Starts listening on `listen` (as metrics_listen takes it). Logs the
- * address and port it bound. Returns 0 with *ret_http, or -errno with
- * errmsg naming the address. */
-int http_start(struct event_base *base, const char *listen, const struct http_hooks *hooks,
-               struct http **ret_http, char *errmsg);
-
-/* Its counters; all 0 for NULL (no listener). */
-const struct http_counters *http_counters(const struct http *h);
+/* Starts listening on `listen` (as metrics_listen takes it), answering with
+ * snapshots of `m` and counting in it (http_*). Logs the address and port
+ * it bound. Returns 0 with *ret_http, or -errno with errmsg naming the
+ * address. */
+int http_start(struct event_base *base, const char *listen, struct metrics *m, struct http **ret_http,
+               char *errmsg);
 
 /* Stops listening and closes open connections. Accepts NULL. */
 void http_free(struct http *h);

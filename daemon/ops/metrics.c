@@ -4,15 +4,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "clients/session.h"
 #include "datapath/datapath.h"
 #include "log.h"
 #include "mesh/mesh.h"
 #include "messages.h"
 #include "moeep-config.h"
-#include "ops/http.h"
 #include "ops/metrics.h"
-#include "ops/view.h"
 #include "state/broker.h"
 #include "state/job.h"
 
@@ -95,30 +92,27 @@ static void single(struct snapshot *s, const char *name, Moeep__V1__MetricType t
 #define COUNTER MOEEP__V1__METRIC_TYPE__METRIC_TYPE_COUNTER
 #define GAUGE MOEEP__V1__METRIC_TYPE__METRIC_TYPE_GAUGE
 
-static void snapshot_sessions(struct snapshot *s, const struct view *v) {
-        static const enum session_state states[] = { SESSION_NEW, SESSION_HELLO, SESSION_READY };
-        uint32_t count[SESSION_CLOSED + 1] = { 0 };
-        const struct session *o;
+static void snapshot_sessions(struct snapshot *s, const struct metrics *m) {
+        /* session.h's session_state_to_string() of the states counted. */
+        static const char *const states[METRICS_SESSION_STATES] = { "new", "hello", "ready" };
 
-        TAILQ_FOREACH (o, &v->sessions->list, entry)
-                count[o->state]++;
         family_add(
                 s, "moeepd_sessions", GAUGE,
                 "Connected client sessions by state (new: before Hello, hello: welcomed, ready: in a job).");
-        for (size_t i = 0; i < sizeof(states) / sizeof(states[0]); i++)
-                sample_add(s, count[states[i]], "state", session_state_to_string(states[i]), NULL, NULL);
+        for (size_t i = 0; i < METRICS_SESSION_STATES; i++)
+                sample_add(s, m->sessions[i], "state", states[i], NULL, NULL);
         single(s, "moeepd_sessions_accepted_total", COUNTER, "Connections accepted as sessions.",
-               (double)v->sessions->accepted);
+               (double)m->sessions_accepted);
         single(s, "moeepd_sessions_refused_total", COUNTER,
-               "Connections refused by max_sessions or max_sessions_per_uid.", (double)v->sessions->refused);
+               "Connections refused by max_sessions or max_sessions_per_uid.", (double)m->sessions_refused);
 }
 
-static void snapshot_jobs(struct snapshot *s, const struct view *v) {
+static void snapshot_jobs(struct snapshot *s, const struct metrics *m) {
         static const enum job_state states[] = { JOB_FORMING, JOB_READY, JOB_ABORTED };
         uint32_t count[JOB_ABORTED + 1] = { 0 }, ranks = 0, lost = 0;
         const struct job *job;
 
-        TAILQ_FOREACH (job, &v->jobs->list, entry) {
+        TAILQ_FOREACH (job, &m->jobs->list, entry) {
                 count[job->state]++;
                 ranks += job->njoined;
                 lost += (uint32_t)__builtin_popcount(job->control->lost_ranks);
@@ -126,95 +120,93 @@ static void snapshot_jobs(struct snapshot *s, const struct view *v) {
         family_add(s, "moeepd_jobs", GAUGE, "Live jobs by state.");
         for (size_t i = 0; i < sizeof(states) / sizeof(states[0]); i++)
                 sample_add(s, count[states[i]], "state", job_state_to_string(states[i]), NULL, NULL);
-        single(s, "moeepd_jobs_created_total", COUNTER, "Jobs created.", (double)v->counters->jobs_created);
+        single(s, "moeepd_jobs_created_total", COUNTER, "Jobs created.", (double)m->jobs_created);
         single(s, "moeepd_ranks", GAUGE, "Ranks joined to live jobs.", ranks);
         single(s, "moeepd_barriers_total", COUNTER, "Barriers that every rank of a job passed.",
-               (double)v->jobs->barriers_completed);
+               (double)m->jobs->barriers_completed);
         single(s, "moeepd_ranks_lost_total", COUNTER,
                "Ranks lost without JobLeave (socket closed, process died, bad record); each aborts its job.",
-               (double)v->jobs->ranks_lost);
+               (double)m->jobs->ranks_lost);
         single(s, "moeepd_job_lost_ranks", GAUGE,
                "Ranks of live jobs marked lost in their control page (elastic jobs go on without them).",
                lost);
 }
 
-static void snapshot_regions(struct snapshot *s, const struct view *v) {
+static void snapshot_regions(struct snapshot *s, const struct metrics *m) {
         const struct uid_usage *u;
         uint64_t bytes = 0;
 
-        LIST_FOREACH (u, &v->broker->usage, entry)
+        LIST_FOREACH (u, &m->broker->usage, entry)
                 bytes += u->bytes;
-        single(s, "moeepd_regions", GAUGE, "Memory regions registered with the broker.", v->broker->nregions);
+        single(s, "moeepd_regions", GAUGE, "Memory regions registered with the broker.", m->broker->nregions);
         single(s, "moeepd_registered_bytes", GAUGE, "Bytes of the registered memory regions.", (double)bytes);
         single(s, "moeepd_regions_registered_total", COUNTER, "Memory regions registered.",
-               (double)v->counters->regions_registered);
+               (double)m->regions_registered);
 }
 
-static void snapshot_requests(struct snapshot *s, const struct view *v) {
+static void snapshot_requests(struct snapshot *s, const struct metrics *m) {
         family_add(s, "moeepd_requests_total", COUNTER, "Requests received, by type.");
         /* A sample per request row of proto/messages.def, labelled with
          * its body field. */
         for (unsigned t = MOEEP_TYPE_REQUEST_MIN; t <= MOEEP_TYPE_REQUEST_MAX; t++) {
-                const struct moeep_message *m = moeep_message_lookup((uint16_t)t);
+                const struct moeep_message *row = moeep_message_lookup((uint16_t)t);
 
-                if (m)
-                        sample_add(s, (double)v->counters->requests[t], "type", m->field, NULL, NULL);
+                if (row)
+                        sample_add(s, (double)m->requests[t], "type", row->field, NULL, NULL);
         }
         family_add(s, "moeepd_errors_total", COUNTER, "Error responses sent, by code.");
-        for (int code = 1; code < SESSION_ERROR_CODES; code++) {
+        for (int code = 1; code < METRICS_ERROR_CODES; code++) {
                 const ProtobufCEnumValue *e =
                         protobuf_c_enum_descriptor_get_value(&moeep__v1__error_code__descriptor, code);
 
                 if (e)
-                        sample_add(s, (double)v->sessions->errors[code], "code", e->name, NULL, NULL);
+                        sample_add(s, (double)m->errors[code], "code", e->name, NULL, NULL);
         }
 }
 
-static void snapshot_daemon(struct snapshot *s, const struct view *v) {
-        const struct http_counters *hc = http_counters(v->http);
-
+static void snapshot_daemon(struct snapshot *s, const struct metrics *m) {
         snprintf(s->protocol, sizeof(s->protocol), "%d.%d", MOEEP_PROTOCOL_MAJOR, MOEEP_PROTOCOL_MINOR);
         if (family_add(s, "moeepd_build_info", GAUGE, "Always 1; the labels name the daemon's version."))
                 sample_add(s, 1, "version", MOEEP_VERSION, "protocol", s->protocol);
         single(s, "moeepd_uptime_seconds", GAUGE, "Seconds since the daemon started.",
-               (double)view_uptime_ms(v) / 1000.0);
+               (double)metrics_uptime_ms(m) / 1000.0);
         single(s, "moeepd_draining", GAUGE, "1 while new jobs are refused (moeepctl drain), else 0.",
-               *v->draining);
+               m->jobs->draining);
         family_add(s, "moeepd_config_reloads_total", COUNTER, "SIGHUP reloads, by result.");
-        sample_add(s, (double)v->counters->reloads_ok, "result", "ok", NULL, NULL);
-        sample_add(s, (double)v->counters->reloads_failed, "result", "failed", NULL, NULL);
+        sample_add(s, (double)m->reloads_ok, "result", "ok", NULL, NULL);
+        sample_add(s, (double)m->reloads_failed, "result", "failed", NULL, NULL);
         single(s, "moeepd_http_requests_total", COUNTER, "Requests served by the metrics HTTP listener.",
-               (double)hc->requests);
+               (double)m->http_requests);
         single(s, "moeepd_http_connections", GAUGE, "Open connections of the metrics HTTP listener.",
-               hc->connections);
+               m->http_connections);
         family_add(s, "moeepd_http_closed_total", COUNTER,
                    "Metrics HTTP connections closed by the daemon, by reason: over the connection cap, or "
                    "past the whole-request deadline.");
-        sample_add(s, (double)hc->refused, "reason", "cap", NULL, NULL);
-        sample_add(s, (double)hc->deadlines, "reason", "deadline", NULL, NULL);
+        sample_add(s, (double)m->http_refused, "reason", "cap", NULL, NULL);
+        sample_add(s, (double)m->http_deadlines, "reason", "deadline", NULL, NULL);
 }
 
-static void snapshot_mesh(struct snapshot *s, const struct view *v) {
+static void snapshot_mesh(struct snapshot *s, const struct metrics *m) {
         static const enum mesh_peer_state states[] = { MESH_PEER_CONNECTING, MESH_PEER_AUTHENTICATING,
                                                        MESH_PEER_UP, MESH_PEER_DOWN };
         uint32_t count[MESH_PEER_DOWN + 1];
 
-        mesh_count(v->mesh, count);
+        mesh_count(m->mesh, count);
         family_add(s, "moeepd_mesh_peers", GAUGE,
                    "Peer daemons of the internode mesh by state (all 0 while the mesh is off).");
         for (size_t i = 0; i < sizeof(states) / sizeof(states[0]); i++)
                 sample_add(s, count[states[i]], "state", mesh_peer_state_to_string(states[i]), NULL, NULL);
         single(s, "moeepd_mesh_refused_total", COUNTER,
                "Peer connections refused during the handshake (wrong or no cluster key, timeout, cap).",
-               v->mesh ? (double)v->mesh->refused : 0);
+               m->mesh ? (double)m->mesh->refused : 0);
 }
 
 /* Bytes the transport wrote, by where they travelled (transport.h, struct
  * tp_stats); only backends that count (cuda) have the family. */
-static void snapshot_transport(struct snapshot *s, const struct view *v) {
+static void snapshot_transport(struct snapshot *s, const struct metrics *m) {
         struct tp_stats st;
 
-        if (!datapath_transport_stats(v->datapath, &st))
+        if (!datapath_transport_stats(m->datapath, &st))
                 return;
         family_add(s, "moeepd_transport_bytes_total", COUNTER,
                    "Bytes the internode transport wrote: device (GPU to GPU), host (through a client's host "
@@ -224,20 +216,39 @@ static void snapshot_transport(struct snapshot *s, const struct view *v) {
         sample_add(s, (double)st.daemon, "path", "daemon", NULL, NULL);
 }
 
-int metrics_snapshot(const struct view *v, Moeep__V1__Metrics **ret_metrics) {
+void metrics_init(struct metrics *m, const struct timespec *started, const struct jobs *jobs,
+                  const struct broker *broker, const struct mesh *mesh, const struct datapath *datapath) {
+        *m = (struct metrics){
+                .jobs = jobs,
+                .broker = broker,
+                .mesh = mesh,
+                .datapath = datapath,
+                .started = *started,
+        };
+}
+
+uint64_t metrics_uptime_ms(const struct metrics *m) {
+        struct timespec now;
+
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        return (uint64_t)(now.tv_sec - m->started.tv_sec) * 1000 +
+               (uint64_t)((now.tv_nsec - m->started.tv_nsec) / 1000000);
+}
+
+int metrics_snapshot(const struct metrics *m, Moeep__V1__Metrics **ret_metrics) {
         struct snapshot *s = calloc(1, sizeof(*s));
 
         if (!s)
                 return -ENOMEM;
         moeep__v1__metrics__init(&s->metrics);
         s->metrics.families = s->family_ptrs;
-        snapshot_daemon(s, v);
-        snapshot_sessions(s, v);
-        snapshot_jobs(s, v);
-        snapshot_regions(s, v);
-        snapshot_mesh(s, v);
-        snapshot_transport(s, v);
-        snapshot_requests(s, v);
+        snapshot_daemon(s, m);
+        snapshot_sessions(s, m);
+        snapshot_jobs(s, m);
+        snapshot_regions(s, m);
+        snapshot_mesh(s, m);
+        snapshot_transport(s, m);
+        snapshot_requests(s, m);
         if (s->overflow) /* our own bounds: SNAPSHOT_* must grow with the families */
                 log_err("metrics: snapshot bounds too small, some samples are missing");
         *ret_metrics = &s->metrics;

@@ -161,6 +161,9 @@ struct jobs {
         /* Not owning; where the control pages' fds are charged to uids
          * (clientfds_charge()); NULL (unit tests): charged to nobody. */
         struct clientfds *clientfds;
+        /* Drain, an operator's (admin.c): JobCreate is refused with
+         * ERROR_DRAINING, and the jobs that exist go on. */
+        bool draining;
         /* Totals since start-up, for the metrics (moeepd_barriers_total,
          * moeepd_ranks_lost_total). */
         uint64_t barriers_completed; /* barrier generations every rank passed */

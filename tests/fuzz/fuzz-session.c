@@ -585,7 +585,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
 
         /* Daemon-wide settings an input may change (Drain, LogLevelSet as
          * root, who is an admin) start each input the same. */
-        d.requests.draining = false;
+        d.jobs->draining = false;
         log_set_level(LOG_ERR);
         have_unique_id = false;
         memset(unique_id, 0, sizeof(unique_id));
