@@ -476,7 +476,7 @@ int daemon_init(struct daemon *d, const struct daemon_options *options) {
          * memory leaves errmsg empty. */
         r = clientfds_new(d->base, &d->config, &d->clientfds);
         if (r == 0)
-                r = jobs_new(&d->config, &requests_job_callbacks, d->clientfds, &d->jobs);
+                r = jobs_new(&d->config, &membership_job_callbacks, d->clientfds, &d->jobs);
         if (r == 0)
                 r = broker_new(&d->config, d->clientfds, &d->broker);
         if (r == 0)
@@ -491,8 +491,8 @@ int daemon_init(struct daemon *d, const struct daemon_options *options) {
                         r = http_start(d->base, d->config.metrics_listen, &d->metrics, &d->http, errmsg);
         }
         if (r == 0)
-                r = membership_init(&d->requests.membership, d->jobs, d->broker, d->mesh, d->mesh_jobs,
-                                    d->datapath);
+                r = membership_init(&d->requests.membership, &d->metrics, d->jobs, d->broker, d->mesh,
+                                    d->mesh_jobs, d->datapath);
         if (r == 0) {
                 d->requests.metrics = &d->metrics;
                 r = sessions_new(d->base, &d->config, d->clientfds, &d->metrics, requests_dispatch,

@@ -18,8 +18,6 @@
 #ifndef MOEEPD_ERRORS_H
 #define MOEEPD_ERRORS_H
 
-#include "moeep.pb-c.h"
-
 enum error_kind {
         ERROR_KIND_BEFORE_FIRST = (1 << 16) - 1, /* kinds are above every errno value */
 #define MOEEP_ERROR_REFUSAL(CODE, ERRNO, TEXT) ERROR_KIND_##CODE,
@@ -31,13 +29,13 @@ enum error_kind {
 #define ERROR_KIND_FIRST (ERROR_KIND_BEFORE_FIRST + 1)
 #define ERROR_KIND_LAST (ERROR_KIND_AFTER_LAST - 1)
 
-/* The ErrorCode for a return value `r` (< 0): its kind's, or its errno
- * alias's, else ERROR_INTERNAL. */
-Moeep__V1__ErrorCode error_code(int r);
+/* The protocol's ErrorCode (its value: moeep.proto's enum) for a return
+ * value `r` (< 0): its kind's, or its errno alias's, else ERROR_INTERNAL. */
+int error_code(int r);
 
 /* The other way: the return value (-ERROR_KIND_*) for an ErrorCode a peer
  * daemon sent, or -EIO for codes that are no kind (framing, internal). */
-int error_from_code(Moeep__V1__ErrorCode code);
+int error_from_code(int code);
 
 /* Text for a return value: the kind's name, or strerror() for an errno. */
 const char *error_to_string(int r);

@@ -7,21 +7,16 @@
 #include <unistd.h>
 
 #include "clients/admin.h"
+#include "clients/membership.h"
 #include "clients/query.h"
-#include "clients/region-take.h"
 #include "clients/requests.h"
 #include "clients/session.h"
-#include "datapath/datapath.h"
 #include "errors.h"
 #include "log.h"
-#include "mesh/mesh-jobs.h"
-#include "mesh/mesh.h"
 #include "messages.h"
 #include "moeep-config.h"
 #include "ops/metrics.h"
 #include "record.h"
-#include "state/broker.h"
-#include "state/job.h"
 
 /* Features this daemon offers in Welcome. */
 #define REQUESTS_FEATURES                                                                              \
@@ -71,21 +66,11 @@ static int handle_job_create(struct requests *rq, struct session *s, uint64_t ri
         struct job *job;
         int r;
 
-        if (s->reg->stopping)
-                return errmsg_set(errmsg, -ERROR_KIND_DRAINING, "the daemon is shutting down: no new jobs");
-        if (rq->membership.jobs->draining)
-                return errmsg_set(errmsg, -ERROR_KIND_DRAINING,
-                                  "the daemon is draining: no new jobs (an admin ends it with "
-                                  "'moeepctl drain --off')");
-        r = jobs_create(rq->membership.jobs, jc->name, jc->world_size, s->cred.uid, s, &job, errmsg);
+        r = membership_create(&rq->membership, s, jc->name, jc->world_size, &job, errmsg);
         if (r < 0)
                 return r;
-        rq->metrics->jobs_created++;
-        log_info("session %" PRIu64 " (uid %u): created job %" PRIu64 " '%s' of %" PRIu32 " ranks", s->id,
-                 (unsigned)s->cred.uid, job->id, job->name, job->world_size);
-
         created.unique_id.data = uid;
-        created.unique_id.len = job_unique_id_with_node(job, mesh_address(rq->membership.mesh), uid);
+        created.unique_id.len = membership_unique_id(&rq->membership, job, uid);
         created.job_id = job->id;
         resp.body_case = MOEEP__V1__RESPONSE__BODY_JOB_CREATED;
         resp.job_created = &created;
@@ -96,70 +81,39 @@ static int handle_job_create(struct requests *rq, struct session *s, uint64_t ri
 
 static int handle_barrier(struct requests *rq, struct session *s, uint64_t rid, const Moeep__V1__Request *req,
                           struct moeep_record *rec, char *errmsg) {
-        /* 0: the reply comes from requests_barrier_done() (the job's
-         * barrier_done callback); 1: from the job's home daemon, through
-         * the mesh. */
-        int r = job_barrier(s->member, rid, errmsg);
-
-        if (r == 1) {
-                mesh_jobs_barrier(rq->membership.mesh_jobs, s->member);
-                r = 0;
-        }
-        return r;
+        return membership_barrier(&rq->membership, s, rid, errmsg);
 }
 
 static int handle_regions_fetch(struct requests *rq, struct session *s, uint64_t rid,
                                 const Moeep__V1__Request *req, struct moeep_record *rec, char *errmsg) {
         const Moeep__V1__RegionsFetch *rf = req->regions_fetch;
+        struct membership_region found[MOEEP_RECORD_MAX_FDS];
         Moeep__V1__RegionInfo infos[MOEEP_RECORD_MAX_FDS];
         Moeep__V1__RegionInfo *ptrs[MOEEP_RECORD_MAX_FDS];
         Moeep__V1__Regions regions = MOEEP__V1__REGIONS__INIT;
         Moeep__V1__Response resp = MOEEP__V1__RESPONSE__INIT;
         int fds[MOEEP_RECORD_MAX_FDS];
-        const struct job *job = s->member->job;
-        const struct job_remote_region *remote;
-        struct region **found = NULL;
-        size_t n = 0, nfds;
-        uint32_t nremote;
+        size_t n, nfds = 0;
         int r;
 
-        r = broker_fetch(s->member, rf->rank, rf->tag, MOEEP_RECORD_MAX_FDS, &found, &n, errmsg);
+        /* Regions of ranks at other daemons go only to clients that know
+         * the field. */
+        r = membership_fetch(&rq->membership, s, rf->rank, rf->tag,
+                             s->features & MOEEP__V1__FEATURE__FEATURE_MESH, found, &n, errmsg);
         if (r < 0)
                 return r;
         for (size_t i = 0; i < n; i++) {
                 moeep__v1__region_info__init(&infos[i]);
-                infos[i].rank = found[i]->owner->rank;
-                infos[i].tag = found[i]->tag;
-                infos[i].kind = found[i]->kind;
-                infos[i].size = found[i]->size;
-                infos[i].region_id = found[i]->id;
+                infos[i].rank = found[i].rank;
+                infos[i].tag = found[i].tag;
+                infos[i].kind = (Moeep__V1__RegionKind)found[i].kind;
+                infos[i].size = found[i].size;
+                infos[i].region_id = found[i].region_id;
+                infos[i].remote = found[i].remote;
                 ptrs[i] = &infos[i];
-                fds[i] = found[i]->fd;
-        }
-        free(found);
-        nfds = n;
-        /* Ranks at other daemons: metadata only, to clients that know the
-         * field (their memory is reached through the transports). */
-        remote = mesh_jobs_remote_regions(job, &nremote);
-        for (uint32_t i = 0; i < nremote && (s->features & MOEEP__V1__FEATURE__FEATURE_MESH); i++) {
-                const struct job_remote_region *rr = &remote[i];
-
-                if ((rf->rank >= 0 ? rr->rank != (uint32_t)rf->rank : rr->rank == s->member->rank) ||
-                    (rf->tag >= 0 && rr->tag != (uint64_t)rf->tag))
-                        continue;
-                if (n == MOEEP_RECORD_MAX_FDS)
-                        return errmsg_set(errmsg, -ERROR_KIND_LIMIT_EXCEEDED,
-                                          "more than %d regions match (rank %" PRId32 ", tag %" PRId64 ")",
-                                          MOEEP_RECORD_MAX_FDS, rf->rank, rf->tag);
-                moeep__v1__region_info__init(&infos[n]);
-                infos[n].rank = rr->rank;
-                infos[n].tag = rr->tag;
-                infos[n].kind = (Moeep__V1__RegionKind)rr->kind;
-                infos[n].size = rr->size;
-                infos[n].region_id = rr->region_id;
-                infos[n].remote = true;
-                ptrs[n] = &infos[n];
-                n++;
+                /* The local ones, with fds, come first. */
+                if (!found[i].remote)
+                        fds[nfds++] = found[i].fd;
         }
         regions.n_regions = n;
         regions.regions = ptrs;
@@ -174,23 +128,45 @@ static int handle_regions_fetch(struct requests *rq, struct session *s, uint64_t
 
 static int handle_job_join(struct requests *rq, struct session *s, uint64_t rid,
                            const Moeep__V1__Request *req, struct moeep_record *rec, char *errmsg) {
-        return membership_join(&rq->membership, s, rid, req->job_join, errmsg);
+        const Moeep__V1__JobJoin *jj = req->job_join;
+        const struct membership_join_args j = {
+                .unique_id = jj->unique_id.data,
+                .unique_id_len = jj->unique_id.len,
+                .rank = jj->rank,
+                .world_size = jj->world_size,
+                .gpu_uuid = jj->gpu_uuid,
+        };
+
+        return membership_join(&rq->membership, s, rid, &j, errmsg);
 }
 
 static int handle_job_leave(struct requests *rq, struct session *s, uint64_t rid,
                             const Moeep__V1__Request *req, struct moeep_record *rec, char *errmsg) {
-        log_info("session %" PRIu64 ": left job %" PRIu64 " (rank %" PRIu32 ")", s->id, s->member->job->id,
-                 s->member->rank);
-        membership_end(&rq->membership, s, false, "left");
+        membership_leave(&rq->membership, s);
         return session_send_ok(s, rid);
 }
+
+/* The message's kinds and roles are the daemon's, value for value. */
+_Static_assert((int)REGION_KIND_UNSPECIFIED == MOEEP__V1__REGION_KIND__REGION_KIND_UNSPECIFIED &&
+                       (int)REGION_KIND_CUMEM_FD == MOEEP__V1__REGION_KIND__REGION_KIND_CUMEM_FD &&
+                       (int)REGION_KIND_DMABUF == MOEEP__V1__REGION_KIND__REGION_KIND_DMABUF &&
+                       (int)REGION_KIND_MEMFD == MOEEP__V1__REGION_KIND__REGION_KIND_MEMFD,
+               "enum region_kind is RegionKind");
+_Static_assert((int)REGION_ROLE_NONE == MOEEP__V1__PROXY_ROLE__PROXY_ROLE_NONE &&
+                       (int)REGION_ROLE_SEND == MOEEP__V1__PROXY_ROLE__PROXY_ROLE_SEND &&
+                       (int)REGION_ROLE_RECV == MOEEP__V1__PROXY_ROLE__PROXY_ROLE_RECV &&
+                       (int)REGION_ROLE_COUNTERS == MOEEP__V1__PROXY_ROLE__PROXY_ROLE_COUNTERS,
+               "enum region_role is ProxyRole");
 
 static int handle_region_register(struct requests *rq, struct session *s, uint64_t rid,
                                   const Moeep__V1__Request *req, struct moeep_record *rec, char *errmsg) {
         const Moeep__V1__RegionRegister *rr = req->region_register;
-        Moeep__V1__RegionRegistered registered = MOEEP__V1__REGION_REGISTERED__INIT;
-        Moeep__V1__Response resp = MOEEP__V1__RESPONSE__INIT;
-        int r;
+        const struct region_spec spec = {
+                .kind = (enum region_kind)rr->kind,
+                .size = rr->size,
+                .tag = rr->tag,
+                .role = (enum region_role)rr->proxy,
+        };
 
         /* Rule 5 of proto/README.md for a field: only after the feature
          * was agreed. */
@@ -207,16 +183,10 @@ static int handle_region_register(struct requests *rq, struct session *s, uint64
                                           " to take, but session %" PRIu64
                                           " did not offer FEATURE_PIDFD in Hello",
                                           rr->take->fd_number, s->id);
-                return region_take_start(&rq->membership, rq->metrics, s, rid, rr, errmsg);
+                return membership_register_take(&rq->membership, s, rid, &spec, rr->take->fd_number, errmsg);
         }
-        r = membership_register(&rq->membership, s, rr, &rec->fds[0], &registered.region_id, errmsg);
-        if (r < 0)
-                return r;
-        rec->fds[0] = -1; /* the broker owns it now */
-        rq->metrics->regions_registered++;
-        resp.body_case = MOEEP__V1__RESPONSE__BODY_REGION_REGISTERED;
-        resp.region_registered = &registered;
-        return session_respond(s, rid, &resp, NULL, 0);
+        /* The broker owns the fd once it took it (rec->fds[0] is -1 then). */
+        return membership_register(&rq->membership, s, rid, &spec, &rec->fds[0], errmsg);
 }
 
 static int handle_region_release(struct requests *rq, struct session *s, uint64_t rid,
@@ -301,11 +271,10 @@ static int handle_channel_open(struct requests *rq, struct session *s, uint64_t 
         Moeep__V1__Response resp = MOEEP__V1__RESPONSE__INIT;
         int fd, r;
 
-        r = datapath_channel_open(rq->membership.datapath, s->member, req->channel_open->capacity, &fd,
-                                  &opened.ring_id, &opened.capacity, errmsg);
+        r = membership_channel_open(&rq->membership, s, req->channel_open->capacity, &fd, &opened.ring_id,
+                                    &opened.capacity, &opened.routes, errmsg);
         if (r < 0)
                 return r;
-        opened.routes = s->member->job->world_size;
         resp.body_case = MOEEP__V1__RESPONSE__BODY_CHANNEL_OPENED;
         resp.channel_opened = &opened;
         /* The session sends a duplicate; the proxy mapped the ring already.
@@ -422,47 +391,8 @@ int requests_dispatch(void *ctx, struct session *s, struct moeep_record *rec, co
 
         if (rec)
                 return requests_handle(rq, s, rec);
-        /* The session ends: it leaves its job as a lost rank and gives up
-         * the jobs it created. */
-        membership_end(&rq->membership, s, true, why);
-        jobs_creator_gone(rq->membership.jobs, s);
+        /* The session ends: it is lost to its job and gives up the jobs it
+         * created. */
+        membership_gone(&rq->membership, s, why);
         return 0;
 }
-
-/* ------------------------------------------------------------ job callbacks */
-
-static void requests_barrier_done(void *owner, const struct job *job, uint64_t request_id, int error) {
-        struct session *s = owner;
-        char why[ERRMSG_MAX];
-
-        if (error == 0) {
-                session_send_ok(s, request_id);
-                return;
-        }
-        if (error == -ERROR_KIND_PEER_LOST)
-                snprintf(why, sizeof(why), "barrier of job %" PRIu64 ": rank %" PRId32 " was lost", job->id,
-                         job->lost_rank);
-        else
-                snprintf(why, sizeof(why), "barrier of job %" PRIu64 ": left the job while waiting", job->id);
-        session_send_error(s, request_id, error_code(error), why);
-}
-
-static void requests_peer_lost(void *owner, const struct job *job, uint32_t rank, const char *reason) {
-        struct session *s = owner;
-        Moeep__V1__PeerLost lost = MOEEP__V1__PEER_LOST__INIT;
-        Moeep__V1__Event ev = MOEEP__V1__EVENT__INIT;
-
-        if (s->reg->stopping) /* everybody gets Shutdown instead */
-                return;
-        lost.job_id = job->id;
-        lost.rank = rank;
-        lost.reason = (char *)reason;
-        ev.body_case = MOEEP__V1__EVENT__BODY_PEER_LOST;
-        ev.peer_lost = &lost;
-        session_send(s, MOEEP__V1__EVENT__BODY_PEER_LOST, 0, &ev.base, NULL, 0);
-}
-
-const struct job_callbacks requests_job_callbacks = {
-        .barrier_done = requests_barrier_done,
-        .peer_lost = requests_peer_lost,
-};

@@ -21,8 +21,6 @@
 #include "log.h"
 #include "state/broker.h"
 
-#define ROLES (MOEEP__V1__PROXY_ROLE__PROXY_ROLE_COUNTERS + 1)
-
 /* One open channel: a ring the proxy reads. */
 struct dp_channel {
         uint64_t ring_id;
@@ -37,9 +35,9 @@ struct dp_rank {
         struct job_member *member; /* not owning; NULL once it went (the rank lingers for its rings) */
         uint64_t job_id;           /* for messages after the member went */
         uint32_t rank;
-        uint64_t region_id[ROLES];       /* 0 = none */
-        struct tp_mr *mr[ROLES];         /* owns */
-        struct dp_channel_list channels; /* owns */
+        uint64_t region_id[REGION_ROLES]; /* 0 = none */
+        struct tp_mr *mr[REGION_ROLES];   /* owns */
+        struct dp_channel_list channels;  /* owns */
         uint32_t nchannels;
         TAILQ_ENTRY(dp_rank) entry;
 };
@@ -75,17 +73,15 @@ static void transport_failed(struct datapath *dp, uint32_t tp_peer, const char *
 static void mesh_transport_subscribe(struct datapath *dp);
 
 static const char *role_to_string(uint32_t role) {
-        switch ((Moeep__V1__ProxyRole)role) {
-        case MOEEP__V1__PROXY_ROLE__PROXY_ROLE_NONE:
+        switch ((enum region_role)role) {
+        case REGION_ROLE_NONE:
                 return "none";
-        case MOEEP__V1__PROXY_ROLE__PROXY_ROLE_SEND:
+        case REGION_ROLE_SEND:
                 return "send";
-        case MOEEP__V1__PROXY_ROLE__PROXY_ROLE_RECV:
+        case REGION_ROLE_RECV:
                 return "recv";
-        case MOEEP__V1__PROXY_ROLE__PROXY_ROLE_COUNTERS:
+        case REGION_ROLE_COUNTERS:
                 return "counters";
-        case _MOEEP__V1__PROXY_ROLE_IS_INT_SIZE:
-                break;
         }
         return "unknown";
 }
@@ -116,7 +112,7 @@ static struct dp_rank *rank_find(const struct datapath *dp, const struct job_mem
 }
 
 static bool rank_has_regions(const struct dp_rank *dr) {
-        for (uint32_t role = 0; role < ROLES; role++)
+        for (uint32_t role = 0; role < REGION_ROLES; role++)
                 if (dr->region_id[role])
                         return true;
         return false;
@@ -177,7 +173,7 @@ static void mr_retire(struct datapath *dp, struct tp_mr *mr) {
 }
 
 static void rank_mr_drop(struct datapath *dp, struct dp_rank *dr, uint32_t role) {
-        if (role == MOEEP__V1__PROXY_ROLE__PROXY_ROLE_SEND)
+        if (role == REGION_ROLE_SEND)
                 dp->tp.ops->mr_free(dp->tp.tp, dr->mr[role]); /* no ring reads it any more */
         else
                 mr_retire(dp, dr->mr[role]);
@@ -189,7 +185,7 @@ static void rank_mr_drop(struct datapath *dp, struct dp_rank *dr, uint32_t role)
 static void rank_maybe_free(struct datapath *dp, struct dp_rank *dr) {
         if (dr->member || dr->nchannels)
                 return;
-        for (uint32_t role = 0; role < ROLES; role++)
+        for (uint32_t role = 0; role < REGION_ROLES; role++)
                 rank_mr_drop(dp, dr, role);
         TAILQ_REMOVE(&dp->ranks, dr, entry);
         free(dr);
@@ -240,8 +236,8 @@ void datapath_member_gone(struct datapath *dp, struct job_member *m) {
         if (!dr)
                 return;
         channels_remove(dp, dr);
-        rank_mr_drop(dp, dr, MOEEP__V1__PROXY_ROLE__PROXY_ROLE_RECV);
-        rank_mr_drop(dp, dr, MOEEP__V1__PROXY_ROLE__PROXY_ROLE_COUNTERS);
+        rank_mr_drop(dp, dr, REGION_ROLE_RECV);
+        rank_mr_drop(dp, dr, REGION_ROLE_COUNTERS);
         dr->member = NULL;
         rank_maybe_free(dp, dr);
 }
@@ -250,16 +246,15 @@ void datapath_member_gone(struct datapath *dp, struct job_member *m) {
 
 /* What the transport needs of a region, and the checks that keep the
  * daemon safe while it reads or writes the memory. */
-static int region_mem(const struct datapath *dp, const struct job_member *m,
-                      const Moeep__V1__RegionRegister *rr, int fd, struct tp_mem *ret_mem, char *name,
-                      size_t name_size, char *errmsg) {
-        const char *role = role_to_string(rr->proxy);
+static int region_mem(const struct datapath *dp, const struct job_member *m, const struct region_spec *spec,
+                      int fd, struct tp_mem *ret_mem, char *name, size_t name_size, char *errmsg) {
+        const char *role = role_to_string(spec->role);
         int seals;
 
         snprintf(name, name_size, "job %" PRIu64 " rank %" PRIu32 " %s region", m->job->id, m->rank, role);
-        *ret_mem = (struct tp_mem){ .fd = fd, .length = rr->size, .name = name };
-        switch (rr->kind) {
-        case MOEEP__V1__REGION_KIND__REGION_KIND_MEMFD:
+        *ret_mem = (struct tp_mem){ .fd = fd, .length = spec->size, .name = name };
+        switch (spec->kind) {
+        case REGION_KIND_MEMFD:
                 /* The transport maps it: a client that shrinks it would make
                  * the daemon fault on the next write. */
                 seals = fcntl(fd, F_GET_SEALS);
@@ -271,24 +266,23 @@ static int region_mem(const struct datapath *dp, const struct job_member *m,
                                 name, seals < 0 ? ": it is not a memfd that allows seals" : "");
                 ret_mem->kind = TP_MEM_MEMFD;
                 break;
-        case MOEEP__V1__REGION_KIND__REGION_KIND_DMABUF:
+        case REGION_KIND_DMABUF:
                 ret_mem->kind = TP_MEM_DMABUF;
                 break;
-        case MOEEP__V1__REGION_KIND__REGION_KIND_CUMEM_FD:
+        case REGION_KIND_CUMEM_FD:
                 /* GPU memory for a transport that imports it (cuda); the
                  * others refuse it in mr_new, naming what they take. */
                 ret_mem->kind = TP_MEM_CUMEM;
                 break;
-        case MOEEP__V1__REGION_KIND__REGION_KIND_UNSPECIFIED:
-        case _MOEEP__V1__REGION_KIND_IS_INT_SIZE:
+        case REGION_KIND_UNSPECIFIED:
                 return errmsg_set(errmsg, -ERROR_KIND_INVALID_ARGUMENT,
                                   "%s: kind %d: need a memfd (or a dma-buf or cuMem fd) for the %s transport",
-                                  name, (int)rr->kind, datapath_backend(dp));
+                                  name, (int)spec->kind, datapath_backend(dp));
         }
-        if (rr->proxy == MOEEP__V1__PROXY_ROLE__PROXY_ROLE_COUNTERS && rr->size % 8)
+        if (spec->role == REGION_ROLE_COUNTERS && spec->size % 8)
                 return errmsg_set(errmsg, -ERROR_KIND_INVALID_ARGUMENT,
                                   "%s: size %" PRIu64 " is not a multiple of 8 (uint64 counters)", name,
-                                  rr->size);
+                                  spec->size);
         return 0;
 }
 
@@ -301,7 +295,7 @@ static int client_refusal(int r) {
 }
 
 int datapath_region_register(struct datapath *dp, struct broker *b, struct job_member *m, uid_t uid,
-                             const Moeep__V1__RegionRegister *rr, int *fd, uint64_t *ret_id, char *errmsg) {
+                             const struct region_spec *spec, int *fd, uint64_t *ret_id, char *errmsg) {
         const char *why;
         struct dp_rank *dr;
         struct tp_mem mem;
@@ -312,23 +306,23 @@ int datapath_region_register(struct datapath *dp, struct broker *b, struct job_m
         uint64_t id;
         int r;
 
-        if (rr->proxy <= MOEEP__V1__PROXY_ROLE__PROXY_ROLE_NONE || rr->proxy >= ROLES)
+        if (spec->role <= REGION_ROLE_NONE || spec->role >= REGION_ROLES)
                 return errmsg_set(errmsg, -ERROR_KIND_INVALID_ARGUMENT,
-                                  "region register: proxy role %d is unknown", (int)rr->proxy);
+                                  "region register: proxy role %d is unknown", (int)spec->role);
         if (!datapath_up(dp, &why))
                 return errmsg_set(errmsg, -ENODEV, "%s region of rank %" PRIu32 ": %s",
-                                  role_to_string(rr->proxy), m->rank, why);
+                                  role_to_string(spec->role), m->rank, why);
         dr = rank_find(dp, m);
-        if (dr && dr->region_id[rr->proxy])
+        if (dr && dr->region_id[spec->role])
                 return errmsg_set(errmsg, -ERROR_KIND_INVALID_ARGUMENT,
                                   "rank %" PRIu32 " of job %" PRIu64
                                   " already registered a %s region (region %" PRIu64 "): release it first",
-                                  m->rank, m->job->id, role_to_string(rr->proxy), dr->region_id[rr->proxy]);
+                                  m->rank, m->job->id, role_to_string(spec->role), dr->region_id[spec->role]);
         if (m->job->state == JOB_ABORTED)
                 return errmsg_set(errmsg, -ERROR_KIND_PEER_LOST,
                                   "job %" PRIu64 " is aborted: rank %" PRId32 " was lost", m->job->id,
                                   m->job->lost_rank);
-        r = region_mem(dp, m, rr, *fd, &mem, name, sizeof(name), errmsg);
+        r = region_mem(dp, m, spec, *fd, &mem, name, sizeof(name), errmsg);
         if (r < 0)
                 return r;
         if (!dr) {
@@ -343,7 +337,7 @@ int datapath_region_register(struct datapath *dp, struct broker *b, struct job_m
         }
         /* The size is checked against the fd by the broker first, so the
          * transport never maps past the end of the memfd. */
-        r = broker_register(b, m, uid, rr->kind, rr->size, rr->tag, *fd, &id, errmsg);
+        r = broker_register(b, m, uid, spec->kind, spec->size, spec->tag, *fd, &id, errmsg);
         if (r < 0)
                 goto fail;
         /* The broker owns the fd now: releasing the region below closes it
@@ -355,14 +349,13 @@ int datapath_region_register(struct datapath *dp, struct broker *b, struct job_m
                 broker_release(b, m, id, NULL);
                 goto fail;
         }
-        dr->mr[rr->proxy] = mr;
-        dr->region_id[rr->proxy] = id;
+        dr->mr[spec->role] = mr;
+        dr->region_id[spec->role] = id;
         dp->tp.ops->mr_rkey(mr, &rkey);
-        log_info("datapath: %s registered (region %" PRIu64 ", %" PRIu64 " bytes)", name, id, rr->size);
+        log_info("datapath: %s registered (region %" PRIu64 ", %" PRIu64 " bytes)", name, id, spec->size);
         jrkey = (struct job_rkey){ .base = rkey.base, .key = rkey.key, .length = rkey.length };
-        mesh_jobs_region_changed(dp->mesh_jobs, m, id, rr->tag, (uint32_t)rr->kind, rr->size, false,
-                                 (uint32_t)rr->proxy,
-                                 rr->proxy == MOEEP__V1__PROXY_ROLE__PROXY_ROLE_SEND ? NULL : &jrkey);
+        mesh_jobs_region_changed(dp->mesh_jobs, m, id, spec->tag, (uint32_t)spec->kind, spec->size, false,
+                                 (uint32_t)spec->role, spec->role == REGION_ROLE_SEND ? NULL : &jrkey);
         *ret_id = id;
         return 0;
 
@@ -380,10 +373,10 @@ int datapath_region_release(struct datapath *dp, struct job_member *m, uint64_t 
 
         if (!dr || !id)
                 return 0;
-        for (uint32_t role = 1; role < ROLES; role++) {
+        for (uint32_t role = 1; role < REGION_ROLES; role++) {
                 if (dr->region_id[role] != id)
                         continue;
-                if (role == MOEEP__V1__PROXY_ROLE__PROXY_ROLE_SEND && dr->nchannels)
+                if (role == REGION_ROLE_SEND && dr->nchannels)
                         return errmsg_set(errmsg, -ERROR_KIND_INVALID_ARGUMENT,
                                           "region %" PRIu64 " is rank %" PRIu32
                                           "'s proxy send region and %" PRIu32
@@ -431,8 +424,8 @@ static int route_fill(struct datapath *dp, const struct job_member *m, const str
                         r, job->id, nodes[r].address,
                         e == -ENOTCONN ? "the mesh connection is not up"
                                        : "that daemon sent no transport address: is its transport off?");
-        recv = remote_find(dp, job, r, MOEEP__V1__PROXY_ROLE__PROXY_ROLE_RECV);
-        counters = remote_find(dp, job, r, MOEEP__V1__PROXY_ROLE__PROXY_ROLE_COUNTERS);
+        recv = remote_find(dp, job, r, REGION_ROLE_RECV);
+        counters = remote_find(dp, job, r, REGION_ROLE_COUNTERS);
         if (!recv || !counters)
                 return errmsg_set(errmsg, -ERROR_KIND_NOT_READY,
                                   "rank %" PRIu32 " of job %" PRIu64
@@ -469,7 +462,7 @@ int datapath_channel_open(struct datapath *dp, struct job_member *m, uint32_t ca
                                   "job %" PRIu64 " is aborted: rank %" PRId32 " was lost", m->job->id,
                                   m->job->lost_rank);
         dr = rank_find(dp, m);
-        if (!dr || !dr->mr[MOEEP__V1__PROXY_ROLE__PROXY_ROLE_SEND])
+        if (!dr || !dr->mr[REGION_ROLE_SEND])
                 return errmsg_set(errmsg, -ERROR_KIND_INVALID_ARGUMENT,
                                   "channel open: rank %" PRIu32 " of job %" PRIu64
                                   " has no proxy send region "
@@ -496,8 +489,7 @@ int datapath_channel_open(struct datapath *dp, struct job_member *m, uint32_t ca
                 return errmsg_set(errmsg, -ENOMEM, "channel open: out of memory");
         }
         id = ++dp->next_ring_id;
-        r = proxy_ring_add(dp->proxy, id, fd, dr->mr[MOEEP__V1__PROXY_ROLE__PROXY_ROLE_SEND], routes,
-                           m->job->world_size, errmsg);
+        r = proxy_ring_add(dp->proxy, id, fd, dr->mr[REGION_ROLE_SEND], routes, m->job->world_size, errmsg);
         if (r < 0) {
                 free(ch);
                 close(fd);
@@ -703,7 +695,7 @@ void datapath_free(struct datapath *dp) {
                         TAILQ_REMOVE(&dr->channels, ch, entry);
                         free(ch);
                 }
-                for (uint32_t role = 0; role < ROLES; role++)
+                for (uint32_t role = 0; role < REGION_ROLES; role++)
                         rank_mr_drop(dp, dr, role);
                 TAILQ_REMOVE(&dp->ranks, dr, entry);
                 free(dr);

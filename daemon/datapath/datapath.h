@@ -35,7 +35,7 @@
 #include <sys/types.h>
 
 #include "datapath/transport.h"
-#include "moeep.pb-c.h"
+#include "state/clientfd.h" /* enum region_kind */
 #include "state/job.h"
 
 struct broker;
@@ -44,6 +44,25 @@ struct datapath;
 struct event_base;
 struct mesh;
 struct mesh_jobs;
+
+/* A region's part in the proxy path (RegionRegister.proxy: the
+ * protocol's ProxyRole, value for value; requests.c translates it). */
+enum region_role {
+        REGION_ROLE_NONE = 0,     /* an ordinary region (NVLink peers map it) */
+        REGION_ROLE_SEND = 1,     /* source of the rank's writes */
+        REGION_ROLE_RECV = 2,     /* target of other ranks' data */
+        REGION_ROLE_COUNTERS = 3, /* target of the 8-byte signal writes */
+};
+#define REGION_ROLES (REGION_ROLE_COUNTERS + 1)
+
+/* A region a member registers: what RegionRegister asks, in the daemon's
+ * terms. */
+struct region_spec {
+        enum region_kind kind;
+        uint64_t size;
+        uint32_t tag;
+        enum region_role role;
+};
 
 /* Descriptors of a ring when ChannelOpen says 0. */
 #define DATAPATH_RING_DEFAULT 1024
@@ -86,7 +105,7 @@ bool datapath_transport_stats(const struct datapath *dp, struct tp_stats *ret);
  * seal or size: -ERROR_KIND_INVALID_ARGUMENT), plus -ENODEV without a data
  * path, -EOPNOTSUPP for a kind the transport cannot register. */
 int datapath_region_register(struct datapath *dp, struct broker *b, struct job_member *m, uid_t uid,
-                             const Moeep__V1__RegionRegister *rr, int *fd, uint64_t *ret_id, char *errmsg);
+                             const struct region_spec *spec, int *fd, uint64_t *ret_id, char *errmsg);
 
 /* Before broker_release(): drops the transport registration when `id` is one
  * of `m`'s proxy regions. -ERROR_KIND_INVALID_ARGUMENT for a send region

@@ -32,7 +32,6 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#include "moeep.pb-c.h"
 #include "state/job.h"
 
 struct mesh;
@@ -65,7 +64,7 @@ void mesh_jobs_member_gone(struct mesh_jobs *mj, struct job_member *m, bool lost
 /* Member `m` (a rank at this daemon) registered (`released` false) or
  * released a region: tells the home, or for a home job the daemons with
  * ranks of it, so that their RegionsFetch lists it as remote. `proxy` is
- * its Moeep__V1__ProxyRole and `rkey` (NULL: none) where the other
+ * its enum region_role (datapath.h) and `rkey` (NULL: none) where the other
  * daemons' transports write into it (datapath/datapath.h). */
 void mesh_jobs_region_changed(struct mesh_jobs *mj, const struct job_member *m, uint64_t region_id,
                               uint32_t tag, uint32_t kind, uint64_t size, bool released, uint32_t proxy,

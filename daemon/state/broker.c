@@ -45,8 +45,8 @@ static struct uid_usage *usage_find(struct broker *b, uid_t uid) {
         return NULL;
 }
 
-int broker_register(struct broker *b, struct job_member *m, uid_t uid, Moeep__V1__RegionKind kind,
-                    uint64_t size, uint32_t tag, int fd, uint64_t *ret_id, char *errmsg) {
+int broker_register(struct broker *b, struct job_member *m, uid_t uid, enum region_kind kind, uint64_t size,
+                    uint32_t tag, int fd, uint64_t *ret_id, char *errmsg) {
         const struct config *c = b->config;
         struct uid_usage *u;
         struct region *reg;

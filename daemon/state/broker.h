@@ -8,7 +8,7 @@
 #include <sys/queue.h>
 #include <sys/types.h>
 
-#include "moeep.pb-c.h"
+#include "state/clientfd.h" /* enum region_kind */
 #include "state/job.h"
 
 struct clientfds;
@@ -19,7 +19,7 @@ struct region {
         struct job_member *owner; /* not owning; the region lives in owner->regions */
         uid_t uid;                /* charged against the uid's caps */
         uint32_t tag;
-        Moeep__V1__RegionKind kind;
+        enum region_kind kind;
         uint64_t size;
         int fd; /* owns */
         TAILQ_ENTRY(region) entry;
@@ -53,8 +53,8 @@ void broker_free(struct broker *b);
  * 0, or a memfd/dma-buf smaller than `size`; BAD_FDS an fd not of the
  * declared kind (clientfd_check()); LIMIT_EXCEEDED a cap; PEER_LOST the
  * job is aborted; and -ENOMEM. */
-int broker_register(struct broker *b, struct job_member *m, uid_t uid, Moeep__V1__RegionKind kind,
-                    uint64_t size, uint32_t tag, int fd, uint64_t *ret_id, char *errmsg);
+int broker_register(struct broker *b, struct job_member *m, uid_t uid, enum region_kind kind, uint64_t size,
+                    uint32_t tag, int fd, uint64_t *ret_id, char *errmsg);
 
 /* Closes region `id` of member `m` (RegionRelease); peers that imported it
  * keep their mappings. -ERROR_KIND_INVALID_ARGUMENT when `m` owns no such

@@ -38,7 +38,7 @@ enum size_source {
  * cannot block (a FUSE inode fails the type or seals test before anything
  * else looks at it). */
 struct region_rule {
-        Moeep__V1__RegionKind kind;
+        enum region_kind kind;
         const char *name; /* the kind, as clients spell it in errors */
         const char *is;   /* what a matching fd is */
         mode_t type;      /* S_IFMT of the inode; 0 = none (an anonymous inode) */
@@ -53,7 +53,7 @@ struct region_rule {
 
 static const struct region_rule region_rules[] = {
         {
-                .kind = MOEEP__V1__REGION_KIND__REGION_KIND_MEMFD,
+                .kind = REGION_KIND_MEMFD,
                 .name = "memfd",
                 .is = "a memfd (memfd_create)",
                 .type = S_IFREG,
@@ -64,7 +64,7 @@ static const struct region_rule region_rules[] = {
                 .size = SIZE_STATX,
         },
         {
-                .kind = MOEEP__V1__REGION_KIND__REGION_KIND_CUMEM_FD,
+                .kind = REGION_KIND_CUMEM_FD,
                 .name = "cumem-fd",
                 .is = "a cuMem POSIX fd (character device 195:255, /dev/nvidiactl)",
                 .type = S_IFCHR,
@@ -73,7 +73,7 @@ static const struct region_rule region_rules[] = {
                 .size = SIZE_NONE,
         },
         {
-                .kind = MOEEP__V1__REGION_KIND__REGION_KIND_DMABUF,
+                .kind = REGION_KIND_DMABUF,
                 .name = "dma-buf",
                 .is = "a dma-buf (an anonymous inode with exp_name in its fdinfo)",
                 .type = 0,
@@ -85,18 +85,16 @@ static const struct region_rule region_rules[] = {
         },
 };
 
-const char *clientfd_kind_to_string(Moeep__V1__RegionKind kind) {
+const char *clientfd_kind_to_string(enum region_kind kind) {
         switch (kind) {
-        case MOEEP__V1__REGION_KIND__REGION_KIND_UNSPECIFIED:
+        case REGION_KIND_UNSPECIFIED:
                 return "unspecified";
-        case MOEEP__V1__REGION_KIND__REGION_KIND_CUMEM_FD:
+        case REGION_KIND_CUMEM_FD:
                 return "cumem-fd";
-        case MOEEP__V1__REGION_KIND__REGION_KIND_DMABUF:
+        case REGION_KIND_DMABUF:
                 return "dma-buf";
-        case MOEEP__V1__REGION_KIND__REGION_KIND_MEMFD:
+        case REGION_KIND_MEMFD:
                 return "memfd";
-        case _MOEEP__V1__REGION_KIND_IS_INT_SIZE:
-                break;
         }
         return "unknown";
 }
@@ -205,15 +203,14 @@ static int fdinfo_has(int fd, const char *key, uint64_t *ret_size, bool *ret_has
         return found;
 }
 
-static const struct region_rule *rule_find(Moeep__V1__RegionKind kind) {
+static const struct region_rule *rule_find(enum region_kind kind) {
         for (size_t i = 0; i < sizeof(region_rules) / sizeof(region_rules[0]); i++)
                 if (region_rules[i].kind == kind)
                         return &region_rules[i];
         return NULL;
 }
 
-int clientfd_check(const struct clientfds *cf, int fd, Moeep__V1__RegionKind kind, uint64_t size,
-                   char *errmsg) {
+int clientfd_check(const struct clientfds *cf, int fd, enum region_kind kind, uint64_t size, char *errmsg) {
         const struct region_rule *rule = rule_find(kind);
         char what[160];
         struct statx stx;

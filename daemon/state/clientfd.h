@@ -41,12 +41,20 @@
 #include <sys/socket.h>
 #include <sys/types.h>
 
-#include "moeep.pb-c.h"
 #include "record.h" /* MOEEP_RECORD_RECV_FDS */
 
 struct config;
 struct event_base;
 struct clientfds;
+
+/* What a region's fd is, as RegionRegister says: the protocol's
+ * RegionKind, value for value (requests.c translates it). */
+enum region_kind {
+        REGION_KIND_UNSPECIFIED = 0, /* refused */
+        REGION_KIND_CUMEM_FD = 1,    /* cuMemExportToShareableHandle(POSIX_FILE_DESCRIPTOR) */
+        REGION_KIND_DMABUF = 2,      /* cuMemGetHandleForAddressRange(DMA_BUF_FD) */
+        REGION_KIND_MEMFD = 3,       /* memfd_create, host memory */
+};
 
 /* Descriptors kept out of the clients' reach: the listening sockets, the
  * operator's sessions (16), mesh connections (64 authenticating, the
@@ -139,8 +147,7 @@ int clientfds_budget_check(const struct clientfds *cf, uint32_t n, char *errmsg)
  * and never an O_PATH fd. Returns 0, -ERROR_KIND_BAD_FDS for an fd of
  * another kind (errmsg names what it is), -ERROR_KIND_INVALID_ARGUMENT for
  * a size beyond the buffer or an unknown kind (error kinds: errors.h). */
-int clientfd_check(const struct clientfds *cf, int fd, Moeep__V1__RegionKind kind, uint64_t size,
-                   char *errmsg);
+int clientfd_check(const struct clientfds *cf, int fd, enum region_kind kind, uint64_t size, char *errmsg);
 
 /* What a finished take hands back, on the loop: `fd` >= 0 (owned by the
  * callee now, charged to the uid, not yet checked for kind: pass it to
@@ -193,6 +200,6 @@ int clientfd_discard_record(struct clientfds *cf, uid_t uid, int sock, const cha
                             clientfd_discard_fn *done, void *ctx);
 
 /* A short name of a region kind ("memfd", "cumem-fd", "dma-buf"). */
-const char *clientfd_kind_to_string(Moeep__V1__RegionKind kind);
+const char *clientfd_kind_to_string(enum region_kind kind);
 
 #endif

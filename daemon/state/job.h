@@ -81,10 +81,10 @@ struct job_rkey {
 struct job_remote_region {
         uint32_t rank;
         uint32_t tag;
-        uint32_t kind; /* Moeep__V1__RegionKind */
+        uint32_t kind; /* enum region_kind (clientfd.h) */
         uint64_t size;
         uint64_t region_id;   /* at the rank's daemon */
-        uint32_t proxy;       /* Moeep__V1__ProxyRole; RECV and COUNTERS come with `rkey` */
+        uint32_t proxy;       /* enum region_role (datapath.h); RECV and COUNTERS come with `rkey` */
         struct job_rkey rkey; /* where the rank's daemon registered it with its transport */
 };
 

@@ -18,7 +18,7 @@
 #include "state/job.h"
 #include "unit.h"
 
-#define MEMFD MOEEP__V1__REGION_KIND__REGION_KIND_MEMFD
+#define MEMFD REGION_KIND_MEMFD
 
 static void cb_barrier_done(void *owner, const struct job *job, uint64_t request_id, int error) {
 }
@@ -113,13 +113,12 @@ static void test_register_checks(void **state) {
         assert_int_equal(reg(f, f->m[0][0], 0, 0, NULL), -ERROR_KIND_INVALID_ARGUMENT);
         assert_int_equal(reg(f, f->m[0][0], 4097, 0, NULL),
                          -ERROR_KIND_INVALID_ARGUMENT); /* larger than the memfd */
-        assert_int_equal(broker_register(f->broker, f->m[0][0], 1000,
-                                         MOEEP__V1__REGION_KIND__REGION_KIND_UNSPECIFIED, 4096, 0, fd, &id,
-                                         errmsg),
-                         -ERROR_KIND_INVALID_ARGUMENT);
-        assert_int_equal(broker_register(f->broker, f->m[0][0], 1000, (Moeep__V1__RegionKind)77, 4096, 0, fd,
+        assert_int_equal(broker_register(f->broker, f->m[0][0], 1000, REGION_KIND_UNSPECIFIED, 4096, 0, fd,
                                          &id, errmsg),
                          -ERROR_KIND_INVALID_ARGUMENT);
+        assert_int_equal(
+                broker_register(f->broker, f->m[0][0], 1000, (enum region_kind)77, 4096, 0, fd, &id, errmsg),
+                -ERROR_KIND_INVALID_ARGUMENT);
         assert_non_null(strstr(errmsg, "77"));
         close(fd);
         /* A memfd region must be a regular file: a pipe is not. */
