@@ -536,52 +536,42 @@ static void jobs_abort_at(struct mesh_jobs *mj, const char *address, const char 
 
 /* ------------------------------------------------------------ the mesh's subscriber */
 
-/* A job message from `p` (UP). */
+/* PeerRankLost: to the home from a rank's daemon, or from the home. */
+static void handle_rank_lost(struct mesh_jobs *mj, struct mesh_peer *p, const Moeep__V1__PeerRankLost *pl) {
+        struct mesh_rank *mr = rank_find(mj, p, pl->job_id, pl->rank);
+
+        if (mr)
+                handle_rank_lost_home(mj, mr, p, pl);
+        else
+                handle_rank_lost_mirror(mj, p, pl);
+}
+
+/* A job message from `p` (UP): the rows of proto/mesh.def whose OWNER is
+ * JOBS, each to handle_<field>(). The mesh hands this subscriber no
+ * other. */
 static void client_message(void *arg, struct mesh_peer *p, const Moeep__V1__PeerMessage *msg) {
         struct mesh_jobs *mj = arg;
-        struct mesh_rank *mr;
 
+#define MESH_OWNED_BY_JOBS(field) handle_##field(mj, p, msg->field)
+#define MESH_OWNED_BY_PEERS(field) /* others': never handed here */
+#define MESH_OWNED_BY_JOINS(field)
+#define MESH_OWNED_BY_TRANSPORT(field)
+#define MOEEP_PEER(CASE, field, Name, PHASE, FROM, OWNER) \
+        case MOEEP__V1__PEER_MESSAGE__BODY_##CASE:        \
+                MESH_OWNED_BY_##OWNER(field);             \
+                return;
         switch (msg->body_case) {
-        case MOEEP__V1__PEER_MESSAGE__BODY_JOIN:
-                handle_join(mj, p, msg->join);
-                return;
-        case MOEEP__V1__PEER_MESSAGE__BODY_RANKS:
-                handle_ranks(mj, p, msg->ranks);
-                return;
-        case MOEEP__V1__PEER_MESSAGE__BODY_BARRIER:
-                handle_barrier(mj, p, msg->barrier);
-                return;
-        case MOEEP__V1__PEER_MESSAGE__BODY_BARRIER_DONE:
-                handle_barrier_done(mj, p, msg->barrier_done);
-                return;
-        case MOEEP__V1__PEER_MESSAGE__BODY_LEAVE:
-                handle_leave(mj, p, msg->leave);
-                return;
-        case MOEEP__V1__PEER_MESSAGE__BODY_REGION:
-                handle_region(mj, p, msg->region);
-                return;
-        case MOEEP__V1__PEER_MESSAGE__BODY_RANK_LOST:
-                /* To the home from a rank's daemon, or from the home. */
-                mr = rank_find(mj, p, msg->rank_lost->job_id, msg->rank_lost->rank);
-                if (mr)
-                        handle_rank_lost_home(mj, mr, p, msg->rank_lost);
-                else
-                        handle_rank_lost_mirror(mj, p, msg->rank_lost);
-                return;
-        case MOEEP__V1__PEER_MESSAGE__BODY_HELLO: /* others': never handed here */
-        case MOEEP__V1__PEER_MESSAGE__BODY_JOINED:
-        case MOEEP__V1__PEER_MESSAGE__BODY_CHALLENGE:
-        case MOEEP__V1__PEER_MESSAGE__BODY_PROOF:
-        case MOEEP__V1__PEER_MESSAGE__BODY_WELCOME:
-        case MOEEP__V1__PEER_MESSAGE__BODY_REFUSED:
-        case MOEEP__V1__PEER_MESSAGE__BODY_PING:
-        case MOEEP__V1__PEER_MESSAGE__BODY_PONG:
-        case MOEEP__V1__PEER_MESSAGE__BODY_TRANSPORT:
+#include "mesh.def"
         case MOEEP__V1__PEER_MESSAGE__BODY_SEALED:
         case MOEEP__V1__PEER_MESSAGE__BODY__NOT_SET:
         case _MOEEP__V1__PEER_MESSAGE__BODY__CASE_IS_INT_SIZE:
                 return;
         }
+#undef MOEEP_PEER
+#undef MESH_OWNED_BY_TRANSPORT
+#undef MESH_OWNED_BY_JOINS
+#undef MESH_OWNED_BY_PEERS
+#undef MESH_OWNED_BY_JOBS
 }
 
 static void client_peer_down(void *arg, struct mesh_peer *p, bool was_up, bool transport_was_connected,

@@ -66,9 +66,29 @@ static void mesh_address_set(struct mesh *mesh);
 
 /* ------------------------------------------------ frames */
 
-/* Whether messages of case `c` travel in clear (the handshake's, but
- * PeerWelcome, the acceptor's first sealed frame). */
-static bool mesh_is_clear_handshake(Moeep__V1__PeerMessage__BodyCase c);
+/* When a message travels and who may send it: proto/mesh.def's PHASE and
+ * FROM columns. */
+enum mesh_phase {
+        MESH_PHASE_CLEAR,   /* in clear, while the handshake runs */
+        MESH_PHASE_WELCOME, /* sealed, the frame that ends the handshake */
+        MESH_PHASE_SEALED,  /* sealed, once the handshake is done */
+};
+enum mesh_from {
+        MESH_FROM_DIALLER,
+        MESH_FROM_ACCEPTOR,
+        MESH_FROM_EITHER,
+};
+
+/* One row of proto/mesh.def. */
+struct mesh_message {
+        enum mesh_phase phase;
+        enum mesh_from from;
+        enum mesh_owner owner;
+};
+
+/* The row of body case `c`; NULL for `sealed` (a frame, not a message) and
+ * for a message this daemon does not know. */
+static const struct mesh_message *mesh_message(Moeep__V1__PeerMessage__BodyCase c);
 
 /* The bufferevent read callback of every connection (arg: its peer): cuts
  * frames, opens sealed ones, hands each message to mesh_peer_handle(). */
@@ -80,11 +100,11 @@ static void mesh_peer_read_cb(struct bufferevent *bev, void *arg);
 static void mesh_hello_send(struct mesh_peer *p);
 
 /* The handshake messages, each in its turn (mesh_peer_handle() checked
- * the order). */
+ * the phase, the sender and the order). */
 static void mesh_hello_handle(struct mesh_peer *p, const Moeep__V1__PeerHello *h);
 static void mesh_challenge_handle(struct mesh_peer *p, const Moeep__V1__PeerChallenge *c);
 static void mesh_proof_handle(struct mesh_peer *p, const Moeep__V1__PeerProof *pr);
-static void mesh_welcome_handle(struct mesh_peer *p);
+static void mesh_welcome_handle(struct mesh_peer *p, const Moeep__V1__PeerWelcome *w);
 
 /* ------------------------------------------------ admission */
 
@@ -448,91 +468,109 @@ static void subscriber_message(struct mesh *mesh, enum mesh_owner owner, struct 
                 s->message(s->arg, p, msg);
 }
 
+/* The refusal of `p`'s daemon: its reason, in printable ASCII, is logged. */
+static void mesh_refused_handle(struct mesh_peer *p, const Moeep__V1__PeerRefused *r) {
+        char reason[128];
+        size_t n;
+
+        snprintf(reason, sizeof(reason), "%s", r->reason ? r->reason : "");
+        for (n = 0; reason[n]; n++)
+                if (reason[n] < 0x20 || reason[n] > 0x7e)
+                        reason[n] = '?';
+        mesh_peer_fail(p, false, "it refused us: %s", reason);
+}
+
+/* Liveness: a ping is answered; a pong of our last ping times the round
+ * trip. */
+static void mesh_ping_handle(struct mesh_peer *p, const Moeep__V1__PeerPing *ping) {
+        Moeep__V1__PeerPong pong = MOEEP__V1__PEER_PONG__INIT;
+        PEER_MSG(out, pong, &pong, PONG);
+
+        pong.seq = ping->seq;
+        pong.sent_ns = ping->sent_ns;
+        mesh_peer_send(p, &out);
+}
+
+static void mesh_pong_handle(struct mesh_peer *p, const Moeep__V1__PeerPong *pong) {
+        uint64_t now = mesh_now_ns();
+
+        if (pong->seq == p->ping_seq && pong->sent_ns <= now)
+                p->rtt_us = (now - pong->sent_ns) / 1000u;
+        p->last_pong_ns = now;
+}
+
+/* Whether a message `m` may come from `p`'s side: the FROM column, seen
+ * from the receiver (a dialler receives from the acceptor). */
+static bool mesh_from_ok(const struct mesh_peer *p, const struct mesh_message *m) {
+        switch (m->from) {
+        case MESH_FROM_DIALLER:
+                return !p->outbound;
+        case MESH_FROM_ACCEPTOR:
+                return p->outbound;
+        case MESH_FROM_EITHER:
+                return true;
+        }
+        return false;
+}
+
+/* The handshake's order, which the table does not say: one PeerHello,
+ * PeerChallenge before the dialler's proof, PeerProof after PeerHello. */
+static bool mesh_in_turn(const struct mesh_peer *p, Moeep__V1__PeerMessage__BodyCase c) {
+        if (c == MOEEP__V1__PEER_MESSAGE__BODY_HELLO)
+                return !p->got_hello;
+        if (c == MOEEP__V1__PEER_MESSAGE__BODY_CHALLENGE)
+                return !p->sent_proof;
+        if (c == MOEEP__V1__PEER_MESSAGE__BODY_PROOF)
+                return p->got_hello;
+        return true;
+}
+
 /* Handles one message; `sealed` says whether it came in a sealed frame.
- * In clear: only the handshake messages, each in its turn. Sealed: the
- * dialler's PeerWelcome, then anything but a handshake message. */
+ * Its row of proto/mesh.def says when it is accepted: in clear only the
+ * handshake messages from the right side, each in its turn; sealed before
+ * the handshake is done only the dialler's PeerWelcome (peer_handle_sealed()
+ * opens no other); after it, the SEALED rows. Then the OWNER column
+ * dispatches it: mesh_<field>_handle() for the peers' own, the owner's
+ * subscriber for the others. */
 static void mesh_peer_handle(struct mesh_peer *p, const Moeep__V1__PeerMessage *msg, bool sealed) {
         struct mesh *mesh = p->mesh;
         Moeep__V1__PeerMessage__BodyCase c = msg->body_case;
+        const struct mesh_message *m = mesh_message(c);
         bool ok;
 
         if (!sealed)
-                ok = (c == MOEEP__V1__PEER_MESSAGE__BODY_HELLO && !p->outbound && !p->got_hello) ||
-                     (c == MOEEP__V1__PEER_MESSAGE__BODY_CHALLENGE && p->outbound && !p->sent_proof) ||
-                     (c == MOEEP__V1__PEER_MESSAGE__BODY_PROOF && !p->outbound && p->got_hello) ||
-                     c == MOEEP__V1__PEER_MESSAGE__BODY_REFUSED;
+                ok = m && m->phase == MESH_PHASE_CLEAR && mesh_from_ok(p, m) && mesh_in_turn(p, c);
         else if (!p->sealed)
-                ok = c == MOEEP__V1__PEER_MESSAGE__BODY_WELCOME;
-        else
-                ok = !mesh_is_clear_handshake(c) && c != MOEEP__V1__PEER_MESSAGE__BODY_WELCOME &&
-                     c != MOEEP__V1__PEER_MESSAGE__BODY_SEALED;
+                ok = m && m->phase == MESH_PHASE_WELCOME && mesh_from_ok(p, m);
+        else /* an unknown message gets its own words below */
+                ok = c != MOEEP__V1__PEER_MESSAGE__BODY_SEALED && (!m || m->phase == MESH_PHASE_SEALED);
         if (!ok) {
                 mesh_peer_fail(p, false, "message %d %s", (int)c,
                                p->sealed ? "not allowed after the handshake"
                                          : "out of order during the handshake");
                 return;
         }
+/* Each row's case: the peers' own handler, or the owner's subscriber. */
+#define MESH_OWNED_BY_PEERS(field) mesh_##field##_handle(p, msg->field)
+#define MESH_OWNED_BY_JOBS(field) subscriber_message(mesh, MESH_OWNER_JOBS, p, msg)
+#define MESH_OWNED_BY_JOINS(field) subscriber_message(mesh, MESH_OWNER_JOINS, p, msg)
+#define MESH_OWNED_BY_TRANSPORT(field) subscriber_message(mesh, MESH_OWNER_TRANSPORT, p, msg)
+#define MOEEP_PEER(CASE, field, Name, PHASE, FROM, OWNER) \
+        case MOEEP__V1__PEER_MESSAGE__BODY_##CASE:        \
+                MESH_OWNED_BY_##OWNER(field);             \
+                return;
         switch (c) {
-        case MOEEP__V1__PEER_MESSAGE__BODY_HELLO:
-                mesh_hello_handle(p, msg->hello);
-                return;
-        case MOEEP__V1__PEER_MESSAGE__BODY_CHALLENGE:
-                mesh_challenge_handle(p, msg->challenge);
-                return;
-        case MOEEP__V1__PEER_MESSAGE__BODY_PROOF:
-                mesh_proof_handle(p, msg->proof);
-                return;
-        case MOEEP__V1__PEER_MESSAGE__BODY_WELCOME:
-                mesh_welcome_handle(p);
-                return;
-        case MOEEP__V1__PEER_MESSAGE__BODY_REFUSED: {
-                char reason[128];
-                size_t n;
-
-                snprintf(reason, sizeof(reason), "%s", msg->refused->reason ? msg->refused->reason : "");
-                for (n = 0; reason[n]; n++)
-                        if (reason[n] < 0x20 || reason[n] > 0x7e)
-                                reason[n] = '?';
-                mesh_peer_fail(p, false, "it refused us: %s", reason);
-                return;
-        }
-        case MOEEP__V1__PEER_MESSAGE__BODY_PING: {
-                Moeep__V1__PeerPong pong = MOEEP__V1__PEER_PONG__INIT;
-                PEER_MSG(out, pong, &pong, PONG);
-
-                pong.seq = msg->ping->seq;
-                pong.sent_ns = msg->ping->sent_ns;
-                mesh_peer_send(p, &out);
-                return;
-        }
-        case MOEEP__V1__PEER_MESSAGE__BODY_PONG: {
-                uint64_t now = mesh_now_ns();
-
-                if (msg->pong->seq == p->ping_seq && msg->pong->sent_ns <= now)
-                        p->rtt_us = (now - msg->pong->sent_ns) / 1000u;
-                p->last_pong_ns = now;
-                return;
-        }
-        case MOEEP__V1__PEER_MESSAGE__BODY_TRANSPORT:
-                subscriber_message(mesh, MESH_OWNER_TRANSPORT, p, msg);
-                return;
-        case MOEEP__V1__PEER_MESSAGE__BODY_JOINED: /* the answer to a forwarded join */
-                subscriber_message(mesh, MESH_OWNER_JOINS, p, msg);
-                return;
-        case MOEEP__V1__PEER_MESSAGE__BODY_JOIN: /* the jobs across daemons' (mesh-jobs.c) */
-        case MOEEP__V1__PEER_MESSAGE__BODY_RANKS:
-        case MOEEP__V1__PEER_MESSAGE__BODY_BARRIER:
-        case MOEEP__V1__PEER_MESSAGE__BODY_BARRIER_DONE:
-        case MOEEP__V1__PEER_MESSAGE__BODY_LEAVE:
-        case MOEEP__V1__PEER_MESSAGE__BODY_REGION:
-        case MOEEP__V1__PEER_MESSAGE__BODY_RANK_LOST:
-                subscriber_message(mesh, MESH_OWNER_JOBS, p, msg);
-                return;
+#include "mesh.def"
         case MOEEP__V1__PEER_MESSAGE__BODY_SEALED: /* refused above */
         case MOEEP__V1__PEER_MESSAGE__BODY__NOT_SET:
         case _MOEEP__V1__PEER_MESSAGE__BODY__CASE_IS_INT_SIZE:
                 break;
         }
+#undef MOEEP_PEER
+#undef MESH_OWNED_BY_TRANSPORT
+#undef MESH_OWNED_BY_JOINS
+#undef MESH_OWNED_BY_JOBS
+#undef MESH_OWNED_BY_PEERS
         mesh_peer_fail(p, false, "message of unknown type %d", (int)c);
 }
 
@@ -759,11 +797,22 @@ uint32_t mesh_peer_jobs(const struct mesh *mesh, const struct mesh_peer *p) {
 
 /* ------------------------------------------------------------ sending */
 
-/* Messages that travel in clear during the handshake. PeerWelcome is not
- * one: it is the acceptor's first sealed frame. */
-static bool mesh_is_clear_handshake(Moeep__V1__PeerMessage__BodyCase c) {
-        return c == MOEEP__V1__PEER_MESSAGE__BODY_HELLO || c == MOEEP__V1__PEER_MESSAGE__BODY_CHALLENGE ||
-               c == MOEEP__V1__PEER_MESSAGE__BODY_PROOF || c == MOEEP__V1__PEER_MESSAGE__BODY_REFUSED;
+static const struct mesh_message *mesh_message(Moeep__V1__PeerMessage__BodyCase c) {
+#define MOEEP_PEER(CASE, field, Name, PHASE, FROM, OWNER)                                      \
+        case MOEEP__V1__PEER_MESSAGE__BODY_##CASE: {                                           \
+                static const struct mesh_message row = { MESH_PHASE_##PHASE, MESH_FROM_##FROM, \
+                                                         MESH_OWNER_##OWNER };                 \
+                return &row;                                                                   \
+        }
+        switch (c) {
+#include "mesh.def"
+        case MOEEP__V1__PEER_MESSAGE__BODY_SEALED:
+        case MOEEP__V1__PEER_MESSAGE__BODY__NOT_SET:
+        case _MOEEP__V1__PEER_MESSAGE__BODY__CASE_IS_INT_SIZE:
+                break;
+        }
+#undef MOEEP_PEER
+        return NULL;
 }
 
 /* Appends one frame (length and `len` bytes of `body`) to `out`. */
@@ -775,12 +824,13 @@ static int frame_add(struct evbuffer *out, const uint8_t *body, size_t len) {
         return 0;
 }
 
-/* Queues one frame: in clear for the handshake messages, sealed (auth.h)
- * for everything else, which only a connection whose handshake is done
+/* Queues one frame: in clear for the handshake messages (PHASE CLEAR in
+ * proto/mesh.def), sealed (auth.h) for everything else, which only a connection whose handshake is done
  * may carry. To a peer that is down, nothing (the job code sends to peers
  * that may have gone, and learns of it through mesh_peer_fail()). */
 int mesh_peer_send(struct mesh_peer *p, Moeep__V1__PeerMessage *msg) {
         Moeep__V1__PeerMessage outer = MOEEP__V1__PEER_MESSAGE__INIT;
+        const struct mesh_message *m;
         struct evbuffer *out;
         uint8_t *plain = NULL, *sealed = NULL, *wire = NULL;
         size_t len, wire_len;
@@ -788,7 +838,8 @@ int mesh_peer_send(struct mesh_peer *p, Moeep__V1__PeerMessage *msg) {
 
         if (!p->bev)
                 return -ENOTCONN;
-        if (mesh_is_clear_handshake(msg->body_case) ? p->sealed : !p->sealed)
+        m = mesh_message(msg->body_case);
+        if (m && m->phase == MESH_PHASE_CLEAR ? p->sealed : !p->sealed)
                 return -ENOTCONN;
         out = bufferevent_get_output(p->bev);
         len = protobuf_c_message_get_packed_size(&msg->base);
@@ -1212,7 +1263,7 @@ static void mesh_proof_handle(struct mesh_peer *p, const Moeep__V1__PeerProof *p
 
 /* Dialler: the sealed PeerWelcome opened, so the acceptor holds this
  * connection's keys. */
-static void mesh_welcome_handle(struct mesh_peer *p) {
+static void mesh_welcome_handle(struct mesh_peer *p, const Moeep__V1__PeerWelcome *w) {
         auth_session_done(&p->auth);
         p->sealed = true;
         mesh_peer_up(p);

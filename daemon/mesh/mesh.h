@@ -128,8 +128,9 @@ struct mesh_peer {
 
 TAILQ_HEAD(mesh_peer_list, mesh_peer);
 
-/* Who handles a mesh message: the peers themselves (the handshake and
- * liveness), or one of the layers above, each subscribed once. */
+/* Who handles a mesh message (proto/mesh.def's OWNER column): the peers
+ * themselves (the handshake and liveness), or one of the layers above,
+ * each subscribed once. */
 enum mesh_owner {
         MESH_OWNER_PEERS,     /* mesh.c */
         MESH_OWNER_JOBS,      /* the jobs across daemons, mesh-jobs.c */
