@@ -1,6 +1,6 @@
-/* The daemon object; see daemon.h. The hooks it hands out are the small
- * static functions under "wiring" below: each calls one object on behalf of
- * another, so that the objects need not know each other. */
+/* The daemon object; see daemon.h. In order: the configuration, the
+ * listening sockets, the signals and reload, then daemon_init(), which
+ * makes the objects from the bottom up, the loop and the end. */
 #include <errno.h>
 #include <event2/event.h>
 #include <fcntl.h>

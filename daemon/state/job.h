@@ -118,7 +118,7 @@ struct job {
         uint32_t world_size;
         uid_t owner_uid;      /* uid of the creator, counted against max_jobs_per_uid */
         uid_t fds_uid;        /* charged for the control page's fds (a mirror: its first rank's uid) */
-        uint32_t fds_charged; /* how many of them (jobs.fds hooks) */
+        uint32_t fds_charged; /* how many of them (clientfds_charge()) */
         enum job_state state;
         int32_t lost_rank;                         /* first rank lost, -1 while none */
         uint8_t secret[JOB_SECRET_BYTES];          /* never logged or shown */
