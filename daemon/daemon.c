@@ -549,10 +549,11 @@ void daemon_done(struct daemon *d) {
         mesh_jobs_stop(d->mesh_jobs);
         mesh_jobs_free(d->mesh_jobs);
         d->mesh_jobs = NULL;
-        mesh_free(d->mesh);
-        d->mesh = NULL;
+        /* The data path before the mesh it subscribed to: it unsubscribes. */
         datapath_free(d->datapath);
         d->datapath = NULL;
+        mesh_free(d->mesh);
+        d->mesh = NULL;
         if (d->sessions)
                 sessions_reap(d->sessions);
         sessions_free(d->sessions);
