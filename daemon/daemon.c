@@ -1,6 +1,6 @@
-/* The daemon object; see daemon.h. The hooks it hands out are the small
- * static functions under "wiring" below: each calls one object on behalf of
- * another, so that the objects need not know each other. */
+/* The daemon object; see daemon.h. In order: the configuration, the
+ * listening sockets, the signals and reload, then daemon_init(), which
+ * makes the objects from the bottom up, the loop and the end. */
 #include <errno.h>
 #include <event2/event.h>
 #include <fcntl.h>
@@ -17,24 +17,23 @@
 #include <unistd.h>
 
 #include "admin-socket.h"
-#include "broker.h"
-#include "clientfd.h"
+#include "clients/requests.h"
+#include "clients/session.h"
+#include "clients/sockdir.h"
 #include "daemon.h"
-#include "datapath.h"
+#include "datapath/datapath.h"
 #include "errors.h"
-#include "http.h"
-#include "job.h"
 #include "log.h"
-#include "mesh-jobs.h"
-#include "mesh.h"
-#include "metrics.h"
+#include "mesh/mesh-jobs.h"
+#include "mesh/mesh.h"
 #include "moeep-config.h"
-#include "notify.h"
+#include "ops/http.h"
+#include "ops/metrics.h"
+#include "ops/notify.h"
 #include "record.h"
-#include "requests.h"
-#include "session.h"
-#include "sockdir.h"
-#include "view.h"
+#include "state/broker.h"
+#include "state/clientfd.h"
+#include "state/job.h"
 
 /* Connections accepted per callback before others get a turn. */
 #define DAEMON_ACCEPT_BATCH 64
@@ -43,78 +42,12 @@
 
 static const int daemon_signals[] = { SIGTERM, SIGINT, SIGHUP };
 
-uint64_t daemon_uptime_ms(const struct daemon *d) {
-        return view_uptime_ms(&d->view);
-}
-
-/* Updates systemd's STATUS= line after sessions or jobs changed; the
- * objects reach it through their hooks (daemon_changed()). */
+/* Updates systemd's STATUS= line after a turn of the loop (daemon_run()). */
 static void daemon_status_changed(struct daemon *d) {
         /* While stopping, STOPPING=1 carried the last STATUS=. */
         if (!d->jobs || !d->sessions || d->stopping)
                 return;
         notify_status(&d->notify, d->sessions->count, d->jobs->count);
-}
-
-/* ------------------------------------------------------------ wiring */
-
-static void daemon_changed(void *ctx) {
-        daemon_status_changed(ctx);
-}
-
-/* The jobs' hooks: a control page's fds are charged like a client's. */
-static int daemon_jobs_charge(void *ctx, uid_t uid, uint32_t n, char *errmsg) {
-        return clientfds_charge(ctx, uid, n, errmsg);
-}
-
-static void daemon_jobs_uncharge(void *ctx, uid_t uid, uint32_t n) {
-        clientfds_uncharge(ctx, uid, n);
-}
-
-static int daemon_metrics_snapshot(void *ctx, Moeep__V1__Metrics **ret) {
-        struct daemon *d = ctx;
-
-        return metrics_snapshot(&d->view, ret);
-}
-
-/* The data path's hooks: the mesh is started after the data path (its
- * connections offer the data path's transport), so each looks it up when
- * called; every mesh_*() and mesh_jobs_*() accepts NULL (the mesh is off). */
-static void daemon_dp_region_changed(void *ctx, const struct job_member *m, uint64_t region_id, uint32_t tag,
-                                     uint32_t kind, uint64_t size, bool released, uint32_t proxy,
-                                     const struct tp_rkey *rkey) {
-        struct daemon *d = ctx;
-
-        mesh_jobs_region_changed(d->mesh_jobs, m, region_id, tag, kind, size, released, proxy, rkey);
-}
-
-static int daemon_dp_transport_peer(void *ctx, const char *address, uint32_t *ret_tp_peer) {
-        struct daemon *d = ctx;
-
-        return mesh_transport_peer(d->mesh, address, ret_tp_peer);
-}
-
-static bool daemon_dp_job_nodes(void *ctx, const struct job *job, struct job_node ret[MOEEP_MAX_RANKS]) {
-        struct daemon *d = ctx;
-
-        return mesh_jobs_nodes(d->mesh_jobs, job, ret);
-}
-
-static const struct job_remote_region *daemon_dp_remote_regions(void *ctx, const struct job *job,
-                                                                uint32_t *ret_n) {
-        return mesh_jobs_remote_regions(job, ret_n);
-}
-
-static void daemon_dp_rank_failed(void *ctx, struct job *job, uint32_t rank, const char *reason) {
-        struct daemon *d = ctx;
-
-        mesh_jobs_rank_failed(d->mesh_jobs, job, rank, reason);
-}
-
-static void daemon_dp_transport_failed(void *ctx, uint32_t tp_peer, const char *why) {
-        struct daemon *d = ctx;
-
-        mesh_transport_failed(d->mesh, tp_peer, why);
 }
 
 /* ------------------------------------------------------------ configuration */
@@ -447,76 +380,10 @@ static void daemon_signal_cb(evutil_socket_t sig, short what, void *arg) {
         event_del(d->listen.ev);
         event_del(d->admin.ev);
         jobs_abort_all(d->jobs, "the daemon is shutting down");
+        mesh_jobs_stop(d->mesh_jobs);
         d->stopping = true;
         sessions_shutdown(d->sessions, "the daemon is shutting down");
         event_base_loopexit(d->base, NULL);
-}
-
-/* The mesh's hooks into the daemon and its sessions (mesh-jobs.h). */
-static bool daemon_mesh_stopping(void *arg) {
-        return ((struct daemon *)arg)->stopping;
-}
-
-static uint64_t daemon_mesh_session_id(const struct session *s) {
-        return s->id;
-}
-
-static uid_t daemon_mesh_session_uid(const struct session *s) {
-        return s->cred.uid;
-}
-
-static bool daemon_mesh_session_can_join(const struct session *s) {
-        return s->state != SESSION_CLOSED && !s->member;
-}
-
-static void daemon_mesh_remote_rank_gone(void *arg, const struct job *job, uint32_t rank) {
-        struct daemon *d = arg;
-
-        datapath_remote_rank_gone(d->datapath, job, rank);
-}
-
-static void daemon_mesh_join_failed(struct session *s, uint64_t request_id, int code, const char *message) {
-        if (s->state == SESSION_CLOSED)
-                return;
-        if (code == MOEEP__V1__ERROR_CODE__ERROR_NO_SUCH_JOB)
-                membership_join_failed(s);
-        session_send_error(s, request_id, code, message);
-}
-
-/* The peers, with the data path's functions, then the jobs across daemons
- * on them, with the hooks above. */
-static int daemon_mesh_start(struct daemon *d, char *errmsg) {
-        const struct mesh_transport_hooks transport = {
-                .dp = d->datapath,
-                .up = datapath_up,
-                .backend = datapath_backend,
-                .peer_new = datapath_peer_new,
-                .peer_connect = datapath_peer_connect,
-                .peer_fail = datapath_peer_fail,
-        };
-        const struct mesh_jobs_hooks hooks = {
-                .arg = d,
-                .status_changed = daemon_changed,
-                .stopping = daemon_mesh_stopping,
-                .error_code = error_code,
-                .session_ref = session_ref,
-                .session_unref = session_unref,
-                .session_id = daemon_mesh_session_id,
-                .session_uid = daemon_mesh_session_uid,
-                .session_can_join = daemon_mesh_session_can_join,
-                .join_failed = daemon_mesh_join_failed,
-                .joined = session_joined,
-                .remote_rank_gone = daemon_mesh_remote_rank_gone,
-        };
-        int r;
-
-        r = mesh_start(d->base, &d->config, &transport, &d->mesh, errmsg);
-        if (r < 0)
-                return r;
-        r = mesh_jobs_new(d->mesh, d->jobs, &hooks, &d->mesh_jobs);
-        if (r < 0)
-                return errmsg_set(errmsg, r, "mesh: out of memory");
-        return 0;
 }
 
 static void daemon_listeners_init(struct daemon *d) {
@@ -574,28 +441,14 @@ static int daemon_events(struct daemon *d) {
 }
 
 int daemon_init(struct daemon *d, const struct daemon_options *options) {
-        const struct http_hooks http_hooks = {
-                .ctx = d,
-                .snapshot = daemon_metrics_snapshot,
-                .snapshot_free = metrics_snapshot_free,
-        };
-        const struct datapath_hooks dp_hooks = {
-                .ctx = d,
-                .region_changed = daemon_dp_region_changed,
-                .transport_peer = daemon_dp_transport_peer,
-                .job_nodes = daemon_dp_job_nodes,
-                .remote_regions = daemon_dp_remote_regions,
-                .rank_failed = daemon_dp_rank_failed,
-                .transport_failed = daemon_dp_transport_failed,
-        };
-        struct session_hooks session_hooks;
         char errmsg[ERRMSG_MAX] = "";
+        struct timespec started;
         int r;
 
+        clock_gettime(CLOCK_MONOTONIC, &started);
         memset(d, 0, sizeof(*d));
         daemon_listeners_init(d);
         d->options = *options;
-        clock_gettime(CLOCK_MONOTONIC, &d->view.started);
 
         r = daemon_config_build(options, &d->config, errmsg);
         if (r < 0) {
@@ -617,83 +470,70 @@ int daemon_init(struct daemon *d, const struct daemon_options *options) {
                 log_err("event_base_new failed");
                 return -ENOMEM;
         }
-        /* From the bottom up: each object is handed what it calls. */
-        r = jobs_new(&d->config, &requests_job_callbacks, &d->jobs);
-        if (r < 0)
-                goto oom;
+        /* The floors from the bottom up (docs/architecture.md): each object
+         * is handed the objects it calls, made before it; nothing is reached
+         * before the loop runs. A constructor that can only run out of
+         * memory leaves errmsg empty. */
         r = clientfds_new(d->base, &d->config, &d->clientfds);
-        if (r < 0)
-                goto oom;
-        d->jobs->fds = (struct jobs_fd_hooks){ .ctx = d->clientfds,
-                                               .charge = daemon_jobs_charge,
-                                               .uncharge = daemon_jobs_uncharge };
-        r = broker_new(&d->config, d->clientfds, &d->broker);
-        if (r < 0)
-                goto oom;
-        d->requests.membership.jobs = d->jobs;
-        d->requests.membership.broker = d->broker;
-        d->requests.view = &d->view;
-        d->requests.counters = &d->metrics;
-        d->requests.hooks = (struct requests_hooks){ .ctx = d, .changed = daemon_changed };
-        requests_session_hooks(&d->requests, &session_hooks);
-        r = sessions_new(d->base, &d->config, d->clientfds, &session_hooks, &d->sessions);
-        if (r < 0)
-                goto oom;
-        d->view = (struct view){
-                .sessions = d->sessions,
-                .jobs = d->jobs,
-                .broker = d->broker,
-                .counters = &d->metrics,
-                .draining = &d->requests.draining,
-                .started = d->view.started,
-        };
+        if (r == 0)
+                r = jobs_new(&d->config, &membership_job_callbacks, d->clientfds, &d->jobs);
+        if (r == 0)
+                r = broker_new(&d->config, d->clientfds, &d->broker);
+        if (r == 0)
+                r = mesh_start(d->base, &d->config, &d->mesh, errmsg);
+        if (r == 0)
+                r = mesh_jobs_new(d->mesh, d->jobs, &d->mesh_jobs);
+        if (r == 0)
+                r = datapath_start(d->base, &d->config, d->mesh, d->mesh_jobs, &d->datapath);
+        if (r == 0) {
+                metrics_init(&d->metrics, &started, d->jobs, d->broker, d->mesh, d->datapath);
+                if (d->config.metrics_listen[0])
+                        r = http_start(d->base, d->config.metrics_listen, &d->metrics, &d->http, errmsg);
+        }
+        if (r == 0)
+                r = membership_init(&d->requests.membership, &d->metrics, d->jobs, d->broker, d->mesh,
+                                    d->mesh_jobs, d->datapath);
+        if (r == 0) {
+                d->requests.metrics = &d->metrics;
+                r = sessions_new(d->base, &d->config, d->clientfds, &d->metrics, requests_dispatch,
+                                 &d->requests, &d->sessions);
+        }
+        if (r < 0) {
+                log_err("%s", errmsg[0] ? errmsg : "start-up: out of memory");
+                return r;
+        }
+        /* Then the sockets clients reach it on, and the signals. */
         r = daemon_listen(d);
         if (r < 0)
                 return r;
         daemon_client_fds_off(d);
         r = daemon_events(d);
-        if (r < 0)
-                goto oom;
-        if (d->config.metrics_listen[0]) {
-                r = http_start(d->base, d->config.metrics_listen, &http_hooks, &d->http, errmsg);
-                if (r < 0) {
-                        log_err("%s", errmsg);
-                        return r;
-                }
-        }
-        /* Before the mesh, whose connections offer its transport. */
-        d->view.http = d->http;
-        r = datapath_start(d->base, &d->config, &dp_hooks, &d->datapath);
-        if (r < 0)
-                goto oom;
-        d->requests.membership.datapath = d->datapath;
-        d->view.datapath = d->datapath;
-        r = daemon_mesh_start(d, errmsg);
         if (r < 0) {
-                log_err("%s", errmsg);
+                log_err("start-up: out of memory");
                 return r;
         }
-        d->requests.membership.mesh = d->mesh;
-        d->requests.membership.mesh_jobs = d->mesh_jobs;
-        d->view.mesh = d->mesh;
-        d->view.mesh_jobs = d->mesh_jobs;
         return 0;
-
-oom:
-        log_err("start-up: out of memory");
-        return r;
 }
 
 int daemon_run(struct daemon *d) {
+        int r;
+
         log_notice("moeepd %s ready (protocol %d.%d, pid %d)", MOEEP_VERSION, MOEEP_PROTOCOL_MAJOR,
                    MOEEP_PROTOCOL_MINOR, (int)getpid());
         notify_ready();
-        daemon_status_changed(d);
-        if (event_base_dispatch(d->base) < 0) {
-                log_err("event loop failed");
-                return -EIO;
+        /* After every turn of the loop the STATUS= line says how many
+         * sessions and jobs there are (notify_status() sends it only when
+         * that changed): no object tells the daemon of a change. */
+        for (;;) {
+                daemon_status_changed(d);
+                r = event_base_loop(d->base, EVLOOP_ONCE);
+                if (r < 0) {
+                        log_err("event loop failed");
+                        return -EIO;
+                }
+                if (r == 1 || event_base_got_exit(d->base) || event_base_got_break(d->base))
+                        return 0;
         }
-        return 0;
 }
 
 void daemon_done(struct daemon *d) {
@@ -705,13 +545,15 @@ void daemon_done(struct daemon *d) {
                 sessions_close_all(d->sessions, "the daemon is exiting");
         /* The mesh after the sessions left their jobs (they tell it), and
          * before the reaping: forwarded joins hold session references. */
+        membership_done(&d->requests.membership);
+        mesh_jobs_stop(d->mesh_jobs);
         mesh_jobs_free(d->mesh_jobs);
         d->mesh_jobs = NULL;
+        /* The data path before the mesh it subscribed to: it unsubscribes. */
+        datapath_free(d->datapath);
+        d->datapath = NULL;
         mesh_free(d->mesh);
         d->mesh = NULL;
-        datapath_free(d->datapath);
-        d->view.datapath = NULL;
-        d->datapath = NULL;
         if (d->sessions)
                 sessions_reap(d->sessions);
         sessions_free(d->sessions);

@@ -1,12 +1,11 @@
 /* The daemon object: the top of moeepd. It owns the event base, the
  * listening sockets, the signals and every object below, creates them in
- * order at start and hands each the hooks it needs (struct session_hooks,
- * requests_hooks, datapath_hooks, http_hooks) and what it reads (struct
- * view); no object reaches a sibling through struct daemon. There is one,
- * owned by main(), and only the event loop thread touches it (the proxy's
- * and clientfd's threads have state of their own). Its fields are written
- * only by daemon.c; the mesh (mesh.h, mesh-jobs.h) takes its hooks too
- * (struct mesh_transport_hooks, mesh_jobs_hooks). */
+ * order at start, handing each the objects it calls (and the session
+ * registry its dispatch callback); no object reaches a sibling through
+ * struct daemon. There
+ * is one, owned by main(), and only the event loop thread touches it (the
+ * proxy's and clientfd's threads have state of their own). Its fields are
+ * written only by daemon.c. */
 #ifndef MOEEPD_DAEMON_H
 #define MOEEPD_DAEMON_H
 
@@ -15,12 +14,11 @@
 #include <sys/queue.h>
 #include <time.h>
 
+#include "clients/requests.h"
+#include "clients/sockdir.h"
 #include "config.h"
-#include "metrics.h"
-#include "notify.h"
-#include "requests.h"
-#include "sockdir.h"
-#include "view.h"
+#include "ops/metrics.h"
+#include "ops/notify.h"
 
 struct event;
 struct clientfds;
@@ -70,8 +68,7 @@ struct daemon {
         struct mesh *mesh;             /* owns; NULL unless mesh_listen is set */
         struct mesh_jobs *mesh_jobs;   /* owns; jobs across daemons over `mesh`, NULL with it */
         struct datapath *datapath;     /* owns; NULL unless mesh_listen is set */
-        struct metrics metrics;        /* totals since start-up (requests.c and the reloads write them) */
-        struct view view;              /* what query.c and metrics.c read; filled at start */
+        struct metrics metrics;        /* the counters, and what a snapshot reads (metrics.h) */
         bool stopping;
 };
 
@@ -94,8 +91,5 @@ int daemon_run(struct daemon *d);
 
 /* Frees everything; unlinks a self-bound socket. Accepts a zeroed struct. */
 void daemon_done(struct daemon *d);
-
-/* Milliseconds since start-up. */
-uint64_t daemon_uptime_ms(const struct daemon *d);
 
 #endif

@@ -4,6 +4,7 @@
 #include <string.h>
 
 #include "errors.h"
+#include "moeep.pb-c.h"
 
 /* One row per kind, in the order of enum error_kind. */
 static const struct error_row {
@@ -43,15 +44,15 @@ static const struct error_row *error_row_of(int r) {
         return NULL;
 }
 
-Moeep__V1__ErrorCode error_code(int r) {
+int error_code(int r) {
         const struct error_row *row = error_row_of(r);
 
         return row ? row->code : MOEEP__V1__ERROR_CODE__ERROR_INTERNAL;
 }
 
-int error_from_code(Moeep__V1__ErrorCode code) {
+int error_from_code(int code) {
         for (size_t i = 0; i < sizeof(error_rows) / sizeof(error_rows[0]); i++)
-                if (error_rows[i].code == code)
+                if ((int)error_rows[i].code == code)
                         return -(int)(ERROR_KIND_FIRST + i);
         return -EIO;
 }

@@ -8,7 +8,7 @@
  * for one: EACCES from mmap() of a read-only fd is not "bad secret", EPERM
  * from a sealed fd is not "permission denied", ESHUTDOWN or EDOM from
  * anywhere is not "draining" or "world size mismatch". Those refusals exist
- * only as kinds: job.c, broker.c, datapath.c, mesh-joins.c, requests.c and
+ * only as kinds: job.c, broker.c, datapath.c, membership.c, requests.c and
  * the rest return -ERROR_KIND_* for every refusal they decide (datapath.c
  * also for the transports' and the proxy's -EINVAL, which speak errno).
  * One errno value is still read as a kind (errors.c's `aliases`): EDQUOT,
@@ -17,8 +17,6 @@
  * that comes with it says what it was. */
 #ifndef MOEEPD_ERRORS_H
 #define MOEEPD_ERRORS_H
-
-#include "moeep.pb-c.h"
 
 enum error_kind {
         ERROR_KIND_BEFORE_FIRST = (1 << 16) - 1, /* kinds are above every errno value */
@@ -31,13 +29,13 @@ enum error_kind {
 #define ERROR_KIND_FIRST (ERROR_KIND_BEFORE_FIRST + 1)
 #define ERROR_KIND_LAST (ERROR_KIND_AFTER_LAST - 1)
 
-/* The ErrorCode for a return value `r` (< 0): its kind's, or its errno
- * alias's, else ERROR_INTERNAL. */
-Moeep__V1__ErrorCode error_code(int r);
+/* The protocol's ErrorCode (its value: moeep.proto's enum) for a return
+ * value `r` (< 0): its kind's, or its errno alias's, else ERROR_INTERNAL. */
+int error_code(int r);
 
 /* The other way: the return value (-ERROR_KIND_*) for an ErrorCode a peer
  * daemon sent, or -EIO for codes that are no kind (framing, internal). */
-int error_from_code(Moeep__V1__ErrorCode code);
+int error_from_code(int code);
 
 /* Text for a return value: the kind's name, or strerror() for an errno. */
 const char *error_to_string(int r);

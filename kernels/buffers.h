@@ -148,7 +148,7 @@ struct moeep_ll_sync {
         uint64_t dispatch_flag[2][MOEEP_KERNEL_MAX_RANKS];
         uint64_t combine_flag[2][MOEEP_KERNEL_MAX_RANKS];
         /* Elastic endpoints (ctx.shrink) only. [src]: a digest of where src
-         * put its pairs of dispatch seq at our experts, ll_begin_digest(),
+         * put its pairs of dispatch seq at our experts, ll_send_digests(),
          * written by src's block 0 before its arrival: the receiver checks it
          * against the places it computes, so that ranks that saw a dying
          * rank's counts differently are caught instead of mixing rows. */

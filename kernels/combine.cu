@@ -121,7 +121,7 @@ __device__ __forceinline__ void combine_send(const struct moeep_ctx &ctx, const 
         }
 }
 
-/* Rows are reduced in slices of at most `slice` bytes (combine_slice()), 16-byte multiples. */
+/* Rows are reduced in slices of at most `slice` bytes (moeep_launch_combine()), 16-byte multiples. */
 __device__ __forceinline__ void row_slices(int row_bytes, int slice, int *ret_n, int *ret_bytes) {
         const int n = (row_bytes + slice - 1) / slice;
         *ret_n = n;

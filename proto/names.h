@@ -1,6 +1,6 @@
 /* Names both sides of the protocol check, declared once: the library
  * (client/lib/client-job.c) refuses before sending what the daemon
- * (daemon/job.c) would refuse on receipt. */
+ * (daemon/state/job.c) would refuse on receipt. */
 #ifndef MOEEP_PROTO_NAMES_H
 #define MOEEP_PROTO_NAMES_H
 

@@ -1,5 +1,5 @@
 /* Descriptor rings between a producer (the kernels of a client, or a CPU
- * test driver) and the daemon's proxy thread (daemon/proxy.h): the layout
+ * test driver) and the daemon's proxy thread (daemon/datapath/proxy.h): the layout
  * in shared memory and the rules of who writes what, in which order. Plain
  * C and C++ (nvcc includes it from kernels/ring.cuh).
  *

@@ -102,7 +102,7 @@ uint64_t client_features(const struct moeep_client *client);
  *
  * Then (after a job barrier, so that every rank's regions reached every
  * daemon) it opens a channel: a descriptor ring (layout and ordering rules
- * in daemon/proxy.h) that it maps MAP_SHARED read-write. Descriptor `peer`
+ * in daemon/datapath/proxy.h) that it maps MAP_SHARED read-write. Descriptor `peer`
  * is the destination's job rank; ranks at this daemon are not routed (a
  * descriptor naming one fails the ring), NVLink reaches them. */
 enum moeep_proxy_role {

@@ -16,6 +16,8 @@ documents say it.
   docs.py suites SOURCE_ROOT BUILD_ROOT
   docs.py links SOURCE_ROOT
   docs.py c-example SOURCE_ROOT INCLUDE_DIR LIBMOEEP MOEEPD
+  docs.py architecture SOURCE_ROOT
+  docs.py names SOURCE_ROOT
 
 Exit status 0 when everything agrees, 1 with the differences, 77 (skip)
 when a check cannot apply to this build (named).
@@ -258,18 +260,19 @@ def metrics(moeepd, moeepctl, src):
     # Some families appear only with the mesh or a transport on; every one
     # is named by a string literal of the daemon's sources.
     named = set()
-    for f in os.listdir(os.path.join(src, "daemon")):
-        if f.endswith(".c"):
-            named.update(re.findall(r'"(moeepd_[a-z_]+)', read(os.path.join(src, "daemon", f))))
+    for d, _, names in os.walk(os.path.join(src, "daemon")):
+        for f in names:
+            if f.endswith(".c"):
+                named.update(re.findall(r'"(moeepd_[a-z_]+)', read(os.path.join(d, f))))
     ops = read(os.path.join(src, "docs", "operations.md"))
     documented = md_table_first_column(ops, "metric", "5. Metrics")
     rep = Report("metrics")
     rep.compare(named, documented, "docs/operations.md (5. Metrics)", "metric")
     for name in sorted(served - named):
-        rep.problems.append("moeepd serves %s, which no string of daemon/*.c names: the check is blind" % name)
+        rep.problems.append("moeepd serves %s, which no string of daemon/**/*.c names: the check is blind" % name)
     if not served:
         rep.problems.append("moeepd served no metric at all")
-    return rep.done("the %d metric families of daemon/*.c (%d served by a fresh moeepd) are the ones "
+    return rep.done("the %d metric families of daemon/**/*.c (%d served by a fresh moeepd) are the ones "
                     "docs/operations.md lists" % (len(named), len(served)))
 
 
@@ -385,6 +388,86 @@ def links(src):
                     "document and test folder" % checked)
 
 
+# --------------------------------------------------------------- architecture
+
+# The folders of daemon/, its floors (scripts/check-floors.py).
+DAEMON_FLOORS = ("state", "mesh", "datapath", "ops", "clients")
+
+
+def architecture(src):
+    """docs/architecture.md places every file of daemon/: each
+    daemon/**/*.c is named there by its path from daemon/ (`state/job.c`;
+    a file of the root by its name), and each such path it names exists."""
+    doc = read(os.path.join(src, "docs", "architecture.md"))
+    daemon = os.path.join(src, "daemon")
+    cfiles = sorted(os.path.relpath(os.path.join(d, n), daemon)
+                    for d, _, names in os.walk(daemon) for n in names if n.endswith(".c"))
+    rep = Report("architecture")
+    for f in cfiles:
+        if not re.search(r"(?<![\w/.-])%s(?!\w)" % re.escape(f), doc):
+            rep.problems.append("docs/architecture.md does not place daemon/%s (name it as %s)" % (f, f))
+    named = set(re.findall(r"(?<![\w/.-])((?:%s)/[\w-]+\.[ch])(?!\w)" % "|".join(DAEMON_FLOORS), doc))
+    for f in sorted(named):
+        if not os.path.isfile(os.path.join(daemon, f)):
+            rep.problems.append("docs/architecture.md names %s, which daemon/ does not have" % f)
+    return rep.done("docs/architecture.md places the %d files of daemon/**/*.c and names no other" % len(cfiles))
+
+
+# ---------------------------------------------------------------------- names
+
+# Library functions that a comment or document names and whose prefix is
+# also one of ours (so that they look like ours).
+EXTERNAL_FUNCTIONS = {"ini_parse", "sd_listen_fds"}
+
+
+def names(src):
+    """Every function that a comment of the C and CUDA sources, or a
+    document of docs/, names (`name()`) exists: the code calls or defines
+    it. Only names with a prefix of ours (the part before the first `_` of a
+    function the code calls or defines: `session_`, `mesh_`, `moeep_`, ...)
+    are checked; a renamed or removed function leaves none behind. And
+    every path under daemon/ that a tracked file names exists."""
+    files = blocks.source_files(src)
+    code_files = [f for f in files if f.endswith((".c", ".h", ".cu", ".cuh", ".def"))]
+    known, comments = set(), []
+    for f in code_files:
+        text = read(os.path.join(src, f))
+        comments += [(f, c) for c in re.findall(r"/\*.*?\*/", text, re.S) + re.findall(r"//[^\n]*", text)]
+        code = re.sub(r"/\*.*?\*/|//[^\n]*", " ", text, flags=re.S)
+        code = re.sub(r'"(?:\\.|[^"\\\n])*"', '""', code)
+        known.update(re.findall(r"\b([A-Za-z_]\w*)\s*\(", code))
+        known.update(re.findall(r"#\s*define\s+([A-Za-z_]\w*)", code))
+    ours = {n.split("_")[0] for n in known if "_" in n.strip("_")}
+    comments += [(f, read(os.path.join(src, f))) for f in files if re.fullmatch(r"docs/[^/]+\.md", f)]
+    rep = Report("names")
+    checked = set()
+    for f, text in comments:
+        for name in re.findall(r"(?<![\w.>])([A-Za-z_]\w*)\(\)", text):
+            if "_" not in name.strip("_") or name.split("_")[0] not in ours or name in EXTERNAL_FUNCTIONS:
+                continue
+            checked.add(name)
+            if name not in known:
+                rep.problems.append("%s names %s(), which no code calls or defines" % (f, name))
+    paths = 0
+    for f in files:
+        if f.startswith("tests/docs/") or not f.endswith((".c", ".h", ".cu", ".cuh", ".def", ".proto", ".md",
+                                                         ".py", ".sh", "meson.build")):
+            continue
+        text = read(os.path.join(src, f))
+        for m in re.finditer(r"(?<![\w/.-])daemon/([\w./{},*-]+)", text):
+            name = m.group(1).rstrip(".,")
+            if "*" in name or name in ("moeepd", "meson.build"):
+                continue
+            brace = re.fullmatch(r"(.*)\{(.*)\}(.*)", name)
+            alts = [brace.group(1) + a + brace.group(3) for a in brace.group(2).split(",")] if brace else [name]
+            for a in alts:
+                paths += 1
+                if not os.path.exists(os.path.join(src, "daemon", a)):
+                    rep.problems.append("%s names daemon/%s, which does not exist" % (f, a))
+    return rep.done("the %d functions the comments and docs/ name exist, and the %d daemon/ paths named"
+                    % (len(checked), paths))
+
+
 # ------------------------------------------------------------------ c-example
 
 
@@ -442,6 +525,8 @@ def main(argv):
         "suites": (suites, 2),
         "links": (links, 1),
         "c-example": (c_example, 4),
+        "architecture": (architecture, 1),
+        "names": (names, 1),
     }
     if len(argv) < 2 or argv[1] not in checks or len(argv) - 2 != checks[argv[1]][1]:
         print(__doc__, file=sys.stderr)

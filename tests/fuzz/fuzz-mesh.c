@@ -1,5 +1,5 @@
 /* libFuzzer target: the node mesh's frame decoder and handshake
- * (daemon/mesh.c, daemon/auth.c), as a remote daemon or an attacker on the
+ * (daemon/mesh/mesh.c, daemon/mesh/auth.c), as a remote daemon or an attacker on the
  * mesh port would drive them.
  *
  * A real daemon object runs in-process with the mesh on 127.0.0.1 (port
@@ -43,12 +43,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "auth.h"
-#include "daemon.h"
 #include "../tmpdir.h"
+#include "daemon.h"
 #include "fuzz.h"
 #include "log.h"
-#include "mesh.h"
+#include "mesh/auth.h"
+#include "mesh/mesh.h"
 #include "moeep.pb-c.h"
 #include "record.h"
 

@@ -1,4 +1,4 @@
-/* libFuzzer target: the request dispatcher (daemon/session.c with job.c,
+/* libFuzzer target: the request dispatcher (daemon/clients/session.c with job.c,
  * broker.c and query.c behind it).
  *
  * A real daemon object runs in-process on a private socket (as in
@@ -34,14 +34,14 @@
 #include <unistd.h>
 
 #include "../tmpdir.h"
-#include "fuzz.h"
-#include "broker.h"
-#include "clientfd.h"
+#include "clients/session.h"
 #include "daemon.h"
-#include "job.h"
+#include "fuzz.h"
 #include "log.h"
 #include "record.h"
-#include "session.h"
+#include "state/broker.h"
+#include "state/clientfd.h"
+#include "state/job.h"
 
 #define NCLIENTS 4
 #define MAX_IDS 8
@@ -585,7 +585,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
 
         /* Daemon-wide settings an input may change (Drain, LogLevelSet as
          * root, who is an admin) start each input the same. */
-        d.requests.draining = false;
+        d.jobs->draining = false;
         log_set_level(LOG_ERR);
         have_unique_id = false;
         memset(unique_id, 0, sizeof(unique_id));

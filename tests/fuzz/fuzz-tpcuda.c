@@ -1,5 +1,5 @@
 /* libFuzzer target: what the cuda transport reads from other processes
- * (daemon/tp-cuda-wire.c): a peer daemon's address blob, and the messages
+ * (daemon/datapath/tp-cuda-wire.c): a peer daemon's address blob, and the messages
  * on its peer socket, which any local process may send.
  *
  * Byte 0 picks the entry point, byte 1 its options, the rest is the input:
@@ -20,8 +20,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "datapath/tp-cuda-wire.h"
 #include "fuzz.h"
-#include "tp-cuda-wire.h"
 
 int LLVMFuzzerInitialize(int *argc, char ***argv) {
         return 0;

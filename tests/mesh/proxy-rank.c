@@ -1,6 +1,6 @@
 /* moeep-proxy-rank: one rank of a job that spans two daemons, writing to
  * the ranks at the other daemon through moeepd's internode proxy path, from
- * the CPU, exactly as the kernels will (daemon/proxy.h, "Memory ordering";
+ * the CPU, exactly as the kernels will (daemon/datapath/proxy.h, "Memory ordering";
  * tests/proxy/driver.h). proxy.sh starts four of these, two at each daemon.
  *
  *   moeep-proxy-rank --socket PATH --id-file FILE --world N --rank R

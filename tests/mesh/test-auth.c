@@ -1,4 +1,4 @@
-/* The mesh's peer authentication (daemon/auth.c) driven directly: both
+/* The mesh's peer authentication (daemon/mesh/auth.c) driven directly: both
  * sides of the handshake with the same key, a wrong key, other identities,
  * a replayed transcript, a reflected proof, sealed frames replayed,
  * reordered or moved between connections, and the key file checks. */
@@ -17,8 +17,8 @@
 #include <cmocka.h>
 
 #include "../tmpdir.h"
-#include "auth.h"
 #include "log.h"
+#include "mesh/auth.h"
 
 #define ID_A "127.0.0.1:7100"
 #define ID_B "127.0.0.1:7101"

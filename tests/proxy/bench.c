@@ -31,10 +31,10 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "datapath/proxy.h"
+#include "datapath/transport.h"
 #include "driver.h"
 #include "moeep-config.h"
-#include "proxy.h"
-#include "transport.h"
 
 #if MOEEP_HAVE_CUDA
 #include <cuda_runtime_api.h>

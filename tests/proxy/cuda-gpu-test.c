@@ -29,8 +29,8 @@
 #include <unistd.h>
 
 #include "cumem.h"
+#include "datapath/transport.h"
 #include "log.h"
-#include "transport.h"
 
 #define SIZE (4u << 20)
 #define LEN (3u << 20)

@@ -1,5 +1,5 @@
 /* The CPU producer of the proxy tests and benchmark: it writes descriptor
- * rings exactly as the kernels will (daemon/proxy.h, "Memory ordering"),
+ * rings exactly as the kernels will (daemon/datapath/proxy.h, "Memory ordering"),
  * and waits on done, counters and the ring's error word the way a kernel
  * wait does: bounded, and watching the error. */
 #ifndef MOEEP_TESTS_PROXY_DRIVER_H
@@ -9,7 +9,7 @@
 #include <stdint.h>
 #include <time.h>
 
-#include "proxy.h"
+#include "datapath/proxy.h"
 
 #define DRV_LOAD_ACQ(p) __atomic_load_n((p), __ATOMIC_ACQUIRE)
 #define DRV_STORE_REL(p, v) __atomic_store_n((p), (v), __ATOMIC_RELEASE)

@@ -28,9 +28,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "datapath/proxy.h"
+#include "datapath/transport.h"
 #include "driver.h"
-#include "proxy.h"
-#include "transport.h"
 
 #define SLOT 4096u     /* payload slot size */
 #define SEND_SLOTS 64u /* send region: SEND_SLOTS * SLOT */

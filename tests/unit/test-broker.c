@@ -1,4 +1,4 @@
-/* The handle broker (daemon/broker.c): registration checks and caps, and
+/* The handle broker (daemon/state/broker.c): registration checks and caps, and
  * that a member only ever gets regions of its own job. */
 #include <errno.h>
 #include <setjmp.h>
@@ -11,14 +11,14 @@
 
 #include <cmocka.h>
 
-#include "broker.h"
-#include "clientfd.h"
 #include "config.h"
 #include "errors.h"
-#include "job.h"
+#include "state/broker.h"
+#include "state/clientfd.h"
+#include "state/job.h"
 #include "unit.h"
 
-#define MEMFD MOEEP__V1__REGION_KIND__REGION_KIND_MEMFD
+#define MEMFD REGION_KIND_MEMFD
 
 static void cb_barrier_done(void *owner, const struct job *job, uint64_t request_id, int error) {
 }
@@ -46,7 +46,7 @@ static int setup(void **state) {
         if (!f)
                 return -1;
         f->fds_before = unit_count_fds();
-        if (config_init(&f->config) < 0 || jobs_new(&f->config, &callbacks, &f->jobs) < 0 ||
+        if (config_init(&f->config) < 0 || jobs_new(&f->config, &callbacks, NULL, &f->jobs) < 0 ||
             clientfds_new(NULL, &f->config, &f->fds) < 0 || broker_new(&f->config, f->fds, &f->broker) < 0)
                 return -1;
         for (int j = 0; j < 2; j++) {
@@ -113,13 +113,12 @@ static void test_register_checks(void **state) {
         assert_int_equal(reg(f, f->m[0][0], 0, 0, NULL), -ERROR_KIND_INVALID_ARGUMENT);
         assert_int_equal(reg(f, f->m[0][0], 4097, 0, NULL),
                          -ERROR_KIND_INVALID_ARGUMENT); /* larger than the memfd */
-        assert_int_equal(broker_register(f->broker, f->m[0][0], 1000,
-                                         MOEEP__V1__REGION_KIND__REGION_KIND_UNSPECIFIED, 4096, 0, fd, &id,
-                                         errmsg),
-                         -ERROR_KIND_INVALID_ARGUMENT);
-        assert_int_equal(broker_register(f->broker, f->m[0][0], 1000, (Moeep__V1__RegionKind)77, 4096, 0, fd,
+        assert_int_equal(broker_register(f->broker, f->m[0][0], 1000, REGION_KIND_UNSPECIFIED, 4096, 0, fd,
                                          &id, errmsg),
                          -ERROR_KIND_INVALID_ARGUMENT);
+        assert_int_equal(
+                broker_register(f->broker, f->m[0][0], 1000, (enum region_kind)77, 4096, 0, fd, &id, errmsg),
+                -ERROR_KIND_INVALID_ARGUMENT);
         assert_non_null(strstr(errmsg, "77"));
         close(fd);
         /* A memfd region must be a regular file: a pipe is not. */

@@ -1,4 +1,4 @@
-/* Client descriptors (daemon/clientfd.c): the kind table, the charges and
+/* Client descriptors (daemon/state/clientfd.c): the kind table, the charges and
  * caps, and the closers. The attacks on a real daemon (SO_LINGER, FUSE)
  * are in tests/security/fdattack.c. */
 #include <errno.h>
@@ -19,15 +19,15 @@
 
 #include <cmocka.h>
 
-#include "clientfd.h"
 #include "config.h"
 #include "errors.h"
 #include "log.h"
+#include "state/clientfd.h"
 #include "unit.h"
 
-#define MEMFD MOEEP__V1__REGION_KIND__REGION_KIND_MEMFD
-#define CUMEM MOEEP__V1__REGION_KIND__REGION_KIND_CUMEM_FD
-#define DMABUF MOEEP__V1__REGION_KIND__REGION_KIND_DMABUF
+#define MEMFD REGION_KIND_MEMFD
+#define CUMEM REGION_KIND_CUMEM_FD
+#define DMABUF REGION_KIND_DMABUF
 
 struct fixture {
         struct config config;
@@ -62,12 +62,12 @@ static int teardown(void **state) {
 }
 
 /* Checks `fd` as `kind`; returns the result, errmsg in `msg`. */
-static int check(struct fixture *f, int fd, Moeep__V1__RegionKind kind, uint64_t size, char *msg) {
+static int check(struct fixture *f, int fd, enum region_kind kind, uint64_t size, char *msg) {
         msg[0] = '\0';
         return clientfd_check(f->cf, fd, kind, size, msg);
 }
 
-static void expect_refused(struct fixture *f, int fd, Moeep__V1__RegionKind kind, const char *is) {
+static void expect_refused(struct fixture *f, int fd, enum region_kind kind, const char *is) {
         char msg[ERRMSG_MAX];
 
         assert_int_equal(check(f, fd, kind, 4096, msg), -ERROR_KIND_BAD_FDS);
@@ -105,7 +105,7 @@ static void test_kinds(void **state) {
         assert_int_equal(check(f, small, MEMFD, 4096, msg), -ERROR_KIND_INVALID_ARGUMENT);
         assert_non_null(strstr(msg, "only 100 bytes"));
         for (int k = 0; k < 3; k++) {
-                Moeep__V1__RegionKind kind = k == 0 ? MEMFD : k == 1 ? CUMEM : DMABUF;
+                enum region_kind kind = k == 0 ? MEMFD : k == 1 ? CUMEM : DMABUF;
 
                 expect_refused(f, p[0], kind, "a pipe or FIFO");
                 expect_refused(f, sp[0], kind, "a socket");
@@ -118,7 +118,7 @@ static void test_kinds(void **state) {
         }
         if (shm >= 0)
                 expect_refused(f, shm, MEMFD, "on a tmpfs or hugetlbfs mount");
-        assert_int_equal(check(f, mem, (Moeep__V1__RegionKind)77, 4096, msg), -ERROR_KIND_INVALID_ARGUMENT);
+        assert_int_equal(check(f, mem, (enum region_kind)77, 4096, msg), -ERROR_KIND_INVALID_ARGUMENT);
         assert_int_equal(check(f, -1, MEMFD, 4096, msg), -ERROR_KIND_BAD_FDS);
 
         {
@@ -206,7 +206,7 @@ static struct take_result take(struct fixture *f, int sock, const struct ucred *
         return res;
 }
 
-/* Takes (clientfd-take.c) from this very process: the peer of a
+/* Takes (clientfd_take()) from this very process: the peer of a
  * socketpair is the process that made it. */
 static void test_takes(void **state) {
         struct fixture *f = *state;

@@ -9,10 +9,11 @@
 #include <cmocka.h>
 
 #include "errors.h"
+#include "moeep.pb-c.h"
 
 static void test_kinds_both_ways(void **state) {
         for (int k = ERROR_KIND_FIRST; k <= ERROR_KIND_LAST; k++) {
-                Moeep__V1__ErrorCode code = error_code(-k);
+                int code = error_code(-k);
 
                 assert_int_not_equal(code, MOEEP__V1__ERROR_CODE__ERROR_INTERNAL);
                 assert_int_equal(error_from_code(code), -k);

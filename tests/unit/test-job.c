@@ -1,4 +1,4 @@
-/* The job state machine (daemon/job.c) driven directly: members are plain
+/* The job state machine (daemon/state/job.c) driven directly: members are plain
  * tokens and the callbacks record what the job told them. */
 #include <errno.h>
 #include <fcntl.h>
@@ -15,7 +15,7 @@
 
 #include "config.h"
 #include "errors.h"
-#include "job.h"
+#include "state/job.h"
 #include "unit.h"
 
 /* One owner per would-be rank; the callbacks write into them. */
@@ -58,7 +58,7 @@ static int setup(void **state) {
         if (!f)
                 return -1;
         f->fds_before = unit_count_fds();
-        if (config_init(&f->config) < 0 || jobs_new(&f->config, &callbacks, &f->jobs) < 0)
+        if (config_init(&f->config) < 0 || jobs_new(&f->config, &callbacks, NULL, &f->jobs) < 0)
                 return -1;
         *state = f;
         return 0;

@@ -1,8 +1,10 @@
 /* The protocol table (proto/messages.def) against moeep.proto: every body
  * case of the Request, Response and Event envelopes has its row, and every
  * row is a body case, in its envelope's range, with the field's and the
- * message's names as protoc-c generated them; and proto/errors.def has a
- * row per ErrorCode. The descriptors are the independent reference: a
+ * message's names as protoc-c generated them; proto/mesh.def has a row
+ * per body case of PeerMessage but `sealed`, saying the same; and
+ * proto/errors.def has a row per ErrorCode. The descriptors are the
+ * independent reference: a
  * message or code added to moeep.proto without a row (or the other way
  * round) fails here. */
 #include <errno.h>
@@ -148,6 +150,73 @@ static void test_admin_only_rows(void **state) {
         assert_int_equal(found, sizeof(admin) / sizeof(admin[0]));
 }
 
+/* proto/mesh.def's rows, as written. */
+struct peer_row {
+        int value; /* the body case */
+        const char *field, *name, *phase, *from, *owner;
+};
+
+static const struct peer_row peer_rows[] = {
+#define MOEEP_PEER(CASE, field, Name, PHASE, FROM, OWNER) \
+        { MOEEP__V1__PEER_MESSAGE__BODY_##CASE, #field, Name, #PHASE, #FROM, #OWNER },
+#include "mesh.def"
+#undef MOEEP_PEER
+};
+
+static bool one_of(const char *word, const char *const *words) {
+        for (; *words; words++)
+                if (strcmp(word, *words) == 0)
+                        return true;
+        return false;
+}
+
+/* proto/mesh.def against PeerMessage's descriptor: every body case but
+ * `sealed` has exactly one row, with the field's and the message's names,
+ * and every column says one of the words the daemon expands. */
+static void test_peer_rows(void **state) {
+        static const char *const phases[] = { "CLEAR", "WELCOME", "SEALED", NULL };
+        static const char *const froms[] = { "DIALLER", "ACCEPTOR", "EITHER", NULL };
+        static const char *const owners[] = { "PEERS", "JOBS", "JOINS", "TRANSPORT", NULL };
+        const ProtobufCMessageDescriptor *d = &moeep__v1__peer_message__descriptor;
+        size_t n = sizeof(peer_rows) / sizeof(peer_rows[0]), welcome = 0;
+
+        assert_int_equal(n + 1, d->n_fields);
+        for (unsigned i = 0; i < d->n_fields; i++) {
+                const ProtobufCFieldDescriptor *f = &d->fields[i];
+                size_t found = 0;
+
+                if (f->id == MOEEP__V1__PEER_MESSAGE__BODY_SEALED) {
+                        assert_string_equal(f->name, "sealed");
+                        assert_int_equal(f->type, PROTOBUF_C_TYPE_BYTES);
+                        continue;
+                }
+                assert_int_equal(f->type, PROTOBUF_C_TYPE_MESSAGE);
+                for (size_t r = 0; r < n; r++) {
+                        if (peer_rows[r].value != (int)f->id)
+                                continue;
+                        found++;
+                        assert_string_equal(peer_rows[r].field, f->name);
+                        assert_string_equal(peer_rows[r].name,
+                                            ((const ProtobufCMessageDescriptor *)f->descriptor)->short_name);
+                }
+                assert_int_equal(found, 1);
+        }
+        for (size_t r = 0; r < n; r++) {
+                assert_true(one_of(peer_rows[r].phase, phases));
+                assert_true(one_of(peer_rows[r].from, froms));
+                assert_true(one_of(peer_rows[r].owner, owners));
+                /* The handshake is the peers' own. */
+                if (strcmp(peer_rows[r].phase, "SEALED") != 0)
+                        assert_string_equal(peer_rows[r].owner, "PEERS");
+                if (strcmp(peer_rows[r].phase, "WELCOME") == 0) {
+                        welcome++;
+                        assert_int_equal(peer_rows[r].value, MOEEP__V1__PEER_MESSAGE__BODY_WELCOME);
+                        assert_string_equal(peer_rows[r].from, "ACCEPTOR");
+                }
+        }
+        assert_int_equal(welcome, 1);
+}
+
 /* proto/errors.def has one row per ErrorCode but ERROR_UNSPECIFIED, in
  * the enum's order, named as the enum names it. */
 static void test_error_rows(void **state) {
@@ -180,7 +249,7 @@ int main(void) {
         const struct CMUnitTest tests[] = {
                 cmocka_unit_test(test_every_case_has_a_row), cmocka_unit_test(test_every_row_is_a_case),
                 cmocka_unit_test(test_known_rows),           cmocka_unit_test(test_admin_only_rows),
-                cmocka_unit_test(test_error_rows),
+                cmocka_unit_test(test_error_rows),           cmocka_unit_test(test_peer_rows),
         };
 
         return cmocka_run_group_tests(tests, NULL, NULL);

@@ -1,4 +1,4 @@
-/* daemon/nics.c: PCIe distances, and the GPU -> NIC mapping on a fake
+/* daemon/clients/nics.c: PCIe distances, and the GPU -> NIC mapping on a fake
  * sysfs tree (two host bridges, a PCIe switch with a GPU and a NIC behind
  * it, a GPU and a NIC on another NUMA node, an NVSwitch that is no GPU). */
 #include <errno.h>
@@ -16,7 +16,7 @@
 #include <cmocka.h>
 
 #include "../tmpdir.h"
-#include "nics.h"
+#include "clients/nics.h"
 
 static void test_distance(void **state) {
         const char *sw_gpu = "/sys/devices/pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:00.0/0000:03:00.0";

@@ -17,14 +17,14 @@
 
 #include <cmocka.h>
 
-#include "broker.h"
-#include "clientfd.h"
-#include "daemon.h"
-#include "job.h"
-#include "record.h"
-#include "session.h"
-#include "unit.h"
 #include "../tmpdir.h"
+#include "clients/session.h"
+#include "daemon.h"
+#include "record.h"
+#include "state/broker.h"
+#include "state/clientfd.h"
+#include "state/job.h"
+#include "unit.h"
 
 struct fixture {
         struct daemon d;
@@ -304,14 +304,14 @@ static void test_errors_counted_by_code(void **state) {
         for (unsigned i = 0; i < d->n_values; i++) {
                 if (d->values[i].value == MOEEP__V1__ERROR_CODE__ERROR_UNSPECIFIED)
                         continue;
-                assert_true(d->values[i].value > 0 && d->values[i].value < SESSION_ERROR_CODES);
-                assert_int_equal(f->d.sessions->errors[d->values[i].value], 0);
+                assert_true(d->values[i].value > 0 && d->values[i].value < METRICS_ERROR_CODES);
+                assert_int_equal(f->d.metrics.errors[d->values[i].value], 0);
                 assert_int_equal(session_send_error(s, 7, d->values[i].value, "unit test"), 0);
                 pump(f);
                 code = 0;
                 assert_int_equal(next(f, fd, NULL, &code), MOEEP__V1__RESPONSE__BODY_ERROR);
                 assert_int_equal(code, d->values[i].value);
-                assert_int_equal(f->d.sessions->errors[d->values[i].value], 1);
+                assert_int_equal(f->d.metrics.errors[d->values[i].value], 1);
         }
         close(fd);
 }

@@ -1,4 +1,4 @@
-/* Checks daemon/tp-cuda-api.h, which declares the driver API that moeepd
+/* Checks daemon/datapath/tp-cuda-api.h, which declares the driver API that moeepd
  * loads at run time, against <cuda.h> wherever CUDA is installed: the
  * constants, the struct layout and the symbol names <cuda.h> maps the
  * plain names to. Compiling checks the first two, running the third. */
@@ -7,7 +7,7 @@
 
 #include <cuda.h>
 
-#include "tp-cuda-api.h"
+#include "datapath/tp-cuda-api.h"
 
 _Static_assert(sizeof(tpc_result) == sizeof(CUresult), "CUresult");
 _Static_assert(sizeof(tpc_device) == sizeof(CUdevice), "CUdevice");

@@ -29,10 +29,10 @@
 #include <unistd.h>
 #include <cmocka.h>
 
+#include "datapath/proxy.h"
+#include "datapath/tp-cuda-internal.h"
 #include "driver.h"
-#include "proxy.h"
 #include "tp-cuda-fake.h"
-#include "tp-cuda-internal.h"
 
 #define SIZE TPC_MAP_ALIGN
 

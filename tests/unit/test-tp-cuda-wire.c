@@ -21,8 +21,8 @@
 #include <unistd.h>
 #include <cmocka.h>
 
+#include "datapath/tp-cuda-internal.h"
 #include "tp-cuda-fake.h"
-#include "tp-cuda-internal.h"
 
 /* ------------------------------------------------------------ wire */
 

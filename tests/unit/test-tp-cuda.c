@@ -23,10 +23,10 @@
 #include <unistd.h>
 #include <cmocka.h>
 
+#include "datapath/proxy.h"
+#include "datapath/tp-cuda-internal.h"
 #include "driver.h"
-#include "proxy.h"
 #include "tp-cuda-fake.h"
-#include "tp-cuda-internal.h"
 #include "unit.h"
 
 static void test_backend_writes(void **state) {

@@ -10,7 +10,7 @@
 
 #include <stddef.h>
 
-#include "tp-cuda-internal.h"
+#include "datapath/tp-cuda-internal.h"
 
 extern const struct tpc_api fake_api;
 extern int fake_lag;          /* NOT_READY answers of each event recorded from now on */

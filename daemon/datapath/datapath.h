@@ -1,0 +1,141 @@
+/* The internode data path of moeepd: the transport opened at start-up
+ * (transport.h), the one proxy thread over it (proxy.h), the transport
+ * connections to the other daemons of the mesh, the ranks' proxy regions
+ * and their channels (descriptor rings).
+ *
+ * Who calls what:
+ *  - daemon.c starts it when the mesh is on (datapath_start), after the
+ *    mesh and the jobs across daemons, which it calls (mesh.h,
+ *    mesh-jobs.h), and frees it after the sessions and the mesh are gone.
+ *  - It subscribes to the mesh for each connection's transport peer: when
+ *    a peer daemon's connection comes up it makes the local half of a
+ *    transport connection, sends its address in PeerTransport and connects
+ *    with the peer's; when the connection goes down it fails the transport
+ *    peer so rings routing to it get an error; when a remote rank goes
+ *    (mesh_rank_gone()) the routes to it lead nowhere.
+ *  - membership.c registers regions with a proxy role
+ *    (datapath_region_register), releases them and tells it when a member
+ *    goes; requests.c opens channels (datapath_channel_open).
+ *
+ * Lifetime of a rank's send region: a ring reads it until the proxy says the
+ * ring is removed (PROXY_EVENT_RING_REMOVED), so when its member goes the
+ * rank's state lingers here, holding the send registration, until every one
+ * of its rings is removed. Receive and counter registrations go at once.
+ *
+ * Proxy events come through the proxy's eventfd on the loop: a ring error
+ * (a bad descriptor) aborts the producer's job naming its rank; a failed
+ * transport peer fails the mesh connection to that daemon (mesh.c): its
+ * client (mesh-jobs.c) aborts every job with ranks there, and the mesh
+ * makes a fresh transport connection when the connection comes back. */
+#ifndef MOEEPD_DATAPATH_H
+#define MOEEPD_DATAPATH_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "datapath/transport.h"
+#include "state/clientfd.h" /* enum region_kind */
+#include "state/job.h"
+
+struct broker;
+struct config;
+struct datapath;
+struct event_base;
+struct mesh;
+struct mesh_jobs;
+
+/* A region's part in the proxy path (RegionRegister.proxy: the
+ * protocol's ProxyRole, value for value; requests.c translates it). */
+enum region_role {
+        REGION_ROLE_NONE = 0,     /* an ordinary region (NVLink peers map it) */
+        REGION_ROLE_SEND = 1,     /* source of the rank's writes */
+        REGION_ROLE_RECV = 2,     /* target of other ranks' data */
+        REGION_ROLE_COUNTERS = 3, /* target of the 8-byte signal writes */
+};
+#define REGION_ROLES (REGION_ROLE_COUNTERS + 1)
+
+/* A region a member registers: what RegionRegister asks, in the daemon's
+ * terms. */
+struct region_spec {
+        enum region_kind kind;
+        uint64_t size;
+        uint32_t tag;
+        enum region_role role;
+};
+
+/* Descriptors of a ring when ChannelOpen says 0. */
+#define DATAPATH_RING_DEFAULT 1024
+/* Channels (rings) one rank may open. */
+#define DATAPATH_MAX_CHANNELS 8
+
+/* Starts the data path when the mesh is on (mesh_listen set): opens the
+ * configured transport (transport, fabric_provider, transport_device,
+ * transport_address) and starts the proxy. When the transport does not
+ * open, moeepd runs without the internode data path: that is logged once
+ * (a warning naming the transport and why) and every request that needs it
+ * is answered with the same text. Returns 0 (*ret NULL when the mesh is
+ * off) or -ENOMEM. */
+int datapath_start(struct event_base *base, const struct config *c, struct mesh *mesh,
+                   struct mesh_jobs *mesh_jobs, struct datapath **ret);
+
+/* Stops the proxy, drops every registration and closes the transport.
+ * Accepts NULL. */
+void datapath_free(struct datapath *dp);
+
+/* Whether the transport is open and the proxy runs; when not, `why` (may
+ * be NULL) gets the reason. */
+bool datapath_up(const struct datapath *dp, const char **ret_why);
+
+/* Backend name of the transport ("fabric", "verbs", "cuda"). */
+const char *datapath_backend(const struct datapath *dp);
+
+/* The transport's byte counters (transport.h, struct tp_stats): true and
+ * *ret filled where the backend counts (cuda), false otherwise. */
+bool datapath_transport_stats(const struct datapath *dp, struct tp_stats *ret);
+
+/* RegionRegister with a proxy role: checks the role (one region of each
+ * per rank), the kind (a memfd sealed with F_SEAL_SHRINK; a dma-buf where
+ * the transport takes one) and the size (counters: a multiple of 8),
+ * registers the region with the broker and with the transport, and tells
+ * the mesh (with the rkey for recv and counter regions). `*fd` is taken
+ * (set to -1) once the broker took it, on success and on a later failure
+ * alike (the broker then closes it, off the loop), so the caller closes it
+ * only while it is still >= 0. Errors as broker_register (a bad role, kind,
+ * seal or size: -ERROR_KIND_INVALID_ARGUMENT), plus -ENODEV without a data
+ * path, -EOPNOTSUPP for a kind the transport cannot register. */
+int datapath_region_register(struct datapath *dp, struct broker *b, struct job_member *m, uid_t uid,
+                             const struct region_spec *spec, int *fd, uint64_t *ret_id, char *errmsg);
+
+/* Before broker_release(): drops the transport registration when `id` is one
+ * of `m`'s proxy regions. -ERROR_KIND_INVALID_ARGUMENT for a send region
+ * that an open channel reads. */
+int datapath_region_release(struct datapath *dp, struct job_member *m, uint64_t id, char *errmsg);
+
+/* ChannelOpen: creates a ring of `capacity` descriptors (0: the default)
+ * whose descriptor peer r goes to rank r of `m`'s job, hands it to the
+ * proxy and returns its fd (the caller's) and id. Errors: -ENODEV without a
+ * data path, and error kinds (errors.h): PEER_LOST for an aborted job,
+ * INVALID_ARGUMENT no send region or a bad capacity, LIMIT_EXCEEDED past
+ * DATAPATH_MAX_CHANNELS, NOT_READY when a rank at another daemon has not joined, has no transport connection
+ * yet, or has not registered its recv and counters regions. */
+int datapath_channel_open(struct datapath *dp, struct job_member *m, uint32_t capacity, int *ret_fd,
+                          uint64_t *ret_ring_id, uint32_t *ret_capacity, char *errmsg);
+
+/* How long a receive or counter registration outlives its release (or
+ * its rank): writes to it that were on their way land, rather than meet a
+ * key the transport no longer knows (datapath.c, mr_retire()). Twice the
+ * proxy's write timeout. */
+#define DATAPATH_MR_LINGER_MS 10000
+
+/* `m` leaves its job or is lost: its channels are removed and its
+ * registrations dropped (the send region once the rings are gone; the
+ * receive and counters registrations retire for DATAPATH_MR_LINGER_MS, so
+ * that writes other daemons had in flight to a lost rank still land). A
+ * job that loses a rank keeps its other ranks' channels: an elastic job
+ * goes on without the rank; an endpoint that is not elastic stops at the
+ * abort word, and its channels go when it leaves. Call before
+ * broker_drop_member(). Accepts dp NULL. */
+void datapath_member_gone(struct datapath *dp, struct job_member *m);
+
+#endif

@@ -1,0 +1,134 @@
+/* The internode proxy: one thread (moeepd starts one, on the one transport
+ * datapath.c opens) that polls descriptor rings in shared memory, posts the
+ * RDMA writes they describe through that transport (transport.h), polls
+ * completions and makes arrival visible at the receiver by writing a counter
+ * there after the data.
+ *
+ * Who talks to whom: the event loop thread creates the proxy, registers
+ * memory and connects peers through the transport, then hands rings over
+ * with proxy_ring_add(). From then on the proxy thread alone owns each ring
+ * (its mapping, its in-flight writes); the loop only queues commands
+ * (ring add/remove, peer failure) and reads events (ring removed, peer
+ * failed, ring error) through an eventfd and a queue each way. No session
+ * or job state is shared.
+ *
+ * The ring's layout and memory-ordering rules are in proto/ring.h, which
+ * the kernels include too.
+ *
+ * Failure: a write that never completes (the transport gives neither success
+ * nor error) keeps its slot after the proxy failed its peer on the timeout;
+ * a transport that drops such writes silently leaks slots until proxy_free.
+ */
+#ifndef MOEEPD_PROXY_H
+#define MOEEPD_PROXY_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "datapath/transport.h"
+#include "log.h"
+#include "ring.h"
+
+/* Where descriptor peer i of a ring goes: the transport peer (the remote
+ * daemon's connection) and the receiver's two regions, as that daemon
+ * registered them and sent them out of band. */
+struct proxy_route {
+        uint32_t tp_peer;        /* transport peer index (tp_ops.peer_new), or PROXY_ROUTE_NONE */
+        struct tp_rkey data;     /* receiver's data region */
+        struct tp_rkey counters; /* receiver's counter region: uint64_t[] */
+};
+
+/* proxy_route.tp_peer of a route that leads nowhere: a descriptor naming it
+ * fails its ring with -EINVAL and a RING_ERROR event, as one out of range
+ * does. moeepd leaves the ranks at its own node unrouted (NVLink reaches
+ * them); their rkeys are ignored. */
+#define PROXY_ROUTE_NONE UINT32_MAX
+/* proxy_route.tp_peer of a route proxy_route_drop() dropped. */
+#define PROXY_ROUTE_GONE (UINT32_MAX - 1)
+
+/* Tunables; zero fields take the defaults in brackets. */
+struct proxy_params {
+        uint32_t max_inflight; /* descriptors with writes in flight [1024] */
+        uint32_t batch;        /* descriptors taken from one ring before the next [32] */
+        uint32_t timeout_ms;   /* a write not completed by then fails its peer with -ETIMEDOUT [5000] */
+        uint32_t idle_spins;   /* idle loops before sleeping 20 us each; UINT32_MAX = always spin [20000] */
+};
+
+enum proxy_event_type {
+        PROXY_EVENT_RING_REMOVED, /* proxy_ring_remove finished: nothing of the ring is in flight */
+        PROXY_EVENT_PEER_FAILED,  /* a transport peer failed; every ring routing to it has its error set */
+        PROXY_EVENT_RING_ERROR,   /* a ring's descriptor was invalid, or its write failed (error set on
+                                   * the ring) */
+};
+const char *proxy_event_type_to_string(enum proxy_event_type t);
+
+struct proxy_event {
+        enum proxy_event_type type;
+        uint64_t ring_id;     /* RING_REMOVED, RING_ERROR */
+        uint32_t tp_peer;     /* PEER_FAILED */
+        int error;            /* -errno (PEER_FAILED, RING_ERROR) */
+        char msg[ERRMSG_MAX]; /* "proxy NAME: what happened" */
+        size_t what;          /* offset in msg of "what happened", after the proxy's name */
+};
+
+struct proxy;
+
+/* Creates a ring memfd of `capacity` descriptors (power of two, up to
+ * PROXY_RING_MAX_CAPACITY), header initialised, size sealed. *ret_fd is the
+ * caller's. */
+int proxy_ring_create(uint32_t capacity, int *ret_fd, char *errmsg);
+
+/* Starts a proxy thread named `name` (for messages) over `t`, which must
+ * outlive it. Registers its own 8-byte staging slots with the transport.
+ * *ret is freed with proxy_free. */
+int proxy_new(const struct transport *t, const struct proxy_params *params, const char *name,
+              struct proxy **ret, char *errmsg);
+
+/* Stops and joins the thread, drops every ring (unmapping them) and frees
+ * what proxy_new made. Writes still in flight are abandoned: close the
+ * transport after this. Accepts NULL. */
+void proxy_free(struct proxy *p);
+
+/* Hands ring `ring_fd` (borrowed; the proxy maps it) to the proxy under
+ * `ring_id` (unique per proxy). Its descriptors read from `src` (borrowed,
+ * must stay registered until PROXY_EVENT_RING_REMOVED) and go to `routes`
+ * (copied; descriptor peer i uses routes[i]; a route may be
+ * PROXY_ROUTE_NONE). -EINVAL for a ring fd that is not a ring, -EEXIST for
+ * a ring_id in use. */
+int proxy_ring_add(struct proxy *p, uint64_t ring_id, int ring_fd, struct tp_mr *src,
+                   const struct proxy_route *routes, uint32_t nroutes, char *errmsg);
+
+/* Asks the thread to stop reading ring `ring_id`; PROXY_EVENT_RING_REMOVED
+ * follows once nothing of it is in flight. -ENOENT when unknown. */
+int proxy_ring_remove(struct proxy *p, uint64_t ring_id);
+
+/* The receiver of route `route` of ring `ring_id` let its regions go (a
+ * released recv or counter region, a rank that left): from now on a
+ * descriptor naming that route fails the ring (-EINVAL, "released"),
+ * never reaching a region its daemon no longer knows, which some
+ * transports answer by closing the connection that every job shares.
+ * -ENOENT when the ring is unknown. */
+int proxy_route_drop(struct proxy *p, uint64_t ring_id, uint32_t route);
+
+/* Tells the proxy that transport peer `tp_peer` is gone (e.g. the mesh lost
+ * that daemon): every ring routing to it gets `error` (-errno), and its
+ * descriptors to that peer fail from now on, so waiters on both sides end. */
+int proxy_peer_fail(struct proxy *p, uint32_t tp_peer, int error);
+
+/* Readable (EPOLLIN) when events are queued; the loop watches it. */
+int proxy_event_fd(const struct proxy *p);
+
+/* Takes the next event: true and *ret filled, or false when none. Resets
+ * the eventfd when the queue is empty. */
+bool proxy_event_next(struct proxy *p, struct proxy_event *ret);
+
+/* Counters for benchmarks and metrics, read without locking (relaxed). */
+struct proxy_stats {
+        uint64_t descriptors; /* consumed */
+        uint64_t writes;      /* posted */
+        uint64_t completions; /* local completions */
+        uint64_t eagain;      /* posts refused with -EAGAIN */
+};
+void proxy_stats_get(const struct proxy *p, struct proxy_stats *ret);
+
+#endif

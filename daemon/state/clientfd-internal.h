@@ -1,0 +1,171 @@
+/* What clientfd.c (accounting, the closer threads) and clientfd-check.c
+ * (the kind checks: region_rules, clientfd_check) share. Not for any other
+ * file: the rest of the daemon uses clientfd.h. */
+#ifndef MOEEPD_CLIENTFD_INTERNAL_H
+#define MOEEPD_CLIENTFD_INTERNAL_H
+
+#include <pthread.h>
+#include <signal.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <sys/queue.h>
+#include <sys/types.h>
+
+#include "log.h" /* ERRMSG_MAX */
+#include "record.h"
+#include "state/clientfd.h"
+
+/* Closer threads: one is started whenever work waits and none is idle, so
+ * that a uid whose close never returns (a FUSE server that does not answer
+ * FLUSH) holds one thread and nobody else waits for it, whatever their
+ * number or uid; idle ones beyond CF_WORKERS_KEEP end after
+ * CF_IDLE_EXIT_MS. Past CF_WORKERS_MAX (every one of them stuck in a
+ * close of a uid of its own) work waits for one to come back: at the
+ * daemon's fd budget each stuck uid holds at least one charged fd, so
+ * below an RLIMIT_NOFILE of about 4,600 that cannot happen. */
+#define CF_WORKERS_KEEP 2
+#define CF_WORKERS_MAX 4096
+#define CF_IDLE_EXIT_MS 1000
+/* A closer needs little stack: close(), pidfd_getfd(), a few stats. */
+#define CF_STACK_BYTES (256u << 10)
+/* Each close or take runs under a timer that signals its thread after this
+ * long (CF_SIGNAL, a handler that does nothing): a wait the kernel lets a
+ * signal end (a socket lingering with SO_LINGER, also one in flight in a
+ * socket being closed) ends there, and the close returns. What no signal
+ * ends (FUSE's FLUSH) keeps its thread. */
+#define CF_INTERRUPT_MS 20
+#define CF_SIGNAL (SIGRTMIN + 5)
+/* A memfd with at most this many bytes of pages closes on the loop: it
+ * cannot block, and freeing that much takes microseconds. */
+#define CF_INLINE_BYTES (1u << 20)
+/* A uid whose close has been in progress this long is stuck: once it also
+ * holds more than max_fds_per_uid, it gets no new session. Legitimate
+ * bursts of closes (a job's ranks leaving) finish in microseconds. */
+#define CF_STUCK_MS 200
+/* Records without fds read and dropped from a session socket before it
+ * is closed, so that its peer reads the Error it was sent rather than a
+ * reset. */
+#define CF_DRAIN_MAX 64
+/* A close that takes longer than this is logged at notice once it
+ * returns (at info past CF_INTERRUPT_MS, at most once per
+ * CF_LOG_INTERVAL_MS and uid). */
+#define CF_SLOW_CLOSE_MS 1000
+#define CF_LOG_INTERVAL_MS 10000
+
+/* What the kernel reports for the descriptors CUDA hands out, measured
+ * with CUDA driver 580 on Linux 6.18 (notes of issue 15):
+ *
+ *   cuMemExportToShareableHandle(POSIX_FILE_DESCRIPTOR): a character
+ *     device, rdev 195:255 (major 195 is the NVIDIA driver's fixed major,
+ *     minor 255 its control device /dev/nvidiactl); no seals, fdinfo has
+ *     only the generic lines. The kernel cannot tell it from a plain open
+ *     of /dev/nvidiactl: the driver checks the allocation when a peer
+ *     imports it.
+ *   cuMemGetHandleForAddressRange(DMA_BUF_FD): an anonymous inode (no
+ *     S_IFMT bits, mode 0600) on the dma-buf filesystem (f_type
+ *     DMA_BUF_MAGIC); fdinfo has "size:", "count:" and "exp_name:
+ *     nv_dmabuf". readlink gives "/dmabuf:NAME", which a client can spell
+ *     as a path of its own, so it is never trusted. */
+#define NVIDIA_MAJOR 195
+#define NVIDIA_CTL_MINOR 255
+#define DMA_BUF_MAGIC 0x444d4142
+
+/* A descriptor taken from a client's process with pidfd_getfd()
+ * (clientfd.c, clientfd_take()). Made on the loop, run by a closer in its uid's queue
+ * (the take can wait on a lock the client holds, see clientfd_take()),
+ * handed back to the loop through clientfds.takes_done. */
+struct cf_take {
+        /* A discard (clientfd_discard_record()) rather than a take: `pidfd`
+         * is then a duplicate of the session socket, whose next record the
+         * closer reads and drops (its fds released, never taken), giving
+         * its header and length; `discarded` is called instead of `done`. */
+        bool discard;
+        struct moeep_record_header hdr; /* its header, when `len` covers it */
+        long len;                       /* the record's length; -errno when none was read */
+        clientfd_discard_fn *discarded;
+        int pidfd;  /* owns until the closer closes it */
+        int number; /* the descriptor number in the client's process */
+        pid_t pid;  /* SO_PEERCRED's, for messages */
+        uid_t uid;  /* SO_PEERCRED's: the process must still have these ids */
+        gid_t gid;
+        int fd;    /* the result: owns, charged to `uid`; -1 on error */
+        int error; /* 0 or -errno (-ERROR_KIND_* for a permission refusal) */
+        char errmsg[ERRMSG_MAX];
+        clientfd_take_fn *done; /* called on the loop, exactly once */
+        void *ctx;              /* not owning */
+        TAILQ_ENTRY(cf_take) entry;
+};
+TAILQ_HEAD(cf_take_list, cf_take);
+
+/* One fd waiting for a closer, or a take. Every one is charged to its
+ * uid until it is done. */
+struct cf_job {
+        int fd;
+        enum cf_cost {
+                CF_CHARGED, /* an fd the uid sent (or a duplicate): charged until close() returns */
+                CF_SOCKET,  /* a session socket: charged until close() returns */
+                CF_TAKE,    /* a take (`take`), not a close; `fd` unused; charged by clientfd_take() */
+        } cost;
+        struct cf_take *take; /* owns until the closer puts it on takes_done; CF_TAKE only */
+        TAILQ_ENTRY(cf_job) entry;
+};
+TAILQ_HEAD(cf_job_list, cf_job);
+
+/* One queue of a uid, served by at most one closer at a time. Each uid has
+ * two: the fds it sent and its takes, whose close (or take) may never
+ * return, and its session sockets, whose close the CF_INTERRUPT_MS timer
+ * always ends (what is in flight in them is released, never flushed), so
+ * that a socket never waits behind a stuck fd. */
+struct cf_lane {
+        struct cf_uid *uid; /* not owning; the uid the lane belongs to */
+        /* Under clientfds.lock: */
+        struct cf_job_list queue; /* owns; waiting for a closer */
+        uint32_t done;            /* closes finished that the loop has not counted */
+        uint32_t slow_ms;         /* the longest of them, when over CF_INTERRUPT_MS */
+        bool busy;                /* a closer runs a job of it */
+        long busy_since;          /* since when (CLOCK_MONOTONIC ms) */
+        bool ready;               /* in clientfds.ready */
+        TAILQ_ENTRY(cf_lane) ready_entry;
+};
+
+enum {
+        CF_LANE_FDS,
+        CF_LANE_SOCKETS,
+        CF_LANES
+};
+
+/* What one uid is charged, and its lanes. */
+struct cf_uid {
+        uid_t uid;
+        uint32_t held;    /* loop thread only: every fd charged, pending closes included */
+        uint32_t closing; /* loop thread only: closes (fds and sockets) not yet returned */
+        long logged_ms;   /* loop thread only: when a slow close of it was last logged */
+        struct cf_lane lanes[CF_LANES];
+        LIST_ENTRY(cf_uid) entry;
+};
+
+struct clientfds {
+        const struct config *config; /* not owning */
+        struct event_base *base;     /* not owning; NULL = close at once */
+        int efd;                     /* owns; closers tell the loop that closes finished */
+        struct event *ev_done;       /* owns */
+        uint32_t total;              /* loop only: all uids' charges */
+        uint32_t sessions;           /* loop only: client session sockets open (not charged to a uid) */
+        uint32_t limit;              /* RLIMIT_NOFILE at start */
+        uint32_t budget;             /* what all uids together may be charged, sessions included */
+        dev_t memfd_dev;             /* st_dev of a memfd of ours; 0 = unknown */
+        bool memfd_dev_known;
+        pthread_mutex_t lock;
+        pthread_cond_t wake;            /* closers wait here for work */
+        pthread_cond_t settled;         /* the loop waits here in clientfds_settle() */
+        pthread_cond_t exited;          /* clientfds_free() waits here for the closers to end */
+        LIST_HEAD(, cf_uid) uids;       /* owns; entries added and removed by the loop, under lock */
+        TAILQ_HEAD(, cf_lane) ready;    /* lanes with queued jobs and no closer */
+        struct cf_take_list takes_done; /* owns; takes the loop has yet to hand back */
+        uint32_t pending;               /* jobs queued or running */
+        unsigned nworkers, nidle;       /* closer threads (detached), of them waiting for work */
+        bool stopping;
+        bool takes_dropped; /* loop only: clientfds_free() began; finished takes are dropped */
+};
+
+#endif
