@@ -1,8 +1,8 @@
 /* Host launchers of moeep's CUDA kernels: the launch API of the product
  * library. Plain C, included by client/lib/ep*.c and by the .cu files. The
- * buffers the kernels share and their layout are in buffers.h, every limit
- * and tunable in params.h; the benchmarks' kernels are apart, in bench_kernels.h.
- */
+ * buffers the kernels share and their layout are in common/buffers.h, every
+ * limit and tunable in common/params.h; the benchmarks' kernels are apart,
+ * in bench/bench_kernels.h. */
 #ifndef MOEEP_KERNELS_H
 #define MOEEP_KERNELS_H
 
@@ -11,7 +11,7 @@
 
 #include <cuda_runtime_api.h>
 
-#include "buffers.h"
+#include "common/buffers.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -116,7 +116,7 @@ int moeep_launch_dispatch(const struct moeep_ctx *ctx, const struct moeep_dispat
 int moeep_launch_combine(const struct moeep_ctx *ctx, const void *x, const float *topk_weights, int num_topk,
                          const struct moeep_route *route, void *out, float *out_weights, cudaStream_t stream);
 
-/* Low-latency mode (kernels/ll.cu, its combine phases in ll-combine.cuh). `set` is the buffer set (0 or 1);
+/* Low-latency mode (kernels/ll/ll.cu, its combine phases in ll/combine.cuh). `set` is the buffer set (0 or 1);
  * `slots` the slots per expert of the call (ranks * its max tokens), the
  * stride of every per-expert array. `phases` (MOEEP_LL_SEND, _RECV or
  * both) are done by one launch of the kernel moeep_ll::dispatch or
@@ -152,7 +152,7 @@ enum {
 };
 int moeep_launch_ll_mask(const struct moeep_ctx *ctx, int op, int rank, int value, int32_t *out, cudaStream_t stream);
 
-/* Normal mode with ranks at other daemons (kernels/px_normal.cu), queued
+/* Normal mode with ranks at other daemons (kernels/normal/proxy.cu), queued
  * around the intranode kernels, which skip remote ranks: dispatch stages
  * and ships our rows for remote ranks, then the relay places the rows
  * remote ranks sent us, then moeep_launch_dispatch does the NVLink part;

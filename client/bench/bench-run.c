@@ -8,7 +8,7 @@
 
 #include "bench.h"
 #include "ep-internal.h"
-#include "bench_kernels.h"
+#include "bench/bench_kernels.h"
 
 static uint64_t mix(uint64_t *s) {
         uint64_t z = (*s += 0x9e3779b97f4a7c15ull);

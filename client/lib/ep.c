@@ -680,7 +680,7 @@ int moeep_dispatch(struct moeep_ep *ep, const struct moeep_dispatch_args *a,
                 .topk_weights = a->topk_weights,
                 .num_topk = dispatch_topk(a),
         };
-        if (ep->remote) { /* rows for ranks at other daemons: staged, shipped, placed (kernels/px_normal.cu) */
+        if (ep->remote) { /* rows for ranks at other daemons: staged, shipped, placed (kernels/normal/proxy.cu) */
                 r = launch_result(ep, "dispatch staging",
                                   moeep_launch_px_dispatch_stage(&ep->ctx, &l, &h->route, stream));
                 if (r == 0)
@@ -759,7 +759,7 @@ int moeep_combine(struct moeep_ep *ep, const struct moeep_combine_args *a, cudaS
                           moeep_launch_notify(&ep->ctx, NULL, NULL, 1, 0, 0, NULL, 0, 0, NULL, NULL, stream));
         if (r < 0)
                 return r;
-        if (ep->remote) { /* rows of ranks at other daemons: staged, shipped, placed (kernels/px_normal.cu) */
+        if (ep->remote) { /* rows of ranks at other daemons: staged, shipped, placed (kernels/normal/proxy.cu) */
                 const int k = a->topk_weights ? a->num_topk : 0;
                 r = launch_result(ep, "combine staging",
                                   moeep_launch_px_combine_stage(&ep->ctx, a->x, a->topk_weights, k,

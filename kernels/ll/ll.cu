@@ -22,9 +22,9 @@
 #include <cuda_fp8.h>
 
 #include "kernels.h"
-#include "ptx.cuh"
-#include "px.cuh"
-#include "wait.cuh"
+#include "common/ptx.cuh"
+#include "common/px.cuh"
+#include "common/wait.cuh"
 
 /* Warps numbered across blocks first: the few hundred work items of a
  * decode step spread over every SM instead of filling the first blocks. */
@@ -85,7 +85,7 @@ __device__ __forceinline__ void ll_note_ref(const struct moeep_ctx &ctx, int b, 
                 ours ? (int32_t)((e % epr) * slots + pos) : -1;
 }
 
-#include "ll-shrink.cuh"
+#include "ll/shrink.cuh"
 
 /* FP8 cast of 16 bf16 channels (two int4 of a row) into one int4 of e4m3,
  * with the scale of their 128-channel group: the 8 lanes of an aligned
@@ -210,7 +210,7 @@ template <typename Idx> __device__ __forceinline__ void ll_load_ids(const Idx *t
  * (LL_NO_EXPERT when masked), from the ids ll_load_ids loaded.
  *
  * Elastic (ctx.shrink): block 0 also decides the ranks the call leaves out
- * and the lower ranks whose counts our pairs go after (ll-shrink.cuh), and
+ * and the lower ranks whose counts our pairs go after (ll/shrink.cuh), and
  * the other blocks take its decision (s_dec: skip, view) instead of
  * waiting for the counts themselves. A pair for a rank left out is masked
  * (LL_NO_EXPERT) and not counted; neither our counts nor our flag go to
@@ -650,7 +650,7 @@ __device__ __forceinline__ void ll_dispatch(const struct moeep_ctx &ctx, const i
         }
 }
 
-#include "ll-combine.cuh"
+#include "ll/combine.cuh"
 
 namespace moeep_ll {
 

@@ -17,9 +17,9 @@
  * Stage kernels never wait; relays wait only for remote segments, which the
  * remote rank's stage kernel (queued before its relay) ships: no cycle. */
 #include "kernels.h"
-#include "ptx.cuh"
-#include "px.cuh"
-#include "wait.cuh"
+#include "common/ptx.cuh"
+#include "common/px.cuh"
+#include "common/wait.cuh"
 
 /* The staged rows' layouts (px_pair, px_comb_row_bytes) and the segment
  * header bits (PX_SEG_*) are in buffers.h. */

@@ -31,9 +31,9 @@
 #include <cuda_bf16.h>
 
 #include "kernels.h"
-#include "ptx.cuh"
-#include "px.cuh"
-#include "wait.cuh"
+#include "common/ptx.cuh"
+#include "common/px.cuh"
+#include "common/wait.cuh"
 
 /* The warp roles and their sizes (COMBINE_*) are in params.h. */
 

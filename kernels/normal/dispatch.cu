@@ -8,9 +8,9 @@
  * layout.recv_*) is written by its sources only at rows reserved for them,
  * and read by its owner after the flags. */
 #include "kernels.h"
-#include "ptx.cuh"
-#include "px.cuh"
-#include "wait.cuh"
+#include "common/ptx.cuh"
+#include "common/px.cuh"
+#include "common/wait.cuh"
 
 /* pos[d] of a token: its row in rank d's receive area, with the area in
  * the bits from AREA_SHIFT up (rows < MOEEP_KERNEL_MAX_RANKS *

@@ -162,7 +162,7 @@ __global__ void __launch_bounds__(LL_THREADS, 1) ll_pairs_relay(struct moeep_ctx
          * sources' (the counts ahead of their staged pairs). */
         __shared__ int s_base[MOEEP_KERNEL_MAX_EXPERTS];
         /* Elastic: block 0 decides whose counts the layout is after (cv)
-         * and which remote sources' pairs are placed (ll-shrink.cuh); the
+         * and which remote sources' pairs are placed (ll/shrink.cuh); the
          * others take its decision. */
         __shared__ uint32_t s_dec;
         uint32_t cv = ~0u, remote_in = ~0u;

@@ -1,7 +1,7 @@
 /* Layout: which ranks and experts each token goes to (DeepEP's
  * get_dispatch_layout), computed on the GPU from topk_idx. */
 #include "kernels.h"
-#include "ptx.cuh"
+#include "common/ptx.cuh"
 
 /* One thread per token. Counts are accumulated per block in shared memory
  * and then added to the (zeroed) outputs with one atomic per block and bin. */
