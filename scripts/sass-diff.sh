@@ -63,7 +63,7 @@ source_of() {
                 (cd "$1" && pwd)
                 return
         fi
-        mkdir -p "$2/src"
+        mkdir "$2/src"
         git -C "$repo" archive "$1" | tar -x -C "$2/src"
         echo "$2/src"
 }
@@ -72,6 +72,7 @@ source_of() {
 # and one resource-usage line per kernel into $2/sass.
 dump_tree() {
         local src build objs obj
+        mkdir -p "$2"
         src=$(source_of "$1" "$2")
         build=$2/build
         meson setup "$build" "$src" -Dcuda=enabled -Dtests=false >"$2/setup.log" 2>&1 || {
