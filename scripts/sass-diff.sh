@@ -6,9 +6,11 @@
 # device code alone (moving kernels between files, host-side refactors).
 #
 # A kernel's SASS is compared as cuobjdump prints it, instruction encodings
-# included, from its "Function :" line to the next; what is outside the
-# functions (the object's path, its fatbin header) is left out, and so are
-# the kernels' object files: a kernel may move to another file. The device
+# and offsets included, from its "Function :" line to the next, with runs of
+# blanks made one (cuobjdump pads its columns to the widest instruction of
+# the object); what is outside the functions (the object's path, its fatbin
+# header) is left out, and so are the kernels' object files: a kernel may
+# move to another file. The device
 # functions a kernel calls are in its own text, so they are compared with
 # it. Also compared: each kernel's resource usage (registers, stack, shared
 # and local memory, cuobjdump -res-usage).
@@ -94,7 +96,7 @@ dump_tree() {
                 cuobjdump -sass "$build/$obj" | awk -v dir="$2/sass" '
                         /^[ \t]*Function : / { f = dir "/" $3 ".sass"; if (seen[f]++) dup = dup " " $3; next }
                         /^[ \t]*(code for|Fatbin|arch =|code version|host =|compile_size|identifier|\.target|=+$)/ { f = ""; next }
-                        f != "" && NF { print > f }
+                        f != "" && NF { gsub(/[ \t]+/, " "); print > f }
                         END { if (dup != "") { print "sass-diff: kernel twice:" dup > "/dev/stderr"; exit 1 } }'
                 cuobjdump -res-usage "$build/$obj" |
                         awk '/^ *Function [^ ]*:$/ { name = $2; sub(/:$/, "", name); next }
