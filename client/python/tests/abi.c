@@ -10,8 +10,8 @@
 #include <string.h>
 
 #include "common/buffers.h"
-#include "moeep.h"
 #include "common/params.h"
+#include "moeep.h"
 #ifdef MOEEP_ABI_EP
 #include "moeep_ep.h"
 #endif
