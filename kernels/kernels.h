@@ -116,10 +116,10 @@ int moeep_launch_dispatch(const struct moeep_ctx *ctx, const struct moeep_dispat
 int moeep_launch_combine(const struct moeep_ctx *ctx, const void *x, const float *topk_weights, int num_topk,
                          const struct moeep_route *route, void *out, float *out_weights, cudaStream_t stream);
 
-/* Low-latency mode (kernels/ll/ll.cu, its combine phases in ll/combine.cuh). `set` is the buffer set (0 or 1);
- * `slots` the slots per expert of the call (ranks * its max tokens), the
- * stride of every per-expert array. `phases` (MOEEP_LL_SEND, _RECV or
- * both) are done by one launch of the kernel moeep_ll::dispatch or
+/* Low-latency mode (kernels/ll/: dispatch.cu, combine.cu, the relays in
+ * relay.cu). `set` is the buffer set (0 or 1); `slots` the slots per
+ * expert of the call (ranks * its max tokens), the stride of every
+ * per-expert array. `phases` (MOEEP_LL_SEND, _RECV or both) are done by one launch of the kernel moeep_ll::dispatch or
  * moeep_ll::combine (DeepEP's profilers count kernels by those names);
  * combine with both phases is a cooperative launch. */
 enum {
