@@ -7,6 +7,7 @@
 #include <cuda_bf16.h>
 
 #include "bench/bench_kernels.h"
+#include "common/launch.cuh"
 #include "common/ptx.cuh"
 #include "common/ring.cuh"
 #include "common/wait.cuh"

@@ -3,6 +3,7 @@
  * (ll_combine_recv), with their launcher. */
 #include <cuda_bf16.h>
 
+#include "common/launch.cuh"
 #include "ll/ll.cuh"
 #include "ll/shrink.cuh"
 
@@ -287,27 +288,6 @@ __global__ void __launch_bounds__(LL_THREADS, 1)
 
 } /* namespace moeep_ll */
 
-/* One launch of moeep_ll::combine: cooperative when it does both phases
- * (its blocks wait for each other through the combine flag), which the
- * runtime refuses rather than run with blocks that cannot all be resident. */
-template <typename Idx>
-static cudaError_t ll_combine_launch(const struct moeep_ctx *ctx, const void *y, int set, int slots, int phases,
-                                     int local, const void *topk_idx, const float *weights, int num_tokens,
-                                     int num_topk, void *out, cudaStream_t stream) {
-        cudaLaunchConfig_t cfg = {};
-        cudaLaunchAttribute attr[1];
-
-        cfg.gridDim = dim3((unsigned)ctx->ll_num_sms);
-        cfg.blockDim = dim3(LL_THREADS);
-        cfg.stream = stream;
-        attr[0].id = cudaLaunchAttributeCooperative;
-        attr[0].val.cooperative = phases == (MOEEP_LL_SEND | MOEEP_LL_RECV);
-        cfg.attrs = attr;
-        cfg.numAttrs = 1;
-        return cudaLaunchKernelEx(&cfg, moeep_ll::combine<Idx>, *ctx, (const int4 *)y, set, slots, phases, local,
-                                  (const Idx *)topk_idx, weights, num_tokens, num_topk, (int4 *)out);
-}
-
 extern "C" int moeep_launch_ll_combine(const struct moeep_ctx *ctx, const void *y, int set, int slots, int phases,
                                        const void *topk_idx, int idx_is_int64, const float *weights, int num_tokens,
                                        int num_topk, void *out, cudaStream_t stream) {
@@ -316,10 +296,18 @@ extern "C" int moeep_launch_ll_combine(const struct moeep_ctx *ctx, const void *
          * (y is the caller's until the call ends; a hook's receive comes
          * later and gets them sent like every other rank's). */
         const int local = phases == (MOEEP_LL_SEND | MOEEP_LL_RECV) && !(ctx->debug & MOEEP_DEBUG_COPY_SELF);
-        cudaError_t e = idx_is_int64 ? ll_combine_launch<int64_t>(ctx, y, set, slots, phases, local, topk_idx, weights,
-                                                                  num_tokens, num_topk, out, stream)
-                                     : ll_combine_launch<int32_t>(ctx, y, set, slots, phases, local, topk_idx, weights,
-                                                                  num_tokens, num_topk, out, stream);
+        /* One launch of moeep_ll::combine doing phases p: cooperative when
+         * it does both (its blocks wait for each other through the combine
+         * flag). */
+        auto launch = [&](int p) {
+                return with_index_type(idx_is_int64, [&](auto idx) {
+                        using Idx = decltype(idx);
+                        return launch_kernel(moeep_ll::combine<Idx>, (unsigned)ctx->ll_num_sms, LL_THREADS, stream,
+                                             p == (MOEEP_LL_SEND | MOEEP_LL_RECV), *ctx, (const int4 *)y, set, slots, p,
+                                             local, (const Idx *)topk_idx, weights, num_tokens, num_topk, (int4 *)out);
+                });
+        };
+        cudaError_t e = launch(phases);
         if ((e == cudaErrorCooperativeLaunchTooLarge || e == cudaErrorNotSupported) &&
             phases == (MOEEP_LL_SEND | MOEEP_LL_RECV)) {
                 /* Where a cooperative launch is refused (too few SMs free
@@ -328,10 +316,7 @@ extern "C" int moeep_launch_ll_combine(const struct moeep_ctx *ctx, const void *
                 (void)cudaGetLastError();
                 e = cudaSuccess;
                 for (int p = MOEEP_LL_SEND; p <= MOEEP_LL_RECV && e == cudaSuccess; p <<= 1)
-                        e = idx_is_int64 ? ll_combine_launch<int64_t>(ctx, y, set, slots, p, local, topk_idx, weights,
-                                                                      num_tokens, num_topk, out, stream)
-                                         : ll_combine_launch<int32_t>(ctx, y, set, slots, p, local, topk_idx, weights,
-                                                                      num_tokens, num_topk, out, stream);
+                        e = launch(p);
         }
         if (e != cudaSuccess)
                 return (int)e;

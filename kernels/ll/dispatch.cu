@@ -4,6 +4,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
+#include "common/launch.cuh"
 #include "ll/ll.cuh"
 #include "ll/shrink.cuh"
 
@@ -556,17 +557,6 @@ __global__ void __launch_bounds__(LL_THREADS, 1)
 
 } /* namespace moeep_ll */
 
-template <typename Idx>
-static void ll_dispatch_launch(int path, const struct moeep_ctx *ctx, const void *x, int num_tokens,
-                               const void *topk_idx, int num_topk, int set, int slots, int use_fp8, int round_scale,
-                               int phases, int *stats, int blocks, cudaStream_t stream) {
-        auto *kernel = path == LL_PATH_TOKENS  ? moeep_ll::dispatch<Idx, LL_PATH_TOKENS>
-                       : path == LL_PATH_PAIRS ? moeep_ll::dispatch<Idx, LL_PATH_PAIRS>
-                                               : moeep_ll::dispatch<Idx, LL_PATH_CLAIM>;
-        kernel<<<blocks, LL_THREADS, 0, stream>>>(*ctx, (const int4 *)x, num_tokens, (const Idx *)topk_idx, num_topk,
-                                                  set, slots, use_fp8, round_scale, phases, stats);
-}
-
 extern "C" int moeep_launch_ll_dispatch(const struct moeep_ctx *ctx, const void *x, int num_tokens,
                                         const void *topk_idx, int idx_is_int64, int num_topk, int set, int slots,
                                         int use_fp8, int round_scale, int phases, int *stats, cudaStream_t stream) {
@@ -584,12 +574,14 @@ extern "C" int moeep_launch_ll_dispatch(const struct moeep_ctx *ctx, const void 
         const int blocks = (phases & MOEEP_LL_SEND) ? ctx->ll_num_sms : 1;
         const bool scan = !ctx->px.remote && (long)num_tokens * num_topk <= LL_SCAN_PAIRS;
         const int path = !scan ? LL_PATH_CLAIM : 2 * num_tokens >= ctx->ll_num_sms ? LL_PATH_TOKENS : LL_PATH_PAIRS;
-        if (idx_is_int64)
-                ll_dispatch_launch<int64_t>(path, ctx, x, num_tokens, topk_idx, num_topk, set, slots, use_fp8,
-                                            round_scale, phases, stats, blocks, stream);
-        else
-                ll_dispatch_launch<int32_t>(path, ctx, x, num_tokens, topk_idx, num_topk, set, slots, use_fp8,
-                                            round_scale, phases, stats, blocks, stream);
+        with_index_type(idx_is_int64, [&](auto idx) {
+                using Idx = decltype(idx);
+                auto *kernel = path == LL_PATH_TOKENS  ? moeep_ll::dispatch<Idx, LL_PATH_TOKENS>
+                               : path == LL_PATH_PAIRS ? moeep_ll::dispatch<Idx, LL_PATH_PAIRS>
+                                                       : moeep_ll::dispatch<Idx, LL_PATH_CLAIM>;
+                kernel<<<blocks, LL_THREADS, 0, stream>>>(*ctx, (const int4 *)x, num_tokens, (const Idx *)topk_idx,
+                                                          num_topk, set, slots, use_fp8, round_scale, phases, stats);
+        });
         MOEEP_CUDA_LAUNCH_CHECK();
         return 0;
 }

@@ -3,6 +3,7 @@
  * place what remote ranks staged for us as their NVLink writes would have,
  * the pairs of a dispatch (ll_pairs_relay, which then does the receive
  * phase) and the rows of a combine (ll_rows_relay). */
+#include "common/launch.cuh"
 #include "ll/ll.cuh"
 #include "ll/shrink.cuh"
 

@@ -1,6 +1,7 @@
 /* The elastic endpoints' own launches (ll/shrink.cuh says how the
  * low-latency kernels go on without a masked rank): the clean barrier and
  * the mask, with their launchers (kernels.h). */
+#include "common/launch.cuh"
 #include "ll/ll.cuh"
 #include "ll/shrink.cuh"
 

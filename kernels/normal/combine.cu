@@ -30,10 +30,11 @@
  * only by their owner after the chunk counter; out is written once. */
 #include <cuda_bf16.h>
 
-#include "kernels.h"
+#include "common/launch.cuh"
 #include "common/ptx.cuh"
 #include "common/px.cuh"
 #include "common/wait.cuh"
+#include "kernels.h"
 
 /* The warp roles and their sizes (COMBINE_*) are in params.h. */
 

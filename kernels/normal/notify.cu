@@ -1,10 +1,11 @@
 /* Notify: the barrier that opens every dispatch and combine, and for a
  * dispatch with fresh routing the count exchange that tells every rank where
  * its rows land in every peer's receive area. One block. */
-#include "kernels.h"
+#include "common/launch.cuh"
 #include "common/ptx.cuh"
 #include "common/px.cuh"
 #include "common/wait.cuh"
+#include "kernels.h"
 
 static_assert(MOEEP_COMBINE_CHUNK == 32, "notify counts a combine chunk per warp round of 32 tokens");
 
@@ -287,14 +288,12 @@ extern "C" int moeep_launch_notify(const struct moeep_ctx *ctx, const uint8_t *i
         struct moeep_route none = {};
         const struct moeep_route &r = route ? *route : none;
 
-        if (idx_is_int64)
-                notify_kernel<int64_t><<<1, NOTIFY_THREADS, 0, stream>>>(
-                        *ctx, is_token_in_rank, (const int64_t *)topk_idx, num_tokens, num_topk, tokens_per_expert,
+        with_index_type(idx_is_int64, [&](auto idx) {
+                using Idx = decltype(idx);
+                notify_kernel<Idx><<<1, NOTIFY_THREADS, 0, stream>>>(
+                        *ctx, is_token_in_rank, (const Idx *)topk_idx, num_tokens, num_topk, tokens_per_expert,
                         total_tokens, alignment, r, route != NULL, host_out);
-        else
-                notify_kernel<int32_t><<<1, NOTIFY_THREADS, 0, stream>>>(
-                        *ctx, is_token_in_rank, (const int32_t *)topk_idx, num_tokens, num_topk, tokens_per_expert,
-                        total_tokens, alignment, r, route != NULL, host_out);
+        });
         MOEEP_CUDA_LAUNCH_CHECK();
         return 0;
 }
