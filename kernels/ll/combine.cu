@@ -288,28 +288,29 @@ __global__ void __launch_bounds__(LL_THREADS, 1)
 
 } /* namespace moeep_ll */
 
-extern "C" int moeep_launch_ll_combine(const struct moeep_ctx *ctx, const void *y, int set, int slots, int phases,
-                                       const void *topk_idx, int idx_is_int64, const float *weights, int num_tokens,
-                                       int num_topk, void *out, cudaStream_t stream) {
+extern "C" int moeep_launch_ll_combine(const struct moeep_ctx *ctx, const struct moeep_ll_combine_launch *a,
+                                       cudaStream_t stream) {
+        const int both = MOEEP_LL_SEND | MOEEP_LL_RECV;
+
         MOEEP_CUDA_LAUNCH_BEGIN();
         /* Both phases in one call: our own tokens' outputs are read in place
          * (y is the caller's until the call ends; a hook's receive comes
          * later and gets them sent like every other rank's). */
-        const int local = phases == (MOEEP_LL_SEND | MOEEP_LL_RECV) && !(ctx->debug & MOEEP_DEBUG_COPY_SELF);
+        const int local = a->phases == both && !(ctx->debug & MOEEP_DEBUG_COPY_SELF);
         /* One launch of moeep_ll::combine doing phases p: cooperative when
          * it does both (its blocks wait for each other through the combine
          * flag). */
         auto launch = [&](int p) {
-                return with_index_type(idx_is_int64, [&](auto idx) {
+                return with_index_type(a->idx_is_int64, [&](auto idx) {
                         using Idx = decltype(idx);
                         return launch_kernel(moeep_ll::combine<Idx>, (unsigned)ctx->ll_num_sms, LL_THREADS, stream,
-                                             p == (MOEEP_LL_SEND | MOEEP_LL_RECV), *ctx, (const int4 *)y, set, slots, p,
-                                             local, (const Idx *)topk_idx, weights, num_tokens, num_topk, (int4 *)out);
+                                             p == both, *ctx, (const int4 *)a->y, a->set, a->slots, p, local,
+                                             (const Idx *)a->topk_idx, a->weights, a->num_tokens, a->num_topk,
+                                             (int4 *)a->out);
                 });
         };
-        cudaError_t e = launch(phases);
-        if ((e == cudaErrorCooperativeLaunchTooLarge || e == cudaErrorNotSupported) &&
-            phases == (MOEEP_LL_SEND | MOEEP_LL_RECV)) {
+        cudaError_t e = launch(a->phases);
+        if ((e == cudaErrorCooperativeLaunchTooLarge || e == cudaErrorNotSupported) && a->phases == both) {
                 /* Where a cooperative launch is refused (too few SMs free
                  * for the grid, or not supported here), one launch per
                  * phase as before: the same results, one launch more. */

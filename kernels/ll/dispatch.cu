@@ -557,9 +557,8 @@ __global__ void __launch_bounds__(LL_THREADS, 1)
 
 } /* namespace moeep_ll */
 
-extern "C" int moeep_launch_ll_dispatch(const struct moeep_ctx *ctx, const void *x, int num_tokens,
-                                        const void *topk_idx, int idx_is_int64, int num_topk, int set, int slots,
-                                        int use_fp8, int round_scale, int phases, int *stats, cudaStream_t stream) {
+extern "C" int moeep_launch_ll_dispatch(const struct moeep_ctx *ctx, const struct moeep_ll_dispatch_launch *a,
+                                        cudaStream_t stream) {
         MOEEP_CUDA_LAUNCH_BEGIN();
         /* The receive phase alone is one block's work. Positions are
          * counted in shared memory with every rank mapped (ranks behind the
@@ -571,16 +570,17 @@ extern "C" int moeep_launch_ll_dispatch(const struct moeep_ctx *ctx, const void 
          * instance its send ran, so that a call shape shows one kernel
          * name: DeepEP's profiling counts the names that contain "dispatch"
          * and wants exactly one. */
-        const int blocks = (phases & MOEEP_LL_SEND) ? ctx->ll_num_sms : 1;
-        const bool scan = !ctx->px.remote && (long)num_tokens * num_topk <= LL_SCAN_PAIRS;
-        const int path = !scan ? LL_PATH_CLAIM : 2 * num_tokens >= ctx->ll_num_sms ? LL_PATH_TOKENS : LL_PATH_PAIRS;
-        with_index_type(idx_is_int64, [&](auto idx) {
+        const int blocks = (a->phases & MOEEP_LL_SEND) ? ctx->ll_num_sms : 1;
+        const bool scan = !ctx->px.remote && (long)a->num_tokens * a->num_topk <= LL_SCAN_PAIRS;
+        const int path = !scan ? LL_PATH_CLAIM : 2 * a->num_tokens >= ctx->ll_num_sms ? LL_PATH_TOKENS : LL_PATH_PAIRS;
+        with_index_type(a->idx_is_int64, [&](auto idx) {
                 using Idx = decltype(idx);
                 auto *kernel = path == LL_PATH_TOKENS  ? moeep_ll::dispatch<Idx, LL_PATH_TOKENS>
                                : path == LL_PATH_PAIRS ? moeep_ll::dispatch<Idx, LL_PATH_PAIRS>
                                                        : moeep_ll::dispatch<Idx, LL_PATH_CLAIM>;
-                kernel<<<blocks, LL_THREADS, 0, stream>>>(*ctx, (const int4 *)x, num_tokens, (const Idx *)topk_idx,
-                                                          num_topk, set, slots, use_fp8, round_scale, phases, stats);
+                kernel<<<blocks, LL_THREADS, 0, stream>>>(*ctx, (const int4 *)a->x, a->num_tokens,
+                                                          (const Idx *)a->topk_idx, a->num_topk, a->set, a->slots,
+                                                          a->use_fp8, a->round_scale, a->phases, a->stats);
         });
         MOEEP_CUDA_LAUNCH_CHECK();
         return 0;
