@@ -11,12 +11,12 @@
 #include <assert.h>
 #include <stdint.h>
 
-#include "moeep.h"
+#include "moeep_job.h"
 
 /* ---- Limits: the shapes the kernels' fixed arrays are sized for. */
 
 #define MOEEP_KERNEL_MAX_RANKS 8
-/* A job's ranks are a product limit (moeep.h); the kernels' per-rank arrays
+/* A job's ranks are a product limit (proto/moeep_job.h); the kernels' per-rank arrays
  * (flags, counts, peer pointers) must hold every one of them. */
 static_assert(MOEEP_KERNEL_MAX_RANKS == MOEEP_MAX_RANKS, "kernel rank arrays must match the job's rank limit");
 #define MOEEP_KERNEL_MAX_EXPERTS 512

@@ -15,7 +15,7 @@ documents say it.
   docs.py install-paths SOURCE_ROOT BUILD_ROOT
   docs.py suites SOURCE_ROOT BUILD_ROOT
   docs.py links SOURCE_ROOT
-  docs.py c-example SOURCE_ROOT INCLUDE_DIR LIBMOEEP MOEEPD
+  docs.py c-example SOURCE_ROOT INCLUDE_DIRS LIBMOEEP MOEEPD
 
 Exit status 0 when everything agrees, 1 with the differences, 77 (skip)
 when a check cannot apply to this build (named).
@@ -389,8 +389,10 @@ def links(src):
 
 
 def c_example(src, include, libmoeep, moeepd):
-    """README.md's C example compiles against this build's headers, links
-    this build's libmoeep, and runs against a private moeepd."""
+    """README.md's C example compiles against this build's headers (the
+    directories of `include`, separated by os.pathsep, the public headers'
+    where meson installs them from), links this build's libmoeep, and runs
+    against a private moeepd."""
     doc = blocks.parse(os.path.join(src, "README.md"))
     example = [b for b in doc if b.action == "file" and b.lang == "c"]
     if len(example) != 1:
@@ -403,7 +405,8 @@ def c_example(src, include, libmoeep, moeepd):
             f.write(b.text)
         exe = os.path.join(tmp, "example")
         cc = os.environ.get("CC", "cc")
-        r = run([cc, "-std=gnu11", "-Wall", "-Wextra", "-Werror", "-I", include, source, "-o", exe,
+        includes = ["-I" + d for d in include.split(os.pathsep)]
+        r = run([cc, "-std=gnu11", "-Wall", "-Wextra", "-Werror"] + includes + [source, "-o", exe,
                  libmoeep, "-Wl,-rpath," + os.path.dirname(libmoeep)])
         if r.returncode != 0:
             print("README.md:%d: %s does not compile:\n%s" % (b.line, b.arg, r.stdout + r.stderr))
