@@ -1,8 +1,8 @@
 /* Host launchers of moeep's CUDA kernels: the launch API of the product
  * library. Plain C, included by client/lib/ep*.c and by the .cu files. The
- * buffers the kernels share and their layout are in buffers.h, every limit
- * and tunable in params.h; the benchmarks' kernels are apart, in bench_kernels.h.
- */
+ * buffers the kernels share and their layout are in common/buffers.h, every
+ * limit and tunable in common/params.h; the benchmarks' kernels are apart,
+ * in bench/bench_kernels.h. */
 #ifndef MOEEP_KERNELS_H
 #define MOEEP_KERNELS_H
 
@@ -11,7 +11,7 @@
 
 #include <cuda_runtime_api.h>
 
-#include "buffers.h"
+#include "common/buffers.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -79,18 +79,29 @@ int moeep_launch_layout(const void *topk_idx, int idx_is_int64, int num_tokens, 
                         int ranks, int *num_tokens_per_rank, int *num_tokens_per_expert, uint8_t *is_token_in_rank,
                         cudaStream_t stream);
 
-/* Barrier with every rank (bumps seq). When `route` is not NULL, also
- * computes the routing of a dispatch: per-token positions from
- * is_token_in_rank (or topk_idx when is_token_in_rank is NULL), the count
- * exchange, prefixes and per-expert counts (aligned to `alignment`; the
- * caller's tokens_per_expert [experts] when not NULL, else from topk_idx),
- * and the exchange of every rank's total_tokens (the whole dispatch that
- * this call is a round of; the maximum lands in host_out); copies
+/* Barrier with every rank (bumps seq): one launch of the notify kernel
+ * without a route. */
+int moeep_launch_barrier(const struct moeep_ctx *ctx, cudaStream_t stream);
+
+/* What notify routes: the tokens of one dispatch (a round of a larger one
+ * when total_tokens > num_tokens). */
+struct moeep_notify_launch {
+        const uint8_t *is_token_in_rank; /* [num_tokens][ranks], or NULL: the ranks come from topk_idx */
+        const void *topk_idx;            /* [num_tokens][num_topk] */
+        int idx_is_int64;                /* topk_idx is int64_t (else int32_t) */
+        int num_tokens, num_topk;
+        const int *tokens_per_expert; /* [experts]: the caller's counts, or NULL: counted from topk_idx */
+        int total_tokens;             /* the whole dispatch this call is a round of */
+        int alignment;                /* per-expert counts are rounded up to a multiple of this */
+};
+
+/* The barrier of moeep_launch_barrier, and the routing of a dispatch into
+ * `route`: per-token positions from is_token_in_rank (or topk_idx), the
+ * count exchange, prefixes and per-expert counts, and the exchange of
+ * every rank's total_tokens (the maximum lands in host_out); copies
  * num_recv and the counts to `host_out` when it is not NULL. */
-int moeep_launch_notify(const struct moeep_ctx *ctx, const uint8_t *is_token_in_rank, const void *topk_idx,
-                        int idx_is_int64, int num_tokens, int num_topk, const int *tokens_per_expert, int total_tokens,
-                        int alignment, const struct moeep_route *route, struct moeep_notify_host *host_out,
-                        cudaStream_t stream);
+int moeep_launch_notify(const struct moeep_ctx *ctx, const struct moeep_notify_launch *a,
+                        const struct moeep_route *route, struct moeep_notify_host *host_out, cudaStream_t stream);
 
 struct moeep_dispatch_launch {
         const void *x;         /* [num_tokens][hidden], row bytes = hidden * elem_size */
@@ -116,22 +127,44 @@ int moeep_launch_dispatch(const struct moeep_ctx *ctx, const struct moeep_dispat
 int moeep_launch_combine(const struct moeep_ctx *ctx, const void *x, const float *topk_weights, int num_topk,
                          const struct moeep_route *route, void *out, float *out_weights, cudaStream_t stream);
 
-/* Low-latency mode (kernels/ll.cu, its combine phases in ll-combine.cuh). `set` is the buffer set (0 or 1);
- * `slots` the slots per expert of the call (ranks * its max tokens), the
- * stride of every per-expert array. `phases` (MOEEP_LL_SEND, _RECV or
- * both) are done by one launch of the kernel moeep_ll::dispatch or
- * moeep_ll::combine (DeepEP's profilers count kernels by those names);
- * combine with both phases is a cooperative launch. */
+/* Low-latency mode (kernels/ll/: dispatch.cu, combine.cu, the relays in
+ * relay.cu). `phases` (MOEEP_LL_SEND, _RECV or both) are done by one
+ * launch of the kernel moeep_ll::dispatch or moeep_ll::combine (DeepEP's
+ * profilers count kernels by those names); combine with both phases is a
+ * cooperative launch. */
 enum {
         MOEEP_LL_SEND = 1,
         MOEEP_LL_RECV = 2
 };
-int moeep_launch_ll_dispatch(const struct moeep_ctx *ctx, const void *x, int num_tokens, const void *topk_idx,
-                             int idx_is_int64, int num_topk, int set, int slots, int use_fp8, int round_scale,
-                             int phases, int *stats, cudaStream_t stream);
-int moeep_launch_ll_combine(const struct moeep_ctx *ctx, const void *y, int set, int slots, int phases,
-                            const void *topk_idx, int idx_is_int64, const float *weights, int num_tokens, int num_topk,
-                            void *out, cudaStream_t stream);
+
+/* One low-latency dispatch call, or one of its phases. */
+struct moeep_ll_dispatch_launch {
+        const void *x;        /* [num_tokens][hidden] bf16 (the send) */
+        const void *topk_idx; /* [num_tokens][num_topk] (the send) */
+        int idx_is_int64;     /* topk_idx is int64_t (else int32_t) */
+        int num_tokens, num_topk;
+        int set;   /* the buffer set, 0 or 1 */
+        int slots; /* slots per expert of the call (ranks * its max tokens): the stride of every per-expert array */
+        int use_fp8, round_scale;
+        int phases;
+        int *stats; /* [local experts]: the received counts are added, or NULL */
+};
+int moeep_launch_ll_dispatch(const struct moeep_ctx *ctx, const struct moeep_ll_dispatch_launch *a,
+                             cudaStream_t stream);
+
+/* One low-latency combine call, or one of its phases. */
+struct moeep_ll_combine_launch {
+        const void *y;        /* [local experts][slots][hidden] bf16: the expert outputs (the send) */
+        const void *topk_idx; /* [num_tokens][num_topk] (the receive) */
+        int idx_is_int64;     /* topk_idx is int64_t (else int32_t) */
+        const float *weights; /* [num_tokens][num_topk] (the receive) */
+        int num_tokens, num_topk;
+        int set, slots; /* as the dispatch's */
+        int phases;
+        void *out; /* [num_tokens][hidden] bf16 (the receive) */
+};
+int moeep_launch_ll_combine(const struct moeep_ctx *ctx, const struct moeep_ll_combine_launch *a, cudaStream_t stream);
+
 /* With ranks at other daemons (ctx->px.remote): after dispatch send, waits
  * for every remote source's staged pairs, places them like NVLink writes,
  * then does the receive phase; after combine send, places the remote
@@ -152,7 +185,7 @@ enum {
 };
 int moeep_launch_ll_mask(const struct moeep_ctx *ctx, int op, int rank, int value, int32_t *out, cudaStream_t stream);
 
-/* Normal mode with ranks at other daemons (kernels/px_normal.cu), queued
+/* Normal mode with ranks at other daemons (kernels/normal/proxy.cu), queued
  * around the intranode kernels, which skip remote ranks: dispatch stages
  * and ships our rows for remote ranks, then the relay places the rows
  * remote ranks sent us, then moeep_launch_dispatch does the NVLink part;

@@ -1,7 +1,7 @@
 /* Descriptor rings between a producer (the kernels of a client, or a CPU
  * test driver) and the daemon's proxy thread (daemon/datapath/proxy.h): the layout
  * in shared memory and the rules of who writes what, in which order. Plain
- * C and C++ (nvcc includes it from kernels/ring.cuh).
+ * C and C++ (nvcc includes it from kernels/common/ring.cuh).
  *
  * Ring layout (one memfd per ring, PROXY_RING_BYTES(capacity) bytes, mapped
  * by the producer (the client, kernels through cudaHostRegister) and by the

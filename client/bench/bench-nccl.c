@@ -6,7 +6,7 @@
 #include <errno.h>
 
 #include "bench.h"
-#include "bench_kernels.h"
+#include "bench/bench_kernels.h"
 
 /* ---------------------------------------------------------------- NCCL, loaded at run time */
 

@@ -5,7 +5,7 @@
 
 #include "bench.h"
 #include "ep-internal.h"
-#include "bench_kernels.h"
+#include "bench/bench_kernels.h"
 
 /* Arguments of one configuration of the moeep operations. */
 struct moe_case {

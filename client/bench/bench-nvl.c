@@ -6,7 +6,7 @@
 
 #include "bench.h"
 #include "ep-internal.h"
-#include "bench_kernels.h"
+#include "bench/bench_kernels.h"
 
 /* The low-latency store speed: every rank stores its slot of each peer's
  * combine area (max_tokens rows) PUT_PASSES_LO times over, then

@@ -8,7 +8,7 @@
 
 #include "bench.h"
 #include "ep-internal.h"
-#include "bench_kernels.h"
+#include "bench/bench_kernels.h"
 
 static uint64_t mix(uint64_t *s) {
         uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
@@ -61,7 +61,7 @@ void start_together(struct rank_env *env) {
         moeep_job_barrier(env->c);
         moeep_launch_delay(QUEUE_DELAY_NS, env->st);
         if (!env->o->host_start && ep_internal_ctx(env->ep, &ctx) == 0)
-                moeep_launch_notify(&ctx, NULL, NULL, 0, 0, 0, NULL, 0, 0, NULL, NULL, env->st);
+                moeep_launch_barrier(&ctx, env->st);
 }
 
 /* Times fn: warm-ups, then iters runs, each started on every rank together
@@ -102,7 +102,7 @@ int start_series(struct rank_env *env) {
                 return -1;
         }
         if (!env->o->host_start && ep_internal_ctx(env->ep, &ctx) == 0 &&
-            moeep_launch_notify(&ctx, NULL, NULL, 0, 0, 0, NULL, 0, 0, NULL, NULL, env->st) != 0) {
+            moeep_launch_barrier(&ctx, env->st) != 0) {
                 fprintf(stderr, "rank %d: the GPU barrier failed to launch\n", env->rank);
                 return -1;
         }

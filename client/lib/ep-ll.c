@@ -51,6 +51,50 @@ static int ll_call_ctx(struct moeep_ep *ep, const int32_t *active, int timeout_u
         return 0;
 }
 
+/* The launch of a low-latency dispatch whose receive `h` describes: its
+ * phases, and for the send the rows of `send` (NULL for the receive
+ * alone). */
+static struct moeep_ll_dispatch_launch ll_dispatch_launch_of(const struct moeep_ll_hook *h,
+                                                             const struct moeep_ll_dispatch_args *send,
+                                                             int phases) {
+        struct moeep_ll_dispatch_launch l = {
+                .idx_is_int64 = h->idx_is_int64,
+                .num_tokens = h->num_tokens,
+                .num_topk = h->num_topk,
+                .set = h->set,
+                .slots = h->slots,
+                .phases = phases,
+                .stats = h->stats,
+        };
+
+        if (send) {
+                l.x = send->x;
+                l.topk_idx = send->topk_idx;
+                l.use_fp8 = send->use_fp8;
+                l.round_scale = send->round_scale;
+        }
+        return l;
+}
+
+/* The launch of a low-latency combine whose receive `h` describes: its
+ * phases, and for the send the expert outputs y (NULL for the receive
+ * alone). */
+static struct moeep_ll_combine_launch ll_combine_launch_of(const struct moeep_ll_hook *h, const void *y,
+                                                           int phases) {
+        return (struct moeep_ll_combine_launch){
+                .y = y,
+                .topk_idx = h->topk_idx,
+                .idx_is_int64 = h->idx_is_int64,
+                .weights = h->topk_weights,
+                .num_tokens = h->num_tokens,
+                .num_topk = h->num_topk,
+                .set = h->set,
+                .slots = h->slots,
+                .phases = phases,
+                .out = h->out,
+        };
+}
+
 int moeep_ll_dispatch(struct moeep_ep *ep, const struct moeep_ll_dispatch_args *a,
                       struct moeep_ll_dispatch_result *ret, struct moeep_ll_hook *ret_hook,
                       cudaStream_t stream) {
@@ -82,15 +126,22 @@ int moeep_ll_dispatch(struct moeep_ep *ep, const struct moeep_ll_dispatch_args *
         if ((r = ll_call_ctx(ep, a->active_ranks, a->timeout_us, &tmp, &ctx)) < 0)
                 return r;
 
-        /* Without a hook, one launch does both phases. */
         set = (int)(ep->ll_calls & 1);
-        r = launch_result(
-                ep, "low-latency dispatch",
-                moeep_launch_ll_dispatch(
-                        ctx, a->x, a->num_tokens, a->topk_idx, idx64, a->num_topk, set, slots, a->use_fp8,
-                        a->round_scale,
-                        MOEEP_LL_SEND | (!a->return_recv_hook && !ep->ctx.px.remote ? MOEEP_LL_RECV : 0),
-                        a->cumulative_local_expert_recv_stats, stream));
+        const struct moeep_ll_hook hook = {
+                .kind = HOOK_DISPATCH,
+                .set = set,
+                .stats = a->cumulative_local_expert_recv_stats,
+                .idx_is_int64 = idx64,
+                .num_tokens = a->num_tokens,
+                .num_topk = a->num_topk,
+                .slots = slots,
+                .active_ranks = a->active_ranks,
+                .timeout_us = a->timeout_us,
+        };
+        /* Without a hook, one launch does both phases. */
+        const struct moeep_ll_dispatch_launch l = ll_dispatch_launch_of(
+                &hook, a, MOEEP_LL_SEND | (!a->return_recv_hook && !ep->ctx.px.remote ? MOEEP_LL_RECV : 0));
+        r = launch_result(ep, "low-latency dispatch", moeep_launch_ll_dispatch(ctx, &l, stream));
         if (r == 0 && !a->return_recv_hook && ep->ctx.px.remote) /* remote pairs: the relay receives */
                 r = launch_result(ep, "low-latency dispatch relay",
                                   moeep_launch_ll_dispatch_relay(
@@ -99,15 +150,7 @@ int moeep_ll_dispatch(struct moeep_ep *ep, const struct moeep_ll_dispatch_args *
                 return r;
         ep->ll_calls++;
         if (a->return_recv_hook)
-                *ret_hook = (struct moeep_ll_hook){ .kind = HOOK_DISPATCH,
-                                                    .set = set,
-                                                    .stats = a->cumulative_local_expert_recv_stats,
-                                                    .idx_is_int64 = idx64,
-                                                    .num_tokens = a->num_tokens,
-                                                    .num_topk = a->num_topk,
-                                                    .slots = slots,
-                                                    .active_ranks = a->active_ranks,
-                                                    .timeout_us = a->timeout_us };
+                *ret_hook = hook;
 
         own = ep->ctx.peers[ep->ctx.rank];
         *ret = (struct moeep_ll_dispatch_result){
@@ -153,14 +196,7 @@ int moeep_ll_combine(struct moeep_ep *ep, const struct moeep_ll_combine_args *a,
         /* Without a hook and without remote ranks (whose rows a relay kernel
          * places between the phases), one launch does both phases. */
         const int both = !a->return_recv_hook && !ep->ctx.px.remote;
-        r = launch_result(ep, "low-latency combine",
-                          moeep_launch_ll_combine(ctx, a->x, a->handle->set, a->handle->slots_per_expert,
-                                                  MOEEP_LL_SEND | (both ? MOEEP_LL_RECV : 0), a->topk_idx,
-                                                  idx64, a->topk_weights, a->handle->num_tokens, a->num_topk,
-                                                  a->out, stream));
-        if (r < 0 || both)
-                return r;
-        struct moeep_ll_hook hook = {
+        const struct moeep_ll_hook hook = {
                 .kind = HOOK_COMBINE,
                 .set = a->handle->set,
                 .slots = a->handle->slots_per_expert,
@@ -173,6 +209,11 @@ int moeep_ll_combine(struct moeep_ep *ep, const struct moeep_ll_combine_args *a,
                 .active_ranks = a->active_ranks,
                 .timeout_us = a->timeout_us,
         };
+        const struct moeep_ll_combine_launch l =
+                ll_combine_launch_of(&hook, a->x, MOEEP_LL_SEND | (both ? MOEEP_LL_RECV : 0));
+        r = launch_result(ep, "low-latency combine", moeep_launch_ll_combine(ctx, &l, stream));
+        if (r < 0 || both)
+                return r;
         if (a->return_recv_hook) {
                 *ret_hook = hook;
                 return 0;
@@ -194,26 +235,26 @@ int moeep_ll_hook_run(struct moeep_ep *ep, const struct moeep_ll_hook *h, cudaSt
         switch (h->kind) {
         case HOOK_NONE:
                 return 0;
-        case HOOK_DISPATCH:
+        case HOOK_DISPATCH: {
                 if (ep->ctx.px.remote)
                         return launch_result(
                                 ep, "low-latency dispatch relay",
                                 moeep_launch_ll_dispatch_relay(ctx, h->set, h->slots, h->stats, stream));
+                const struct moeep_ll_dispatch_launch l = ll_dispatch_launch_of(h, NULL, MOEEP_LL_RECV);
                 return launch_result(ep, "low-latency dispatch receive",
-                                     moeep_launch_ll_dispatch(ctx, NULL, h->num_tokens, NULL, h->idx_is_int64,
-                                                              h->num_topk, h->set, h->slots, 0, 0,
-                                                              MOEEP_LL_RECV, h->stats, stream));
-        case HOOK_COMBINE:
+                                     moeep_launch_ll_dispatch(ctx, &l, stream));
+        }
+        case HOOK_COMBINE: {
                 if (ep->ctx.px.remote) {
                         r = launch_result(ep, "low-latency combine relay",
                                           moeep_launch_ll_combine_relay(ctx, h->set, stream));
                         if (r < 0)
                                 return r;
                 }
+                const struct moeep_ll_combine_launch l = ll_combine_launch_of(h, NULL, MOEEP_LL_RECV);
                 return launch_result(ep, "low-latency combine receive",
-                                     moeep_launch_ll_combine(ctx, NULL, h->set, h->slots, MOEEP_LL_RECV,
-                                                             h->topk_idx, h->idx_is_int64, h->topk_weights,
-                                                             h->num_tokens, h->num_topk, h->out, stream));
+                                     moeep_launch_ll_combine(ctx, &l, stream));
+        }
         }
         return ep_fail(ep, -EINVAL, "low-latency hook of unknown kind %d", h->kind);
 }

@@ -641,9 +641,7 @@ int moeep_dispatch(struct moeep_ep *ep, const struct moeep_dispatch_args *a,
         ep->ctx.recv_area = a->recv_area;
         if (a->handle) {
                 h = a->handle;
-                r = launch_result(
-                        ep, "barrier",
-                        moeep_launch_notify(&ep->ctx, NULL, NULL, 1, 0, 0, NULL, 0, 0, NULL, NULL, stream));
+                r = launch_result(ep, "barrier", moeep_launch_barrier(&ep->ctx, stream));
                 if (r < 0)
                         return r;
         } else {
@@ -652,11 +650,18 @@ int moeep_dispatch(struct moeep_ep *ep, const struct moeep_dispatch_args *a,
                 fresh = true;
                 h->route.num_tokens = a->num_tokens;
                 h->num_topk = dispatch_topk(a);
+                const struct moeep_notify_launch nl = {
+                        .is_token_in_rank = a->is_token_in_rank,
+                        .topk_idx = a->topk_idx,
+                        .idx_is_int64 = idx64,
+                        .num_tokens = a->num_tokens,
+                        .num_topk = a->num_topk,
+                        .tokens_per_expert = a->num_tokens_per_expert,
+                        .total_tokens = a->total_tokens > 0 ? a->total_tokens : a->num_tokens,
+                        .alignment = a->expert_alignment,
+                };
                 r = launch_result(ep, "notify",
-                                  moeep_launch_notify(&ep->ctx, a->is_token_in_rank, a->topk_idx, idx64,
-                                                      a->num_tokens, a->num_topk, a->num_tokens_per_expert,
-                                                      a->total_tokens > 0 ? a->total_tokens : a->num_tokens,
-                                                      a->expert_alignment, &h->route,
+                                  moeep_launch_notify(&ep->ctx, &nl, &h->route,
                                                       a->num_worst_tokens ? NULL : ep->host, stream));
                 if (r < 0)
                         goto fail;
@@ -680,7 +685,7 @@ int moeep_dispatch(struct moeep_ep *ep, const struct moeep_dispatch_args *a,
                 .topk_weights = a->topk_weights,
                 .num_topk = dispatch_topk(a),
         };
-        if (ep->remote) { /* rows for ranks at other daemons: staged, shipped, placed (kernels/px_normal.cu) */
+        if (ep->remote) { /* rows for ranks at other daemons: staged, shipped, placed (kernels/normal/proxy.cu) */
                 r = launch_result(ep, "dispatch staging",
                                   moeep_launch_px_dispatch_stage(&ep->ctx, &l, &h->route, stream));
                 if (r == 0)
@@ -755,11 +760,10 @@ int moeep_combine(struct moeep_ep *ep, const struct moeep_combine_args *a, cudaS
                                ep->ctx.max_topk);
         if (a->out_topk_weights && !a->topk_weights)
                 return ep_fail(ep, -EINVAL, "combine: out_topk_weights needs topk_weights");
-        r = launch_result(ep, "barrier",
-                          moeep_launch_notify(&ep->ctx, NULL, NULL, 1, 0, 0, NULL, 0, 0, NULL, NULL, stream));
+        r = launch_result(ep, "barrier", moeep_launch_barrier(&ep->ctx, stream));
         if (r < 0)
                 return r;
-        if (ep->remote) { /* rows of ranks at other daemons: staged, shipped, placed (kernels/px_normal.cu) */
+        if (ep->remote) { /* rows of ranks at other daemons: staged, shipped, placed (kernels/normal/proxy.cu) */
                 const int k = a->topk_weights ? a->num_topk : 0;
                 r = launch_result(ep, "combine staging",
                                   moeep_launch_px_combine_stage(&ep->ctx, a->x, a->topk_weights, k,

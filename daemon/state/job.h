@@ -12,7 +12,7 @@
 #include <sys/types.h>
 
 #include "log.h" /* ERRMSG_MAX */
-#include "moeep.h"
+#include "moeep_job.h"
 #include "names.h" /* MOEEP_JOB_NAME_MAX, MOEEP_GPU_UUID_MAX */
 
 struct clientfds;

@@ -15,7 +15,7 @@ documents say it.
   docs.py install-paths SOURCE_ROOT BUILD_ROOT
   docs.py suites SOURCE_ROOT BUILD_ROOT
   docs.py links SOURCE_ROOT
-  docs.py c-example SOURCE_ROOT INCLUDE_DIR LIBMOEEP MOEEPD
+  docs.py c-example SOURCE_ROOT INCLUDE_DIRS LIBMOEEP MOEEPD
   docs.py architecture SOURCE_ROOT
   docs.py names SOURCE_ROOT
 
@@ -472,8 +472,10 @@ def names(src):
 
 
 def c_example(src, include, libmoeep, moeepd):
-    """README.md's C example compiles against this build's headers, links
-    this build's libmoeep, and runs against a private moeepd."""
+    """README.md's C example compiles against this build's headers (the
+    directories of `include`, separated by os.pathsep, the public headers'
+    where meson installs them from), links this build's libmoeep, and runs
+    against a private moeepd."""
     doc = blocks.parse(os.path.join(src, "README.md"))
     example = [b for b in doc if b.action == "file" and b.lang == "c"]
     if len(example) != 1:
@@ -486,7 +488,8 @@ def c_example(src, include, libmoeep, moeepd):
             f.write(b.text)
         exe = os.path.join(tmp, "example")
         cc = os.environ.get("CC", "cc")
-        r = run([cc, "-std=gnu11", "-Wall", "-Wextra", "-Werror", "-I", include, source, "-o", exe,
+        includes = ["-I" + d for d in include.split(os.pathsep)]
+        r = run([cc, "-std=gnu11", "-Wall", "-Wextra", "-Werror"] + includes + [source, "-o", exe,
                  libmoeep, "-Wl,-rpath," + os.path.dirname(libmoeep)])
         if r.returncode != 0:
             print("README.md:%d: %s does not compile:\n%s" % (b.line, b.arg, r.stdout + r.stderr))

@@ -10,7 +10,7 @@
  *   --size BYTES              payload per descriptor [8]
  *   --iters N                 latency round trips [20000]
  *   --producer cpu|gpu        who writes the ring [cpu]; gpu: one GPU
- *                             thread (kernels/ring.cuh) on device 0, the
+ *                             thread (kernels/common/ring.cuh) on device 0, the
  *                             ring and counters in mapped host memory
  *
  * Rate: the producer pushes N descriptors as fast as the ring takes them;
@@ -39,7 +39,7 @@
 #if MOEEP_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
-#include "bench_kernels.h"
+#include "bench/bench_kernels.h"
 #endif
 
 #define REGION (1u << 20)

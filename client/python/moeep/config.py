@@ -25,7 +25,7 @@ DEFAULT_LL_MAX_TOKENS = 128
 DEFAULT_RECV_AREAS = 3
 
 _ALIGN = 4096
-# struct moeep_sync / moeep_ll_sync (kernels/kernels.h), rounded up: the
+# struct moeep_sync / moeep_ll_sync (kernels/common/buffers.h), rounded up: the
 # estimates below need not be exact, only never below the real size by more
 # than these allowances.
 _SYNC_BYTES = 64 << 10
@@ -38,7 +38,7 @@ def _up(v):
 
 def normal_buffer_bytes(num_ranks, max_tokens_per_rank, hidden, max_topk=_lib.MAX_TOPK):
     """About the bytes of moeep's normal-mode NVLink buffer (per rank), as
-    kernels/buffer_layout.c lays it out: receive rows of every rank (x in
+    kernels/common/buffer_layout.c lays it out: receive rows of every rank (x in
     bf16, FP8 scales, top-k ids and weights, source) and the combine area."""
     rows = num_ranks * max_tokens_per_rank
     parts = [

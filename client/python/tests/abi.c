@@ -3,15 +3,15 @@
  * lines, for tests/test_lib.py. With MOEEP_ABI_EP (a CUDA build) the data
  * plane's structures of moeep_ep.h too. With --constants, instead, the
  * C values of the constants that the Python package repeats, as
- * "NAME value" lines: the public ones and the kernels' (kernels/params.h,
- * kernels/buffers.h, plain C, so also in a build without CUDA). */
+ * "NAME value" lines: the public ones and the kernels' (kernels/common/params.h,
+ * kernels/common/buffers.h, plain C, so also in a build without CUDA). */
 #include <stddef.h>
 #include <stdio.h>
 #include <string.h>
 
-#include "buffers.h"
+#include "common/buffers.h"
+#include "common/params.h"
 #include "moeep.h"
-#include "params.h"
 #ifdef MOEEP_ABI_EP
 #include "moeep_ep.h"
 #endif

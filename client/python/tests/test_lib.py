@@ -115,7 +115,7 @@ class AbiTest(unittest.TestCase):
 
     def test_constants(self):
         """The constants moeep/_lib.py and moeep/config.py repeat have the C
-        headers' values (moeep.h, moeep_ep.h, kernels/params.h), and the
+        headers' values (moeep.h, moeep_ep.h, kernels/common/params.h), and the
         sync areas fit the allowances config.py sizes buffers with."""
         prog = os.environ.get("MOEEP_TEST_ABI")
         if not prog:

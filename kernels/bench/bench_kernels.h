@@ -1,4 +1,4 @@
-/* Launchers of the kernels that only the benchmarks run (kernels/bench.cu):
+/* Launchers of the kernels that only the benchmarks run (kernels/bench/bench.cu):
  * moeep-bench's references and moeep-proxy-bench's GPU producer. They are
  * built into their own static library (moeep-bench-kernels), linked by
  * those two programs and never by libmoeep. */

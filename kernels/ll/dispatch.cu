@@ -1,75 +1,12 @@
-/* Low-latency (decode) mode: every (token, expert) pair goes to the expert's
- * rank into a packed per-expert receive slot, FP8-cast on the way when
- * asked; combine sends each expert output back to its token's rank, which
- * sums them with the top-k weights.
- *
- * Every call uses one of two buffer sets, chosen by the host (b); calls on
- * one set must follow the rule of moeep_ep.h (dispatch n+2 after combine n),
- * which is what makes the resets below safe.
- *
- * Buffers of set b in every rank's NVLink buffer (struct moeep_ll_layout):
- *   x, scales, src   [local expert][ranks * max_tokens] slots, written by the
- *                    senders: after the lower ranks' pairs (the table),
- *                    at the pair's position among the sender's own;
- *   comb             [max_tokens][max_topk] rows, written by the expert ranks;
- *   count[b][le]     the received counts, for the caller and combine;
- *   count_flag       per source rank, the set's sequence number, released
- *                    after the source's table row landed;
- *   dispatch_flag,   per source rank, the arrivals of the source's blocks
- *   combine_flag     (ll_arrive): no block of a launch waits for another
- *                    to signal that the launch's rows landed. */
+/* Low-latency dispatch (ll.cuh says what lies where): the send phase,
+ * every (token, expert) pair to a slot of its expert's rank, and the
+ * receive phase, with their launcher. */
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
-#include "kernels.h"
-#include "ptx.cuh"
-#include "px.cuh"
-#include "wait.cuh"
-
-/* Warps numbered across blocks first: the few hundred work items of a
- * decode step spread over every SM instead of filling the first blocks. */
-__device__ __forceinline__ int ll_warp_index(void) {
-        return (int)(threadIdx.x / 32 * gridDim.x + blockIdx.x);
-}
-
-/* This block's copy of set b's dispatch (combine) sequence number (struct
- * moeep_local_state). Every launch has ll_num_sms blocks, or one (the
- * dispatch receive alone, which reads block 0's). */
-__device__ __forceinline__ uint64_t *ll_seq_of(const struct moeep_ctx &ctx, bool combine, int b) {
-        return combine ? &ctx.state->ll_comb_seq[b][blockIdx.x] : &ctx.state->ll_seq[b][blockIdx.x];
-}
-
-/* The arrival of this block's rows at every mapped rank, called by every
- * thread after its stores: rank d's dispatch_flag (combine_flag) of set b
- * for us gets the block's share of the launch's 1 << 32, block 0's
- * 1 << 32 less one per other block, every other block's 1. The flag thus
- * reaches seq << 32 once every block of launch seq arrived, whatever the
- * sender's grid, and no block of the launch waits for another. The barrier
- * orders the block's stores before each release add (cumulativity, as in
- * a cooperative grid sync). A launch that failed part way leaves the sum
- * short of every later target: later waits time out, never pass early.
- * Our own flag is read on this GPU only: its release is at GPU scope. It
- * orders nothing (!ordered) where no one waits on it for rows: a combine
- * that reads ours in place, or a receive in the same launch, for which
- * the launch's end orders them. An elastic call does not arrive at the
- * ranks it leaves out (`skip`: the same for every block of the launch). */
-__device__ __forceinline__ void ll_arrive(const struct moeep_ctx &ctx, bool combine, int b, bool ordered = true,
-                                          uint32_t skip = 0) {
-        const int d = threadIdx.x, me = ctx.rank;
-
-        __syncthreads();
-        if (d < ctx.ranks && !px_remote(ctx, d) && !(skip >> d & 1)) {
-                struct moeep_ll_sync *s = ll_sync_of(ctx, d);
-                uint64_t *flag = combine ? &s->combine_flag[b][me] : &s->dispatch_flag[b][me];
-                const uint64_t share = blockIdx.x == 0 ? (1ull << 32) - (gridDim.x - 1) : 1ull;
-                if (d != me)
-                        red_release_sys_add_u64(flag, share);
-                else if (ordered)
-                        red_release_gpu_add_u64(flag, share);
-                else
-                        red_relaxed_gpu_add_u64(flag, share);
-        }
-}
+#include "common/launch.cuh"
+#include "ll/ll.cuh"
+#include "ll/shrink.cuh"
 
 /* Notes where pair (t, k) of ours went when its expert e is ours: slot
  * (local expert, pos) of set b, which the combine of this dispatch reads
@@ -84,8 +21,6 @@ __device__ __forceinline__ void ll_note_ref(const struct moeep_ctx &ctx, int b, 
         ((int32_t *)(ctx.peers[ctx.rank] + ctx.ll.ref[b]))[(size_t)t * ctx.max_topk + k] =
                 ours ? (int32_t)((e % epr) * slots + pos) : -1;
 }
-
-#include "ll-shrink.cuh"
 
 /* FP8 cast of 16 bf16 channels (two int4 of a row) into one int4 of e4m3,
  * with the scale of their 128-channel group: the 8 lanes of an aligned
@@ -116,47 +51,6 @@ __device__ __forceinline__ int4 ll_cast16(int4 a, int4 b, bool round_scale, floa
                                                  __NV_E4M3);
         *ret_scale = scale;
         return q;
-}
-
-/* The receive phase, in one block: waits for every source's table row of
- * set b, sequence seq, publishes the counts (count[b]), each source's
- * range of slots (DeepEP's layout_range: begin << 32 | count, sources in
- * rank order) and the statistics, then waits for the sources' pairs to
- * land. Remote sources' pairs were placed by the relay after every local
- * source's, one run per source, in rank order. In block 0 of the send's
- * own launch (`in_send`) our own source is not waited for: this block
- * wrote our table row, and our pairs land before the launch ends, which
- * is all that the caller's later work needs. */
-__device__ __forceinline__ void ll_recv_counts(const struct moeep_ctx &ctx, int b, uint64_t seq, int *stats,
-                                               bool in_send = false) {
-        struct moeep_ll_sync *my = ll_sync_of(ctx, ctx.rank);
-        const int tid = threadIdx.x, R = ctx.ranks, epr = ctx.num_experts / R;
-        int64_t *range = (int64_t *)(ctx.peers[ctx.rank] + ctx.ll.range[b]);
-        /* remote sources: the relay placed their pairs */
-        const bool wait = tid < R && !px_remote(ctx, tid) && !(in_send && tid == ctx.rank);
-
-        if (wait)
-                wait_flag(ctx, &my->count_flag[b][tid], seq, tid);
-        __syncthreads();
-        for (int le = tid; le < epr; le += blockDim.x) {
-                const int e = ctx.rank * epr + le;
-                int64_t begin = 0;
-                for (int pass = 0; pass < 2; pass++) /* local sources in rank order, then remote ones */
-                        for (int s = 0; s < R; s++) {
-                                if (px_remote(ctx, s) != (pass == 1))
-                                        continue;
-                                const int32_t c = *(volatile int32_t *)&my->table[b][s][e];
-                                range[(size_t)le * R + s] = moeep_ll_range_pack(begin, c);
-                                begin += c;
-                                if (pass == 1)
-                                        my->table[b][s][e] = 0; /* the relay adds into it */
-                        }
-                my->count[b][le] = (int32_t)begin;
-                if (stats)
-                        stats[le] += (int)begin;
-        }
-        if (wait)
-                wait_flag(ctx, &my->dispatch_flag[b][tid], seq << 32, tid);
 }
 
 /* Loads four steps of a row from int4 `base` on: the int4 pair of step u
@@ -210,7 +104,7 @@ template <typename Idx> __device__ __forceinline__ void ll_load_ids(const Idx *t
  * (LL_NO_EXPERT when masked), from the ids ll_load_ids loaded.
  *
  * Elastic (ctx.shrink): block 0 also decides the ranks the call leaves out
- * and the lower ranks whose counts our pairs go after (ll-shrink.cuh), and
+ * and the lower ranks whose counts our pairs go after (ll/shrink.cuh), and
  * the other blocks take its decision (s_dec: skip, view) instead of
  * waiting for the counts themselves. A pair for a rank left out is masked
  * (LL_NO_EXPERT) and not counted; neither our counts nor our flag go to
@@ -650,8 +544,6 @@ __device__ __forceinline__ void ll_dispatch(const struct moeep_ctx &ctx, const i
         }
 }
 
-#include "ll-combine.cuh"
-
 namespace moeep_ll {
 
 /* The kernels DeepEP's profilers see: one name per operation, each phase
@@ -663,41 +555,10 @@ __global__ void __launch_bounds__(LL_THREADS, 1)
         ll_dispatch<Idx, Path>(ctx, x, num_tokens, topk_idx, K, b, S, use_fp8, round_scale, phases, stats);
 }
 
-/* Combine: the send phase, the receive phase (the sum), or both. With both,
- * every block waits in the receive for every block's arrival (ll_arrive),
- * so the launch is cooperative (every block resident at once). `local`
- * (both phases in one call, y valid for its receive): the outputs of our
- * own tokens are read in place, not sent to ourselves. */
-template <typename Idx>
-__global__ void __launch_bounds__(LL_THREADS, 1)
-        combine(struct moeep_ctx ctx, const int4 *y, int b, int S, int phases, int local, const Idx *topk_idx,
-                const float *weights, int num_tokens, int K, int4 *out) {
-        const uint64_t seq = *ll_seq_of(ctx, true, b) + ((phases & MOEEP_LL_SEND) ? 1 : 0);
-
-        if (phases & MOEEP_LL_SEND)
-                ll_combine_send(ctx, y, b, S, seq, local);
-        if (phases & MOEEP_LL_RECV)
-                ll_combine_recv<Idx>(ctx, topk_idx, weights, num_tokens, K, b, seq, out, y, S, local);
-        if ((phases & MOEEP_LL_SEND) && threadIdx.x == 0)
-                *ll_seq_of(ctx, true, b) = seq;
-}
-
 } /* namespace moeep_ll */
 
-template <typename Idx>
-static void ll_dispatch_launch(int path, const struct moeep_ctx *ctx, const void *x, int num_tokens,
-                               const void *topk_idx, int num_topk, int set, int slots, int use_fp8, int round_scale,
-                               int phases, int *stats, int blocks, cudaStream_t stream) {
-        auto *kernel = path == LL_PATH_TOKENS  ? moeep_ll::dispatch<Idx, LL_PATH_TOKENS>
-                       : path == LL_PATH_PAIRS ? moeep_ll::dispatch<Idx, LL_PATH_PAIRS>
-                                               : moeep_ll::dispatch<Idx, LL_PATH_CLAIM>;
-        kernel<<<blocks, LL_THREADS, 0, stream>>>(*ctx, (const int4 *)x, num_tokens, (const Idx *)topk_idx, num_topk,
-                                                  set, slots, use_fp8, round_scale, phases, stats);
-}
-
-extern "C" int moeep_launch_ll_dispatch(const struct moeep_ctx *ctx, const void *x, int num_tokens,
-                                        const void *topk_idx, int idx_is_int64, int num_topk, int set, int slots,
-                                        int use_fp8, int round_scale, int phases, int *stats, cudaStream_t stream) {
+extern "C" int moeep_launch_ll_dispatch(const struct moeep_ctx *ctx, const struct moeep_ll_dispatch_launch *a,
+                                        cudaStream_t stream) {
         MOEEP_CUDA_LAUNCH_BEGIN();
         /* The receive phase alone is one block's work. Positions are
          * counted in shared memory with every rank mapped (ranks behind the
@@ -709,82 +570,18 @@ extern "C" int moeep_launch_ll_dispatch(const struct moeep_ctx *ctx, const void 
          * instance its send ran, so that a call shape shows one kernel
          * name: DeepEP's profiling counts the names that contain "dispatch"
          * and wants exactly one. */
-        const int blocks = (phases & MOEEP_LL_SEND) ? ctx->ll_num_sms : 1;
-        const bool scan = !ctx->px.remote && (long)num_tokens * num_topk <= LL_SCAN_PAIRS;
-        const int path = !scan ? LL_PATH_CLAIM : 2 * num_tokens >= ctx->ll_num_sms ? LL_PATH_TOKENS : LL_PATH_PAIRS;
-        if (idx_is_int64)
-                ll_dispatch_launch<int64_t>(path, ctx, x, num_tokens, topk_idx, num_topk, set, slots, use_fp8,
-                                            round_scale, phases, stats, blocks, stream);
-        else
-                ll_dispatch_launch<int32_t>(path, ctx, x, num_tokens, topk_idx, num_topk, set, slots, use_fp8,
-                                            round_scale, phases, stats, blocks, stream);
-        MOEEP_CUDA_LAUNCH_CHECK();
-        return 0;
-}
-
-/* One launch of moeep_ll::combine: cooperative when it does both phases
- * (its blocks wait for each other through the combine flag), which the
- * runtime refuses rather than run with blocks that cannot all be resident. */
-template <typename Idx>
-static cudaError_t ll_combine_launch(const struct moeep_ctx *ctx, const void *y, int set, int slots, int phases,
-                                     int local, const void *topk_idx, const float *weights, int num_tokens,
-                                     int num_topk, void *out, cudaStream_t stream) {
-        cudaLaunchConfig_t cfg = {};
-        cudaLaunchAttribute attr[1];
-
-        cfg.gridDim = dim3((unsigned)ctx->ll_num_sms);
-        cfg.blockDim = dim3(LL_THREADS);
-        cfg.stream = stream;
-        attr[0].id = cudaLaunchAttributeCooperative;
-        attr[0].val.cooperative = phases == (MOEEP_LL_SEND | MOEEP_LL_RECV);
-        cfg.attrs = attr;
-        cfg.numAttrs = 1;
-        return cudaLaunchKernelEx(&cfg, moeep_ll::combine<Idx>, *ctx, (const int4 *)y, set, slots, phases, local,
-                                  (const Idx *)topk_idx, weights, num_tokens, num_topk, (int4 *)out);
-}
-
-extern "C" int moeep_launch_ll_combine(const struct moeep_ctx *ctx, const void *y, int set, int slots, int phases,
-                                       const void *topk_idx, int idx_is_int64, const float *weights, int num_tokens,
-                                       int num_topk, void *out, cudaStream_t stream) {
-        MOEEP_CUDA_LAUNCH_BEGIN();
-        /* Both phases in one call: our own tokens' outputs are read in place
-         * (y is the caller's until the call ends; a hook's receive comes
-         * later and gets them sent like every other rank's). */
-        const int local = phases == (MOEEP_LL_SEND | MOEEP_LL_RECV) && !(ctx->debug & MOEEP_DEBUG_COPY_SELF);
-        cudaError_t e = idx_is_int64 ? ll_combine_launch<int64_t>(ctx, y, set, slots, phases, local, topk_idx, weights,
-                                                                  num_tokens, num_topk, out, stream)
-                                     : ll_combine_launch<int32_t>(ctx, y, set, slots, phases, local, topk_idx, weights,
-                                                                  num_tokens, num_topk, out, stream);
-        if ((e == cudaErrorCooperativeLaunchTooLarge || e == cudaErrorNotSupported) &&
-            phases == (MOEEP_LL_SEND | MOEEP_LL_RECV)) {
-                /* Where a cooperative launch is refused (too few SMs free
-                 * for the grid, or not supported here), one launch per
-                 * phase as before: the same results, one launch more. */
-                (void)cudaGetLastError();
-                e = cudaSuccess;
-                for (int p = MOEEP_LL_SEND; p <= MOEEP_LL_RECV && e == cudaSuccess; p <<= 1)
-                        e = idx_is_int64 ? ll_combine_launch<int64_t>(ctx, y, set, slots, p, local, topk_idx, weights,
-                                                                      num_tokens, num_topk, out, stream)
-                                         : ll_combine_launch<int32_t>(ctx, y, set, slots, p, local, topk_idx, weights,
-                                                                      num_tokens, num_topk, out, stream);
-        }
-        if (e != cudaSuccess)
-                return (int)e;
-        MOEEP_CUDA_LAUNCH_CHECK();
-        return 0;
-}
-
-extern "C" int moeep_launch_ll_dispatch_relay(const struct moeep_ctx *ctx, int set, int slots, int *stats,
-                                              cudaStream_t stream) {
-        MOEEP_CUDA_LAUNCH_BEGIN();
-        ll_pairs_relay<<<ctx->ll_num_sms, LL_THREADS, 0, stream>>>(*ctx, set, slots, stats);
-        MOEEP_CUDA_LAUNCH_CHECK();
-        return 0;
-}
-
-extern "C" int moeep_launch_ll_combine_relay(const struct moeep_ctx *ctx, int set, cudaStream_t stream) {
-        MOEEP_CUDA_LAUNCH_BEGIN();
-        ll_rows_relay<<<ctx->ll_num_sms, LL_THREADS, 0, stream>>>(*ctx, set);
+        const int blocks = (a->phases & MOEEP_LL_SEND) ? ctx->ll_num_sms : 1;
+        const bool scan = !ctx->px.remote && (long)a->num_tokens * a->num_topk <= LL_SCAN_PAIRS;
+        const int path = !scan ? LL_PATH_CLAIM : 2 * a->num_tokens >= ctx->ll_num_sms ? LL_PATH_TOKENS : LL_PATH_PAIRS;
+        with_index_type(a->idx_is_int64, [&](auto idx) {
+                using Idx = decltype(idx);
+                auto *kernel = path == LL_PATH_TOKENS  ? moeep_ll::dispatch<Idx, LL_PATH_TOKENS>
+                               : path == LL_PATH_PAIRS ? moeep_ll::dispatch<Idx, LL_PATH_PAIRS>
+                                                       : moeep_ll::dispatch<Idx, LL_PATH_CLAIM>;
+                kernel<<<blocks, LL_THREADS, 0, stream>>>(*ctx, (const int4 *)a->x, a->num_tokens,
+                                                          (const Idx *)a->topk_idx, a->num_topk, a->set, a->slots,
+                                                          a->use_fp8, a->round_scale, a->phases, a->stats);
+        });
         MOEEP_CUDA_LAUNCH_CHECK();
         return 0;
 }

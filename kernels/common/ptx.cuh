@@ -176,14 +176,3 @@ __device__ __forceinline__ bool last_block_done(const struct moeep_ctx &ctx) {
                 ctx.state->blocks_done = 0;
         return true;
 }
-
-/* Launchers call this before a launch: cudaGetLastError() also returns
- * errors of earlier runtime calls, which are not ours to report. */
-#define MOEEP_CUDA_LAUNCH_BEGIN() (void)cudaGetLastError()
-
-#define MOEEP_CUDA_LAUNCH_CHECK()                    \
-        do {                                         \
-                cudaError_t e_ = cudaGetLastError(); \
-                if (e_ != cudaSuccess)               \
-                        return (int)e_;              \
-        } while (0)

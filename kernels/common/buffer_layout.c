@@ -1,5 +1,5 @@
 /* Offsets inside the NVLink buffer; see buffers.h. */
-#include "buffers.h"
+#include "common/buffers.h"
 
 static size_t align_up(size_t v, size_t a) {
         return (v + a - 1) / a * a;

@@ -35,7 +35,7 @@
 #include <stdint.h>
 
 #include "kernels.h"
-#include "ptx.cuh"
+#include "common/ptx.cuh"
 
 /* The one wait loop: true once done() holds, false as soon as give_up()
  * (called after every try that failed) says so. */

@@ -11,12 +11,12 @@
 #include <assert.h>
 #include <stdint.h>
 
-#include "moeep.h"
+#include "moeep_job.h"
 
 /* ---- Limits: the shapes the kernels' fixed arrays are sized for. */
 
 #define MOEEP_KERNEL_MAX_RANKS 8
-/* A job's ranks are a product limit (moeep.h); the kernels' per-rank arrays
+/* A job's ranks are a product limit (proto/moeep_job.h); the kernels' per-rank arrays
  * (flags, counts, peer pointers) must hold every one of them. */
 static_assert(MOEEP_KERNEL_MAX_RANKS == MOEEP_MAX_RANKS, "kernel rank arrays must match the job's rank limit");
 #define MOEEP_KERNEL_MAX_EXPERTS 512
@@ -49,7 +49,7 @@ static_assert(MOEEP_KERNEL_MAX_RANKS == MOEEP_MAX_RANKS, "kernel rank arrays mus
 #define MOEEP_COMBINE_CHUNK 32 /* tokens per combine arrival counter */
 #define MOEEP_COMBINE_CHUNKS (MOEEP_KERNEL_MAX_TOKENS / MOEEP_COMBINE_CHUNK)
 
-/* Warp roles of the combine kernel (kernels/combine.cu describes them).
+/* Warp roles of the combine kernel (kernels/normal/combine.cu describes them).
  * The role sizes and the slice can be set at build time (-D, for A/B runs
  * through NVCC_APPEND_FLAGS); senders, consumers and the producer must fit
  * the block's 32 warps. */
@@ -119,12 +119,12 @@ enum {
 };
 
 enum {
-        PX_THREADS = 512, /* the normal-mode proxy kernels (kernels/px_normal.cu) */
+        PX_THREADS = 512, /* the normal-mode proxy kernels (kernels/normal/proxy.cu) */
         PX_WARPS = PX_THREADS / 32,
         PX_COPY_UNROLL = 4, /* 16-byte loads in flight per lane of px_copy (staged rows into the buffer) */
 };
 
-/* ---- Bounded device waits (kernels/ptx.cuh). */
+/* ---- Bounded device waits (kernels/common/ptx.cuh). */
 
 /* Spins between the checks of spin_give_up (device memory and the clock). */
 #define SPIN_CHECK_EVERY 32

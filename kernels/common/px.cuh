@@ -5,9 +5,9 @@
 #pragma once
 
 #include "kernels.h"
-#include "ptx.cuh"
-#include "ring.cuh"
-#include "wait.cuh"
+#include "common/ptx.cuh"
+#include "common/ring.cuh"
+#include "common/wait.cuh"
 
 /* Ships what the kernel staged for every remote rank (claim[d] slots of
  * `slot` bytes in our segment d of `area`; claim[d] is zeroed) into our

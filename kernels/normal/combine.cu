@@ -30,10 +30,11 @@
  * only by their owner after the chunk counter; out is written once. */
 #include <cuda_bf16.h>
 
+#include "common/launch.cuh"
+#include "common/ptx.cuh"
+#include "common/px.cuh"
+#include "common/wait.cuh"
 #include "kernels.h"
-#include "ptx.cuh"
-#include "px.cuh"
-#include "wait.cuh"
 
 /* The warp roles and their sizes (COMBINE_*) are in params.h. */
 

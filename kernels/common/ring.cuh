@@ -8,9 +8,9 @@
 #include <errno.h>
 #include <stdint.h>
 
-#include "../proto/ring.h"
-#include "ptx.cuh"
-#include "wait.cuh"
+#include "ring.h"
+#include "common/ptx.cuh"
+#include "common/wait.cuh"
 
 /* The producer's view of one ring. */
 struct ring_producer {

@@ -2,7 +2,7 @@
  * (offsets derived from the configuration, the same on every rank), the
  * flags and counters peers exchange in it, the proxy path's staging
  * segments, and the kernels' own device state. Host side: the structures
- * and the functions that compute the offsets (kernels/buffer_layout.c).
+ * and the functions that compute the offsets (kernels/common/buffer_layout.c).
  * Device side (nvcc only, at the end): the accessors the kernels reach
  * these areas through. Plain C for the host; included by kernels.h.
  *
@@ -33,7 +33,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "params.h"
+#include "common/params.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -98,9 +98,9 @@ struct moeep_local_state {
          * (moeep_ll_mask_update). */
         int32_t mask[MOEEP_KERNEL_MAX_RANKS];
         /* Decisions one block of a launch takes for every block, and for the
-         * launches after it, each (seq & 0xffffffff) << 32 | bits (LL_DECIDE_*
-         * in kernels/ll.cu): the dispatch send's view of the counts it placed
-         * its pairs after and the ranks it left out; the dispatch receive's
+         * launches after it, each (seq & 0xffffffff) << 32 | bits (LL_DEC_* in
+         * kernels/ll/shrink.cuh): the dispatch send's view of the counts it
+         * placed its pairs after and the ranks it left out; the dispatch receive's
          * (or relay's) sources whose counts it placed and the remote sources
          * the relay placed; the remote sources the combine relay placed. */
         uint64_t ll_send_view[2];

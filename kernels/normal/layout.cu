@@ -1,7 +1,8 @@
 /* Layout: which ranks and experts each token goes to (DeepEP's
  * get_dispatch_layout), computed on the GPU from topk_idx. */
+#include "common/launch.cuh"
+#include "common/ptx.cuh"
 #include "kernels.h"
-#include "ptx.cuh"
 
 /* One thread per token. Counts are accumulated per block in shared memory
  * and then added to the (zeroed) outputs with one atomic per block and bin. */
@@ -58,14 +59,12 @@ extern "C" int moeep_launch_layout(const void *topk_idx, int idx_is_int64, int n
         if (num_tokens == 0)
                 return 0;
         int blocks = (num_tokens + LAYOUT_THREADS - 1) / LAYOUT_THREADS;
-        if (idx_is_int64)
-                layout_kernel<int64_t><<<blocks, LAYOUT_THREADS, 0, stream>>>(
-                        (const int64_t *)topk_idx, num_tokens, num_topk, num_experts, ranks, num_tokens_per_rank,
-                        num_tokens_per_expert, is_token_in_rank);
-        else
-                layout_kernel<int32_t><<<blocks, LAYOUT_THREADS, 0, stream>>>(
-                        (const int32_t *)topk_idx, num_tokens, num_topk, num_experts, ranks, num_tokens_per_rank,
-                        num_tokens_per_expert, is_token_in_rank);
+        with_index_type(idx_is_int64, [&](auto idx) {
+                using Idx = decltype(idx);
+                layout_kernel<Idx><<<blocks, LAYOUT_THREADS, 0, stream>>>((const Idx *)topk_idx, num_tokens, num_topk,
+                                                                          num_experts, ranks, num_tokens_per_rank,
+                                                                          num_tokens_per_expert, is_token_in_rank);
+        });
         MOEEP_CUDA_LAUNCH_CHECK();
         return 0;
 }

@@ -16,10 +16,11 @@
  *
  * Stage kernels never wait; relays wait only for remote segments, which the
  * remote rank's stage kernel (queued before its relay) ships: no cycle. */
+#include "common/launch.cuh"
+#include "common/ptx.cuh"
+#include "common/px.cuh"
+#include "common/wait.cuh"
 #include "kernels.h"
-#include "ptx.cuh"
-#include "px.cuh"
-#include "wait.cuh"
 
 /* The staged rows' layouts (px_pair, px_comb_row_bytes) and the segment
  * header bits (PX_SEG_*) are in buffers.h. */
@@ -201,10 +202,9 @@ static int px_blocks(const struct moeep_ctx *ctx) {
 extern "C" int moeep_launch_px_dispatch_stage(const struct moeep_ctx *ctx, const struct moeep_dispatch_launch *a,
                                               const struct moeep_route *route, cudaStream_t stream) {
         MOEEP_CUDA_LAUNCH_BEGIN();
-        if (a->idx_is_int64 || !a->topk_idx)
-                px_dispatch_stage<int64_t><<<px_blocks(ctx), PX_THREADS, 0, stream>>>(*ctx, *a, *route);
-        else
-                px_dispatch_stage<int32_t><<<px_blocks(ctx), PX_THREADS, 0, stream>>>(*ctx, *a, *route);
+        with_index_type(a->idx_is_int64 || !a->topk_idx, [&](auto idx) {
+                px_dispatch_stage<decltype(idx)><<<px_blocks(ctx), PX_THREADS, 0, stream>>>(*ctx, *a, *route);
+        });
         MOEEP_CUDA_LAUNCH_CHECK();
         return 0;
 }

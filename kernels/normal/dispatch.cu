@@ -7,10 +7,11 @@
  * area rank d picked for this call (peers[d] + dst_area[d] * area_bytes +
  * layout.recv_*) is written by its sources only at rows reserved for them,
  * and read by its owner after the flags. */
+#include "common/launch.cuh"
+#include "common/ptx.cuh"
+#include "common/px.cuh"
+#include "common/wait.cuh"
 #include "kernels.h"
-#include "ptx.cuh"
-#include "px.cuh"
-#include "wait.cuh"
 
 /* pos[d] of a token: its row in rank d's receive area, with the area in
  * the bits from AREA_SHIFT up (rows < MOEEP_KERNEL_MAX_RANKS *
@@ -135,12 +136,10 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1)
 extern "C" int moeep_launch_dispatch(const struct moeep_ctx *ctx, const struct moeep_dispatch_launch *a,
                                      const struct moeep_route *route, cudaStream_t stream) {
         MOEEP_CUDA_LAUNCH_BEGIN();
-        if (a->idx_is_int64 || !a->topk_idx)
-                dispatch_kernel<int64_t>
+        with_index_type(a->idx_is_int64 || !a->topk_idx, [&](auto idx) {
+                dispatch_kernel<decltype(idx)>
                         <<<ctx->num_sms, DISPATCH_THREADS, 0, stream>>>(*ctx, *a, route->num_tokens, *route);
-        else
-                dispatch_kernel<int32_t>
-                        <<<ctx->num_sms, DISPATCH_THREADS, 0, stream>>>(*ctx, *a, route->num_tokens, *route);
+        });
         MOEEP_CUDA_LAUNCH_CHECK();
         return 0;
 }

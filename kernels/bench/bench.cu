@@ -6,10 +6,11 @@
 
 #include <cuda_bf16.h>
 
-#include "bench_kernels.h"
-#include "ptx.cuh"
-#include "ring.cuh"
-#include "wait.cuh"
+#include "bench/bench_kernels.h"
+#include "common/launch.cuh"
+#include "common/ptx.cuh"
+#include "common/ring.cuh"
+#include "common/wait.cuh"
 
 /* Every rank stores `bytes` into each peer's combine area at the slot of
  * its rank, reading from its own receive area, `passes` times over the
@@ -217,7 +218,7 @@ extern "C" int moeep_launch_delay(uint64_t ns, cudaStream_t stream) {
 }
 
 /* moeep-proxy-bench --producer gpu: one GPU thread drives a descriptor ring
- * the way the data kernels will (kernels/ring.cuh). out[0] is 0 or -errno;
+ * the way the data kernels will (kernels/common/ring.cuh). out[0] is 0 or -errno;
  * RATE: out[1] = ns from the first push until done = n, the tail published
  * every MOEEP_RING_BENCH_BATCH descriptors; LATENCY: out[1 + i]
  * = ns from pushing descriptor i (size bytes + signal) until its counter is

@@ -1,10 +1,11 @@
 /* Notify: the barrier that opens every dispatch and combine, and for a
  * dispatch with fresh routing the count exchange that tells every rank where
  * its rows land in every peer's receive area. One block. */
+#include "common/launch.cuh"
+#include "common/ptx.cuh"
+#include "common/px.cuh"
+#include "common/wait.cuh"
 #include "kernels.h"
-#include "ptx.cuh"
-#include "px.cuh"
-#include "wait.cuh"
 
 static_assert(MOEEP_COMBINE_CHUNK == 32, "notify counts a combine chunk per warp round of 32 tokens");
 
@@ -279,22 +280,32 @@ __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
         }
 }
 
-extern "C" int moeep_launch_notify(const struct moeep_ctx *ctx, const uint8_t *is_token_in_rank, const void *topk_idx,
-                                   int idx_is_int64, int num_tokens, int num_topk, const int *tokens_per_expert,
-                                   int total_tokens, int alignment, const struct moeep_route *route,
-                                   struct moeep_notify_host *host_out, cudaStream_t stream) {
+/* One launch of notify_kernel; without a route, the barrier alone. */
+static int notify_launch(const struct moeep_ctx *ctx, const struct moeep_notify_launch *a,
+                         const struct moeep_route *route, struct moeep_notify_host *host_out, cudaStream_t stream) {
         MOEEP_CUDA_LAUNCH_BEGIN();
         struct moeep_route none = {};
         const struct moeep_route &r = route ? *route : none;
 
-        if (idx_is_int64)
-                notify_kernel<int64_t><<<1, NOTIFY_THREADS, 0, stream>>>(
-                        *ctx, is_token_in_rank, (const int64_t *)topk_idx, num_tokens, num_topk, tokens_per_expert,
-                        total_tokens, alignment, r, route != NULL, host_out);
-        else
-                notify_kernel<int32_t><<<1, NOTIFY_THREADS, 0, stream>>>(
-                        *ctx, is_token_in_rank, (const int32_t *)topk_idx, num_tokens, num_topk, tokens_per_expert,
-                        total_tokens, alignment, r, route != NULL, host_out);
+        with_index_type(a->idx_is_int64, [&](auto idx) {
+                using Idx = decltype(idx);
+                notify_kernel<Idx><<<1, NOTIFY_THREADS, 0, stream>>>(
+                        *ctx, a->is_token_in_rank, (const Idx *)a->topk_idx, a->num_tokens, a->num_topk,
+                        a->tokens_per_expert, a->total_tokens, a->alignment, r, route != NULL, host_out);
+        });
         MOEEP_CUDA_LAUNCH_CHECK();
         return 0;
+}
+
+extern "C" int moeep_launch_barrier(const struct moeep_ctx *ctx, cudaStream_t stream) {
+        struct moeep_notify_launch a = {};
+
+        a.idx_is_int64 = 1; /* the instance every barrier runs */
+        return notify_launch(ctx, &a, NULL, NULL, stream);
+}
+
+extern "C" int moeep_launch_notify(const struct moeep_ctx *ctx, const struct moeep_notify_launch *a,
+                                   const struct moeep_route *route, struct moeep_notify_host *host_out,
+                                   cudaStream_t stream) {
+        return notify_launch(ctx, a, route, host_out, stream);
 }

@@ -1,0 +1,55 @@
+/* What every host launcher of kernels/ uses: the launch checks, the
+ * switch over the top-k ids' type and the launch that may be cooperative.
+ * Host code of the .cu files only; the launchers themselves are declared in
+ * kernels.h (bench/bench_kernels.h for the benchmarks'). */
+#pragma once
+
+#include <stdint.h>
+
+#include <utility>
+
+#include <cuda_runtime.h>
+
+/* Launchers call this before a launch: cudaGetLastError() also returns
+ * errors of earlier runtime calls, which are not ours to report. */
+#define MOEEP_CUDA_LAUNCH_BEGIN() (void)cudaGetLastError()
+
+/* After the launch: returns its error from the launcher (a cudaError_t as
+ * an int, see kernels.h). */
+#define MOEEP_CUDA_LAUNCH_CHECK()                    \
+        do {                                         \
+                cudaError_t e_ = cudaGetLastError(); \
+                if (e_ != cudaSuccess)               \
+                        return (int)e_;              \
+        } while (0)
+
+/* The kernels that read top-k ids are templates over their type, int64_t
+ * (DeepEP's) or int32_t, which the caller says at run time: calls f with a
+ * value of the type (f(int64_t()) when idx_is_int64, else f(int32_t())),
+ * so that f instantiates its kernel for both, and returns what f returns.
+ * In f, `using Idx = decltype(idx);` names the type. */
+template <typename F> static auto with_index_type(bool idx_is_int64, F &&f) {
+        return idx_is_int64 ? f(int64_t()) : f(int32_t());
+}
+
+/* Launches kernel(args...) on `blocks` blocks of `threads` threads, as a
+ * cooperative launch when `cooperative`: every block is then resident at
+ * once, so that blocks may wait for each other, and the runtime refuses a
+ * grid that cannot be (cudaErrorCooperativeLaunchTooLarge, or
+ * cudaErrorNotSupported where the device has no cooperative launches)
+ * rather than run it. Returns the launch's error. */
+template <typename... Params, typename... Args>
+static cudaError_t launch_kernel(void (*kernel)(Params...), unsigned blocks, unsigned threads, cudaStream_t stream,
+                                 bool cooperative, Args &&...args) {
+        cudaLaunchConfig_t cfg = {};
+        cudaLaunchAttribute attr[1];
+
+        cfg.gridDim = dim3(blocks);
+        cfg.blockDim = dim3(threads);
+        cfg.stream = stream;
+        attr[0].id = cudaLaunchAttributeCooperative;
+        attr[0].val.cooperative = cooperative;
+        cfg.attrs = attr;
+        cfg.numAttrs = 1;
+        return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+}
