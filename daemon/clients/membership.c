@@ -179,46 +179,50 @@ const struct job_callbacks membership_job_callbacks = {
 
 /* ------------------------------------------------------------ regions */
 
-/* The one completion of a RegionRegister, whether its fd was attached or
- * taken: registers `*fd` (set to -1 once the broker took it) as `spec` of
- * `s`'s member, to the data path for a proxy role (which tells the mesh
- * itself, with the rkey), else to the broker and then the mesh; counts it
- * and queues RegionRegistered (request `rid`). Returns 0 with *ret_id, or
- * -errno with errmsg, having sent nothing. */
-static int register_complete(struct membership *ms, struct session *s, uint64_t rid,
-                             const struct region_spec *spec, int *fd, uint64_t *ret_id, char *errmsg) {
-        Moeep__V1__RegionRegistered registered = MOEEP__V1__REGION_REGISTERED__INIT;
-        Moeep__V1__Response resp = MOEEP__V1__RESPONSE__INIT;
-        uint64_t id;
+/* The one registration of a RegionRegister, whether its fd was attached
+ * or taken: registers `*fd` (set to -1 once the broker took it) as `spec`
+ * of `s`'s member, to the data path for a proxy role (which tells the mesh
+ * itself, with the rkey), else to the broker and then the mesh, and counts
+ * it. Returns 0 with *ret_id, or -errno with errmsg. */
+static int register_region(struct membership *ms, struct session *s, const struct region_spec *spec, int *fd,
+                           uint64_t *ret_id, char *errmsg) {
         int r;
 
         if (spec->role != REGION_ROLE_NONE) {
-                r = datapath_region_register(ms->datapath, ms->broker, s->member, s->cred.uid, spec, fd, &id,
-                                             errmsg);
+                r = datapath_region_register(ms->datapath, ms->broker, s->member, s->cred.uid, spec, fd,
+                                             ret_id, errmsg);
         } else {
                 r = broker_register(ms->broker, s->member, s->cred.uid, spec->kind, spec->size, spec->tag,
-                                    *fd, &id, errmsg);
+                                    *fd, ret_id, errmsg);
                 if (r == 0) {
                         *fd = -1; /* the broker owns it now */
-                        mesh_jobs_region_changed(ms->mesh_jobs, s->member, id, spec->tag,
+                        mesh_jobs_region_changed(ms->mesh_jobs, s->member, *ret_id, spec->tag,
                                                  (uint32_t)spec->kind, spec->size, false, 0, NULL);
                 }
         }
-        if (r < 0)
-                return r;
-        ms->metrics->regions_registered++;
-        *ret_id = id;
-        registered.region_id = id;
+        if (r == 0)
+                ms->metrics->regions_registered++;
+        return r;
+}
+
+/* Queues RegionRegistered (request `rid`) for region `id`. Returns 0 or
+ * -errno from session_respond(). */
+static int registered(struct session *s, uint64_t rid, uint64_t id) {
+        Moeep__V1__RegionRegistered answer = MOEEP__V1__REGION_REGISTERED__INIT;
+        Moeep__V1__Response resp = MOEEP__V1__RESPONSE__INIT;
+
+        answer.region_id = id;
         resp.body_case = MOEEP__V1__RESPONSE__BODY_REGION_REGISTERED;
-        resp.region_registered = &registered;
+        resp.region_registered = &answer;
         return session_respond(s, rid, &resp, NULL, 0);
 }
 
 int membership_register(struct membership *ms, struct session *s, uint64_t rid,
                         const struct region_spec *spec, int *fd, char *errmsg) {
         uint64_t id;
+        int r = register_region(ms, s, spec, fd, &id, errmsg);
 
-        return register_complete(ms, s, rid, spec, fd, &id, errmsg);
+        return r < 0 ? r : registered(s, rid, id);
 }
 
 /* One take in flight: what the request asked, and whom to answer. */
@@ -249,7 +253,7 @@ static void take_done(void *ctx, int fd, int error, const char *errmsg) {
                 goto out;
         }
         if (fd >= 0) {
-                r = register_complete(t->ms, s, t->rid, &t->spec, &fd, &id, why);
+                r = register_region(t->ms, s, &t->spec, &fd, &id, why);
                 /* Taken by the broker, fd is -1 now; refused, it is still
                  * ours, charged like an attached one, and closed. */
                 clientfd_close(s->reg->clientfds, s->cred.uid, fd);
@@ -271,6 +275,9 @@ static void take_done(void *ctx, int fd, int error, const char *errmsg) {
         }
         log_debug("session %" PRIu64 ": took fd %" PRId64 " of pid %d as region %" PRIu64, s->id, t->number,
                   (int)s->cred.pid, id);
+        /* Registered: a reply that cannot be queued (the session is broken
+         * and fails from the loop) is no refusal. */
+        registered(s, t->rid, id);
 out:
         session_unref(s);
         free(t);

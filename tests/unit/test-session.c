@@ -108,15 +108,62 @@ static uint16_t next(struct fixture *f, int fd, uint64_t *ret_rid, int *ret_code
         return f->rec.hdr.type;
 }
 
-static void hello(struct fixture *f, int fd) {
+/* Hello offering `features`; returns those the Welcome agreed to. */
+static uint64_t hello_features(struct fixture *f, int fd, uint64_t features) {
         Moeep__V1__Hello h = MOEEP__V1__HELLO__INIT;
         Moeep__V1__Request req = MOEEP__V1__REQUEST__INIT;
+        Moeep__V1__Response *resp;
+        uint64_t agreed;
 
         h.major = MOEEP_PROTOCOL_MAJOR;
+        h.features = features;
         req.body_case = MOEEP__V1__REQUEST__BODY_HELLO;
         req.hello = &h;
         request(f, fd, &req, 1, NULL, 0);
         assert_int_equal(next(f, fd, NULL, NULL), MOEEP__V1__RESPONSE__BODY_WELCOME);
+        resp = moeep_record_decode_response(&f->rec);
+        assert_non_null(resp);
+        agreed = resp->welcome->features;
+        moeep__v1__response__free_unpacked(resp, NULL);
+        return agreed;
+}
+
+static void hello(struct fixture *f, int fd) {
+        hello_features(f, fd, 0);
+}
+
+/* JobCreate of `world_size` ranks on `creator`, then JobJoin of ranks
+ * 0.. on `fds` (one each). */
+static void job_formed(struct fixture *f, int creator, const int *fds, uint32_t world_size) {
+        Moeep__V1__Request req = MOEEP__V1__REQUEST__INIT;
+        Moeep__V1__JobCreate jc = MOEEP__V1__JOB_CREATE__INIT;
+        Moeep__V1__JobJoin jj = MOEEP__V1__JOB_JOIN__INIT;
+        Moeep__V1__Response *resp;
+        uint8_t uid[JOB_UNIQUE_ID_BYTES];
+
+        jc.name = "session test";
+        jc.world_size = world_size;
+        req.body_case = MOEEP__V1__REQUEST__BODY_JOB_CREATE;
+        req.job_create = &jc;
+        request(f, creator, &req, 10, NULL, 0);
+        assert_int_equal(next(f, creator, NULL, NULL), MOEEP__V1__RESPONSE__BODY_JOB_CREATED);
+        resp = moeep_record_decode_response(&f->rec);
+        assert_int_equal(resp->job_created->unique_id.len, sizeof(uid));
+        memcpy(uid, resp->job_created->unique_id.data, sizeof(uid));
+        moeep__v1__response__free_unpacked(resp, NULL);
+
+        jj.unique_id.data = uid;
+        jj.unique_id.len = sizeof(uid);
+        jj.world_size = world_size;
+        req.body_case = MOEEP__V1__REQUEST__BODY_JOB_JOIN;
+        req.job_join = &jj;
+        for (uint32_t r = 0; r < world_size; r++) {
+                jj.rank = r;
+                request(f, fds[r], &req, 20, NULL, 0);
+                assert_int_equal(next(f, fds[r], NULL, NULL), MOEEP__V1__RESPONSE__BODY_JOB_JOINED);
+                assert_int_equal(f->rec.nfds, 1); /* the control page */
+        }
+        moeep_record_release(&f->rec);
 }
 
 /* Whether the daemon closed the connection (after what it still sent). */
@@ -197,41 +244,17 @@ static void test_fds_on_hello_closes_them(void **state) {
 static void test_job_flow_and_peer_lost(void **state) {
         struct fixture *f = *state;
         Moeep__V1__Request req = MOEEP__V1__REQUEST__INIT;
-        Moeep__V1__JobCreate jc = MOEEP__V1__JOB_CREATE__INIT;
-        Moeep__V1__JobJoin jj = MOEEP__V1__JOB_JOIN__INIT;
         Moeep__V1__Barrier bar = MOEEP__V1__BARRIER__INIT;
         Moeep__V1__RegionRegister rr = MOEEP__V1__REGION_REGISTER__INIT;
         Moeep__V1__RegionsFetch rf = MOEEP__V1__REGIONS_FETCH__INIT;
-        Moeep__V1__Response *resp;
-        uint8_t uid[JOB_UNIQUE_ID_BYTES];
         int a = client(f), b = client(f), code = 0, region;
+        const int ranks[] = { a, b };
         uint64_t rid = 0;
         char text[16] = "";
 
         hello(f, a);
         hello(f, b);
-        jc.name = "session test";
-        jc.world_size = 2;
-        req.body_case = MOEEP__V1__REQUEST__BODY_JOB_CREATE;
-        req.job_create = &jc;
-        request(f, a, &req, 10, NULL, 0);
-        assert_int_equal(next(f, a, NULL, NULL), MOEEP__V1__RESPONSE__BODY_JOB_CREATED);
-        resp = moeep_record_decode_response(&f->rec);
-        assert_int_equal(resp->job_created->unique_id.len, sizeof(uid));
-        memcpy(uid, resp->job_created->unique_id.data, sizeof(uid));
-        moeep__v1__response__free_unpacked(resp, NULL);
-
-        jj.unique_id.data = uid;
-        jj.unique_id.len = sizeof(uid);
-        jj.world_size = 2;
-        req.body_case = MOEEP__V1__REQUEST__BODY_JOB_JOIN;
-        req.job_join = &jj;
-        for (int r = 0; r < 2; r++) {
-                jj.rank = (uint32_t)r;
-                request(f, r ? b : a, &req, 20, NULL, 0);
-                assert_int_equal(next(f, r ? b : a, NULL, NULL), MOEEP__V1__RESPONSE__BODY_JOB_JOINED);
-                assert_int_equal(f->rec.nfds, 1); /* the control page */
-        }
+        job_formed(f, a, ranks, 2);
 
         /* Regions: b registers, a fetches every other rank's. */
         region = unit_memfd(4096, "from b");
@@ -290,6 +313,55 @@ static void test_shutdown_event(void **state) {
         close(fd);
 }
 
+/* A region taken by fd number (FEATURE_PIDFD) whose RegionRegistered
+ * cannot be queued (the output queue overflowed: the client does not read)
+ * is registered, not refused: no Error is made for it (the session fails
+ * from the loop, and its member's regions go with it). */
+static void test_take_reply_lost_is_no_refusal(void **state) {
+        struct fixture *f = *state;
+        Moeep__V1__Request req = MOEEP__V1__REQUEST__INIT;
+        Moeep__V1__RegionRegister rr = MOEEP__V1__REGION_REGISTER__INIT;
+        Moeep__V1__TakeFd take = MOEEP__V1__TAKE_FD__INIT;
+        int fd = client(f), region;
+        uint64_t errors = 0;
+        struct session *s;
+
+        if (!(hello_features(f, fd, MOEEP__V1__FEATURE__FEATURE_PIDFD) & MOEEP__V1__FEATURE__FEATURE_PIDFD)) {
+                close(fd);
+                skip();
+        }
+        job_formed(f, fd, &fd, 1);
+
+        /* The output queue overflowed (session_send()): every reply from
+         * now on is refused with -ENOBUFS until the loop fails it. */
+        s = TAILQ_FIRST(&f->d.sessions->list);
+        assert_non_null(s);
+        s->broken = "unit test: output queue full";
+        region = unit_memfd(4096, "taken");
+        take.fd_number = region;
+        rr.kind = MOEEP__V1__REGION_KIND__REGION_KIND_MEMFD;
+        rr.size = 4096;
+        rr.take = &take;
+        req.body_case = MOEEP__V1__REQUEST__BODY_REGION_REGISTER;
+        req.region_register = &rr;
+        request(f, fd, &req, 4, NULL, 0);
+        /* The take runs on a closer thread; its end on the loop. */
+        for (int i = 0; i < 200 && f->d.metrics.regions_registered == 0; i++) {
+                clientfds_settle(f->d.clientfds, 10);
+                pump(f);
+        }
+        close(region);
+        assert_int_equal(f->d.metrics.regions_registered, 1);
+        assert_int_equal(f->d.broker->nregions, 1);
+        for (int code = 0; code < METRICS_ERROR_CODES; code++)
+                errors += f->d.metrics.errors[code];
+        assert_int_equal(errors, 0);
+        close(fd);
+        pump(f);
+        assert_int_equal(f->d.sessions->count, 0);
+        assert_int_equal(f->d.broker->nregions, 0);
+}
+
 /* Every ErrorCode moeep.proto declares is counted by code (the
  * moeepd_errors_total samples): the enum's descriptor is the reference. */
 static void test_errors_counted_by_code(void **state) {
@@ -319,8 +391,13 @@ static void test_errors_counted_by_code(void **state) {
 int main(void) {
 #define T(f) cmocka_unit_test_setup_teardown(f, setup, teardown)
         const struct CMUnitTest tests[] = {
-                T(test_hello_then_close),       T(test_not_welcomed),   T(test_fds_on_hello_closes_them),
-                T(test_job_flow_and_peer_lost), T(test_shutdown_event), T(test_errors_counted_by_code),
+                T(test_hello_then_close),
+                T(test_not_welcomed),
+                T(test_fds_on_hello_closes_them),
+                T(test_job_flow_and_peer_lost),
+                T(test_shutdown_event),
+                T(test_errors_counted_by_code),
+                T(test_take_reply_lost_is_no_refusal),
         };
 
         return cmocka_run_group_tests(tests, NULL, NULL);
