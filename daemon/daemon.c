@@ -549,11 +549,14 @@ void daemon_done(struct daemon *d) {
         mesh_jobs_stop(d->mesh_jobs);
         mesh_jobs_free(d->mesh_jobs);
         d->mesh_jobs = NULL;
-        /* The data path before the mesh it subscribed to: it unsubscribes. */
+        /* The data path before the mesh it subscribed to: it unsubscribes.
+         * The metrics' snapshot stops reading either. */
         datapath_free(d->datapath);
         d->datapath = NULL;
+        d->metrics.datapath = NULL;
         mesh_free(d->mesh);
         d->mesh = NULL;
+        d->metrics.mesh = NULL;
         if (d->sessions)
                 sessions_reap(d->sessions);
         sessions_free(d->sessions);
