@@ -172,16 +172,21 @@ def _ll(torch, deep_ep, a, rank, R, group, device, cache):
     y = torch.randn(L, R * T, H, dtype=torch.bfloat16, device=device)
     pairs = int((idx >= 0).sum().item())
 
-    def step():
-        _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, cumulative_local_expert_recv_stats=stats,
-                                                      use_fp8=True, async_finish=False, return_recv_hook=False)
+    def dispatch():  # returns the handle
+        return buf.low_latency_dispatch(x, idx, T, E, cumulative_local_expert_recv_stats=stats, use_fp8=True,
+                                        async_finish=False, return_recv_hook=False)[2]
+
+    def combine(handle):
         buf.low_latency_combine(y, idx, w, handle, async_finish=False, return_recv_hook=False)
+
+    def step():
+        combine(dispatch())
 
     res = {}
     comm = pairs * ((H + H / 128 * 4 + 16) + H * 2)  # DeepEP's test: FP8 pairs out, BF16 pairs back
     res["LL dispatch + combine, eager"] = _summary(*_series(torch, step, a.iters, a.warmup, cache), comm)
     if os.environ.get("MOEEP_BENCH_DUMP"):
-        _ll_split(torch, buf, x, idx, w, y, T, E, stats, rank, a.iters, cache)
+        _ll_split(torch, dispatch, combine, rank, a.iters, cache)
     if a.profile:
         # Every rank makes the calls (they are collective); rank 0 reports.
         prof = cProfile.Profile()
@@ -224,7 +229,7 @@ def _ll(torch, deep_ep, a, rank, R, group, device, cache):
     return res
 
 
-def _ll_split(torch, buf, x, idx, w, y, T, E, stats, rank, iters, cache):
+def _ll_split(torch, dispatch, combine, rank, iters, cache):
     """MOEEP_BENCH_DUMP only: the eager step again, with an event between
     its dispatch and its combine, every step's two times dumped (where a
     tail is: dispatch or combine, which steps)."""
@@ -232,10 +237,9 @@ def _ll_split(torch, buf, x, idx, w, y, T, E, stats, rank, iters, cache):
     ev = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(iters)]
     for i in range(iters):
         ev[i][0].record()
-        _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, cumulative_local_expert_recv_stats=stats,
-                                                      use_fp8=True, async_finish=False, return_recv_hook=False)
+        handle = dispatch()
         ev[i][1].record()
-        buf.low_latency_combine(y, idx, w, handle, async_finish=False, return_recv_hook=False)
+        combine(handle)
         ev[i][2].record()
     torch.cuda.synchronize()
     d = [e[0].elapsed_time(e[1]) * 1e3 for e in ev]
