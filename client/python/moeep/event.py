@@ -20,8 +20,8 @@ def _as_binding(method):
     DeepEP's tests set) and no tensor subclass sees the tensor methods the
     call makes. Under such a mode every one of them goes through Python: a
     low-latency dispatch + combine took 85-90 us of host time in DeepEP's
-    test, 27-34 us in moeep.bench on the same host. moeep's calls name every device they
-    allocate on, so the default device is not needed inside."""
+    test, 27-34 us in moeep.bench on the same host. moeep's calls name every
+    device they allocate on, so the default device is not needed inside."""
     @functools.wraps(method)
     def call(*args, **kwargs):
         with _torch()._C.DisableTorchFunction():
