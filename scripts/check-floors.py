@@ -5,7 +5,7 @@ of daemon/ call (or include) each other in a circle.
 The daemon is built in floors, one folder each (docs/architecture.md,
 "moeepd"), from the bottom up:
 
-    ground    config, log, errors (at the root of daemon/)
+    ground    config, log, errors, fdorder (at the root of daemon/)
     state/    jobs, the broker, client fds
     mesh/     the peer daemons and the jobs across them
     datapath/ the internode data path: transports, proxy, their glue
@@ -47,6 +47,7 @@ FLOORS = ["ground", "state", "mesh", "datapath", "ops", "clients", "roof"]
 ROOT_FILES = {
     "config": "ground",
     "errors": "ground",
+    "fdorder": "ground",
     "log": "ground",
     "daemon": "roof",
     "main": "roof",

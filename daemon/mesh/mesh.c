@@ -21,6 +21,7 @@
 #include <unistd.h>
 
 #include "config.h"
+#include "fdorder.h"
 #include "log.h"
 #include "mesh/auth.h"
 #include "mesh/mesh.h"
@@ -328,6 +329,7 @@ static void peer_bev_setup(struct mesh_peer *p) {
 static void peer_dial(struct mesh_peer *p) {
         struct sockaddr_storage ss;
         socklen_t len;
+        int fd;
 
         p->remote[0] = '\0';
         if (mesh_address_resolve(p->address, &ss, &len) < 0) {
@@ -335,9 +337,18 @@ static void peer_dial(struct mesh_peer *p) {
                 mesh_peer_fail(p, false, "'%s' is not an address", p->address);
                 return;
         }
-        p->bev = bufferevent_socket_new(p->mesh->base, -1, BEV_OPT_CLOSE_ON_FREE);
+        /* Our own socket, numbered above the CUDA driver's files
+         * (fdorder.h) before libevent connects it. */
+        fd = socket(ss.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
         p->state = MESH_PEER_CONNECTING;
+        if (fd < 0) {
+                mesh_peer_fail(p, false, "socket: %s", strerror(errno));
+                return;
+        }
+        fd = fd_above_devices(fd);
+        p->bev = bufferevent_socket_new(p->mesh->base, fd, BEV_OPT_CLOSE_ON_FREE);
         if (!p->bev) {
+                close(fd);
                 mesh_peer_fail(p, false, "out of memory");
                 return;
         }
@@ -598,6 +609,7 @@ static void mesh_accept_cb(struct evconnlistener *l, evutil_socket_t fd, struct 
                 return;
         }
         p = peer_new(mesh, false, remote);
+        fd = fd_above_devices(fd); /* fdorder.h */
         if (p)
                 p->bev = bufferevent_socket_new(mesh->base, fd, BEV_OPT_CLOSE_ON_FREE);
         if (!p || !p->bev) {
