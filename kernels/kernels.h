@@ -31,6 +31,11 @@ enum moeep_kernel_debug {
          * time what those reads cost (results stay right; a lost rank is
          * then seen by the timeout only). */
         MOEEP_DEBUG_NO_ABORT_POLL = 16,
+        /* Low-latency combine: every expert output goes back as a row of
+         * its own (DeepEP's way) instead of one weighted sum per token and
+         * expert rank (ll_summed): to time the difference (results stay
+         * right). Every rank of the job must set it alike. */
+        MOEEP_DEBUG_LL_PER_PAIR = 32,
 };
 
 enum moeep_kernel_error {

@@ -190,31 +190,46 @@ static int ll_graphs(struct rank_env *env, struct ll_case *l, struct series ret[
 /* The (token, expert) pairs that cross NVLink on this rank, the larger of
  * those it sends (its routing's pairs whose expert is at another rank) and
  * those it receives (the other ranks' pairs for its experts), counted from
- * every rank's routing (shared.ll_pairs). Collective. */
-static int64_t ll_remote_pairs(struct rank_env *env, const struct inputs *in, int T) {
+ * every rank's routing (shared.ll_pairs); in *sums the same for the rows
+ * of the summed combine, one per token and expert rank (shared.ll_sums).
+ * Collective. */
+static int64_t ll_remote_pairs(struct rank_env *env, const struct inputs *in, int T, int64_t *sums) {
         const int K = env->o->topk, epr = env->o->experts / env->ranks;
         int64_t *idx = malloc(sizeof(int64_t) * (size_t)T * K + 8), *row = env->sh->ll_pairs[env->rank];
-        int64_t out = 0, back = 0;
+        int64_t *srow = env->sh->ll_sums[env->rank];
+        int64_t out = 0, back = 0, sout = 0, sback = 0;
         bool ok = idx && cudaMemcpy(idx, in->idx, sizeof(int64_t) * (size_t)T * K, cudaMemcpyDeviceToHost) ==
                                  cudaSuccess;
 
         for (int d = 0; d < env->ranks; d++)
-                row[d] = 0;
-        for (size_t i = 0; ok && i < (size_t)T * K; i++)
-                if (idx[i] >= 0 && idx[i] < env->o->experts)
-                        row[idx[i] / epr]++;
+                row[d] = srow[d] = 0;
+        for (int t = 0; ok && t < T; t++) {
+                uint32_t at = 0; /* the ranks of the token's experts */
+                for (int k = 0; k < K; k++) {
+                        const int64_t e = idx[(size_t)t * K + k];
+                        if (e >= 0 && e < env->o->experts) {
+                                row[e / epr]++;
+                                at |= 1u << (e / epr);
+                        }
+                }
+                for (int d = 0; d < env->ranks; d++)
+                        srow[d] += at >> d & 1;
+        }
         free(idx);
         moeep_job_barrier(env->c);
         for (int r = 0; r < env->ranks; r++)
                 if (r != env->rank) {
                         out += row[r];
                         back += env->sh->ll_pairs[r][env->rank];
+                        sout += srow[r];
+                        sback += env->sh->ll_sums[r][env->rank];
                 }
         moeep_job_barrier(env->c); /* every rank read before anyone writes again */
         if (!ok) {
                 fprintf(stderr, "rank %d: reading the routing back failed\n", env->rank);
                 return -1;
         }
+        *sums = sout > sback ? sout : sback;
         return out > back ? out : back;
 }
 
@@ -244,7 +259,7 @@ int bench_ll(struct rank_env *env, int *slot, int T) {
         struct ll_floors f = { 0 };
         struct moeep_ctx ctx = { 0 };
         int pairs_in = 0, *counts = calloc((size_t)L, sizeof(int)), err = 0;
-        int64_t remote;
+        int64_t remote, remote_sums;
         bool graph_ok = false;
         void *y = NULL;
 
@@ -271,7 +286,7 @@ int bench_ll(struct rank_env *env, int *slot, int T) {
         /* Back to back: the step with events around the dispatch and the
          * combine apart, and with events around the whole step only (as
          * DeepEP's bench() of the step, no event between the calls). */
-        if ((remote = ll_remote_pairs(env, &in, T)) < 0 || ll_kernel_time(env, &l, t) < 0 ||
+        if ((remote = ll_remote_pairs(env, &in, T, &remote_sums)) < 0 || ll_kernel_time(env, &l, t) < 0 ||
             time_series(env, ll_part, &l, 2, &split) < 0 || time_series(env, ll_step, &l, 1, &whole) < 0 ||
             ll_graphs(env, &l, graph, &graph_ok) < 0) {
                 err = -1;
@@ -281,18 +296,25 @@ int bench_ll(struct rank_env *env, int *slot, int T) {
         for (int le = 0; le < L; le++)
                 pairs_in += counts[le];
 
+        ep_internal_ctx(env->ep, &ctx); /* the low-latency kernels' SM count, the debug bits */
+
         /* Bytes: FP8 rows + scales received; BF16 rows sent back. Floors of
          * the whole calls: dispatch reads the BF16 tokens once and writes
          * the FP8 pairs and scales; combine reads the expert outputs once
          * and writes the BF16 tokens; over NVLink, the rows of the pairs
-         * whose expert is at another rank, one flag round trip per call. */
+         * whose expert is at another rank (the combine: one row per token
+         * and expert rank, and the top-k weights, when it sums at the
+         * expert ranks), one flag round trip per call. */
         const double fp8_row = H + H / 128 * 4, x_bytes = (double)T * H * 2;
+        const bool summed =
+                !(ctx.debug & MOEEP_DEBUG_LL_PER_PAIR) && !ctx.px.remote && !ctx.shrink; /* ll_summed */
         f.bytes[LL_DISPATCH] = pairs_in * fp8_row;
         f.bytes[LL_COMBINE] = (double)pairs_in * H * 2;
         f.moved[LL_DISPATCH] = x_bytes + f.bytes[LL_DISPATCH];
         f.moved[LL_COMBINE] = f.bytes[LL_COMBINE] + x_bytes;
         f.nvl[LL_DISPATCH] = remote * fp8_row;
-        f.nvl[LL_COMBINE] = (double)remote * H * 2;
+        f.nvl[LL_COMBINE] = summed ? (double)remote_sums * H * 2 + (double)T * o->topk * 4 * (env->ranks - 1)
+                                   : (double)remote * H * 2;
         f.launches[LL_DISPATCH] = f.launches[LL_COMBINE] = f.trips[LL_DISPATCH] = f.trips[LL_COMBINE] = 1;
         for (int k = LL_BOTH; k <= LL_BOTH_HOOKS; k++) {
                 f.bytes[k] = f.bytes[LL_DISPATCH] + f.bytes[LL_COMBINE];
@@ -302,7 +324,6 @@ int bench_ll(struct rank_env *env, int *slot, int T) {
                 f.trips[k] = 2;
         }
         f.has_nvl = env->ranks > 1;
-        ep_internal_ctx(env->ep, &ctx); /* the low-latency kernels' SM count */
 
         static const enum op ops[7] = { OP_LL_DISPATCH,      OP_LL_COMBINE,       OP_LL_BOTH,
                                         OP_LL_DISPATCH_SEND, OP_LL_DISPATCH_RECV, OP_LL_COMBINE_SEND,

@@ -115,6 +115,9 @@ struct shared {
         /* bench_ll: (token, expert) pairs of each rank's routing whose
          * expert is at each rank, [src][dst], for the NVLink floor. */
         int64_t ll_pairs[MOEEP_MAX_RANKS][MOEEP_MAX_RANKS];
+        /* bench_ll: tokens of each rank's routing with an expert at each
+         * rank, [src][dst]: the rows of the summed combine. */
+        int64_t ll_sums[MOEEP_MAX_RANKS][MOEEP_MAX_RANKS];
         /* bench_ll, each rank's: bit 0 its CUDA-graph captures worked, bit 1
          * the parity of its low-latency dispatches after them. */
         int graph_ok[MOEEP_MAX_RANKS];

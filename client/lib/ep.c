@@ -193,9 +193,16 @@ static int ep_attach(struct moeep_ep *ep, const struct moeep_ep_config *c) {
         /* Flags must be zero before any peer can see the buffer. */
         CUDA_TRY(ep,
                  cudaMemset(ep->ctx.peers[ep->ctx.rank] + ep->ctx.layout.sync, 0, sizeof(struct moeep_sync)));
-        if (c->ll_max_tokens)
+        if (c->ll_max_tokens) {
                 CUDA_TRY(ep, cudaMemset(ep->ctx.peers[ep->ctx.rank] + ep->ctx.ll.sync, 0,
                                         sizeof(struct moeep_ll_sync)));
+                /* Tagged with dispatch sequence numbers, which start again
+                 * at 1 in every endpoint: no entry of an earlier one may
+                 * look current. */
+                for (int b = 0; b < 2; b++)
+                        CUDA_TRY(ep, cudaMemset(ep->ctx.peers[ep->ctx.rank] + ep->ctx.ll.pair_slot[b], 0,
+                                                ep->ctx.ll.weights[b] - ep->ctx.ll.pair_slot[b]));
+        }
         CUDA_TRY(ep, cudaDeviceSynchronize());
 
         r = moeep_region_register(ep->client, fd, MOEEP_REGION_CUMEM_FD, ep->own.size, NVL_REGION_TAG,

@@ -44,7 +44,6 @@ void moeep_ll_layout_compute(struct moeep_ll_layout *l, size_t start, int ranks,
                 l->total = start;
                 return;
         }
-        (void)ranks;
 #define PLACE(field, bytes)                                        \
         do {                                                       \
                 l->field = off;                                    \
@@ -59,6 +58,8 @@ void moeep_ll_layout_compute(struct moeep_ll_layout *l, size_t start, int ranks,
                 PLACE(range[b], (size_t)num_experts * sizeof(int64_t)); /* local experts x ranks */
                 PLACE(comb[b], (size_t)max_tokens * (size_t)max_topk * (size_t)hidden * 2);
                 PLACE(ref[b], (size_t)max_tokens * (size_t)max_topk * sizeof(int32_t));
+                PLACE(pair_slot[b], (size_t)ranks * (size_t)max_tokens * (size_t)max_topk * sizeof(uint64_t));
+                PLACE(weights[b], (size_t)ranks * (size_t)max_tokens * (size_t)max_topk * sizeof(float));
         }
 #undef PLACE
         l->total = off;

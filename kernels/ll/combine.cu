@@ -17,6 +17,120 @@ __device__ __forceinline__ void ll_load_chunk(const int4 *row, int base, int n16
                         v[u] = ld_nc_v4(row + base + u * 32 + lane);
 }
 
+/* out[i] = sum over the k of `mask` of w[k] * rows[k][i] (bf16 rows,
+ * float sums), for this lane's int4 i of [i0, i1): the K rows of a
+ * position are loaded together. The combine's sum, at the token's rank
+ * (ll_combine_recv) and, summed, at the expert's (ll_combine_send_summed). */
+__device__ __forceinline__ void ll_weighted_sum(const int4 *const rows[MOEEP_KERNEL_MAX_TOPK],
+                                                const float w[MOEEP_KERNEL_MAX_TOPK], uint32_t mask, int i0, int i1,
+                                                int4 *out) {
+        for (int i = i0 + threadIdx.x % 32; i < i1; i += 32) {
+                float acc[8] = {};
+                int4 v[MOEEP_KERNEL_MAX_TOPK];
+#pragma unroll
+                for (int k = 0; k < MOEEP_KERNEL_MAX_TOPK; k++)
+                        if ((mask >> k) & 1)
+                                v[k] = __ldcg(rows[k] + i);
+#pragma unroll
+                for (int k = 0; k < MOEEP_KERNEL_MAX_TOPK; k++) {
+                        if (!((mask >> k) & 1))
+                                continue;
+                        const __nv_bfloat162 *h = (const __nv_bfloat162 *)&v[k];
+#pragma unroll
+                        for (int j = 0; j < 4; j++) {
+                                float2 f = __bfloat1622float2(h[j]);
+                                acc[2 * j] += w[k] * f.x;
+                                acc[2 * j + 1] += w[k] * f.y;
+                        }
+                }
+                int4 o;
+                __nv_bfloat162 *oh = (__nv_bfloat162 *)&o;
+#pragma unroll
+                for (int j = 0; j < 4; j++)
+                        oh[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
+                st_na_v4(out + i, o);
+        }
+}
+
+/* First step of a combine send where combines may sum (ll_summed): our
+ * top-k weights to every other rank (their `weights` area, row src = us)
+ * and its weights_flag for us at `seq`, and to every rank whether this
+ * send sums (comb_mode); block d % gridDim.x serves rank d. */
+__device__ __forceinline__ void ll_push_weights(const struct moeep_ctx &ctx, const float *weights, int num_tokens,
+                                                int K, int b, uint64_t seq, bool sums) {
+        const int me = ctx.rank, n = num_tokens * K;
+
+        for (int d = blockIdx.x; d < ctx.ranks; d += gridDim.x) {
+                struct moeep_ll_sync *at = ll_sync_of(ctx, d);
+                if (d != me) {
+                        float *dst = (float *)(ctx.peers[d] + ctx.ll.weights[b]) +
+                                     (size_t)me * ctx.ll.max_tokens * ctx.max_topk;
+                        for (int i = threadIdx.x; i < n; i += blockDim.x)
+                                dst[(size_t)(i / K) * ctx.max_topk + i % K] = weights[i];
+                        __syncthreads();
+                        if (threadIdx.x == 0)
+                                st_release_sys(&at->weights_flag[b][me], seq);
+                }
+                if (threadIdx.x == 0) /* ordered before our arrival there */
+                        at->comb_mode[b][me] = 2 * seq + (sums ? 1 : 0);
+        }
+}
+
+/* Summed combine, the send: for each (source s, token t) with pairs at our
+ * experts (pair_slot entries of the current dispatch), their outputs
+ * weighted with s's top-k weights and summed in float, one bf16 row to
+ * s's comb row (t, k0), k0 the first k of those pairs; then the arrival
+ * at every rank (ll_arrive). The token's rank adds the rows of its
+ * experts' ranks (ll_combine_recv). Work items are (source token, piece
+ * of the row), tokens first, so that a decode step of a few tokens keeps
+ * every warp busy. A warp waits for a source's weights once. With `local`
+ * our own tokens are left to the receive, which sums them in place. */
+__device__ __forceinline__ void ll_combine_send_summed(const struct moeep_ctx &ctx, const int4 *y, const float *weights,
+                                                       int num_tokens, int K, int b, int S, uint64_t seq, bool local) {
+        const int lane = threadIdx.x % 32, R = ctx.ranks, me = ctx.rank, H = ctx.hidden;
+        const int warps = gridDim.x * LL_WARPS, gwarp = ll_warp_index();
+        const int n16 = H / 8, pieces = (n16 + LL_RECV_PIECE - 1) / LL_RECV_PIECE, T = S / R;
+        const uint32_t dseq = (uint32_t)*ll_seq_of(ctx, false, b); /* the dispatch this combine answers */
+        struct moeep_ll_sync *my = ll_sync_of(ctx, me);
+        const float *pushed = (const float *)(ctx.peers[me] + ctx.ll.weights[b]);
+        uint32_t ready = 1u << me; /* sources whose weights this warp saw land */
+
+        for (int item = gwarp; item < R * T * pieces; item += warps) {
+                const int q = item / pieces, piece = item % pieces, t = q / R, s = q % R;
+                if (local && s == me)
+                        continue;
+                uint64_t entry = 0;
+                if (lane < K)
+                        entry = *ll_pair_slot(ctx, me, b, s, t, lane);
+                const bool valid = lane < K && (uint32_t)(entry >> 32) == dseq;
+                const uint32_t mask = __ballot_sync(0xffffffffu, valid);
+                if (!mask)
+                        continue;
+                if (!(ready >> s & 1)) {
+                        if (lane == 0)
+                                wait_flag(ctx, &my->weights_flag[b][s], seq, s); /* a failure is recorded */
+                        __syncwarp();
+                        ready |= 1u << s;
+                }
+                float w = 0.0f;
+                if (valid)
+                        w = s == me ? weights[(size_t)t * K + lane]
+                                    : __ldcg(pushed + ((size_t)s * ctx.ll.max_tokens + t) * ctx.max_topk + lane);
+                const int4 *row = y + (size_t)(uint32_t)entry * n16;
+                float wk[MOEEP_KERNEL_MAX_TOPK];
+                const int4 *rows[MOEEP_KERNEL_MAX_TOPK];
+#pragma unroll
+                for (int k = 0; k < MOEEP_KERNEL_MAX_TOPK; k++) {
+                        wk[k] = __shfl_sync(0xffffffffu, w, k);
+                        rows[k] = (const int4 *)__shfl_sync(0xffffffffu, (unsigned long long)row, k);
+                }
+                const int k0 = __ffs(mask) - 1, i0 = piece * LL_RECV_PIECE;
+                int4 *dst = (int4 *)(ctx.peers[s] + ctx.ll.comb[b] + ((size_t)t * ctx.max_topk + k0) * (size_t)H * 2);
+                ll_weighted_sum(rows, wk, mask, i0, min(n16, i0 + LL_RECV_PIECE), dst);
+        }
+        ll_arrive(ctx, true, b, !local);
+}
+
 /* Expert outputs back to the tokens' ranks: slot (le, pos) of set b goes to
  * row (token, k) of its source's combine area; then the block arrives at
  * every rank (ll_arrive). `seq` is the sequence number of this combine on
@@ -164,6 +278,7 @@ __device__ __forceinline__ void ll_combine_recv(const struct moeep_ctx &ctx, con
         const int warps = gridDim.x * LL_WARPS, gwarp = ll_warp_index();
         const char *comb = ctx.peers[me] + ctx.ll.comb[b];
         const int32_t *ref = (const int32_t *)(ctx.peers[me] + ctx.ll.ref[b]);
+        const bool summed = ll_summed(ctx);
 
         /* Work items (token, 512 channels of the row), so that a few tokens
          * still keep every warp busy; the K rows of a position are loaded
@@ -206,13 +321,21 @@ __device__ __forceinline__ void ll_combine_recv(const struct moeep_ctx &ctx, con
                          wait_peer(ctx, &my->combine_flag[b][s], seq << 32, s, 2 * ctx.shrink_timeout_ns))
                         atomicOr(&s_in, 1u << s);
         }
+        __shared__ uint32_t s_sums; /* the sources that sent sums (ll_summed) */
+        if (threadIdx.x == 0)
+                s_sums = 0;
         __syncthreads();
+        if (summed && threadIdx.x < ctx.ranks && (*(volatile uint64_t *)&my->comb_mode[b][threadIdx.x] & 1))
+                atomicOr(&s_sums, 1u << threadIdx.x);
+        __syncthreads();
+        const uint32_t sums = s_sums;
         if (ctx.shrink)
                 in = s_in;
         for (int item = gwarp; item < items; item += warps) {
                 const int t = item / pieces, i0 = (item % pieces) * LL_RECV_PIECE, i1 = min(n16, i0 + LL_RECV_PIECE);
                 float w = 0.0f;
-                uint32_t valid = 0;
+                bool valid = false;
+                int owner = -1;            /* lane k's expert's rank, when valid */
                 const int4 *row = nullptr; /* lane k's: where expert output k is */
                 if (lane < K) {
                         const bool first = item == gwarp;
@@ -221,12 +344,23 @@ __device__ __forceinline__ void ll_combine_recv(const struct moeep_ctx &ctx, con
                         const int32_t r = !local ? -1 : first ? ref_first : ref[(size_t)t * ctx.max_topk + lane];
                         valid = e >= 0 && e < ctx.num_experts && (in >> (e / epr) & 1);
                         w = valid ? wt : 0.0f;
+                        owner = valid ? (int)(e / epr) : -1;
                         /* In place when the dispatch put this pair at one of
                          * our slots of the same expert. */
                         if (r >= 0 && r / S < epr && e == (int64_t)me * epr + r / S)
                                 row = y + (size_t)r * n16;
                         else
                                 row = (const int4 *)(comb + ((size_t)t * ctx.max_topk + lane) * (size_t)H * 2);
+                }
+                if (sums) {
+                        /* An expert rank that summed sent one row, at the
+                         * row of the first k of its experts; ours are read
+                         * in place when this launch kept them. */
+                        const uint32_t same = __match_any_sync(0xffffffffu, owner);
+                        if (valid && (sums >> owner & 1) && !(local && owner == me)) {
+                                valid = __ffs(same) - 1 == lane;
+                                w = 1.0f;
+                        }
                 }
                 const uint32_t mask = __ballot_sync(0xffffffffu, valid);
                 float wk[MOEEP_KERNEL_MAX_TOPK];
@@ -236,32 +370,7 @@ __device__ __forceinline__ void ll_combine_recv(const struct moeep_ctx &ctx, con
                         wk[k] = __shfl_sync(0xffffffffu, w, k);
                         rows[k] = (const int4 *)__shfl_sync(0xffffffffu, (unsigned long long)row, k);
                 }
-                for (int i = i0 + lane; i < i1; i += 32) {
-                        float acc[8] = {};
-                        int4 v[MOEEP_KERNEL_MAX_TOPK];
-#pragma unroll
-                        for (int k = 0; k < MOEEP_KERNEL_MAX_TOPK; k++)
-                                if ((mask >> k) & 1)
-                                        v[k] = __ldcg(rows[k] + i);
-#pragma unroll
-                        for (int k = 0; k < MOEEP_KERNEL_MAX_TOPK; k++) {
-                                if (!((mask >> k) & 1))
-                                        continue;
-                                const __nv_bfloat162 *h = (const __nv_bfloat162 *)&v[k];
-#pragma unroll
-                                for (int j = 0; j < 4; j++) {
-                                        float2 f = __bfloat1622float2(h[j]);
-                                        acc[2 * j] += wk[k] * f.x;
-                                        acc[2 * j + 1] += wk[k] * f.y;
-                                }
-                        }
-                        int4 o;
-                        __nv_bfloat162 *oh = (__nv_bfloat162 *)&o;
-#pragma unroll
-                        for (int j = 0; j < 4; j++)
-                                oh[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
-                        out[(size_t)t * H / 8 + i] = o;
-                }
+                ll_weighted_sum(rows, wk, mask, i0, i1, out + (size_t)t * n16);
         }
 }
 
@@ -278,7 +387,14 @@ __global__ void __launch_bounds__(LL_THREADS, 1)
                 const float *weights, int num_tokens, int K, int4 *out) {
         const uint64_t seq = *ll_seq_of(ctx, true, b) + ((phases & MOEEP_LL_SEND) ? 1 : 0);
 
-        if (phases & MOEEP_LL_SEND)
+        /* Sums where this launch also receives (its ranks wait for each
+         * other anyway); a hook's send does not wait for anyone. */
+        const bool sums = ll_summed(ctx) && phases == (MOEEP_LL_SEND | MOEEP_LL_RECV);
+        if ((phases & MOEEP_LL_SEND) && ll_summed(ctx))
+                ll_push_weights(ctx, weights, num_tokens, K, b, seq, sums);
+        if ((phases & MOEEP_LL_SEND) && sums)
+                ll_combine_send_summed(ctx, y, weights, num_tokens, K, b, S, seq, local);
+        else if (phases & MOEEP_LL_SEND)
                 ll_combine_send(ctx, y, b, S, seq, local);
         if (phases & MOEEP_LL_RECV)
                 ll_combine_recv<Idx>(ctx, topk_idx, weights, num_tokens, K, b, seq, out, y, S, local);

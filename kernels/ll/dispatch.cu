@@ -253,8 +253,8 @@ __device__ __forceinline__ void ll_load_token_steps(const int4 *row, int j0, int
  * (-1: masked or overflowing) for the whole block. v holds the first
  * token's first batch of steps, loaded by the caller. */
 __device__ __forceinline__ void ll_send_tokens(const struct moeep_ctx &ctx, const int4 *x, int num_tokens, int K, int b,
-                                               size_t slots, int use_fp8, int round_scale, const int *s_begin,
-                                               const uint16_t *s_eid, int t0, int4 v[8]) {
+                                               uint64_t seq, size_t slots, int use_fp8, int round_scale,
+                                               const int *s_begin, const uint16_t *s_eid, int t0, int4 v[8]) {
         __shared__ int s_slot[MOEEP_KERNEL_MAX_TOPK];
         const int lane = threadIdx.x % 32, wib = threadIdx.x / 32, me = ctx.rank, H = ctx.hidden;
         const int epr = ctx.num_experts / ctx.ranks, n16 = H / 8, nws = (n16 + 63) / 64;
@@ -323,6 +323,7 @@ __device__ __forceinline__ void ll_send_tokens(const struct moeep_ctx &ctx, cons
                         const size_t slot = (size_t)le * slots + s_slot[lane];
                         ((int32_t *)(ctx.peers[d] + ctx.ll.src[b]))[slot] = t;
                         ((int32_t *)(ctx.peers[d] + ctx.ll.kinfo[b]))[slot] = moeep_ll_kinfo_pack(me, lane);
+                        ll_note_pair_slot(ctx, d, b, seq, t, lane, slot);
                 }
                 __syncthreads(); /* s_slot is the next token's */
         }
@@ -392,7 +393,7 @@ __device__ __forceinline__ void ll_dispatch(const struct moeep_ctx &ctx, const i
                            use_fp8);
         const uint32_t skip = ctx.shrink ? s_dec[0] : 0;
         if (by_token)
-                ll_send_tokens(ctx, x, num_tokens, K, b, slots, use_fp8, round_scale, s_begin, s_eid, t0, v);
+                ll_send_tokens(ctx, x, num_tokens, K, b, seq, slots, use_fp8, round_scale, s_begin, s_eid, t0, v);
 
         /* A pair is moved by a group of G warps of one block, each taking a
          * share of the row's 2048-channel steps (whole 128-channel scale
@@ -503,6 +504,7 @@ __device__ __forceinline__ void ll_dispatch(const struct moeep_ctx &ctx, const i
                         } else {
                                 *info = t;
                                 ((int32_t *)(ctx.peers[d] + ctx.ll.kinfo[b]))[slot] = moeep_ll_kinfo_pack(me, k);
+                                ll_note_pair_slot(ctx, d, b, seq, t, k, slot);
                         }
                 }
         }
