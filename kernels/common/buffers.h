@@ -140,6 +140,9 @@ struct moeep_ll_sync {
          * and the owner knows each source's range. The relay adds remote
          * sources' counts into their rows here (zeroed after reading). */
         int32_t table[2][MOEEP_KERNEL_MAX_RANKS][MOEEP_KERNEL_MAX_EXPERTS];
+        /* [src]: the tokens of src's current dispatch on set b, written
+         * with its table row (the summed combine's sources' tokens) */
+        int32_t tokens[2][MOEEP_KERNEL_MAX_RANKS];
         uint64_t count_flag[2][MOEEP_KERNEL_MAX_RANKS]; /* [src]: src's table row of set b landed (seq) */
         /* [src]: the arrivals of src's blocks (ll_arrive): seq << 32 once
          * every block of src's dispatch (combine) seq on set b placed its

@@ -76,14 +76,14 @@ __device__ __forceinline__ void ll_push_weights(const struct moeep_ctx &ctx, con
         }
 }
 
-/* Summed combine, the send: for each (source s, token t) with pairs at our
- * experts (pair_slot entries of the current dispatch), their outputs
+/* Summed combine, the send: for each (source s, token t < s's tokens) with
+ * pairs at our experts (pair_slot entries of the current dispatch), their outputs
  * weighted with s's top-k weights and summed in float, one bf16 row to
  * s's comb row (t, k0), k0 the first k of those pairs; then the arrival
  * at every rank (ll_arrive). The token's rank adds the rows of its
  * experts' ranks (ll_combine_recv). Work items are (source token, piece
- * of the row), tokens first, so that a decode step of a few tokens keeps
- * every warp busy. A warp waits for a source's weights once. With `local`
+ * of the row), so that a decode step of a few tokens keeps every warp
+ * busy. A warp waits for a source's weights once. With `local`
  * our own tokens are left to the receive, which sums them in place. */
 __device__ __forceinline__ void ll_combine_send_summed(const struct moeep_ctx &ctx, const int4 *y, const float *weights,
                                                        int num_tokens, int K, int b, int S, uint64_t seq, bool local) {
@@ -94,11 +94,19 @@ __device__ __forceinline__ void ll_combine_send_summed(const struct moeep_ctx &c
         struct moeep_ll_sync *my = ll_sync_of(ctx, me);
         const float *pushed = (const float *)(ctx.peers[me] + ctx.ll.weights[b]);
         uint32_t ready = 1u << me; /* sources whose weights this warp saw land */
+        /* The sources' tokens (their dispatch sent them with its counts),
+         * ours left to the receive with `local`: (s, t) items s by s. */
+        int first[MOEEP_KERNEL_MAX_RANKS + 1];
+        first[0] = 0;
+        for (int s = 0; s < R; s++)
+                first[s + 1] = first[s] + (local && s == me ? 0 : min(max(my->tokens[b][s], 0), T));
 
-        for (int item = gwarp; item < R * T * pieces; item += warps) {
-                const int q = item / pieces, piece = item % pieces, t = q / R, s = q % R;
-                if (local && s == me)
-                        continue;
+        for (int item = gwarp; item < first[R] * pieces; item += warps) {
+                const int q = item / pieces, piece = item % pieces;
+                int s = 0;
+                while (first[s + 1] <= q)
+                        s++;
+                const int t = q - first[s];
                 uint64_t entry = 0;
                 if (lane < K)
                         entry = *ll_pair_slot(ctx, me, b, s, t, lane);

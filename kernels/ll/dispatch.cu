@@ -97,7 +97,7 @@ template <typename Idx> __device__ __forceinline__ void ll_load_ids(const Idx *t
 
 /* Where our pairs start in every expert's slots: after the pairs of the
  * ranks below us, whose counts every rank broadcasts first (table rows,
- * released by count_flag). Block 0 counts our pairs per expert (a few
+ * and our token count, released by count_flag). Block 0 counts our pairs per expert (a few
  * thousand ids, in shared memory) and broadcasts them; every block sums
  * the rows of the ranks below us. s_begin[e] is our first slot at expert e.
  * With s_eid, every block also keeps every pair's expert there
@@ -110,8 +110,8 @@ template <typename Idx> __device__ __forceinline__ void ll_load_ids(const Idx *t
  * (LL_NO_EXPERT) and not counted; neither our counts nor our flag go to
  * such a rank. */
 template <typename Idx>
-__device__ __forceinline__ void ll_exchange_counts(const struct moeep_ctx &ctx, const Idx *topk_idx, int n, int b,
-                                                   uint64_t seq, int *s_begin, uint16_t *s_eid,
+__device__ __forceinline__ void ll_exchange_counts(const struct moeep_ctx &ctx, const Idx *topk_idx, int n, int K,
+                                                   int b, uint64_t seq, int *s_begin, uint16_t *s_eid,
                                                    const int64_t ids[LL_IDS], uint32_t *s_dec, int use_fp8) {
         struct moeep_ll_sync *my = ll_sync_of(ctx, ctx.rank);
         const int tid = threadIdx.x, R = ctx.ranks, E = ctx.num_experts, me = ctx.rank, epr = E / R;
@@ -178,6 +178,7 @@ __device__ __forceinline__ void ll_exchange_counts(const struct moeep_ctx &ctx, 
                  * last_block_done before they are shipped. */
                 __syncthreads();
                 if (tid < R && !px_remote(ctx, tid) && !(skip >> tid & 1)) {
+                        ll_sync_of(ctx, tid)->tokens[b][me] = n / max(K, 1);
                         uint64_t *flag = &ll_sync_of(ctx, tid)->count_flag[b][me];
                         if (tid == me) /* read on this GPU only (ll_arrive) */
                                 st_release_gpu(flag, seq);
@@ -389,7 +390,7 @@ __device__ __forceinline__ void ll_dispatch(const struct moeep_ctx &ctx, const i
         int4 v[8];
         if (by_token && t0 < num_tokens) /* the row does not depend on the counts */
                 ll_load_token_steps(x + (size_t)t0 * n16, 0, n16, v);
-        ll_exchange_counts(ctx, topk_idx, pairs, b, seq, s_begin, scan ? s_eid : (uint16_t *)nullptr, ids, s_dec,
+        ll_exchange_counts(ctx, topk_idx, pairs, K, b, seq, s_begin, scan ? s_eid : (uint16_t *)nullptr, ids, s_dec,
                            use_fp8);
         const uint32_t skip = ctx.shrink ? s_dec[0] : 0;
         if (by_token)
