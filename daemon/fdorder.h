@@ -6,8 +6,8 @@
  * files closes that much later than one numbered above them, and a peer
  * daemon learns of the death that much later (measured: 22-28 ms against
  * 0.3 ms; docs/reliability.md). The mesh and the cuda transport therefore
- * keep their connections at the top of the descriptor table: files opened
- * later (the driver's among them) take the lowest free numbers, below. */
+ * keep their connections at the top of the descriptor table: every other
+ * file (the driver's among them) takes the lowest free number, below. */
 #ifndef MOEEPD_FDORDER_H
 #define MOEEPD_FDORDER_H
 
@@ -15,13 +15,10 @@
  * min(RLIMIT_NOFILE, 65536). */
 int fd_top_base(void);
 
-/* fd itself when it is at the top and above every open /dev/nvidia* file
- * of this process, else a duplicate numbered so (close-on-exec), fd then
- * closed. When no such number is free, fd stays as it is: only the timing
- * of a peer's notice depends on it. */
-int fd_above_devices(int fd);
-
-/* The same above the files whose path starts with `prefix` (for tests). */
-int fd_above_files(int fd, const char *prefix);
+/* fd itself when it is at the top already, else a duplicate numbered there
+ * (close-on-exec), fd then closed. One fcntl(): cheap enough for every
+ * accepted connection. When no number there is free, fd stays as it is:
+ * only the timing of a peer's notice depends on it. */
+int fd_to_top(int fd);
 
 #endif

@@ -652,7 +652,7 @@ static void conn_accept(struct tp *tp) {
 
         if (fd < 0)
                 return;
-        fd = fd_above_devices(fd); /* fdorder.h */
+        fd = fd_to_top(fd); /* fdorder.h */
         /* Only our own uid: daemons of one host run as the same user. */
         if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) < 0 || cred.uid != tp->self.uid ||
             tp->nconns >= TPC_MAX_CONNS) {
@@ -898,7 +898,7 @@ static int tpc_peer_connect(struct tp *tp, uint32_t peer, const void *blob, size
         fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
         if (fd < 0)
                 return errmsg_set(errmsg, -errno, "%s: socket: %s", tp->who, strerror(errno));
-        fd = fd_above_devices(fd); /* fdorder.h */
+        fd = fd_to_top(fd); /* fdorder.h */
         if (connect(fd, (struct sockaddr *)&addr, abstract_addr(b.name, b.name_len, &addr)) < 0) {
                 r = errmsg_set(errmsg, -errno,
                                "%s: peer %u: connect to @%s: %s (is that daemon on this host and in this "

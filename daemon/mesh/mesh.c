@@ -337,7 +337,7 @@ static void peer_dial(struct mesh_peer *p) {
                 mesh_peer_fail(p, false, "'%s' is not an address", p->address);
                 return;
         }
-        /* Our own socket, numbered above the CUDA driver's files
+        /* Our own socket, moved to the top of the descriptor table
          * (fdorder.h) before libevent connects it. */
         fd = socket(ss.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
         p->state = MESH_PEER_CONNECTING;
@@ -345,7 +345,7 @@ static void peer_dial(struct mesh_peer *p) {
                 mesh_peer_fail(p, false, "socket: %s", strerror(errno));
                 return;
         }
-        fd = fd_above_devices(fd);
+        fd = fd_to_top(fd);
         p->bev = bufferevent_socket_new(p->mesh->base, fd, BEV_OPT_CLOSE_ON_FREE);
         if (!p->bev) {
                 close(fd);
@@ -609,7 +609,7 @@ static void mesh_accept_cb(struct evconnlistener *l, evutil_socket_t fd, struct 
                 return;
         }
         p = peer_new(mesh, false, remote);
-        fd = fd_above_devices(fd); /* fdorder.h */
+        fd = fd_to_top(fd); /* fdorder.h */
         if (p)
                 p->bev = bufferevent_socket_new(mesh->base, fd, BEV_OPT_CLOSE_ON_FREE);
         if (!p || !p->bev) {
