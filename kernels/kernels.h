@@ -6,6 +6,7 @@
 #ifndef MOEEP_KERNELS_H
 #define MOEEP_KERNELS_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -33,10 +34,25 @@ enum moeep_kernel_debug {
         MOEEP_DEBUG_NO_ABORT_POLL = 16,
         /* Low-latency combine: every expert output goes back as a row of
          * its own (DeepEP's way) instead of one weighted sum per token and
-         * expert rank (ll_summed): to time the difference (results stay
+         * expert rank (moeep_ll_summed): to time the difference (results stay
          * right). Every rank of the job must set it alike. */
         MOEEP_DEBUG_LL_PER_PAIR = 32,
 };
+
+/* Whether the combine may sum at the expert's rank: for each source token,
+ * the outputs of the experts of one rank go back as one row, weighted with
+ * the top-k weights the source sends first (moeep_ll_layout.weights), which
+ * moves up to K / (expert ranks of the token) times fewer bytes than a row
+ * per pair. The dispatch then notes each pair's slot at its expert's rank
+ * (pair_slot), and every combine sends its weights. A combine launch with
+ * both phases sums; a hook's send (which must not wait for the other
+ * ranks' weights) sends a row per pair, and says which in comb_mode. Not
+ * with ranks behind the proxy or an elastic endpoint (their paths move a
+ * row per pair), nor with MOEEP_DEBUG_LL_PER_PAIR; the same on every rank
+ * of a job. The kernels ask it, and so does moeep-bench for its floors. */
+MOEEP_HD bool moeep_ll_summed(const struct moeep_ctx *ctx) {
+        return !ctx->shrink && !ctx->px.remote && !(ctx->debug & MOEEP_DEBUG_LL_PER_PAIR);
+}
 
 enum moeep_kernel_error {
         MOEEP_KERR_NONE = 0,

@@ -160,7 +160,7 @@ struct moeep_ll_sync {
         uint64_t clean_flag[MOEEP_KERNEL_MAX_RANKS];
         /* [src]: src's combine weights of set b landed in our `weights`
          * area (the combine's sequence number); summed combine only
-         * (ll_summed). */
+         * (moeep_ll_summed). */
         uint64_t weights_flag[2][MOEEP_KERNEL_MAX_RANKS];
         /* [src]: 2 * seq + 1 when src's combine seq of set b sent us sums,
          * 2 * seq when it sent a row per pair (a hook's send: it does not
@@ -181,7 +181,7 @@ struct moeep_ll_layout {
         size_t ref[2];    /* [max_tokens][max_topk] int32: where the dispatch put each of our pairs whose
                            * expert is ours (local expert * slots + position), else -1: the combine
                            * reads those expert outputs in place */
-        /* Summed combine (ll_summed), written by the sources: */
+        /* Summed combine (moeep_ll_summed), written by the sources: */
         size_t pair_slot[2]; /* [ranks][max_tokens][max_topk] uint64: (dispatch seq & 0xffffffff) << 32 | slot
                               * of the source's pair (token, k) at our experts, written by its dispatch
                               * (other entries hold an older seq: zeroed at creation) */

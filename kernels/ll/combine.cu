@@ -52,7 +52,7 @@ __device__ __forceinline__ void ll_weighted_sum(const int4 *const rows[MOEEP_KER
         }
 }
 
-/* First step of a combine send where combines may sum (ll_summed): our
+/* First step of a combine send where combines may sum (moeep_ll_summed): our
  * top-k weights to every other rank (their `weights` area, row src = us)
  * and its weights_flag for us at `seq`, and to every rank whether this
  * send sums (comb_mode); block d % gridDim.x serves rank d. */
@@ -86,7 +86,7 @@ __device__ __forceinline__ void ll_push_weights(const struct moeep_ctx &ctx, con
  * busy. A warp waits for a source's weights once. With `local`
  * our own tokens are left to the receive, which sums them in place. */
 __device__ __forceinline__ void ll_combine_send_summed(const struct moeep_ctx &ctx, const int4 *y, const float *weights,
-                                                       int num_tokens, int K, int b, int S, uint64_t seq, bool local) {
+                                                       int K, int b, int S, uint64_t seq, bool local) {
         const int lane = threadIdx.x % 32, R = ctx.ranks, me = ctx.rank, H = ctx.hidden;
         const int warps = gridDim.x * LL_WARPS, gwarp = ll_warp_index();
         const int n16 = H / 8, pieces = (n16 + LL_RECV_PIECE - 1) / LL_RECV_PIECE, T = S / R;
@@ -286,7 +286,7 @@ __device__ __forceinline__ void ll_combine_recv(const struct moeep_ctx &ctx, con
         const int warps = gridDim.x * LL_WARPS, gwarp = ll_warp_index();
         const char *comb = ctx.peers[me] + ctx.ll.comb[b];
         const int32_t *ref = (const int32_t *)(ctx.peers[me] + ctx.ll.ref[b]);
-        const bool summed = ll_summed(ctx);
+        const bool summed = moeep_ll_summed(&ctx);
 
         /* Work items (token, 512 channels of the row), so that a few tokens
          * still keep every warp busy; the K rows of a position are loaded
@@ -329,7 +329,7 @@ __device__ __forceinline__ void ll_combine_recv(const struct moeep_ctx &ctx, con
                          wait_peer(ctx, &my->combine_flag[b][s], seq << 32, s, 2 * ctx.shrink_timeout_ns))
                         atomicOr(&s_in, 1u << s);
         }
-        __shared__ uint32_t s_sums; /* the sources that sent sums (ll_summed) */
+        __shared__ uint32_t s_sums; /* the sources that sent sums (moeep_ll_summed) */
         if (threadIdx.x == 0)
                 s_sums = 0;
         __syncthreads();
@@ -397,11 +397,11 @@ __global__ void __launch_bounds__(LL_THREADS, 1)
 
         /* Sums where this launch also receives (its ranks wait for each
          * other anyway); a hook's send does not wait for anyone. */
-        const bool sums = ll_summed(ctx) && phases == (MOEEP_LL_SEND | MOEEP_LL_RECV);
-        if ((phases & MOEEP_LL_SEND) && ll_summed(ctx))
+        const bool sums = moeep_ll_summed(&ctx) && phases == (MOEEP_LL_SEND | MOEEP_LL_RECV);
+        if ((phases & MOEEP_LL_SEND) && moeep_ll_summed(&ctx))
                 ll_push_weights(ctx, weights, num_tokens, K, b, seq, sums);
         if ((phases & MOEEP_LL_SEND) && sums)
-                ll_combine_send_summed(ctx, y, weights, num_tokens, K, b, S, seq, local);
+                ll_combine_send_summed(ctx, y, weights, K, b, S, seq, local);
         else if (phases & MOEEP_LL_SEND)
                 ll_combine_send(ctx, y, b, S, seq, local);
         if (phases & MOEEP_LL_RECV)

@@ -96,10 +96,11 @@ template <typename Idx> __device__ __forceinline__ void ll_load_ids(const Idx *t
 }
 
 /* Where our pairs start in every expert's slots: after the pairs of the
- * ranks below us, whose counts every rank broadcasts first (table rows,
- * and our token count, released by count_flag). Block 0 counts our pairs per expert (a few
- * thousand ids, in shared memory) and broadcasts them; every block sums
- * the rows of the ranks below us. s_begin[e] is our first slot at expert e.
+ * ranks below us, whose counts every rank broadcasts first (table rows and
+ * token counts, released by count_flag). Block 0 counts our pairs per
+ * expert (a few thousand ids, in shared memory) and broadcasts them, with
+ * our token count (n / K); every block sums the rows of the ranks below
+ * us. s_begin[e] is our first slot at expert e.
  * With s_eid, every block also keeps every pair's expert there
  * (LL_NO_EXPERT when masked), from the ids ll_load_ids loaded.
  *

@@ -30,21 +30,6 @@
 #include "common/wait.cuh"
 #include "kernels.h"
 
-/* Whether the combine may sum at the expert's rank: for each source token,
- * the outputs of the experts of one rank go back as one row, weighted with
- * the top-k weights the source sends first (moeep_ll_layout.weights), which
- * moves up to K / (expert ranks of the token) times fewer bytes than a row
- * per pair. The dispatch then notes each pair's slot at its expert's rank
- * (pair_slot), and every combine sends its weights. A combine launch with
- * both phases sums; a hook's send (which must not wait for the other
- * ranks' weights) sends a row per pair, and says which in comb_mode. Not
- * with ranks behind the proxy or an elastic endpoint (their paths move a
- * row per pair), nor with MOEEP_DEBUG_LL_PER_PAIR; the same on every rank
- * of a job. */
-__device__ __forceinline__ bool ll_summed(const struct moeep_ctx &ctx) {
-        return !ctx.shrink && !ctx.px.remote && !(ctx.debug & MOEEP_DEBUG_LL_PER_PAIR);
-}
-
 /* The pair-slot entry of source `src`'s pair (t, k) in rank d's buffer. */
 __device__ __forceinline__ uint64_t *ll_pair_slot(const struct moeep_ctx &ctx, int d, int b, int src, int t, int k) {
         return (uint64_t *)(ctx.peers[d] + ctx.ll.pair_slot[b]) + ((size_t)src * ctx.ll.max_tokens + t) * ctx.max_topk +
@@ -52,10 +37,10 @@ __device__ __forceinline__ uint64_t *ll_pair_slot(const struct moeep_ctx &ctx, i
 }
 
 /* Notes, at rank d, that pair (t, k) of ours in dispatch seq went to slot
- * `slot` there (ll_summed). */
+ * `slot` there (moeep_ll_summed). */
 __device__ __forceinline__ void ll_note_pair_slot(const struct moeep_ctx &ctx, int d, int b, uint64_t seq, int t, int k,
                                                   size_t slot) {
-        if (ll_summed(ctx))
+        if (moeep_ll_summed(&ctx))
                 *ll_pair_slot(ctx, d, b, ctx.rank, t, k) = (seq & 0xffffffffull) << 32 | (uint32_t)slot;
 }
 
