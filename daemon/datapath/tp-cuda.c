@@ -652,7 +652,6 @@ static void conn_accept(struct tp *tp) {
 
         if (fd < 0)
                 return;
-        fd = fd_to_top(fd); /* fdorder.h */
         /* Only our own uid: daemons of one host run as the same user. */
         if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) < 0 || cred.uid != tp->self.uid ||
             tp->nconns >= TPC_MAX_CONNS) {
@@ -661,6 +660,7 @@ static void conn_accept(struct tp *tp) {
                 close(fd);
                 return;
         }
+        fd = fd_to_top(fd); /* fdorder.h; a refused connection is not worth the fcntl() */
         pthread_mutex_lock(&tp->lock);
         tp->conns[tp->nconns++] = (struct tpc_conn){ .fd = fd, .peer = -1, .since_ms = now_ms() };
         pthread_mutex_unlock(&tp->lock);
