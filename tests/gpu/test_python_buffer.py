@@ -10,7 +10,8 @@ every rank; cached dispatch; async_finish with previous_event; dispatch with
 num_worst_tokens; combine sums (x times the ranks a token reached, and the
 top-k weights). Low-latency mode: BF16 and FP8 (tolerance of the e4m3 cast,
 power-of-two scales with round_scale, UE8M0 packing) dispatch checked per
-local expert as a set of (rank, token) slots, receive hooks, cumulative
+local expert as a set of (rank, token) slots, receive hooks (UE8M0 with a
+hook included, its dispatch held back on the default stream), cumulative
 stats, and combine of an expert-dependent function with the top-k weights.
 The first call of each kind also runs under a torch function mode (as
 torch.set_default_device sets, which DeepEP's tests do): it must see none of
@@ -273,11 +274,17 @@ def test_low_latency(rank, R, group, sock):
     ref_stats = torch.zeros(L, dtype=torch.int64, device="cuda")
     scale_of = 0.5 + (torch.arange(E, device="cuda") % 7).float() * 0.25  # expert function: x * scale
     for it, (fp8, round_scale, ue8m0, hook) in enumerate([(False, False, False, False), (True, False, False, True),
-                                                          (True, True, True, False), (False, False, False, True)]):
+                                                          (True, True, True, False), (False, False, False, True),
+                                                          (True, True, True, True)]):
         T = NT if rank == 0 else int(torch.randint(1, NT + 1, (1,), generator=gen, device="cuda").item())
         x = torch.randn(T, H, generator=gen, device="cuda").to(torch.bfloat16)
         idx, w = routing(T, E, K, gen)  # distinct experts per token (top-k)
         all_x, all_idx = gather(x, group, R), gather(idx, group, R)
+        if hook:
+            # The dispatch starts late (about 10 ms): the hook's work (the
+            # UE8M0 packing too) must follow it on the caller's stream, the
+            # default one here, not run on another stream at once.
+            torch.cuda._sleep(20_000_000)
         with counted(it == 0) as mode:
             recv, count, handle, ev, fn = buf.low_latency_dispatch(
                 x, idx, NT, E, cumulative_local_expert_recv_stats=stats, use_fp8=fp8, round_scale=round_scale,

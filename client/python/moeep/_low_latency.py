@@ -8,7 +8,7 @@ import ctypes
 from . import _lib
 from ._handles import LowLatencyHandle
 from ._tensors import _check_index, _check_tensor, _index_type, _view
-from .event import EventOverlap, _as_binding, _torch
+from .event import EventOverlap, _as_binding, _stream_of, _torch
 
 
 class _LowLatencyMode:
@@ -117,7 +117,7 @@ class _LowLatencyMode:
                 self._ep.check(self._ep.lib.moeep_ll_hook_run(self._ep.ptr, ctypes.byref(hook), ptr),
                                "low-latency dispatch receive hook")
                 if packed is not None:
-                    with torch.cuda.stream(torch.cuda.ExternalStream(ptr)):  # the dispatch's stream, as the hook
+                    with torch.cuda.stream(_stream_of(torch, ptr, self.device)):  # the hook's stream
                         _pack_ue8m0(scales, packed)
                 del keep[:]
         rx = recv_x

@@ -28,7 +28,7 @@ from ._shrink import _ShrinkMode, _shrink_config, _shrink_shapes
 from ._tensors import _Areas, _DevicePointer, _check_index, _check_tensor, _index_type, _record, _view  # noqa: F401
 from .config import (DEFAULT_RECV_AREAS, Config, LowLatencySizeHint, Plan, check_num_sms,  # noqa: F401
                      low_latency_buffer_bytes)
-from .event import EventOverlap, _torch
+from .event import EventOverlap, _current_stream, _stream_of, _torch
 
 
 class Buffer(_NormalMode, _LowLatencyMode, _ShrinkMode):
@@ -306,7 +306,7 @@ class Buffer(_NormalMode, _LowLatencyMode, _ShrinkMode):
             # (A graph being captured is replayed later, after whatever runs
             # before the replay; waiting on a stream outside the capture
             # would end the capture.)
-            prev = self.comm_stream if last == self.comm_stream.cuda_stream else torch.cuda.ExternalStream(last)
+            prev = self.comm_stream if last == self.comm_stream.cuda_stream else _stream_of(torch, last, self.device)
             (side if side is not None else torch.cuda.current_stream()).wait_stream(prev)
         return compute, side, ptr
 
@@ -336,12 +336,6 @@ class Buffer(_NormalMode, _LowLatencyMode, _ShrinkMode):
 
 
 _install_host_time(Buffer)  # MOEEP_HOST_TIME=1 only (_hosttime.py)
-
-
-def _current_stream(torch, index):
-    """The raw handle of the caller's current stream on device `index`."""
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
 
 
 def _gpu_uuid(torch, device):

@@ -1,5 +1,6 @@
 """EventHandle and EventOverlap, as deep_ep's (deep_ep.utils), over
-torch.cuda.Event; and _torch(), _as_binding() for the Buffer's calls."""
+torch.cuda.Event; and _torch(), _as_binding() and the raw-stream helpers
+for the Buffer's calls."""
 
 import functools
 
@@ -12,6 +13,20 @@ def _torch():
         raise ImportError("moeep.Buffer needs PyTorch with CUDA (pip install torch); the control-plane "
                           "binding (moeep._lib, moeep._job) works without it") from e
     return torch
+
+
+def _current_stream(torch, index):
+    """The raw handle of the caller's current stream on device `index`."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
+
+
+def _stream_of(torch, raw, device):
+    """The torch stream whose raw handle is `raw` (from _current_stream).
+    torch.cuda.ExternalStream(0) is not the default stream, whose handle is
+    0, but a new stream from torch's pool, unordered with the caller's
+    work: the default stream is asked for by name."""
+    return torch.cuda.default_stream(device) if raw == 0 else torch.cuda.ExternalStream(raw, device=device)
 
 
 def _as_binding(method):
