@@ -44,14 +44,30 @@ enum moeep_kernel_debug {
  * the top-k weights the source sends first (moeep_ll_layout.weights), which
  * moves up to K / (expert ranks of the token) times fewer bytes than a row
  * per pair. The dispatch then notes each pair's slot at its expert's rank
- * (pair_slot), and every combine sends its weights. A combine launch with
- * both phases sums; a hook's send (which must not wait for the other
+ * (pair_slot), and every combine of a step that sums (moeep_ll_sums_step)
+ * sends its weights. Its combine launches with both phases sum; a hook's
+ * send (which must not wait for the other
  * ranks' weights) sends a row per pair, and says which in comb_mode. Not
  * with ranks behind the proxy or an elastic endpoint (their paths move a
  * row per pair), nor with MOEEP_DEBUG_LL_PER_PAIR; the same on every rank
  * of a job. The kernels ask it, and so does moeep-bench for its floors. */
 MOEEP_HD bool moeep_ll_summed(const struct moeep_ctx *ctx) {
         return !ctx->shrink && !ctx->px.remote && !(ctx->debug & MOEEP_DEBUG_LL_PER_PAIR);
+}
+
+/* The fewest tokens per rank, on average over a step's ranks, for which
+ * its combine sums: below that a step moves a few rows, and the weights'
+ * round trip before the first sum costs more than the rows it saves (2 x
+ * H200, dispatch + combine in a graph: 1 token a rank, summed 21.2 us
+ * against 19.8 a row per pair; 16 tokens, 22.9 against 23.3). */
+#define MOEEP_LL_SUM_MIN_TOKENS 16
+
+/* Whether the combine of a step with `step_tokens` tokens (every rank's,
+ * summed: each rank's dispatch tells every rank its count, so every rank
+ * decides alike) sums (moeep_ll_summed). When it does not, no combine of
+ * the step sends weights or waits for them. */
+MOEEP_HD bool moeep_ll_sums_step(const struct moeep_ctx *ctx, long step_tokens) {
+        return moeep_ll_summed(ctx) && step_tokens >= (long)MOEEP_LL_SUM_MIN_TOKENS * ctx->ranks;
 }
 
 enum moeep_kernel_error {

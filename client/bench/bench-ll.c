@@ -306,7 +306,7 @@ int bench_ll(struct rank_env *env, int *slot, int T) {
          * and expert rank, and the top-k weights, when it sums at the
          * expert ranks), one flag round trip per call. */
         const double fp8_row = H + H / 128 * 4, x_bytes = (double)T * H * 2;
-        const bool summed = moeep_ll_summed(&ctx);
+        const bool summed = moeep_ll_sums_step(&ctx, (long)T * env->ranks);
         f.bytes[LL_DISPATCH] = pairs_in * fp8_row;
         f.bytes[LL_COMBINE] = (double)pairs_in * H * 2;
         f.moved[LL_DISPATCH] = x_bytes + f.bytes[LL_DISPATCH];

@@ -52,17 +52,30 @@ __device__ __forceinline__ void ll_weighted_sum(const int4 *const rows[MOEEP_KER
         }
 }
 
-/* First step of a combine send where combines may sum (moeep_ll_summed): our
- * top-k weights to every other rank (their `weights` area, row src = us)
- * and its weights_flag for us at `seq`, and to every rank whether this
- * send sums (comb_mode); block d % gridDim.x serves rank d. */
+/* The tokens of the step whose combine this is: every source's count of
+ * set b's dispatch, which reached every rank with its counts
+ * (moeep_ll_sums_step). */
+__device__ __forceinline__ long ll_step_tokens(const struct moeep_ctx &ctx, int b) {
+        const struct moeep_ll_sync *my = ll_sync_of(ctx, ctx.rank);
+        long n = 0;
+
+        for (int s = 0; s < ctx.ranks; s++)
+                n += min(max(__ldcg(&my->tokens[b][s]), 0), ctx.ll.max_tokens);
+        return n;
+}
+
+/* First step of a combine send where combines may sum (moeep_ll_summed):
+ * with `push` (the step sums: moeep_ll_sums_step) our top-k weights to
+ * every other rank (their `weights` area, row src = us) and its
+ * weights_flag for us at `seq`; always, to every rank, whether this send
+ * sums (comb_mode). Block d % gridDim.x serves rank d. */
 __device__ __forceinline__ void ll_push_weights(const struct moeep_ctx &ctx, const float *weights, int num_tokens,
-                                                int K, int b, uint64_t seq, bool sums) {
+                                                int K, int b, uint64_t seq, bool push, bool sums) {
         const int me = ctx.rank, n = num_tokens * K;
 
         for (int d = blockIdx.x; d < ctx.ranks; d += gridDim.x) {
                 struct moeep_ll_sync *at = ll_sync_of(ctx, d);
-                if (d != me) {
+                if (push && d != me) {
                         float *dst = (float *)(ctx.peers[d] + ctx.ll.weights[b]) +
                                      (size_t)me * ctx.ll.max_tokens * ctx.max_topk;
                         for (int i = threadIdx.x; i < n; i += blockDim.x)
@@ -395,11 +408,14 @@ __global__ void __launch_bounds__(LL_THREADS, 1)
                 const float *weights, int num_tokens, int K, int4 *out) {
         const uint64_t seq = *ll_seq_of(ctx, true, b) + ((phases & MOEEP_LL_SEND) ? 1 : 0);
 
-        /* Sums where this launch also receives (its ranks wait for each
-         * other anyway); a hook's send does not wait for anyone. */
-        const bool sums = moeep_ll_summed(&ctx) && phases == (MOEEP_LL_SEND | MOEEP_LL_RECV);
+        /* Sums where the step has enough tokens (the same answer at every
+         * rank) and this launch also receives (its ranks wait for each
+         * other anyway); a hook's send does not wait for anyone, but
+         * pushes its weights for the others' sums. */
+        const bool step_sums = (phases & MOEEP_LL_SEND) && moeep_ll_sums_step(&ctx, ll_step_tokens(ctx, b));
+        const bool sums = step_sums && phases == (MOEEP_LL_SEND | MOEEP_LL_RECV);
         if ((phases & MOEEP_LL_SEND) && moeep_ll_summed(&ctx))
-                ll_push_weights(ctx, weights, num_tokens, K, b, seq, sums);
+                ll_push_weights(ctx, weights, num_tokens, K, b, seq, step_sums, sums);
         if ((phases & MOEEP_LL_SEND) && sums)
                 ll_combine_send_summed(ctx, y, weights, K, b, S, seq, local);
         else if (phases & MOEEP_LL_SEND)
