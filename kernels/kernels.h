@@ -37,6 +37,11 @@ enum moeep_kernel_debug {
          * expert rank (moeep_ll_summed): to time the difference (results stay
          * right). Every rank of the job must set it alike. */
         MOEEP_DEBUG_LL_PER_PAIR = 32,
+        /* Low-latency dispatch: every pair's row goes to its slot from the
+         * source (DeepEP's way) instead of each token once to each other
+         * rank (moeep_ll_dedup): to time the difference (results stay
+         * right). */
+        MOEEP_DEBUG_LL_NO_DEDUP = 64,
 };
 
 /* Whether the combine may sum at the expert's rank: for each source token,
@@ -53,6 +58,31 @@ enum moeep_kernel_debug {
  * of a job. The kernels ask it, and so does moeep-bench for its floors. */
 MOEEP_HD bool moeep_ll_summed(const struct moeep_ctx *ctx) {
         return !ctx->shrink && !ctx->px.remote && !(ctx->debug & MOEEP_DEBUG_LL_PER_PAIR);
+}
+
+/* Whether a low-latency dispatch of `num_tokens` tokens sends each token
+ * once to each other rank that holds one of its experts, into that rank's
+ * token rows (moeep_ll_layout.tok), where the receive copies it to its
+ * experts' slots, instead of once per pair across NVLink: with top-8 of
+ * 288 at 2 ranks about four times fewer bytes. With the token-by-token
+ * send only (moeep_ll_by_token); not with
+ * ranks behind the proxy or an elastic endpoint, nor with
+ * MOEEP_DEBUG_LL_NO_DEDUP. Each source decides for itself (its pairs'
+ * entries say which way they went); every receive copies what came. */
+MOEEP_HD bool moeep_ll_dedup(const struct moeep_ctx *ctx) {
+        return !ctx->shrink && !ctx->px.remote && !(ctx->debug & MOEEP_DEBUG_LL_NO_DEDUP);
+}
+
+/* Whether the low-latency dispatch's send goes token by token: every rank
+ * mapped, positions counted in shared memory (up to LL_SCAN_PAIRS pairs)
+ * and tokens for half the blocks or more (moeep_launch_ll_dispatch). */
+MOEEP_HD bool moeep_ll_by_token(const struct moeep_ctx *ctx, long num_tokens, int num_topk) {
+        return !ctx->px.remote && num_tokens * num_topk <= LL_SCAN_PAIRS && 2 * num_tokens >= ctx->ll_num_sms;
+}
+
+/* Whether a dispatch of this shape sends its tokens once per rank. */
+MOEEP_HD bool moeep_ll_dedup_call(const struct moeep_ctx *ctx, long num_tokens, int num_topk) {
+        return moeep_ll_dedup(ctx) && moeep_ll_by_token(ctx, num_tokens, num_topk);
 }
 
 /* The fewest tokens per rank, on average over a step's ranks, for which

@@ -302,16 +302,20 @@ int bench_ll(struct rank_env *env, int *slot, int T) {
          * the whole calls: dispatch reads the BF16 tokens once and writes
          * the FP8 pairs and scales; combine reads the expert outputs once
          * and writes the BF16 tokens; over NVLink, the rows of the pairs
-         * whose expert is at another rank (the combine: one row per token
-         * and expert rank, and the top-k weights, when it sums at the
-         * expert ranks), one flag round trip per call. */
+         * whose expert is at another rank (the dispatch: one row per token
+         * and other rank, and each pair's 8-byte entry, when it sends
+         * tokens once per rank; the combine: one row per token and expert
+         * rank, and the top-k weights, when it sums at the expert ranks),
+         * one flag round trip per call. */
         const double fp8_row = H + H / 128 * 4, x_bytes = (double)T * H * 2;
         const bool summed = moeep_ll_sums_step(&ctx, (long)T * env->ranks);
         f.bytes[LL_DISPATCH] = pairs_in * fp8_row;
         f.bytes[LL_COMBINE] = (double)pairs_in * H * 2;
         f.moved[LL_DISPATCH] = x_bytes + f.bytes[LL_DISPATCH];
         f.moved[LL_COMBINE] = f.bytes[LL_COMBINE] + x_bytes;
-        f.nvl[LL_DISPATCH] = remote * fp8_row;
+        f.nvl[LL_DISPATCH] = moeep_ll_dedup_call(&ctx, T, o->topk)
+                                     ? (double)remote_sums * fp8_row + remote * 8.0
+                                     : remote * fp8_row;
         f.nvl[LL_COMBINE] = summed ? (double)remote_sums * H * 2 + (double)T * o->topk * 4 * (env->ranks - 1)
                                    : (double)remote * H * 2;
         f.launches[LL_DISPATCH] = f.launches[LL_COMBINE] = f.trips[LL_DISPATCH] = f.trips[LL_COMBINE] = 1;

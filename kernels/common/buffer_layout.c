@@ -60,6 +60,7 @@ void moeep_ll_layout_compute(struct moeep_ll_layout *l, size_t start, int ranks,
                 PLACE(ref[b], (size_t)max_tokens * (size_t)max_topk * sizeof(int32_t));
                 PLACE(pair_slot[b], (size_t)ranks * (size_t)max_tokens * (size_t)max_topk * sizeof(uint64_t));
                 PLACE(weights[b], (size_t)ranks * (size_t)max_tokens * (size_t)max_topk * sizeof(float));
+                PLACE(tok[b], (size_t)ranks * (size_t)max_tokens * MOEEP_LL_TOK_ROW(hidden));
         }
 #undef PLACE
         l->total = off;

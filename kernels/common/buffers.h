@@ -107,6 +107,10 @@ struct moeep_local_state {
         uint64_t ll_recv_view[2];
         uint64_t ll_comb_view[2];
         uint64_t ll_clean_seq; /* clean barriers passed */
+        /* Whether the last dispatch send on each set sent FP8 rows: the
+         * format of the token rows its receive copies (moeep_ll_dedup),
+         * for a receive alone (a hook), which is not told. */
+        uint32_t ll_fp8[2];
 };
 
 /* Offsets inside every NVLink buffer, derived from the configuration. */
@@ -143,6 +147,10 @@ struct moeep_ll_sync {
         /* [src]: the tokens of src's current dispatch on set b, written
          * with its table row (the summed combine's sources' tokens) */
         int32_t tokens[2][MOEEP_KERNEL_MAX_RANKS];
+        /* [src]: 1 when src's current dispatch on set b sent its tokens
+         * once per rank, into our token rows (moeep_ll_dedup), else 0;
+         * written with its table row */
+        int32_t staged[2][MOEEP_KERNEL_MAX_RANKS];
         uint64_t count_flag[2][MOEEP_KERNEL_MAX_RANKS]; /* [src]: src's table row of set b landed (seq) */
         /* [src]: the arrivals of src's blocks (ll_arrive): seq << 32 once
          * every block of src's dispatch (combine) seq on set b placed its
@@ -186,8 +194,17 @@ struct moeep_ll_layout {
                               * of the source's pair (token, k) at our experts, written by its dispatch
                               * (other entries hold an older seq: zeroed at creation) */
         size_t weights[2];   /* [ranks][max_tokens][max_topk] float: each source's combine top-k weights */
-        size_t total;        /* end of the low-latency part */
+        /* [ranks][max_tokens] rows of MOEEP_LL_TOK_ROW(hidden) bytes: each
+         * source's tokens, sent once to each rank that holds one of their
+         * experts (moeep_ll_dedup): the row (FP8 or bf16), then its FP8
+         * scales; the receive copies them to the slots its pair_slot
+         * entries name */
+        size_t tok[2];
+        size_t total; /* end of the low-latency part */
 };
+
+/* Bytes of a token row of moeep_ll_layout.tok. */
+#define MOEEP_LL_TOK_ROW(hidden) ((size_t)(hidden)*2 + (size_t)((hidden) / MOEEP_SCALE_BLOCK) * sizeof(float))
 
 /* Appends the low-latency buffers at offset `start` (0 tokens: none). */
 void moeep_ll_layout_compute(struct moeep_ll_layout *l, size_t start, int ranks, int max_tokens, int hidden,

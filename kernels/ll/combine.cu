@@ -137,7 +137,7 @@ __device__ __forceinline__ void ll_combine_send_summed(const struct moeep_ctx &c
                 if (valid)
                         w = s == me ? weights[(size_t)t * K + lane]
                                     : __ldcg(pushed + ((size_t)s * ctx.ll.max_tokens + t) * ctx.max_topk + lane);
-                const int4 *row = y + (size_t)(uint32_t)entry * n16;
+                const int4 *row = y + (size_t)ll_pair_slot_index(entry) * n16;
                 float wk[MOEEP_KERNEL_MAX_TOPK];
                 const int4 *rows[MOEEP_KERNEL_MAX_TOPK];
 #pragma unroll

@@ -113,7 +113,8 @@ template <typename Idx> __device__ __forceinline__ void ll_load_ids(const Idx *t
 template <typename Idx>
 __device__ __forceinline__ void ll_exchange_counts(const struct moeep_ctx &ctx, const Idx *topk_idx, int n, int K,
                                                    int b, uint64_t seq, int *s_begin, uint16_t *s_eid,
-                                                   const int64_t ids[LL_IDS], uint32_t *s_dec, int use_fp8) {
+                                                   const int64_t ids[LL_IDS], uint32_t *s_dec, int use_fp8,
+                                                   bool staged) {
         struct moeep_ll_sync *my = ll_sync_of(ctx, ctx.rank);
         const int tid = threadIdx.x, R = ctx.ranks, E = ctx.num_experts, me = ctx.rank, epr = E / R;
         /* f(pair, expert id) for every pair of this thread. */
@@ -180,6 +181,7 @@ __device__ __forceinline__ void ll_exchange_counts(const struct moeep_ctx &ctx, 
                 __syncthreads();
                 if (tid < R && !px_remote(ctx, tid) && !(skip >> tid & 1)) {
                         ll_sync_of(ctx, tid)->tokens[b][me] = n / max(K, 1);
+                        ll_sync_of(ctx, tid)->staged[b][me] = staged;
                         uint64_t *flag = &ll_sync_of(ctx, tid)->count_flag[b][me];
                         if (tid == me) /* read on this GPU only (ll_arrive) */
                                 st_release_gpu(flag, seq);
@@ -247,21 +249,37 @@ __device__ __forceinline__ void ll_load_token_steps(const int4 *row, int j0, int
         }
 }
 
+/* How pair k of a token moves in ll_send_tokens (s_how). */
+enum ll_how {
+        LL_HOW_NONE = 0, /* not at all: masked, overflowing, or carried by another pair's row */
+        LL_HOW_SLOT,     /* its row to its slot */
+        LL_HOW_TOKEN,    /* the token's row to its rank's token rows (moeep_ll_dedup), for every pair there */
+};
+
 /* The send phase token by token, when every destination is mapped and
  * the positions are counted in shared memory: a block takes a token (the
  * first, t0, from block 0 last), its warps a share of the row's 64-int4
  * steps each, and each step is loaded and cast once for all K pairs of
  * the token instead of once per pair. Warp k counts pair k's slot first
  * (-1: masked or overflowing) for the whole block. v holds the first
- * token's first batch of steps, loaded by the caller. */
+ * token's first batch of steps, loaded by the caller.
+ * With `dedup` (moeep_ll_dedup), a token goes once to each other rank
+ * that holds one of its experts, into row (us, t) of that rank's token
+ * rows, carried by the first of its pairs there; each pair's entry at
+ * that rank says so (LL_PAIR_STAGED) and the rank's receive copies the
+ * row to the pair's slot (ll_expand_tokens). Our own pairs go to their
+ * slots. */
 __device__ __forceinline__ void ll_send_tokens(const struct moeep_ctx &ctx, const int4 *x, int num_tokens, int K, int b,
                                                uint64_t seq, size_t slots, int use_fp8, int round_scale,
-                                               const int *s_begin, const uint16_t *s_eid, int t0, int4 v[8]) {
+                                               const int *s_begin, const uint16_t *s_eid, int t0, int4 v[8],
+                                               bool dedup) {
         __shared__ int s_slot[MOEEP_KERNEL_MAX_TOPK];
+        __shared__ int s_how[MOEEP_KERNEL_MAX_TOPK];
         const int lane = threadIdx.x % 32, wib = threadIdx.x / 32, me = ctx.rank, H = ctx.hidden;
         const int epr = ctx.num_experts / ctx.ranks, n16 = H / 8, nws = (n16 + 63) / 64;
         const int nscales = H / MOEEP_SCALE_BLOCK;
-        const size_t xrow = (size_t)H * (use_fp8 ? 1 : 2);
+        const size_t xrow = (size_t)H * (use_fp8 ? 1 : 2), trow = MOEEP_LL_TOK_ROW(H);
+        const size_t tok_of_us = ctx.ll.tok[b] + (size_t)me * ctx.ll.max_tokens * trow; /* our rows at any rank */
 
         for (int t = t0; t < num_tokens; t += gridDim.x) {
                 const int4 *row = x + (size_t)t * n16;
@@ -284,6 +302,20 @@ __device__ __forceinline__ void ll_send_tokens(const struct moeep_ctx &ctx, cons
                         }
                 }
                 __syncthreads();
+                if (wib == 0) {
+                        /* One row per other rank: the first of its pairs
+                         * there carries it (the lowest lane of a match). */
+                        const int pos = lane < K ? s_slot[lane] : -1;
+                        const int d = pos >= 0 ? (int)(s_eid[t * K + lane] / epr) : -1;
+                        const bool staged = dedup && pos >= 0 && d != me;
+                        const uint32_t same = __match_any_sync(0xffffffffu, staged ? d : -1 - lane);
+                        if (lane < K)
+                                s_how[lane] = pos < 0                        ? LL_HOW_NONE
+                                              : !staged                      ? LL_HOW_SLOT
+                                              : __ffs(same) - 1 == (int)lane ? LL_HOW_TOKEN
+                                                                             : LL_HOW_NONE;
+                }
+                __syncthreads();
                 for (int j0 = 0; wib + j0 * LL_WARPS < nws; j0 += 4) {
                         if (j0 > 0)
                                 ll_load_token_steps(row, j0, n16, v);
@@ -300,18 +332,26 @@ __device__ __forceinline__ void ll_send_tokens(const struct moeep_ctx &ctx, cons
                                 if (c >= n16)
                                         continue;
                                 for (int k = 0; k < K; k++) {
-                                        const int pos = s_slot[k];
-                                        if (pos < 0)
+                                        const int how = s_how[k];
+                                        if (how == LL_HOW_NONE)
                                                 continue;
                                         const uint32_t e = s_eid[t * K + k];
                                         const int d = (int)(e / epr), le = (int)(e % epr);
-                                        const size_t slot = (size_t)le * slots + pos;
-                                        int4 *dst = (int4 *)(ctx.peers[d] + ctx.ll.x[b] + slot * xrow);
+                                        const size_t slot = (size_t)le * slots + s_slot[k];
+                                        int4 *dst;
+                                        float *sc;
+                                        if (how == LL_HOW_TOKEN) {
+                                                dst = (int4 *)(ctx.peers[d] + tok_of_us + (size_t)t * trow);
+                                                sc = (float *)((char *)dst + xrow) + c / 16;
+                                        } else {
+                                                dst = (int4 *)(ctx.peers[d] + ctx.ll.x[b] + slot * xrow);
+                                                sc = (float *)(ctx.peers[d] + ctx.ll.scales[b]) +
+                                                     ((size_t)le * nscales + c / 16) * slots + s_slot[k];
+                                        }
                                         if (use_fp8) {
                                                 st_na_v4(dst + c / 2, q);
                                                 if (lane % 8 == 0)
-                                                        ((float *)(ctx.peers[d] + ctx.ll.scales[b]))
-                                                                [((size_t)le * nscales + c / 16) * slots + pos] = scale;
+                                                        *sc = scale;
                                         } else {
                                                 st_na_v4(dst + c, v[2 * u]);
                                                 st_na_v4(dst + c + 1, v[2 * u + 1]);
@@ -323,12 +363,114 @@ __device__ __forceinline__ void ll_send_tokens(const struct moeep_ctx &ctx, cons
                         const uint32_t e = s_eid[t * K + lane];
                         const int d = (int)(e / epr), le = (int)(e % epr);
                         const size_t slot = (size_t)le * slots + s_slot[lane];
-                        ((int32_t *)(ctx.peers[d] + ctx.ll.src[b]))[slot] = t;
-                        ((int32_t *)(ctx.peers[d] + ctx.ll.kinfo[b]))[slot] = moeep_ll_kinfo_pack(me, lane);
-                        ll_note_pair_slot(ctx, d, b, seq, t, lane, slot);
+                        const bool staged = dedup && d != me;
+                        if (!staged) { /* a staged pair's receive writes them */
+                                ((int32_t *)(ctx.peers[d] + ctx.ll.src[b]))[slot] = t;
+                                ((int32_t *)(ctx.peers[d] + ctx.ll.kinfo[b]))[slot] = moeep_ll_kinfo_pack(me, lane);
+                        }
+                        ll_note_pair_slot(ctx, d, b, seq, t, lane, slot, staged);
                 }
-                __syncthreads(); /* s_slot is the next token's */
+                __syncthreads(); /* s_slot, s_how are the next token's */
         }
+}
+
+/* The receive's copy of the tokens that came once per rank (moeep_ll_dedup):
+ * for each source s of `sources` (those that staged their tokens here,
+ * whose rows all landed) and token t < s's tokens, each pair whose
+ * entry here (current dispatch seq, LL_PAIR_STAGED) names a slot gets the
+ * row (and its FP8 scales, its source token and (s, k)) copied there from
+ * token row (s, t). Work items are (source token, piece of 64 int4 of the
+ * row), over every warp of the launch. */
+__device__ __forceinline__ void ll_expand_tokens(const struct moeep_ctx &ctx, int b, uint64_t seq, size_t slots,
+                                                 int use_fp8, uint32_t sources) {
+        const struct moeep_ll_sync *my = ll_sync_of(ctx, ctx.rank);
+        const int lane = threadIdx.x % 32, R = ctx.ranks, me = ctx.rank, H = ctx.hidden, K = ctx.max_topk;
+        const int warps = gridDim.x * LL_WARPS, gwarp = ll_warp_index(), T = ctx.ll.max_tokens;
+        const size_t xrow = (size_t)H * (use_fp8 ? 1 : 2), trow = MOEEP_LL_TOK_ROW(H);
+        const int nx = (int)(xrow / 16), pieces = (nx + 63) / 64, nscales = H / MOEEP_SCALE_BLOCK;
+        const uint32_t dseq = (uint32_t)seq;
+        int first[MOEEP_KERNEL_MAX_RANKS + 1];
+        first[0] = 0;
+        for (int s = 0; s < R; s++)
+                first[s + 1] = first[s] + (sources >> s & 1 ? min(max(__ldcg(&my->tokens[b][s]), 0), T) : 0);
+
+        for (int item = gwarp; item < first[R] * pieces; item += warps) {
+                const int q = item / pieces, piece = item % pieces;
+                int s = 0;
+                while (first[s + 1] <= q)
+                        s++;
+                const int t = q - first[s];
+                uint64_t entry = 0;
+                if (lane < K)
+                        entry = __ldcg((const unsigned long long *)ll_pair_slot(ctx, me, b, s, t, lane));
+                const bool valid = lane < K && (uint32_t)(entry >> 32) == dseq && ((uint32_t)entry & LL_PAIR_STAGED);
+                const uint32_t mask = __ballot_sync(0xffffffffu, valid);
+                if (!mask)
+                        continue;
+                const uint32_t my_slot = ll_pair_slot_index(entry);
+                const char *trw = ctx.peers[me] + ctx.ll.tok[b] + ((size_t)s * T + t) * trow;
+                const int c = piece * 64 + 2 * lane;
+                int4 v0 = {}, v1 = {};
+                if (c < nx) {
+                        v0 = __ldcg((const int4 *)trw + c);
+                        if (c + 1 < nx)
+                                v1 = __ldcg((const int4 *)trw + c + 1);
+                }
+                static_assert(MOEEP_LL_FP8_MAX_HIDDEN / MOEEP_SCALE_BLOCK <= 64, "two scales per lane");
+                float sc[2] = {};
+                if (use_fp8 && piece == 0)
+                        for (int j = lane, i = 0; j < nscales && i < 2; j += 32, i++)
+                                sc[i] = __ldcg((const float *)(trw + xrow) + j);
+                for (uint32_t m = mask; m; m &= m - 1) {
+                        const int k = __ffs(m) - 1;
+                        const uint32_t slot = __shfl_sync(0xffffffffu, my_slot, k);
+                        int4 *dst = (int4 *)(ctx.peers[me] + ctx.ll.x[b] + (size_t)slot * xrow);
+                        if (c < nx)
+                                st_na_v4(dst + c, v0);
+                        if (c + 1 < nx)
+                                st_na_v4(dst + c + 1, v1);
+                        if (piece != 0)
+                                continue;
+                        const size_t le = slot / slots, pos = slot % slots;
+                        if (use_fp8)
+                                for (int j = lane, i = 0; j < nscales && i < 2; j += 32, i++)
+                                        ((float *)(ctx.peers[me] +
+                                                   ctx.ll.scales[b]))[(le * nscales + j) * slots + pos] = sc[i];
+                        if (lane == 0) {
+                                ((int32_t *)(ctx.peers[me] + ctx.ll.src[b]))[slot] = t;
+                                ((int32_t *)(ctx.peers[me] + ctx.ll.kinfo[b]))[slot] = moeep_ll_kinfo_pack(s, k);
+                        }
+                }
+        }
+}
+
+/* The receive phase when not elastic: block 0 publishes the counts and
+ * waits for every source (ll_recv_counts); where tokens may come once per
+ * rank (moeep_ll_dedup), every block then waits for every other mapped
+ * source's arrival and copies its share of their tokens to the slots
+ * (ll_expand_tokens). `in_send`: the send's own launch (ll_recv_counts). */
+__device__ __forceinline__ void ll_recv(const struct moeep_ctx &ctx, int b, uint64_t seq, int *stats, size_t slots,
+                                        int use_fp8, bool in_send) {
+        struct moeep_ll_sync *my = ll_sync_of(ctx, ctx.rank);
+        __shared__ uint32_t s_staged; /* the sources whose tokens came once per rank */
+        const int s = threadIdx.x;
+        const bool other = s < ctx.ranks && s != ctx.rank && !px_remote(ctx, s);
+
+        if (blockIdx.x == 0)
+                ll_recv_counts(ctx, b, seq, stats, in_send); /* waits for every source */
+        if (!moeep_ll_dedup(&ctx))
+                return;
+        if (s == 0)
+                s_staged = 0;
+        __syncthreads();
+        /* The other blocks wait for a source's rows only when it staged
+         * them: its counts say so, and come first. */
+        if (other && (blockIdx.x == 0 || wait_flag(ctx, &my->count_flag[b][s], seq, s)) && __ldcg(&my->staged[b][s]) &&
+            (blockIdx.x == 0 || wait_flag(ctx, &my->dispatch_flag[b][s], seq << 32, s)))
+                atomicOr(&s_staged, 1u << s);
+        __syncthreads();
+        if (s_staged)
+                ll_expand_tokens(ctx, b, seq, slots, use_fp8, s_staged);
 }
 
 /* How the dispatch send finds its pairs' slots; moeep_launch_ll_dispatch
@@ -364,7 +506,7 @@ __device__ __forceinline__ void ll_dispatch(const struct moeep_ctx &ctx, const i
                         ll_recv_shrink(ctx, b, seq, stats, slots, ll_decision_of(ctx, &ctx.state->ll_send_view[b], seq),
                                        false, false);
                 else
-                        ll_recv_counts(ctx, b, seq, stats);
+                        ll_recv(ctx, b, seq, stats, slots, ctx.state->ll_fp8[b], false);
                 return;
         }
         const uint64_t seq = *ll_seq_of(ctx, false, b) + 1;
@@ -391,11 +533,13 @@ __device__ __forceinline__ void ll_dispatch(const struct moeep_ctx &ctx, const i
         int4 v[8];
         if (by_token && t0 < num_tokens) /* the row does not depend on the counts */
                 ll_load_token_steps(x + (size_t)t0 * n16, 0, n16, v);
+        const bool dedup = by_token && moeep_ll_dedup(&ctx);
         ll_exchange_counts(ctx, topk_idx, pairs, K, b, seq, s_begin, scan ? s_eid : (uint16_t *)nullptr, ids, s_dec,
-                           use_fp8);
+                           use_fp8, dedup);
         const uint32_t skip = ctx.shrink ? s_dec[0] : 0;
         if (by_token)
-                ll_send_tokens(ctx, x, num_tokens, K, b, seq, slots, use_fp8, round_scale, s_begin, s_eid, t0, v);
+                ll_send_tokens(ctx, x, num_tokens, K, b, seq, slots, use_fp8, round_scale, s_begin, s_eid, t0, v,
+                               dedup);
 
         /* A pair is moved by a group of G warps of one block, each taking a
          * share of the row's 2048-channel steps (whole 128-channel scale
@@ -536,16 +680,17 @@ __device__ __forceinline__ void ll_dispatch(const struct moeep_ctx &ctx, const i
         }
         if (threadIdx.x == 0)
                 *ll_seq_of(ctx, false, b) = seq;
+        if (threadIdx.x == 0 && blockIdx.x == 0)
+                ctx.state->ll_fp8[b] = (uint32_t)use_fp8; /* for a receive alone */
         /* Without a hook block 0 goes on with the receive phase, which
-         * waits for the other ranks' pairs; ours land before the launch
-         * ends. */
-        if ((phases & MOEEP_LL_RECV) && blockIdx.x == 0) {
-                if (ctx.shrink)
-                        ll_recv_shrink(ctx, b, seq, stats, slots, s_dec[1] | skip << 8 | (use_fp8 ? LL_DEC_FP8 : 0),
-                                       false, own_in_launch);
-                else
-                        ll_recv_counts(ctx, b, seq, stats, own_in_launch);
-        }
+         * waits for the other ranks' pairs (ours land before the launch
+         * ends), and where tokens may come once per rank every block then
+         * copies them to their slots (ll_recv: the launch is cooperative). */
+        if ((phases & MOEEP_LL_RECV) && ctx.shrink && blockIdx.x == 0)
+                ll_recv_shrink(ctx, b, seq, stats, slots, s_dec[1] | skip << 8 | (use_fp8 ? LL_DEC_FP8 : 0), false,
+                               own_in_launch);
+        else if ((phases & MOEEP_LL_RECV) && !ctx.shrink)
+                ll_recv(ctx, b, seq, stats, slots, use_fp8, own_in_launch);
 }
 
 namespace moeep_ll {
@@ -563,29 +708,50 @@ __global__ void __launch_bounds__(LL_THREADS, 1)
 
 extern "C" int moeep_launch_ll_dispatch(const struct moeep_ctx *ctx, const struct moeep_ll_dispatch_launch *a,
                                         cudaStream_t stream) {
+        const int both = MOEEP_LL_SEND | MOEEP_LL_RECV;
+
         MOEEP_CUDA_LAUNCH_BEGIN();
-        /* The receive phase alone is one block's work. Positions are
-         * counted in shared memory with every rank mapped (ranks behind the
-         * proxy claim staging slots per pair) and up to LL_SCAN_PAIRS
-         * pairs; the send then goes token by token with tokens for at least
-         * half the blocks (fewer: pairs spread over more warps cost less
-         * than one token per block, which leaves most SMs idle). A receive
-         * alone (a hook, given the send's token and top-k counts) runs the
-         * instance its send ran, so that a call shape shows one kernel
-         * name: DeepEP's profiling counts the names that contain "dispatch"
-         * and wants exactly one. */
-        const int blocks = (a->phases & MOEEP_LL_SEND) ? ctx->ll_num_sms : 1;
+        /* Positions are counted in shared memory with every rank mapped
+         * (ranks behind the proxy claim staging slots per pair) and up to
+         * LL_SCAN_PAIRS pairs; the send then goes token by token with
+         * tokens for at least half the blocks (moeep_ll_by_token; fewer:
+         * pairs spread over more warps cost less than one token per block,
+         * which leaves most SMs idle). A receive alone (a hook, given the
+         * send's token and top-k counts) runs the instance its send ran, so
+         * that a call shape shows one kernel name: DeepEP's profiling counts
+         * the names that contain "dispatch" and wants exactly one. The
+         * receive alone is one block's work, or every block's where tokens
+         * may come once per rank (moeep_ll_dedup): then every block of a
+         * launch with both phases waits for the other ranks, and the launch
+         * is cooperative. */
+        const bool dedup = moeep_ll_dedup(ctx);
         const bool scan = !ctx->px.remote && (long)a->num_tokens * a->num_topk <= LL_SCAN_PAIRS;
-        const int path = !scan ? LL_PATH_CLAIM : 2 * a->num_tokens >= ctx->ll_num_sms ? LL_PATH_TOKENS : LL_PATH_PAIRS;
-        with_index_type(a->idx_is_int64, [&](auto idx) {
-                using Idx = decltype(idx);
-                auto *kernel = path == LL_PATH_TOKENS  ? moeep_ll::dispatch<Idx, LL_PATH_TOKENS>
-                               : path == LL_PATH_PAIRS ? moeep_ll::dispatch<Idx, LL_PATH_PAIRS>
-                                                       : moeep_ll::dispatch<Idx, LL_PATH_CLAIM>;
-                kernel<<<blocks, LL_THREADS, 0, stream>>>(*ctx, (const int4 *)a->x, a->num_tokens,
-                                                          (const Idx *)a->topk_idx, a->num_topk, a->set, a->slots,
-                                                          a->use_fp8, a->round_scale, a->phases, a->stats);
-        });
+        const int path = !scan                                                ? LL_PATH_CLAIM
+                         : moeep_ll_by_token(ctx, a->num_tokens, a->num_topk) ? LL_PATH_TOKENS
+                                                                              : LL_PATH_PAIRS;
+        auto launch = [&](int p) {
+                return with_index_type(a->idx_is_int64, [&](auto idx) {
+                        using Idx = decltype(idx);
+                        auto *kernel = path == LL_PATH_TOKENS  ? moeep_ll::dispatch<Idx, LL_PATH_TOKENS>
+                                       : path == LL_PATH_PAIRS ? moeep_ll::dispatch<Idx, LL_PATH_PAIRS>
+                                                               : moeep_ll::dispatch<Idx, LL_PATH_CLAIM>;
+                        const unsigned blocks = (p & MOEEP_LL_SEND) || dedup ? (unsigned)ctx->ll_num_sms : 1u;
+                        return launch_kernel(kernel, blocks, LL_THREADS, stream, dedup && p == both, *ctx,
+                                             (const int4 *)a->x, a->num_tokens, (const Idx *)a->topk_idx, a->num_topk,
+                                             a->set, a->slots, a->use_fp8, a->round_scale, p, a->stats);
+                });
+        };
+        cudaError_t e = launch(a->phases);
+        if ((e == cudaErrorCooperativeLaunchTooLarge || e == cudaErrorNotSupported) && a->phases == both) {
+                /* Refused as cooperative (too few SMs free for the grid):
+                 * one launch per phase, the same results. */
+                (void)cudaGetLastError();
+                e = launch(MOEEP_LL_SEND);
+                if (e == cudaSuccess)
+                        e = launch(MOEEP_LL_RECV);
+        }
+        if (e != cudaSuccess)
+                return (int)e;
         MOEEP_CUDA_LAUNCH_CHECK();
         return 0;
 }

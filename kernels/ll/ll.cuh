@@ -36,12 +36,24 @@ __device__ __forceinline__ uint64_t *ll_pair_slot(const struct moeep_ctx &ctx, i
                k;
 }
 
+/* A pair-slot entry's bit for a pair whose row went once for its token
+ * to rank d's token rows, which d's receive copies to the slot
+ * (moeep_ll_dedup). */
+#define LL_PAIR_STAGED 0x80000000u
+
+/* The slot of a pair-slot entry. */
+__device__ __forceinline__ uint32_t ll_pair_slot_index(uint64_t entry) {
+        return (uint32_t)entry & ~LL_PAIR_STAGED;
+}
+
 /* Notes, at rank d, that pair (t, k) of ours in dispatch seq went to slot
- * `slot` there (moeep_ll_summed). */
+ * `slot` there (moeep_ll_summed), or that its row waits in d's token rows
+ * for the receive to copy it there (`staged`: moeep_ll_dedup). */
 __device__ __forceinline__ void ll_note_pair_slot(const struct moeep_ctx &ctx, int d, int b, uint64_t seq, int t, int k,
-                                                  size_t slot) {
-        if (moeep_ll_summed(&ctx))
-                *ll_pair_slot(ctx, d, b, ctx.rank, t, k) = (seq & 0xffffffffull) << 32 | (uint32_t)slot;
+                                                  size_t slot, bool staged = false) {
+        if (staged || moeep_ll_summed(&ctx))
+                *ll_pair_slot(ctx, d, b, ctx.rank, t, k) =
+                        (seq & 0xffffffffull) << 32 | (uint32_t)slot | (staged ? LL_PAIR_STAGED : 0u);
 }
 
 /* Warps numbered across blocks first: the few hundred work items of a
