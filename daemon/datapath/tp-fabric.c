@@ -19,7 +19,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 
 #include <rdma/fabric.h>
 #include <rdma/fi_cm.h>
@@ -42,7 +41,6 @@ struct tp_mr {
         uint64_t base; /* wire address of offset 0 */
         uint64_t key;
         void *map; /* owns when not NULL: our mmap of a memfd */
-        size_t map_len;
 };
 
 struct tp {
@@ -221,7 +219,6 @@ static int fabric_mr_new(struct tp *tp, const struct tp_mem *mem, struct tp_mr *
                                   tp->prov, name);
         }
         mr->length = mem->length;
-        mr->map_len = mem->length;
         r = tp_mem_map(mem, tp->who, &mr->addr, &mr->map, errmsg);
         if (r < 0)
                 goto err_mr;
@@ -269,8 +266,7 @@ static int fabric_mr_new(struct tp *tp, const struct tp_mem *mem, struct tp_mr *
         return 0;
 
 err_map:
-        if (mr->map)
-                munmap(mr->map, mr->map_len);
+        tp_mem_unmap(mr->map, mr->length);
 err_mr:
         free(mr);
         return r;
@@ -281,8 +277,7 @@ static void fabric_mr_free(struct tp *tp, struct tp_mr *mr) {
         if (!mr)
                 return;
         fi_close(&mr->mr->fid);
-        if (mr->map)
-                munmap(mr->map, mr->map_len);
+        tp_mem_unmap(mr->map, mr->length);
         free(mr);
 }
 

@@ -12,7 +12,6 @@
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 
 #include "datapath/transport.h"
 #include "log.h"
@@ -24,7 +23,6 @@ struct tp_mr {
         void *addr;   /* host address of offset 0 */
         uint64_t length;
         void *map; /* owns when not NULL: our mmap of a memfd */
-        size_t map_len;
 };
 
 struct tp {
@@ -77,7 +75,6 @@ static int loop_mr_new(struct tp *tp, const struct tp_mem *mem, struct tp_mr **r
         if (!mr)
                 return errmsg_set(errmsg, -ENOMEM, "transport loop: %s: out of memory", name);
         mr->length = mem->length;
-        mr->map_len = mem->length;
         r = tp_mem_map(mem, "transport loop", &mr->addr, &mr->map, errmsg);
         if (r < 0) {
                 free(mr);
@@ -90,8 +87,7 @@ static int loop_mr_new(struct tp *tp, const struct tp_mem *mem, struct tp_mr **r
 
                 if (!mrs) {
                         pthread_mutex_unlock(&tp->lock);
-                        if (mr->map)
-                                munmap(mr->map, mr->map_len);
+                        tp_mem_unmap(mr->map, mr->length);
                         free(mr);
                         return errmsg_set(errmsg, -ENOMEM, "transport loop: %s: out of memory", name);
                 }
@@ -115,8 +111,7 @@ static void loop_mr_free(struct tp *tp, struct tp_mr *mr) {
                         break;
                 }
         pthread_mutex_unlock(&tp->lock);
-        if (mr->map)
-                munmap(mr->map, mr->map_len);
+        tp_mem_unmap(mr->map, mr->length);
         free(mr);
 }
 

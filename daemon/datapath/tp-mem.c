@@ -60,3 +60,8 @@ int tp_mem_map(const struct tp_mem *mem, const char *who, void **ret_addr, void 
         }
         return errmsg_set(errmsg, -EINVAL, "%s: %s: unknown memory kind %d", who, name, (int)mem->kind);
 }
+
+void tp_mem_unmap(void *map, uint64_t length) {
+        if (map)
+                munmap(map, length);
+}

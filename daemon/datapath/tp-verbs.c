@@ -12,7 +12,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <unistd.h>
 
 #include <infiniband/verbs.h>
@@ -40,7 +39,6 @@ struct tp_mr {
         uint64_t length;
         uint64_t base; /* wire address of offset 0 (the virtual address; 0 for dma-buf at iova 0) */
         void *map;     /* owns when not NULL */
-        size_t map_len;
 };
 
 struct tp {
@@ -166,7 +164,6 @@ static int verbs_mr_new(struct tp *tp, const struct tp_mem *mem, struct tp_mr **
         if (!mr)
                 return errmsg_set(errmsg, -ENOMEM, "transport verbs %s: %s: out of memory", tp->dev, name);
         mr->length = mem->length;
-        mr->map_len = mem->length;
         r = tp_mem_map(mem, tp->who, &mr->addr, &mr->map, errmsg);
         if (r < 0)
                 goto err_mr;
@@ -206,8 +203,7 @@ static int verbs_mr_new(struct tp *tp, const struct tp_mem *mem, struct tp_mr **
         return 0;
 
 err_map:
-        if (mr->map)
-                munmap(mr->map, mr->map_len);
+        tp_mem_unmap(mr->map, mr->length);
 err_mr:
         free(mr);
         return r;
@@ -218,8 +214,7 @@ static void verbs_mr_free(struct tp *tp, struct tp_mr *mr) {
         if (!mr)
                 return;
         ibv_dereg_mr(mr->mr);
-        if (mr->map)
-                munmap(mr->map, mr->map_len);
+        tp_mem_unmap(mr->map, mr->length);
         free(mr);
 }
 

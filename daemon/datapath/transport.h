@@ -180,9 +180,14 @@ extern const struct tp_ops tp_cuda_ops;
 /* For backends. Checks `mem` (not empty) and gives the host address of
  * offset 0 in *ret_addr: mem->addr for TP_MEM_HOST, a new shared mapping of
  * the memfd for TP_MEM_MEMFD (then also in *ret_map, which the backend owns
- * and unmaps with munmap(map, mem->length)); NULL for TP_MEM_DMABUF.
- * `who` names the transport in messages ("transport fabric 'tcp'"). */
+ * and gives back with tp_mem_unmap(map, mem->length)); NULL for
+ * TP_MEM_DMABUF. `who` names the transport in messages ("transport fabric
+ * 'tcp'"). */
 int tp_mem_map(const struct tp_mem *mem, const char *who, void **ret_addr, void **ret_map, char *errmsg);
+
+/* For backends: undoes tp_mem_map's mapping `map` of `length` bytes (the
+ * region's); nothing when it made none (NULL). */
+void tp_mem_unmap(void *map, uint64_t length);
 
 /* For backends: whether [src_off, src_off + len) fits in src_len bytes and
  * [dst_off, dst_off + len) in dst_len, without overflow. */
