@@ -53,3 +53,21 @@ static cudaError_t launch_kernel(void (*kernel)(Params...), unsigned blocks, uns
         cfg.numAttrs = 1;
         return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
+
+/* Runs one call of a low-latency operation: launch(phases), where
+ * launch(p) launches the kernel for phases p (`send`, `recv`, or both
+ * bits), cooperatively when it does both. Where the runtime refuses that
+ * cooperative launch (too few SMs free for the grid, or no cooperative
+ * launches here), one launch per phase, send then receive: the same
+ * results, one launch more. Returns the launches' error. */
+template <typename F> static cudaError_t launch_phases(F &&launch, int phases, int send, int recv) {
+        cudaError_t e = launch(phases);
+
+        if ((e == cudaErrorCooperativeLaunchTooLarge || e == cudaErrorNotSupported) && phases == (send | recv)) {
+                (void)cudaGetLastError();
+                e = launch(send);
+                if (e == cudaSuccess)
+                        e = launch(recv);
+        }
+        return e;
+}

@@ -449,16 +449,7 @@ extern "C" int moeep_launch_ll_combine(const struct moeep_ctx *ctx, const struct
                                              (int4 *)a->out);
                 });
         };
-        cudaError_t e = launch(a->phases);
-        if ((e == cudaErrorCooperativeLaunchTooLarge || e == cudaErrorNotSupported) && a->phases == both) {
-                /* Where a cooperative launch is refused (too few SMs free
-                 * for the grid, or not supported here), one launch per
-                 * phase as before: the same results, one launch more. */
-                (void)cudaGetLastError();
-                e = cudaSuccess;
-                for (int p = MOEEP_LL_SEND; p <= MOEEP_LL_RECV && e == cudaSuccess; p <<= 1)
-                        e = launch(p);
-        }
+        const cudaError_t e = launch_phases(launch, a->phases, MOEEP_LL_SEND, MOEEP_LL_RECV);
         if (e != cudaSuccess)
                 return (int)e;
         MOEEP_CUDA_LAUNCH_CHECK();

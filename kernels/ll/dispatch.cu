@@ -741,15 +741,7 @@ extern "C" int moeep_launch_ll_dispatch(const struct moeep_ctx *ctx, const struc
                                              a->set, a->slots, a->use_fp8, a->round_scale, p, a->stats);
                 });
         };
-        cudaError_t e = launch(a->phases);
-        if ((e == cudaErrorCooperativeLaunchTooLarge || e == cudaErrorNotSupported) && a->phases == both) {
-                /* Refused as cooperative (too few SMs free for the grid):
-                 * one launch per phase, the same results. */
-                (void)cudaGetLastError();
-                e = launch(MOEEP_LL_SEND);
-                if (e == cudaSuccess)
-                        e = launch(MOEEP_LL_RECV);
-        }
+        const cudaError_t e = launch_phases(launch, a->phases, MOEEP_LL_SEND, MOEEP_LL_RECV);
         if (e != cudaSuccess)
                 return (int)e;
         MOEEP_CUDA_LAUNCH_CHECK();
