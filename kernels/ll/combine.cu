@@ -99,56 +99,43 @@ __device__ __forceinline__ void ll_push_weights(const struct moeep_ctx &ctx, con
  * busy. A warp waits for a source's weights once. With `local`
  * our own tokens are left to the receive, which sums them in place. */
 __device__ __forceinline__ void ll_combine_send_summed(const struct moeep_ctx &ctx, const int4 *y, const float *weights,
-                                                       int K, int b, int S, uint64_t seq, bool local) {
+                                                       int K, int b, uint64_t seq, bool local) {
         const int lane = threadIdx.x % 32, R = ctx.ranks, me = ctx.rank, H = ctx.hidden;
-        const int warps = gridDim.x * LL_WARPS, gwarp = ll_warp_index();
-        const int n16 = H / 8, pieces = (n16 + LL_RECV_PIECE - 1) / LL_RECV_PIECE, T = S / R;
+        const int n16 = H / 8, pieces = (n16 + LL_RECV_PIECE - 1) / LL_RECV_PIECE;
         const uint32_t dseq = (uint32_t)*ll_seq_of(ctx, false, b); /* the dispatch this combine answers */
         struct moeep_ll_sync *my = ll_sync_of(ctx, me);
         const float *pushed = (const float *)(ctx.peers[me] + ctx.ll.weights[b]);
         uint32_t ready = 1u << me; /* sources whose weights this warp saw land */
-        /* The sources' tokens (their dispatch sent them with its counts),
-         * ours left to the receive with `local`: (s, t) items s by s. */
-        int first[MOEEP_KERNEL_MAX_RANKS + 1];
-        first[0] = 0;
-        for (int s = 0; s < R; s++)
-                first[s + 1] = first[s] + (local && s == me ? 0 : min(max(my->tokens[b][s], 0), T));
+        /* The sources' tokens, ours left to the receive with `local`. */
+        const uint32_t sources = ((1u << R) - 1) & ~(local ? 1u << me : 0u);
 
-        for (int item = gwarp; item < first[R] * pieces; item += warps) {
-                const int q = item / pieces, piece = item % pieces;
-                int s = 0;
-                while (first[s + 1] <= q)
-                        s++;
-                const int t = q - first[s];
-                uint64_t entry = 0;
-                if (lane < K)
-                        entry = *ll_pair_slot(ctx, me, b, s, t, lane);
-                const bool valid = lane < K && (uint32_t)(entry >> 32) == dseq;
-                const uint32_t mask = __ballot_sync(0xffffffffu, valid);
-                if (!mask)
-                        continue;
-                if (!(ready >> s & 1)) {
-                        if (lane == 0)
-                                wait_flag(ctx, &my->weights_flag[b][s], seq, s); /* a failure is recorded */
-                        __syncwarp();
-                        ready |= 1u << s;
-                }
-                float w = 0.0f;
-                if (valid)
-                        w = s == me ? weights[(size_t)t * K + lane]
-                                    : __ldcg(pushed + ((size_t)s * ctx.ll.max_tokens + t) * ctx.max_topk + lane);
-                const int4 *row = y + (size_t)ll_pair_slot_index(entry) * n16;
-                float wk[MOEEP_KERNEL_MAX_TOPK];
-                const int4 *rows[MOEEP_KERNEL_MAX_TOPK];
+        ll_for_each_pair_item(
+                ctx, b, dseq, sources, pieces, K, 0u, [&](int s, int t, int piece, uint32_t mask, uint64_t entry) {
+                        const bool valid = mask >> lane & 1;
+                        if (!(ready >> s & 1)) {
+                                if (lane == 0)
+                                        wait_flag(ctx, &my->weights_flag[b][s], seq, s); /* a failure is recorded */
+                                __syncwarp();
+                                ready |= 1u << s;
+                        }
+                        float w = 0.0f;
+                        if (valid)
+                                w = s == me ? weights[(size_t)t * K + lane]
+                                            : __ldcg(pushed + ((size_t)s * ctx.ll.max_tokens + t) * ctx.max_topk +
+                                                     lane);
+                        const int4 *row = y + (size_t)ll_pair_slot_index(entry) * n16;
+                        float wk[MOEEP_KERNEL_MAX_TOPK];
+                        const int4 *rows[MOEEP_KERNEL_MAX_TOPK];
 #pragma unroll
-                for (int k = 0; k < MOEEP_KERNEL_MAX_TOPK; k++) {
-                        wk[k] = __shfl_sync(0xffffffffu, w, k);
-                        rows[k] = (const int4 *)__shfl_sync(0xffffffffu, (unsigned long long)row, k);
-                }
-                const int k0 = __ffs(mask) - 1, i0 = piece * LL_RECV_PIECE;
-                int4 *dst = (int4 *)(ctx.peers[s] + ctx.ll.comb[b] + ((size_t)t * ctx.max_topk + k0) * (size_t)H * 2);
-                ll_weighted_sum(rows, wk, mask, i0, min(n16, i0 + LL_RECV_PIECE), dst);
-        }
+                        for (int k = 0; k < MOEEP_KERNEL_MAX_TOPK; k++) {
+                                wk[k] = __shfl_sync(0xffffffffu, w, k);
+                                rows[k] = (const int4 *)__shfl_sync(0xffffffffu, (unsigned long long)row, k);
+                        }
+                        const int k0 = __ffs(mask) - 1, i0 = piece * LL_RECV_PIECE;
+                        int4 *dst = (int4 *)(ctx.peers[s] + ctx.ll.comb[b] +
+                                             ((size_t)t * ctx.max_topk + k0) * (size_t)H * 2);
+                        ll_weighted_sum(rows, wk, mask, i0, min(n16, i0 + LL_RECV_PIECE), dst);
+                });
         ll_arrive(ctx, true, b, !local);
 }
 
@@ -417,7 +404,7 @@ __global__ void __launch_bounds__(LL_THREADS, 1)
         if ((phases & MOEEP_LL_SEND) && moeep_ll_summed(&ctx))
                 ll_push_weights(ctx, weights, num_tokens, K, b, seq, step_sums, sums);
         if ((phases & MOEEP_LL_SEND) && sums)
-                ll_combine_send_summed(ctx, y, weights, K, b, S, seq, local);
+                ll_combine_send_summed(ctx, y, weights, K, b, seq, local);
         else if (phases & MOEEP_LL_SEND)
                 ll_combine_send(ctx, y, b, S, seq, local);
         if (phases & MOEEP_LL_RECV)

@@ -383,65 +383,49 @@ __device__ __forceinline__ void ll_send_tokens(const struct moeep_ctx &ctx, cons
  * row), over every warp of the launch. */
 __device__ __forceinline__ void ll_expand_tokens(const struct moeep_ctx &ctx, int b, uint64_t seq, size_t slots,
                                                  int use_fp8, uint32_t sources) {
-        const struct moeep_ll_sync *my = ll_sync_of(ctx, ctx.rank);
-        const int lane = threadIdx.x % 32, R = ctx.ranks, me = ctx.rank, H = ctx.hidden, K = ctx.max_topk;
-        const int warps = gridDim.x * LL_WARPS, gwarp = ll_warp_index(), T = ctx.ll.max_tokens;
+        const int lane = threadIdx.x % 32, me = ctx.rank, H = ctx.hidden, T = ctx.ll.max_tokens;
         const size_t xrow = (size_t)H * (use_fp8 ? 1 : 2), trow = MOEEP_LL_TOK_ROW(H);
         const int nx = (int)(xrow / 16), pieces = (nx + 63) / 64, nscales = H / MOEEP_SCALE_BLOCK;
-        const uint32_t dseq = (uint32_t)seq;
-        int first[MOEEP_KERNEL_MAX_RANKS + 1];
-        first[0] = 0;
-        for (int s = 0; s < R; s++)
-                first[s + 1] = first[s] + (sources >> s & 1 ? min(max(__ldcg(&my->tokens[b][s]), 0), T) : 0);
 
-        for (int item = gwarp; item < first[R] * pieces; item += warps) {
-                const int q = item / pieces, piece = item % pieces;
-                int s = 0;
-                while (first[s + 1] <= q)
-                        s++;
-                const int t = q - first[s];
-                uint64_t entry = 0;
-                if (lane < K)
-                        entry = __ldcg((const unsigned long long *)ll_pair_slot(ctx, me, b, s, t, lane));
-                const bool valid = lane < K && (uint32_t)(entry >> 32) == dseq && ((uint32_t)entry & LL_PAIR_STAGED);
-                const uint32_t mask = __ballot_sync(0xffffffffu, valid);
-                if (!mask)
-                        continue;
-                const uint32_t my_slot = ll_pair_slot_index(entry);
-                const char *trw = ctx.peers[me] + ctx.ll.tok[b] + ((size_t)s * T + t) * trow;
-                const int c = piece * 64 + 2 * lane;
-                int4 v0 = {}, v1 = {};
-                if (c < nx) {
-                        v0 = __ldcg((const int4 *)trw + c);
-                        if (c + 1 < nx)
-                                v1 = __ldcg((const int4 *)trw + c + 1);
-                }
-                static_assert(MOEEP_LL_FP8_MAX_HIDDEN / MOEEP_SCALE_BLOCK <= 64, "two scales per lane");
-                float sc[2] = {};
-                if (use_fp8 && piece == 0)
-                        for (int j = lane, i = 0; j < nscales && i < 2; j += 32, i++)
-                                sc[i] = __ldcg((const float *)(trw + xrow) + j);
-                for (uint32_t m = mask; m; m &= m - 1) {
-                        const int k = __ffs(m) - 1;
-                        const uint32_t slot = __shfl_sync(0xffffffffu, my_slot, k);
-                        int4 *dst = (int4 *)(ctx.peers[me] + ctx.ll.x[b] + (size_t)slot * xrow);
-                        if (c < nx)
-                                st_na_v4(dst + c, v0);
-                        if (c + 1 < nx)
-                                st_na_v4(dst + c + 1, v1);
-                        if (piece != 0)
-                                continue;
-                        const size_t le = slot / slots, pos = slot % slots;
-                        if (use_fp8)
-                                for (int j = lane, i = 0; j < nscales && i < 2; j += 32, i++)
-                                        ((float *)(ctx.peers[me] +
-                                                   ctx.ll.scales[b]))[(le * nscales + j) * slots + pos] = sc[i];
-                        if (lane == 0) {
-                                ((int32_t *)(ctx.peers[me] + ctx.ll.src[b]))[slot] = t;
-                                ((int32_t *)(ctx.peers[me] + ctx.ll.kinfo[b]))[slot] = moeep_ll_kinfo_pack(s, k);
+        ll_for_each_pair_item(
+                ctx, b, (uint32_t)seq, sources, pieces, ctx.max_topk, LL_PAIR_STAGED,
+                [&](int s, int t, int piece, uint32_t mask, uint64_t entry) {
+                        const uint32_t my_slot = ll_pair_slot_index(entry);
+                        const char *trw = ctx.peers[me] + ctx.ll.tok[b] + ((size_t)s * T + t) * trow;
+                        const int c = piece * 64 + 2 * lane;
+                        int4 v0 = {}, v1 = {};
+                        if (c < nx) {
+                                v0 = __ldcg((const int4 *)trw + c);
+                                if (c + 1 < nx)
+                                        v1 = __ldcg((const int4 *)trw + c + 1);
                         }
-                }
-        }
+                        static_assert(MOEEP_LL_FP8_MAX_HIDDEN / MOEEP_SCALE_BLOCK <= 64, "two scales per lane");
+                        float sc[2] = {};
+                        if (use_fp8 && piece == 0)
+                                for (int j = lane, i = 0; j < nscales && i < 2; j += 32, i++)
+                                        sc[i] = __ldcg((const float *)(trw + xrow) + j);
+                        for (uint32_t m = mask; m; m &= m - 1) {
+                                const int k = __ffs(m) - 1;
+                                const uint32_t slot = __shfl_sync(0xffffffffu, my_slot, k);
+                                int4 *dst = (int4 *)(ctx.peers[me] + ctx.ll.x[b] + (size_t)slot * xrow);
+                                if (c < nx)
+                                        st_na_v4(dst + c, v0);
+                                if (c + 1 < nx)
+                                        st_na_v4(dst + c + 1, v1);
+                                if (piece != 0)
+                                        continue;
+                                const size_t le = slot / slots, pos = slot % slots;
+                                if (use_fp8)
+                                        for (int j = lane, i = 0; j < nscales && i < 2; j += 32, i++)
+                                                ((float *)(ctx.peers[me] +
+                                                           ctx.ll.scales[b]))[(le * nscales + j) * slots + pos] = sc[i];
+                                if (lane == 0) {
+                                        ((int32_t *)(ctx.peers[me] + ctx.ll.src[b]))[slot] = t;
+                                        ((int32_t *)(ctx.peers[me] + ctx.ll.kinfo[b]))[slot] =
+                                                moeep_ll_kinfo_pack(s, k);
+                                }
+                        }
+                });
 }
 
 /* The receive phase when not elastic: block 0 publishes the counts and

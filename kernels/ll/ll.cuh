@@ -62,6 +62,40 @@ __device__ __forceinline__ int ll_warp_index(void) {
         return (int)(threadIdx.x / 32 * gridDim.x + blockIdx.x);
 }
 
+/* The sources' tokens of set b's current dispatch at this rank as work
+ * items of the launch's warps: (source s, token t, piece) for every s of
+ * `sources`, t below s's token count (which its dispatch sent with its
+ * counts) and `pieces` pieces of a token, sources in order. For an item
+ * whose pair-slot entries here name a pair of dispatch `dseq` with every
+ * bit of `bits` (lane k: pair (t, k), k < K), calls f(s, t, piece, mask,
+ * entry): mask has the lanes whose entry does, entry is the lane's. */
+template <typename F>
+__device__ __forceinline__ void ll_for_each_pair_item(const struct moeep_ctx &ctx, int b, uint32_t dseq,
+                                                      uint32_t sources, int pieces, int K, uint32_t bits, F f) {
+        const struct moeep_ll_sync *my = ll_sync_of(ctx, ctx.rank);
+        const int lane = threadIdx.x % 32, R = ctx.ranks, warps = gridDim.x * LL_WARPS;
+        int first[MOEEP_KERNEL_MAX_RANKS + 1];
+        first[0] = 0;
+        for (int s = 0; s < R; s++)
+                first[s + 1] =
+                        first[s] + (sources >> s & 1 ? min(max(__ldcg(&my->tokens[b][s]), 0), ctx.ll.max_tokens) : 0);
+
+        for (int item = ll_warp_index(); item < first[R] * pieces; item += warps) {
+                const int q = item / pieces, piece = item % pieces;
+                int s = 0;
+                while (first[s + 1] <= q)
+                        s++;
+                const int t = q - first[s];
+                uint64_t entry = 0;
+                if (lane < K)
+                        entry = __ldcg((const unsigned long long *)ll_pair_slot(ctx, ctx.rank, b, s, t, lane));
+                const bool valid = lane < K && (uint32_t)(entry >> 32) == dseq && ((uint32_t)entry & bits) == bits;
+                const uint32_t mask = __ballot_sync(0xffffffffu, valid);
+                if (mask)
+                        f(s, t, piece, mask, entry);
+        }
+}
+
 /* This block's copy of set b's dispatch (combine) sequence number (struct
  * moeep_local_state). Every launch has ll_num_sms blocks, or one (the
  * dispatch receive alone, which reads block 0's). */
