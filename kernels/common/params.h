@@ -96,7 +96,8 @@ static_assert(COMBINE_SEND_WARPS + COMBINE_CONSUMER_WARPS <= COMBINE_PRODUCER_WA
 
 enum {
         DISPATCH_THREADS = 1024,
-        DISPATCH_UNROLL = 4, /* 16-byte loads in flight per lane */
+        DISPATCH_UNROLL = 4,     /* 16-byte loads in flight per lane */
+        DISPATCH_SRC_UNROLL = 8, /* loads in flight per thread of the receive metadata pass */
 };
 
 enum {

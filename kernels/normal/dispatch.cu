@@ -34,8 +34,12 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1)
         __shared__ int s_prefix[MOEEP_KERNEL_MAX_RANKS + 1];
         const int tid = threadIdx.x, lane = tid % 32;
         const int R = ctx.ranks, me = ctx.rank, epr = ctx.num_experts / R;
+        /* Tokens are dealt to the SMs in turn (token t to block t % grid):
+         * the last round of a call (4096 tokens over 768 warps leaves 256)
+         * then spreads over every SM instead of filling the first third
+         * while the others idle. */
         const int warps = gridDim.x * (DISPATCH_THREADS / 32);
-        const int gwarp = blockIdx.x * (DISPATCH_THREADS / 32) + tid / 32;
+        const int gwarp = (tid / 32) * gridDim.x + blockIdx.x;
         const size_t row_bytes = (size_t)ctx.hidden * a.elem_size;
         const int n16 = (int)(row_bytes / 16);
         const int n_scales = ctx.hidden / MOEEP_SCALE_BLOCK;
@@ -125,11 +129,24 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1)
         const int32_t *buf_src =
                 (const int32_t *)(ctx.peers[me] + (size_t)ctx.recv_area * ctx.layout.area_bytes + ctx.layout.recv_src);
         const int num_recv = *route.num_recv;
-        for (int p = tid; p < num_recv; p += DISPATCH_THREADS) {
-                int s = 0;
-                while (s + 1 < R && p >= s_prefix[s + 1])
-                        s++;
-                route.recv_src[p] = moeep_recv_src_pack(s, __ldcg(buf_src + p));
+        /* DISPATCH_SRC_UNROLL loads in flight per thread: one at a time, the
+         * pass was a chain of memory round trips (about 5 us for 8192 rows). */
+        for (int p0 = tid; p0 < num_recv; p0 += DISPATCH_THREADS * DISPATCH_SRC_UNROLL) {
+                int32_t t[DISPATCH_SRC_UNROLL];
+#pragma unroll
+                for (int u = 0; u < DISPATCH_SRC_UNROLL; u++)
+                        if (p0 + u * DISPATCH_THREADS < num_recv)
+                                t[u] = __ldcg(buf_src + p0 + u * DISPATCH_THREADS);
+#pragma unroll
+                for (int u = 0; u < DISPATCH_SRC_UNROLL; u++) {
+                        const int p = p0 + u * DISPATCH_THREADS;
+                        if (p >= num_recv)
+                                break;
+                        int s = 0;
+                        while (s + 1 < R && p >= s_prefix[s + 1])
+                                s++;
+                        route.recv_src[p] = moeep_recv_src_pack(s, t[u]);
+                }
         }
 }
 
