@@ -42,6 +42,11 @@ enum moeep_kernel_debug {
          * rank (moeep_ll_dedup): to time the difference (results stay
          * right). */
         MOEEP_DEBUG_LL_NO_DEDUP = 64,
+        /* Normal mode: the dispatch and combine kernels are launched after
+         * notify or the barrier as plain launches, not as programmatic
+         * dependents (launch_kernel_after): to time the difference
+         * (results stay right). */
+        MOEEP_DEBUG_NO_PDL = 128,
 };
 
 /* Whether the combine may sum at the expert's rank: for each source token,

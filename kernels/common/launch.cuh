@@ -54,6 +54,30 @@ static cudaError_t launch_kernel(void (*kernel)(Params...), unsigned blocks, uns
         return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 
+/* Launches kernel(args...) with `smem` bytes of dynamic shared memory,
+ * with `after` as a programmatic dependent of the kernel before it in the
+ * stream (else as a plain launch): its
+ * blocks may be scheduled while that kernel runs (once it called
+ * grid_dep_launch, ptx.cuh), so that the launch gap is hidden; the kernel
+ * must call grid_dep_wait before it touches memory the kernel before
+ * writes. */
+template <typename... Params, typename... Args>
+static cudaError_t launch_kernel_after(void (*kernel)(Params...), unsigned blocks, unsigned threads, size_t smem,
+                                       cudaStream_t stream, bool after, Args &&...args) {
+        cudaLaunchConfig_t cfg = {};
+        cudaLaunchAttribute attr[1];
+
+        cfg.gridDim = dim3(blocks);
+        cfg.blockDim = dim3(threads);
+        cfg.dynamicSmemBytes = smem;
+        cfg.stream = stream;
+        attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr[0].val.programmaticStreamSerializationAllowed = after;
+        cfg.attrs = attr;
+        cfg.numAttrs = 1;
+        return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+}
+
 /* Runs one call of a low-latency operation: launch(phases), where
  * launch(p) launches the kernel for phases p (`send`, `recv`, or both
  * bits), cooperatively when it does both. Where the runtime refuses that

@@ -58,6 +58,19 @@ __device__ __forceinline__ void fence_proxy_async_global(void) {
         asm volatile("fence.proxy.async.global;" ::: "memory");
 }
 
+/* ---- Programmatic dependent launch (sm_90): a kernel launched with
+ * launch_kernel_after (launch.cuh) may start while the kernel before it in
+ * the stream still runs, once that one called grid_dep_launch (or its
+ * blocks exited); grid_dep_wait waits until the kernel before finished and
+ * its writes are visible. Without the launch attribute both are no-ops. */
+__device__ __forceinline__ void grid_dep_wait(void) {
+        asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+
+__device__ __forceinline__ void grid_dep_launch(void) {
+        asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
 /* ---- mbarrier and 1-D bulk copies (TMA) into shared memory, sm_90. */
 
 __device__ __forceinline__ uint32_t smem_addr(const void *p) {

@@ -389,6 +389,7 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1)
         const int tid = threadIdx.x, warp = tid / 32;
         const size_t stage_bytes = (size_t)ctx.ranks * slice;
 
+        grid_dep_wait(); /* the barrier before us */
         if (ctx.trace && tid == 0)
                 ctx.trace[blockIdx.x * MOEEP_TRACE_STAMPS] = globaltimer_ns();
         if (tid <= ctx.ranks)
@@ -500,9 +501,13 @@ extern "C" int moeep_launch_combine(const struct moeep_ctx *ctx, const void *x, 
                                                        : 0;
         if (send_blocks >= ctx->num_sms || ctx->combine_send_blocks < 0)
                 send_blocks = 0;
-        combine_kernel<<<ctx->num_sms, COMBINE_THREADS, nstages * stage_bytes, stream>>>(
-                *ctx, (const int4 *)x, topk_weights, num_topk, *route, (int4 *)out, out_weights, nstages, send_blocks,
-                send_warps, slice, direct, self_in_place);
+        /* A programmatic dependent of the barrier launched just before. */
+        const cudaError_t e = launch_kernel_after(
+                combine_kernel, (unsigned)ctx->num_sms, COMBINE_THREADS, nstages * stage_bytes, stream,
+                !(ctx->debug & MOEEP_DEBUG_NO_PDL), *ctx, (const int4 *)x, topk_weights, num_topk, *route, (int4 *)out,
+                out_weights, nstages, send_blocks, send_warps, slice, direct, self_in_place);
+        if (e != cudaSuccess)
+                return (int)e;
         MOEEP_CUDA_LAUNCH_CHECK();
         return 0;
 }

@@ -32,6 +32,7 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1)
         dispatch_kernel(struct moeep_ctx ctx, struct moeep_dispatch_launch a, int num_tokens,
                         struct moeep_route route) {
         __shared__ int s_prefix[MOEEP_KERNEL_MAX_RANKS + 1];
+        grid_dep_wait(); /* notify (or the barrier) before us: its route, seq and areas */
         const int tid = threadIdx.x, lane = tid % 32;
         const int R = ctx.ranks, me = ctx.rank, epr = ctx.num_experts / R;
         /* Tokens are dealt to the SMs in turn (token t to block t % grid):
@@ -153,10 +154,16 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1)
 extern "C" int moeep_launch_dispatch(const struct moeep_ctx *ctx, const struct moeep_dispatch_launch *a,
                                      const struct moeep_route *route, cudaStream_t stream) {
         MOEEP_CUDA_LAUNCH_BEGIN();
-        with_index_type(a->idx_is_int64 || !a->topk_idx, [&](auto idx) {
-                dispatch_kernel<decltype(idx)>
-                        <<<ctx->num_sms, DISPATCH_THREADS, 0, stream>>>(*ctx, *a, route->num_tokens, *route);
+        /* A programmatic dependent of notify or the barrier (launched just
+         * before on the same stream): its blocks wait on the SMs for notify's
+         * end instead of being launched after it. */
+        const cudaError_t e = with_index_type(a->idx_is_int64 || !a->topk_idx, [&](auto idx) {
+                return launch_kernel_after(dispatch_kernel<decltype(idx)>, (unsigned)ctx->num_sms, DISPATCH_THREADS, 0,
+                                           stream, !(ctx->debug & MOEEP_DEBUG_NO_PDL), *ctx, *a, route->num_tokens,
+                                           *route);
         });
+        if (e != cudaSuccess)
+                return (int)e;
         MOEEP_CUDA_LAUNCH_CHECK();
         return 0;
 }

@@ -76,6 +76,9 @@ __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
         notify_kernel(struct moeep_ctx ctx, const uint8_t *in_rank, const Idx *topk_idx, int num_tokens, int num_topk,
                       const int *tokens_per_expert, int total_tokens, int alignment, struct moeep_route route,
                       int with_route, struct moeep_notify_host *host_out) {
+        /* The data kernel after us (launch_kernel_after) may take its SMs
+         * now and wait there for our end. */
+        grid_dep_launch();
         __shared__ int s_warp_sum[NOTIFY_WARPS][MOEEP_KERNEL_MAX_RANKS];
         __shared__ int s_total[MOEEP_KERNEL_MAX_RANKS];
         __shared__ int s_hist[MOEEP_KERNEL_MAX_EXPERTS];
