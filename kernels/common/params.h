@@ -46,7 +46,7 @@ static_assert(MOEEP_KERNEL_MAX_RANKS == MOEEP_MAX_RANKS, "kernel rank arrays mus
 
 /* ---- Tunables of the normal-mode combine. */
 
-#define MOEEP_COMBINE_CHUNK 32 /* tokens per combine arrival counter */
+#define MOEEP_COMBINE_CHUNK 16 /* tokens per combine arrival counter */
 #define MOEEP_COMBINE_CHUNKS (MOEEP_KERNEL_MAX_TOKENS / MOEEP_COMBINE_CHUNK)
 
 /* Warp roles of the combine kernel (kernels/normal/combine.cu describes them).
@@ -69,7 +69,7 @@ static_assert(MOEEP_KERNEL_MAX_RANKS == MOEEP_MAX_RANKS, "kernel rank arrays mus
 #define MOEEP_COMBINE_SLICE_2RANKS 16384
 #endif
 #ifndef MOEEP_COMBINE_SEND_WARPS_2RANKS
-#define MOEEP_COMBINE_SEND_WARPS_2RANKS 8
+#define MOEEP_COMBINE_SEND_WARPS_2RANKS 6
 #endif
 enum {
         COMBINE_THREADS = 1024,

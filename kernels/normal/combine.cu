@@ -10,7 +10,7 @@
  * per-rank send work at one rank).
  *
  * Roles inside each block (one block per SM, all resident), from 2 ranks:
- *   warps 0..15             send: claim rows source by source (each warp
+ *   warps 0..15 (0..5 at 2 ranks) send: claim rows source by source (each warp
  *                           starts at another source so that every peer's
  *                           ingress is busy at once), copy, count;
  *                           (the counts are COMBINE_* in params.h)
@@ -129,12 +129,44 @@ __device__ __forceinline__ void row_slices(int row_bytes, int slice, int *ret_n,
         *ret_bytes = ((row_bytes + n - 1) / n + 15) / 16 * 16;
 }
 
-/* Block b reduces chunks b, b + grid, b + 2 grid, ...: exactly one block
+/* The tokens a reduce block takes at a time, its unit: one arrival chunk
+ * (MOEEP_COMBINE_CHUNK, 16 tokens) at 2 ranks, two otherwise; at most 32,
+ * a lane per token. At 2 ranks the last round of units then spreads over
+ * more blocks (2 x H200, 4096 tokens, 24 SMs: combine 235 -> 226 us); the
+ * other rank counts keep the 32-token units they were measured with. */
+__device__ __forceinline__ int combine_unit(const struct moeep_ctx &ctx) {
+        static_assert(2 * MOEEP_COMBINE_CHUNK <= 32, "a reduce unit is at most a warp's 32 tokens");
+        return ctx.ranks == 2 ? MOEEP_COMBINE_CHUNK : 2 * MOEEP_COMBINE_CHUNK;
+}
+
+/* Block b reduces units b, b + grid, b + 2 grid, ...: exactly one block
  * waits for (and resets) each chunk counter, and every block's work follows
  * the senders, who move through each source's tokens in order. */
-#define FOR_EACH_BLOCK_CHUNK(c0, c1, num_tokens, rb, nrb)                                                            \
-        for (int c0 = (rb)*MOEEP_COMBINE_CHUNK, c1 = min(c0 + MOEEP_COMBINE_CHUNK, (num_tokens)); c0 < (num_tokens); \
-             c0 += (nrb)*MOEEP_COMBINE_CHUNK, c1 = min(c0 + MOEEP_COMBINE_CHUNK, (num_tokens)))
+#define FOR_EACH_BLOCK_CHUNK(c0, c1, num_tokens, rb, nrb, unit)                              \
+        for (int c0 = (rb) * (unit), c1 = min(c0 + (unit), (num_tokens)); c0 < (num_tokens); \
+             c0 += (nrb) * (unit), c1 = min(c0 + (unit), (num_tokens)))
+
+/* Waits for the rows of the unit [c0, c1) to arrive, lane 0 on each of its
+ * chunks' counters in turn, and zeroes the counters: every row of this
+ * round arrived, no more adds come until our next combine, which starts
+ * after a barrier. Lane i holds `self` when token c0 + i's own row is read
+ * in place (not counted). Returns, on every lane, `ok` and whether the
+ * waits did not give up. */
+__device__ __forceinline__ bool wait_unit(const struct moeep_ctx &ctx, const struct moeep_route &route, int c0, int c1,
+                                          bool self, bool ok) {
+        const uint32_t own = __ballot_sync(0xffffffffu, self);
+
+        if (threadIdx.x % 32 == 0)
+                for (int c = c0; c < c1; c += MOEEP_COMBINE_CHUNK) {
+                        const uint32_t lanes = (uint32_t)(((1ull << MOEEP_COMBINE_CHUNK) - 1) << (c - c0));
+                        uint32_t *counter = &sync_of(ctx, ctx.rank)->comb_chunk[c / MOEEP_COMBINE_CHUNK];
+                        const uint32_t want =
+                                (uint32_t)(route.chunk_expect[c / MOEEP_COMBINE_CHUNK] - __popc(own & lanes));
+                        ok = ok && wait_counter(ctx, counter, want, ctx.debug & MOEEP_DEBUG_NO_COUNTS, -1);
+                        *counter = 0;
+                }
+        return __shfl_sync(0xffffffffu, ok, 0);
+}
 
 /* Producer role (warp 31): the whole warp reads the chunk's routing, lane 0
  * waits for the chunk's rows and issues the bulk copies. */
@@ -150,27 +182,20 @@ __device__ __forceinline__ void combine_produce(const struct moeep_ctx &ctx, con
         bool ok = true;
 
         row_slices(row_bytes, slice, &slices, &slice_bytes);
-        FOR_EACH_BLOCK_CHUNK(c0, hi, route.num_tokens, rb, nrb) {
-                const int t = c0 + lane, c = c0 / MOEEP_COMBINE_CHUNK;
+        FOR_EACH_BLOCK_CHUNK(c0, hi, route.num_tokens, rb, nrb, combine_unit(ctx)) {
+                const int t = c0 + lane;
                 uint32_t mask = 0;
                 if (t < hi)
                         for (int r = 0; r < R; r++)
                                 mask |= (route.send_pos[(size_t)t * R + r] >= 0 ? 1u : 0u) << r;
                 /* Our own rows are not counted when they are read in place. */
-                const int self = self_in_place ? __popc(__ballot_sync(0xffffffffu, (mask >> me) & 1)) : 0;
-                if (lane == 0) {
-                        uint32_t *counter = &sync_of(ctx, ctx.rank)->comb_chunk[c];
-                        const uint32_t want = (uint32_t)(route.chunk_expect[c] - self);
-                        ok = ok && wait_counter(ctx, counter, want, ctx.debug & MOEEP_DEBUG_NO_COUNTS, -1);
-                        /* Every row of this round arrived: no more adds come
-                         * until our next combine, which starts after a barrier. */
-                        *counter = 0;
+                ok = wait_unit(ctx, route, c0, hi, self_in_place && ((mask >> me) & 1), ok);
+                if (lane == 0)
                         fence_proxy_async_global();
-                }
+                __syncwarp();
                 /* One lane per row: lane k bulk-copies the k-th contributing
                  * rank's slice, so a stage's copies go out together. */
-                ok = __shfl_sync(0xffffffffu, ok, 0);
-                for (int i = 0; i < MOEEP_COMBINE_CHUNK && c0 + i < hi; i++) {
+                for (int i = 0; c0 + i < hi; i++) {
                         const uint32_t m = __shfl_sync(0xffffffffu, mask, i);
                         const int tok = c0 + i, n = ok ? __popc(m) : 0;
                         const int r = lane < n ? (int)__fns(m, 0, lane + 1) : 0;
@@ -219,7 +244,7 @@ __device__ __forceinline__ void combine_consume(const struct moeep_ctx &ctx, con
         int slices, slice_bytes, u = 0;
 
         row_slices(row_bytes, slice, &slices, &slice_bytes);
-        FOR_EACH_BLOCK_CHUNK(c0, c1, route.num_tokens, rb, nrb)
+        FOR_EACH_BLOCK_CHUNK(c0, c1, route.num_tokens, rb, nrb, combine_unit(ctx))
         for (int t = c0; t < c1; t++)
                 for (int j = 0; j < slices; j++, u++) {
                         if (u % COMBINE_CONSUMER_GROUPS != g)
@@ -313,19 +338,11 @@ __device__ __forceinline__ void combine_wait(const struct moeep_ctx &ctx, const 
         int ci = 0;
         bool ok = true;
 
-        FOR_EACH_BLOCK_CHUNK(c0, c1, route.num_tokens, rb, nrb) {
-                const int c = c0 / MOEEP_COMBINE_CHUNK;
+        FOR_EACH_BLOCK_CHUNK(c0, c1, route.num_tokens, rb, nrb, combine_unit(ctx)) {
                 const bool row = c0 + lane < c1 && route.send_pos[c0 + lane] >= 0;
-                const int self = self_in_place ? __popc(__ballot_sync(0xffffffffu, row)) : 0;
-                if (lane == 0) {
-                        uint32_t *counter = &sync_of(ctx, ctx.rank)->comb_chunk[c];
-                        const uint32_t want = (uint32_t)(route.chunk_expect[c] - self);
-                        ok = ok && wait_counter(ctx, counter, want, ctx.debug & MOEEP_DEBUG_NO_COUNTS, -1);
-                        /* Every row of this round arrived: no more adds come
-                         * until our next combine, which starts after a barrier. */
-                        *counter = 0;
+                ok = wait_unit(ctx, route, c0, c1, self_in_place && row, ok);
+                if (lane == 0)
                         st_release_cta(s_ready, ok ? ci + 1 : READY_FAILED);
-                }
                 ci++;
         }
 }
@@ -345,7 +362,7 @@ __device__ __forceinline__ void combine_copy(const struct moeep_ctx &ctx, const 
         const float *wslots = (const float *)(ctx.peers[ctx.rank] + ctx.layout.comb_weights);
         int ci = 0, before = 0;
 
-        FOR_EACH_BLOCK_CHUNK(c0, c1, route.num_tokens, rb, nrb) {
+        FOR_EACH_BLOCK_CHUNK(c0, c1, route.num_tokens, rb, nrb, combine_unit(ctx)) {
                 const int first = ((w - before) % nw + nw) % nw;
                 int ready;
                 before += c1 - c0;
@@ -480,9 +497,10 @@ extern "C" int moeep_launch_combine(const struct moeep_ctx *ctx, const void *x, 
          * figures have not seen. See docs/benchmarks.md. */
         const bool direct = ctx->ranks == 1;
         /* With nothing to send, every warp but the waiter copies. */
-        /* Mixed roles (up to 2 ranks): 8 send warps carry what 16 did (the
-         * send alone: 192 us either way) and hold up the reduce less (374 ->
-         * 343 us with 8 KiB slices). */
+        /* Mixed roles (up to 2 ranks): fewer send warps hold up the reduce
+         * on the same SM less, and carry what 16 did (the send alone: 192 us
+         * either way). 2 x H200, 24 SMs, one call: 3 / 4 / 5 / 6 / 8 send
+         * warps 333 / 275 / 246 / 235 / 266 us. See docs/benchmarks.md. */
         const int send_warps = direct && self_in_place ? 0
                                : ctx->ranks <= 2       ? COMBINE_SEND_WARPS_2RANKS
                                                        : COMBINE_SEND_WARPS;

@@ -7,7 +7,7 @@
 #include "common/wait.cuh"
 #include "kernels.h"
 
-static_assert(MOEEP_COMBINE_CHUNK == 32, "notify counts a combine chunk per warp round of 32 tokens");
+static_assert(32 % MOEEP_COMBINE_CHUNK == 0, "notify counts whole combine chunks per warp round of 32 tokens");
 
 /* Bit d set when token t goes to rank d: from is_token_in_rank when given,
  * else from the token's top-k experts. */
@@ -167,9 +167,12 @@ __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
                                 pos[d] = (m >> d) & 1 ? next[d] + __popc(b & lanes_below) : -1;
                                 next[d] += __popc(b);
                         }
-                        const int rows = __reduce_add_sync(0xffffffffu, __popc(m));
-                        if (lane == 0)
-                                s_chunk[t0 / MOEEP_COMBINE_CHUNK] = rows;
+                        int rows = __popc(m); /* summed over each chunk's lanes */
+#pragma unroll
+                        for (int o = MOEEP_COMBINE_CHUNK / 2; o > 0; o /= 2)
+                                rows += __shfl_xor_sync(0xffffffffu, rows, o);
+                        if (lane % MOEEP_COMBINE_CHUNK == 0)
+                                s_chunk[(t0 + lane) / MOEEP_COMBINE_CHUNK] = rows;
                         if (t >= whi)
                                 continue;
                         int32_t *row = route.send_pos + (size_t)t * R;
