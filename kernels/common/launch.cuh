@@ -32,6 +32,23 @@ template <typename F> static auto with_index_type(bool idx_is_int64, F &&f) {
         return idx_is_int64 ? f(int64_t()) : f(int32_t());
 }
 
+/* Launches kernel(args...) on `blocks` blocks of `threads` threads with
+ * `smem` bytes of dynamic shared memory and the one launch attribute
+ * `attr`. Returns the launch's error. */
+template <typename... Params, typename... Args>
+static cudaError_t launch_with(void (*kernel)(Params...), unsigned blocks, unsigned threads, size_t smem,
+                               cudaStream_t stream, cudaLaunchAttribute attr, Args &&...args) {
+        cudaLaunchConfig_t cfg = {};
+
+        cfg.gridDim = dim3(blocks);
+        cfg.blockDim = dim3(threads);
+        cfg.dynamicSmemBytes = smem;
+        cfg.stream = stream;
+        cfg.attrs = &attr;
+        cfg.numAttrs = 1;
+        return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+}
+
 /* Launches kernel(args...) on `blocks` blocks of `threads` threads, as a
  * cooperative launch when `cooperative`: every block is then resident at
  * once, so that blocks may wait for each other, and the runtime refuses a
@@ -41,41 +58,27 @@ template <typename F> static auto with_index_type(bool idx_is_int64, F &&f) {
 template <typename... Params, typename... Args>
 static cudaError_t launch_kernel(void (*kernel)(Params...), unsigned blocks, unsigned threads, cudaStream_t stream,
                                  bool cooperative, Args &&...args) {
-        cudaLaunchConfig_t cfg = {};
-        cudaLaunchAttribute attr[1];
+        cudaLaunchAttribute attr = {};
 
-        cfg.gridDim = dim3(blocks);
-        cfg.blockDim = dim3(threads);
-        cfg.stream = stream;
-        attr[0].id = cudaLaunchAttributeCooperative;
-        attr[0].val.cooperative = cooperative;
-        cfg.attrs = attr;
-        cfg.numAttrs = 1;
-        return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+        attr.id = cudaLaunchAttributeCooperative;
+        attr.val.cooperative = cooperative;
+        return launch_with(kernel, blocks, threads, 0, stream, attr, std::forward<Args>(args)...);
 }
 
 /* Launches kernel(args...) with `smem` bytes of dynamic shared memory,
  * with `after` as a programmatic dependent of the kernel before it in the
- * stream (else as a plain launch): its
- * blocks may be scheduled while that kernel runs (once it called
- * grid_dep_launch, ptx.cuh), so that the launch gap is hidden; the kernel
- * must call grid_dep_wait before it touches memory the kernel before
- * writes. */
+ * stream (else as a plain launch): its blocks may be placed while that
+ * kernel runs (once it called grid_dep_launch, ptx.cuh), so that the
+ * launch gap is hidden; the kernel must call grid_dep_wait before it
+ * touches memory the kernel before writes. */
 template <typename... Params, typename... Args>
 static cudaError_t launch_kernel_after(void (*kernel)(Params...), unsigned blocks, unsigned threads, size_t smem,
                                        cudaStream_t stream, bool after, Args &&...args) {
-        cudaLaunchConfig_t cfg = {};
-        cudaLaunchAttribute attr[1];
+        cudaLaunchAttribute attr = {};
 
-        cfg.gridDim = dim3(blocks);
-        cfg.blockDim = dim3(threads);
-        cfg.dynamicSmemBytes = smem;
-        cfg.stream = stream;
-        attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        attr[0].val.programmaticStreamSerializationAllowed = after;
-        cfg.attrs = attr;
-        cfg.numAttrs = 1;
-        return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+        attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr.val.programmaticStreamSerializationAllowed = after;
+        return launch_with(kernel, blocks, threads, smem, stream, attr, std::forward<Args>(args)...);
 }
 
 /* Runs one call of a low-latency operation: launch(phases), where
