@@ -54,7 +54,7 @@ static_assert(MOEEP_KERNEL_MAX_RANKS == MOEEP_MAX_RANKS, "kernel rank arrays mus
  * through NVCC_APPEND_FLAGS); senders, consumers and the producer must fit
  * the block's 32 warps. */
 #ifndef MOEEP_COMBINE_SEND_WARPS
-#define MOEEP_COMBINE_SEND_WARPS 16
+#define MOEEP_COMBINE_SEND_WARPS 6
 #endif
 #ifndef MOEEP_COMBINE_CONSUMER_WARPS
 #define MOEEP_COMBINE_CONSUMER_WARPS 12
@@ -68,9 +68,6 @@ static_assert(MOEEP_KERNEL_MAX_RANKS == MOEEP_MAX_RANKS, "kernel rank arrays mus
 #ifndef MOEEP_COMBINE_SLICE_2RANKS
 #define MOEEP_COMBINE_SLICE_2RANKS 16384
 #endif
-#ifndef MOEEP_COMBINE_SEND_WARPS_2RANKS
-#define MOEEP_COMBINE_SEND_WARPS_2RANKS 6
-#endif
 enum {
         COMBINE_THREADS = 1024,
         COMBINE_SEND_WARPS = MOEEP_COMBINE_SEND_WARPS,
@@ -80,7 +77,6 @@ enum {
         COMBINE_PRODUCER_WARP = 31,
         COMBINE_SLICE_MAX = MOEEP_COMBINE_SLICE_MAX,       /* bytes of one row slice; a stage holds ranks of them */
         COMBINE_SLICE_2RANKS = MOEEP_COMBINE_SLICE_2RANKS, /* the same up to 2 ranks */
-        COMBINE_SEND_WARPS_2RANKS = MOEEP_COMBINE_SEND_WARPS_2RANKS, /* send warps up to 2 ranks (mixed roles) */
         COMBINE_MAX_STAGES = 16,
         COMBINE_STAGE_SMEM = 192 * 1024, /* ring of stages */
         COMBINE_CLAIM_ROWS = 4,          /* rows a send warp claims (and counts) at once */

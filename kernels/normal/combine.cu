@@ -10,14 +10,15 @@
  * per-rank send work at one rank).
  *
  * Roles inside each block (one block per SM, all resident), from 2 ranks:
- *   warps 0..15 (0..5 at 2 ranks) send: claim rows source by source (each warp
+ *   warps 0..5              send: claim rows source by source (each warp
  *                           starts at another source so that every peer's
  *                           ingress is busy at once), copy, count;
  *                           (the counts are COMBINE_* in params.h)
  *   warps 19..30            reduce consumers, in groups of 4 warps, each
  *                           group on its own stages: sum the staged rows of
- *                           a (token, slice of at most 8 KiB) from shared
- *                           memory, write out; (warps 16..18 idle)
+ *                           a (token, slice of at most 8 KiB; a whole row
+ *                           at 2 ranks) from shared memory, write out;
+ *                           (warps 6..18 idle)
  *   warp 31                 reduce producer: waits for a chunk's counter and
  *                           bulk-copies (TMA) the slices of its rows into a
  *                           ring of shared-memory stages.
@@ -497,26 +498,22 @@ extern "C" int moeep_launch_combine(const struct moeep_ctx *ctx, const void *x, 
          * figures have not seen. See docs/benchmarks.md. */
         const bool direct = ctx->ranks == 1;
         /* With nothing to send, every warp but the waiter copies. */
-        /* Mixed roles (up to 2 ranks): fewer send warps hold up the reduce
-         * on the same SM less, and carry what 16 did (the send alone: 192 us
-         * either way). 2 x H200, 24 SMs, one call: 3 / 4 / 5 / 6 / 8 send
-         * warps 333 / 275 / 246 / 235 / 266 us. See docs/benchmarks.md. */
-        const int send_warps = direct && self_in_place ? 0
-                               : ctx->ranks <= 2       ? COMBINE_SEND_WARPS_2RANKS
-                                                       : COMBINE_SEND_WARPS;
+        const int send_warps = direct && self_in_place ? 0 : COMBINE_SEND_WARPS;
         const int nstages = direct ? 0
                                    : (int)min((size_t)COMBINE_MAX_STAGES, COMBINE_STAGE_SMEM / stage_bytes) /
                                              COMBINE_CONSUMER_GROUPS * COMBINE_CONSUMER_GROUPS;
 
         MOEEP_CUDA_LAUNCH_BEGIN();
-        /* From 4 ranks on, half the blocks only send and half only reduce: on
-         * one SM the remote stores stall the reduce's loads (4 ranks, 24 SMs:
-         * mixed roles 693 us, split 579 us). With 2 ranks the reduce
-         * dominates and every SM is needed for it (mixed 406 us, split
-         * 600 us). See docs/benchmarks.md. */
-        int send_blocks = ctx->combine_send_blocks > 0 ? ctx->combine_send_blocks
-                          : ctx->ranks > 2             ? ctx->num_sms / 2
-                                                       : 0;
+        /* Every block both sends, with its first COMBINE_SEND_WARPS warps,
+         * and reduces: with few send warps the remote stores hold up the
+         * reduce's loads on the same SM little, and they still carry the
+         * sends (24 SMs, 4096 tokens; 2 x H200, 2 ranks: 3 / 4 / 5 / 6 / 8
+         * send warps 333 / 275 / 246 / 235 / 266 us; 4 x H100, 4 ranks: 583
+         * us with 6, against 653-674 us with half the blocks only sending
+         * and half only reducing, the default from 4 ranks until then).
+         * MOEEP_COMBINE_SEND_BLOCKS=N (combine_send_blocks) makes N blocks
+         * only send, for A/B. See docs/benchmarks.md. */
+        int send_blocks = ctx->combine_send_blocks > 0 ? ctx->combine_send_blocks : 0;
         if (send_blocks >= ctx->num_sms || ctx->combine_send_blocks < 0)
                 send_blocks = 0;
         /* A programmatic dependent of the barrier launched just before. */
