@@ -18,12 +18,18 @@ __device__ __forceinline__ void ll_load_chunk(const int4 *row, int base, int n16
 }
 
 /* out[i] = sum over the k of `mask` of w[k] * rows[k][i] (bf16 rows,
- * float sums), for this lane's int4 i of [i0, i1): the K rows of a
- * position are loaded together. The combine's sum, at the token's rank
- * (ll_combine_recv) and, summed, at the expert's (ll_combine_send_summed). */
-__device__ __forceinline__ void ll_weighted_sum(const int4 *const rows[MOEEP_KERNEL_MAX_TOPK],
-                                                const float w[MOEEP_KERNEL_MAX_TOPK], uint32_t mask, int i0, int i1,
-                                                int4 *out) {
+ * float sums), for this lane's int4 i of [i0, i1), where lane k holds
+ * w[k] in `wl` and rows[k] in `row`: the K rows of a position are loaded
+ * together. The combine's sum, at the token's rank (ll_combine_recv) and,
+ * summed, at the expert's (ll_combine_send_summed). */
+__device__ __forceinline__ void ll_weighted_sum(float wl, const int4 *row, uint32_t mask, int i0, int i1, int4 *out) {
+        float w[MOEEP_KERNEL_MAX_TOPK];
+        const int4 *rows[MOEEP_KERNEL_MAX_TOPK];
+#pragma unroll
+        for (int k = 0; k < MOEEP_KERNEL_MAX_TOPK; k++) {
+                w[k] = __shfl_sync(0xffffffffu, wl, k);
+                rows[k] = (const int4 *)__shfl_sync(0xffffffffu, (unsigned long long)row, k);
+        }
         for (int i = i0 + threadIdx.x % 32; i < i1; i += 32) {
                 float acc[8] = {};
                 int4 v[MOEEP_KERNEL_MAX_TOPK];
@@ -124,17 +130,10 @@ __device__ __forceinline__ void ll_combine_send_summed(const struct moeep_ctx &c
                                             : __ldcg(pushed + ((size_t)s * ctx.ll.max_tokens + t) * ctx.max_topk +
                                                      lane);
                         const int4 *row = y + (size_t)ll_pair_slot_index(entry) * n16;
-                        float wk[MOEEP_KERNEL_MAX_TOPK];
-                        const int4 *rows[MOEEP_KERNEL_MAX_TOPK];
-#pragma unroll
-                        for (int k = 0; k < MOEEP_KERNEL_MAX_TOPK; k++) {
-                                wk[k] = __shfl_sync(0xffffffffu, w, k);
-                                rows[k] = (const int4 *)__shfl_sync(0xffffffffu, (unsigned long long)row, k);
-                        }
                         const int k0 = __ffs(mask) - 1, i0 = piece * LL_RECV_PIECE;
                         int4 *dst = (int4 *)(ctx.peers[s] + ctx.ll.comb[b] +
                                              ((size_t)t * ctx.max_topk + k0) * (size_t)H * 2);
-                        ll_weighted_sum(rows, wk, mask, i0, min(n16, i0 + LL_RECV_PIECE), dst);
+                        ll_weighted_sum(w, row, mask, i0, min(n16, i0 + LL_RECV_PIECE), dst);
                 });
         ll_arrive(ctx, true, b, !local);
 }
@@ -371,14 +370,7 @@ __device__ __forceinline__ void ll_combine_recv(const struct moeep_ctx &ctx, con
                         }
                 }
                 const uint32_t mask = __ballot_sync(0xffffffffu, valid);
-                float wk[MOEEP_KERNEL_MAX_TOPK];
-                const int4 *rows[MOEEP_KERNEL_MAX_TOPK];
-#pragma unroll
-                for (int k = 0; k < MOEEP_KERNEL_MAX_TOPK; k++) {
-                        wk[k] = __shfl_sync(0xffffffffu, w, k);
-                        rows[k] = (const int4 *)__shfl_sync(0xffffffffu, (unsigned long long)row, k);
-                }
-                ll_weighted_sum(rows, wk, mask, i0, i1, out + (size_t)t * n16);
+                ll_weighted_sum(w, row, mask, i0, i1, out + (size_t)t * n16);
         }
 }
 
