@@ -199,9 +199,10 @@ static int ep_attach(struct moeep_ep *ep, const struct moeep_ep_config *c) {
                 /* Tagged with dispatch sequence numbers, which start again
                  * at 1 in every endpoint: no entry of an earlier one may
                  * look current. */
+                const size_t entries = (size_t)ep->ctx.ranks * (size_t)c->ll_max_tokens * (size_t)c->max_topk;
                 for (int b = 0; b < 2; b++)
                         CUDA_TRY(ep, cudaMemset(ep->ctx.peers[ep->ctx.rank] + ep->ctx.ll.pair_slot[b], 0,
-                                                ep->ctx.ll.weights[b] - ep->ctx.ll.pair_slot[b]));
+                                                entries * sizeof(uint64_t)));
         }
         CUDA_TRY(ep, cudaDeviceSynchronize());
 
