@@ -9,6 +9,7 @@ set -euo pipefail
 b=${1:?build dir} dest=${2:?destination}
 rm -rf "$dest" && mkdir -p "$dest"
 for f in daemon/moeepd client/moeepctl client/libmoeep.so client/libmoeep.so.0 client/libmoeep.so.0.1.0 \
+         client/moeep_fast.abi3.so \
          client/bench/moeep-bench tests/gpu/ep_normal_test tests/gpu/ep_ll_test tests/gpu/ep_fail_test \
          tests/gpu/ep_shrink_test tests/proxy/moeep-cuda-gpu-test tests/e2e/moeep-e2e-rank; do
         [[ -e $b/$f || -L $b/$f ]] || continue

@@ -24,6 +24,9 @@ moeep_packages=(
         # The Python package is installed into a venv (Debian 12 refuses pip
         # outside one, PEP 668); its install test makes venvs with pip.
         python3-venv python3-pip
+        # Python's headers: the package's low-latency calls in C
+        # (client/python/fast/moeep_fast.c, a CPython extension).
+        python3-dev
         # /bin/kill (the unit's ExecReload=, the tests' signals) and ps; a
         # minimal Debian 12 (debootstrap --variant=minbase) lacks them.
         procps

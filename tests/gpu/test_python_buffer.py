@@ -41,6 +41,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 import moeep  # noqa: E402
+import moeep._fast  # noqa: E402,F401
 
 
 def same(got, want, what):
@@ -273,85 +274,119 @@ def test_low_latency(rank, R, group, sock):
     stats = torch.zeros(L, dtype=torch.int32, device="cuda")
     ref_stats = torch.zeros(L, dtype=torch.int64, device="cuda")
     scale_of = 0.5 + (torch.arange(E, device="cuda") % 7).float() * 0.25  # expert function: x * scale
+    shape = (H, E, K, NT, L, R, rank, group)
     for it, (fp8, round_scale, ue8m0, hook) in enumerate([(False, False, False, False), (True, False, False, True),
                                                           (True, True, True, False), (False, False, False, True),
                                                           (True, True, True, True)]):
         T = NT if rank == 0 else int(torch.randint(1, NT + 1, (1,), generator=gen, device="cuda").item())
-        x = torch.randn(T, H, generator=gen, device="cuda").to(torch.bfloat16)
-        idx, w = routing(T, E, K, gen)  # distinct experts per token (top-k)
-        all_x, all_idx = gather(x, group, R), gather(idx, group, R)
-        if hook:
-            # The dispatch starts late (about 10 ms): the hook's work (the
-            # UE8M0 packing too) must follow it on the caller's stream, the
-            # default one here, not run on another stream at once.
-            torch.cuda._sleep(20_000_000)
-        with counted(it == 0) as mode:
-            recv, count, handle, ev, fn = buf.low_latency_dispatch(
-                x, idx, NT, E, cumulative_local_expert_recv_stats=stats, use_fp8=fp8, round_scale=round_scale,
-                use_ue8m0=ue8m0, return_recv_hook=hook)
-        check_unseen(mode, "low_latency_dispatch")
-        if hook:
-            check(fn is not None, "hook returned")
-            fn()
-        else:
-            check(fn is None, "no hook without return_recv_hook")
-        rx = recv[0] if fp8 else recv
-        check(rx.shape == (L, R * NT, H), "ll recv_x shape %s" % (rx.shape,))
-        src, rng = handle.src_info, handle.layout_range
-        pairs_of = []  # per local expert: (source rank, token) of each slot in use
-        for e in range(L):
-            ge = rank * L + e
-            exp = sorted((s, int(t)) for s in range(R) for t in (all_idx[s] == ge).any(1).nonzero().flatten().tolist())
-            n = int(count[e].item())
-            check(n == len(exp), "expert %d: %d slots, expected %d" % (ge, n, len(exp)))
-            toks = src[e, :n].tolist()
-            ranks = [s for s in range(R) for _ in range(int(rng[e, s].item()) & 0xFFFFFFFF)]
-            pairs = list(zip(ranks, toks))
-            pairs_of.append(pairs)
-            check(sorted(pairs) == exp, "expert %d: received (rank, token) pairs" % ge)
-            ref_rows = torch.stack([all_x[s][t] for s, t in pairs]) if n else None
-            if n and not fp8:
-                check(torch.equal(rx[e, :n], ref_rows), "expert %d: bf16 rows" % ge)
-            elif n:
-                if ue8m0:
-                    packed = recv[1]
-                    check(packed.dtype == torch.int32 and packed.shape == (L, R * NT, H // 512), "ue8m0 shape")
-                    ex = torch.stack([(packed[e, :n] >> (8 * i)) & 0xFF for i in range(4)], -1).view(n, H // 128)
-                    sc = torch.pow(2.0, ex.float() - 127)
-                else:
-                    sc = recv[1][e, :n]
-                if round_scale:
-                    check(bool((torch.log2(sc) == torch.round(torch.log2(sc))).all()), "round_scale powers of two")
-                close(dequant(rx[e, :n], sc), ref_rows, "expert %d: fp8 dequantised" % ge, rtol=0.07, atol=2e-2)
-            ref_stats[e] += n
-        check(torch.equal(stats.long(), ref_stats), "cumulative_local_expert_recv_stats")
+        ll_round(buf, shape, gen, stats, ref_stats, scale_of, it, T, fp8, round_scale, ue8m0, hook, it == 0)
 
-        # Expert outputs: x * scale of the expert, in the dispatch's layout.
-        y = torch.zeros(L, R * NT, H, dtype=torch.bfloat16, device="cuda")
-        deq = rx.float() if not fp8 else None
-        for e in range(L):
-            n = int(count[e].item())
-            if not n:
-                continue
-            rows = deq[e, :n] if deq is not None else torch.stack(
-                [all_x[s][t] for s, t in pairs_of[e]]).float()
-            y[e, :n] = (rows * scale_of[rank * L + e]).to(torch.bfloat16)
-        with counted(it == 0) as mode:
-            out, ev, fn2 = buf.low_latency_combine(y, idx, w, handle, return_recv_hook=hook)
-        check_unseen(mode, "low_latency_combine")
-        if hook:
-            fn2()
-        ref = torch.zeros(T, H, device="cuda")
-        for k in range(K):
-            e = idx[:, k]
-            ok = e >= 0
-            f = torch.where(ok, w[:, k] * scale_of[e.clamp(min=0)], torch.zeros_like(w[:, k]))
-            ref += f.unsqueeze(1) * x.float()
-        close(out, ref, "ll combined_x (iteration %d)" % it, rtol=3e-2, atol=5e-2)
-        torch.cuda.synchronize()
-        dist.barrier(group)
+    # A decode loop: the same tokens per rank every step, the common case
+    # (no hook, no async_finish). After one call into each buffer set, the
+    # compiled path (moeep_fast, where built) takes the calls: the same
+    # checks, and it must have run.
+    fast = moeep._fast.status().startswith("on")
+    counts0 = buf._fast.counts() if buf._fast is not None else (0, 0)
+    T = NT - 3 * rank
+    steps = [True] * 4 + [False] * 4 + [True] * 2  # use_fp8: each kind warms both sets first
+    for it, fp8 in enumerate(steps):
+        ll_round(buf, shape, gen, stats, ref_stats, scale_of, 10 + it, T, fp8, it == 9, False, False,
+                 it == 2, idx32=it in (3, 7), given_out=it in (6, 8), no_stats=it == 2)
+    if fast:
+        counts = buf._fast.counts()
+        done = (counts[0] - counts0[0], counts[1] - counts0[1])
+        check(done[0] >= 6 and done[1] >= 6, "the compiled path took %d dispatches and %d combines of the "
+              "decode loop's 10, expected 6 or more each" % done)
     buf.check()
     buf.destroy()
+
+
+def ll_round(buf, shape, gen, stats, ref_stats, scale_of, it, T, fp8, round_scale, ue8m0, hook, counting,
+             idx32=False, given_out=False, no_stats=False):
+    """One low-latency dispatch + combine on fresh inputs, checked against
+    the inputs gathered from every rank; both calls under a CountingMode
+    when `counting`."""
+    H, E, K, NT, L, R, rank, group = shape
+    x = torch.randn(T, H, generator=gen, device="cuda").to(torch.bfloat16)
+    idx, w = routing(T, E, K, gen)  # distinct experts per token (top-k)
+    all_x, all_idx = gather(x, group, R), gather(idx, group, R)
+    if idx32:
+        idx = idx.to(torch.int32)
+    if hook:
+        # The dispatch starts late (about 10 ms): the hook's work (the
+        # UE8M0 packing too) must follow it on the caller's stream, the
+        # default one here, not run on another stream at once.
+        torch.cuda._sleep(20_000_000)
+    with counted(counting) as mode:
+        recv, count, handle, ev, fn = buf.low_latency_dispatch(
+            x, idx, NT, E, cumulative_local_expert_recv_stats=None if no_stats else stats, use_fp8=fp8,
+            round_scale=round_scale, use_ue8m0=ue8m0, return_recv_hook=hook)
+    check_unseen(mode, "low_latency_dispatch")
+    if hook:
+        check(fn is not None, "hook returned")
+        fn()
+    else:
+        check(fn is None, "no hook without return_recv_hook")
+    rx = recv[0] if fp8 else recv
+    check(rx.shape == (L, R * NT, H), "ll recv_x shape %s" % (rx.shape,))
+    src, rng = handle.src_info, handle.layout_range
+    pairs_of = []  # per local expert: (source rank, token) of each slot in use
+    for e in range(L):
+        ge = rank * L + e
+        exp = sorted((s, int(t)) for s in range(R) for t in (all_idx[s] == ge).any(1).nonzero().flatten().tolist())
+        n = int(count[e].item())
+        check(n == len(exp), "round %d, expert %d: %d slots, expected %d" % (it, ge, n, len(exp)))
+        toks = src[e, :n].tolist()
+        ranks = [s for s in range(R) for _ in range(int(rng[e, s].item()) & 0xFFFFFFFF)]
+        pairs = list(zip(ranks, toks))
+        pairs_of.append(pairs)
+        check(sorted(pairs) == exp, "round %d, expert %d: received (rank, token) pairs" % (it, ge))
+        ref_rows = torch.stack([all_x[s][t] for s, t in pairs]) if n else None
+        if n and not fp8:
+            check(torch.equal(rx[e, :n], ref_rows), "round %d, expert %d: bf16 rows" % (it, ge))
+        elif n:
+            if ue8m0:
+                packed = recv[1]
+                check(packed.dtype == torch.int32 and packed.shape == (L, R * NT, H // 512), "ue8m0 shape")
+                ex = torch.stack([(packed[e, :n] >> (8 * i)) & 0xFF for i in range(4)], -1).view(n, H // 128)
+                sc = torch.pow(2.0, ex.float() - 127)
+            else:
+                sc = recv[1][e, :n]
+            if round_scale:
+                check(bool((torch.log2(sc) == torch.round(torch.log2(sc))).all()), "round_scale powers of two")
+            close(dequant(rx[e, :n], sc), ref_rows, "round %d, expert %d: fp8 dequantised" % (it, ge),
+                  rtol=0.07, atol=2e-2)
+        if not no_stats:
+            ref_stats[e] += n
+    check(torch.equal(stats.long(), ref_stats), "round %d: cumulative_local_expert_recv_stats" % it)
+
+    # Expert outputs: x * scale of the expert, in the dispatch's layout.
+    y = torch.zeros(L, R * NT, H, dtype=torch.bfloat16, device="cuda")
+    deq = rx.float() if not fp8 else None
+    for e in range(L):
+        n = int(count[e].item())
+        if not n:
+            continue
+        rows = deq[e, :n] if deq is not None else torch.stack(
+            [all_x[s][t] for s, t in pairs_of[e]]).float()
+        y[e, :n] = (rows * scale_of[rank * L + e]).to(torch.bfloat16)
+    out_arg = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device="cuda") if given_out else None
+    with counted(counting) as mode:
+        out, ev, fn2 = buf.low_latency_combine(y, idx, w, handle, return_recv_hook=hook, out=out_arg)
+    check_unseen(mode, "low_latency_combine")
+    if given_out:
+        check(out is out_arg, "round %d: combine returns the out it was given" % it)
+    if hook:
+        fn2()
+    ref = torch.zeros(T, H, device="cuda")
+    for k in range(K):
+        e = idx[:, k].long()
+        ok = e >= 0
+        f = torch.where(ok, w[:, k] * scale_of[e.clamp(min=0)], torch.zeros_like(w[:, k]))
+        ref += f.unsqueeze(1) * x.float()
+    close(out, ref, "ll combined_x (round %d)" % it, rtol=3e-2, atol=5e-2)
+    torch.cuda.synchronize()
+    dist.barrier(group)
 
 
 def test_peer_lost(rank, R, group, sock):

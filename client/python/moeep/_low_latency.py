@@ -26,7 +26,6 @@ class _LowLatencyMode:
         if self._ep is not None:
             self._ep.check(self._ep.lib.moeep_ll_clean(self._ep.ptr), "clean_low_latency_buffer")
 
-    @_as_binding
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                              cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
                              use_fp8=True, round_scale=False, use_ue8m0=False, async_finish=False,
@@ -39,6 +38,23 @@ class _LowLatencyMode:
         UE8M0 exponents each, in DeepEP's layout. The tensors are views into
         moeep's buffer set (README: lifetimes). With enable_shrink,
         active_ranks / timeout_us as Mooncake EP (_shrink.py)."""
+        fast = self._fast
+        if fast is not None and not (use_ue8m0 or async_finish or return_recv_hook or timeout_us) and \
+                active_ranks is None:
+            # The common case in C (_fast.py); None: not that case after all.
+            ret = fast.dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                cumulative_local_expert_recv_stats, use_fp8, round_scale)
+            if ret is not None:
+                return ret
+        return self._low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                          cumulative_local_expert_recv_stats, use_fp8, round_scale, use_ue8m0,
+                                          async_finish, return_recv_hook, active_ranks, timeout_us)
+
+    @_as_binding
+    def _low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                              cumulative_local_expert_recv_stats, use_fp8, round_scale, use_ue8m0, async_finish,
+                              return_recv_hook, active_ranks, timeout_us):
+        """low_latency_dispatch in Python: every case, and every error."""
         torch = _torch()
         if not self.low_latency_mode:
             raise ValueError("low_latency_dispatch needs Buffer(..., low_latency_mode=True)")
@@ -120,9 +136,12 @@ class _LowLatencyMode:
                     with torch.cuda.stream(_stream_of(torch, ptr, self.device)):  # the hook's stream
                         _pack_ue8m0(scales, packed)
                 del keep[:]
-        rx = recv_x
-        if use_fp8:
-            rx = (recv_x, packed if use_ue8m0 else scales)
+        rx = (recv_x, scales) if use_fp8 else recv_x
+        if self._fast is not None and T:
+            # The same views and handle for the next dispatches into this set.
+            self._fast.remember(res.handle.set, num_max_dispatch_tokens_per_rank, T, use_fp8, rx, recv_count, handle)
+        if use_ue8m0:
+            rx = (recv_x, packed)
         return rx, recv_count, handle, event, fn
 
     def _ll_outputs(self, torch, res, L, S, H, use_fp8):
@@ -161,7 +180,6 @@ class _LowLatencyMode:
         return _view(torch, handle.combine_buffer, (L, handle.ll_handle.slots_per_expert, self._plan.hidden),
                      torch.bfloat16, self, self.device)
 
-    @_as_binding
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False, zero_copy=False,
                             async_finish=False, return_recv_hook=False, out=None, combine_wait_recv_cost_stats=None,
                             *, active_ranks=None, timeout_us=0):
@@ -172,6 +190,18 @@ class _LowLatencyMode:
         (x is not read). use_logfmt changes nothing (BF16 on the wire);
         combine_wait_recv_cost_stats is accepted and left as is. With
         enable_shrink, active_ranks / timeout_us as Mooncake EP (_shrink.py)."""
+        fast = self._fast
+        if fast is not None and not (async_finish or return_recv_hook or timeout_us) and active_ranks is None:
+            ret = fast.combine(x, topk_idx, topk_weights, handle, zero_copy, out)  # as in low_latency_dispatch
+            if ret is not None:
+                return ret
+        return self._low_latency_combine(x, topk_idx, topk_weights, handle, zero_copy, async_finish,
+                                         return_recv_hook, out, active_ranks, timeout_us)
+
+    @_as_binding
+    def _low_latency_combine(self, x, topk_idx, topk_weights, handle, zero_copy, async_finish, return_recv_hook, out,
+                             active_ranks, timeout_us):
+        """low_latency_combine in Python: every case, and every error."""
         torch = _torch()
         if not self.low_latency_mode:
             raise ValueError("low_latency_combine needs Buffer(..., low_latency_mode=True)")

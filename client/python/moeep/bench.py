@@ -184,7 +184,14 @@ def _ll(torch, deep_ep, a, rank, R, group, device, cache):
 
     res = {}
     comm = pairs * ((H + H / 128 * 4 + 16) + H * 2)  # DeepEP's test: FP8 pairs out, BF16 pairs back
+    fast = getattr(buf, "_fast", None)  # moeep: the calls in C (moeep/_fast.py), where built
+    before = fast.counts() if fast is not None else (0, 0)
     res["LL dispatch + combine, eager"] = _summary(*_series(torch, step, a.iters, a.warmup, cache), comm)
+    if a.impl == "moeep":
+        import moeep._fast
+        done = fast.counts()[0] - before[0] if fast is not None else 0
+        res["_fast"] = "low-latency calls in C: %s; %d of the %d eager dispatches ran there" % (
+            moeep._fast.status(), done, a.iters + a.warmup)
     if os.environ.get("MOEEP_BENCH_DUMP"):
         _ll_split(torch, dispatch, combine, rank, a.iters, cache)
     if a.profile:
@@ -325,6 +332,8 @@ def _report(a, results, impl, info):
         print("%-34s %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %7s" % (
             name, v["us_median"], v["us_mean"], v["us_p90"], v["us_max"], v["wall_us"], v["host_us"],
             "%.0f" % v["GB/s"] if "GB/s" in v else "-"))
+    if "_fast" in results[0]:
+        print("rank 0: " + results[0]["_fast"])
     if "_profile" in results[0]:
         print("\ncProfile of rank 0, 100 eager low-latency steps:\n" + results[0]["_profile"])
 

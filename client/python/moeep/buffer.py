@@ -16,13 +16,13 @@ import errno as _errno
 import sys
 import weakref
 
-from . import _lib
+from . import _fast, _lib
 from ._endpoint import Endpoint
 from ._hosttime import install as _install_host_time
 from ._handles import DispatchHandle, LowLatencyHandle, _Route  # noqa: F401
 from ._job import attach
 from ._lib import MoeepError
-from ._low_latency import _LowLatencyMode, _pack_ue8m0  # noqa: F401
+from ._low_latency import _NO_EVENT, _LowLatencyMode, _pack_ue8m0  # noqa: F401
 from ._normal import _NormalMode, _inverse_rounds, _raw, _split_x, _torch_layout  # noqa: F401
 from ._shrink import _ShrinkMode, _shrink_config, _shrink_shapes
 from ._tensors import _Areas, _DevicePointer, _check_index, _check_tensor, _index_type, _record, _view  # noqa: F401
@@ -62,6 +62,7 @@ class Buffer(_NormalMode, _LowLatencyMode, _ShrinkMode):
                  max_topk=None, timeout_ms=0, job_name=None, copy_outputs=False, recv_areas=DEFAULT_RECV_AREAS,
                  shrink_timeout_ms=0):
         self._ep = None
+        self._fast = None  # the low-latency calls in C (_fast.py), from the endpoint's creation
         self._client = None
         torch = _torch()
         import torch.distributed as dist
@@ -154,6 +155,11 @@ class Buffer(_NormalMode, _LowLatencyMode, _ShrinkMode):
         self._applied_num_sms = cfg.num_sms
         self._handles = weakref.WeakSet()
         self._areas = _Areas(self._ep, cfg.recv_areas)
+        if self.low_latency_mode and not self.enable_shrink:
+            self._fast = _fast.make(torch, self._ep, self.device.index, self.group_size, self._plan.hidden,
+                                    self._plan.num_experts, self._plan.ll_max_tokens, _NO_EVENT)
+            if self._fast is not None and self._last_stream is not None:
+                self._fast.note_stream(self._last_stream)
 
     def _endpoint(self, hidden=None, num_experts=None, ll_tokens=None):
         """The endpoint, created on first use from what the call reveals."""
@@ -193,6 +199,9 @@ class Buffer(_NormalMode, _LowLatencyMode, _ShrinkMode):
         """Frees the endpoint (synchronising the device) and leaves the job.
         Collective in moeep as in DeepEP. Outputs that are views into the
         NVLink buffer must not be used afterwards."""
+        if self._fast is not None:
+            self._fast.close()
+            self._fast = None
         if self._ep is not None:
             for h in list(getattr(self, "_handles", ())):
                 h.release()
@@ -302,6 +311,8 @@ class Buffer(_NormalMode, _LowLatencyMode, _ShrinkMode):
                 side.wait_stream(compute)
             ptr = side.cuda_stream
         last, self._last_stream = self._last_stream, ptr
+        if self._fast is not None:
+            self._fast.note_stream(ptr)
         if last is not None and last != ptr and not torch.cuda.is_current_stream_capturing():
             # (A graph being captured is replayed later, after whatever runs
             # before the replay; waiting on a stream outside the capture
