@@ -65,6 +65,7 @@ struct fast {
         PyObject *tensor_type; /* torch.Tensor: arguments of exactly this type only */
         PyObject *bf16, *fp8, *f32, *i32, *i64;
         PyObject *raw_stream;   /* torch._C._cuda_getCurrentRawStream(device) */
+        PyObject *device_index; /* the int device, its argument */
         PyObject *mode_enabled; /* torch._C._is_torch_function_mode_enabled() */
         PyObject *no_function;  /* torch._C.DisableTorchFunction */
         PyObject *empty;        /* torch.empty */
@@ -212,13 +213,9 @@ static void function_on(PyObject *ctx) {
 /* The caller's current stream if it is the stream of the last call (1),
  * else 0; -1 with an exception. */
 static int stream_read(struct fast *f, cudaStream_t *ret) {
-        PyObject *dev = PyLong_FromLong(f->device), *v;
+        PyObject *v = PyObject_CallFunctionObjArgs(f->raw_stream, f->device_index, NULL);
         uintptr_t s;
 
-        if (!dev)
-                return -1;
-        v = PyObject_CallFunctionObjArgs(f->raw_stream, dev, NULL);
-        Py_DECREF(dev);
         if (!v)
                 return -1;
         s = (uintptr_t)PyLong_AsVoidPtr(v);
@@ -497,6 +494,7 @@ static void fast_dealloc(PyObject *self) {
         Py_XDECREF(f->i32);
         Py_XDECREF(f->i64);
         Py_XDECREF(f->raw_stream);
+        Py_XDECREF(f->device_index);
         Py_XDECREF(f->mode_enabled);
         Py_XDECREF(f->no_function);
         Py_XDECREF(f->empty);
@@ -564,7 +562,8 @@ static PyObject *fast_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
             !(f->raw_stream = PyObject_GetAttrString(C, "_cuda_getCurrentRawStream")) ||
             !(f->mode_enabled = PyObject_GetAttrString(C, "_is_torch_function_mode_enabled")) ||
             !(f->no_function = PyObject_GetAttrString(C, "DisableTorchFunction")) ||
-            !(f->empty = PyObject_GetAttrString(torch, "empty")))
+            !(f->empty = PyObject_GetAttrString(torch, "empty")) ||
+            !(f->device_index = PyLong_FromLong(device)))
                 goto fail;
         PyObject *dev = PyObject_CallMethod(torch, "device", "si", "cuda", device);
         if (!dev)

@@ -184,14 +184,14 @@ def _ll(torch, deep_ep, a, rank, R, group, device, cache):
 
     res = {}
     comm = pairs * ((H + H / 128 * 4 + 16) + H * 2)  # DeepEP's test: FP8 pairs out, BF16 pairs back
-    fast = getattr(buf, "_fast", None)  # moeep: the calls in C (moeep/_fast.py), where built
-    before = fast.counts() if fast is not None else (0, 0)
     res["LL dispatch + combine, eager"] = _summary(*_series(torch, step, a.iters, a.warmup, cache), comm)
     if a.impl == "moeep":
+        # The calls in C (moeep/_fast.py), where built: made with the
+        # endpoint, at the first call; only these calls ran since.
         import moeep._fast
-        done = fast.counts()[0] - before[0] if fast is not None else 0
+        fast = buf._fast
         res["_fast"] = "low-latency calls in C: %s; %d of the %d eager dispatches ran there" % (
-            moeep._fast.status(), done, a.iters + a.warmup)
+            moeep._fast.status(), fast.counts()[0] if fast is not None else 0, a.iters + a.warmup)
     if os.environ.get("MOEEP_BENCH_DUMP"):
         _ll_split(torch, dispatch, combine, rank, a.iters, cache)
     if a.profile:
