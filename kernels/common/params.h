@@ -54,7 +54,10 @@ static_assert(MOEEP_KERNEL_MAX_RANKS == MOEEP_MAX_RANKS, "kernel rank arrays mus
  * through NVCC_APPEND_FLAGS); senders, consumers and the producer must fit
  * the block's 32 warps. */
 #ifndef MOEEP_COMBINE_SEND_WARPS
-#define MOEEP_COMBINE_SEND_WARPS 6
+#define MOEEP_COMBINE_SEND_WARPS 6 /* up to 2 ranks */
+#endif
+#ifndef MOEEP_COMBINE_SEND_WARPS_MANY
+#define MOEEP_COMBINE_SEND_WARPS_MANY 8 /* from 3 ranks */
 #endif
 #ifndef MOEEP_COMBINE_CONSUMER_WARPS
 #define MOEEP_COMBINE_CONSUMER_WARPS 12
@@ -71,6 +74,7 @@ static_assert(MOEEP_KERNEL_MAX_RANKS == MOEEP_MAX_RANKS, "kernel rank arrays mus
 enum {
         COMBINE_THREADS = 1024,
         COMBINE_SEND_WARPS = MOEEP_COMBINE_SEND_WARPS,
+        COMBINE_SEND_WARPS_MANY = MOEEP_COMBINE_SEND_WARPS_MANY,
         COMBINE_CONSUMER_WARPS = MOEEP_COMBINE_CONSUMER_WARPS, /* in groups of COMBINE_GROUP_WARPS, one per stage */
         COMBINE_GROUP_WARPS = MOEEP_COMBINE_GROUP_WARPS,
         COMBINE_CONSUMER_GROUPS = COMBINE_CONSUMER_WARPS / COMBINE_GROUP_WARPS,
@@ -85,6 +89,7 @@ enum {
 };
 
 static_assert(COMBINE_SEND_WARPS + COMBINE_CONSUMER_WARPS <= COMBINE_PRODUCER_WARP &&
+                      COMBINE_SEND_WARPS_MANY + COMBINE_CONSUMER_WARPS <= COMBINE_PRODUCER_WARP &&
                       COMBINE_CONSUMER_WARPS % COMBINE_GROUP_WARPS == 0,
               "combine warp roles overlap, or consumers are not whole groups");
 

@@ -131,13 +131,13 @@ __device__ __forceinline__ void row_slices(int row_bytes, int slice, int *ret_n,
 }
 
 /* The tokens a reduce block takes at a time, its unit: one arrival chunk
- * (MOEEP_COMBINE_CHUNK, 16 tokens) at 2 ranks, two otherwise; at most 32,
- * a lane per token. At 2 ranks the last round of units then spreads over
- * more blocks (2 x H200, 4096 tokens, 24 SMs: combine 235 -> 226 us); the
- * other rank counts keep the 32-token units they were measured with. */
-__device__ __forceinline__ int combine_unit(const struct moeep_ctx &ctx) {
-        static_assert(2 * MOEEP_COMBINE_CHUNK <= 32, "a reduce unit is at most a warp's 32 tokens");
-        return ctx.ranks == 2 ? MOEEP_COMBINE_CHUNK : 2 * MOEEP_COMBINE_CHUNK;
+ * (MOEEP_COMBINE_CHUNK, 16 tokens); at most 32, a lane per token. With
+ * 32-token units the last round of units went to fewer blocks (4096
+ * tokens, 24 SMs: 2 x H200, 2 ranks, combine 235 -> 226 us; 4 x H100, 4
+ * ranks, 581 -> 565 us). */
+__device__ __forceinline__ int combine_unit() {
+        static_assert(MOEEP_COMBINE_CHUNK <= 32, "a reduce unit is at most a warp's 32 tokens");
+        return MOEEP_COMBINE_CHUNK;
 }
 
 /* Block b reduces units b, b + grid, b + 2 grid, ...: exactly one block
@@ -183,7 +183,7 @@ __device__ __forceinline__ void combine_produce(const struct moeep_ctx &ctx, con
         bool ok = true;
 
         row_slices(row_bytes, slice, &slices, &slice_bytes);
-        FOR_EACH_BLOCK_CHUNK(c0, hi, route.num_tokens, rb, nrb, combine_unit(ctx)) {
+        FOR_EACH_BLOCK_CHUNK(c0, hi, route.num_tokens, rb, nrb, combine_unit()) {
                 const int t = c0 + lane;
                 uint32_t mask = 0;
                 if (t < hi)
@@ -245,7 +245,7 @@ __device__ __forceinline__ void combine_consume(const struct moeep_ctx &ctx, con
         int slices, slice_bytes, u = 0;
 
         row_slices(row_bytes, slice, &slices, &slice_bytes);
-        FOR_EACH_BLOCK_CHUNK(c0, c1, route.num_tokens, rb, nrb, combine_unit(ctx))
+        FOR_EACH_BLOCK_CHUNK(c0, c1, route.num_tokens, rb, nrb, combine_unit())
         for (int t = c0; t < c1; t++)
                 for (int j = 0; j < slices; j++, u++) {
                         if (u % COMBINE_CONSUMER_GROUPS != g)
@@ -339,7 +339,7 @@ __device__ __forceinline__ void combine_wait(const struct moeep_ctx &ctx, const 
         int ci = 0;
         bool ok = true;
 
-        FOR_EACH_BLOCK_CHUNK(c0, c1, route.num_tokens, rb, nrb, combine_unit(ctx)) {
+        FOR_EACH_BLOCK_CHUNK(c0, c1, route.num_tokens, rb, nrb, combine_unit()) {
                 const bool row = c0 + lane < c1 && route.send_pos[c0 + lane] >= 0;
                 ok = wait_unit(ctx, route, c0, c1, self_in_place && row, ok);
                 if (lane == 0)
@@ -363,7 +363,7 @@ __device__ __forceinline__ void combine_copy(const struct moeep_ctx &ctx, const 
         const float *wslots = (const float *)(ctx.peers[ctx.rank] + ctx.layout.comb_weights);
         int ci = 0, before = 0;
 
-        FOR_EACH_BLOCK_CHUNK(c0, c1, route.num_tokens, rb, nrb, combine_unit(ctx)) {
+        FOR_EACH_BLOCK_CHUNK(c0, c1, route.num_tokens, rb, nrb, combine_unit()) {
                 const int first = ((w - before) % nw + nw) % nw;
                 int ready;
                 before += c1 - c0;
@@ -498,7 +498,9 @@ extern "C" int moeep_launch_combine(const struct moeep_ctx *ctx, const void *x, 
          * figures have not seen. See docs/benchmarks.md. */
         const bool direct = ctx->ranks == 1;
         /* With nothing to send, every warp but the waiter copies. */
-        const int send_warps = direct && self_in_place ? 0 : COMBINE_SEND_WARPS;
+        const int send_warps = direct && self_in_place ? 0
+                               : ctx->ranks <= 2       ? COMBINE_SEND_WARPS
+                                                       : COMBINE_SEND_WARPS_MANY;
         const int nstages = direct ? 0
                                    : (int)min((size_t)COMBINE_MAX_STAGES, COMBINE_STAGE_SMEM / stage_bytes) /
                                              COMBINE_CONSUMER_GROUPS * COMBINE_CONSUMER_GROUPS;
