@@ -605,7 +605,7 @@ static PyType_Spec fast_spec = {
         .slots = fast_slots,
 };
 
-static int module_exec(PyObject *m) {
+static int fast_module_exec(PyObject *m) {
         PyObject *type;
 
         if (!(s_dtype = PyUnicode_InternFromString("dtype")) ||
@@ -626,7 +626,7 @@ static int module_exec(PyObject *m) {
 }
 
 static PyModuleDef_Slot module_slots[] = {
-        { Py_mod_exec, module_exec },
+        { Py_mod_exec, fast_module_exec },
         { 0, NULL },
 };
 
