@@ -161,12 +161,17 @@ static int index_read(struct fast *f, PyObject *obj, struct tensor *t, long rows
                t->shape[1] >= 1 && t->shape[1] <= 9 /* moeep's MAX_TOPK (moeep/_lib.py) */;
 }
 
-/* A Python int that is not a bool, into *ret; 0 when not one. */
+/* A Python int that is not a bool and fits a long, into *ret; 0 when not
+ * one (the Python path says what is wrong with it). */
 static int int_arg(PyObject *obj, long *ret) {
         if (!PyLong_Check(obj) || PyBool_Check(obj))
                 return 0;
         *ret = PyLong_AsLong(obj);
-        return PyErr_Occurred() ? -1 : 1;
+        if (PyErr_Occurred()) {
+                PyErr_Clear(); /* too large: not the common case */
+                return 0;
+        }
+        return 1;
 }
 
 /* The torch function handling of the tensor reads: off while a mode is

@@ -192,6 +192,7 @@ class FastTest(unittest.TestCase):
             "num_max above the buffers'": lambda: self.dispatch(num_max=T + 1),
             "num_max a bool": lambda: self.dispatch(num_max=True),
             "num_max a float": lambda: self.dispatch(num_max=float(T)),
+            "num_max past a long": lambda: self.dispatch(num_max=1 << 80),
             "other experts": lambda: self.dispatch(experts=E * 2),
             "ids rows": lambda: self.dispatch(idx=Tensor(tt.int64, (T - 1, K))),
             "ids float": lambda: self.dispatch(idx=Tensor(tt.float32, (T, K))),
