@@ -3,9 +3,11 @@ meson runs (client/python/meson.build).
 
 Why not setuptools: an in-tree setuptools build leaves build/ and
 moeep.egg-info/ in the source tree, and under pip's build isolation it
-downloads setuptools first. The package is pure Python, so a wheel is a zip
-of moeep/ plus three metadata files; this module writes exactly that, with
-the standard library only, into the directory it is given and nowhere else.
+downloads setuptools first. The package is pure Python (its one compiled
+part, moeep_fast.abi3.so, is built by meson and installed next to
+libmoeep.so, where the package looks for it), so a wheel is a zip of moeep/
+plus three metadata files; this module writes exactly that, with the
+standard library only, into the directory it is given and nowhere else.
 
 What goes into the wheel:
   - moeep/ (every .py file; caches and anything else are left out);
