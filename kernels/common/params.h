@@ -46,7 +46,12 @@ static_assert(MOEEP_KERNEL_MAX_RANKS == MOEEP_MAX_RANKS, "kernel rank arrays mus
 
 /* ---- Tunables of the normal-mode combine. */
 
-#define MOEEP_COMBINE_CHUNK 16 /* tokens per combine arrival counter */
+/* Tokens per combine arrival counter, and the combine's reduce unit. The
+ * host sizes arrays by it too (buffers.h, client/lib/ep.c): an A/B build
+ * sets it in meson's c_args and in NVCC_APPEND_FLAGS alike. */
+#ifndef MOEEP_COMBINE_CHUNK
+#define MOEEP_COMBINE_CHUNK 16
+#endif
 #define MOEEP_COMBINE_CHUNKS (MOEEP_KERNEL_MAX_TOKENS / MOEEP_COMBINE_CHUNK)
 
 /* Warp roles of the combine kernel (kernels/normal/combine.cu describes them).
