@@ -46,7 +46,7 @@ static_assert(MOEEP_KERNEL_MAX_RANKS == MOEEP_MAX_RANKS, "kernel rank arrays mus
 
 /* ---- Tunables of the normal-mode combine. */
 
-/* Tokens per combine arrival counter, and the combine's reduce unit. The
+/* Tokens per combine arrival counter, and per chunk a reduce block takes. The
  * host sizes arrays by it too (buffers.h, client/lib/ep.c): an A/B build
  * sets it in meson's c_args and in NVCC_APPEND_FLAGS alike. */
 #ifndef MOEEP_COMBINE_CHUNK

@@ -130,42 +130,32 @@ __device__ __forceinline__ void row_slices(int row_bytes, int slice, int *ret_n,
         *ret_bytes = ((row_bytes + n - 1) / n + 15) / 16 * 16;
 }
 
-/* The tokens a reduce block takes at a time, its unit: one arrival chunk
- * (MOEEP_COMBINE_CHUNK, 16 tokens); at most 32, a lane per token. With
- * 32-token units the last round of units went to fewer blocks (4096
- * tokens, 24 SMs: 2 x H200, 2 ranks, combine 235 -> 226 us; 4 x H100, 4
- * ranks, 581 -> 565 us). */
-__device__ __forceinline__ int combine_unit() {
-        static_assert(MOEEP_COMBINE_CHUNK <= 32, "a reduce unit is at most a warp's 32 tokens");
-        return MOEEP_COMBINE_CHUNK;
-}
+/* Block b reduces chunks b, b + grid, b + 2 grid, ... (MOEEP_COMBINE_CHUNK
+ * tokens each): exactly one block waits for (and resets) each chunk
+ * counter, and every block's work follows the senders, who move through
+ * each source's tokens in order. With 16-token chunks instead of 32 the
+ * last round of chunks goes to more blocks (4096 tokens, 24 SMs: 2 x H200,
+ * 2 ranks, combine 235 -> 226 us; 4 x H100, 4 ranks, 581 -> 565 us). */
+#define FOR_EACH_BLOCK_CHUNK(c0, c1, num_tokens, rb, nrb)                                                            \
+        for (int c0 = (rb)*MOEEP_COMBINE_CHUNK, c1 = min(c0 + MOEEP_COMBINE_CHUNK, (num_tokens)); c0 < (num_tokens); \
+             c0 += (nrb)*MOEEP_COMBINE_CHUNK, c1 = min(c0 + MOEEP_COMBINE_CHUNK, (num_tokens)))
 
-/* Block b reduces units b, b + grid, b + 2 grid, ...: exactly one block
- * waits for (and resets) each chunk counter, and every block's work follows
- * the senders, who move through each source's tokens in order. */
-#define FOR_EACH_BLOCK_CHUNK(c0, c1, num_tokens, rb, nrb, unit)                              \
-        for (int c0 = (rb) * (unit), c1 = min(c0 + (unit), (num_tokens)); c0 < (num_tokens); \
-             c0 += (nrb) * (unit), c1 = min(c0 + (unit), (num_tokens)))
+/* Waits, on lane 0, for the rows of the chunk at c0 to arrive, and zeroes
+ * its counter: every row of this round arrived, no more adds come until our
+ * next combine, which starts after a barrier. Lane i holds `self` when
+ * token c0 + i's own row is read in place (not counted). Returns, on every
+ * lane, `ok` and whether the wait did not give up. */
+__device__ __forceinline__ bool wait_chunk(const struct moeep_ctx &ctx, const struct moeep_route &route, int c0,
+                                           bool self, bool ok) {
+        static_assert(MOEEP_COMBINE_CHUNK <= 32, "a chunk is at most a warp's 32 tokens, a lane each");
+        const int own = __popc(__ballot_sync(0xffffffffu, self));
 
-/* Waits for the rows of the unit [c0, c1) to arrive, lane 0 on each of its
- * chunks' counters in turn, and zeroes the counters: every row of this
- * round arrived, no more adds come until our next combine, which starts
- * after a barrier. Lane i holds `self` when token c0 + i's own row is read
- * in place (not counted). Returns, on every lane, `ok` and whether the
- * waits did not give up. */
-__device__ __forceinline__ bool wait_unit(const struct moeep_ctx &ctx, const struct moeep_route &route, int c0, int c1,
-                                          bool self, bool ok) {
-        const uint32_t own = __ballot_sync(0xffffffffu, self);
-
-        if (threadIdx.x % 32 == 0)
-                for (int c = c0; c < c1; c += MOEEP_COMBINE_CHUNK) {
-                        const uint32_t lanes = (uint32_t)(((1ull << MOEEP_COMBINE_CHUNK) - 1) << (c - c0));
-                        uint32_t *counter = &sync_of(ctx, ctx.rank)->comb_chunk[c / MOEEP_COMBINE_CHUNK];
-                        const uint32_t want =
-                                (uint32_t)(route.chunk_expect[c / MOEEP_COMBINE_CHUNK] - __popc(own & lanes));
-                        ok = ok && wait_counter(ctx, counter, want, ctx.debug & MOEEP_DEBUG_NO_COUNTS, -1);
-                        *counter = 0;
-                }
+        if (threadIdx.x % 32 == 0) {
+                uint32_t *counter = &sync_of(ctx, ctx.rank)->comb_chunk[c0 / MOEEP_COMBINE_CHUNK];
+                const uint32_t want = (uint32_t)(route.chunk_expect[c0 / MOEEP_COMBINE_CHUNK] - own);
+                ok = ok && wait_counter(ctx, counter, want, ctx.debug & MOEEP_DEBUG_NO_COUNTS, -1);
+                *counter = 0;
+        }
         return __shfl_sync(0xffffffffu, ok, 0);
 }
 
@@ -183,14 +173,14 @@ __device__ __forceinline__ void combine_produce(const struct moeep_ctx &ctx, con
         bool ok = true;
 
         row_slices(row_bytes, slice, &slices, &slice_bytes);
-        FOR_EACH_BLOCK_CHUNK(c0, hi, route.num_tokens, rb, nrb, combine_unit()) {
+        FOR_EACH_BLOCK_CHUNK(c0, hi, route.num_tokens, rb, nrb) {
                 const int t = c0 + lane;
                 uint32_t mask = 0;
                 if (t < hi)
                         for (int r = 0; r < R; r++)
                                 mask |= (route.send_pos[(size_t)t * R + r] >= 0 ? 1u : 0u) << r;
                 /* Our own rows are not counted when they are read in place. */
-                ok = wait_unit(ctx, route, c0, hi, self_in_place && ((mask >> me) & 1), ok);
+                ok = wait_chunk(ctx, route, c0, self_in_place && ((mask >> me) & 1), ok);
                 if (lane == 0)
                         fence_proxy_async_global();
                 __syncwarp();
@@ -245,7 +235,7 @@ __device__ __forceinline__ void combine_consume(const struct moeep_ctx &ctx, con
         int slices, slice_bytes, u = 0;
 
         row_slices(row_bytes, slice, &slices, &slice_bytes);
-        FOR_EACH_BLOCK_CHUNK(c0, c1, route.num_tokens, rb, nrb, combine_unit())
+        FOR_EACH_BLOCK_CHUNK(c0, c1, route.num_tokens, rb, nrb)
         for (int t = c0; t < c1; t++)
                 for (int j = 0; j < slices; j++, u++) {
                         if (u % COMBINE_CONSUMER_GROUPS != g)
@@ -339,9 +329,9 @@ __device__ __forceinline__ void combine_wait(const struct moeep_ctx &ctx, const 
         int ci = 0;
         bool ok = true;
 
-        FOR_EACH_BLOCK_CHUNK(c0, c1, route.num_tokens, rb, nrb, combine_unit()) {
+        FOR_EACH_BLOCK_CHUNK(c0, c1, route.num_tokens, rb, nrb) {
                 const bool row = c0 + lane < c1 && route.send_pos[c0 + lane] >= 0;
-                ok = wait_unit(ctx, route, c0, c1, self_in_place && row, ok);
+                ok = wait_chunk(ctx, route, c0, self_in_place && row, ok);
                 if (lane == 0)
                         st_release_cta(s_ready, ok ? ci + 1 : READY_FAILED);
                 ci++;
@@ -363,7 +353,7 @@ __device__ __forceinline__ void combine_copy(const struct moeep_ctx &ctx, const 
         const float *wslots = (const float *)(ctx.peers[ctx.rank] + ctx.layout.comb_weights);
         int ci = 0, before = 0;
 
-        FOR_EACH_BLOCK_CHUNK(c0, c1, route.num_tokens, rb, nrb, combine_unit()) {
+        FOR_EACH_BLOCK_CHUNK(c0, c1, route.num_tokens, rb, nrb) {
                 const int first = ((w - before) % nw + nw) % nw;
                 int ready;
                 before += c1 - c0;
