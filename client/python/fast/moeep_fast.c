@@ -57,7 +57,8 @@ struct fast {
         ll_dispatch_fn dispatch;
         ll_combine_fn combine;
         int device, ranks, hidden, num_experts, local_experts, ll_max;
-        uintptr_t last_stream;                   /* Buffer._last_stream, set by Python (note_stream) */
+        int max_topk;          /* the Python path's bound on top-k (moeep/_lib.py, MAX_TOPK) */
+        uintptr_t last_stream; /* Buffer._last_stream, set by Python (note_stream) */
         unsigned long long dispatches, combines; /* calls made here (counts()) */
         struct set_cache sets[SETS];
         /* Owned references, from the constructor. */
@@ -158,20 +159,20 @@ static int index_read(struct fast *f, PyObject *obj, struct tensor *t, long rows
         if (r <= 0)
                 return r;
         return (t->dtype == f->i64 || t->dtype == f->i32) && t->dims == 2 && t->shape[0] == rows &&
-               t->shape[1] >= 1 && t->shape[1] <= 9 /* moeep's MAX_TOPK (moeep/_lib.py) */;
+               t->shape[1] >= 1 && t->shape[1] <= f->max_topk;
 }
 
-/* A Python int that is not a bool and fits a long, into *ret; 0 when not
- * one (the Python path says what is wrong with it). */
-static int int_arg(PyObject *obj, long *ret) {
+/* A Python int that is not a bool and fits a long, into *ret; false when
+ * not one (the Python path says what is wrong with it). */
+static bool int_arg(PyObject *obj, long *ret) {
         if (!PyLong_Check(obj) || PyBool_Check(obj))
-                return 0;
+                return false;
         *ret = PyLong_AsLong(obj);
         if (PyErr_Occurred()) {
                 PyErr_Clear(); /* too large: not the common case */
-                return 0;
+                return false;
         }
-        return 1;
+        return true;
 }
 
 /* The torch function handling of the tensor reads: off while a mode is
@@ -241,6 +242,26 @@ static PyObject *raise_error(struct fast *f, int r, const char *what) {
         return NULL;
 }
 
+/* The start of dispatch and combine: 1 when the call may run here, 0 when
+ * it goes to Python (the endpoint is closed), -1 with an exception. */
+static int call_start(const struct fast *f, Py_ssize_t n, Py_ssize_t want, const char *what) {
+        if (n != want) {
+                PyErr_Format(PyExc_TypeError, "moeep_fast %s takes %zd arguments", what, want);
+                return -1;
+        }
+        return f->ep != NULL;
+}
+
+/* The end of dispatch and combine: leaves function_off's context; returns
+ * `ret`, or None where the call was not the common case (no result and no
+ * exception). */
+static PyObject *call_end(PyObject *ctx, PyObject *ret) {
+        function_on(ctx);
+        if (ret || PyErr_Occurred())
+                return ret;
+        Py_RETURN_NONE;
+}
+
 /* dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
  *          cumulative_local_expert_recv_stats, use_fp8, round_scale)
  * -> (recv_x, recv_count, handle, event, None) as low_latency_dispatch, or
@@ -254,14 +275,10 @@ static PyObject *fast_dispatch(PyObject *self, PyObject *const *args, Py_ssize_t
         PyObject *ctx, *ret = NULL;
         bool err;
 
-        if (n != 7) {
-                PyErr_SetString(PyExc_TypeError, "moeep_fast dispatch takes 7 arguments");
-                return NULL;
-        }
-        if (!f->ep)
-                Py_RETURN_NONE;
-        if ((r = int_arg(args[2], &num_max)) <= 0 || (r = int_arg(args[3], &num_experts)) <= 0)
+        if ((r = call_start(f, n, 7, "dispatch")) <= 0)
                 return r < 0 ? NULL : Py_NewRef(Py_None);
+        if (!int_arg(args[2], &num_max) || !int_arg(args[3], &num_experts))
+                Py_RETURN_NONE;
         if ((use_fp8 = PyObject_IsTrue(args[5])) < 0 || (round_scale = PyObject_IsTrue(args[6])) < 0)
                 return NULL;
         if (num_max < 1 || num_max > f->ll_max || num_experts != f->num_experts || (round_scale && !use_fp8))
@@ -272,10 +289,10 @@ static PyObject *fast_dispatch(PyObject *self, PyObject *const *args, Py_ssize_t
                 return NULL;
         const long x_shape[2] = { -1, f->hidden };
         const long stats_shape[1] = { f->local_experts };
-        if ((r = tensor_expect(f, args[0], &x, f->bf16, 2, x_shape)) <= 0 || x.shape[0] < 1 ||
-            x.shape[0] > num_max || (r = index_read(f, args[1], &idx, x.shape[0])) <= 0 ||
-            (args[4] != Py_None && (r = tensor_expect(f, args[4], &stats, f->i32, 1, stats_shape)) <= 0) ||
-            (r = stream_read(f, &stream)) <= 0)
+        if (tensor_expect(f, args[0], &x, f->bf16, 2, x_shape) <= 0 || x.shape[0] < 1 ||
+            x.shape[0] > num_max || index_read(f, args[1], &idx, x.shape[0]) <= 0 ||
+            (args[4] != Py_None && tensor_expect(f, args[4], &stats, f->i32, 1, stats_shape) <= 0) ||
+            stream_read(f, &stream) <= 0)
                 goto out;
 
         /* Both sets must have their outputs and the handle for these tokens:
@@ -310,10 +327,7 @@ static PyObject *fast_dispatch(PyObject *self, PyObject *const *args, Py_ssize_t
         c->last_tokens = T;
         ret = PyTuple_Pack(5, c->rx[use_fp8], c->count[use_fp8], c->last, f->no_event, Py_None);
 out:
-        function_on(ctx);
-        if (ret || PyErr_Occurred())
-                return ret;
-        Py_RETURN_NONE;
+        return call_end(ctx, ret);
 }
 
 /* combine(x, topk_idx, topk_weights, handle, zero_copy, out)
@@ -327,12 +341,8 @@ static PyObject *fast_combine(PyObject *self, PyObject *const *args, Py_ssize_t 
         int set, T, S, r;
         bool err;
 
-        if (n != 6) {
-                PyErr_SetString(PyExc_TypeError, "moeep_fast combine takes 6 arguments");
-                return NULL;
-        }
-        if (!f->ep)
-                Py_RETURN_NONE;
+        if ((r = call_start(f, n, 6, "combine")) <= 0)
+                return r < 0 ? NULL : Py_NewRef(Py_None);
         if ((r = PyObject_IsTrue(args[4])) != 0)
                 return r < 0 ? NULL : Py_NewRef(Py_None);
         for (set = 0; set < SETS && (!f->sets[set].last || args[3] != f->sets[set].last); set++)
@@ -346,13 +356,12 @@ static PyObject *fast_combine(PyObject *self, PyObject *const *args, Py_ssize_t 
         if (err)
                 return NULL;
         const long x_shape[3] = { f->local_experts, S, f->hidden };
-        if ((r = tensor_expect(f, args[0], &x, f->bf16, 3, x_shape)) <= 0 ||
-            (r = index_read(f, args[1], &idx, T)) <= 0)
+        if (tensor_expect(f, args[0], &x, f->bf16, 3, x_shape) <= 0 || index_read(f, args[1], &idx, T) <= 0)
                 goto out;
         const long w_shape[2] = { T, idx.shape[1] }, out_shape[2] = { T, f->hidden };
-        if ((r = tensor_expect(f, args[2], &w, f->f32, 2, w_shape)) <= 0 ||
-            (args[5] != Py_None && (r = tensor_expect(f, args[5], &out, f->bf16, 2, out_shape)) <= 0) ||
-            (r = stream_read(f, &stream)) <= 0)
+        if (tensor_expect(f, args[2], &w, f->f32, 2, w_shape) <= 0 ||
+            (args[5] != Py_None && tensor_expect(f, args[5], &out, f->bf16, 2, out_shape) <= 0) ||
+            stream_read(f, &stream) <= 0)
                 goto out;
         if (args[5] != Py_None) {
                 outobj = Py_NewRef(args[5]);
@@ -392,10 +401,7 @@ static PyObject *fast_combine(PyObject *self, PyObject *const *args, Py_ssize_t 
         ret = PyTuple_Pack(3, outobj, f->no_event, Py_None);
 out:
         Py_XDECREF(outobj);
-        function_on(ctx);
-        if (ret || PyErr_Occurred())
-                return ret;
-        Py_RETURN_NONE;
+        return call_end(ctx, ret);
 }
 
 static void set_clear(struct set_cache *c, int ll_max) {
@@ -428,8 +434,8 @@ static PyObject *fast_remember(PyObject *self, PyObject *const *args, Py_ssize_t
                 PyErr_SetString(PyExc_TypeError, "moeep_fast remember takes 7 arguments");
                 return NULL;
         }
-        if (int_arg(args[0], &set) <= 0 || int_arg(args[1], &num_max) <= 0 ||
-            int_arg(args[2], &tokens) <= 0 || (use_fp8 = PyObject_IsTrue(args[3])) < 0) {
+        if (!int_arg(args[0], &set) || !int_arg(args[1], &num_max) || !int_arg(args[2], &tokens) ||
+            (use_fp8 = PyObject_IsTrue(args[3])) < 0) {
                 if (!PyErr_Occurred())
                         PyErr_SetString(PyExc_TypeError,
                                         "moeep_fast remember: set, num_max, tokens are ints");
@@ -510,26 +516,26 @@ static void fast_dealloc(PyObject *self) {
 }
 
 /* LowLatency(ep, dispatch, combine, check, torch, device, ranks, hidden,
- *            num_experts, ll_max, no_event): ep and the two functions as
+ *            num_experts, ll_max, max_topk, no_event): ep and the two functions as
  * addresses (ints) from the ctypes binding; check the Endpoint's check
  * method; torch the module. */
 static PyObject *fast_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
         PyObject *ep, *dsp, *cmb, *check, *torch, *no_event, *C = NULL;
-        int device, ranks, hidden, num_experts, ll_max;
+        int device, ranks, hidden, num_experts, ll_max, max_topk;
         struct fast *f;
 
         if (kw && PyDict_Size(kw)) {
                 PyErr_SetString(PyExc_TypeError, "moeep_fast.LowLatency takes no keyword arguments");
                 return NULL;
         }
-        if (!PyArg_ParseTuple(args, "OOOOOiiiiiO", &ep, &dsp, &cmb, &check, &torch, &device, &ranks, &hidden,
-                              &num_experts, &ll_max, &no_event))
+        if (!PyArg_ParseTuple(args, "OOOOOiiiiiiO", &ep, &dsp, &cmb, &check, &torch, &device, &ranks, &hidden,
+                              &num_experts, &ll_max, &max_topk, &no_event))
                 return NULL;
         if (ranks < 1 || hidden < 1 || num_experts < ranks || num_experts % ranks || ll_max < 1 ||
-            ll_max > MOEEP_LL_MAX_TOKENS) {
+            ll_max > MOEEP_LL_MAX_TOKENS || max_topk < 1) {
                 PyErr_Format(PyExc_ValueError,
-                             "moeep_fast.LowLatency: ranks %d, hidden %d, experts %d, ll_max %d", ranks,
-                             hidden, num_experts, ll_max);
+                             "moeep_fast.LowLatency: ranks %d, hidden %d, experts %d, ll_max %d, max_topk %d",
+                             ranks, hidden, num_experts, ll_max, max_topk);
                 return NULL;
         }
         if (!(f = (struct fast *)((allocfunc)PyType_GetSlot(type, Py_tp_alloc))(type, 0)))
@@ -549,6 +555,7 @@ static PyObject *fast_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
         f->num_experts = num_experts;
         f->local_experts = num_experts / ranks;
         f->ll_max = ll_max;
+        f->max_topk = max_topk;
         f->last_stream = UINTPTR_MAX; /* no call yet: matches no stream */
         for (int s = 0; s < SETS; s++)
                 if (!(f->sets[s].handles = calloc((size_t)ll_max + 1, sizeof(PyObject *)))) {

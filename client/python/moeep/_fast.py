@@ -13,6 +13,8 @@ import importlib.machinery
 import importlib.util
 import os
 
+from . import _lib
+
 FILE = "moeep_fast.abi3.so"
 ABI = 1  # moeep_fast's ABI constant that this module speaks
 
@@ -64,4 +66,5 @@ def make(torch, ep, device_index, ranks, hidden, num_experts, ll_max_tokens, no_
         return None
     address = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value  # noqa: E731
     return module.LowLatency(ep.ptr.value, address(ep.lib.moeep_ll_dispatch), address(ep.lib.moeep_ll_combine),
-                             ep.check, torch, device_index, ranks, hidden, num_experts, ll_max_tokens, no_event)
+                             ep.check, torch, device_index, ranks, hidden, num_experts, ll_max_tokens, _lib.MAX_TOPK,
+                             no_event)

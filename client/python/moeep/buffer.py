@@ -156,10 +156,10 @@ class Buffer(_NormalMode, _LowLatencyMode, _ShrinkMode):
         self._handles = weakref.WeakSet()
         self._areas = _Areas(self._ep, cfg.recv_areas)
         if self.low_latency_mode and not self.enable_shrink:
+            # Its calls run after the Python path's first ones, whose _begin
+            # tells it their stream.
             self._fast = _fast.make(torch, self._ep, self.device.index, self.group_size, self._plan.hidden,
                                     self._plan.num_experts, self._plan.ll_max_tokens, _NO_EVENT)
-            if self._fast is not None and self._last_stream is not None:
-                self._fast.note_stream(self._last_stream)
 
     def _endpoint(self, hidden=None, num_experts=None, ll_tokens=None):
         """The endpoint, created on first use from what the call reveals."""

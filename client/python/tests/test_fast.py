@@ -97,7 +97,7 @@ class FastTest(unittest.TestCase):
         self.no_event = object()
         addr = lambda name: ctypes.cast(getattr(self.stub, name), ctypes.c_void_p).value  # noqa: E731
         self.f = self.mod.LowLatency(0x1234, addr("moeep_ll_dispatch"), addr("moeep_ll_combine"), self.check,
-                                     self.torch, DEV, R, H, E, T, self.no_event)
+                                     self.torch, DEV, R, H, E, T, _lib.MAX_TOPK, self.no_event)
         tt = self.torch
         self.x = Tensor(tt.bfloat16, (T, H))
         self.idx = Tensor(tt.int64, (T, K))
