@@ -18,8 +18,8 @@
 extern "C" {
 #endif
 
-/* Diagnostic switches that leave out parts of combine, to time the rest;
- * the results are wrong while one is set. */
+/* Diagnostic switches that leave out parts of a kernel, to time the rest;
+ * the results are wrong while one is set (unless its note says not). */
 enum moeep_kernel_debug {
         MOEEP_DEBUG_NO_REDUCE = 1, /* combine: senders only */
         MOEEP_DEBUG_NO_COUNTS = 2, /* combine: no arrival counting, the reduce does not wait */
@@ -47,6 +47,11 @@ enum moeep_kernel_debug {
          * dependents (launch_kernel_after): to time the difference
          * (results stay right). */
         MOEEP_DEBUG_NO_PDL = 128,
+        /* Normal dispatch: the token rows (x) for our own rank, or for the
+         * other ranks, are not written (their metadata still is, and the
+         * flags work as always): to time what each stream of stores costs. */
+        MOEEP_DEBUG_DISPATCH_NO_SELF = 256,
+        MOEEP_DEBUG_DISPATCH_NO_PEERS = 512,
 };
 
 /* Whether the combine may sum at the expert's rank: for each source token,

@@ -54,6 +54,50 @@ static void print_trace(struct rank_env *env, int T, int sms) {
         cudaMemset(ctx.trace, 0, sizeof(uint64_t) * 4 * (size_t)sms);
 }
 
+static double us_after(uint64_t t, uint64_t t0) {
+        return (double)(int64_t)(t - t0) / 1e3;
+}
+
+static int cmp_u64(const void *a, const void *b) {
+        uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+        return (x > y) - (x < y);
+}
+
+/* With $MOEEP_KERNEL_TRACE, rank 0 prints the phases of its last fresh
+ * dispatch, in us after notify started: notify's (counts, histogram,
+ * positions, count exchange, end), then the dispatch blocks' start and end
+ * of their rows (first / median / last), the last block's wait for its
+ * peers and its end. */
+static void print_dispatch_trace(struct rank_env *env, int T, int sms) {
+        struct moeep_ctx ctx;
+        uint64_t n[MOEEP_TRACE_NOTIFY_STAMPS], d[4 * 64], start[64], rows[64], waited = 0, end = 0;
+
+        if (env->rank != 0 || ep_internal_ctx(env->ep, &ctx) < 0 || !ctx.trace || sms > 64)
+                return;
+        cudaDeviceSynchronize();
+        cudaMemcpy(n, ctx.trace + MOEEP_TRACE_NOTIFY, sizeof(n), cudaMemcpyDeviceToHost);
+        cudaMemcpy(d, ctx.trace + MOEEP_TRACE_DISPATCH, sizeof(uint64_t) * 4 * (size_t)sms,
+                   cudaMemcpyDeviceToHost);
+        for (int b = 0; b < sms; b++) {
+                start[b] = d[4 * b];
+                rows[b] = d[4 * b + 1];
+                waited = d[4 * b + 2] > waited ? d[4 * b + 2] : waited;
+                end = d[4 * b + 3] > end ? d[4 * b + 3] : end;
+        }
+        qsort(start, (size_t)sms, sizeof(uint64_t), cmp_u64);
+        qsort(rows, (size_t)sms, sizeof(uint64_t), cmp_u64);
+        const uint64_t t0 = n[0];
+        fprintf(stderr,
+                "trace dispatch tokens %d, us: notify counts %.1f histogram %.1f positions %.1f exchange "
+                "%.1f "
+                "end %.1f; blocks start %.1f/%.1f/%.1f rows done %.1f/%.1f/%.1f; peers %.1f end %.1f\n",
+                T, us_after(n[1], t0), us_after(n[2], t0), us_after(n[3], t0), us_after(n[4], t0),
+                us_after(n[5], t0), us_after(start[0], t0), us_after(start[sms / 2], t0),
+                us_after(start[sms - 1], t0), us_after(rows[0], t0), us_after(rows[sms / 2], t0),
+                us_after(rows[sms - 1], t0), us_after(waited, t0), us_after(end, t0));
+        cudaMemset(ctx.trace + MOEEP_TRACE_DISPATCH, 0, sizeof(uint64_t) * 4 * (size_t)sms);
+}
+
 static int op_combine(struct rank_env *env, void *arg) {
         struct moe_case *m = arg;
         int rc = moeep_combine(env->ep, &m->ca, env->st);
@@ -101,6 +145,7 @@ int bench_moeep(struct rank_env *env, int *slot, int T, int sms, bool full) {
                 .num_topk = o->topk,
         };
         us = time_op(env, op_dispatch, &m, &err);
+        print_dispatch_trace(env, T, sms);
         nrecv = m.dr.num_recv_tokens;
         record(env, *slot, OP_DISPATCH_BF16, T, sms, us, (double)nrecv * o->hidden * 2);
         record_floor(env, (*slot)++, (double)(T + nrecv) * o->hidden * 2, 1);

@@ -309,7 +309,7 @@ struct moeep_ctx {
         int recv_area;           /* normal mode: the receive area of our next dispatch (told at its barrier) */
         int ll_num_sms;          /* blocks of the low-latency kernels: every SM */
         int combine_send_blocks; /* 0: half the blocks send, half reduce; < 0: every block does both; else that many send */
-        uint64_t *trace;         /* diagnostics: [block][MOEEP_TRACE_STAMPS] globaltimer stamps of combine, or NULL */
+        uint64_t *trace;         /* diagnostics: MOEEP_TRACE_WORDS globaltimer stamps (params.h), or NULL */
         int debug;               /* MOEEP_DEBUG_* bits (diagnostics, from $MOEEP_KERNEL_DEBUG) */
         uint64_t timeout_ns;     /* bound of every spin-wait (globaltimer ns) */
         struct moeep_px px;      /* ranks at other daemons; px.remote 0 when none */

@@ -150,10 +150,15 @@ enum {
 
 /* ---- Diagnostics. */
 
-/* $MOEEP_KERNEL_TRACE: globaltimer stamps per block of combine, for every
- * block a launch may have. */
+/* $MOEEP_KERNEL_TRACE: globaltimer stamps of the last normal-mode calls:
+ * MOEEP_TRACE_STAMPS per block of combine (from word 0) and of dispatch
+ * (from MOEEP_TRACE_DISPATCH), for every block a launch may have, then
+ * notify's phases (from MOEEP_TRACE_NOTIFY, one block). */
 #define MOEEP_TRACE_STAMPS 4
-#define MOEEP_TRACE_WORDS (MOEEP_KERNEL_MAX_SMS * MOEEP_TRACE_STAMPS)
+#define MOEEP_TRACE_DISPATCH (MOEEP_KERNEL_MAX_SMS * MOEEP_TRACE_STAMPS)
+#define MOEEP_TRACE_NOTIFY (2 * MOEEP_TRACE_DISPATCH)
+#define MOEEP_TRACE_NOTIFY_STAMPS 8
+#define MOEEP_TRACE_WORDS (MOEEP_TRACE_NOTIFY + MOEEP_TRACE_NOTIFY_STAMPS)
 
 /* ---- Packed words. Each has its pack and unpack helpers below; the
  * fields' widths are checked against the limits. */

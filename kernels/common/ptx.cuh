@@ -138,6 +138,13 @@ __device__ __forceinline__ uint64_t globaltimer_ns(void) {
         return t;
 }
 
+/* Thread 0 of the block stamps trace[i] ($MOEEP_KERNEL_TRACE), when
+ * tracing. */
+__device__ __forceinline__ void trace_stamp(uint64_t *trace, int i) {
+        if (trace && threadIdx.x == 0)
+                trace[i] = globaltimer_ns();
+}
+
 /* 16-byte global accesses. The loads of payload bypass L1 (read once). */
 __device__ __forceinline__ int4 ld_nc_v4(const int4 *p) {
         int4 v;

@@ -34,6 +34,8 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1)
         __shared__ int s_prefix[MOEEP_KERNEL_MAX_RANKS + 1];
         grid_dep_wait(); /* notify (or the barrier) before us: its route, seq and areas */
         const int tid = threadIdx.x, lane = tid % 32;
+        uint64_t *trace = ctx.trace ? ctx.trace + MOEEP_TRACE_DISPATCH + blockIdx.x * MOEEP_TRACE_STAMPS : NULL;
+        trace_stamp(trace, 0);
         const int R = ctx.ranks, me = ctx.rank, epr = ctx.num_experts / R;
         /* Tokens are dealt to the SMs in turn (token t to block t % grid):
          * the last round of a call (4096 tokens over 768 warps leaves 256)
@@ -53,6 +55,9 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1)
         /* Rank d's rows go into the receive area d picked (notify's
          * barrier), carried in the top bits of pos[d] (area_row). */
         const int my_area = lane < R ? ctx.state->dst_area[lane] << AREA_SHIFT : 0;
+        /* Ranks whose x rows are left out (MOEEP_DEBUG_DISPATCH_NO_*). */
+        const uint32_t skip_x = (ctx.debug & MOEEP_DEBUG_DISPATCH_NO_SELF ? 1u << me : 0u) |
+                                (ctx.debug & MOEEP_DEBUG_DISPATCH_NO_PEERS ? ~(1u << me) : 0u);
 
         for (int t = gwarp; t < num_tokens && !failed; t += warps) {
                 /* pos[d]: our row in rank d's receive area, -1 when t skips d. */
@@ -74,7 +79,7 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1)
                                         v[u] = ld_nc_v4(src + i + u * 32);
 #pragma unroll
                         for (int d = 0; d < MOEEP_KERNEL_MAX_RANKS; d++) {
-                                if (d >= R || pos[d] < 0)
+                                if (d >= R || pos[d] < 0 || (skip_x >> d & 1))
                                         continue;
                                 int4 *dst = (int4 *)(area_row(ctx, d, pos[d], ctx.layout.recv_x, row_bytes));
 #pragma unroll
@@ -113,6 +118,8 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1)
                                         *(int32_t *)area_row(ctx, d, pos[d], ctx.layout.recv_src, sizeof(int32_t)) = t;
         }
 
+        if (trace && lane == 0)
+                atomicMax((unsigned long long *)&trace[1], (unsigned long long)globaltimer_ns());
         /* The last block to finish tells every destination that our rows
          * landed. */
         if (!last_block_done(ctx))
@@ -125,6 +132,7 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1)
         if (tid <= R)
                 s_prefix[tid] = route.rank_prefix[tid];
         __syncthreads();
+        trace_stamp(trace, 2);
 
         /* Receive metadata for combine: (source rank, source token) per row. */
         const int32_t *buf_src =
@@ -148,6 +156,10 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1)
                                 s++;
                         route.recv_src[p] = moeep_recv_src_pack(s, t[u]);
                 }
+        }
+        if (trace) {
+                __syncthreads();
+                trace_stamp(trace, 3);
         }
 }
 

@@ -87,7 +87,8 @@ __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
         const int R = ctx.ranks, me = ctx.rank, E = ctx.num_experts, epr = E / R;
         const uint64_t seq = ctx.state->seq + 1;
         const int par = (int)(seq & 1);
-
+        uint64_t *trace = ctx.trace && with_route ? ctx.trace + MOEEP_TRACE_NOTIFY : NULL;
+        trace_stamp(trace, 0);
         if (!with_route) {
                 barrier_all(ctx, seq, false);
                 if (tid == 0)
@@ -122,6 +123,7 @@ __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
                                         s_warp_sum[warp][d] = cnt[d];
         }
         __syncthreads();
+        trace_stamp(trace, 1);
         if (tokens_per_expert) /* the caller's counts (DeepEP takes them even when no top-k travels) */
                 for (int i = tid; i < E; i += NOTIFY_THREADS)
                         s_hist[i] = tokens_per_expert[i];
@@ -148,6 +150,7 @@ __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
                 }
         }
         __syncthreads();
+        trace_stamp(trace, 2);
 
         /* Positions relative to the start of our rows at each destination
          * (the dispatch kernel adds dst_base), and the rows each chunk of our
@@ -190,6 +193,7 @@ __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
                 }
         }
 
+        trace_stamp(trace, 3);
         /* All-gather of the rank counts (every rank needs the whole matrix to
          * find its base in each destination) and the per-expert counts to the
          * owners of the experts. */
@@ -218,6 +222,7 @@ __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
         __threadfence_system();
         __syncthreads();
         barrier_all(ctx, seq, true);
+        trace_stamp(trace, 4);
 
         struct moeep_sync *my = sync_of(ctx, me);
         /* The counts of ranks at other daemons, from their segments here. */
@@ -277,6 +282,7 @@ __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
         }
         for (int c = tid; c * MOEEP_COMBINE_CHUNK < num_tokens; c += NOTIFY_THREADS)
                 route.chunk_expect[c] = s_chunk[c];
+        trace_stamp(trace, 5);
         if (tid == 0) {
                 ctx.state->seq = seq;
                 if (host_out) {
