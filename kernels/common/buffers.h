@@ -73,7 +73,9 @@ struct moeep_local_state {
         uint32_t claim[MOEEP_KERNEL_MAX_RANKS];
         uint32_t error;     /* MOEEP_KERR_*: first failure of a device wait, sticky */
         int32_t error_rank; /* the peer that was waited for */
-        int32_t pad;
+        /* normal dispatch: tokens claimed so far after each warp's first;
+         * back to 0 after each */
+        uint32_t dispatch_claim;
         /* Low-latency: the sequence number of the last dispatch (combine) on
          * each buffer set, one copy per block of the launches (ll_seq_of):
          * a block reads its own at its start and stores the next at its end,

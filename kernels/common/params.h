@@ -100,10 +100,15 @@ static_assert(COMBINE_SEND_WARPS + COMBINE_CONSUMER_WARPS <= COMBINE_PRODUCER_WA
 
 /* ---- Tunables of the other kernels. */
 
+#ifndef MOEEP_DISPATCH_PARTS /* settable at build time for A/B (NVCC_APPEND_FLAGS) */
+#define MOEEP_DISPATCH_PARTS 8
+#endif
+
 enum {
         DISPATCH_THREADS = 1024,
-        DISPATCH_UNROLL = 4,     /* 16-byte loads in flight per lane */
-        DISPATCH_SRC_UNROLL = 8, /* loads in flight per thread of the receive metadata pass */
+        DISPATCH_UNROLL = 4,                   /* 16-byte loads in flight per lane */
+        DISPATCH_PARTS = MOEEP_DISPATCH_PARTS, /* units of work per token row, when more tokens than warps */
+        DISPATCH_SRC_UNROLL = 8,               /* loads in flight per thread of the receive metadata pass */
 };
 
 enum {

@@ -37,10 +37,17 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1)
         uint64_t *trace = ctx.trace ? ctx.trace + MOEEP_TRACE_DISPATCH + blockIdx.x * MOEEP_TRACE_STAMPS : NULL;
         trace_stamp(trace, 0);
         const int R = ctx.ranks, me = ctx.rank, epr = ctx.num_experts / R;
-        /* Tokens are dealt to the SMs in turn (token t to block t % grid):
-         * the last round of a call (4096 tokens over 768 warps leaves 256)
-         * then spreads over every SM instead of filling the first third
-         * while the others idle. */
+        /* A warp's unit of work is a part of a token's row (`parts` per
+         * row; the first part also carries the token's scales, top-k and
+         * source). Each warp starts on one unit (unit u on block u % grid,
+         * so that a call of fewer units than warps spreads over every SM)
+         * and then claims the next from a counter: SMs do not store to
+         * NVLink at one speed (blocks given the same share of a call ended
+         * from 134 to 212 us into it, 2 x H200), and with fixed shares the
+         * slowest set the call's time. Parts of rows make the last units,
+         * which end the call, short; a call with no more tokens than warps
+         * gives each token a warp of its own instead (a second unit after
+         * the first would only lengthen the chain of its warp). */
         const int warps = gridDim.x * (DISPATCH_THREADS / 32);
         const int gwarp = (tid / 32) * gridDim.x + blockIdx.x;
         const size_t row_bytes = (size_t)ctx.hidden * a.elem_size;
@@ -59,7 +66,15 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1)
         const uint32_t skip_x = (ctx.debug & MOEEP_DEBUG_DISPATCH_NO_SELF ? 1u << me : 0u) |
                                 (ctx.debug & MOEEP_DEBUG_DISPATCH_NO_PEERS ? ~(1u << me) : 0u);
 
-        for (int t = gwarp; t < num_tokens && !failed; t += warps) {
+        const int parts = num_tokens > warps ? DISPATCH_PARTS : 1;
+        const int units = num_tokens * parts;
+        const int part16 = (n16 + parts - 1) / parts;
+        for (int unit = failed ? units : gwarp; unit < units;) {
+                /* The warp's next unit, claimed now and read at the end. */
+                const int next = units <= warps ? units
+                                 : lane == 0    ? warps + (int)atomicAdd(&ctx.state->dispatch_claim, 1u)
+                                                : 0;
+                const int t = unit / parts, part = unit % parts;
                 /* pos[d]: our row in rank d's receive area, -1 when t skips d. */
                 /* Ranks at other daemons: staged by px_dispatch_stage. */
                 int my_pos = lane < R && !px_remote(ctx, lane) ? route.send_pos[(size_t)t * R + lane] : -1;
@@ -71,11 +86,12 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1)
                         pos[d] = __shfl_sync(0xffffffffu, my_pos, d);
 
                 const int4 *src = (const int4 *)((const char *)a.x + (size_t)t * row_bytes);
-                for (int i = lane; i < n16; i += 32 * DISPATCH_UNROLL) {
+                const int hi = min(n16, (part + 1) * part16);
+                for (int i = part * part16 + lane; i < hi; i += 32 * DISPATCH_UNROLL) {
                         int4 v[DISPATCH_UNROLL];
 #pragma unroll
                         for (int u = 0; u < DISPATCH_UNROLL; u++)
-                                if (i + u * 32 < n16)
+                                if (i + u * 32 < hi)
                                         v[u] = ld_nc_v4(src + i + u * 32);
 #pragma unroll
                         for (int d = 0; d < MOEEP_KERNEL_MAX_RANKS; d++) {
@@ -84,9 +100,13 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1)
                                 int4 *dst = (int4 *)(area_row(ctx, d, pos[d], ctx.layout.recv_x, row_bytes));
 #pragma unroll
                                 for (int u = 0; u < DISPATCH_UNROLL; u++)
-                                        if (i + u * 32 < n16)
+                                        if (i + u * 32 < hi)
                                                 st_na_v4(dst + i + u * 32, v[u]);
                         }
+                }
+                if (part != 0) {
+                        unit = __shfl_sync(0xffffffffu, next, 0);
+                        continue;
                 }
                 if (a.x_scales)
                         for (int j = lane; j < n_scales; j += 32) {
@@ -116,6 +136,7 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1)
                         for (int d = 0; d < R; d++)
                                 if (pos[d] >= 0)
                                         *(int32_t *)area_row(ctx, d, pos[d], ctx.layout.recv_src, sizeof(int32_t)) = t;
+                unit = __shfl_sync(0xffffffffu, next, 0);
         }
 
         if (trace && lane == 0)
@@ -124,6 +145,8 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1)
          * landed. */
         if (!last_block_done(ctx))
                 return;
+        if (tid == 0) /* every warp's last claim is behind last_block_done's barrier */
+                ctx.state->dispatch_claim = 0;
         /* Rows from ranks at other daemons: px_dispatch_relay placed them before. */
         if (tid < R && !px_remote(ctx, tid))
                 st_release_sys(&sync_of(ctx, tid)->dispatch_flag[me], seq);
