@@ -76,6 +76,13 @@ struct moeep_local_state {
         /* normal dispatch: tokens claimed so far after each warp's first;
          * back to 0 after each */
         uint32_t dispatch_claim;
+        /* notify with several blocks: each block's tokens per rank and per
+         * expert, and the grid barrier between its passes (arrivals, back
+         * to 0 by the last; generations) */
+        int32_t notify_total[MOEEP_NOTIFY_MAX_BLOCKS][MOEEP_KERNEL_MAX_RANKS];
+        int32_t notify_hist[MOEEP_NOTIFY_MAX_BLOCKS][MOEEP_KERNEL_MAX_EXPERTS];
+        uint32_t notify_arrived;
+        uint32_t notify_gen;
         /* Low-latency: the sequence number of the last dispatch (combine) on
          * each buffer set, one copy per block of the launches (ll_seq_of):
          * a block reads its own at its start and stores the next at its end,

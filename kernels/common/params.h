@@ -100,6 +100,10 @@ static_assert(COMBINE_SEND_WARPS + COMBINE_CONSUMER_WARPS <= COMBINE_PRODUCER_WA
 
 /* ---- Tunables of the other kernels. */
 
+/* Blocks of a notify that routes, at most: one exchanging the counts, the
+ * others walking the tokens. */
+#define MOEEP_NOTIFY_MAX_BLOCKS 17
+
 #ifndef MOEEP_DISPATCH_PARTS /* settable at build time for A/B (NVCC_APPEND_FLAGS) */
 #define MOEEP_DISPATCH_PARTS 8
 #endif
@@ -112,7 +116,9 @@ enum {
 };
 
 enum {
-        NOTIFY_THREADS = 1024, /* one block does all of notify */
+        NOTIFY_THREADS = 1024,      /* per block of notify */
+        NOTIFY_BLOCK_TOKENS = 1024, /* tokens per block walking them (notify_blocks) */
+        NOTIFY_HIST_LOADS = 8,      /* top-k ids in flight per thread of the expert histogram */
         NOTIFY_WARPS = NOTIFY_THREADS / 32
 };
 

@@ -1,6 +1,8 @@
 /* Notify: the barrier that opens every dispatch and combine, and for a
  * dispatch with fresh routing the count exchange that tells every rank where
- * its rows land in every peer's receive area. One block. */
+ * its rows land in every peer's receive area. One block, or for a large
+ * routing call one exchanging and several walking the tokens
+ * (notify_blocks). */
 #include "common/launch.cuh"
 #include "common/ptx.cuh"
 #include "common/px.cuh"
@@ -71,6 +73,39 @@ __device__ __forceinline__ void barrier_all(const struct moeep_ctx &ctx, uint64_
         __syncthreads();
 }
 
+/* Blocks of a notify that routes: block 0 does the count exchange, blocks
+ * 1.. walk the tokens (block 0 too when it is the only one). A call of
+ * NOTIFY_BLOCK_TOKENS tokens or fewer is one block, larger ones one more
+ * block per NOTIFY_BLOCK_TOKENS, up to MOEEP_NOTIFY_MAX_BLOCKS: one SM walking
+ * 4096 tokens took 11 of notify's 19 us (2 x H200). */
+static int notify_blocks(int num_tokens) {
+        const int walkers = (num_tokens + NOTIFY_BLOCK_TOKENS - 1) / NOTIFY_BLOCK_TOKENS;
+        return walkers <= 1 ? 1 : 1 + walkers < MOEEP_NOTIFY_MAX_BLOCKS ? 1 + walkers : MOEEP_NOTIFY_MAX_BLOCKS;
+}
+
+/* Every block of the grid waits here for all the others (the launch is
+ * cooperative, so all are resident, and none waits for anything before it
+ * arrives: the spin is bounded by the slowest block's passes); their
+ * writes before it are visible after it. */
+__device__ __forceinline__ void grid_barrier(const struct moeep_ctx &ctx) {
+        __syncthreads();
+        if (threadIdx.x == 0) {
+                volatile uint32_t *gen = &ctx.state->notify_gen;
+                const uint32_t g = *gen;
+                __threadfence();
+                if (atomicAdd(&ctx.state->notify_arrived, 1u) == gridDim.x - 1) {
+                        ctx.state->notify_arrived = 0;
+                        __threadfence();
+                        *gen = g + 1;
+                } else {
+                        while (*gen == g)
+                                ;
+                }
+                __threadfence();
+        }
+        __syncthreads();
+}
+
 template <typename Idx>
 __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
         notify_kernel(struct moeep_ctx ctx, const uint8_t *in_rank, const Idx *topk_idx, int num_tokens, int num_topk,
@@ -80,14 +115,15 @@ __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
          * now and wait there for our end. */
         grid_dep_launch();
         __shared__ int s_warp_sum[NOTIFY_WARPS][MOEEP_KERNEL_MAX_RANKS];
-        __shared__ int s_total[MOEEP_KERNEL_MAX_RANKS];
+        __shared__ int s_total[MOEEP_KERNEL_MAX_RANKS]; /* this block's tokens per rank, then every block's */
+        __shared__ int s_base[MOEEP_KERNEL_MAX_RANKS];  /* rows of the blocks before ours, per rank */
         __shared__ int s_hist[MOEEP_KERNEL_MAX_EXPERTS];
-        __shared__ int s_chunk[MOEEP_COMBINE_CHUNKS]; /* rows combine returns per chunk of MOEEP_COMBINE_CHUNK tokens */
         const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
         const int R = ctx.ranks, me = ctx.rank, E = ctx.num_experts, epr = E / R;
         const uint64_t seq = ctx.state->seq + 1;
         const int par = (int)(seq & 1);
-        uint64_t *trace = ctx.trace && with_route ? ctx.trace + MOEEP_TRACE_NOTIFY : NULL;
+        const int G = gridDim.x, blk = blockIdx.x;
+        uint64_t *trace = ctx.trace && with_route && blk == 0 ? ctx.trace + MOEEP_TRACE_NOTIFY : NULL;
         trace_stamp(trace, 0);
         if (!with_route) {
                 barrier_all(ctx, seq, false);
@@ -96,13 +132,15 @@ __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
                 return;
         }
 
-        /* Each warp owns a contiguous run of tokens, a multiple of the
-         * combine chunk (32), and walks it 32 tokens at a time, lane i on
-         * token t0 + i: loads and stores of neighbouring lanes touch
-         * neighbouring tokens (one SM does all of notify, so coalescing is
-         * what its time is made of), and a warp's run is one scan step. */
-        const int run = (num_tokens + NOTIFY_WARPS * 32 - 1) / (NOTIFY_WARPS * 32) * 32;
-        const int wlo = min(warp * run, num_tokens), whi = min(wlo + run, num_tokens);
+        /* The walking blocks share the tokens out in contiguous runs, one
+         * per warp, each a multiple of the combine chunk (32), walked 32
+         * tokens at a time, lane i on token t0 + i: loads and stores of
+         * neighbouring lanes touch neighbouring tokens, and a warp's run is
+         * one scan step. */
+        const int walkers = G > 1 ? G - 1 : 1, walker = G > 1 ? blk - 1 : 0;
+        const int run = (num_tokens + walkers * NOTIFY_WARPS * 32 - 1) / (walkers * NOTIFY_WARPS * 32) * 32;
+        const int wlo = walker < 0 ? num_tokens : min((walker * NOTIFY_WARPS + warp) * run, num_tokens);
+        const int whi = min(wlo + run, num_tokens);
         const uint32_t lanes_below = (1u << lane) - 1;
 
         for (int i = tid; i < E; i += NOTIFY_THREADS)
@@ -124,15 +162,25 @@ __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
         }
         __syncthreads();
         trace_stamp(trace, 1);
-        if (tokens_per_expert) /* the caller's counts (DeepEP takes them even when no top-k travels) */
-                for (int i = tid; i < E; i += NOTIFY_THREADS)
-                        s_hist[i] = tokens_per_expert[i];
-        else if (topk_idx)
-                for (int i = tid; i < num_tokens * num_topk; i += NOTIFY_THREADS) {
-                        int64_t e = (int64_t)topk_idx[i];
-                        if (e >= 0 && e < E)
-                                atomicAdd(&s_hist[e], 1);
+        if (tokens_per_expert) { /* the caller's counts (DeepEP takes them even when no top-k travels) */
+                if (blk == 0)
+                        for (int i = tid; i < E; i += NOTIFY_THREADS)
+                                s_hist[i] = tokens_per_expert[i];
+        } else if (topk_idx && walker >= 0) {
+                /* The walkers share the ids out, NOTIFY_HIST_LOADS in flight
+                 * per thread before their counts. */
+                const int n = num_tokens * num_topk, step = walkers * NOTIFY_THREADS;
+                for (int i0 = walker * NOTIFY_THREADS + tid; i0 < n; i0 += step * NOTIFY_HIST_LOADS) {
+                        int64_t e[NOTIFY_HIST_LOADS];
+#pragma unroll
+                        for (int u = 0; u < NOTIFY_HIST_LOADS; u++)
+                                e[u] = i0 + u * step < n ? (int64_t)topk_idx[i0 + u * step] : -1;
+#pragma unroll
+                        for (int u = 0; u < NOTIFY_HIST_LOADS; u++)
+                                if (e[u] >= 0 && e[u] < E)
+                                        atomicAdd(&s_hist[e[u]], 1);
                 }
+        }
 
         /* Exclusive scan of the warps' counts by warp 0. */
         if (warp == 0) {
@@ -150,16 +198,45 @@ __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
                 }
         }
         __syncthreads();
+        if (G > 1) { /* the blocks' counts meet in our state: block 0 sums them, the others take their bases */
+                struct moeep_local_state *st = ctx.state;
+                if (tid < R)
+                        st->notify_total[blk][tid] = s_total[tid];
+                for (int i = tid; i < E; i += NOTIFY_THREADS)
+                        st->notify_hist[blk][i] = s_hist[i];
+                grid_barrier(ctx);
+                if (tid < R) {
+                        int base = 0, sum = 0;
+                        for (int k = 0; k < G; k++) {
+                                const int c = __ldcg(&st->notify_total[k][tid]);
+                                base += k < blk ? c : 0;
+                                sum += c;
+                        }
+                        s_base[tid] = base;
+                        s_total[tid] = sum;
+                }
+                if (blk == 0)
+                        for (int i = tid; i < E; i += NOTIFY_THREADS) {
+                                int c = 0;
+                                for (int k = 0; k < G; k++)
+                                        c += __ldcg(&st->notify_hist[k][i]);
+                                s_hist[i] = c;
+                        }
+        } else if (tid < R) {
+                s_base[tid] = 0;
+        }
+        __syncthreads();
         trace_stamp(trace, 2);
 
         /* Positions relative to the start of our rows at each destination
          * (the dispatch kernel adds dst_base), and the rows each chunk of our
-         * tokens will get back in combine. */
+         * tokens will get back in combine. Block 0 of several exchanges the
+         * counts meanwhile (below), and walks no tokens. */
         {
                 int next[MOEEP_KERNEL_MAX_RANKS];
 #pragma unroll
                 for (int d = 0; d < MOEEP_KERNEL_MAX_RANKS; d++)
-                        next[d] = d < R ? s_warp_sum[warp][d] : 0;
+                        next[d] = d < R ? s_base[d] + s_warp_sum[warp][d] : 0;
                 for (int t0 = wlo; t0 < whi; t0 += 32) {
                         const int t = t0 + lane;
                         const uint32_t m = t < whi ? token_mask(in_rank, topk_idx, t, num_topk, R, epr) : 0;
@@ -174,10 +251,10 @@ __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
 #pragma unroll
                         for (int o = MOEEP_COMBINE_CHUNK / 2; o > 0; o /= 2)
                                 rows += __shfl_xor_sync(0xffffffffu, rows, o);
-                        if (lane % MOEEP_COMBINE_CHUNK == 0)
-                                s_chunk[(t0 + lane) / MOEEP_COMBINE_CHUNK] = rows;
                         if (t >= whi)
                                 continue;
+                        if (lane % MOEEP_COMBINE_CHUNK == 0)
+                                route.chunk_expect[t / MOEEP_COMBINE_CHUNK] = rows;
                         int32_t *row = route.send_pos + (size_t)t * R;
                         if (R == 4) {
                                 *(int4 *)row = make_int4(pos[0], pos[1], pos[2], pos[3]);
@@ -192,6 +269,8 @@ __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
                         }
                 }
         }
+        if (blk != 0)
+                return;
 
         trace_stamp(trace, 3);
         /* All-gather of the rank counts (every rank needs the whole matrix to
@@ -280,8 +359,6 @@ __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
                 if (host_out)
                         host_out->expert_counts[l] = c;
         }
-        for (int c = tid; c * MOEEP_COMBINE_CHUNK < num_tokens; c += NOTIFY_THREADS)
-                route.chunk_expect[c] = s_chunk[c];
         trace_stamp(trace, 5);
         if (tid == 0) {
                 ctx.state->seq = seq;
@@ -299,12 +376,26 @@ static int notify_launch(const struct moeep_ctx *ctx, const struct moeep_notify_
         struct moeep_route none = {};
         const struct moeep_route &r = route ? *route : none;
 
-        with_index_type(a->idx_is_int64, [&](auto idx) {
+        const int blocks = route ? notify_blocks(a->num_tokens) : 1;
+        const cudaError_t e = with_index_type(a->idx_is_int64, [&](auto idx) {
                 using Idx = decltype(idx);
-                notify_kernel<Idx><<<1, NOTIFY_THREADS, 0, stream>>>(
-                        *ctx, a->is_token_in_rank, (const Idx *)a->topk_idx, a->num_tokens, a->num_topk,
-                        a->tokens_per_expert, a->total_tokens, a->alignment, r, route != NULL, host_out);
+                auto launch = [&](int g) {
+                        return launch_kernel(notify_kernel<Idx>, (unsigned)g, NOTIFY_THREADS, stream, g > 1, *ctx,
+                                             a->is_token_in_rank, (const Idx *)a->topk_idx, a->num_tokens, a->num_topk,
+                                             a->tokens_per_expert, a->total_tokens, a->alignment, r,
+                                             (int)(route != NULL), host_out);
+                };
+                cudaError_t le = launch(blocks);
+                /* Where the blocks cannot all be resident (a small partition
+                 * of the GPU), one block walks every token. */
+                if ((le == cudaErrorCooperativeLaunchTooLarge || le == cudaErrorNotSupported) && blocks > 1) {
+                        (void)cudaGetLastError();
+                        le = launch(1);
+                }
+                return le;
         });
+        if (e != cudaSuccess)
+                return (int)e;
         MOEEP_CUDA_LAUNCH_CHECK();
         return 0;
 }
