@@ -45,7 +45,9 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1)
          * NVLink at one speed (blocks given the same share of a call ended
          * from 134 to 212 us into it, 2 x H200), and with fixed shares the
          * slowest set the call's time. Parts of rows make the last units,
-         * which end the call, short; a call with no more tokens than warps
+         * which end the call, short (4 parts: 8 were 1 us faster in BF16
+         * at 24 SMs, 4 us slower in FP8 and 20 us at 8 SMs, where a
+         * unit's fixed costs weigh more); a call with no more tokens than warps
          * gives each token a warp of its own instead (a second unit after
          * the first would only lengthen the chain of its warp). */
         const int warps = gridDim.x * (DISPATCH_THREADS / 32);
@@ -69,22 +71,30 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1)
         const int parts = num_tokens > warps ? DISPATCH_PARTS : 1;
         const int units = num_tokens * parts;
         const int part16 = (n16 + parts - 1) / parts;
-        for (int unit = failed ? units : gwarp; unit < units;) {
+        /* Lane d < R: the token's row in rank d's receive area as notify
+         * gave it (-1 when the token skips d; ranks at other daemons: staged
+         * by px_dispatch_stage). Loaded a unit ahead, so that a unit waits
+         * for one memory round trip (its rows) and not two. */
+        auto route_of = [&](int unit) {
+                return unit < units && lane < R && !px_remote(ctx, lane)
+                               ? route.send_pos[(size_t)(unit / parts) * R + lane]
+                               : -1;
+        };
+        /* pos[d]: the row in rank d's receive area, with its area. */
+        auto positions = [&](int raw, int(&pos)[MOEEP_KERNEL_MAX_RANKS]) {
+                const int p = raw >= 0 ? (raw + my_base) | my_area : -1;
+#pragma unroll
+                for (int d = 0; d < MOEEP_KERNEL_MAX_RANKS; d++)
+                        pos[d] = __shfl_sync(0xffffffffu, p, d);
+        };
+        int unit = failed ? units : gwarp, raw = route_of(unit);
+        while (unit < units) {
                 /* The warp's next unit, claimed now and read at the end. */
                 const int next = units <= warps ? units
                                  : lane == 0    ? warps + (int)atomicAdd(&ctx.state->dispatch_claim, 1u)
                                                 : 0;
                 const int t = unit / parts, part = unit % parts;
-                /* pos[d]: our row in rank d's receive area, -1 when t skips d. */
-                /* Ranks at other daemons: staged by px_dispatch_stage. */
-                int my_pos = lane < R && !px_remote(ctx, lane) ? route.send_pos[(size_t)t * R + lane] : -1;
-                if (my_pos >= 0)
-                        my_pos = (my_pos + my_base) | my_area;
                 int pos[MOEEP_KERNEL_MAX_RANKS];
-#pragma unroll
-                for (int d = 0; d < MOEEP_KERNEL_MAX_RANKS; d++)
-                        pos[d] = __shfl_sync(0xffffffffu, my_pos, d);
-
                 const int4 *src = (const int4 *)((const char *)a.x + (size_t)t * row_bytes);
                 const int hi = min(n16, (part + 1) * part16);
                 for (int i = part * part16 + lane; i < hi; i += 32 * DISPATCH_UNROLL) {
@@ -93,6 +103,7 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1)
                         for (int u = 0; u < DISPATCH_UNROLL; u++)
                                 if (i + u * 32 < hi)
                                         v[u] = ld_nc_v4(src + i + u * 32);
+                        positions(raw, pos); /* after the loads: both round trips at once */
 #pragma unroll
                         for (int d = 0; d < MOEEP_KERNEL_MAX_RANKS; d++) {
                                 if (d >= R || pos[d] < 0 || (skip_x >> d & 1))
@@ -104,10 +115,12 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1)
                                                 st_na_v4(dst + i + u * 32, v[u]);
                         }
                 }
-                if (part != 0) {
-                        unit = __shfl_sync(0xffffffffu, next, 0);
+                unit = __shfl_sync(0xffffffffu, next, 0);
+                const int this_raw = raw;
+                raw = route_of(unit);
+                if (part != 0)
                         continue;
-                }
+                positions(this_raw, pos);
                 if (a.x_scales)
                         for (int j = lane; j < n_scales; j += 32) {
                                 float s = a.x_scales[(size_t)t * a.scale_stride_t + (size_t)j * a.scale_stride_j];
@@ -136,7 +149,6 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1)
                         for (int d = 0; d < R; d++)
                                 if (pos[d] >= 0)
                                         *(int32_t *)area_row(ctx, d, pos[d], ctx.layout.recv_src, sizeof(int32_t)) = t;
-                unit = __shfl_sync(0xffffffffu, next, 0);
         }
 
         if (trace && lane == 0)
