@@ -24,8 +24,8 @@ as in DeepEP). Bandwidths use DeepEP's tests' conventions. Every rank
 measures; the table shows the slowest rank's medians.
 
 Needs torch with CUDA and a moeepd ($MOEEP_SOCKET, --socket, or --moeepd
-PATH to start a private one). --profile adds a cProfile of rank 0's eager
-low-latency steps (where the host time goes).
+PATH to start a private one). --profile adds a cProfile of rank 0's fresh
+normal dispatches and eager low-latency steps (where the host time goes).
 """
 
 import argparse
@@ -60,7 +60,8 @@ def _args(argv=None):
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--socket", help="moeepd's socket (default: $MOEEP_SOCKET)")
     p.add_argument("--moeepd", help="start a private moeepd from this binary for the run")
-    p.add_argument("--profile", action="store_true", help="cProfile rank 0's eager low-latency steps")
+    p.add_argument("--profile", action="store_true",
+                   help="cProfile rank 0's fresh normal dispatches and eager low-latency steps")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
@@ -144,6 +145,8 @@ def _normal(torch, deep_ep, a, rank, R, group, device, cache):
     res = {}
     res["dispatch BF16 (fresh routing)"] = _summary(
         *_series(torch, lambda: buf.dispatch(x, **args), a.iters, a.warmup, cache), n_recv * H * 2)
+    if a.profile:
+        res["_profile_normal"] = _profile(torch, lambda: buf.dispatch(x, **args), 50)
     res["dispatch BF16 (cached handle)"] = _summary(
         *_series(torch, lambda: buf.dispatch(x, handle=handle, config=cfg), a.iters, a.warmup, cache),
         n_recv * H * 2)
@@ -195,16 +198,7 @@ def _ll(torch, deep_ep, a, rank, R, group, device, cache):
     if os.environ.get("MOEEP_BENCH_DUMP"):
         _ll_split(torch, dispatch, combine, rank, a.iters, cache)
     if a.profile:
-        # Every rank makes the calls (they are collective); rank 0 reports.
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(100):
-            step()
-        prof.disable()
-        torch.cuda.synchronize()
-        s = io.StringIO()
-        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
-        res["_profile"] = s.getvalue()
+        res["_profile"] = _profile(torch, step, 100)
         if a.impl == "moeep":
             res["_profile"] += _c_calls(torch, buf, step)
     # Two steps per graph: the buffer sets alternate per dispatch, so an even
@@ -254,6 +248,21 @@ def _ll_split(torch, dispatch, combine, rank, iters, cache):
     gap = [ev[i][2].elapsed_time(ev[i + 1][0]) * 1e3 for i in range(iters - 1)]
     with open(os.path.join(os.environ["MOEEP_BENCH_DUMP"], "ll-split-%d.jsonl" % rank), "a") as f:
         f.write(json.dumps({"rank": rank, "dispatch_us": d, "combine_us": c, "gap_us": gap}) + "\n")
+
+
+def _profile(torch, fn, n):
+    """cProfile of n back-to-back calls of fn, the 25 costliest functions by
+    their own time. Every rank makes the calls (they are collective); rank
+    0 reports."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
+    return s.getvalue()
 
 
 def _c_calls(torch, buf, step):
@@ -334,6 +343,8 @@ def _report(a, results, impl, info):
             "%.0f" % v["GB/s"] if "GB/s" in v else "-"))
     if "_fast" in results[0]:
         print("rank 0: " + results[0]["_fast"])
+    if "_profile_normal" in results[0]:
+        print("\ncProfile of rank 0, 50 fresh normal dispatches:\n" + results[0]["_profile_normal"])
     if "_profile" in results[0]:
         print("\ncProfile of rank 0, 100 eager low-latency steps:\n" + results[0]["_profile"])
 
