@@ -97,13 +97,15 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1)
                 int pos[MOEEP_KERNEL_MAX_RANKS];
                 const int4 *src = (const int4 *)((const char *)a.x + (size_t)t * row_bytes);
                 const int hi = min(n16, (part + 1) * part16);
+                /* Before the loop, whose trip count is a lane's own: the
+                 * shuffles need every lane (the route came a unit ahead). */
+                positions(raw, pos);
                 for (int i = part * part16 + lane; i < hi; i += 32 * DISPATCH_UNROLL) {
                         int4 v[DISPATCH_UNROLL];
 #pragma unroll
                         for (int u = 0; u < DISPATCH_UNROLL; u++)
                                 if (i + u * 32 < hi)
                                         v[u] = ld_nc_v4(src + i + u * 32);
-                        positions(raw, pos); /* after the loads: both round trips at once */
 #pragma unroll
                         for (int d = 0; d < MOEEP_KERNEL_MAX_RANKS; d++) {
                                 if (d >= R || pos[d] < 0 || (skip_x >> d & 1))
@@ -116,11 +118,9 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1)
                         }
                 }
                 unit = __shfl_sync(0xffffffffu, next, 0);
-                const int this_raw = raw;
                 raw = route_of(unit);
                 if (part != 0)
                         continue;
-                positions(this_raw, pos);
                 if (a.x_scales)
                         for (int j = lane; j < n_scales; j += 32) {
                                 float s = a.x_scales[(size_t)t * a.scale_stride_t + (size_t)j * a.scale_stride_j];
