@@ -80,7 +80,9 @@ __device__ __forceinline__ void barrier_all(const struct moeep_ctx &ctx, uint64_
  * 4096 tokens took 11 of notify's 19 us (2 x H200). */
 static int notify_blocks(int num_tokens) {
         const int walkers = (num_tokens + NOTIFY_BLOCK_TOKENS - 1) / NOTIFY_BLOCK_TOKENS;
-        return walkers <= 1 ? 1 : 1 + walkers < MOEEP_NOTIFY_MAX_BLOCKS ? 1 + walkers : MOEEP_NOTIFY_MAX_BLOCKS;
+        if (walkers <= 1)
+                return 1;
+        return min(1 + walkers, MOEEP_NOTIFY_MAX_BLOCKS);
 }
 
 /* Every block of the grid waits here for all the others (the launch is
