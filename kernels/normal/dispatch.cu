@@ -73,8 +73,8 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1)
         const int part16 = (n16 + parts - 1) / parts;
         /* Lane d < R: the token's row in rank d's receive area as notify
          * gave it (-1 when the token skips d; ranks at other daemons: staged
-         * by px_dispatch_stage). Loaded a unit ahead, so that a unit waits
-         * for one memory round trip (its rows) and not two. */
+         * by px_dispatch_stage). Loaded a unit ahead, while the unit before
+         * stores its rows, so that it is mostly there when the unit starts. */
         auto route_of = [&](int unit) {
                 return unit < units && lane < R && !px_remote(ctx, lane)
                                ? route.send_pos[(size_t)(unit / parts) * R + lane]
