@@ -73,8 +73,11 @@ static_assert(MOEEP_KERNEL_MAX_RANKS == MOEEP_MAX_RANKS, "kernel rank arrays mus
 #ifndef MOEEP_COMBINE_SLICE_MAX
 #define MOEEP_COMBINE_SLICE_MAX 8192
 #endif
-#ifndef MOEEP_COMBINE_SLICE_2RANKS
-#define MOEEP_COMBINE_SLICE_2RANKS 16384
+#ifndef MOEEP_COMBINE_SLICE_FEW
+#define MOEEP_COMBINE_SLICE_FEW 16384
+#endif
+#ifndef MOEEP_COMBINE_CLAIM_ROWS
+#define MOEEP_COMBINE_CLAIM_ROWS 4
 #endif
 enum {
         COMBINE_THREADS = 1024,
@@ -84,11 +87,13 @@ enum {
         COMBINE_GROUP_WARPS = MOEEP_COMBINE_GROUP_WARPS,
         COMBINE_CONSUMER_GROUPS = COMBINE_CONSUMER_WARPS / COMBINE_GROUP_WARPS,
         COMBINE_PRODUCER_WARP = 31,
-        COMBINE_SLICE_MAX = MOEEP_COMBINE_SLICE_MAX,       /* bytes of one row slice; a stage holds ranks of them */
-        COMBINE_SLICE_2RANKS = MOEEP_COMBINE_SLICE_2RANKS, /* the same up to 2 ranks */
+        COMBINE_SLICE_MAX = MOEEP_COMBINE_SLICE_MAX, /* bytes of one row slice; a stage holds ranks of them */
+        COMBINE_SLICE_FEW = MOEEP_COMBINE_SLICE_FEW, /* the same up to COMBINE_FEW_RANKS */
+        COMBINE_FEW_RANKS = 4,
         COMBINE_MAX_STAGES = 16,
-        COMBINE_STAGE_SMEM = 192 * 1024, /* ring of stages */
-        COMBINE_CLAIM_ROWS = 4,          /* rows a send warp claims (and counts) at once */
+        COMBINE_STAGE_SMEM = 224 * 1024,        /* ring of stages from 3 ranks (227 KiB a block at most) */
+        COMBINE_STAGE_SMEM_2RANKS = 192 * 1024, /* ... and up to 2 */
+        COMBINE_CLAIM_ROWS = MOEEP_COMBINE_CLAIM_ROWS, /* rows a send warp claims (and counts) at once */
         COMBINE_SEND_UNROLL = 4,         /* 16-byte loads in flight per lane of a send warp */
         COMBINE_COPY_UNROLL = 8,         /* loads in flight per lane of the one-rank copy (copy_row) */
 };

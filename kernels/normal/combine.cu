@@ -10,9 +10,10 @@
  * per-rank send work at one rank).
  *
  * Roles inside each block (one block per SM, all resident), from 2 ranks:
- *   warps 0..5              send: claim rows source by source (each warp
- *                           starts at another source so that every peer's
- *                           ingress is busy at once), copy, count;
+ *   warps 0..5              send: claim rows source by source (the warps
+ *                           start evenly over the sources so that every
+ *                           peer's ingress is busy at once and every peer's
+ *                           tokens arrive at one pace), copy, count;
  *                           (the counts are COMBINE_* in params.h)
  *   warps 19..30            reduce consumers, in groups of 4 warps, each
  *                           group on its own stages: sum the staged rows of
@@ -73,12 +74,18 @@ __device__ __forceinline__ void combine_send(const struct moeep_ctx &ctx, const 
         const size_t row_bytes = (size_t)ctx.hidden * 2;
         const int n16 = (int)(row_bytes / 16);
 
-        for (int k = 0; k < R; k++) {
-                const int s = (me + sw + k) % R;
+        /* Our own rows stay when the reduce reads them from x: the warps
+         * then start evenly over the other ranks. Starting over all ranks
+         * and skipping ours gave the rank after us twice the warps of the
+         * others, so its rows arrived early and the rest late: a receiver's
+         * chunks, which wait for every source, completed slowly and then
+         * all at once at the end, and the reduce finished that backlog
+         * after the last row landed. */
+        const int n = self_in_place ? R - 1 : R;
+        for (int k = 0; k < n; k++) {
+                const int s = self_in_place ? (me + 1 + (sw + k) % n) % R : (me + sw + k) % R;
                 if (px_remote(ctx, s))
                         continue; /* staged by px_combine_stage, counted there by its relay */
-                if (self_in_place && s == me)
-                        continue; /* our own rows: the reduce reads them from x */
                 const int count = s_prefix[s + 1] - s_prefix[s];
                 for (;;) {
                         int base = 0;
@@ -124,7 +131,7 @@ __device__ __forceinline__ void combine_send(const struct moeep_ctx &ctx, const 
 }
 
 /* Rows are reduced in slices of at most `slice` bytes (moeep_launch_combine()), 16-byte multiples. */
-__device__ __forceinline__ void row_slices(int row_bytes, int slice, int *ret_n, int *ret_bytes) {
+__host__ __device__ __forceinline__ void row_slices(int row_bytes, int slice, int *ret_n, int *ret_bytes) {
         const int n = (row_bytes + slice - 1) / slice;
         *ret_n = n;
         *ret_bytes = ((row_bytes + n - 1) / n + 15) / 16 * 16;
@@ -472,12 +479,21 @@ extern "C" int moeep_kernels_init(void) {
 extern "C" int moeep_launch_combine(const struct moeep_ctx *ctx, const void *x, const float *topk_weights, int num_topk,
                                     const struct moeep_route *route, void *out, float *out_weights,
                                     cudaStream_t stream) {
-        /* Up to 2 ranks a stage holds every row of a token whole (one
-         * bulk copy a row, half the stages and copies of 8 KiB slices: 2
-         * ranks, 24 SMs, H200: the reduce alone 221 -> 171 us, combine 374
-         * -> 326); with more ranks a stage of whole rows would leave too few
-         * stages in the ring. */
-        const int slice = ctx->ranks <= 2 ? COMBINE_SLICE_2RANKS : COMBINE_SLICE_MAX;
+        /* Up to 4 ranks a stage holds every row of a token whole: one bulk
+         * copy a row (2 ranks, 24 SMs, H200: the reduce alone 221 -> 171
+         * us against 8 KiB slices, combine 374 -> 326; 4 x H200, 4 ranks,
+         * with the 224 KiB ring: 521 -> 514 us). Slices sit at a pitch of
+         * their own size (128-byte aligned), not the cap's, so that the
+         * ring holds 4 stages of 4 whole 14 KiB rows. From 3 ranks the ring
+         * is 224 KiB (3 such stages in 192 KiB: 545 us against 537); at 2
+         * ranks 8 stages instead of 6 were 1.5 us slower (the shared memory
+         * comes out of the L1). With more ranks a stage of whole rows would
+         * leave too few stages. */
+        int slices, slice_bytes;
+        row_slices(ctx->hidden * 2, ctx->ranks <= COMBINE_FEW_RANKS ? COMBINE_SLICE_FEW : COMBINE_SLICE_MAX, &slices,
+                   &slice_bytes);
+        const int slice = (slice_bytes + 127) / 128 * 128;
+        const size_t ring = ctx->ranks <= 2 ? COMBINE_STAGE_SMEM_2RANKS : COMBINE_STAGE_SMEM;
         const size_t stage_bytes = (size_t)ctx->ranks * slice;
         const bool self_in_place = !(ctx->debug & MOEEP_DEBUG_COPY_SELF);
         /* One rank: the reduce is a copy, straight from global memory (1 rank,
@@ -491,9 +507,9 @@ extern "C" int moeep_launch_combine(const struct moeep_ctx *ctx, const void *x, 
         const int send_warps = direct && self_in_place ? 0
                                : ctx->ranks <= 2       ? COMBINE_SEND_WARPS
                                                        : COMBINE_SEND_WARPS_MANY;
-        const int nstages = direct ? 0
-                                   : (int)min((size_t)COMBINE_MAX_STAGES, COMBINE_STAGE_SMEM / stage_bytes) /
-                                             COMBINE_CONSUMER_GROUPS * COMBINE_CONSUMER_GROUPS;
+        /* Not a multiple of the consumer groups: a stage's uses then go to
+         * different groups in turn, each waiting for its fill's phase. */
+        const int nstages = direct ? 0 : (int)min((size_t)COMBINE_MAX_STAGES, ring / stage_bytes);
 
         MOEEP_CUDA_LAUNCH_BEGIN();
         /* Every block both sends, with its first COMBINE_SEND_WARPS warps,
