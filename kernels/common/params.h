@@ -91,8 +91,7 @@ enum {
         COMBINE_SLICE_FEW = MOEEP_COMBINE_SLICE_FEW, /* the same up to COMBINE_FEW_RANKS */
         COMBINE_FEW_RANKS = 4,
         COMBINE_MAX_STAGES = 16,
-        COMBINE_STAGE_SMEM = 224 * 1024,               /* ring of stages from 3 ranks (227 KiB a block at most) */
-        COMBINE_STAGE_SMEM_2RANKS = 192 * 1024,        /* ... and up to 2 */
+        COMBINE_STAGE_SMEM = 192 * 1024,               /* ring of stages */
         COMBINE_CLAIM_ROWS = MOEEP_COMBINE_CLAIM_ROWS, /* rows a send warp claims (and counts) at once */
         COMBINE_SEND_UNROLL = 4,                       /* 16-byte loads in flight per lane of a send warp */
         COMBINE_COPY_UNROLL = 8,                       /* loads in flight per lane of the one-rank copy (copy_row) */

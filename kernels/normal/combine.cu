@@ -131,7 +131,7 @@ __device__ __forceinline__ void combine_send(const struct moeep_ctx &ctx, const 
 }
 
 /* Rows are reduced in slices of at most `slice` bytes (moeep_launch_combine()), 16-byte multiples. */
-__host__ __device__ __forceinline__ void row_slices(int row_bytes, int slice, int *ret_n, int *ret_bytes) {
+__device__ __forceinline__ void row_slices(int row_bytes, int slice, int *ret_n, int *ret_bytes) {
         const int n = (row_bytes + slice - 1) / slice;
         *ret_n = n;
         *ret_bytes = ((row_bytes + n - 1) / n + 15) / 16 * 16;
@@ -481,19 +481,10 @@ extern "C" int moeep_launch_combine(const struct moeep_ctx *ctx, const void *x, 
                                     cudaStream_t stream) {
         /* Up to 4 ranks a stage holds every row of a token whole: one bulk
          * copy a row (2 ranks, 24 SMs, H200: the reduce alone 221 -> 171
-         * us against 8 KiB slices, combine 374 -> 326; 4 x H200, 4 ranks,
-         * with the 224 KiB ring: 521 -> 514 us). Slices sit at a pitch of
-         * their own size (128-byte aligned), not the cap's, so that the
-         * ring holds 4 stages of 4 whole 14 KiB rows. From 3 ranks the ring
-         * is 224 KiB (3 such stages in 192 KiB: 545 us against 537); at 2
-         * ranks 8 stages instead of 6 were 1.5 us slower (the shared memory
-         * comes out of the L1). With more ranks a stage of whole rows would
-         * leave too few stages. */
-        int slices, slice_bytes;
-        row_slices(ctx->hidden * 2, ctx->ranks <= COMBINE_FEW_RANKS ? COMBINE_SLICE_FEW : COMBINE_SLICE_MAX, &slices,
-                   &slice_bytes);
-        const int slice = (slice_bytes + 127) / 128 * 128;
-        const size_t ring = ctx->ranks <= 2 ? COMBINE_STAGE_SMEM_2RANKS : COMBINE_STAGE_SMEM;
+         * us against 8 KiB slices, combine 374 -> 326; 4 x H200, 4 ranks:
+         * 552 -> 545 us). With more ranks a stage of whole rows would leave
+         * too few stages in the ring. */
+        const int slice = ctx->ranks <= COMBINE_FEW_RANKS ? COMBINE_SLICE_FEW : COMBINE_SLICE_MAX;
         const size_t stage_bytes = (size_t)ctx->ranks * slice;
         const bool self_in_place = !(ctx->debug & MOEEP_DEBUG_COPY_SELF);
         /* One rank: the reduce is a copy, straight from global memory (1 rank,
@@ -507,9 +498,17 @@ extern "C" int moeep_launch_combine(const struct moeep_ctx *ctx, const void *x, 
         const int send_warps = direct && self_in_place ? 0
                                : ctx->ranks <= 2       ? COMBINE_SEND_WARPS
                                                        : COMBINE_SEND_WARPS_MANY;
-        /* Not a multiple of the consumer groups: a stage's uses then go to
-         * different groups in turn, each waiting for its fill's phase. */
-        const int nstages = direct ? 0 : (int)min((size_t)COMBINE_MAX_STAGES, ring / stage_bytes);
+        /* A multiple of the consumer groups: group g takes the uses u of
+         * the ring with u % groups == g, so each stage's uses all go to one
+         * group, in order. A
+         * group that took a stage's next use could wait for its fill's
+         * phase while the previous fill, another group's, was still under
+         * way, and an mbarrier's parity wait would take that previous phase
+         * for its own (wrong sums with 4 stages and 3 groups, 4 ranks on
+         * one GPU). */
+        const int nstages = direct ? 0
+                                   : (int)min((size_t)COMBINE_MAX_STAGES, COMBINE_STAGE_SMEM / stage_bytes) /
+                                             COMBINE_CONSUMER_GROUPS * COMBINE_CONSUMER_GROUPS;
 
         MOEEP_CUDA_LAUNCH_BEGIN();
         /* Every block both sends, with its first COMBINE_SEND_WARPS warps,
