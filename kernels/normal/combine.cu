@@ -481,9 +481,9 @@ extern "C" int moeep_launch_combine(const struct moeep_ctx *ctx, const void *x, 
                                     cudaStream_t stream) {
         /* Up to 4 ranks a stage holds every row of a token whole: one bulk
          * copy a row (2 ranks, 24 SMs, H200: the reduce alone 221 -> 171
-         * us against 8 KiB slices, combine 374 -> 326; 4 x H200, 4 ranks:
-         * 552 -> 545 us). With more ranks a stage of whole rows would leave
-         * too few stages in the ring. */
+         * us against 8 KiB slices, combine 374 -> 326; 4 x H200, 4 ranks,
+         * 3 stages instead of 6 of half rows: 553-556 -> 544-546 us). With
+         * more ranks a stage of whole rows would leave too few stages. */
         const int slice = ctx->ranks <= COMBINE_FEW_RANKS ? COMBINE_SLICE_FEW : COMBINE_SLICE_MAX;
         const size_t stage_bytes = (size_t)ctx->ranks * slice;
         const bool self_in_place = !(ctx->debug & MOEEP_DEBUG_COPY_SELF);
