@@ -500,12 +500,11 @@ extern "C" int moeep_launch_combine(const struct moeep_ctx *ctx, const void *x, 
                                                        : COMBINE_SEND_WARPS_MANY;
         /* A multiple of the consumer groups: group g takes the uses u of
          * the ring with u % groups == g, so each stage's uses all go to one
-         * group, in order. A
-         * group that took a stage's next use could wait for its fill's
-         * phase while the previous fill, another group's, was still under
-         * way, and an mbarrier's parity wait would take that previous phase
-         * for its own (wrong sums with 4 stages and 3 groups, 4 ranks on
-         * one GPU). */
+         * group, in order. A group that took a stage's next use could wait
+         * for its fill's phase while the previous fill, another group's,
+         * was still under way, and an mbarrier's parity wait would take
+         * that previous phase for its own (wrong sums with 4 stages and 3
+         * groups, 4 ranks on one GPU). */
         const int nstages = direct ? 0
                                    : (int)min((size_t)COMBINE_MAX_STAGES, COMBINE_STAGE_SMEM / stage_bytes) /
                                              COMBINE_CONSUMER_GROUPS * COMBINE_CONSUMER_GROUPS;
