@@ -29,29 +29,44 @@ static int op_dispatch(struct rank_env *env, void *arg) {
         return 0;
 }
 
+/* The blocks whose trace stamps moeep-bench prints, at most. */
+#define TRACE_MAX_BLOCKS 64
+
+/* With $MOEEP_KERNEL_TRACE, on rank 0, for at most TRACE_MAX_BLOCKS blocks:
+ * copies `words` trace words from word `at` into out, once the GPU is idle,
+ * and zeroes them there for the next call. False when there is nothing to
+ * print. */
+static bool trace_take(struct rank_env *env, int sms, size_t at, size_t words, uint64_t *out) {
+        struct moeep_ctx ctx;
+
+        if (env->rank != 0 || ep_internal_ctx(env->ep, &ctx) < 0 || !ctx.trace || sms > TRACE_MAX_BLOCKS)
+                return false;
+        cudaDeviceSynchronize();
+        cudaMemcpy(out, ctx.trace + at, sizeof(uint64_t) * words, cudaMemcpyDeviceToHost);
+        cudaMemset(ctx.trace + at, 0, sizeof(uint64_t) * words);
+        return true;
+}
+
 /* With $MOEEP_KERNEL_TRACE, rank 0 prints when each block of its last
  * combine ended its roles (us after the first block started). */
 static void print_trace(struct rank_env *env, int T, int sms) {
-        struct moeep_ctx ctx;
-        uint64_t t[4 * 64], t0 = UINT64_MAX;
+        uint64_t t[MOEEP_TRACE_STAMPS * TRACE_MAX_BLOCKS], t0 = UINT64_MAX;
 
-        if (env->rank != 0 || ep_internal_ctx(env->ep, &ctx) < 0 || !ctx.trace || sms > 64)
+        if (!trace_take(env, sms, 0, MOEEP_TRACE_STAMPS * (size_t)sms, t))
                 return;
-        cudaDeviceSynchronize();
-        cudaMemcpy(t, ctx.trace, sizeof(uint64_t) * 4 * (size_t)sms, cudaMemcpyDeviceToHost);
         for (int b = 0; b < sms; b++)
-                if (t[4 * b] && t[4 * b] < t0)
-                        t0 = t[4 * b];
+                if (t[MOEEP_TRACE_STAMPS * b] && t[MOEEP_TRACE_STAMPS * b] < t0)
+                        t0 = t[MOEEP_TRACE_STAMPS * b];
         fprintf(stderr, "trace tokens %d: block start/send/produce/consume us:", T);
         for (int b = 0; b < sms; b++) {
-                fprintf(stderr, " [%d %.0f", b, (t[4 * b] - t0) / 1e3);
-                for (int k = 1; k < 4; k++)
-                        if (t[4 * b + k] > t0)
-                                fprintf(stderr, " %.0f", (t[4 * b + k] - t0) / 1e3);
+                const uint64_t *bt = t + MOEEP_TRACE_STAMPS * b;
+                fprintf(stderr, " [%d %.0f", b, (bt[0] - t0) / 1e3);
+                for (int k = 1; k < MOEEP_TRACE_STAMPS; k++)
+                        if (bt[k] > t0)
+                                fprintf(stderr, " %.0f", (bt[k] - t0) / 1e3);
                 fprintf(stderr, "]");
         }
         fprintf(stderr, "\n");
-        cudaMemset(ctx.trace, 0, sizeof(uint64_t) * 4 * (size_t)sms);
 }
 
 static double us_after(uint64_t t, uint64_t t0) {
@@ -69,20 +84,18 @@ static int cmp_u64(const void *a, const void *b) {
  * of their rows (first / median / last), the last block's wait for its
  * peers and its end. */
 static void print_dispatch_trace(struct rank_env *env, int T, int sms) {
-        struct moeep_ctx ctx;
-        uint64_t n[MOEEP_TRACE_NOTIFY_STAMPS], d[4 * 64], start[64], rows[64], waited = 0, end = 0;
+        uint64_t n[MOEEP_TRACE_NOTIFY_STAMPS], d[MOEEP_TRACE_STAMPS * TRACE_MAX_BLOCKS],
+                start[TRACE_MAX_BLOCKS], rows[TRACE_MAX_BLOCKS], waited = 0, end = 0;
 
-        if (env->rank != 0 || ep_internal_ctx(env->ep, &ctx) < 0 || !ctx.trace || sms > 64)
+        if (!trace_take(env, sms, MOEEP_TRACE_NOTIFY, MOEEP_TRACE_NOTIFY_STAMPS, n) ||
+            !trace_take(env, sms, MOEEP_TRACE_DISPATCH, MOEEP_TRACE_STAMPS * (size_t)sms, d))
                 return;
-        cudaDeviceSynchronize();
-        cudaMemcpy(n, ctx.trace + MOEEP_TRACE_NOTIFY, sizeof(n), cudaMemcpyDeviceToHost);
-        cudaMemcpy(d, ctx.trace + MOEEP_TRACE_DISPATCH, sizeof(uint64_t) * 4 * (size_t)sms,
-                   cudaMemcpyDeviceToHost);
         for (int b = 0; b < sms; b++) {
-                start[b] = d[4 * b];
-                rows[b] = d[4 * b + 1];
-                waited = d[4 * b + 2] > waited ? d[4 * b + 2] : waited;
-                end = d[4 * b + 3] > end ? d[4 * b + 3] : end;
+                const uint64_t *bt = d + MOEEP_TRACE_STAMPS * b;
+                start[b] = bt[0];
+                rows[b] = bt[1];
+                waited = bt[2] > waited ? bt[2] : waited;
+                end = bt[3] > end ? bt[3] : end;
         }
         qsort(start, (size_t)sms, sizeof(uint64_t), cmp_u64);
         qsort(rows, (size_t)sms, sizeof(uint64_t), cmp_u64);
@@ -95,7 +108,6 @@ static void print_dispatch_trace(struct rank_env *env, int T, int sms) {
                 us_after(n[5], t0), us_after(start[0], t0), us_after(start[sms / 2], t0),
                 us_after(start[sms - 1], t0), us_after(rows[0], t0), us_after(rows[sms / 2], t0),
                 us_after(rows[sms - 1], t0), us_after(waited, t0), us_after(end, t0));
-        cudaMemset(ctx.trace + MOEEP_TRACE_DISPATCH, 0, sizeof(uint64_t) * 4 * (size_t)sms);
 }
 
 static int op_combine(struct rank_env *env, void *arg) {
