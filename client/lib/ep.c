@@ -480,7 +480,7 @@ static int handle_get(struct moeep_ep *ep, cudaStream_t stream, struct moeep_ep_
         struct moeep_ep_handle *h = SLIST_FIRST(&ep->free_handles);
         int R = ep->ctx.ranks, T = ep->ctx.max_tokens, L = ep->ctx.num_experts / R;
         size_t n_send = (size_t)T * R, n_recv = (size_t)T * R;
-        size_t n_chunks = ((size_t)T + MOEEP_COMBINE_CHUNK - 1) / MOEEP_COMBINE_CHUNK;
+        size_t n_chunks = ((size_t)T + MOEEP_COMBINE_CHUNK_MIN - 1) / MOEEP_COMBINE_CHUNK_MIN;
         char *p;
 
         if (h) {

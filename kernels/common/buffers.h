@@ -48,7 +48,7 @@ extern "C" {
 struct moeep_sync {
         uint64_t barrier_flag[MOEEP_KERNEL_MAX_RANKS];  /* [src]: src entered barrier seq */
         uint64_t dispatch_flag[MOEEP_KERNEL_MAX_RANKS]; /* [src]: src's dispatch rows for seq landed */
-        /* Combine arrival counters, one per MOEEP_COMBINE_CHUNK of our tokens: every row a
+        /* Combine arrival counters, one per moeep_combine_chunk() of our tokens: every row a
          * rank sends back adds 1 (release) to the counter of the row's token;
          * our reduce consumes a chunk once its count reaches the number of
          * rows expected (route.chunk_expect), then zeroes it. */

@@ -46,13 +46,20 @@ static_assert(MOEEP_KERNEL_MAX_RANKS == MOEEP_MAX_RANKS, "kernel rank arrays mus
 
 /* ---- Tunables of the normal-mode combine. */
 
-/* Tokens per combine arrival counter, and per chunk a reduce block takes. The
- * host sizes arrays by it too (buffers.h, client/lib/ep.c): an A/B build
- * sets it in meson's c_args and in NVCC_APPEND_FLAGS alike. */
+/* Tokens per combine arrival counter, and per chunk a reduce block takes
+ * (moeep_combine_chunk): MOEEP_COMBINE_CHUNK up to 2 ranks,
+ * MOEEP_COMBINE_CHUNK_MANY from 3. The host sizes arrays by the smaller
+ * (buffers.h, client/lib/ep.c): an A/B build sets them in meson's c_args and
+ * in NVCC_APPEND_FLAGS alike. */
 #ifndef MOEEP_COMBINE_CHUNK
 #define MOEEP_COMBINE_CHUNK 16
 #endif
-#define MOEEP_COMBINE_CHUNKS (MOEEP_KERNEL_MAX_TOKENS / MOEEP_COMBINE_CHUNK)
+#ifndef MOEEP_COMBINE_CHUNK_MANY
+#define MOEEP_COMBINE_CHUNK_MANY 8
+#endif
+#define MOEEP_COMBINE_CHUNK_MIN \
+        (MOEEP_COMBINE_CHUNK < MOEEP_COMBINE_CHUNK_MANY ? MOEEP_COMBINE_CHUNK : MOEEP_COMBINE_CHUNK_MANY)
+#define MOEEP_COMBINE_CHUNKS (MOEEP_KERNEL_MAX_TOKENS / MOEEP_COMBINE_CHUNK_MIN)
 
 /* Warp roles of the combine kernel (kernels/normal/combine.cu describes them).
  * The role sizes and the slice can be set at build time (-D, for A/B runs

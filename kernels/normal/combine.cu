@@ -124,7 +124,7 @@ __device__ __forceinline__ void combine_send(const struct moeep_ctx &ctx, const 
                         __syncwarp();
                         if (lane < end - base && !(ctx.debug & MOEEP_DEBUG_NO_COUNTS)) {
                                 const int t = moeep_recv_src_token(route.recv_src[s_prefix[s] + base + lane]);
-                                red_release_sys_add(&sync_of(ctx, s)->comb_chunk[t / MOEEP_COMBINE_CHUNK], 1);
+                                red_release_sys_add(&sync_of(ctx, s)->comb_chunk[t / moeep_combine_chunk(R)], 1);
                         }
                 }
         }
@@ -137,15 +137,15 @@ __device__ __forceinline__ void row_slices(int row_bytes, int slice, int *ret_n,
         *ret_bytes = ((row_bytes + n - 1) / n + 15) / 16 * 16;
 }
 
-/* Block b reduces chunks b, b + grid, b + 2 grid, ... (MOEEP_COMBINE_CHUNK
+/* Block b reduces chunks b, b + grid, b + 2 grid, ... (moeep_combine_chunk
  * tokens each): exactly one block waits for (and resets) each chunk
  * counter, and every block's work follows the senders, who move through
  * each source's tokens in order. With 16-token chunks instead of 32 the
  * last round of chunks goes to more blocks (4096 tokens, 24 SMs: 2 x H200,
  * 2 ranks, combine 235 -> 226 us; 4 x H100, 4 ranks, 581 -> 565 us). */
-#define FOR_EACH_BLOCK_CHUNK(c0, c1, num_tokens, rb, nrb)                                                            \
-        for (int c0 = (rb)*MOEEP_COMBINE_CHUNK, c1 = min(c0 + MOEEP_COMBINE_CHUNK, (num_tokens)); c0 < (num_tokens); \
-             c0 += (nrb)*MOEEP_COMBINE_CHUNK, c1 = min(c0 + MOEEP_COMBINE_CHUNK, (num_tokens)))
+#define FOR_EACH_BLOCK_CHUNK(c0, c1, num_tokens, chunk, rb, nrb)                               \
+        for (int c0 = (rb) * (chunk), c1 = min(c0 + (chunk), (num_tokens)); c0 < (num_tokens); \
+             c0 += (nrb) * (chunk), c1 = min(c0 + (chunk), (num_tokens)))
 
 /* Waits, on lane 0, for the rows of the chunk at c0 to arrive, and zeroes
  * its counter: every row of this round arrived, no more adds come until our
@@ -154,12 +154,13 @@ __device__ __forceinline__ void row_slices(int row_bytes, int slice, int *ret_n,
  * lane, `ok` and whether the wait did not give up. */
 __device__ __forceinline__ bool wait_chunk(const struct moeep_ctx &ctx, const struct moeep_route &route, int c0,
                                            bool self, bool ok) {
-        static_assert(MOEEP_COMBINE_CHUNK <= 32, "a chunk is at most a warp's 32 tokens, a lane each");
-        const int own = __popc(__ballot_sync(0xffffffffu, self));
+        static_assert(MOEEP_COMBINE_CHUNK <= 32 && MOEEP_COMBINE_CHUNK_MANY <= 32,
+                      "a chunk is at most a warp's 32 tokens, a lane each");
+        const int own = __popc(__ballot_sync(0xffffffffu, self)), c = c0 / moeep_combine_chunk(ctx.ranks);
 
         if (threadIdx.x % 32 == 0) {
-                uint32_t *counter = &sync_of(ctx, ctx.rank)->comb_chunk[c0 / MOEEP_COMBINE_CHUNK];
-                const uint32_t want = (uint32_t)(route.chunk_expect[c0 / MOEEP_COMBINE_CHUNK] - own);
+                uint32_t *counter = &sync_of(ctx, ctx.rank)->comb_chunk[c];
+                const uint32_t want = (uint32_t)(route.chunk_expect[c] - own);
                 ok = ok && wait_counter(ctx, counter, want, ctx.debug & MOEEP_DEBUG_NO_COUNTS, -1);
                 *counter = 0;
         }
@@ -180,7 +181,7 @@ __device__ __forceinline__ void combine_produce(const struct moeep_ctx &ctx, con
         bool ok = true;
 
         row_slices(row_bytes, slice, &slices, &slice_bytes);
-        FOR_EACH_BLOCK_CHUNK(c0, hi, route.num_tokens, rb, nrb) {
+        FOR_EACH_BLOCK_CHUNK(c0, hi, route.num_tokens, moeep_combine_chunk(ctx.ranks), rb, nrb) {
                 const int t = c0 + lane;
                 uint32_t mask = 0;
                 if (t < hi)
@@ -242,7 +243,7 @@ __device__ __forceinline__ void combine_consume(const struct moeep_ctx &ctx, con
         int slices, slice_bytes, u = 0;
 
         row_slices(row_bytes, slice, &slices, &slice_bytes);
-        FOR_EACH_BLOCK_CHUNK(c0, c1, route.num_tokens, rb, nrb)
+        FOR_EACH_BLOCK_CHUNK(c0, c1, route.num_tokens, moeep_combine_chunk(ctx.ranks), rb, nrb)
         for (int t = c0; t < c1; t++)
                 for (int j = 0; j < slices; j++, u++) {
                         if (u % COMBINE_CONSUMER_GROUPS != g)
@@ -336,7 +337,7 @@ __device__ __forceinline__ void combine_wait(const struct moeep_ctx &ctx, const 
         int ci = 0;
         bool ok = true;
 
-        FOR_EACH_BLOCK_CHUNK(c0, c1, route.num_tokens, rb, nrb) {
+        FOR_EACH_BLOCK_CHUNK(c0, c1, route.num_tokens, moeep_combine_chunk(ctx.ranks), rb, nrb) {
                 const bool row = c0 + lane < c1 && route.send_pos[c0 + lane] >= 0;
                 ok = wait_chunk(ctx, route, c0, self_in_place && row, ok);
                 if (lane == 0)
@@ -360,7 +361,7 @@ __device__ __forceinline__ void combine_copy(const struct moeep_ctx &ctx, const 
         const float *wslots = (const float *)(ctx.peers[ctx.rank] + ctx.layout.comb_weights);
         int ci = 0, before = 0;
 
-        FOR_EACH_BLOCK_CHUNK(c0, c1, route.num_tokens, rb, nrb) {
+        FOR_EACH_BLOCK_CHUNK(c0, c1, route.num_tokens, moeep_combine_chunk(ctx.ranks), rb, nrb) {
                 const int first = ((w - before) % nw + nw) % nw;
                 int ready;
                 before += c1 - c0;

@@ -9,7 +9,8 @@
 #include "common/wait.cuh"
 #include "kernels.h"
 
-static_assert(32 % MOEEP_COMBINE_CHUNK == 0, "notify counts whole combine chunks per warp round of 32 tokens");
+static_assert(32 % MOEEP_COMBINE_CHUNK == 0 && 32 % MOEEP_COMBINE_CHUNK_MANY == 0,
+              "notify counts whole combine chunks per warp round of 32 tokens");
 
 /* Bit d set when token t goes to rank d: from is_token_in_rank when given,
  * else from the token's top-k experts. */
@@ -235,6 +236,7 @@ __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
          * tokens will get back in combine. Block 0 of several exchanges the
          * counts meanwhile (below), and walks no tokens. */
         {
+                const int chunk = moeep_combine_chunk(R);
                 int next[MOEEP_KERNEL_MAX_RANKS];
 #pragma unroll
                 for (int d = 0; d < MOEEP_KERNEL_MAX_RANKS; d++)
@@ -250,13 +252,12 @@ __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
                                 next[d] += __popc(b);
                         }
                         int rows = __popc(m); /* summed over each chunk's lanes */
-#pragma unroll
-                        for (int o = MOEEP_COMBINE_CHUNK / 2; o > 0; o /= 2)
+                        for (int o = chunk / 2; o > 0; o /= 2)
                                 rows += __shfl_xor_sync(0xffffffffu, rows, o);
                         if (t >= whi)
                                 continue;
-                        if (lane % MOEEP_COMBINE_CHUNK == 0)
-                                route.chunk_expect[t / MOEEP_COMBINE_CHUNK] = rows;
+                        if (lane % chunk == 0)
+                                route.chunk_expect[t / chunk] = rows;
                         int32_t *row = route.send_pos + (size_t)t * R;
                         if (R == 4) {
                                 *(int4 *)row = make_int4(pos[0], pos[1], pos[2], pos[3]);

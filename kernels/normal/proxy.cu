@@ -190,7 +190,7 @@ __global__ void __launch_bounds__(PX_THREADS, 1) px_combine_relay(struct moeep_c
                         /* As combine's senders count a row: every lane's stores, then the release. */
                         __syncwarp();
                         if (lane == 0)
-                                red_release_sys_add(&my->comb_chunk[t / MOEEP_COMBINE_CHUNK], 1);
+                                red_release_sys_add(&my->comb_chunk[t / moeep_combine_chunk(ctx.ranks)], 1);
                 }
         }
 }

@@ -28,7 +28,7 @@ _ALIGN = 4096
 # struct moeep_sync / moeep_ll_sync (kernels/common/buffers.h), rounded up: the
 # estimates below need not be exact, only never below the real size by more
 # than these allowances.
-_SYNC_BYTES = 64 << 10
+_SYNC_BYTES = 128 << 10
 _LL_SYNC_BYTES = 64 << 10
 
 
