@@ -56,9 +56,10 @@ enum moeep_kernel_debug {
 
 /* Tokens per combine arrival counter and reduce chunk: smaller from 3
  * ranks, where a chunk's rows come from more sources and its sum, the
- * reduce's last work after the last row lands, is larger (4 x H200, 4
- * ranks: 8 tokens 508.7 us against 16 tokens 514.5; 2 ranks: 16 tokens
- * 226.7 against 8 tokens 234.1). */
+ * reduce's last work after the last row lands, is larger (4 x H200,
+ * moeep-bench --ranks 4: 510.3-511.6 us against 516.9-517.1 with 16
+ * tokens; at 2 ranks 8 tokens cost 234.1 against 226.7, and this choice
+ * keeps 225.7). */
 MOEEP_HD int moeep_combine_chunk(int ranks) {
         return ranks <= 2 ? MOEEP_COMBINE_CHUNK : MOEEP_COMBINE_CHUNK_MANY;
 }
