@@ -65,7 +65,10 @@ __device__ __forceinline__ int ll_warp_index(void) {
 /* The sources' tokens of set b's current dispatch at this rank as work
  * items of the launch's warps: (source s, token t, piece) for every s of
  * `sources`, t below s's token count (which its dispatch sent with its
- * counts) and `pieces` pieces of a token, sources in order. For an item
+ * counts) and `pieces` pieces of a token, sources in turn from the rank
+ * after ours: the combine's first round of items then goes to a
+ * different rank from each sender, where in rank order every sender's
+ * went to rank 0 (1 for rank 0) first and the others' links idled. For an item
  * whose pair-slot entries here name a pair of dispatch `dseq` with every
  * bit of `bits` (lane k: pair (t, k), k < K), calls f(s, t, piece, mask,
  * entry): mask has the lanes whose entry does, entry is the lane's. */
@@ -74,18 +77,18 @@ __device__ __forceinline__ void ll_for_each_pair_item(const struct moeep_ctx &ct
                                                       uint32_t sources, int pieces, int K, uint32_t bits, F f) {
         const struct moeep_ll_sync *my = ll_sync_of(ctx, ctx.rank);
         const int lane = threadIdx.x % 32, R = ctx.ranks, warps = gridDim.x * LL_WARPS;
-        int first[MOEEP_KERNEL_MAX_RANKS + 1];
+        int first[MOEEP_KERNEL_MAX_RANKS + 1]; /* [i]: the first item of source (rank + 1 + i) % R */
         first[0] = 0;
-        for (int s = 0; s < R; s++)
-                first[s + 1] =
-                        first[s] + (sources >> s & 1 ? min(max(__ldcg(&my->tokens[b][s]), 0), ctx.ll.max_tokens) : 0);
+        for (int i = 0, s = (ctx.rank + 1) % R; i < R; i++, s = (s + 1) % R)
+                first[i + 1] =
+                        first[i] + (sources >> s & 1 ? min(max(__ldcg(&my->tokens[b][s]), 0), ctx.ll.max_tokens) : 0);
 
         for (int item = ll_warp_index(); item < first[R] * pieces; item += warps) {
                 const int q = item / pieces, piece = item % pieces;
-                int s = 0;
-                while (first[s + 1] <= q)
-                        s++;
-                const int t = q - first[s];
+                int i = 0;
+                while (first[i + 1] <= q)
+                        i++;
+                const int s = (ctx.rank + 1 + i) % R, t = q - first[i];
                 uint64_t entry = 0;
                 if (lane < K)
                         entry = __ldcg((const unsigned long long *)ll_pair_slot(ctx, ctx.rank, b, s, t, lane));
