@@ -42,8 +42,9 @@ enum moeep_kernel_debug {
          * rank (moeep_ll_dedup): to time the difference (results stay
          * right). */
         MOEEP_DEBUG_LL_NO_DEDUP = 64,
-        /* Normal mode: the dispatch and combine kernels are launched after
-         * notify or the barrier as plain launches, not as programmatic
+        /* The normal dispatch and combine kernels are launched after
+         * notify or the barrier, and the low-latency kernels after whatever
+         * kernel comes before them, as plain launches, not as programmatic
          * dependents (launch_kernel_after): to time the difference
          * (results stay right). */
         MOEEP_DEBUG_NO_PDL = 128,

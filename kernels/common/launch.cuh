@@ -33,19 +33,19 @@ template <typename F> static auto with_index_type(bool idx_is_int64, F &&f) {
 }
 
 /* Launches kernel(args...) on `blocks` blocks of `threads` threads with
- * `smem` bytes of dynamic shared memory and the one launch attribute
- * `attr`. Returns the launch's error. */
+ * `smem` bytes of dynamic shared memory and the n launch attributes
+ * `attrs`. Returns the launch's error. */
 template <typename... Params, typename... Args>
 static cudaError_t launch_with(void (*kernel)(Params...), unsigned blocks, unsigned threads, size_t smem,
-                               cudaStream_t stream, cudaLaunchAttribute attr, Args &&...args) {
+                               cudaStream_t stream, cudaLaunchAttribute *attrs, unsigned n, Args &&...args) {
         cudaLaunchConfig_t cfg = {};
 
         cfg.gridDim = dim3(blocks);
         cfg.blockDim = dim3(threads);
         cfg.dynamicSmemBytes = smem;
         cfg.stream = stream;
-        cfg.attrs = &attr;
-        cfg.numAttrs = 1;
+        cfg.attrs = attrs;
+        cfg.numAttrs = n;
         return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 
@@ -62,7 +62,22 @@ static cudaError_t launch_kernel(void (*kernel)(Params...), unsigned blocks, uns
 
         attr.id = cudaLaunchAttributeCooperative;
         attr.val.cooperative = cooperative;
-        return launch_with(kernel, blocks, threads, 0, stream, attr, std::forward<Args>(args)...);
+        return launch_with(kernel, blocks, threads, 0, stream, &attr, 1, std::forward<Args>(args)...);
+}
+
+/* launch_kernel, and with `after` also as a programmatic dependent of the
+ * kernel before it in the stream (launch_kernel_after): the low-latency
+ * kernels, whose launch gap is a large part of a decode step. */
+template <typename... Params, typename... Args>
+static cudaError_t launch_kernel_coop_after(void (*kernel)(Params...), unsigned blocks, unsigned threads,
+                                            cudaStream_t stream, bool cooperative, bool after, Args &&...args) {
+        cudaLaunchAttribute attrs[2] = {};
+
+        attrs[0].id = cudaLaunchAttributeCooperative;
+        attrs[0].val.cooperative = cooperative;
+        attrs[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attrs[1].val.programmaticStreamSerializationAllowed = after;
+        return launch_with(kernel, blocks, threads, 0, stream, attrs, 2, std::forward<Args>(args)...);
 }
 
 /* Launches kernel(args...) with `smem` bytes of dynamic shared memory,
@@ -78,7 +93,7 @@ static cudaError_t launch_kernel_after(void (*kernel)(Params...), unsigned block
 
         attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
         attr.val.programmaticStreamSerializationAllowed = after;
-        return launch_with(kernel, blocks, threads, smem, stream, attr, std::forward<Args>(args)...);
+        return launch_with(kernel, blocks, threads, smem, stream, &attr, 1, std::forward<Args>(args)...);
 }
 
 /* Runs one call of a low-latency operation: launch(phases), where
