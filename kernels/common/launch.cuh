@@ -54,23 +54,13 @@ static cudaError_t launch_with(void (*kernel)(Params...), unsigned blocks, unsig
  * once, so that blocks may wait for each other, and the runtime refuses a
  * grid that cannot be (cudaErrorCooperativeLaunchTooLarge, or
  * cudaErrorNotSupported where the device has no cooperative launches)
- * rather than run it. Returns the launch's error. */
+ * rather than run it. With `after` also as a programmatic dependent of the
+ * kernel before it in the stream (launch_kernel_after): the low-latency
+ * kernels, whose launch gap is a large part of a decode step. Returns the
+ * launch's error. */
 template <typename... Params, typename... Args>
 static cudaError_t launch_kernel(void (*kernel)(Params...), unsigned blocks, unsigned threads, cudaStream_t stream,
-                                 bool cooperative, Args &&...args) {
-        cudaLaunchAttribute attr = {};
-
-        attr.id = cudaLaunchAttributeCooperative;
-        attr.val.cooperative = cooperative;
-        return launch_with(kernel, blocks, threads, 0, stream, &attr, 1, std::forward<Args>(args)...);
-}
-
-/* launch_kernel, and with `after` also as a programmatic dependent of the
- * kernel before it in the stream (launch_kernel_after): the low-latency
- * kernels, whose launch gap is a large part of a decode step. */
-template <typename... Params, typename... Args>
-static cudaError_t launch_kernel_coop_after(void (*kernel)(Params...), unsigned blocks, unsigned threads,
-                                            cudaStream_t stream, bool cooperative, bool after, Args &&...args) {
+                                 bool cooperative, bool after, Args &&...args) {
         cudaLaunchAttribute attrs[2] = {};
 
         attrs[0].id = cudaLaunchAttributeCooperative;

@@ -385,7 +385,7 @@ template <typename Idx>
 __global__ void __launch_bounds__(LL_THREADS, 1)
         combine(struct moeep_ctx ctx, const int4 *y, int b, int S, int phases, int local, const Idx *topk_idx,
                 const float *weights, int num_tokens, int K, int4 *out) {
-        grid_dep_wait();   /* the kernel before us (launch_kernel_coop_after): its writes */
+        grid_dep_wait();   /* the kernel before us (launch_kernel): its writes */
         grid_dep_launch(); /* the next may take our SMs as our blocks end */
         const uint64_t seq = *ll_seq_of(ctx, true, b) + ((phases & MOEEP_LL_SEND) ? 1 : 0);
 
@@ -424,11 +424,10 @@ extern "C" int moeep_launch_ll_combine(const struct moeep_ctx *ctx, const struct
         auto launch = [&](int p) {
                 return with_index_type(a->idx_is_int64, [&](auto idx) {
                         using Idx = decltype(idx);
-                        return launch_kernel_coop_after(moeep_ll::combine<Idx>, (unsigned)ctx->ll_num_sms, LL_THREADS,
-                                                        stream, p == both, !(ctx->debug & MOEEP_DEBUG_NO_PDL), *ctx,
-                                                        (const int4 *)a->y, a->set, a->slots, p, local,
-                                                        (const Idx *)a->topk_idx, a->weights, a->num_tokens,
-                                                        a->num_topk, (int4 *)a->out);
+                        return launch_kernel(moeep_ll::combine<Idx>, (unsigned)ctx->ll_num_sms, LL_THREADS, stream,
+                                             p == both, !(ctx->debug & MOEEP_DEBUG_NO_PDL), *ctx, (const int4 *)a->y,
+                                             a->set, a->slots, p, local, (const Idx *)a->topk_idx, a->weights,
+                                             a->num_tokens, a->num_topk, (int4 *)a->out);
                 });
         };
         const cudaError_t e = launch_phases(launch, a->phases, MOEEP_LL_SEND, MOEEP_LL_RECV);

@@ -685,7 +685,7 @@ template <typename Idx, int Path>
 __global__ void __launch_bounds__(LL_THREADS, 1)
         dispatch(struct moeep_ctx ctx, const int4 *x, int num_tokens, const Idx *topk_idx, int K, int b, int S,
                  int use_fp8, int round_scale, int phases, int *stats) {
-        grid_dep_wait();   /* the kernel before us (launch_kernel_coop_after): its writes */
+        grid_dep_wait();   /* the kernel before us (launch_kernel): its writes */
         grid_dep_launch(); /* the next may take our SMs as our blocks end */
         ll_dispatch<Idx, Path>(ctx, x, num_tokens, topk_idx, K, b, S, use_fp8, round_scale, phases, stats);
 }
@@ -722,10 +722,10 @@ extern "C" int moeep_launch_ll_dispatch(const struct moeep_ctx *ctx, const struc
                                        : path == LL_PATH_PAIRS ? moeep_ll::dispatch<Idx, LL_PATH_PAIRS>
                                                                : moeep_ll::dispatch<Idx, LL_PATH_CLAIM>;
                         const unsigned blocks = (p & MOEEP_LL_SEND) || dedup ? (unsigned)ctx->ll_num_sms : 1u;
-                        return launch_kernel_coop_after(kernel, blocks, LL_THREADS, stream, dedup && p == both,
-                                                        !(ctx->debug & MOEEP_DEBUG_NO_PDL), *ctx, (const int4 *)a->x,
-                                                        a->num_tokens, (const Idx *)a->topk_idx, a->num_topk, a->set,
-                                                        a->slots, a->use_fp8, a->round_scale, p, a->stats);
+                        return launch_kernel(kernel, blocks, LL_THREADS, stream, dedup && p == both,
+                                             !(ctx->debug & MOEEP_DEBUG_NO_PDL), *ctx, (const int4 *)a->x,
+                                             a->num_tokens, (const Idx *)a->topk_idx, a->num_topk, a->set, a->slots,
+                                             a->use_fp8, a->round_scale, p, a->stats);
                 });
         };
         const cudaError_t e = launch_phases(launch, a->phases, MOEEP_LL_SEND, MOEEP_LL_RECV);

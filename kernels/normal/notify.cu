@@ -383,9 +383,9 @@ static int notify_launch(const struct moeep_ctx *ctx, const struct moeep_notify_
         const cudaError_t e = with_index_type(a->idx_is_int64, [&](auto idx) {
                 using Idx = decltype(idx);
                 auto launch = [&](int g) {
-                        return launch_kernel(notify_kernel<Idx>, (unsigned)g, NOTIFY_THREADS, stream, g > 1, *ctx,
-                                             a->is_token_in_rank, (const Idx *)a->topk_idx, a->num_tokens, a->num_topk,
-                                             a->tokens_per_expert, a->total_tokens, a->alignment, r,
+                        return launch_kernel(notify_kernel<Idx>, (unsigned)g, NOTIFY_THREADS, stream, g > 1, false,
+                                             *ctx, a->is_token_in_rank, (const Idx *)a->topk_idx, a->num_tokens,
+                                             a->num_topk, a->tokens_per_expert, a->total_tokens, a->alignment, r,
                                              (int)(route != NULL), host_out);
                 };
                 cudaError_t le = launch(blocks);
