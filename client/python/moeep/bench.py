@@ -11,7 +11,8 @@ side-by-side run):
                 handle, FP8 with a cached handle (scales column-major, as
                 DeepEP's tests pass them), combine;
   low latency   FP8 dispatch + BF16 combine as one decode step, eager
-                (back to back) and replayed from a CUDA graph.
+                (back to back) and replayed from a CUDA graph, each also
+                timed in groups of 8 steps between two events.
 
 For each figure: the median and the mean of per-call CUDA-event times
 taken as DeepEP's own bench() takes them (an event before and after every
@@ -90,10 +91,12 @@ def _fp8(torch, x):
     return q, (amax / 448.0).T.contiguous().T
 
 
-def _series(torch, fn, iters, warmup, cache):
+def _series(torch, fn, iters, warmup, cache, per=1):
     """Runs fn back to back as DeepEP's bench(): warm-ups, an L2 flush, then
-    `iters` calls each between two events, one synchronise at the end.
-    Returns (event times us, host times us, wall us per call)."""
+    `iters` calls each between two events, one synchronise at the end; with
+    `per` > 1, `iters` groups of `per` calls, each group between two events
+    (as an engine's loop, which records no event per call). Returns (event
+    times us per call, host times us per call, wall us per call)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -102,16 +105,22 @@ def _series(torch, fn, iters, warmup, cache):
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     host = []
     clock = time.perf_counter
+    # Recorded on the stream fetched once: Event.record() with no stream
+    # looks the current one up each time (7 us on the Xeon hosts), host
+    # time of the harness that would show in the step where the GPU waits
+    # for the host (2 ranks, low latency).
+    stream = torch.cuda.current_stream()
     t0 = clock()
     for i in range(iters):
-        starts[i].record()
+        starts[i].record(stream)
         h0 = clock()
-        fn()
-        host.append((clock() - h0) * 1e6)
-        ends[i].record()
+        for _ in range(per):
+            fn()
+        host.append((clock() - h0) * 1e6 / per)
+        ends[i].record(stream)
     torch.cuda.synchronize()
-    wall = (clock() - t0) * 1e6 / iters
-    ev = [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)][1:]
+    wall = (clock() - t0) * 1e6 / (iters * per)
+    ev = [s.elapsed_time(e) * 1e3 / per for s, e in zip(starts, ends)][1:]
     return ev, host[1:], wall
 
 
@@ -163,6 +172,11 @@ def _normal(torch, deep_ep, a, rank, R, group, device, cache):
     return res
 
 
+# Low latency is also timed in groups of this many steps between two events
+# (an even number: a graph replay is two steps).
+_GROUP = 8
+
+
 def _ll(torch, deep_ep, a, rank, R, group, device, cache):
     T, H, E, K = a.ll_tokens, a.hidden, a.ll_experts, a.topk
     nbytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(T, H, R, E)
@@ -188,13 +202,16 @@ def _ll(torch, deep_ep, a, rank, R, group, device, cache):
     res = {}
     comm = pairs * ((H + H / 128 * 4 + 16) + H * 2)  # DeepEP's test: FP8 pairs out, BF16 pairs back
     res["LL dispatch + combine, eager"] = _summary(*_series(torch, step, a.iters, a.warmup, cache), comm)
+    res["LL eager, %d steps per event pair" % _GROUP] = _summary(
+        *_series(torch, step, max(a.iters // _GROUP, 10), a.warmup, cache, _GROUP), comm)
     if a.impl == "moeep":
         # The calls in C (moeep/_fast.py), where built: made with the
         # endpoint, at the first call; only these calls ran since.
         import moeep._fast
         fast = buf._fast
         res["_fast"] = "low-latency calls in C: %s; %d of the %d eager dispatches ran there" % (
-            moeep._fast.status(), fast.counts()[0] if fast is not None else 0, a.iters + a.warmup)
+            moeep._fast.status(), fast.counts()[0] if fast is not None else 0,
+            a.iters + 2 * a.warmup + max(a.iters // _GROUP, 10) * _GROUP)
     if os.environ.get("MOEEP_BENCH_DUMP"):
         _ll_split(torch, dispatch, combine, rank, a.iters, cache)
     if a.profile:
@@ -220,6 +237,9 @@ def _ll(torch, deep_ep, a, rank, R, group, device, cache):
         ev, host, wall = _series(torch, g.replay, max(a.iters // 2, 10), a.warmup // 2 + 1, cache)
         res["LL dispatch + combine, CUDA graph"] = _summary([v / 2 for v in ev], [v / 2 for v in host], wall / 2,
                                                             comm)
+        ev, host, wall = _series(torch, g.replay, max(a.iters // _GROUP, 10), a.warmup // 2 + 1, cache, _GROUP // 2)
+        res["LL graph, %d steps per event pair" % _GROUP] = _summary([v / 2 for v in ev], [v / 2 for v in host],
+                                                                     wall / 2, comm)
     except Exception as e:  # a library without capture support still gets its eager figures
         graph_ok = False
         res["LL dispatch + combine, CUDA graph"] = {"error": "%s: %s" % (type(e).__name__, e)}
