@@ -265,14 +265,15 @@ class _NormalMode:
                                              None, 1, 0, None, K, copy=True))
         handles = [p["handle"] for p in parts]
         per, order = self._round_order(handles)
+        round_index = _inverse_rounds(torch, order, [sum(r) for r in per])
         with self._alloc_stream(allocate_on_comm_stream):
             outs = [torch.empty((order.numel(),) + tuple(t.shape[1:]), dtype=t.dtype, device=self.device)
                     if t is not None else None for t in first["outs"]]
         with self._on(side):
             for i, o in enumerate(outs):
                 if o is not None:
-                    torch.index_select(_raw(torch, torch.cat([p["outs"][i] for p in parts])), 0, order,
-                                       out=_raw(torch, o))
+                    for p, ix in zip(parts, round_index):  # each round's rows straight to their places
+                        _raw(torch, o).index_copy_(0, ix, _raw(torch, p["outs"][i]))
             srcs = []
             for j, h in enumerate(handles):  # source token indices of the whole dispatch
                 srcs.append(h[3] + j * C)
@@ -292,7 +293,7 @@ class _NormalMode:
         items = (prefix, None, None, src, is_token_in_rank, send_head)
         new = DispatchHandle(handles[0]._route, T, n_recv, K, topk_idx, topk_weights, items)
         new.rounds = [(h, min(j * C, T), min((j + 1) * C, T)) for j, h in enumerate(handles)]
-        new.round_index = _inverse_rounds(torch, order, [sum(r) for r in per])
+        new.round_index = round_index
         event = self._finish(compute, side, allocate_on_comm_stream,
                              [x, x_scales, topk_idx, topk_weights, is_token_in_rank, per_expert] + outs)
         recv_x, recv_scales, recv_idx, recv_w = outs
@@ -300,22 +301,28 @@ class _NormalMode:
         return rx, recv_idx, recv_w, counts, new, event
 
     def _cached_rounds(self, call, x, x_scales, handle):
-        """A cached dispatch of a dispatch that ran in rounds."""
+        """A cached dispatch of a dispatch that ran in rounds. The output
+        rows of every round are known (handle.round_index): each round's
+        rows go from its receive area straight to their places, on the
+        call's stream before the next round, whose dispatch may reuse the
+        area once the views are gone (as _dispatch_call's copies)."""
         torch = _torch()
         ep, side, ptr, allocate_on_comm_stream, scale_cols = call
-        # Each round resends its slice of the top-k (moeep_dispatch checks
-        # that it matches the round's handle).
-        parts = [self._dispatch_call(call, x, x_scales, t0, t1, handle.num_tokens, None, handle.topk_idx,
-                                     handle.topk_weights, None, 1, 0, h, handle.num_topk, copy=True)
-                 for (h, t0, t1) in handle.rounds]
-        keep = [i for i in (0, 1) if parts[0]["outs"][i] is not None]
-        with self._alloc_stream(allocate_on_comm_stream):
-            outs = [torch.empty((handle.num_recv_tokens,) + tuple(parts[0]["outs"][i].shape[1:]),
-                                dtype=parts[0]["outs"][i].dtype, device=self.device) for i in keep]
-        with self._on(side):
-            order = torch.cat(handle.round_index)  # round rows (concatenated) -> output rows
-            for i, o in zip(keep, outs):
-                _raw(torch, o).index_copy_(0, order, _raw(torch, torch.cat([p["outs"][i] for p in parts])))
+        outs, keep = None, None
+        for (h, t0, t1), ix in zip(handle.rounds, handle.round_index):
+            # Each round resends its slice of the top-k (moeep_dispatch
+            # checks that it matches the round's handle).
+            part = self._dispatch_call(call, x, x_scales, t0, t1, handle.num_tokens, None, handle.topk_idx,
+                                       handle.topk_weights, None, 1, 0, h, handle.num_topk)["outs"]
+            if outs is None:
+                keep = [i for i in (0, 1) if part[i] is not None]
+                with self._alloc_stream(allocate_on_comm_stream):
+                    outs = [torch.empty((handle.num_recv_tokens,) + tuple(part[i].shape[1:]), dtype=part[i].dtype,
+                                        device=self.device) for i in keep]
+            with self._on(side):
+                for i, o in zip(keep, outs):
+                    _raw(torch, o).index_copy_(0, ix, _raw(torch, part[i]))
+            del part  # the area is free for the next round
         return outs
 
     @_as_binding
