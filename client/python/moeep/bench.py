@@ -202,8 +202,9 @@ def _ll(torch, deep_ep, a, rank, R, group, device, cache):
     res = {}
     comm = pairs * ((H + H / 128 * 4 + 16) + H * 2)  # DeepEP's test: FP8 pairs out, BF16 pairs back
     res["LL dispatch + combine, eager"] = _summary(*_series(torch, step, a.iters, a.warmup, cache), comm)
+    groups = max(a.iters // _GROUP, 10)  # event pairs of the grouped series
     res["LL eager, %d steps per event pair" % _GROUP] = _summary(
-        *_series(torch, step, max(a.iters // _GROUP, 10), a.warmup, cache, _GROUP), comm)
+        *_series(torch, step, groups, a.warmup, cache, _GROUP), comm)
     if a.impl == "moeep":
         # The calls in C (moeep/_fast.py), where built: made with the
         # endpoint, at the first call; only these calls ran since.
@@ -211,7 +212,7 @@ def _ll(torch, deep_ep, a, rank, R, group, device, cache):
         fast = buf._fast
         res["_fast"] = "low-latency calls in C: %s; %d of the %d eager dispatches ran there" % (
             moeep._fast.status(), fast.counts()[0] if fast is not None else 0,
-            a.iters + 2 * a.warmup + max(a.iters // _GROUP, 10) * _GROUP)
+            a.iters + 2 * a.warmup + groups * _GROUP)
     if os.environ.get("MOEEP_BENCH_DUMP"):
         _ll_split(torch, dispatch, combine, rank, a.iters, cache)
     if a.profile:
@@ -237,7 +238,7 @@ def _ll(torch, deep_ep, a, rank, R, group, device, cache):
         ev, host, wall = _series(torch, g.replay, max(a.iters // 2, 10), a.warmup // 2 + 1, cache)
         res["LL dispatch + combine, CUDA graph"] = _summary([v / 2 for v in ev], [v / 2 for v in host], wall / 2,
                                                             comm)
-        ev, host, wall = _series(torch, g.replay, max(a.iters // _GROUP, 10), a.warmup // 2 + 1, cache, _GROUP // 2)
+        ev, host, wall = _series(torch, g.replay, groups, a.warmup // 2 + 1, cache, _GROUP // 2)
         res["LL graph, %d steps per event pair" % _GROUP] = _summary([v / 2 for v in ev], [v / 2 for v in host],
                                                                      wall / 2, comm)
     except Exception as e:  # a library without capture support still gets its eager figures
