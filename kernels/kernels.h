@@ -45,7 +45,7 @@ enum moeep_kernel_debug {
         /* The normal dispatch and combine kernels are launched after
          * notify or the barrier, and the low-latency kernels after whatever
          * kernel comes before them, as plain launches, not as programmatic
-         * dependents (launch_kernel_after): to time the difference
+         * dependents (launch_kernel's `after`): to time the difference
          * (results stay right). */
         MOEEP_DEBUG_NO_PDL = 128,
         /* Normal dispatch: the token rows (x) for our own rank, or for the

@@ -33,57 +33,33 @@ template <typename F> static auto with_index_type(bool idx_is_int64, F &&f) {
 }
 
 /* Launches kernel(args...) on `blocks` blocks of `threads` threads with
- * `smem` bytes of dynamic shared memory and the n launch attributes
- * `attrs`. Returns the launch's error. */
+ * `smem` bytes of dynamic shared memory. Cooperative when `cooperative`:
+ * every block is then resident at once, so that blocks may wait for each
+ * other, and the runtime refuses a grid that cannot be
+ * (cudaErrorCooperativeLaunchTooLarge, or cudaErrorNotSupported where the
+ * device has no cooperative launches) rather than run it. With `after`, a
+ * programmatic dependent of the kernel before it in the stream: its blocks
+ * may be placed while that kernel runs (once it called grid_dep_launch,
+ * ptx.cuh), which hides the launch gap; the kernel must call grid_dep_wait
+ * before it touches memory the kernel before writes. Returns the launch's
+ * error. */
 template <typename... Params, typename... Args>
-static cudaError_t launch_with(void (*kernel)(Params...), unsigned blocks, unsigned threads, size_t smem,
-                               cudaStream_t stream, cudaLaunchAttribute *attrs, unsigned n, Args &&...args) {
+static cudaError_t launch_kernel(void (*kernel)(Params...), unsigned blocks, unsigned threads, size_t smem,
+                                 cudaStream_t stream, bool cooperative, bool after, Args &&...args) {
         cudaLaunchConfig_t cfg = {};
-
-        cfg.gridDim = dim3(blocks);
-        cfg.blockDim = dim3(threads);
-        cfg.dynamicSmemBytes = smem;
-        cfg.stream = stream;
-        cfg.attrs = attrs;
-        cfg.numAttrs = n;
-        return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
-}
-
-/* Launches kernel(args...) on `blocks` blocks of `threads` threads, as a
- * cooperative launch when `cooperative`: every block is then resident at
- * once, so that blocks may wait for each other, and the runtime refuses a
- * grid that cannot be (cudaErrorCooperativeLaunchTooLarge, or
- * cudaErrorNotSupported where the device has no cooperative launches)
- * rather than run it. With `after` also as a programmatic dependent of the
- * kernel before it in the stream (launch_kernel_after): the low-latency
- * kernels, whose launch gap is a large part of a decode step. Returns the
- * launch's error. */
-template <typename... Params, typename... Args>
-static cudaError_t launch_kernel(void (*kernel)(Params...), unsigned blocks, unsigned threads, cudaStream_t stream,
-                                 bool cooperative, bool after, Args &&...args) {
         cudaLaunchAttribute attrs[2] = {};
 
         attrs[0].id = cudaLaunchAttributeCooperative;
         attrs[0].val.cooperative = cooperative;
         attrs[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
         attrs[1].val.programmaticStreamSerializationAllowed = after;
-        return launch_with(kernel, blocks, threads, 0, stream, attrs, 2, std::forward<Args>(args)...);
-}
-
-/* Launches kernel(args...) with `smem` bytes of dynamic shared memory,
- * with `after` as a programmatic dependent of the kernel before it in the
- * stream (else as a plain launch): its blocks may be placed while that
- * kernel runs (once it called grid_dep_launch, ptx.cuh), so that the
- * launch gap is hidden; the kernel must call grid_dep_wait before it
- * touches memory the kernel before writes. */
-template <typename... Params, typename... Args>
-static cudaError_t launch_kernel_after(void (*kernel)(Params...), unsigned blocks, unsigned threads, size_t smem,
-                                       cudaStream_t stream, bool after, Args &&...args) {
-        cudaLaunchAttribute attr = {};
-
-        attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        attr.val.programmaticStreamSerializationAllowed = after;
-        return launch_with(kernel, blocks, threads, smem, stream, &attr, 1, std::forward<Args>(args)...);
+        cfg.gridDim = dim3(blocks);
+        cfg.blockDim = dim3(threads);
+        cfg.dynamicSmemBytes = smem;
+        cfg.stream = stream;
+        cfg.attrs = attrs;
+        cfg.numAttrs = 2;
+        return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 
 /* Runs one call of a low-latency operation: launch(phases), where

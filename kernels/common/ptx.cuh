@@ -59,8 +59,8 @@ __device__ __forceinline__ void fence_proxy_async_global(void) {
 }
 
 /* ---- Programmatic dependent launch (sm_90): a kernel launched with
- * launch_kernel_after (launch.cuh) may start while the kernel before it in
- * the stream still runs, once that one called grid_dep_launch (or its
+ * launch_kernel's `after` (launch.cuh) may start while the kernel before
+ * it in the stream still runs, once that one called grid_dep_launch (or its
  * blocks exited); grid_dep_wait waits until the kernel before finished and
  * its writes are visible. Without the launch attribute both are no-ops. */
 __device__ __forceinline__ void grid_dep_wait(void) {

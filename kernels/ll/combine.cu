@@ -424,7 +424,7 @@ extern "C" int moeep_launch_ll_combine(const struct moeep_ctx *ctx, const struct
         auto launch = [&](int p) {
                 return with_index_type(a->idx_is_int64, [&](auto idx) {
                         using Idx = decltype(idx);
-                        return launch_kernel(moeep_ll::combine<Idx>, (unsigned)ctx->ll_num_sms, LL_THREADS, stream,
+                        return launch_kernel(moeep_ll::combine<Idx>, (unsigned)ctx->ll_num_sms, LL_THREADS, 0, stream,
                                              p == both, !(ctx->debug & MOEEP_DEBUG_NO_PDL), *ctx, (const int4 *)a->y,
                                              a->set, a->slots, p, local, (const Idx *)a->topk_idx, a->weights,
                                              a->num_tokens, a->num_topk, (int4 *)a->out);

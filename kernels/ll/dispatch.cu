@@ -722,7 +722,7 @@ extern "C" int moeep_launch_ll_dispatch(const struct moeep_ctx *ctx, const struc
                                        : path == LL_PATH_PAIRS ? moeep_ll::dispatch<Idx, LL_PATH_PAIRS>
                                                                : moeep_ll::dispatch<Idx, LL_PATH_CLAIM>;
                         const unsigned blocks = (p & MOEEP_LL_SEND) || dedup ? (unsigned)ctx->ll_num_sms : 1u;
-                        return launch_kernel(kernel, blocks, LL_THREADS, stream, dedup && p == both,
+                        return launch_kernel(kernel, blocks, LL_THREADS, 0, stream, dedup && p == both,
                                              !(ctx->debug & MOEEP_DEBUG_NO_PDL), *ctx, (const int4 *)a->x,
                                              a->num_tokens, (const Idx *)a->topk_idx, a->num_topk, a->set, a->slots,
                                              a->use_fp8, a->round_scale, p, a->stats);

@@ -524,8 +524,8 @@ extern "C" int moeep_launch_combine(const struct moeep_ctx *ctx, const void *x, 
         if (send_blocks >= ctx->num_sms || ctx->combine_send_blocks < 0)
                 send_blocks = 0;
         /* A programmatic dependent of the barrier launched just before. */
-        const cudaError_t e = launch_kernel_after(
-                combine_kernel, (unsigned)ctx->num_sms, COMBINE_THREADS, nstages * stage_bytes, stream,
+        const cudaError_t e = launch_kernel(
+                combine_kernel, (unsigned)ctx->num_sms, COMBINE_THREADS, nstages * stage_bytes, stream, false,
                 !(ctx->debug & MOEEP_DEBUG_NO_PDL), *ctx, (const int4 *)x, topk_weights, num_topk, *route, (int4 *)out,
                 out_weights, nstages, send_blocks, send_warps, slice, direct, self_in_place);
         if (e != cudaSuccess)

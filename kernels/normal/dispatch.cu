@@ -205,9 +205,9 @@ extern "C" int moeep_launch_dispatch(const struct moeep_ctx *ctx, const struct m
          * before on the same stream): its blocks wait on the SMs for notify's
          * end instead of being launched after it. */
         const cudaError_t e = with_index_type(a->idx_is_int64 || !a->topk_idx, [&](auto idx) {
-                return launch_kernel_after(dispatch_kernel<decltype(idx)>, (unsigned)ctx->num_sms, DISPATCH_THREADS, 0,
-                                           stream, !(ctx->debug & MOEEP_DEBUG_NO_PDL), *ctx, *a, route->num_tokens,
-                                           *route);
+                return launch_kernel(dispatch_kernel<decltype(idx)>, (unsigned)ctx->num_sms, DISPATCH_THREADS, 0,
+                                     stream, false, !(ctx->debug & MOEEP_DEBUG_NO_PDL), *ctx, *a, route->num_tokens,
+                                     *route);
         });
         if (e != cudaSuccess)
                 return (int)e;

@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
         notify_kernel(struct moeep_ctx ctx, const uint8_t *in_rank, const Idx *topk_idx, int num_tokens, int num_topk,
                       const int *tokens_per_expert, int total_tokens, int alignment, struct moeep_route route,
                       int with_route, struct moeep_notify_host *host_out) {
-        /* The data kernel after us (launch_kernel_after) may take its SMs
+        /* The data kernel after us (a programmatic dependent) may take its SMs
          * now and wait there for our end. */
         grid_dep_launch();
         __shared__ int s_warp_sum[NOTIFY_WARPS][MOEEP_KERNEL_MAX_RANKS];
@@ -383,7 +383,7 @@ static int notify_launch(const struct moeep_ctx *ctx, const struct moeep_notify_
         const cudaError_t e = with_index_type(a->idx_is_int64, [&](auto idx) {
                 using Idx = decltype(idx);
                 auto launch = [&](int g) {
-                        return launch_kernel(notify_kernel<Idx>, (unsigned)g, NOTIFY_THREADS, stream, g > 1, false,
+                        return launch_kernel(notify_kernel<Idx>, (unsigned)g, NOTIFY_THREADS, 0, stream, g > 1, false,
                                              *ctx, a->is_token_in_rank, (const Idx *)a->topk_idx, a->num_tokens,
                                              a->num_topk, a->tokens_per_expert, a->total_tokens, a->alignment, r,
                                              (int)(route != NULL), host_out);
