@@ -152,7 +152,8 @@ struct moeep_notify_host {
         uint32_t error; /* moeep_local_state.error when notify ended */
         int32_t error_rank;
         int32_t num_recv;
-        int32_t max_total_tokens; /* the largest whole dispatch of any rank (rounds) */
+        int32_t max_total_tokens;                      /* the largest whole dispatch of any rank (rounds) */
+        int32_t recv_per_rank[MOEEP_KERNEL_MAX_RANKS]; /* rows received from each source rank */
         int32_t expert_counts[MOEEP_KERNEL_MAX_EXPERTS];
 };
 

@@ -18,6 +18,7 @@ struct moeep_ep_handle {
         int *expert_counts_host;  /* owning: [local experts] */
         int num_recv;             /* -1 when only the device knows it */
         int max_total_tokens;     /* largest whole dispatch of any rank (rounds), from notify */
+        int recv_per_rank[MOEEP_KERNEL_MAX_RANKS]; /* rows from each source rank, when num_recv >= 0 */
         int num_topk;
         SLIST_ENTRY(moeep_ep_handle) free_entry;
 };

@@ -717,6 +717,7 @@ int moeep_dispatch(struct moeep_ep *ep, const struct moeep_dispatch_args *a,
                         goto fail;
                 h->num_recv = ep->host->num_recv;
                 h->max_total_tokens = ep->host->max_total_tokens;
+                memcpy(h->recv_per_rank, ep->host->recv_per_rank, sizeof(int) * (size_t)ep->ctx.ranks);
                 memcpy(h->expert_counts_host, ep->host->expert_counts,
                        sizeof(int) * (size_t)(ep->ctx.num_experts / ep->ctx.ranks));
         }
@@ -739,6 +740,7 @@ int moeep_dispatch(struct moeep_ep *ep, const struct moeep_dispatch_args *a,
                 .handle = h,
                 .rank_prefix_matrix = h->route.rank_prefix_matrix,
                 .max_total_tokens = fresh && !a->num_worst_tokens ? h->max_total_tokens : -1,
+                .num_recv_tokens_per_rank = h->num_recv >= 0 ? h->recv_per_rank : NULL,
                 .send_pos = h->route.send_pos,
         };
         return 0;

@@ -339,8 +339,11 @@ __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
         if (tid == 0) {
                 int sum = 0;
                 for (int s = 0; s < R; s++) {
+                        const int n = *(const volatile int32_t *)&my->rank_counts[par][s][me];
                         route.rank_prefix[s] = sum;
-                        sum += *(const volatile int32_t *)&my->rank_counts[par][s][me];
+                        sum += n;
+                        if (host_out)
+                                host_out->recv_per_rank[s] = n;
                 }
                 route.rank_prefix[R] = sum;
                 *route.num_recv = sum;

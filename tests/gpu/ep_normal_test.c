@@ -189,6 +189,23 @@ static int verify_dispatch(char *msg, const struct tcase *tc, int me, int R, con
                                 }
                         }
                 }
+                /* Its column `me` on the host, as counts per source (NULL only
+                 * when the host does not know them: num_worst_tokens). */
+                for (int s = 0; s < R && !bad && res->num_recv_tokens_per_rank; s++) {
+                        int n = 0;
+                        for (int t = 0; t < in[s].T; t++)
+                                n += (in[s].mask[t] >> me) & 1;
+                        if (res->num_recv_tokens_per_rank[s] != n) {
+                                snprintf(msg, 200, "num_recv_tokens_per_rank[%d] is %d, expected %d", s,
+                                         res->num_recv_tokens_per_rank[s], n);
+                                bad = 1;
+                        }
+                }
+                if (!bad && !res->num_recv_tokens_per_rank && res->num_recv_tokens >= 0) {
+                        snprintf(msg, 200, "num_recv_tokens_per_rank is NULL with num_recv_tokens %d",
+                                 res->num_recv_tokens);
+                        bad = 1;
+                }
                 if (bad) {
                         free(want_pe);
                         return -1;

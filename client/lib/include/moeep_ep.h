@@ -179,6 +179,10 @@ struct moeep_dispatch_result {
         const int *rank_prefix_matrix;
         const int *send_pos;
         int max_total_tokens; /* largest total_tokens of any rank; -1 with num_worst_tokens or a handle */
+        /* Host [ranks], owned by the handle: rows received from each source
+         * rank (the differences of column `me` of rank_prefix_matrix); NULL
+         * with num_worst_tokens. */
+        const int *num_recv_tokens_per_rank;
 };
 
 int moeep_dispatch(struct moeep_ep *ep, const struct moeep_dispatch_args *args,

@@ -115,6 +115,7 @@ class DispatchResult(ctypes.Structure):
         ("rank_prefix_matrix", _vp),
         ("send_pos", _vp),
         ("max_total_tokens", _int),
+        ("num_recv_tokens_per_rank", ctypes.POINTER(_int)),
     ]
 
 

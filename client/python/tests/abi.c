@@ -97,6 +97,7 @@ int main(int argc, char **argv) {
         F(dispatch_result, rank_prefix_matrix);
         F(dispatch_result, send_pos);
         F(dispatch_result, max_total_tokens);
+        F(dispatch_result, num_recv_tokens_per_rank);
         S(combine_args);
         F(combine_args, x);
         F(combine_args, topk_weights);
