@@ -230,6 +230,13 @@ def test_rounds(rank, R, group, sock, gen):
         src = x.float() if fmt == "bf16" else fp8_back(*fp8_cast(x))
         check(torch.allclose(comb.float(), src * reach, rtol=2e-2, atol=2e-2), "rounds: combine")
         check(torch.allclose(cw, w.masked_fill(idx < 0, 0), rtol=1e-5, atol=1e-6), "rounds: combined weights")
+    for align in (1, 4):  # without the callers' per-expert counts: moeep counts the whole dispatch's
+        rx, _, _, counts, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                   topk_idx=idx, topk_weights=w, expert_alignment=align)
+        check(handle.rounds is not None and torch.equal(rx, ref_rows), "rounds without num_tokens_per_expert")
+        check(counts == [(c + align - 1) // align * align for c in ref_expert],
+              "rounds without num_tokens_per_expert, expert_alignment=%d: counts %s" % (align, counts))
+        del rx, handle
     torch.cuda.synchronize()
     dist.barrier(group)
     buf.destroy()

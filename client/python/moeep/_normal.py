@@ -129,10 +129,12 @@ class _NormalMode:
         return rx, recv_idx, recv_w, one["counts"], one["handle"], event
 
     def _dispatch_call(self, call, x, x_scales, t0, t1, total, is_token_in_rank, topk_idx, topk_weights, per_expert,
-                       expert_alignment, num_worst_tokens, handle, K, copy=False):
+                       expert_alignment, num_worst_tokens, handle, K, copy=False, keep=False):
         """One moeep_dispatch of tokens t0..t1 (a round of a dispatch of
         `total` tokens, or all of it), on the call's stream, into a free
-        receive area; copy: owned outputs whatever the areas say."""
+        receive area; copy: owned outputs whatever the areas say; keep:
+        every output a view of the area, even the last free one (a round,
+        whose rows leave the area before the dispatch returns)."""
         torch = _torch()
         ep, side, ptr, allocate_on_comm_stream, scale_cols = call
         H = x.shape[1]
@@ -146,7 +148,7 @@ class _NormalMode:
         if is_token_in_rank is not None and handle is None:
             ir = is_token_in_rank if whole else is_token_in_rank[t0:t1]
         area, views = self._areas.pick()
-        views = views and not copy and not self.copy_outputs
+        views = keep or (views and not copy and not self.copy_outputs)
         args = self._dispatch_args
         args.x = xs.data_ptr() if n else None
         args.x_type = _lib.DTYPE_BF16 if sc is None else _lib.DTYPE_FP8_E4M3
@@ -192,7 +194,7 @@ class _NormalMode:
         # this stream comes after the copies), else the top-k ids and
         # weights (small, K words a row: a caller that keeps them, as
         # DeepEP's tests do under other names than recv_x, must not hold it).
-        first = 2 if views else 0
+        first = 4 if keep else 2 if views else 0
         if any(t is not None for t in outs[first:]):
             with self._alloc_stream(allocate_on_comm_stream):
                 owned = [torch.empty_like(t) if t is not None else None for t in outs[first:]]
@@ -216,80 +218,84 @@ class _NormalMode:
                 pad = (torch.arange(n_recv, device=self.device) >= n_dev).unsqueeze(1)
                 outs[2].masked_fill_(pad, -1)
                 outs[3].masked_fill_(pad, 0)
-        counts = []
+        counts, per_rank = [], None
         if handle is None and res.num_recv_tokens_per_expert:
             counts = res.num_recv_tokens_per_expert[:L]
-        return {"outs": outs, "counts": counts, "handle": new, "max_total": res.max_total_tokens, "views": views}
+            per_rank = res.num_recv_tokens_per_rank[:self.group_size]
+        return {"outs": outs, "counts": counts, "per_rank": per_rank, "handle": new, "max_total": res.max_total_tokens}
 
-    def _round_order(self, handles):
-        """For rounds' handles: rows per (round, source) on the host and the
-        gather index that puts the rounds' rows into DeepEP's order (source
-        ranks in order, each source's tokens in order)."""
+    def _round_index(self, per):
+        """For rounds of a dispatch, per[round][source] rows each (from the
+        host): per round, the output rows of its rows, and the rows in all.
+        A round's rows come by source, each source's in token order; the
+        outputs are DeepEP's order, by source, each source's tokens in order
+        (its rows of round 0, then of round 1, ...). Runs on the current
+        stream."""
         torch = _torch()
-        R, me = self.group_size, self.rank
-        # The notify of each round has finished (the host waited for its
-        # counts), so its prefix matrix can be read without a stream wait.
-        cols = torch.stack([h[0][:, me] for h in handles]).cpu().tolist()  # inclusive prefix per round
-        per = [[c[s] - (c[s - 1] if s else 0) for s in range(R)] for c in cols]  # [round][source]
-        starts, pos = [], 0
-        for c in cols:
-            starts.append(pos)
-            pos += c[R - 1] if R else 0
-        order = []
+        R = self.group_size
+        at, n = [], 0  # each source's next output row
         for s in range(R):
-            for j, c in enumerate(cols):
-                b = starts[j] + (c[s - 1] if s else 0)
-                order.append((b, per[j][s]))
-        idx = torch.cat([torch.arange(b, b + n, dtype=torch.int64) for b, n in order]) if order else \
-            torch.empty(0, dtype=torch.int64)
-        return per, idx.to(self.device)
+            at.append(n)
+            n += sum(r[s] for r in per)
+        shift, rows, row = [], [], 0  # per (round, source): output row minus row among the rounds' rows
+        for r in per:
+            for s in range(R):
+                shift.append(at[s] - row)
+                rows.append(r[s])
+                at[s] += r[s]
+                row += r[s]
+        table = torch.tensor([shift, rows], dtype=torch.int64, pin_memory=True).to(self.device, non_blocking=True)
+        index = torch.arange(n, device=self.device) + torch.repeat_interleave(table[0], table[1], output_size=n)
+        return list(torch.split(index, [sum(r) for r in per])), n
 
     def _dispatch_rounds(self, call, compute, first, x, x_scales, T, C, is_token_in_rank, topk_idx, topk_weights,
                          expert_alignment, K, per_expert):
+        """A fresh dispatch of more tokens than one call holds, in rounds of
+        C tokens (first: the first round's _dispatch_call). Each round's rows
+        stay in its receive area (or in owned copies, where the next round
+        needs the last free area) until every round's counts are known, then
+        go straight to their places in the outputs."""
         torch = _torch()
         ep, side, ptr, allocate_on_comm_stream, scale_cols = call
         rounds = (first["max_total"] + C - 1) // C
         parts = [first]
-        if first["views"]:
-            # The first round's outputs are views of an area a later round may need.
-            with self._alloc_stream(allocate_on_comm_stream):
-                owned = [torch.empty_like(t) if t is not None else None for t in first["outs"]]
-            with self._on(side):
-                for o, t in zip(owned, first["outs"]):
-                    if o is not None:
-                        o.copy_(t)
-            first["outs"] = owned
         for j in range(1, rounds):
             t0, t1 = min(j * C, T), min((j + 1) * C, T)
+            keep = j == rounds - 1 or self._areas.free() > 1
             parts.append(self._dispatch_call(call, x, x_scales, t0, t1, T, is_token_in_rank, topk_idx, topk_weights,
-                                             None, 1, 0, None, K, copy=True))
+                                             None, 1, 0, None, K, copy=not keep, keep=keep))
         handles = [p["handle"] for p in parts]
-        per, order = self._round_order(handles)
-        round_index = _inverse_rounds(torch, order, [sum(r) for r in per])
-        with self._alloc_stream(allocate_on_comm_stream):
-            outs = [torch.empty((order.numel(),) + tuple(t.shape[1:]), dtype=t.dtype, device=self.device)
-                    if t is not None else None for t in first["outs"]]
         with self._on(side):
-            for i, o in enumerate(outs):
-                if o is not None:
-                    for p, ix in zip(parts, round_index):  # each round's rows straight to their places
-                        _raw(torch, o).index_copy_(0, ix, _raw(torch, p["outs"][i]))
-            srcs = []
-            for j, h in enumerate(handles):  # source token indices of the whole dispatch
-                srcs.append(h[3] + j * C)
-            src = torch.cat(srcs).index_select(0, order)
+            round_index, n_recv = self._round_index([p["per_rank"] for p in parts])
+        with self._alloc_stream(allocate_on_comm_stream):
+            outs = [torch.empty((n_recv,) + tuple(t.shape[1:]), dtype=t.dtype, device=self.device)
+                    if t is not None else None for t in first["outs"]]
+            src = torch.empty(n_recv, dtype=torch.int32, device=self.device)
+        with self._on(side):
+            for j, (p, ix) in enumerate(zip(parts, round_index)):  # each round's rows straight to their places
+                for o, t in zip(outs, p["outs"]):
+                    if o is not None:
+                        _raw(torch, o).index_copy_(0, ix, _raw(torch, t))
+                src.index_copy_(0, ix, handles[j][3] + j * C)  # source token indices of the whole dispatch
             prefix = sum(h[0] for h in handles)
             send_head = torch.cat([h[5] for h in handles])
-        if side is not None:
-            for t in (src, prefix, send_head):
-                _record(t, compute)
         if per_expert is not None:
             counts = first["counts"]  # the callers' totals, summed over ranks by the first round
-        else:
+        elif expert_alignment <= 1 or outs[2] is None:
             counts = [sum(p["counts"][e] for p in parts) for e in range(len(first["counts"]))]
-            if expert_alignment > 1:
-                counts = [(c + expert_alignment - 1) // expert_alignment * expert_alignment for c in counts]
-        n_recv = int(order.numel())
+        else:
+            # The first round's counts came aligned, and an aligned sum is not
+            # the sum aligned: count the received ids (waits for the copies).
+            L = len(first["counts"])
+            with self._on(side):
+                ids = outs[2].flatten().long()
+                hist = torch.zeros(L + 1, dtype=torch.int64, device=self.device)
+                hist.index_add_(0, torch.where(ids >= 0, ids, L), torch.ones_like(ids))
+                counts = [(c + expert_alignment - 1) // expert_alignment * expert_alignment
+                          for c in hist[:L].tolist()]
+        if side is not None:
+            for t in [src, prefix, send_head] + round_index:
+                _record(t, compute)
         items = (prefix, None, None, src, is_token_in_rank, send_head)
         new = DispatchHandle(handles[0]._route, T, n_recv, K, topk_idx, topk_weights, items)
         new.rounds = [(h, min(j * C, T), min((j + 1) * C, T)) for j, h in enumerate(handles)]
@@ -385,15 +391,6 @@ class _NormalMode:
 def _raw(torch, t):
     """FP8 rows as bytes, for the index ops (which may lack float8)."""
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
-
-
-def _inverse_rounds(torch, order, sizes):
-    """Splits `order` (for each output row, its row among the rounds' rows
-    concatenated) into, per round, the output rows holding that round's rows
-    in the round's own order."""
-    inv = torch.empty_like(order)
-    inv[order] = torch.arange(order.numel(), device=order.device)
-    return list(torch.split(inv, sizes))
 
 
 def _split_x(torch, x, device):

@@ -56,6 +56,10 @@ class _Areas:
         free = [a for a, h in enumerate(self.held) if not h]
         return free[0], len(free) > 1
 
+    def free(self):
+        """How many areas no caller holds."""
+        return self.held.count(False)
+
     def views(self, torch, area, owner, device, arrays):
         """Views of area `area`, one per (name, shape, dtype) of `arrays`
         (None entries give None), all over one tensor that holds the area."""
