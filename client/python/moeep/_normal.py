@@ -389,8 +389,13 @@ class _NormalMode:
 
 
 def _raw(torch, t):
-    """FP8 rows as bytes, for the index ops (which may lack float8)."""
-    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+    """t's rows as 8-byte words where they allow it (else as bytes), for
+    the index ops, which move a row element by element: eight bytes per
+    element instead of one or two, and no float8 kernels needed."""
+    es = t.element_size()
+    if t.stride(-1) == 1 and (t.shape[-1] * es) % 8 == 0 and (t.storage_offset() * es) % 8 == 0:
+        return t.view(torch.int64)
+    return t.view(torch.uint8)
 
 
 def _split_x(torch, x, device):
