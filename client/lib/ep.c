@@ -386,6 +386,27 @@ int ep_check_live(struct moeep_ep *ep, bool elastic) {
         return 0;
 }
 
+/* The counts of a fresh dispatch as the host read them, before a caller
+ * sizes tensors or indexes by them: rows from each source within one
+ * call's share, summing to the rows received. */
+static int check_recv_counts(struct moeep_ep *ep, const struct moeep_ep_handle *h) {
+        int sum = 0;
+
+        for (int s = 0; s < ep->ctx.ranks; s++) {
+                const int n = h->recv_per_rank[s];
+                if (n < 0 || n > ep->ctx.max_tokens)
+                        return ep_fail(ep, -EPROTO,
+                                       "rank %d: the count exchange has %d rows from rank %d (0..%d)",
+                                       ep->ctx.rank, n, s, ep->ctx.max_tokens);
+                sum += n;
+        }
+        if (sum != h->num_recv)
+                return ep_fail(ep, -EPROTO,
+                               "rank %d: the count exchange has %d rows from the ranks but %d in all",
+                               ep->ctx.rank, sum, h->num_recv);
+        return 0;
+}
+
 static int state_error(struct moeep_ep *ep, uint32_t err, int peer) {
         switch ((enum moeep_kernel_error)err) {
         case MOEEP_KERR_NONE:
@@ -718,6 +739,8 @@ int moeep_dispatch(struct moeep_ep *ep, const struct moeep_dispatch_args *a,
                 h->num_recv = ep->host->num_recv;
                 h->max_total_tokens = ep->host->max_total_tokens;
                 memcpy(h->recv_per_rank, ep->host->recv_per_rank, sizeof(int) * (size_t)ep->ctx.ranks);
+                if ((r = check_recv_counts(ep, h)) < 0)
+                        goto fail;
                 memcpy(h->expert_counts_host, ep->host->expert_counts,
                        sizeof(int) * (size_t)(ep->ctx.num_experts / ep->ctx.ranks));
         }
