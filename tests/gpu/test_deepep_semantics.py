@@ -198,7 +198,9 @@ def test_rounds(rank, R, group, sock, gen):
     (at 8 ranks vLLM's 1 GiB does; here 256 MiB with fewer ranks)."""
     H, E, K = 2048, 16 * R, 6
     L = E // R
-    buf = moeep.Buffer(group, explicitly_destroy=True, socket=sock, max_tokens_per_rank=96)
+    # One receive area: each round but the last copies out of it, the last
+    # and every cached round read it in place (the prefill below has three).
+    buf = moeep.Buffer(group, explicitly_destroy=True, socket=sock, max_tokens_per_rank=96, recv_areas=1)
     T = 40 if rank == R - 1 else 250 + 31 * rank  # the largest decides the rounds; the small rank follows
     x = torch.randn(T, H, generator=gen, device="cuda").to(torch.bfloat16)
     idx, w = routing(T, E, K, gen)

@@ -311,22 +311,23 @@ class _NormalMode:
         rows of every round are known (handle.round_index): each round's
         rows go from its receive area straight to their places, on the
         call's stream before the next round, whose dispatch may reuse the
-        area once the views are gone (as _dispatch_call's copies)."""
+        area once the views are gone (as _dispatch_call's copies): a round
+        reads its area in place even when it is the last free one."""
         torch = _torch()
         ep, side, ptr, allocate_on_comm_stream, scale_cols = call
-        outs, keep = None, None
+        outs, present = None, None
         for (h, t0, t1), ix in zip(handle.rounds, handle.round_index):
             # Each round resends its slice of the top-k (moeep_dispatch
             # checks that it matches the round's handle).
             part = self._dispatch_call(call, x, x_scales, t0, t1, handle.num_tokens, None, handle.topk_idx,
-                                       handle.topk_weights, None, 1, 0, h, handle.num_topk)["outs"]
+                                       handle.topk_weights, None, 1, 0, h, handle.num_topk, keep=True)["outs"]
             if outs is None:
-                keep = [i for i in (0, 1) if part[i] is not None]
+                present = [i for i in (0, 1) if part[i] is not None]
                 with self._alloc_stream(allocate_on_comm_stream):
                     outs = [torch.empty((handle.num_recv_tokens,) + tuple(part[i].shape[1:]), dtype=part[i].dtype,
-                                        device=self.device) for i in keep]
+                                        device=self.device) for i in present]
             with self._on(side):
-                for i, o in zip(keep, outs):
+                for i, o in zip(present, outs):
                     _raw(torch, o).index_copy_(0, ix, _raw(torch, part[i]))
             del part  # the area is free for the next round
         return outs
