@@ -258,8 +258,11 @@ static void ep_free(struct moeep_ep *ep) {
         /* Later endpoints of this job must not be handed our old buffer. */
         if (ep->region_id)
                 moeep_region_release(ep->client, ep->region_id);
-        while ((h = SLIST_FIRST(&ep->free_handles))) {
-                SLIST_REMOVE_HEAD(&ep->free_handles, free_entry);
+        while ((h = SLIST_FIRST(&ep->free_handles)) || (h = SLIST_FIRST(&ep->captured_handles))) {
+                if (h->captured)
+                        SLIST_REMOVE_HEAD(&ep->captured_handles, free_entry);
+                else
+                        SLIST_REMOVE_HEAD(&ep->free_handles, free_entry);
                 cudaFree(h->dev_mem);
                 free(h->expert_counts_host);
                 free(h);
@@ -311,6 +314,7 @@ int moeep_ep_create(struct moeep_client *client, const struct moeep_ep_config *c
         if (!ep)
                 return -ENOMEM;
         SLIST_INIT(&ep->free_handles);
+        SLIST_INIT(&ep->captured_handles);
         ep->client = client;
         r = config_check(ep, config, ranks);
         if (r < 0)
@@ -496,27 +500,14 @@ int moeep_get_dispatch_layout(struct moeep_ep *ep, const void *topk_idx, enum mo
                                                  stream));
 }
 
-/* A handle from the free list, or a new one sized for the endpoint. */
-static int handle_get(struct moeep_ep *ep, cudaStream_t stream, struct moeep_ep_handle **ret) {
-        struct moeep_ep_handle *h = SLIST_FIRST(&ep->free_handles);
+/* A new handle sized for the endpoint. */
+static int handle_new(struct moeep_ep *ep, struct moeep_ep_handle **ret) {
         int R = ep->ctx.ranks, T = ep->ctx.max_tokens, L = ep->ctx.num_experts / R;
         size_t n_send = (size_t)T * R, n_recv = (size_t)T * R;
         size_t n_chunks = ((size_t)T + MOEEP_COMBINE_CHUNK_MIN - 1) / MOEEP_COMBINE_CHUNK_MIN;
+        struct moeep_ep_handle *h;
         char *p;
 
-        if (h) {
-                SLIST_REMOVE_HEAD(&ep->free_handles, free_entry);
-                *ret = h;
-                return 0;
-        }
-        {
-                enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
-                /* Allocating would break a capture: say what to do instead. */
-                if (cudaStreamIsCapturing(stream, &cs) == cudaSuccess && cs != cudaStreamCaptureStatusNone)
-                        return ep_fail(ep, -EBUSY,
-                                       "no free dispatch handle while the stream is capturing a graph; "
-                                       "free a handle (moeep_ep_handle_free) before capturing");
-        }
         h = calloc(1, sizeof(*h));
         if (!h)
                 return ep_fail(ep, -ENOMEM, "out of memory for a dispatch handle");
@@ -550,10 +541,38 @@ static int handle_get(struct moeep_ep *ep, cudaStream_t stream, struct moeep_ep_
         return 0;
 }
 
+/* A handle from the free list, or a new one. Outside a capture the free
+ * list keeps a spare, so that a graph captured next finds one (allocating
+ * would break the capture); one taken while capturing is the graph's. */
+static int handle_get(struct moeep_ep *ep, cudaStream_t stream, struct moeep_ep_handle **ret) {
+        struct moeep_ep_handle *h = SLIST_FIRST(&ep->free_handles), *spare;
+        enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+        const bool capturing =
+                cudaStreamIsCapturing(stream, &cs) == cudaSuccess && cs != cudaStreamCaptureStatusNone;
+        int r;
+
+        if (h)
+                SLIST_REMOVE_HEAD(&ep->free_handles, free_entry);
+        else if (capturing)
+                return ep_fail(ep, -EBUSY,
+                               "no free dispatch handle while the stream is capturing a graph; "
+                               "free a handle (moeep_ep_handle_free) before capturing");
+        else if ((r = handle_new(ep, &h)) < 0)
+                return r;
+        h->captured = capturing;
+        if (!capturing && SLIST_EMPTY(&ep->free_handles) && handle_new(ep, &spare) == 0)
+                SLIST_INSERT_HEAD(&ep->free_handles, spare, free_entry);
+        *ret = h;
+        return 0;
+}
+
 void moeep_ep_handle_free(struct moeep_ep_handle *h) {
         if (!h)
                 return;
-        SLIST_INSERT_HEAD(&h->ep->free_handles, h, free_entry);
+        if (h->captured)
+                SLIST_INSERT_HEAD(&h->ep->captured_handles, h, free_entry);
+        else
+                SLIST_INSERT_HEAD(&h->ep->free_handles, h, free_entry);
 }
 
 int moeep_ep_handle_num_tokens(const struct moeep_ep_handle *h) {

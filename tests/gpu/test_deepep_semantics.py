@@ -14,7 +14,9 @@ column-major; previous_event given an EventOverlap without event waits for
 the current stream, EventOverlap(EventHandle()) for the recorded point;
 cached dispatch; async_finish with current_stream_wait; expert_alignment;
 a dispatch larger than the buffer runs in rounds (vLLM's 8192-token
-prefill at hidden 7168) with the same results as one call.
+prefill at hidden 7168) with the same results as one call; a dispatch with
+num_worst_tokens and its combine captured in a CUDA graph and replayed,
+with an eager dispatch held across the replays.
 Low-latency mode: the handle (src_info, layout_range, num_max, hidden,
 num_experts), src_info the source token, layout_range begin << 32 | count
 with each source's tokens together in rank order; FP8 scales column-major;
@@ -262,6 +264,80 @@ def test_rounds(rank, R, group, sock, gen):
     del rx, ridx, rw, comb
     torch.cuda.synchronize()
     dist.barrier(group)
+    buf.destroy()
+
+
+def test_normal_graph(rank, R, group, sock, gen):
+    """vLLM's CUDA-graph prefill: get_dispatch_layout, a dispatch with
+    num_worst_tokens (no host wait; rows past the real count name no
+    expert) and its combine, captured in one CUDA graph and replayed with
+    new inputs copied into the captured tensors. Between replays an eager
+    dispatch whose outputs and handle the caller holds: the replays must
+    not write its rows (the graph's receive area is its own) nor its
+    routing (the graph's handle is never handed out again)."""
+    H, E, K, T = 1024, 8 * R, 4, 48
+    buf = moeep.Buffer(group, explicitly_destroy=True, socket=sock, max_tokens_per_rank=T)
+    W = R * T
+    x = torch.zeros(T, H, dtype=torch.bfloat16, device="cuda")
+    idx = torch.full((T, K), -1, dtype=moeep.topk_idx_t, device="cuda")
+    w = torch.zeros(T, K, device="cuda")
+    out = torch.empty(T, H, dtype=torch.bfloat16, device="cuda")
+    out_w = torch.empty(T, K, device="cuda")
+
+    def step():
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+        rx, _, rw, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                               num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w,
+                                               num_worst_tokens=W)
+        comb, cw, _ = buf.combine((rx.float() * (rank + 1)).to(torch.bfloat16), handle, topk_weights=rw)
+        out.copy_(comb)
+        out_w.copy_(cw)
+
+    def reached_scale(ni):  # sum of (r + 1) over the ranks a token reaches
+        hit = torch.zeros(T, R + 1, dtype=torch.bool, device="cuda")
+        hit.scatter_(1, torch.where(ni >= 0, ni // (E // R), R), True)
+        return (hit[:, :R].float() * torch.arange(1, R + 1, device="cuda").float()).sum(1, keepdim=True)
+
+    step()  # warm-up outside the capture
+    torch.cuda.synchronize()
+    dist.barrier(group)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    torch.cuda.synchronize()
+    for rep in range(3):
+        # An eager dispatch the caller holds across the replay.
+        ex = torch.randn(T, H, generator=gen, device="cuda").to(torch.bfloat16)
+        ei, ew = routing(T, E, K, gen)
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(ei, E)
+        erx, _, erw, _, ehandle, _ = buf.dispatch(ex, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                  num_tokens_per_expert=per_expert, topk_idx=ei, topk_weights=ew)
+        kept = erx.clone()
+        nx = torch.randn(T, H, generator=gen, device="cuda").to(torch.bfloat16)
+        ni, nw = routing(T, E, K, gen)
+        x.copy_(nx)
+        idx.copy_(ni)
+        w.copy_(nw)
+        out.fill_(POISON_BF16)
+        out_w.fill_(POISON_BF16)
+        torch.cuda.synchronize()
+        dist.barrier(group)
+        graph.replay()
+        torch.cuda.synchronize()
+        check(torch.allclose(out.float(), nx.float() * reached_scale(ni), rtol=2e-2, atol=2e-2),
+              "graph replay %d: combined rows" % rep)
+        check(torch.allclose(out_w, nw.masked_fill(ni < 0, 0), rtol=1e-5, atol=1e-6),
+              "graph replay %d: combined weights" % rep)
+        check(torch.equal(erx, kept), "graph replay %d wrote the rows of an eager dispatch held across it" % rep)
+        comb, cw, _ = buf.combine((erx.float() * (rank + 1)).to(torch.bfloat16), ehandle, topk_weights=erw)
+        check(torch.allclose(comb.float(), ex.float() * reached_scale(ei), rtol=2e-2, atol=2e-2),
+              "graph replay %d changed the routing of an eager dispatch held across it" % rep)
+        check(torch.allclose(cw, ew.masked_fill(ei < 0, 0), rtol=1e-5, atol=1e-6),
+              "eager combine after graph replay %d: weights" % rep)
+        del erx, erw, ehandle, comb, cw
+    torch.cuda.synchronize()
+    dist.barrier(group)
+    del graph
     buf.destroy()
 
 
@@ -538,6 +614,8 @@ def rank_main(rank, R, port, sock, which):
             test_rounds(rank, R, group, sock, gen)
         if "scales" in which:
             test_opaque_scales(rank, R, group, sock, gen)
+        if "graph" in which:
+            test_normal_graph(rank, R, group, sock, gen)
         if "ll" in which:
             test_low_latency(rank, R, group, sock, gen)
         if "engines" in which:
@@ -551,7 +629,7 @@ def main():
     if no_cuda():
         return 77
     ranks = [int(r) for r in os.environ.get("MOEEP_TEST_RANKS", "2,4").split(",")]
-    which = os.environ.get("MOEEP_TEST_PARTS", "normal,rounds,scales,ll,engines").split(",")
+    which = os.environ.get("MOEEP_TEST_PARTS", "normal,rounds,scales,graph,ll,engines").split(",")
 
     def run(sock):
         for R in ranks:

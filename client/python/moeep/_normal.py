@@ -147,7 +147,7 @@ class _NormalMode:
         ir = None
         if is_token_in_rank is not None and handle is None:
             ir = is_token_in_rank if whole else is_token_in_rank[t0:t1]
-        area, views = self._areas.pick()
+        area, views = self._areas.pick(torch.cuda.is_current_stream_capturing())
         views = keep or (views and not copy and not self.copy_outputs)
         args = self._dispatch_args
         args.x = xs.data_ptr() if n else None

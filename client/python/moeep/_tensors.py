@@ -35,11 +35,15 @@ class _Areas:
     lands in a free area; its outputs are views of that area when another
     area stays free for the next dispatch, else copies (the area stays
     free). Where the outputs' arrays lie inside an area (offsets from its
-    start) is the same for every area."""
+    start) is the same for every area. A dispatch captured in a CUDA graph
+    lands in the graph area, which every capture shares: the graphs'
+    replays write it whenever they run, so no other dispatch's outputs are
+    ever views of it (one that lands there copies)."""
 
     def __init__(self, ep, n):
         import ctypes
         self.held = [False] * n
+        self.graph_area = None
         self.base = []
         for a in range(n):
             res, nbytes = _lib.DispatchResult(), ctypes.c_size_t()
@@ -50,15 +54,31 @@ class _Areas:
             self.offsets = {name: getattr(res, name) - res.recv_x
                             for name in ("recv_x", "recv_x_scales", "recv_topk_idx", "recv_topk_weights")}
 
-    def pick(self):
-        """(area, views): the first free area, and whether the outputs may
-        be views of it (another area stays free)."""
-        free = [a for a, h in enumerate(self.held) if not h]
-        return free[0], len(free) > 1
+    def pick(self, capturing=False):
+        """(area, views): the area of a dispatch, and whether its outputs
+        may be views of it. While a graph is captured: the graph area (the
+        last free one the first time). Else the first free area but the
+        graph area, in place when another area stays for the next dispatch
+        (which copies there; the graph area always can); the graph area,
+        copied out, when no other is free."""
+        free = [a for a, h in enumerate(self.held) if not h and a != self.graph_area]
+        if capturing:
+            if self.graph_area is None:
+                if not free:
+                    raise RuntimeError("every receive area holds outputs of earlier dispatches: none is left for "
+                                       "a dispatch captured in a graph (drop those outputs, or more recv_areas)")
+                self.graph_area = free[-1]
+            return self.graph_area, True
+        if free:
+            return free[0], len(free) > 1 or self.graph_area is not None
+        return self.graph_area, False
 
     def free(self):
-        """How many areas no caller holds."""
-        return self.held.count(False)
+        """How many dispatches in a row could each take an area for itself:
+        the free areas but the graph area, and the graph area (a dispatch
+        there copies out)."""
+        return sum(1 for a, h in enumerate(self.held) if not h and a != self.graph_area) + \
+            (self.graph_area is not None)
 
     def views(self, torch, area, owner, device, arrays):
         """Views of area `area`, one per (name, shape, dtype) of `arrays`
