@@ -218,7 +218,10 @@ int moeep_combine(struct moeep_ep *ep, const struct moeep_combine_args *args, cu
 int moeep_ep_handle_num_tokens(const struct moeep_ep_handle *handle);
 
 /* Returns the handle to its endpoint. Kernels already queued on the
- * endpoint's stream may still use it. Accepts NULL. */
+ * endpoint's stream may still use it. A handle whose dispatch was captured
+ * in a CUDA graph stays the graph's (its replays rewrite and read its
+ * routing): it is never handed out again and goes with the endpoint.
+ * Accepts NULL. */
 void moeep_ep_handle_free(struct moeep_ep_handle *handle);
 
 /* ------------------------------------------------------------------ low-latency mode

@@ -9,7 +9,9 @@ side-by-side run):
 
   normal mode   dispatch BF16 with fresh routing, the same with a cached
                 handle, FP8 with a cached handle (scales column-major, as
-                DeepEP's tests pass them), combine;
+                DeepEP's tests pass them), combine, and a dispatch with
+                num_worst_tokens (no host wait) and its combine, eager and
+                replayed from a CUDA graph (vLLM's graph prefill);
   low latency   FP8 dispatch + BF16 combine as one decode step, eager
                 (back to back) and replayed from a CUDA graph, each also
                 timed in groups of 8 steps between two events.
@@ -166,6 +168,25 @@ def _normal(torch, deep_ep, a, rank, R, group, device, cache):
     res["combine"] = _summary(
         *_series(torch, lambda: buf.combine(recv_x, handle, topk_weights=recv_w, config=ccfg), a.iters,
                  a.warmup, cache), n_recv * H * 2)
+    # vLLM's graph prefill: a dispatch with num_worst_tokens (no host wait;
+    # every rank's whole share of rows comes back) and its combine, eager
+    # and replayed from a CUDA graph.
+    W = R * T
+
+    def worst():
+        rx, _, rw, _, h, _ = buf.dispatch(x, num_worst_tokens=W, **args)
+        buf.combine(rx, h, topk_weights=rw, config=ccfg)
+
+    def replay():
+        return _capture(torch, device, worst, 1).replay
+
+    for name, fn in (("dispatch + combine, num_worst_tokens", lambda: worst),
+                     ("dispatch + combine, num_worst_tokens, CUDA graph", replay)):
+        try:  # (no rounds with num_worst_tokens, and a library may lack capture support)
+            res[name] = _summary(*_series(torch, fn(), a.iters, a.warmup, cache), 2 * n_recv * H * 2)
+        except Exception as e:
+            res[name] = {"error": "%s: %s" % (type(e).__name__, e)}
+        torch.cuda.synchronize()
     del recv_x, recv_idx, recv_w, handle
     torch.cuda.synchronize()
     buf.destroy()
@@ -223,18 +244,7 @@ def _ll(torch, deep_ep, a, rank, R, group, device, cache):
     # number keeps every replay on the same pattern.
     graph_ok = True
     try:
-        torch.cuda.synchronize()
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            step()
-            step()
+        g = _capture(torch, device, step, 2)
         ev, host, wall = _series(torch, g.replay, max(a.iters // 2, 10), a.warmup // 2 + 1, cache)
         res["LL dispatch + combine, CUDA graph"] = _summary([v / 2 for v in ev], [v / 2 for v in host], wall / 2,
                                                             comm)
@@ -249,6 +259,24 @@ def _ll(torch, deep_ep, a, rank, R, group, device, cache):
         del g
     buf.destroy()
     return res
+
+
+def _capture(torch, device, fn, n):
+    """A CUDA graph of n calls of fn, after n calls on a side stream (what
+    the calls allocate or set up on first use stays out of the graph)."""
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(n):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(n):
+            fn()
+    return g
 
 
 def _ll_split(torch, dispatch, combine, rank, iters, cache):
