@@ -91,6 +91,36 @@ def fp8_back(q, s):
     return (q.float().view(T, H // 128, 128) * s.reshape(T, H // 128, 1)).view(T, H)
 
 
+def captured(step, group):
+    """A CUDA graph of step(), called once first outside the capture (what
+    it sets up on first use stays out of the graph), every rank together."""
+    step()
+    torch.cuda.synchronize()
+    dist.barrier(group)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
+def replay_new(graph, group, gen, E, inputs, outs):
+    """New tokens and routing copied into the captured (x, topk_idx,
+    topk_weights), the outputs poisoned, one replay on every rank together;
+    returns the new inputs."""
+    x, idx, w = inputs
+    new = (torch.randn(x.shape, generator=gen, device="cuda").to(torch.bfloat16),) + \
+        routing(x.shape[0], E, idx.shape[1], gen)
+    for t, n in zip(inputs, new):
+        t.copy_(n)
+    for o in outs:
+        o.fill_(POISON_BF16)
+    torch.cuda.synchronize()
+    dist.barrier(group)
+    graph.replay()
+    torch.cuda.synchronize()
+    return new
+
+
 # ---------------------------------------------------------------- module names
 
 def test_names():
@@ -298,12 +328,7 @@ def test_normal_graph(rank, R, group, sock, gen):
         hit.scatter_(1, torch.where(ni >= 0, ni // (E // R), R), True)
         return (hit[:, :R].float() * torch.arange(1, R + 1, device="cuda").float()).sum(1, keepdim=True)
 
-    step()  # warm-up outside the capture
-    torch.cuda.synchronize()
-    dist.barrier(group)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = captured(step, group)
     torch.cuda.synchronize()
     for rep in range(3):
         # An eager dispatch the caller holds across the replay.
@@ -313,17 +338,7 @@ def test_normal_graph(rank, R, group, sock, gen):
         erx, _, erw, _, ehandle, _ = buf.dispatch(ex, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
                                                   num_tokens_per_expert=per_expert, topk_idx=ei, topk_weights=ew)
         kept = erx.clone()
-        nx = torch.randn(T, H, generator=gen, device="cuda").to(torch.bfloat16)
-        ni, nw = routing(T, E, K, gen)
-        x.copy_(nx)
-        idx.copy_(ni)
-        w.copy_(nw)
-        out.fill_(POISON_BF16)
-        out_w.fill_(POISON_BF16)
-        torch.cuda.synchronize()
-        dist.barrier(group)
-        graph.replay()
-        torch.cuda.synchronize()
+        nx, ni, nw = replay_new(graph, group, gen, E, (x, idx, w), (out, out_w))
         check(torch.allclose(out.float(), nx.float() * reached_scale(ni), rtol=2e-2, atol=2e-2),
               "graph replay %d: combined rows" % rep)
         check(torch.allclose(out_w, nw.masked_fill(ni < 0, 0), rtol=1e-5, atol=1e-6),
@@ -517,23 +532,9 @@ def test_low_latency(rank, R, group, sock, gen):
         comb, _, fn2 = buf.low_latency_combine(y, idx, w, handle, return_recv_hook=True, out=out)
         fn2()
 
-    step()  # warm-up outside the capture
-    torch.cuda.synchronize()
-    dist.barrier(group)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = captured(step, group)
     for rep in range(3):
-        nx = torch.randn(NT, H, generator=gen, device="cuda").to(torch.bfloat16)
-        ni, nw = routing(NT, E, K, gen)
-        x.copy_(nx)
-        idx.copy_(ni)
-        w.copy_(nw)
-        out.fill_(POISON_BF16)
-        torch.cuda.synchronize()
-        dist.barrier(group)
-        graph.replay()
-        torch.cuda.synchronize()
+        nx, ni, nw = replay_new(graph, group, gen, E, (x, idx, w), (out,))
         check(torch.allclose(out.float(), ll_ref_combine(nx, ni, nw, scale_of), rtol=3e-2, atol=5e-2),
               "graph replay %d" % rep)
     dist.barrier(group)
