@@ -2,7 +2,7 @@
 the rows of a normal dispatch in rounds (index_copy_) and gather them for
 its combine (index_select), against a plain copy of the same bytes (the
 floor). moeep moves rows as 8-byte words (client/python/moeep/_normal.py,
-_raw); docs/benchmarks.md has the figures.
+_copy_rows); docs/benchmarks.md has the figures.
 
 Run on a GPU machine with torch: python3 scripts/index-copy.py [ROWS] [HIDDEN]
 (default 2600 rows of 7168, scattered among twice as many)."""

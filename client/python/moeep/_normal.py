@@ -275,7 +275,7 @@ class _NormalMode:
             for j, (p, ix) in enumerate(zip(parts, round_index)):  # each round's rows straight to their places
                 for o, t in zip(outs, p["outs"]):
                     if o is not None:
-                        _raw(torch, o).index_copy_(0, ix, _raw(torch, t))
+                        _copy_rows(torch, o, ix, t)
                 src.index_copy_(0, ix, handles[j][3] + j * C)  # source token indices of the whole dispatch
             prefix = sum(h[0] for h in handles)
             send_head = torch.cat([h[5] for h in handles])
@@ -328,7 +328,7 @@ class _NormalMode:
                                         device=self.device) for i in present]
             with self._on(side):
                 for i, o in zip(present, outs):
-                    _raw(torch, o).index_copy_(0, ix, _raw(torch, part[i]))
+                    _copy_rows(torch, o, ix, part[i])
             del part  # the area is free for the next round
         return outs
 
@@ -389,14 +389,17 @@ class _NormalMode:
         return out, out_w, event
 
 
-def _raw(torch, t):
-    """t's rows as 8-byte words where they allow it (else as bytes), for
-    the index ops, which move a row element by element: eight bytes per
-    element instead of one or two, and no float8 kernels needed."""
-    es = t.element_size()
-    if t.stride(-1) == 1 and (t.shape[-1] * es) % 8 == 0 and (t.storage_offset() * es) % 8 == 0:
-        return t.view(torch.int64)
-    return t.view(torch.uint8)
+def _copy_rows(torch, dst, index, src):
+    """dst[index] = src, row by row. torch's index_copy_ moves a row element
+    by element, so the rows go as 8-byte words where both tensors allow it
+    (eight bytes per element instead of one or two, and no float8 kernels
+    needed), else as bytes."""
+    def words(t):
+        es = t.element_size()
+        return t.stride(-1) == 1 and (t.shape[-1] * es) % 8 == 0 and (t.storage_offset() * es) % 8 == 0
+
+    word = torch.int64 if words(dst) and words(src) else torch.uint8
+    dst.view(word).index_copy_(0, index, src.view(word))
 
 
 def _split_x(torch, x, device):

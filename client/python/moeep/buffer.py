@@ -23,7 +23,7 @@ from ._handles import DispatchHandle, LowLatencyHandle, _Route  # noqa: F401
 from ._job import attach
 from ._lib import MoeepError
 from ._low_latency import _NO_EVENT, _LowLatencyMode, _pack_ue8m0  # noqa: F401
-from ._normal import _NormalMode, _raw, _split_x, _torch_layout  # noqa: F401
+from ._normal import _NormalMode, _split_x, _torch_layout  # noqa: F401
 from ._shrink import _ShrinkMode, _shrink_config, _shrink_shapes
 from ._tensors import _Areas, _DevicePointer, _check_index, _check_tensor, _index_type, _record, _view  # noqa: F401
 from .config import (DEFAULT_RECV_AREAS, Config, LowLatencySizeHint, Plan, check_num_sms,  # noqa: F401
