@@ -20,9 +20,9 @@ struct moeep_ep_handle {
         int max_total_tokens;     /* largest whole dispatch of any rank (rounds), from notify */
         int recv_per_rank[MOEEP_KERNEL_MAX_RANKS]; /* rows from each source rank, when num_recv >= 0 */
         int num_topk;
-        /* Taken while its stream captured a graph: the graph's replays
-         * write and read its route for as long as the graph lives, so once
-         * freed it is never handed out again (the endpoint frees it). */
+        /* Used while its stream captured a graph: the graph's replays write
+         * or read its route for as long as the graph lives, so once freed it
+         * serves only later captures (the endpoint frees it). */
         bool captured;
         SLIST_ENTRY(moeep_ep_handle) free_entry;
 };
@@ -40,7 +40,7 @@ struct moeep_ep {
         bool control_page_registered;
         void *control_page; /* not owning: the client's mapping, NULL when the client has none */
         SLIST_HEAD(, moeep_ep_handle) free_handles;
-        SLIST_HEAD(, moeep_ep_handle) captured_handles; /* freed, but a graph's (handle.captured) */
+        SLIST_HEAD(, moeep_ep_handle) captured_handles; /* freed, for captures only (handle.captured) */
         unsigned ll_calls; /* low-latency dispatches so far: picks the buffer set */
         uint32_t remote;   /* bit r: rank r is at another daemon (ctx.px.remote, also without a proxy path) */
         char error[512];

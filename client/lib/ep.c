@@ -231,7 +231,7 @@ static int ep_attach(struct moeep_ep *ep, const struct moeep_ep_config *c) {
         CUDA_TRY(ep, cudaEventCreateWithFlags(&ep->notify_done, cudaEventDisableTiming));
         CUDA_TRY(ep, (cudaError_t)moeep_kernels_init());
         /* Two handles up front, so that dispatch allocates nothing in the
-         * usual dispatch/combine cycle, also while a graph is captured. */
+         * usual dispatch/combine cycle. */
         for (int i = 0; i < 2; i++) {
                 struct moeep_ep_handle *h;
                 if ((r = handle_get(ep, NULL, &h)) < 0)
@@ -541,27 +541,39 @@ static int handle_new(struct moeep_ep *ep, struct moeep_ep_handle **ret) {
         return 0;
 }
 
-/* A handle from the free list, or a new one. Outside a capture the free
- * list keeps a spare, so that a graph captured next finds one (allocating
- * would break the capture); one taken while capturing is the graph's. */
-static int handle_get(struct moeep_ep *ep, cudaStream_t stream, struct moeep_ep_handle **ret) {
-        struct moeep_ep_handle *h = SLIST_FIRST(&ep->free_handles), *spare;
+/* Whether `stream` is capturing a CUDA graph. */
+static bool capturing(cudaStream_t stream) {
         enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
-        const bool capturing =
-                cudaStreamIsCapturing(stream, &cs) == cudaSuccess && cs != cudaStreamCaptureStatusNone;
+
+        return cudaStreamIsCapturing(stream, &cs) == cudaSuccess && cs != cudaStreamCaptureStatusNone;
+}
+
+/* A handle for a fresh dispatch on `stream`. Handles a graph captured are
+ * the graph's (its replays rewrite and read their routing), so they serve
+ * only later captures, whose replays run in order with it on the stream;
+ * other dispatches take the free list. A new one is allocated where none
+ * is free, during a capture too (the allocation is no stream work, so the
+ * thread's capture mode is relaxed for it). */
+static int handle_get(struct moeep_ep *ep, cudaStream_t stream, struct moeep_ep_handle **ret) {
+        const bool graph = capturing(stream);
+        struct moeep_ep_handle *h;
         int r;
 
-        if (h)
+        if (graph && (h = SLIST_FIRST(&ep->captured_handles))) {
+                SLIST_REMOVE_HEAD(&ep->captured_handles, free_entry);
+        } else if ((h = SLIST_FIRST(&ep->free_handles))) {
                 SLIST_REMOVE_HEAD(&ep->free_handles, free_entry);
-        else if (capturing)
-                return ep_fail(ep, -EBUSY,
-                               "no free dispatch handle while the stream is capturing a graph; "
-                               "free a handle (moeep_ep_handle_free) before capturing");
-        else if ((r = handle_new(ep, &h)) < 0)
-                return r;
-        h->captured = capturing;
-        if (!capturing && SLIST_EMPTY(&ep->free_handles) && handle_new(ep, &spare) == 0)
-                SLIST_INSERT_HEAD(&ep->free_handles, spare, free_entry);
+        } else {
+                enum cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+                if (graph)
+                        cudaThreadExchangeStreamCaptureMode(&mode);
+                r = handle_new(ep, &h);
+                if (graph)
+                        cudaThreadExchangeStreamCaptureMode(&mode);
+                if (r < 0)
+                        return r;
+        }
+        h->captured = graph;
         *ret = h;
         return 0;
 }
@@ -689,6 +701,7 @@ int moeep_dispatch(struct moeep_ep *ep, const struct moeep_dispatch_args *a,
         ep->ctx.recv_area = a->recv_area;
         if (a->handle) {
                 h = a->handle;
+                h->captured |= capturing(stream); /* a graph's routing from now on */
                 r = launch_result(ep, "barrier", moeep_launch_barrier(&ep->ctx, stream));
                 if (r < 0)
                         return r;
@@ -812,6 +825,7 @@ int moeep_combine(struct moeep_ep *ep, const struct moeep_combine_args *a, cudaS
                                ep->ctx.max_topk);
         if (a->out_topk_weights && !a->topk_weights)
                 return ep_fail(ep, -EINVAL, "combine: out_topk_weights needs topk_weights");
+        a->handle->captured |= capturing(stream); /* a graph's routing from now on */
         r = launch_result(ep, "barrier", moeep_launch_barrier(&ep->ctx, stream));
         if (r < 0)
                 return r;

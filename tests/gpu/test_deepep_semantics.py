@@ -298,13 +298,15 @@ def test_rounds(rank, R, group, sock, gen):
 
 
 def test_normal_graph(rank, R, group, sock, gen):
-    """vLLM's CUDA-graph prefill: get_dispatch_layout, a dispatch with
+    """vLLM's CUDA-graph prefill: get_dispatch_layout, dispatches with
     num_worst_tokens (no host wait; rows past the real count name no
-    expert) and its combine, captured in one CUDA graph and replayed with
-    new inputs copied into the captured tensors. Between replays an eager
-    dispatch whose outputs and handle the caller holds: the replays must
-    not write its rows (the graph's receive area is its own) nor its
-    routing (the graph's handle is never handed out again)."""
+    expert) and their combines, captured in one CUDA graph and replayed with
+    new inputs copied into the captured tensors. Two dispatches are alive at
+    once in the graph (a two-batch overlap; the second of other tokens), so
+    they need two receive areas and, with an eager dispatch held through the
+    capture, a routing handle allocated while capturing. Around every replay
+    an eager dispatch whose outputs and handle the caller holds: the
+    replays must not write its rows nor its routing."""
     H, E, K, T = 1024, 8 * R, 4, 48
     buf = moeep.Buffer(group, explicitly_destroy=True, socket=sock, max_tokens_per_rank=T)
     W = R * T
@@ -314,13 +316,18 @@ def test_normal_graph(rank, R, group, sock, gen):
     out = torch.empty(T, H, dtype=torch.bfloat16, device="cuda")
     out_w = torch.empty(T, K, device="cuda")
 
+    def expert(rx):  # a rank-dependent expert
+        return (rx.float() * (rank + 1)).to(torch.bfloat16)
+
     def step():
         per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
-        rx, _, rw, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                                               num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w,
-                                               num_worst_tokens=W)
-        comb, cw, _ = buf.combine((rx.float() * (rank + 1)).to(torch.bfloat16), handle, topk_weights=rw)
-        out.copy_(comb)
+        args = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                    topk_idx=idx, topk_weights=w, num_worst_tokens=W)
+        rx, _, rw, _, handle, _ = buf.dispatch(x, **args)
+        rx2, _, _, _, handle2, _ = buf.dispatch((x.float() * -0.5).to(torch.bfloat16), **args)
+        comb2, _, _ = buf.combine(expert(rx2), handle2)
+        comb, cw, _ = buf.combine(expert(rx), handle, topk_weights=rw)
+        out.copy_(comb.float() + comb2.float())
         out_w.copy_(cw)
 
     def reached_scale(ni):  # sum of (r + 1) over the ranks a token reaches
@@ -328,28 +335,39 @@ def test_normal_graph(rank, R, group, sock, gen):
         hit.scatter_(1, torch.where(ni >= 0, ni // (E // R), R), True)
         return (hit[:, :R].float() * torch.arange(1, R + 1, device="cuda").float()).sum(1, keepdim=True)
 
-    graph = captured(step, group)
-    torch.cuda.synchronize()
-    for rep in range(3):
-        # An eager dispatch the caller holds across the replay.
+    def eager():  # a dispatch the caller holds
         ex = torch.randn(T, H, generator=gen, device="cuda").to(torch.bfloat16)
         ei, ew = routing(T, E, K, gen)
         per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(ei, E)
         erx, _, erw, _, ehandle, _ = buf.dispatch(ex, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
                                                   num_tokens_per_expert=per_expert, topk_idx=ei, topk_weights=ew)
-        kept = erx.clone()
+        return ex, ei, ew, erx, erw, ehandle, erx.clone()
+
+    held = None
+    for rep in range(3):
+        if rep == 0:
+            step()  # warm-up outside the capture, then an eager dispatch held through it
+            held = eager()
+            torch.cuda.synchronize()
+            dist.barrier(group)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+        else:
+            held = eager()
+        ex, ei, ew, erx, erw, ehandle, kept = held
         nx, ni, nw = replay_new(graph, group, gen, E, (x, idx, w), (out, out_w))
-        check(torch.allclose(out.float(), nx.float() * reached_scale(ni), rtol=2e-2, atol=2e-2),
+        check(torch.allclose(out.float(), 0.5 * nx.float() * reached_scale(ni), rtol=2e-2, atol=2e-2),
               "graph replay %d: combined rows" % rep)
         check(torch.allclose(out_w, nw.masked_fill(ni < 0, 0), rtol=1e-5, atol=1e-6),
               "graph replay %d: combined weights" % rep)
         check(torch.equal(erx, kept), "graph replay %d wrote the rows of an eager dispatch held across it" % rep)
-        comb, cw, _ = buf.combine((erx.float() * (rank + 1)).to(torch.bfloat16), ehandle, topk_weights=erw)
+        comb, cw, _ = buf.combine(expert(erx), ehandle, topk_weights=erw)
         check(torch.allclose(comb.float(), ex.float() * reached_scale(ei), rtol=2e-2, atol=2e-2),
               "graph replay %d changed the routing of an eager dispatch held across it" % rep)
         check(torch.allclose(cw, ew.masked_fill(ei < 0, 0), rtol=1e-5, atol=1e-6),
               "eager combine after graph replay %d: weights" % rep)
-        del erx, erw, ehandle, comb, cw
+        del held, ex, erx, erw, ehandle, comb, cw
     torch.cuda.synchronize()
     dist.barrier(group)
     del graph

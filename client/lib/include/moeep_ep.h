@@ -181,7 +181,8 @@ struct moeep_dispatch_result {
         int max_total_tokens; /* largest total_tokens of any rank; -1 with num_worst_tokens or a handle */
         /* Host [ranks], owned by the handle: rows received from each source
          * rank (the differences of column `me` of rank_prefix_matrix); NULL
-         * with num_worst_tokens. */
+         * where the host does not know them (num_worst_tokens, and a cached
+         * dispatch of such a handle). */
         const int *num_recv_tokens_per_rank;
 };
 
@@ -218,10 +219,10 @@ int moeep_combine(struct moeep_ep *ep, const struct moeep_combine_args *args, cu
 int moeep_ep_handle_num_tokens(const struct moeep_ep_handle *handle);
 
 /* Returns the handle to its endpoint. Kernels already queued on the
- * endpoint's stream may still use it. A handle whose dispatch was captured
- * in a CUDA graph stays the graph's (its replays rewrite and read its
- * routing): it is never handed out again and goes with the endpoint.
- * Accepts NULL. */
+ * endpoint's stream may still use it. A handle used by a dispatch or
+ * combine captured in a CUDA graph stays the graph's (its replays rewrite
+ * or read its routing): it serves only later captures and goes with the
+ * endpoint. Accepts NULL. */
 void moeep_ep_handle_free(struct moeep_ep_handle *handle);
 
 /* ------------------------------------------------------------------ low-latency mode

@@ -396,7 +396,8 @@ def _copy_rows(torch, dst, index, src):
     needed), else as bytes."""
     def words(t):
         es = t.element_size()
-        return t.stride(-1) == 1 and (t.shape[-1] * es) % 8 == 0 and (t.storage_offset() * es) % 8 == 0
+        return t.stride(-1) == 1 and (t.shape[-1] * es) % 8 == 0 and \
+            all(v * es % 8 == 0 for v in t.stride()[:-1] + (t.storage_offset(),))
 
     word = torch.int64 if words(dst) and words(src) else torch.uint8
     dst.view(word).index_copy_(0, index, src.view(word))

@@ -36,14 +36,16 @@ class _Areas:
     area stays free for the next dispatch, else copies (the area stays
     free). Where the outputs' arrays lie inside an area (offsets from its
     start) is the same for every area. A dispatch captured in a CUDA graph
-    lands in the graph area, which every capture shares: the graphs'
-    replays write it whenever they run, so no other dispatch's outputs are
-    ever views of it (one that lands there copies)."""
+    lands in a graph area: the graphs' replays write it whenever they run,
+    so no outputs that outlive another dispatch's call are views of it (a
+    dispatch that lands there copies). Captures share the graph areas as
+    their replays run in order, each taking one whose captured outputs are
+    gone (the outputs of two dispatches alive at once in a graph need two)."""
 
     def __init__(self, ep, n):
         import ctypes
         self.held = [False] * n
-        self.graph_area = None
+        self.graph = set()  # the graph areas
         self.base = []
         for a in range(n):
             res, nbytes = _lib.DispatchResult(), ctypes.c_size_t()
@@ -56,29 +58,25 @@ class _Areas:
 
     def pick(self, capturing=False):
         """(area, views): the area of a dispatch, and whether its outputs
-        may be views of it. While a graph is captured: the graph area (the
-        last free one the first time). Else the first free area but the
-        graph area, in place when another area stays for the next dispatch
-        (which copies there; the graph area always can); the graph area,
-        copied out, when no other is free."""
-        free = [a for a, h in enumerate(self.held) if not h and a != self.graph_area]
+        may be views of it. While a graph is captured: a graph area that no
+        captured outputs hold (else a free area becomes one). Else the first
+        free area but the graph areas, in place when another area stays for
+        the next dispatch (which copies there); a free graph area, copied
+        out, when no other is free."""
+        free = [a for a, h in enumerate(self.held) if not h]
+        if not free:
+            raise RuntimeError("every receive area holds outputs a caller keeps (drop some, or pass a larger "
+                               "recv_areas): captured outputs that outlive their graph's capture hold theirs")
+        plain = [a for a in free if a not in self.graph]
         if capturing:
-            if self.graph_area is None:
-                if not free:
-                    raise RuntimeError("every receive area holds outputs of earlier dispatches: none is left for "
-                                       "a dispatch captured in a graph (drop those outputs, or more recv_areas)")
-                self.graph_area = free[-1]
-            return self.graph_area, True
-        if free:
-            return free[0], len(free) > 1 or self.graph_area is not None
-        return self.graph_area, False
+            a = next((a for a in free if a in self.graph), plain[-1] if plain else None)
+            self.graph.add(a)
+            return a, True
+        return (plain[0], len(free) > 1) if plain else (free[0], False)
 
     def free(self):
-        """How many dispatches in a row could each take an area for itself:
-        the free areas but the graph area, and the graph area (a dispatch
-        there copies out)."""
-        return sum(1 for a, h in enumerate(self.held) if not h and a != self.graph_area) + \
-            (self.graph_area is not None)
+        """How many areas no caller holds."""
+        return self.held.count(False)
 
     def views(self, torch, area, owner, device, arrays):
         """Views of area `area`, one per (name, shape, dtype) of `arrays`
