@@ -232,18 +232,7 @@ class _NormalMode:
         (its rows of round 0, then of round 1, ...). Runs on the current
         stream."""
         torch = _torch()
-        R = self.group_size
-        at, n = [], 0  # each source's next output row
-        for s in range(R):
-            at.append(n)
-            n += sum(r[s] for r in per)
-        shift, rows, row = [], [], 0  # per (round, source): output row minus row among the rounds' rows
-        for r in per:
-            for s in range(R):
-                shift.append(at[s] - row)
-                rows.append(r[s])
-                at[s] += r[s]
-                row += r[s]
+        shift, rows, n = _round_table(per)
         table = torch.tensor([shift, rows], dtype=torch.int64, pin_memory=True).to(self.device, non_blocking=True)
         index = torch.arange(n, device=self.device) + torch.repeat_interleave(table[0], table[1], output_size=n)
         return list(torch.split(index, [sum(r) for r in per])), n
@@ -387,6 +376,26 @@ class _NormalMode:
                              [x, topk_weights, out, out_w] + [p[1] for p in pieces] + [p[2] for p in pieces] +
                              [b for b in biases if b is not None])
         return out, out_w, event
+
+
+def _round_table(per):
+    """For rounds of per[round][source] rows each, in the rounds' order (by
+    round, then source): per (round, source), the shift from a row's place
+    among the rounds' rows to its output row in DeepEP's order (by source,
+    then round), and the rows; and the rows in all."""
+    R = len(per[0]) if per else 0
+    at, n = [], 0  # each source's next output row
+    for s in range(R):
+        at.append(n)
+        n += sum(r[s] for r in per)
+    shift, rows, row = [], [], 0
+    for r in per:
+        for s in range(R):
+            shift.append(at[s] - row)
+            rows.append(r[s])
+            at[s] += r[s]
+            row += r[s]
+    return shift, rows, n
 
 
 def _copy_rows(torch, dst, index, src):

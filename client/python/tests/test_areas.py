@@ -70,9 +70,9 @@ class _Endpoint:
         return r
 
 
-def _dispatch(areas, torch, rows=8):
+def _dispatch(areas, torch, rows=8, capturing=False):
     """What _dispatch_call does with the areas: pick one, make the outputs."""
-    area, views = areas.pick()
+    area, views = areas.pick(capturing)
     outs = areas.views(torch, area, object(), None,
                        [("recv_x", (rows, 256), torch.bfloat16), ("recv_x_scales", (rows, 2), torch.float32)])
     return area, views, outs
@@ -126,6 +126,36 @@ class AreasTest(unittest.TestCase):
         gc.collect()
         self.assertEqual(self.areas.held, [False, True, False])
         self.assertEqual(self.areas.pick(), (0, True))
+
+    def test_captures_take_graph_areas(self):
+        # A capture while a caller holds area 0: the last free area becomes a
+        # graph area, read in place by the graph.
+        eager = _dispatch(self.areas, self.torch)[2]
+        a, v, captured = _dispatch(self.areas, self.torch, capturing=True)
+        self.assertEqual((a, v, self.areas.graph), (2, True, {2}))
+        # A second dispatch alive in the same capture needs a second one.
+        a2, v2, captured2 = _dispatch(self.areas, self.torch, capturing=True)
+        self.assertEqual((a2, v2, self.areas.graph), (1, True, {1, 2}))
+        del captured, captured2
+        gc.collect()
+        # A later capture takes a graph area again, not the caller's.
+        self.assertEqual(self.areas.pick(True), (1, True))
+        self.assertEqual(self.areas.graph, {1, 2})
+        del eager
+        gc.collect()
+        # Outside a capture: views only of the other areas, and a graph area,
+        # copied out, where no other is free.
+        self.assertEqual(self.areas.pick(), (0, True))
+        held = _dispatch(self.areas, self.torch)[2]
+        self.assertEqual(self.areas.pick(), (1, False))
+        del held
+
+    def test_every_area_held(self):
+        held = [_dispatch(self.areas, self.torch, capturing=True)[2] for _ in range(3)]
+        for capturing in (False, True):
+            with self.assertRaisesRegex(RuntimeError, "every receive area holds outputs"):
+                self.areas.pick(capturing)
+        del held
 
     def test_area_out_of_range_is_refused(self):
         with self.assertRaises(_lib.MoeepError):
