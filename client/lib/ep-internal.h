@@ -39,8 +39,8 @@ struct moeep_ep {
         uint64_t region_id; /* our buffer at the broker; 0 = not registered */
         bool control_page_registered;
         void *control_page; /* not owning: the client's mapping, NULL when the client has none */
-        SLIST_HEAD(, moeep_ep_handle) free_handles;
-        SLIST_HEAD(, moeep_ep_handle) captured_handles; /* freed, for captures only (handle.captured) */
+        /* Freed handles by their `captured`: [true] serve captures only. */
+        SLIST_HEAD(, moeep_ep_handle) free_handles[2];
         unsigned ll_calls; /* low-latency dispatches so far: picks the buffer set */
         uint32_t remote;   /* bit r: rank r is at another daemon (ctx.px.remote, also without a proxy path) */
         char error[512];

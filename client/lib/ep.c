@@ -258,15 +258,13 @@ static void ep_free(struct moeep_ep *ep) {
         /* Later endpoints of this job must not be handed our old buffer. */
         if (ep->region_id)
                 moeep_region_release(ep->client, ep->region_id);
-        while ((h = SLIST_FIRST(&ep->free_handles)) || (h = SLIST_FIRST(&ep->captured_handles))) {
-                if (h->captured)
-                        SLIST_REMOVE_HEAD(&ep->captured_handles, free_entry);
-                else
-                        SLIST_REMOVE_HEAD(&ep->free_handles, free_entry);
-                cudaFree(h->dev_mem);
-                free(h->expert_counts_host);
-                free(h);
-        }
+        for (int c = 0; c < 2; c++)
+                while ((h = SLIST_FIRST(&ep->free_handles[c]))) {
+                        SLIST_REMOVE_HEAD(&ep->free_handles[c], free_entry);
+                        cudaFree(h->dev_mem);
+                        free(h->expert_counts_host);
+                        free(h);
+                }
         if (ep->notify_done)
                 cudaEventDestroy(ep->notify_done);
         if (ep->host)
@@ -313,8 +311,8 @@ int moeep_ep_create(struct moeep_client *client, const struct moeep_ep_config *c
         ep = calloc(1, sizeof(*ep));
         if (!ep)
                 return -ENOMEM;
-        SLIST_INIT(&ep->free_handles);
-        SLIST_INIT(&ep->captured_handles);
+        SLIST_INIT(&ep->free_handles[false]);
+        SLIST_INIT(&ep->free_handles[true]);
         ep->client = client;
         r = config_check(ep, config, ranks);
         if (r < 0)
@@ -556,13 +554,12 @@ static bool capturing(cudaStream_t stream) {
  * thread's capture mode is relaxed for it). */
 static int handle_get(struct moeep_ep *ep, cudaStream_t stream, struct moeep_ep_handle **ret) {
         const bool graph = capturing(stream);
+        const bool pool = graph && !SLIST_EMPTY(&ep->free_handles[true]);
         struct moeep_ep_handle *h;
         int r;
 
-        if (graph && (h = SLIST_FIRST(&ep->captured_handles))) {
-                SLIST_REMOVE_HEAD(&ep->captured_handles, free_entry);
-        } else if ((h = SLIST_FIRST(&ep->free_handles))) {
-                SLIST_REMOVE_HEAD(&ep->free_handles, free_entry);
+        if ((h = SLIST_FIRST(&ep->free_handles[pool]))) {
+                SLIST_REMOVE_HEAD(&ep->free_handles[pool], free_entry);
         } else {
                 enum cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
                 if (graph)
@@ -581,10 +578,7 @@ static int handle_get(struct moeep_ep *ep, cudaStream_t stream, struct moeep_ep_
 void moeep_ep_handle_free(struct moeep_ep_handle *h) {
         if (!h)
                 return;
-        if (h->captured)
-                SLIST_INSERT_HEAD(&h->ep->captured_handles, h, free_entry);
-        else
-                SLIST_INSERT_HEAD(&h->ep->free_handles, h, free_entry);
+        SLIST_INSERT_HEAD(&h->ep->free_handles[h->captured], h, free_entry);
 }
 
 int moeep_ep_handle_num_tokens(const struct moeep_ep_handle *h) {
