@@ -194,7 +194,7 @@ class _NormalMode:
         # this stream comes after the copies), else the top-k ids and
         # weights (small, K words a row: a caller that keeps them, as
         # DeepEP's tests do under other names than recv_x, must not hold it).
-        first = 4 if keep else 2 if views else 0
+        first = len(outs) if keep else 2 if views else 0
         if any(t is not None for t in outs[first:]):
             with self._alloc_stream(allocate_on_comm_stream):
                 owned = [torch.empty_like(t) if t is not None else None for t in outs[first:]]
@@ -275,13 +275,9 @@ class _NormalMode:
         else:
             # The first round's counts came aligned, and an aligned sum is not
             # the sum aligned: count the received ids (waits for the copies).
-            L = len(first["counts"])
             with self._on(side):
-                ids = outs[2].flatten().long()
-                hist = torch.zeros(L + 1, dtype=torch.int64, device=self.device)
-                hist.index_add_(0, torch.where(ids >= 0, ids, L), torch.ones_like(ids))
                 counts = [(c + expert_alignment - 1) // expert_alignment * expert_alignment
-                          for c in hist[:L].tolist()]
+                          for c in _expert_counts(torch, outs[2], len(first["counts"])).tolist()]
         if side is not None:
             for t in [src, prefix, send_head] + round_index:
                 _record(t, compute)
@@ -450,14 +446,20 @@ def _pad_scales(torch, scales, width):
     return padded
 
 
+def _expert_counts(torch, ids, n):
+    """How many of ids (any shape) name each expert 0..n-1 (-1: none), int64
+    on their device, without host synchronisation."""
+    ids = ids.flatten().long()
+    counts = torch.zeros(n + 1, dtype=torch.int64, device=ids.device)
+    counts.index_add_(0, torch.where(ids >= 0, ids, n), torch.ones_like(ids))
+    return counts[:n]
+
+
 def _torch_layout(torch, topk_idx, num_experts, num_ranks, per_rank, per_expert, in_rank):
     """get_dispatch_layout in torch ops (no host synchronisation)."""
     idx = topk_idx.long()
     valid = idx >= 0
-    e = torch.where(valid, idx, torch.full_like(idx, num_experts))
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=idx.device)
-    counts.index_add_(0, e.flatten(), torch.ones_like(e.flatten()))
-    per_expert.copy_(counts[:num_experts])
+    per_expert.copy_(_expert_counts(torch, idx, num_experts))
     r = torch.where(valid, idx // (num_experts // num_ranks), torch.full_like(idx, num_ranks))
     hit = torch.zeros(idx.shape[0], num_ranks + 1, dtype=torch.bool, device=idx.device)
     hit.scatter_(1, r, True)

@@ -93,12 +93,13 @@ def _fp8(torch, x):
     return q, (amax / 448.0).T.contiguous().T
 
 
-def _series(torch, fn, iters, warmup, cache, per=1):
+def _series(torch, fn, iters, warmup, cache, per=1, steps=1):
     """Runs fn back to back as DeepEP's bench(): warm-ups, an L2 flush, then
     `iters` calls each between two events, one synchronise at the end; with
     `per` > 1, `iters` groups of `per` calls, each group between two events
     (as an engine's loop, which records no event per call). Returns (event
-    times us per call, host times us per call, wall us per call)."""
+    times us, host times us, wall us), each per step: a call of fn holds
+    `steps` (a graph replay of two decode steps: 2)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -118,11 +119,11 @@ def _series(torch, fn, iters, warmup, cache, per=1):
         h0 = clock()
         for _ in range(per):
             fn()
-        host.append((clock() - h0) * 1e6 / per)
+        host.append((clock() - h0) * 1e6 / (per * steps))
         ends[i].record(stream)
     torch.cuda.synchronize()
-    wall = (clock() - t0) * 1e6 / (iters * per)
-    ev = [s.elapsed_time(e) * 1e3 / per for s, e in zip(starts, ends)][1:]
+    wall = (clock() - t0) * 1e6 / (iters * per * steps)
+    ev = [s.elapsed_time(e) * 1e3 / (per * steps) for s, e in zip(starts, ends)][1:]
     return ev, host[1:], wall
 
 
@@ -245,12 +246,10 @@ def _ll(torch, deep_ep, a, rank, R, group, device, cache):
     graph_ok = True
     try:
         g = _capture(torch, device, step, 2)
-        ev, host, wall = _series(torch, g.replay, max(a.iters // 2, 10), a.warmup // 2 + 1, cache)
-        res["LL dispatch + combine, CUDA graph"] = _summary([v / 2 for v in ev], [v / 2 for v in host], wall / 2,
-                                                            comm)
-        ev, host, wall = _series(torch, g.replay, groups, a.warmup // 2 + 1, cache, _GROUP // 2)
-        res["LL graph, %d steps per event pair" % _GROUP] = _summary([v / 2 for v in ev], [v / 2 for v in host],
-                                                                     wall / 2, comm)
+        res["LL dispatch + combine, CUDA graph"] = _summary(
+            *_series(torch, g.replay, max(a.iters // 2, 10), a.warmup // 2 + 1, cache, steps=2), comm)
+        res["LL graph, %d steps per event pair" % _GROUP] = _summary(
+            *_series(torch, g.replay, groups, a.warmup // 2 + 1, cache, _GROUP // 2, steps=2), comm)
     except Exception as e:  # a library without capture support still gets its eager figures
         graph_ok = False
         res["LL dispatch + combine, CUDA graph"] = {"error": "%s: %s" % (type(e).__name__, e)}
