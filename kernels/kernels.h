@@ -210,6 +210,14 @@ struct moeep_dispatch_launch {
 int moeep_launch_dispatch(const struct moeep_ctx *ctx, const struct moeep_dispatch_launch *a,
                           const struct moeep_route *route, cudaStream_t stream);
 
+/* Copies rows 0..rows-1 of a dispatch's received top-k ids (int64 or
+ * int32) and weights, [rows][num_topk] each, into idx_out and weights_out;
+ * rows at or past *num_recv (device) get -1 and 0. Follows the dispatch on
+ * the same stream. */
+int moeep_launch_copy_topk(const struct moeep_ctx *ctx, const void *idx, int idx_is_int64, const float *weights,
+                           const int *num_recv, int rows, int num_topk, void *idx_out, float *weights_out,
+                           cudaStream_t stream);
+
 /* Sends each received row (x: [num_recv][hidden] bf16, weights optional)
  * back to its source rank, waits for every rank's rows, and reduces them
  * into out [num_tokens][hidden] (and out_weights [num_tokens][num_topk]). */

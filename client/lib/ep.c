@@ -799,6 +799,40 @@ fail:
         return r;
 }
 
+int moeep_dispatch_copy_topk(struct moeep_ep *ep, const struct moeep_ep_handle *handle, int recv_area,
+                             enum moeep_index_type idx_type, int rows, void *topk_idx_out,
+                             float *topk_weights_out, cudaStream_t stream) {
+        const int most = ep ? ep->ctx.ranks * ep->ctx.max_tokens : 0;
+        const char *area;
+        int r;
+
+        if (!ep)
+                return -EINVAL;
+        if (!handle || handle->ep != ep)
+                return ep_fail(ep, -EINVAL, "copy_topk: %s",
+                               handle ? "the handle belongs to another endpoint"
+                                      : "needs the dispatch's handle");
+        if ((r = check_index_type(ep, idx_type)) < 0)
+                return r;
+        if (handle->num_topk < 1)
+                return ep_fail(ep, -EINVAL, "copy_topk: the handle's dispatch sent no top-k");
+        if (recv_area < 0 || recv_area >= ep->ctx.layout.areas)
+                return ep_fail(ep, -EINVAL, "copy_topk: receive area %d is outside 0..%d", recv_area,
+                               ep->ctx.layout.areas - 1);
+        if (rows < 0 || rows > most || (handle->num_recv >= 0 && rows != handle->num_recv))
+                return ep_fail(ep, -EINVAL, "copy_topk: %d rows, the dispatch received %d (at most %d)", rows,
+                               handle->num_recv, most);
+        if (rows > 0 && (!topk_idx_out || !topk_weights_out))
+                return ep_fail(ep, -EINVAL, "copy_topk: an output is NULL");
+        area = ep->ctx.peers[ep->ctx.rank] + (size_t)recv_area * ep->ctx.layout.area_bytes;
+        return launch_result(ep, "copy_topk",
+                             moeep_launch_copy_topk(&ep->ctx, area + ep->ctx.layout.recv_topk_idx,
+                                                    idx_type == MOEEP_INDEX_INT64,
+                                                    (const float *)(area + ep->ctx.layout.recv_topk_weights),
+                                                    handle->route.num_recv, rows, handle->num_topk,
+                                                    topk_idx_out, topk_weights_out, stream));
+}
+
 int moeep_combine(struct moeep_ep *ep, const struct moeep_combine_args *a, cudaStream_t stream) {
         int r;
 

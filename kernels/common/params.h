@@ -138,6 +138,10 @@ enum {
 };
 
 enum {
+        COPY_TOPK_THREADS = 256 /* moeep_launch_copy_topk: one top-k entry per thread */
+};
+
+enum {
         LL_THREADS = 512,
         LL_WARPS = LL_THREADS / 32,
         LL_SCAN_PAIRS = 4096,       /* low-latency dispatch: pairs whose positions are counted in shared memory */

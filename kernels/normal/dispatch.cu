@@ -214,3 +214,42 @@ extern "C" int moeep_launch_dispatch(const struct moeep_ctx *ctx, const struct m
         MOEEP_CUDA_LAUNCH_CHECK();
         return 0;
 }
+
+/* The received top-k ids and weights of a dispatch (its receive area's
+ * [rows][K] arrays) copied into the caller's arrays: rows at or past the
+ * received count read -1 and 0 (a num_worst_tokens dispatch, whose count
+ * only the device knows). */
+template <typename Idx>
+__global__ void __launch_bounds__(COPY_TOPK_THREADS)
+        copy_topk_kernel(const Idx *idx, const float *weights, const int *num_recv, int rows, int K, Idx *idx_out,
+                         float *weights_out) {
+        grid_dep_wait(); /* the dispatch before us: its rows and its count */
+        const size_t n = (size_t)max(0, min(*num_recv, rows)) * K, total = (size_t)rows * K;
+
+        for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
+                idx_out[i] = i < n ? idx[i] : (Idx)-1;
+                weights_out[i] = i < n ? weights[i] : 0.0f;
+        }
+}
+
+extern "C" int moeep_launch_copy_topk(const struct moeep_ctx *ctx, const void *idx, int idx_is_int64,
+                                      const float *weights, const int *num_recv, int rows, int num_topk, void *idx_out,
+                                      float *weights_out, cudaStream_t stream) {
+        const size_t total = (size_t)rows * num_topk;
+        const unsigned blocks = (unsigned)min((total + COPY_TOPK_THREADS - 1) / COPY_TOPK_THREADS, (size_t)1024);
+
+        MOEEP_CUDA_LAUNCH_BEGIN();
+        if (total == 0)
+                return 0;
+        /* A programmatic dependent of the dispatch: placed while it ends. */
+        const cudaError_t e = with_index_type(idx_is_int64, [&](auto i) {
+                using Idx = decltype(i);
+                return launch_kernel(copy_topk_kernel<Idx>, blocks, COPY_TOPK_THREADS, 0, stream, false,
+                                     !(ctx->debug & MOEEP_DEBUG_NO_PDL), (const Idx *)idx, weights, num_recv, rows,
+                                     num_topk, (Idx *)idx_out, weights_out);
+        });
+        if (e != cudaSuccess)
+                return (int)e;
+        MOEEP_CUDA_LAUNCH_CHECK();
+        return 0;
+}

@@ -323,6 +323,57 @@ done:
         return bad ? -1 : 0;
 }
 
+/* moeep_dispatch_copy_topk against the area it copies (which
+ * verify_dispatch checked against the CPU): into poisoned arrays of `rows`
+ * rows, the first num_recv equal to the area's, the rest -1 and 0 (rows >
+ * num_recv only with num_worst_tokens). Also its refusals: a row count
+ * other than the received one (host-known count), an area out of range, no
+ * handle. */
+static int check_copy_topk(char *msg, struct moeep_ep *ep, const struct moeep_dispatch_args *a,
+                           const struct moeep_dispatch_result *res, int num_recv, int rows, cudaStream_t st) {
+        const int K = a->num_topk;
+        const size_t isz = a->topk_idx_type == MOEEP_INDEX_INT32 ? 4 : 8, n = (size_t)rows * K,
+                     m = (size_t)num_recv * K;
+        uint8_t *d_i = NULL, *want_i = malloc(isz * n + 8), *got_i = malloc(isz * n + 8);
+        float *d_w = NULL, *want_w = malloc(sizeof(float) * n + 4), *got_w = malloc(sizeof(float) * n + 4);
+        int rc = -1;
+
+        CK(cudaMalloc((void **)&d_i, isz * n + 8));
+        CK(cudaMalloc((void **)&d_w, sizeof(float) * n + 4));
+        CK(cudaMemset(d_i, 0x5a, isz * n + 8));
+        CK(cudaMemset(d_w, 0x5a, sizeof(float) * n + 4));
+        CK(cudaMemcpy(want_i, res->recv_topk_idx, isz * m, cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(want_w, res->recv_topk_weights, sizeof(float) * m, cudaMemcpyDeviceToHost));
+        memset(want_i + isz * m, 0xff, isz * (n - m)); /* -1 in either width */
+        for (size_t i = m; i < n; i++)
+                want_w[i] = 0.0f;
+        MK(moeep_dispatch_copy_topk(ep, res->handle, a->recv_area, a->topk_idx_type, rows, d_i, d_w, st));
+        CK(cudaStreamSynchronize(st));
+        CK(cudaMemcpy(got_i, d_i, isz * n, cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(got_w, d_w, sizeof(float) * n, cudaMemcpyDeviceToHost));
+        for (size_t i = 0; i < n; i++)
+                if (memcmp(got_i + i * isz, want_i + i * isz, isz) ||
+                    memcmp(&got_w[i], &want_w[i], sizeof(float)))
+                        FAIL("copy_topk: row %zu entry %zu differs from the area (or the padding)", i / K,
+                             i % K);
+        if (res->num_recv_tokens >= 0 &&
+            moeep_dispatch_copy_topk(ep, res->handle, a->recv_area, a->topk_idx_type, rows + 1, d_i, d_w,
+                                     st) != -EINVAL)
+                FAIL("copy_topk accepted %d rows of a dispatch that received %d", rows + 1, num_recv);
+        if (moeep_dispatch_copy_topk(ep, res->handle, -1, a->topk_idx_type, rows, d_i, d_w, st) != -EINVAL ||
+            moeep_dispatch_copy_topk(ep, NULL, a->recv_area, a->topk_idx_type, rows, d_i, d_w, st) != -EINVAL)
+                FAIL("copy_topk accepted an area out of range or no handle");
+        rc = 0;
+out:
+        cudaFree(d_i);
+        cudaFree(d_w);
+        free(want_i);
+        free(got_i);
+        free(want_w);
+        free(got_w);
+        return rc;
+}
+
 /* Device buffers of a combine: expert outputs and weights in receive
  * order (sized for the worst case), and the outputs. */
 struct comb_io {
@@ -759,6 +810,9 @@ static int run_case(struct moeep_client *c, int me, int R, int ci, uint64_t seed
                 CK(cudaMemcpy(&num_recv, res.num_recv_tokens_dev, sizeof(int), cudaMemcpyDeviceToHost));
         }
         if (verify_dispatch(msg, tc, me, R, in, &res, num_recv, true) < 0)
+                goto out;
+        if (!tc->no_topk &&
+            check_copy_topk(msg, ep, &a, &res, num_recv, tc->worst ? a.num_worst_tokens : num_recv, st) < 0)
                 goto out;
         if (run_combine(msg, ep, tc, me, R, in, handle, num_recv, st) < 0)
                 goto out;

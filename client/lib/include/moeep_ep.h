@@ -189,6 +189,18 @@ struct moeep_dispatch_result {
 int moeep_dispatch(struct moeep_ep *ep, const struct moeep_dispatch_args *args,
                    struct moeep_dispatch_result *ret_result, cudaStream_t stream);
 
+/* Copies the top-k ids and weights a dispatch received (rows 0..rows-1 of
+ * its recv_topk_idx and recv_topk_weights, the handle's num_topk entries a
+ * row, ids of idx_type: the dispatch's) from receive area recv_area (the
+ * dispatch's) into the caller's device arrays, so that a caller who keeps
+ * them need not keep the area. rows is the received count, or with
+ * num_worst_tokens that count (rows past the real count, which only the
+ * device knows, read -1 and 0, as DeepEP's). One kernel on `stream`, after
+ * the dispatch; before the next dispatch into the area. */
+int moeep_dispatch_copy_topk(struct moeep_ep *ep, const struct moeep_ep_handle *handle, int recv_area,
+                             enum moeep_index_type idx_type, int rows, void *topk_idx_out,
+                             float *topk_weights_out, cudaStream_t stream);
+
 struct moeep_combine_args {
         const void *x;             /* bf16 [num_recv][hidden]: one row per received row, same order */
         const float *topk_weights; /* optional [num_recv][num_topk] */
