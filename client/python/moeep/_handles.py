@@ -58,12 +58,16 @@ class DispatchHandle(tuple):
     rank << 24) | source token; is_token_in_rank as given (or None);
     send_head int32 [tokens, ranks]: a token's row among ours at each rank,
     -1 = not sent). The tensors are views of the handle's memory, valid
-    while the handle lives."""
+    while the handle lives. `items` is the tuple, or a function that makes
+    it: the views are then made when the tuple is first read (engines pass
+    the handle back without reading it; each view costs host time)."""
 
     def __new__(cls, route, num_tokens, num_recv_tokens, num_topk, topk_idx, topk_weights, items):
-        return super().__new__(cls, items)
+        return super().__new__(cls, items if isinstance(items, tuple) else (None,) * 6)
 
     def __init__(self, route, num_tokens, num_recv_tokens, num_topk, topk_idx, topk_weights, items):
+        self._items = None if isinstance(items, tuple) else items
+        self._tuple = items if isinstance(items, tuple) else None
         self._route = route
         # A dispatch larger than one call runs in rounds: [(round's handle,
         # first token, end)] and, per round, the rows of the whole output
@@ -78,6 +82,23 @@ class DispatchHandle(tuple):
         # the first call had it); kept so the caller need not pass them again.
         self.topk_idx = topk_idx
         self.topk_weights = topk_weights
+
+    def _made(self):
+        """The tuple, made now if it was not yet."""
+        if self._tuple is None:
+            if not self._route.ptr:
+                raise ValueError("the dispatch handle was released: its routing is gone")
+            self._tuple, self._items = self._items(), None
+        return self._tuple
+
+    def __getitem__(self, i):
+        return self._made().__getitem__(i)
+
+    def __iter__(self):
+        return iter(self._made())
+
+    def __repr__(self):
+        return "DispatchHandle%r" % (tuple(self),)
 
     @property
     def ptr(self):

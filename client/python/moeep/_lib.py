@@ -236,6 +236,7 @@ _DATA = {
     "moeep_ep_check": (_int, [_vp]),
     "moeep_get_dispatch_layout": (_int, [_vp, _vp, _int, _int, _int, _vp, _vp, _vp, _vp]),
     "moeep_dispatch": (_int, [_vp, _P(DispatchArgs), _P(DispatchResult), _vp]),
+    "moeep_dispatch_copy_topk": (_int, [_vp, _vp, _int, _int, _int, _vp, _vp, _vp]),
     "moeep_combine": (_int, [_vp, _P(CombineArgs), _vp]),
     "moeep_ep_max_recv_tokens": (_int, [_vp]),
     "moeep_ep_recv_area": (_int, [_vp, _int, _P(DispatchResult), _P(ctypes.c_size_t)]),

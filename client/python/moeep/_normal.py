@@ -174,35 +174,43 @@ class _NormalMode:
             n_recv = res.num_recv_tokens if res.num_recv_tokens >= 0 else num_worst_tokens
             route = _Route(self, res.handle)
             self._handles.add(route)
-            R = self.group_size
-            items = (_view(torch, res.rank_prefix_matrix, (R, R), torch.int32, route, self.device), None, None,
-                     _view(torch, res.recv_src_info, (n_recv,), torch.int32, route, self.device),
-                     ir, _view(torch, res.send_pos, (n, R), torch.int32, route, self.device))
-            new = DispatchHandle(route, n, n_recv, K, ti, tw, items)
+            new = DispatchHandle(route, n, n_recv, K, ti, tw,
+                                 self._handle_items(route, res.rank_prefix_matrix, res.recv_src_info, res.send_pos,
+                                                    n, n_recv, ir))
         else:
             n_recv = handle.num_recv_tokens
         L = res.num_local_experts
         has_topk = handle is None and topk_idx is not None
         idx_dtype = topk_idx.dtype if topk_idx is not None else torch.int64
+        # The top-k ids and weights (small, K words a row) never hold the
+        # area unless the rows are a round's (keep): a caller that keeps
+        # them, as DeepEP's tests do under other names than recv_x, must not
+        # hold it. libmoeep copies them out in one kernel, rows past the
+        # real count of a num_worst_tokens dispatch as -1 and 0 (DeepEP's).
+        topk_views = has_topk and keep
         arrays = [("recv_x", (n_recv, H), x.dtype),
                   ("recv_x_scales", (n_recv, H // _lib.SCALE_BLOCK), torch.float32) if x_scales is not None else None,
-                  ("recv_topk_idx", (n_recv, K), idx_dtype) if has_topk else None,
-                  ("recv_topk_weights", (n_recv, K), torch.float32) if has_topk else None]
+                  ("recv_topk_idx", (n_recv, K), idx_dtype) if topk_views else None,
+                  ("recv_topk_weights", (n_recv, K), torch.float32) if topk_views else None]
         outs = self._areas.views(torch, area, self, self.device, arrays)
-        # Owned copies of what must not hold the area: all of it when no
-        # other area stays free (the area then stays free: the next call on
-        # this stream comes after the copies), else the top-k ids and
-        # weights (small, K words a row: a caller that keeps them, as
-        # DeepEP's tests do under other names than recv_x, must not hold it).
-        first = len(outs) if keep else 2 if views else 0
-        if any(t is not None for t in outs[first:]):
+        if not views:
+            # Owned copies of the rows too when no other area stays free
+            # (the area then stays free: the next call on this stream comes
+            # after the copies).
             with self._alloc_stream(allocate_on_comm_stream):
-                owned = [torch.empty_like(t) if t is not None else None for t in outs[first:]]
+                owned = [torch.empty_like(t) if t is not None else None for t in outs[:2]]
             with self._on(side):
-                for o, t in zip(owned, outs[first:]):
+                for o, t in zip(owned, outs[:2]):
                     if o is not None:
                         o.copy_(t)
-            outs[first:] = owned
+            outs[:2] = owned
+        if has_topk and not topk_views:
+            with self._alloc_stream(allocate_on_comm_stream):
+                outs[2:] = [torch.empty((n_recv, K), dtype=idx_dtype, device=self.device),
+                            torch.empty((n_recv, K), dtype=torch.float32, device=self.device)]
+            ep.check(ep.lib.moeep_dispatch_copy_topk(ep.ptr, res.handle, area,
+                                                     args.topk_idx_type, n_recv, outs[2].data_ptr(),
+                                                     outs[3].data_ptr(), ptr), "dispatch's top-k copy")
         if scale_cols is not None:
             # Opaque 4-byte scales rode in the first columns: back in their own dtype.
             with self._alloc_stream(allocate_on_comm_stream):
@@ -210,19 +218,20 @@ class _NormalMode:
             with self._on(side):
                 own.view(torch.float32).copy_(outs[1][:, :scale_cols[0]])
             outs[1] = own
-        if num_worst_tokens and has_topk:
-            # Rows past the real count hold stale data: as DeepEP, they name
-            # no expert (those rows of the area are no one's in this call).
-            with self._on(side):
-                n_dev = _view(torch, res.num_recv_tokens_dev, (1,), torch.int32, self, self.device)
-                pad = (torch.arange(n_recv, device=self.device) >= n_dev).unsqueeze(1)
-                outs[2].masked_fill_(pad, -1)
-                outs[3].masked_fill_(pad, 0)
         counts, per_rank = [], None
         if handle is None and res.num_recv_tokens_per_expert:
             counts = res.num_recv_tokens_per_expert[:L]
             per_rank = res.num_recv_tokens_per_rank[:self.group_size]
         return {"outs": outs, "counts": counts, "per_rank": per_rank, "handle": new, "max_total": res.max_total_tokens}
+
+    def _handle_items(self, route, prefix, src, send_pos, n, n_recv, in_rank):
+        """What makes a new handle's DeepEP tuple (DispatchHandle), from the
+        addresses this dispatch returned: views of the handle's memory,
+        made when first read."""
+        torch, R, device = _torch(), self.group_size, self.device
+        return lambda: (_view(torch, prefix, (R, R), torch.int32, route, device), None, None,
+                        _view(torch, src, (n_recv,), torch.int32, route, device), in_rank,
+                        _view(torch, send_pos, (n, R), torch.int32, route, device))
 
     def _round_index(self, per):
         """For rounds of a dispatch, per[round][source] rows each (from the
