@@ -258,25 +258,35 @@ __device__ __forceinline__ void combine_consume(const struct moeep_ctx &ctx, con
                                         add_bf16x8(acc, *(const int4 *)(buf + (size_t)k * slice + i * 16));
                                 out[((size_t)t * row_bytes + (size_t)j * slice_bytes) / 16 + i] = pack_bf16x8(acc);
                         }
-                        if (j == 0 && out_weights && wg == 0 && lane < K) {
-                                float w = 0.0f;
-                                if (si.nrows > 0)
-                                        for (int r = 0; r < R; r++) {
-                                                const int pos = route.send_pos[(size_t)t * R + r];
-                                                if (pos < 0)
-                                                        continue;
-                                                if (self_in_place && r == ctx.rank)
-                                                        w += weights[(size_t)(s_prefix[r] + pos) * K + lane];
-                                                else
-                                                        w += __ldcg(wslots +
-                                                                    ((size_t)r * ctx.max_tokens + t) * ctx.max_topk +
-                                                                    lane);
-                                        }
-                                out_weights[(size_t)t * K + lane] = w;
-                        }
+                        const int nrows = si.nrows;
                         __syncwarp();
                         if (lane == 0)
                                 mbar_arrive(&empty[stage]);
+                        /* The weights read no stage: the stage is the
+                         * producer's again first, and every rank's
+                         * position, then weight, is loaded before any is
+                         * added (not a chain of 2R loads per token). */
+                        if (j == 0 && out_weights && wg == 0 && lane < K) {
+                                int pos[MOEEP_KERNEL_MAX_RANKS];
+                                float wr[MOEEP_KERNEL_MAX_RANKS];
+#pragma unroll
+                                for (int r = 0; r < MOEEP_KERNEL_MAX_RANKS; r++)
+                                        pos[r] = r < R && nrows > 0 ? route.send_pos[(size_t)t * R + r] : -1;
+#pragma unroll
+                                for (int r = 0; r < MOEEP_KERNEL_MAX_RANKS; r++)
+                                        wr[r] = pos[r] < 0 ? 0.0f
+                                                : self_in_place && r == ctx.rank
+                                                        ? weights[(size_t)(s_prefix[r] + pos[r]) * K + lane]
+                                                        : __ldcg(wslots +
+                                                                 ((size_t)r * ctx.max_tokens + t) * ctx.max_topk +
+                                                                 lane);
+                                float w = 0.0f;
+#pragma unroll
+                                for (int r = 0; r < MOEEP_KERNEL_MAX_RANKS; r++)
+                                        if (pos[r] >= 0) /* in rank order, as the sum always was */
+                                                w += wr[r];
+                                out_weights[(size_t)t * K + lane] = w;
+                        }
                 }
 }
 
