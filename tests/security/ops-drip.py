@@ -41,7 +41,7 @@ soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
 resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, total + 256), hard))
 
 request = b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Drip: " + b"a" * 4000
-conns = {}  # fd -> [socket, opened, bytes sent, next drip]
+conns = {}  # fd -> [socket, established (None until then), bytes sent, next drip]
 stats = {"attempts": 0, "refused": 0, "deadline": 0, "open_at_end": 0, "max_life_s": 0.0}
 poll = select.poll()
 start = time.monotonic()
@@ -55,7 +55,8 @@ def closed(fd, now, busy):
         stats["refused"] += 1
     else:
         stats["deadline"] += 1
-        stats["max_life_s"] = max(stats["max_life_s"], now - opened)
+        # (A connection never established is one the daemon never held.)
+        stats["max_life_s"] = max(stats["max_life_s"], now - opened if opened is not None else 0.0)
 
 while time.monotonic() < end:
     now = time.monotonic()
@@ -76,10 +77,17 @@ while time.monotonic() < end:
             stats["refused"] += 1
             continue
         stats["attempts"] += 1
-        conns[s.fileno()] = [s, now, 0, now + 0.2]
-        poll.register(s.fileno(), select.POLLIN)
+        # Established once writable (a loaded daemon's full backlog can
+        # leave a SYN to be retransmitted): its life and drips start then.
+        conns[s.fileno()] = [s, None, 0, now + 0.2]
+        poll.register(s.fileno(), select.POLLIN | select.POLLOUT)
     for fd, ev in poll.poll(100):
         if fd not in conns:
+            continue
+        if ev & select.POLLOUT and conns[fd][1] is None:
+            conns[fd][1] = time.monotonic()
+            poll.modify(fd, select.POLLIN)
+        if not ev & (select.POLLIN | select.POLLHUP | select.POLLERR):
             continue
         try:
             data = conns[fd][0].recv(4096)
@@ -90,10 +98,12 @@ while time.monotonic() < end:
     now = time.monotonic()
     for fd in list(conns):
         c = conns[fd]
-        if now >= c[3] and c[2] < len(request):
+        if c[1] is not None and now >= c[3] and c[2] < len(request):
             try:
                 c[0].send(request[c[2]:c[2] + 1])
                 c[2] += 1
+            except BlockingIOError:
+                pass  # no room now: the next drip tries again
             except OSError:
                 closed(fd, now, False)
                 continue
