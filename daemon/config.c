@@ -29,6 +29,7 @@ static const char default_config[] = "socket = " MOEEP_DEFAULT_SOCKET "\n"
                                      "max_sessions = 1024\n"
                                      "max_sessions_per_uid = 64\n"
                                      "max_jobs_per_uid = 16\n"
+                                     "max_mirrors_per_peer = 256\n"
                                      "max_regions_per_session = 8\n"
                                      "max_region_bytes_per_uid = 1T\n"
                                      "max_fds_per_uid = 512\n"
@@ -78,6 +79,7 @@ static const struct key {
         { "max_sessions", KEY_U32, offsetof(struct config, max_sessions), 1, 65536, true },
         { "max_sessions_per_uid", KEY_U32, offsetof(struct config, max_sessions_per_uid), 1, 65536, true },
         { "max_jobs_per_uid", KEY_U32, offsetof(struct config, max_jobs_per_uid), 1, 4096, true },
+        { "max_mirrors_per_peer", KEY_U32, offsetof(struct config, max_mirrors_per_peer), 1, 4096, true },
         /* A Regions record carries at most MOEEP_RECORD_MAX_FDS (64) fds. */
         { "max_regions_per_session", KEY_U32, offsetof(struct config, max_regions_per_session), 1, 64, true },
         { "max_region_bytes_per_uid", KEY_BYTES, offsetof(struct config, max_region_bytes_per_uid), 1,
@@ -601,6 +603,7 @@ int config_apply_reloadable(struct config *to, const struct config *from) {
         to->max_sessions = from->max_sessions;
         to->max_sessions_per_uid = from->max_sessions_per_uid;
         to->max_jobs_per_uid = from->max_jobs_per_uid;
+        to->max_mirrors_per_peer = from->max_mirrors_per_peer;
         to->max_regions_per_session = from->max_regions_per_session;
         to->max_region_bytes_per_uid = from->max_region_bytes_per_uid;
         to->max_fds_per_uid = from->max_fds_per_uid;

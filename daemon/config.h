@@ -19,6 +19,7 @@ struct config {
         uint32_t max_sessions;         /* connected sessions, all uids */
         uint32_t max_sessions_per_uid; /* connected sessions of one uid */
         uint32_t max_jobs_per_uid;     /* live jobs created by one uid */
+        uint32_t max_mirrors_per_peer; /* jobs of one other daemon with ranks here (mirrors, job.h) */
         uint32_t max_regions_per_session;  /* regions one job member may register */
         uint64_t max_region_bytes_per_uid; /* sum of registered region sizes of one uid */
         uint32_t max_fds_per_uid;          /* region descriptors the daemon holds for one uid */

@@ -1,4 +1,5 @@
-/* moeepctl jobs: the jobs the caller may see. The secret never shows. */
+/* moeepctl jobs: the jobs the caller may see. The secret never shows. A
+ * mirror of a job of another daemon has no owner here ("-"). */
 #include <stdio.h>
 
 #include "ctl.h"
@@ -6,7 +7,7 @@
 static const struct ctl_column columns[] = {
         { "ID", "job_id", CTL_UINT },        { "NAME", "name", CTL_STRING },
         { "WORLD", "world_size", CTL_UINT }, { "JOINED", "joined_ranks", CTL_RANKS },
-        { "STATE", "state", CTL_STRING },    { "OWNER", "owner_uid", CTL_UINT },
+        { "STATE", "state", CTL_STRING },    { "OWNER", "owner_uid", CTL_UID },
         { "LOST", "lost_ranks", CTL_RANKS },
 };
 

@@ -135,6 +135,17 @@ static void human_duration(FILE *f, uint64_t ms) {
                 fprintf(f, "%" PRIu64 "m %" PRIu64 "s", m, s % 60);
 }
 
+/* `u`, or "-" and null when it stands for none. */
+static void optional_u64(FILE *human, FILE *json, uint64_t u, bool none) {
+        if (none) {
+                fputc('-', human);
+                fputs("null", json);
+        } else {
+                fprintf(human, "%" PRIu64, u);
+                fprintf(json, "%" PRIu64, u);
+        }
+}
+
 static void format_value(const struct ctl_column *col, const struct ctl_value *v, FILE *human, FILE *json) {
         switch (col->type) {
         case CTL_STRING:
@@ -146,13 +157,10 @@ static void format_value(const struct ctl_column *col, const struct ctl_value *v
                 fprintf(json, "%" PRIu64, v->u);
                 return;
         case CTL_ID:
-                if (v->u == 0) {
-                        fputc('-', human);
-                        fputs("null", json);
-                } else {
-                        fprintf(human, "%" PRIu64, v->u);
-                        fprintf(json, "%" PRIu64, v->u);
-                }
+                optional_u64(human, json, v->u, v->u == 0);
+                return;
+        case CTL_UID:
+                optional_u64(human, json, v->u, v->u == UINT32_MAX);
                 return;
         case CTL_RANK:
                 if (v->i < 0) {

@@ -69,6 +69,7 @@ enum ctl_value_type {
         CTL_STRING,      /* s; human "-" when empty */
         CTL_UINT,        /* u */
         CTL_ID,          /* u; 0 means none: human "-", JSON null */
+        CTL_UID,         /* u; UINT32_MAX (no uid, e.g. a mirror's owner) means none: "-", null */
         CTL_RANK,        /* i; < 0 means none: human "-", JSON null */
         CTL_RANKS,       /* list[n]; human "0,1,3", JSON array */
         CTL_DURATION_MS, /* u milliseconds; human "1h 2m 3s", JSON number */

@@ -149,7 +149,7 @@ int query_jobs(const struct jobs *all, const struct mesh_jobs *mj, const struct 
                                 ji->lost_ranks[ji->n_lost_ranks++] = rank;
                 }
                 ji->state = (char *)job_state_to_string(job->state);
-                ji->owner_uid = (uint32_t)job->owner_uid;
+                ji->owner_uid = (uint32_t)job->owner_uid; /* a mirror's JOB_OWNER_NONE: 4294967295 */
                 ptrs[n++] = ji;
         }
         jobs->jobs = ptrs;

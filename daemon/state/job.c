@@ -134,7 +134,7 @@ static int control_page_create(struct job *job, char *errmsg) {
 
 /* A new job with a secret and a control page (its fds charged to `uid`),
  * in the registry, without references; `owner_uid` counts it against
- * max_jobs_per_uid. */
+ * max_jobs_per_uid (JOB_OWNER_NONE: against nobody's). */
 static int job_alloc(struct jobs *jobs, const char *name, uint32_t world_size, uid_t owner_uid, uid_t uid,
                      struct job **ret_job, char *errmsg) {
         struct job *job;
@@ -384,8 +384,16 @@ int jobs_join_mirror(struct jobs *jobs, const char *home, uint64_t home_id, cons
                                   "job %" PRIu64 " at %s: rank %" PRIu32 " is already taken here", home_id,
                                   home, rank);
         if (!job) {
-                r = job_alloc(jobs, name && moeep_job_name_valid(name) ? name : "remote", world_size, 0, uid,
-                              &job, errmsg);
+                uint32_t have = jobs_count_mirrors(jobs, home);
+
+                if (have >= jobs->config->max_mirrors_per_peer)
+                        return errmsg_set(errmsg, -ERROR_KIND_LIMIT_EXCEEDED,
+                                          "job %" PRIu64 " at %s: %" PRIu32
+                                          " jobs of that daemon already have ranks here "
+                                          "(max_mirrors_per_peer = %" PRIu32 ")",
+                                          home_id, home, have, jobs->config->max_mirrors_per_peer);
+                r = job_alloc(jobs, name && moeep_job_name_valid(name) ? name : "remote", world_size,
+                              JOB_OWNER_NONE, uid, &job, errmsg);
                 if (r < 0)
                         return r;
                 snprintf(job->home, sizeof(job->home), "%s", home);
@@ -560,7 +568,18 @@ uint32_t jobs_count_uid(const struct jobs *jobs, uid_t uid) {
         const struct job *job;
         uint32_t n = 0;
 
+        if (uid == JOB_OWNER_NONE)
+                return 0;
         TAILQ_FOREACH (job, &jobs->list, entry)
                 n += job->owner_uid == uid;
+        return n;
+}
+
+uint32_t jobs_count_mirrors(const struct jobs *jobs, const char *home) {
+        const struct job *job;
+        uint32_t n = 0;
+
+        TAILQ_FOREACH (job, &jobs->list, entry)
+                n += job->home[0] && strcmp(job->home, home) == 0;
         return n;
 }

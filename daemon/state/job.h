@@ -112,11 +112,19 @@ struct job_member {
  * reopening), charged to the uid whose session made the job (clientfd.h). */
 #define JOB_CONTROL_FDS 2
 
+/* The owner_uid of a mirror (below): nobody created it here, so it counts
+ * against no uid's max_jobs_per_uid (had it a uid, say root's, anyone who
+ * joins jobs of other daemons from here would spend that uid's allowance).
+ * Mirrors have their own cap, per home daemon: max_mirrors_per_peer.
+ * (uid_t)-1 is no process's uid (chown(2) reads it as "leave it alone");
+ * listings show it as none. */
+#define JOB_OWNER_NONE ((uid_t)-1)
+
 struct job {
         uint64_t id; /* public, daemon-wide unique, never reused */
         char name[MOEEP_JOB_NAME_MAX + 1];
         uint32_t world_size;
-        uid_t owner_uid;      /* uid of the creator, counted against max_jobs_per_uid */
+        uid_t owner_uid;      /* the creator's, for max_jobs_per_uid; JOB_OWNER_NONE: a mirror */
         uid_t fds_uid;        /* charged for the control page's fds (a mirror: its first rank's uid) */
         uint32_t fds_charged; /* how many of them (clientfds_charge()) */
         enum job_state state;
@@ -206,11 +214,14 @@ int job_unique_id_node(const uint8_t *unique_id, size_t len, char ret_node[stati
 struct job *jobs_find_mirror(const struct jobs *jobs, const char *home, uint64_t home_id);
 
 /* Joins `owner` (of uid `uid`) as `rank` of the mirror of job `home_id` at
- * `home` (creating the mirror, with its own control page charged to `uid`,
- * when it is the first local rank). The home daemon already checked secret, rank and world size.
+ * `home` (creating the mirror, owned by JOB_OWNER_NONE, with its own
+ * control page charged to `uid`, when it is the first local rank). The
+ * home daemon already checked secret, rank and world size.
  * Returns 0, -ERROR_KIND_INVALID_ARGUMENT (bad mirror or gpu_uuid),
  * -ERROR_KIND_ALREADY_IN_JOB, -ERROR_KIND_PEER_LOST (mirror aborted),
- * -ERROR_KIND_RANK_TAKEN (rank taken here) or -errno from memfd/ENOMEM. */
+ * -ERROR_KIND_RANK_TAKEN (rank taken here), -ERROR_KIND_LIMIT_EXCEEDED
+ * (max_mirrors_per_peer mirrors of `home`'s jobs, or no room for the
+ * control page's fds) or -errno from memfd/ENOMEM. */
 int jobs_join_mirror(struct jobs *jobs, const char *home, uint64_t home_id, const char *name,
                      uint32_t world_size, uint32_t rank, const char *gpu_uuid, void *owner, uid_t uid,
                      struct job_member **ret_member, char *errmsg);
@@ -272,7 +283,11 @@ int job_barrier(struct job_member *m, uint64_t request_id, char *errmsg);
  * (freeing the ones without members). */
 void jobs_creator_gone(struct jobs *jobs, void *creator);
 
-/* Number of live jobs created by `uid`. */
+/* Number of live jobs created by `uid` (mirrors are nobody's: 0 for
+ * JOB_OWNER_NONE). */
 uint32_t jobs_count_uid(const struct jobs *jobs, uid_t uid);
+
+/* Number of mirrors of jobs whose home is daemon `home`. */
+uint32_t jobs_count_mirrors(const struct jobs *jobs, const char *home);
 
 #endif

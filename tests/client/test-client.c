@@ -177,10 +177,12 @@ static void fake_barrier(int sock, uint64_t id, int my_rank) {
 }
 
 /* Listings with strings that test moeepctl's escaping: quotes, a control
- * character, valid UTF-8 and an invalid byte. */
+ * character, valid UTF-8 and an invalid byte; and a mirror of a job of
+ * another daemon, which has no owner here. */
 static void fake_jobs(int sock, uint64_t id) {
         static uint32_t ranks[] = { 0, 1 };
-        Moeep__V1__JobInfo j = MOEEP__V1__JOB_INFO__INIT, *jp = &j;
+        Moeep__V1__JobInfo j = MOEEP__V1__JOB_INFO__INIT, mirror = MOEEP__V1__JOB_INFO__INIT;
+        Moeep__V1__JobInfo *jp[] = { &j, &mirror };
         Moeep__V1__Jobs jobs = MOEEP__V1__JOBS__INIT;
         Moeep__V1__Response resp = MOEEP__V1__RESPONSE__INIT;
 
@@ -191,8 +193,16 @@ static void fake_jobs(int sock, uint64_t id) {
         j.n_joined_ranks = 2;
         j.state = (char *)"ready";
         j.owner_uid = 1000;
-        jobs.jobs = &jp;
-        jobs.n_jobs = 1;
+        mirror.job_id = FAKE_JOB_ID + 1;
+        mirror.name = (char *)"remote";
+        mirror.world_size = 2;
+        mirror.joined_ranks = &ranks[1];
+        mirror.n_joined_ranks = 1;
+        mirror.state = (char *)"forming";
+        mirror.owner_uid = UINT32_MAX; /* no uid */
+        mirror.home = (char *)"127.0.0.1:9";
+        jobs.jobs = jp;
+        jobs.n_jobs = 2;
         resp.body_case = MOEEP__V1__RESPONSE__BODY_JOBS;
         resp.jobs = &jobs;
         fake_send(sock, id, &resp, NULL, 0);

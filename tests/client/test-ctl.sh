@@ -18,6 +18,7 @@ fail() { echo "FAIL: $*" >&2; exit 1; }
 "$ctl" --socket "$sock" status | grep -q '^protocol: *1\.0$' || fail "status: no protocol line"
 "$ctl" --socket "$sock" | grep -q '^version: *fake$' || fail "no subcommand: not status"
 "$ctl" --socket "$sock" jobs | grep -q '^7  *say "hi"\\? é?  *2  *0,1  *ready  *1000  *-$' || fail "jobs: table row"
+"$ctl" --socket "$sock" jobs | grep -q '^8  *remote  *2  *1  *forming  *-  *-$' || fail "jobs: a mirror's row (no owner)"
 "$ctl" --socket "$sock" clients | grep -q '^2  *4343  *0  *-  *-  *-  *ready  *0  *moeepctl$' ||
         fail "clients: row without a job"
 MOEEP_SOCKET=$sock "$ctl" clients >/dev/null || fail "MOEEP_SOCKET is not used"
@@ -36,6 +37,7 @@ jobs = json.load(open(d + "/jobs.json"))
 assert jobs[0]["name"] == 'say "hi"\\\x01 \u00e9\ufffd', repr(jobs[0]["name"])
 assert jobs[0]["joined_ranks"] == [0, 1] and jobs[0]["world_size"] == 2, jobs
 assert jobs[0]["lost_ranks"] == [], jobs
+assert jobs[0]["owner_uid"] == 1000 and jobs[1]["owner_uid"] is None, jobs
 clients = json.load(open(d + "/clients.json"))
 assert clients[0]["rank"] == 0 and clients[0]["job_id"] == 7, clients
 assert clients[1]["rank"] is None and clients[1]["job_id"] is None, clients

@@ -40,8 +40,8 @@ static void check_valid(const struct config *c) {
         if (c->socket_mode > 0777 || c->log_level < LOG_ERR || c->log_level > LOG_DEBUG)
                 abort();
         if (c->max_sessions < 1 || c->max_sessions_per_uid < 1 || c->max_jobs_per_uid < 1 ||
-            c->max_regions_per_session < 1 || c->max_regions_per_session > 64 ||
-            c->max_region_bytes_per_uid < 1 || c->max_fds_per_uid < 1)
+            c->max_mirrors_per_peer < 1 || c->max_mirrors_per_peer > 4096 || c->max_regions_per_session < 1 ||
+            c->max_regions_per_session > 64 || c->max_region_bytes_per_uid < 1 || c->max_fds_per_uid < 1)
                 abort();
 }
 

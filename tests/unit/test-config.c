@@ -59,6 +59,7 @@ static void test_defaults(void **state) {
         assert_int_equal(c.log_level, LOG_INFO);
         assert_int_equal(c.max_regions_per_session, 8);
         assert_int_equal(c.max_region_bytes_per_uid, 1ull << 40);
+        assert_int_equal(c.max_mirrors_per_peer, 256);
         assert_true(c.max_sessions > 0 && c.max_sessions_per_uid > 0 && c.max_jobs_per_uid > 0 &&
                     c.max_fds_per_uid > 0);
         config_done(&c);
@@ -80,6 +81,7 @@ static void test_good_file(void **state) {
                               "max_sessions = 10\n"
                               "max_sessions_per_uid = 5\n"
                               "max_jobs_per_uid = 3\n"
+                              "max_mirrors_per_peer = 7\n"
                               "max_regions_per_session = 4\n"
                               "max_region_bytes_per_uid = 2G\n"
                               "max_fds_per_uid = 16\n",
@@ -93,6 +95,7 @@ static void test_good_file(void **state) {
         assert_int_equal(c.max_sessions, 10);
         assert_int_equal(c.max_sessions_per_uid, 5);
         assert_int_equal(c.max_jobs_per_uid, 3);
+        assert_int_equal(c.max_mirrors_per_peer, 7);
         assert_int_equal(c.max_regions_per_session, 4);
         assert_int_equal(c.max_region_bytes_per_uid, 2ull << 30);
         assert_int_equal(c.max_fds_per_uid, 16);
@@ -242,12 +245,15 @@ static void test_set_and_reload(void **state) {
         assert_int_equal(config_set(&fresh, "log_level", "warn", errmsg), 0);
         assert_int_equal(config_set(&fresh, "log_level", "3", errmsg), 0);
         assert_int_equal(config_set(&fresh, "max_jobs_per_uid", "2", errmsg), 0);
+        assert_int_equal(config_set(&fresh, "max_mirrors_per_peer", "5", errmsg), 0);
+        assert_int_equal(config_set(&fresh, "max_mirrors_per_peer", "4097", errmsg), -EINVAL);
         assert_int_equal(config_set(&fresh, "admin_group", "", errmsg), 0);
         assert_int_equal(config_set(&fresh, "bogus", "1", errmsg), -ENOENT);
         assert_int_equal(config_apply_reloadable(&live, &fresh), 0);
         assert_string_equal(live.socket, MOEEP_DEFAULT_SOCKET); /* needs a restart */
         assert_int_equal(live.log_level, LOG_ERR);
         assert_int_equal(live.max_jobs_per_uid, 2);
+        assert_int_equal(live.max_mirrors_per_peer, 5);
         assert_string_equal(live.admin_group, "");
         assert_false(config_key_reloadable("socket"));
         assert_false(config_key_reloadable("socket_mode"));

@@ -369,6 +369,65 @@ static void test_creator_gone_frees_empty_jobs(void **state) {
         assert_int_equal(f->jobs->count, 0);
 }
 
+/* Joins owner `owner` (uid 0) as `rank` of 2 of the mirror of job `id` at
+ * `home`. */
+static int join_mirror(struct fixture *f, const char *home, uint64_t id, uint32_t rank, int owner,
+                       struct job_member **ret, char *errmsg) {
+        errmsg[0] = '\0';
+        return jobs_join_mirror(f->jobs, home, id, "remote job", 2, rank, "GPU-0", &f->owners[owner], 0, ret,
+                                errmsg);
+}
+
+/* Mirrors are nobody's: more of them than max_jobs_per_uid (made by
+ * uid 0's sessions, and of jobs that another uid created at the home) leave
+ * uid 0 its whole allowance. Their own cap, per home, holds. */
+static void test_mirrors_count_against_no_uid(void **state) {
+        struct fixture *f = *state;
+        const char *home = "127.0.0.2:7000", *other = "127.0.0.3:7000";
+        struct job_member *m[6];
+        struct job *job;
+        char errmsg[ERRMSG_MAX];
+
+        f->config.max_jobs_per_uid = 2;
+        f->config.max_mirrors_per_peer = 3;
+        for (int i = 0; i < 3; i++) {
+                assert_int_equal(join_mirror(f, home, 100 + (uint64_t)i, 1, i, &m[i], errmsg), 0);
+                assert_int_equal(m[i]->job->owner_uid, JOB_OWNER_NONE);
+        }
+        assert_int_equal(jobs_count_uid(f->jobs, 0), 0);
+        assert_int_equal(jobs_count_uid(f->jobs, JOB_OWNER_NONE), 0);
+        assert_int_equal(jobs_count_mirrors(f->jobs, home), 3);
+
+        /* uid 0 creates its own jobs up to its cap, which still holds. */
+        assert_int_equal(jobs_create(f->jobs, "root 1", 1, 0, &f->creator, &job, errmsg), 0);
+        assert_int_equal(jobs_create(f->jobs, "root 2", 1, 0, &f->creator, &job, errmsg), 0);
+        assert_int_equal(jobs_create(f->jobs, "root 3", 1, 0, &f->creator, &job, errmsg),
+                         -ERROR_KIND_LIMIT_EXCEEDED);
+        assert_non_null(strstr(errmsg, "uid 0 already has 2 jobs"));
+
+        /* A fourth job of the same home is refused, naming the home and
+         * the cap; a second rank of a mirror it has is not a new mirror;
+         * another home has a cap of its own. */
+        assert_int_equal(join_mirror(f, home, 103, 1, 4, &m[4], errmsg), -ERROR_KIND_LIMIT_EXCEEDED);
+        assert_non_null(strstr(errmsg, "job 103 at 127.0.0.2:7000: 3 jobs of that daemon"));
+        assert_non_null(strstr(errmsg, "max_mirrors_per_peer = 3"));
+        assert_int_equal(join_mirror(f, home, 100, 0, 3, &m[3], errmsg), 0);
+        assert_ptr_equal(m[3]->job, m[0]->job);
+        assert_int_equal(join_mirror(f, other, 100, 1, 5, &m[5], errmsg), 0);
+        assert_int_equal(jobs_count_mirrors(f->jobs, home), 3);
+        assert_int_equal(jobs_count_mirrors(f->jobs, other), 1);
+
+        /* A mirror whose last rank here leaves is gone, and makes room. */
+        job_member_leave(m[1]);
+        assert_int_equal(jobs_count_mirrors(f->jobs, home), 2);
+        assert_int_equal(join_mirror(f, home, 103, 1, 4, &m[4], errmsg), 0);
+        for (int i = 0; i < 6; i++)
+                if (i != 1)
+                        job_member_leave(m[i]);
+        jobs_creator_gone(f->jobs, &f->creator);
+        assert_int_equal(f->jobs->count, 0);
+}
+
 /* The mesh address a unique id carries, and the validators (names.h) it
  * and a GPU UUID go through: printable ASCII without spaces. */
 static void test_unique_id_node(void **state) {
@@ -417,6 +476,7 @@ int main(void) {
                 T(test_barrier_waits_for_missing_ranks),
                 T(test_abort_on_member_loss),
                 T(test_creator_gone_frees_empty_jobs),
+                T(test_mirrors_count_against_no_uid),
         };
 
         return cmocka_run_group_tests(tests, NULL, NULL);
