@@ -175,6 +175,30 @@ static void peer_handshake_reset(struct mesh_peer *p) {
         p->claimed[0] = '\0';
 }
 
+/* Lets go of `p`'s connection (flushing what is queued, a PeerRefused or
+ * a PeerWelcome, when `flush`): its socket, its timer, its handshake and
+ * its stuck output. */
+static void peer_close(struct mesh_peer *p, bool flush) {
+        if (p->bev) {
+                bev_release(p->bev, flush);
+                p->bev = NULL;
+        }
+        p->stuck_bytes = 0;
+        evtimer_del(p->ev_timer);
+        peer_handshake_reset(p);
+}
+
+/* After peer_close(): an outbound peer waits to redial, an inbound one is
+ * freed from the loop. */
+static void peer_closed(struct mesh_peer *p) {
+        if (p->outbound) {
+                timer_arm(p, MESH_REDIAL_MS);
+        } else {
+                p->dead = true;
+                event_active(p->mesh->ev_reap, EV_TIMEOUT, 0);
+        }
+}
+
 /* The subscribers of the mesh are told that `p` went down: the transport
  * first (see struct mesh_subscriber), then the others in owner order. */
 static void subscribers_peer_down(struct mesh *mesh, struct mesh_peer *p, bool was_up, bool tp_was_connected,
@@ -225,24 +249,14 @@ void mesh_peer_fail(struct mesh_peer *p, bool flush, const char *fmt, ...) {
         p->state = MESH_PEER_DOWN;
         if (!p->outbound && was != MESH_PEER_UP)
                 mesh->unauthenticated--;
-        if (p->bev) {
-                bev_release(p->bev, flush);
-                p->bev = NULL;
-        }
-        evtimer_del(p->ev_timer);
-        peer_handshake_reset(p);
+        peer_close(p, flush);
         if (was == MESH_PEER_UP) {
                 snprintf(lost, sizeof(lost), "daemon %s lost: %s", p->address, why);
                 tp_was_connected = p->tp_connected;
         }
         /* The layers above let go of what depended on it. */
         subscribers_peer_down(mesh, p, was == MESH_PEER_UP, tp_was_connected, lost, why);
-        if (p->outbound) {
-                timer_arm(p, MESH_REDIAL_MS);
-        } else {
-                p->dead = true;
-                event_active(mesh->ev_reap, EV_TIMEOUT, 0);
-        }
+        peer_closed(p);
 }
 
 /* Closes a connection that duplicates another one to the same daemon and
@@ -258,20 +272,10 @@ static void peer_drop(struct mesh_peer *p) {
         if (!p->outbound && p->state != MESH_PEER_UP)
                 mesh->unauthenticated--;
         p->state = MESH_PEER_DOWN;
-        if (p->bev) {
-                /* Flushed: a PeerWelcome queued on it lets the dialler
-                 * reach the same decision instead of seeing a refusal. */
-                bev_release(p->bev, true);
-                p->bev = NULL;
-        }
-        evtimer_del(p->ev_timer);
-        peer_handshake_reset(p);
-        if (p->outbound) {
-                timer_arm(p, MESH_REDIAL_MS);
-        } else {
-                p->dead = true;
-                event_active(mesh->ev_reap, EV_TIMEOUT, 0);
-        }
+        /* Flushed: a PeerWelcome queued on it lets the dialler reach the
+         * same decision instead of seeing a refusal. */
+        peer_close(p, true);
+        peer_closed(p);
 }
 
 /* Refuses a peer during the handshake: tells it why, logs, closes. */
@@ -438,6 +442,12 @@ static void peer_timer_cb(evutil_socket_t fd, short what, void *arg) {
         struct mesh_peer *p = arg;
         uint64_t now = mesh_now_ns();
 
+        if (p->stuck_bytes && p->state != MESH_PEER_DOWN) { /* peer_stuck() armed it */
+                mesh_peer_fail(p, false,
+                               "it stopped reading: %zu bytes queued, no room for more (at most %u)",
+                               p->stuck_bytes, MESH_OUT_MAX);
+                return;
+        }
         switch (p->state) {
         case MESH_PEER_CONNECTING:
         case MESH_PEER_AUTHENTICATING:
@@ -734,10 +744,7 @@ void mesh_close_all(struct mesh *mesh) {
 
         TAILQ_FOREACH (p, &mesh->peers, entry) {
                 p->state = MESH_PEER_DOWN;
-                if (p->bev) {
-                        bufferevent_free(p->bev);
-                        p->bev = NULL;
-                }
+                peer_close(p, false);
         }
 }
 
@@ -836,6 +843,19 @@ static int frame_add(struct evbuffer *out, const uint8_t *body, size_t len) {
         return 0;
 }
 
+/* `p` stopped reading: `queued` bytes wait and one more message does not
+ * fit. Dropping it would leave the two daemons disagreeing for good (a
+ * barrier done that never arrives), so the connection goes, as for any
+ * other failure; but from the loop, not here: the callers send from
+ * inside loops over jobs and members that mesh_peer_fail()'s subscribers
+ * change. Until then nothing more is queued to it or read from it. */
+static void peer_stuck(struct mesh_peer *p, size_t queued) {
+        p->stuck_bytes = queued;
+        bufferevent_disable(p->bev, EV_READ);
+        evtimer_del(p->ev_timer);
+        timer_arm(p, 0);
+}
+
 /* Queues one frame: in clear for the handshake messages (PHASE CLEAR in
  * proto/mesh.def), sealed (auth.h) for everything else, which only a connection whose handshake is done
  * may carry. To a peer that is down, nothing (the job code sends to peers
@@ -850,6 +870,8 @@ int mesh_peer_send(struct mesh_peer *p, Moeep__V1__PeerMessage *msg) {
 
         if (!p->bev)
                 return -ENOTCONN;
+        if (p->stuck_bytes)
+                return -ENOBUFS; /* failed from the loop (peer_stuck()) */
         m = mesh_message(msg->body_case);
         if (m && m->phase == MESH_PHASE_CLEAR ? p->sealed : !p->sealed)
                 return -ENOTCONN;
@@ -857,11 +879,10 @@ int mesh_peer_send(struct mesh_peer *p, Moeep__V1__PeerMessage *msg) {
         len = protobuf_c_message_get_packed_size(&msg->base);
         if (len > MESH_FRAME_MAX)
                 return -EMSGSIZE;
-        if (evbuffer_get_length(out) + len > MESH_OUT_MAX) {
-                /* It stopped reading; the ping timer notices it going
-                 * silent. Nothing is queued past the cap. */
-                log_warn("mesh: peer %s: %zu bytes queued and not read: dropping a message", p->address,
-                         evbuffer_get_length(out));
+        /* The frame takes at most its length, the message, and sealed its
+         * tag and the outer PeerMessage's field header on the wire. */
+        if (evbuffer_get_length(out) + 4 + len + (p->sealed ? AUTH_SEAL_BYTES + 16 : 0) > MESH_OUT_MAX) {
+                peer_stuck(p, evbuffer_get_length(out));
                 return -ENOBUFS;
         }
         plain = malloc(len ? len : 1);
@@ -949,7 +970,7 @@ static void peer_handle_sealed(struct mesh_peer *p, const ProtobufCBinaryData *b
 static void mesh_peer_read_cb(struct bufferevent *bev, void *arg) {
         struct mesh_peer *p = arg;
 
-        while (p->bev == bev && p->state != MESH_PEER_DOWN) {
+        while (p->bev == bev && p->state != MESH_PEER_DOWN && !p->stuck_bytes) {
                 struct evbuffer *in = bufferevent_get_input(bev);
                 size_t max = p->state == MESH_PEER_UP ? MESH_FRAME_MAX_WIRE : MESH_FRAME_MAX_UNAUTH;
                 Moeep__V1__PeerMessage *msg;

@@ -74,10 +74,12 @@ struct evconnlistener;
  * until the loop has served everything else that is ready, so that a
  * flood of connections cannot hold the loop (and the clients) for long. */
 #define MESH_ACCEPTS_PER_TURN 16
-#define MESH_PING_MS 1000       /* PeerPing interval once UP */
-#define MESH_DEAD_MS 5000       /* no PeerPong for this long: the peer is down */
-#define MESH_REDIAL_MS 1000     /* an outbound peer that is down is redialled after this */
-#define MESH_OUT_MAX (4u << 20) /* bytes queued to one peer before it counts as stuck */
+#define MESH_PING_MS 1000   /* PeerPing interval once UP */
+#define MESH_DEAD_MS 5000   /* no PeerPong for this long: the peer is down */
+#define MESH_REDIAL_MS 1000 /* an outbound peer that is down is redialled after this */
+/* Bytes queued to one peer: a message that would queue more fails the
+ * connection (mesh_peer_send()). */
+#define MESH_OUT_MAX (4u << 20)
 
 /* mesh_peer.tp_peer while the connection has no transport peer. */
 #define MESH_NO_TP_PEER UINT32_MAX
@@ -123,6 +125,11 @@ struct mesh_peer {
          * its PeerTransport arrived and connected it. */
         uint32_t tp_peer; /* MESH_NO_TP_PEER while none */
         bool tp_connected;
+        /* Its output would have passed MESH_OUT_MAX with this many bytes
+         * queued (it stopped reading): the connection is failed from the
+         * loop, and until then nothing more is queued or read. 0 while it
+         * reads. */
+        size_t stuck_bytes;
         TAILQ_ENTRY(mesh_peer) entry;
 };
 
@@ -235,7 +242,13 @@ struct mesh_peer *mesh_peer_find(const struct mesh *mesh, const char *address);
 /* Queues one message to `p`: in clear for PeerHello, PeerChallenge,
  * PeerProof and PeerRefused (only before the handshake is done), sealed
  * for everything else (only after). Returns 0 or -errno (-ENOTCONN when
- * the connection cannot carry it, as to a peer that is down). */
+ * the connection cannot carry it, as to a peer that is down). A message
+ * that would queue more than MESH_OUT_MAX bytes to `p` is never dropped
+ * alone, which would leave both sides believing different things (a
+ * barrier waiting forever): -ENOBUFS, and the connection is failed from
+ * the loop (mesh_peer_fail(), logged with the bytes queued), so that the
+ * layers above handle it as any peer lost; every later message to it gets
+ * -ENOBUFS too. The caller is not called back from inside. */
 int mesh_peer_send(struct mesh_peer *p, Moeep__V1__PeerMessage *msg);
 
 /* The one way a connection ends: logs `fmt` once, closes (flushing a
