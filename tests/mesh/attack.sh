@@ -125,11 +125,6 @@ probe_check() {
 
 log_count() { grep -cF -- "$2" "$tmp/$1.log"; }
 log_has() { grep -qF -- "$2" "$tmp/$1.log"; }
-alive() {
-        local st
-        st=$(sed 's/.*) //' "/proc/$1/stat" 2>/dev/null) || return 1
-        [[ -n $st && ${st:0:1} != Z ]]
-}
 
 # A names B and 127 more daemons at addresses nobody listens on (connection
 # refused at once): the cap of mesh_peers, so that listings run at it. The

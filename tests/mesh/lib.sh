@@ -2,7 +2,7 @@
 # argument checks with `test_name` set: a temp dir, the processes a test
 # starts (pids, daemon_pid[NAME]) killed and the dir removed on any exit
 # (../tmpdir.sh), fail() with the last lines of every *.out and *.log, free
-# ports and bounded waits.
+# ports, whether a process is alive and bounded waits.
 # shellcheck shell=bash
 
 # shellcheck source=../tmpdir.sh
@@ -31,6 +31,13 @@ for s in socks:
     s.bind(("127.0.0.1", 0))
 print(" ".join(str(s.getsockname()[1]) for s in socks))
 PY
+}
+
+# alive PID: the process runs (a zombie does not).
+alive() {
+        local st
+        st=$(sed 's/.*) //' "/proc/$1/stat" 2>/dev/null) || return 1
+        [[ -n $st && ${st:0:1} != Z ]]
 }
 
 # shellcheck source=../wait.sh

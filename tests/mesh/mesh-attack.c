@@ -1,5 +1,5 @@
 /* Attacks on moeepd's node mesh (daemon/mesh/mesh.c, daemon/mesh/auth.c), for
- * attack.sh. Each command attacks a real daemon on 127.0.0.1 and exits 0
+ * attack.sh and home.sh. Each command attacks a real daemon on 127.0.0.1 and exits 0
  * only when the daemon refused the attack as it must; what it saw goes to
  * stdout, one line per step, and the reason for a failure to stderr.
  *
@@ -51,6 +51,22 @@
  *       A well-behaved client: connects, creates a job of one rank, joins,
  *       leaves, every 50 ms for SECONDS; each step must be answered within
  *       MAX_MS.
+ *   mirrors KEYFILE PORT_A ID_A ID_B SOCKET CAP JOBS CHECK
+ *       With the key, plays home daemon ID_B (configured at A, not
+ *       running): CAP + 1 sessions at A (SOCKET) join jobs of ID_B with
+ *       forged unique ids, each answered as joined by the home. A must
+ *       hold CAP mirrors (its max_mirrors_per_peer), refuse the next join
+ *       (-EUSERS naming the cap) and send the home PeerLeave of it; this
+ *       uid must meanwhile create JOBS jobs of its own at A (its
+ *       max_jobs_per_uid: mirrors are nobody's); the shell command CHECK
+ *       (may be empty) runs while all of it is held.
+ *   unread KEYFILE PORT_A ID_A ID_B SOCKET SECONDS
+ *       With the key, plays home daemon ID_B: a rank at A joins a job of
+ *       it and waits in a barrier; then the home stops reading and sends
+ *       PeerPings (a PeerPong every 200 ms, so that it never looks silent)
+ *       for up to SECONDS. A must end the connection (its answers pile up
+ *       unread), and the rank's barrier must end with -ENOTCONN, the abort
+ *       word set and PeerLost of rank 0.
  *
  * Every loop is bounded in count and time. */
 /* The wire side of moeep-mesh-attack (mesh-attack.c): sockets with bounded
@@ -350,26 +366,36 @@ static int handshake(uint16_t port, const uint8_t key[AUTH_KEY_BYTES], const cha
         return fd;
 }
 
+/* Receives one frame within `ms` on a key holder's connection and opens
+ * it under `s`: 0 and *ret (free with moeep__v1__peer_message__free_unpacked),
+ * -ETIMEDOUT, -EPIPE (closed), or -EBADMSG (not sealed, or it does not open
+ * as the next frame under `s`). */
+static int sealed_recv(int fd, struct auth_session *s, int ms, Moeep__V1__PeerMessage **ret) {
+        static uint8_t plain[FRAME_MAX];
+        Moeep__V1__PeerMessage *m;
+        int r = frame_recv(fd, ms, &m, NULL);
+
+        if (r < 0)
+                return r;
+        if (m->body_case != MOEEP__V1__PEER_MESSAGE__BODY_SEALED || m->sealed.len < AUTH_SEAL_BYTES ||
+            m->sealed.len - AUTH_SEAL_BYTES > sizeof(plain) ||
+            auth_open(s, m->sealed.data, m->sealed.len, plain) < 0) {
+                moeep__v1__peer_message__free_unpacked(m, NULL);
+                return -EBADMSG;
+        }
+        *ret = moeep__v1__peer_message__unpack(NULL, m->sealed.len - AUTH_SEAL_BYTES, plain);
+        moeep__v1__peer_message__free_unpacked(m, NULL);
+        return *ret ? 0 : -EBADMSG;
+}
+
 /* Waits for the sealed PeerPong of `seq` on a key holder's connection,
  * skipping the daemon's own PeerPings. Returns 0, or -1. */
 static int expect_pong(int fd, struct auth_session *s, uint64_t seq) {
-        static uint8_t plain[FRAME_MAX];
-
         for (int i = 0; i < 8; i++) {
-                Moeep__V1__PeerMessage *m, *inner;
-                int r = frame_recv(fd, 2000, &m, NULL);
+                Moeep__V1__PeerMessage *inner;
                 bool ok;
 
-                if (r < 0 || m->body_case != MOEEP__V1__PEER_MESSAGE__BODY_SEALED ||
-                    m->sealed.len < AUTH_SEAL_BYTES ||
-                    auth_open(s, m->sealed.data, m->sealed.len, plain) < 0) {
-                        if (r == 0)
-                                moeep__v1__peer_message__free_unpacked(m, NULL);
-                        return -1;
-                }
-                inner = moeep__v1__peer_message__unpack(NULL, m->sealed.len - AUTH_SEAL_BYTES, plain);
-                moeep__v1__peer_message__free_unpacked(m, NULL);
-                if (!inner)
+                if (sealed_recv(fd, s, 2000, &inner) < 0)
                         return -1;
                 ok = inner->body_case == MOEEP__V1__PEER_MESSAGE__BODY_PONG && inner->pong->seq == seq;
                 moeep__v1__peer_message__free_unpacked(inner, NULL);
@@ -904,6 +930,335 @@ static int cmd_probe(const char *sock, int seconds, int max_ms) {
         return 0;
 }
 
+/* ------------------------------------------------------------ home */
+
+/* A key holder playing home daemon ID_B for A's ranks: its connection to
+ * A, its keys, and what A sent it. */
+struct home {
+        int fd;
+        struct auth_session s;
+        uint32_t joins;    /* PeerJoin answered */
+        uint32_t leaves;   /* PeerLeave seen */
+        uint64_t left_job; /* the job of the last one */
+        uint32_t barriers; /* PeerBarrier seen */
+        int child_status;  /* of the client process, once it exited */
+};
+
+static int home_send(struct home *h, const Moeep__V1__PeerMessage *msg) {
+        static struct frame f;
+
+        frame_seal(&f, &h->s, msg);
+        return frame_send(h->fd, &f);
+}
+
+/* Answers one message of A as a home would: PeerPing with PeerPong,
+ * PeerJoin with PeerJoined (the job id the unique id names, which the
+ * client forged); counts PeerLeave and PeerBarrier; the rest (PeerRegion,
+ * PeerRankLost) needs no answer here. */
+static void home_answer(struct home *h, const Moeep__V1__PeerMessage *m) {
+        Moeep__V1__PeerMessage out = MOEEP__V1__PEER_MESSAGE__INIT;
+
+        if (m->body_case == MOEEP__V1__PEER_MESSAGE__BODY_PING) {
+                Moeep__V1__PeerPong pong = MOEEP__V1__PEER_PONG__INIT;
+
+                pong.seq = m->ping->seq;
+                pong.sent_ns = m->ping->sent_ns;
+                out.body_case = MOEEP__V1__PEER_MESSAGE__BODY_PONG;
+                out.pong = &pong;
+                home_send(h, &out);
+        } else if (m->body_case == MOEEP__V1__PEER_MESSAGE__BODY_JOIN) {
+                Moeep__V1__PeerJoined joined = MOEEP__V1__PEER_JOINED__INIT;
+
+                joined.token = m->join->token;
+                for (int i = 0; i < 8 && m->join->unique_id.len > 9; i++)
+                        joined.job_id |= (uint64_t)m->join->unique_id.data[1 + i] << (8 * i);
+                joined.name = (char *)"home-test";
+                joined.world_size = m->join->world_size;
+                out.body_case = MOEEP__V1__PEER_MESSAGE__BODY_JOINED;
+                out.joined = &joined;
+                home_send(h, &out);
+                h->joins++;
+        } else if (m->body_case == MOEEP__V1__PEER_MESSAGE__BODY_LEAVE) {
+                h->leaves++;
+                h->left_job = m->leave->job_id;
+        } else if (m->body_case == MOEEP__V1__PEER_MESSAGE__BODY_BARRIER) {
+                h->barriers++;
+        }
+}
+
+/* Serves A until the client process `child` exited (then for another
+ * 200 ms, for what A sent on its way out) or, when `barriers` is not 0,
+ * until that many PeerBarrier came. 0, -ETIMEDOUT at `deadline`, -EPIPE
+ * when A closed, -EBADMSG. */
+static int home_serve(struct home *h, uint64_t deadline, pid_t child, uint32_t barriers) {
+        uint64_t drain_until = 0;
+
+        while (now_ms() < deadline && (!drain_until || now_ms() < drain_until)) {
+                struct pollfd pfd = { .fd = h->fd, .events = POLLIN };
+                Moeep__V1__PeerMessage *m;
+                int r;
+
+                if (!drain_until && waitpid(child, &h->child_status, WNOHANG) == child)
+                        drain_until = now_ms() + 200;
+                if (barriers && h->barriers >= barriers)
+                        return 0;
+                if (poll(&pfd, 1, 20) <= 0)
+                        continue;
+                r = sealed_recv(h->fd, &h->s, 2000, &m); /* a frame that began comes whole */
+                if (r < 0)
+                        return r;
+                home_answer(h, m);
+                moeep__v1__peer_message__free_unpacked(m, NULL);
+        }
+        return drain_until ? 0 : -ETIMEDOUT;
+}
+
+/* Waits up to `ms` for `child`; kills it past that. Returns its exit
+ * status, or -1 when it had to be killed or did not exit normally. */
+static int child_wait(pid_t child, int ms) {
+        uint64_t deadline = now_ms() + (uint64_t)ms;
+        int status;
+
+        while (waitpid(child, &status, WNOHANG) != child) {
+                if (now_ms() >= deadline) {
+                        kill(child, SIGKILL);
+                        waitpid(child, &status, 0);
+                        return -1;
+                }
+                sleep_ms(10);
+        }
+        return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+/* The first job id of the `mirrors` command's forged unique ids. */
+#define MIRRORS_JOB0 1000
+
+/* The client side of `mirrors`, in its own process: `cap` + 1 sessions
+ * join rank 1 of 2 of jobs MIRRORS_JOB0.. at home `id_b`. */
+static int mirrors_client(const char *sock, const char *id_b, int cap, int jobs, const char *check) {
+        struct moeep_client *c[65], *own;
+        struct moeep_unique_id id;
+        char refusal[256] = "";
+        int r;
+
+        for (int i = 0; i <= cap; i++) {
+                r = moeep_connect(sock, &c[i]);
+                if (r < 0)
+                        die("mirrors: connect %d: %s", i, strerror(-r));
+                forge_id(&id, MIRRORS_JOB0 + (uint64_t)i, id_b);
+                r = moeep_job_join(c[i], &id, 1, 2, NULL);
+                if (i < cap && r < 0)
+                        die("mirrors: join %d of %d (under max_mirrors_per_peer) refused: %s", i + 1, cap,
+                            moeep_client_error(c[i]));
+                if (i == cap && (r != -EUSERS || !strstr(moeep_client_error(c[i]), "max_mirrors_per_peer")))
+                        die("mirrors: join %d (past max_mirrors_per_peer = %d): %d '%s', want -EUSERS naming "
+                            "the cap",
+                            i + 1, cap, r, r < 0 ? moeep_client_error(c[i]) : "joined");
+                if (i == cap)
+                        snprintf(refusal, sizeof(refusal), "%s", moeep_client_error(c[i]));
+        }
+        printf("mirrors: A holds %d mirrors of jobs of %s; join %d refused: %s\n", cap, id_b, cap + 1,
+               refusal);
+        /* Mirrors count against no uid: this uid's own jobs, up to its cap. */
+        r = moeep_connect(sock, &own);
+        if (r < 0)
+                die("mirrors: connect: %s", strerror(-r));
+        for (int i = 0; i < jobs; i++) {
+                char name[32];
+
+                snprintf(name, sizeof(name), "own-%d", i);
+                if (moeep_job_create(own, name, 1, &id) < 0)
+                        die("mirrors: uid %u's job %d of %d (max_jobs_per_uid) with %d mirrors at A: %s",
+                            (unsigned)getuid(), i + 1, jobs, cap, moeep_client_error(own));
+        }
+        printf("mirrors: uid %u created %d jobs of its own (its max_jobs_per_uid) meanwhile\n",
+               (unsigned)getuid(), jobs);
+        fflush(stdout);
+        if (check && system(check) != 0)
+                die("mirrors: '%s' failed", check);
+        for (int i = 0; i <= cap; i++)
+                moeep_client_free(c[i]);
+        moeep_client_free(own);
+        return 0;
+}
+
+/* As home `id_b`, lets ranks at A (SOCKET) join `cap` + 1 jobs: A must hold
+ * `cap` mirrors (its max_mirrors_per_peer), refuse the next join naming
+ * the cap and tell the home (PeerLeave); the test's uid must meanwhile
+ * create `jobs` jobs (its max_jobs_per_uid) at A; `check` (a shell
+ * command, may be empty) runs while all of that is held. */
+static int cmd_mirrors(const char *keyfile, uint16_t port_a, const char *id_a, const char *id_b,
+                       const char *sock, int cap, int jobs, const char *check) {
+        uint8_t key[AUTH_KEY_BYTES];
+        char errmsg[ERRMSG_MAX];
+        struct home h = { 0 };
+        pid_t pid;
+        int r;
+
+        if (cap < 1 || cap > 64 || jobs < 1 || jobs > 64)
+                die("mirrors: 1..64 mirrors and jobs");
+        if (auth_key_load(keyfile, key, errmsg) < 0)
+                die("%s", errmsg);
+        h.fd = handshake(port_a, key, id_b, id_a, &h.s, NULL, NULL);
+        sodium_memzero(key, sizeof(key));
+        fflush(stdout);
+        pid = fork();
+        if (pid < 0)
+                die("fork: %s", strerror(errno));
+        if (pid == 0) {
+                close(h.fd);
+                _exit(mirrors_client(sock, id_b, cap, jobs, check[0] ? check : NULL));
+        }
+        r = home_serve(&h, now_ms() + 30000, pid, 0);
+        if (r < 0) {
+                child_wait(pid, 0);
+                die("mirrors: serving A: %s", strerror(-r));
+        }
+        close(h.fd);
+        auth_session_wipe(&h.s);
+        if (!WIFEXITED(h.child_status) || WEXITSTATUS(h.child_status) != 0)
+                return 1;
+        if (h.joins != (uint32_t)cap + 1 || h.leaves != 1 || h.left_job != MIRRORS_JOB0 + (uint64_t)cap) {
+                fprintf(stderr,
+                        "mirrors: A forwarded %u joins (want %d) and sent %u PeerLeave (want 1, of job %llu; "
+                        "the last named job %llu)\n",
+                        h.joins, cap + 1, h.leaves, (unsigned long long)(MIRRORS_JOB0 + cap),
+                        (unsigned long long)h.left_job);
+                return 1;
+        }
+        printf("mirrors: the home answered %u joins and got PeerLeave of the refused job %llu\n", h.joins,
+               (unsigned long long)h.left_job);
+        return 0;
+}
+
+/* The client side of `unread`: rank 1 of 2 of a job of home `id_b`, in a
+ * barrier that only the loss of the home can end. */
+static int unread_client(const char *sock, const char *id_b, int seconds) {
+        const volatile struct moeep_control_page *page;
+        struct moeep_unique_id id;
+        struct moeep_client *c;
+        struct moeep_event ev;
+        int r;
+
+        alarm((unsigned)seconds + 20);
+        r = moeep_connect(sock, &c);
+        if (r < 0)
+                die("unread: connect: %s", strerror(-r));
+        forge_id(&id, 77, id_b);
+        if (moeep_job_join(c, &id, 1, 2, NULL) < 0)
+                die("unread: join: %s", moeep_client_error(c));
+        r = moeep_job_barrier(c);
+        if (r != -ENOTCONN)
+                die("unread: barrier: %d '%s', want -ENOTCONN (the home lost)", r, moeep_client_error(c));
+        page = moeep_job_control_page(c);
+        if (!page || page->abort != 1 || !(page->lost_ranks & 1u))
+                die("unread: control page: abort %u lost_ranks 0x%x, want 1 and rank 0",
+                    page ? page->abort : 0, page ? page->lost_ranks : 0);
+        r = moeep_event_next(c, &ev);
+        if (r != 1 || ev.type != MOEEP_EVENT_PEER_LOST || ev.rank != 0)
+                die("unread: want a PeerLost event of rank 0: r=%d rank %d", r, r == 1 ? ev.rank : -1);
+        printf("unread: the barrier ended with -ENOTCONN (%s), abort word set, PeerLost rank 0 (%s)\n",
+               moeep_client_error(c), ev.reason);
+        moeep_client_free(c);
+        return 0;
+}
+
+/* Sends A PeerPings (and a PeerPong every 200 ms, so that A never finds
+ * it silent) for up to `seconds`, reading nothing. Returns the bytes sent;
+ * *ret_closed says whether A ended the connection. */
+static uint64_t home_flood(struct home *h, int seconds, bool *ret_closed) {
+        static uint8_t buf[1 << 16];
+        static struct frame f;
+        uint64_t end = now_ms() + (uint64_t)seconds * 1000u, last_pong = 0, sent = 0, seq = 0;
+        size_t len = 0, off = 0;
+
+        *ret_closed = false;
+        while (now_ms() < end) {
+                struct pollfd pfd = { .fd = h->fd, .events = POLLOUT };
+                ssize_t n;
+
+                if (off == len) /* sent: seal the next buffer full */
+                        len = off = 0;
+                while (len + 256 < sizeof(buf) && off == 0) {
+                        Moeep__V1__PeerMessage m;
+                        Moeep__V1__PeerPing ping;
+                        Moeep__V1__PeerPong pong = MOEEP__V1__PEER_PONG__INIT;
+
+                        ping_msg(&m, &ping, ++seq);
+                        if (now_ms() - last_pong >= 200) {
+                                last_pong = now_ms();
+                                m.body_case = MOEEP__V1__PEER_MESSAGE__BODY_PONG;
+                                m.pong = &pong;
+                        }
+                        frame_seal(&f, &h->s, &m);
+                        memcpy(buf + len, f.bytes, f.len);
+                        len += f.len;
+                }
+                n = send(h->fd, buf + off, len - off, MSG_NOSIGNAL | MSG_DONTWAIT);
+                if (n > 0) {
+                        sent += (uint64_t)n;
+                        off += (size_t)n;
+                        continue;
+                }
+                if (n < 0 && (errno == EAGAIN || errno == EINTR)) {
+                        poll(&pfd, 1, 100);
+                        continue;
+                }
+                *ret_closed = true; /* reset or closed by A */
+                break;
+        }
+        return sent;
+}
+
+/* As home `id_b`: a rank at A (SOCKET) joins a job of it and waits in a
+ * barrier; then the home stops reading and floods A for up to `seconds`.
+ * A must fail the connection (its answers pile up), and the rank's barrier
+ * must end with the home lost. */
+static int cmd_unread(const char *keyfile, uint16_t port_a, const char *id_a, const char *id_b,
+                      const char *sock, int seconds) {
+        uint8_t key[AUTH_KEY_BYTES];
+        char errmsg[ERRMSG_MAX];
+        struct home h = { 0 };
+        uint64_t t0, sent;
+        bool closed;
+        pid_t pid;
+        int r;
+
+        if (seconds < 1 || seconds > 60)
+                die("unread: 1..60 s");
+        if (auth_key_load(keyfile, key, errmsg) < 0)
+                die("%s", errmsg);
+        h.fd = handshake(port_a, key, id_b, id_a, &h.s, NULL, NULL);
+        sodium_memzero(key, sizeof(key));
+        fflush(stdout);
+        pid = fork();
+        if (pid < 0)
+                die("fork: %s", strerror(errno));
+        if (pid == 0) {
+                close(h.fd);
+                _exit(unread_client(sock, id_b, seconds));
+        }
+        r = home_serve(&h, now_ms() + 10000, pid, 1);
+        if (r < 0 || h.barriers != 1) {
+                child_wait(pid, 0);
+                die("unread: no PeerBarrier from A (%s)", r < 0 ? strerror(-r) : "the client exited");
+        }
+        printf("unread: the rank joined and waits in a barrier; the home stops reading\n");
+        t0 = now_ms();
+        sent = home_flood(&h, seconds, &closed);
+        printf("unread: %llu bytes sent in %llu ms; A %s the connection\n", (unsigned long long)sent,
+               (unsigned long long)(now_ms() - t0), closed ? "ended" : "did not end");
+        r = child_wait(pid, 10000);
+        close(h.fd);
+        auth_session_wipe(&h.s);
+        if (!closed || r != 0) {
+                fprintf(stderr, "unread: A %s the connection; the waiting rank %s\n",
+                        closed ? "ended" : "kept", r == 0 ? "saw its home lost" : "failed or hung");
+                return 1;
+        }
+        return 0;
+}
+
 /* ------------------------------------------------------------ main */
 
 static int drop_to(uid_t uid) {
@@ -930,6 +1285,11 @@ static int run(int argc, char **argv) {
                 return cmd_forge(argv[1], argv[2], atoi(argv[3]), argv[4]);
         if (strcmp(cmd, "probe") == 0 && argc == 4)
                 return cmd_probe(argv[1], atoi(argv[2]), atoi(argv[3]));
+        if (strcmp(cmd, "mirrors") == 0 && argc == 9)
+                return cmd_mirrors(argv[1], (uint16_t)atoi(argv[2]), argv[3], argv[4], argv[5], atoi(argv[6]),
+                                   atoi(argv[7]), argv[8]);
+        if (strcmp(cmd, "unread") == 0 && argc == 7)
+                return cmd_unread(argv[1], (uint16_t)atoi(argv[2]), argv[3], argv[4], argv[5], atoi(argv[6]));
         fprintf(stderr, "mesh-attack: bad command or arguments (see the top of mesh-attack.c)\n");
         return 2;
 }

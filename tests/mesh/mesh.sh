@@ -33,12 +33,6 @@ test_name=mesh
 # shellcheck source=lib.sh
 source "$(dirname "$(realpath "$0")")/lib.sh"
 
-alive() {
-        local st
-        st=$(sed 's/.*) //' "/proc/$1/stat" 2>/dev/null) || return 1
-        [[ -n $st && ${st:0:1} != Z ]]
-}
-
 read -r port_a port_b port_c port_d < <(free_ports 4) || fail "no free ports"
 
 key_text="moeep-mesh-test-key-7f3a9c21d5e8b046"
