@@ -1013,6 +1013,30 @@ static int home_serve(struct home *h, uint64_t deadline, pid_t child, uint32_t b
         return drain_until ? 0 : -ETIMEDOUT;
 }
 
+/* Connects to A as home `id_b` with the key in `keyfile` and forks the
+ * client process: returns its pid in the parent (which serves A on
+ * h->fd) and 0 in the child (which has no part in the connection). */
+static pid_t home_start(struct home *h, const char *keyfile, uint16_t port_a, const char *id_a,
+                        const char *id_b) {
+        uint8_t key[AUTH_KEY_BYTES];
+        char errmsg[ERRMSG_MAX];
+        pid_t pid;
+
+        if (auth_key_load(keyfile, key, errmsg) < 0)
+                die("%s", errmsg);
+        h->fd = handshake(port_a, key, id_b, id_a, &h->s, NULL, NULL);
+        sodium_memzero(key, sizeof(key));
+        fflush(stdout);
+        pid = fork();
+        if (pid < 0)
+                die("fork: %s", strerror(errno));
+        if (pid == 0) {
+                close(h->fd);
+                auth_session_wipe(&h->s);
+        }
+        return pid;
+}
+
 /* Waits up to `ms` for `child`; kills it past that. Returns its exit
  * status, or -1 when it had to be killed or did not exit normally. */
 static int child_wait(pid_t child, int ms) {
@@ -1089,26 +1113,15 @@ static int mirrors_client(const char *sock, const char *id_b, int cap, int jobs,
  * command, may be empty) runs while all of that is held. */
 static int cmd_mirrors(const char *keyfile, uint16_t port_a, const char *id_a, const char *id_b,
                        const char *sock, int cap, int jobs, const char *check) {
-        uint8_t key[AUTH_KEY_BYTES];
-        char errmsg[ERRMSG_MAX];
         struct home h = { 0 };
         pid_t pid;
         int r;
 
         if (cap < 1 || cap > 64 || jobs < 1 || jobs > 64)
                 die("mirrors: 1..64 mirrors and jobs");
-        if (auth_key_load(keyfile, key, errmsg) < 0)
-                die("%s", errmsg);
-        h.fd = handshake(port_a, key, id_b, id_a, &h.s, NULL, NULL);
-        sodium_memzero(key, sizeof(key));
-        fflush(stdout);
-        pid = fork();
-        if (pid < 0)
-                die("fork: %s", strerror(errno));
-        if (pid == 0) {
-                close(h.fd);
+        pid = home_start(&h, keyfile, port_a, id_a, id_b);
+        if (pid == 0)
                 _exit(mirrors_client(sock, id_b, cap, jobs, check[0] ? check : NULL));
-        }
         r = home_serve(&h, now_ms() + 30000, pid, 0);
         if (r < 0) {
                 child_wait(pid, 0);
@@ -1216,8 +1229,6 @@ static uint64_t home_flood(struct home *h, int seconds, bool *ret_closed) {
  * must end with the home lost. */
 static int cmd_unread(const char *keyfile, uint16_t port_a, const char *id_a, const char *id_b,
                       const char *sock, int seconds) {
-        uint8_t key[AUTH_KEY_BYTES];
-        char errmsg[ERRMSG_MAX];
         struct home h = { 0 };
         uint64_t t0, sent;
         bool closed;
@@ -1226,18 +1237,9 @@ static int cmd_unread(const char *keyfile, uint16_t port_a, const char *id_a, co
 
         if (seconds < 1 || seconds > 60)
                 die("unread: 1..60 s");
-        if (auth_key_load(keyfile, key, errmsg) < 0)
-                die("%s", errmsg);
-        h.fd = handshake(port_a, key, id_b, id_a, &h.s, NULL, NULL);
-        sodium_memzero(key, sizeof(key));
-        fflush(stdout);
-        pid = fork();
-        if (pid < 0)
-                die("fork: %s", strerror(errno));
-        if (pid == 0) {
-                close(h.fd);
+        pid = home_start(&h, keyfile, port_a, id_a, id_b);
+        if (pid == 0)
                 _exit(unread_client(sock, id_b, seconds));
-        }
         r = home_serve(&h, now_ms() + 10000, pid, 1);
         if (r < 0 || h.barriers != 1) {
                 child_wait(pid, 0);
