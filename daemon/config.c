@@ -33,6 +33,8 @@ static const char default_config[] = "socket = " MOEEP_DEFAULT_SOCKET "\n"
                                      "max_regions_per_session = 8\n"
                                      "max_region_bytes_per_uid = 1T\n"
                                      "max_fds_per_uid = 512\n"
+                                     "max_proxy_bytes_per_uid = 16G\n"
+                                     "max_proxy_bytes = 64G\n"
                                      "metrics_listen =\n"
                                      "transport = fabric\n"
                                      "fabric_provider = efa\n"
@@ -85,6 +87,12 @@ static const struct key {
         { "max_region_bytes_per_uid", KEY_BYTES, offsetof(struct config, max_region_bytes_per_uid), 1,
           UINT64_MAX, true },
         { "max_fds_per_uid", KEY_U32, offsetof(struct config, max_fds_per_uid), 1, 65536, true },
+        /* Host memory the transport maps or pins for proxy regions
+         * (datapath.c): far below max_region_bytes_per_uid, since it is
+         * the daemon's memory and address space, not the client's. */
+        { "max_proxy_bytes_per_uid", KEY_BYTES, offsetof(struct config, max_proxy_bytes_per_uid), 1,
+          UINT64_MAX, true },
+        { "max_proxy_bytes", KEY_BYTES, offsetof(struct config, max_proxy_bytes), 1, UINT64_MAX, true },
         { "metrics_listen", KEY_LISTEN, offsetof(struct config, metrics_listen), 0, 0, false },
         /* Transports (transport.h) are opened once at start-up. */
         { "transport", KEY_TRANSPORT, offsetof(struct config, transport), 0, 0, false },
@@ -607,5 +615,7 @@ int config_apply_reloadable(struct config *to, const struct config *from) {
         to->max_regions_per_session = from->max_regions_per_session;
         to->max_region_bytes_per_uid = from->max_region_bytes_per_uid;
         to->max_fds_per_uid = from->max_fds_per_uid;
+        to->max_proxy_bytes_per_uid = from->max_proxy_bytes_per_uid;
+        to->max_proxy_bytes = from->max_proxy_bytes;
         return 0;
 }

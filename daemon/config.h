@@ -23,6 +23,8 @@ struct config {
         uint32_t max_regions_per_session;  /* regions one job member may register */
         uint64_t max_region_bytes_per_uid; /* sum of registered region sizes of one uid */
         uint32_t max_fds_per_uid;          /* region descriptors the daemon holds for one uid */
+        uint64_t max_proxy_bytes_per_uid;  /* host memory of one uid's proxy regions the daemon maps */
+        uint64_t max_proxy_bytes;          /* the same, all uids together */
         char *metrics_listen;              /* owns; "HOST:PORT" of the HTTP metrics listener, "" = off */
         char *transport;          /* owns; internode backend: "fabric", "verbs" or "cuda" (transport.h) */
         char *fabric_provider;    /* owns; libfabric provider: "efa", "verbs", "tcp" (tests) */

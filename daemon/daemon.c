@@ -484,7 +484,7 @@ int daemon_init(struct daemon *d, const struct daemon_options *options) {
         if (r == 0)
                 r = mesh_jobs_new(d->mesh, d->jobs, &d->mesh_jobs);
         if (r == 0)
-                r = datapath_start(d->base, &d->config, d->mesh, d->mesh_jobs, &d->datapath);
+                r = datapath_start(d->base, &d->config, d->clientfds, d->mesh, d->mesh_jobs, &d->datapath);
         if (r == 0) {
                 metrics_init(&d->metrics, &started, d->jobs, d->broker, d->mesh, d->datapath);
                 if (d->config.metrics_listen[0])

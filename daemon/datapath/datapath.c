@@ -35,8 +35,10 @@ struct dp_rank {
         struct job_member *member; /* not owning; NULL once it went (the rank lingers for its rings) */
         uint64_t job_id;           /* for messages after the member went */
         uint32_t rank;
+        uid_t uid;                        /* the uid its registrations are charged to */
         uint64_t region_id[REGION_ROLES]; /* 0 = none */
         struct tp_mr *mr[REGION_ROLES];   /* owns */
+        uint64_t host[REGION_ROLES];      /* bytes of mr charged as host memory (dp_usage) */
         struct dp_channel_list channels;  /* owns */
         uint32_t nchannels;
         TAILQ_ENTRY(dp_rank) entry;
@@ -48,13 +50,32 @@ TAILQ_HEAD(dp_rank_list, dp_rank);
  * writer can still be on its way (DATAPATH_MR_LINGER_MS). */
 struct dp_retired {
         struct tp_mr *mr; /* owns */
+        uid_t uid;        /* still charged to it (dp_usage, and one fd) */
+        uint64_t host;
         uint64_t until_ms;
         TAILQ_ENTRY(dp_retired) entry;
 };
 
 TAILQ_HEAD(dp_retired_list, dp_retired);
 
+/* What one uid holds in transport registrations, live or retired, until
+ * each is really freed: the host memory (memfd regions) the transport maps
+ * or pins, for max_proxy_bytes_per_uid, and one fd each, charged in
+ * clientfds (the mapping or pin holds the memfd's file, and cuda keeps a
+ * duplicate of it). A release does not return the charge: the
+ * registration lingers (mr_retire()). */
+struct dp_usage {
+        uid_t uid;
+        uint64_t host;
+        uint32_t mrs; /* the entry goes when 0 */
+        LIST_ENTRY(dp_usage) entry;
+};
+
 struct datapath {
+        const struct config *config;    /* not owning; the caps are read at each registration */
+        struct clientfds *fds;          /* not owning; charges a registration's fd to its uid */
+        LIST_HEAD(, dp_usage) usage;    /* owns; entries exist while a uid holds registrations */
+        uint64_t host;                  /* host bytes of every registration (max_proxy_bytes) */
         struct mesh *mesh;              /* not owning; the peer daemons */
         struct mesh_jobs *mesh_jobs;    /* not owning; the jobs across them */
         struct dp_retired_list retired; /* owns; oldest first */
@@ -125,6 +146,83 @@ static uint64_t dp_now_ms(void) {
         return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
 }
 
+static struct dp_usage *usage_find(const struct datapath *dp, uid_t uid) {
+        struct dp_usage *u;
+
+        LIST_FOREACH (u, &dp->usage, entry)
+                if (u->uid == uid)
+                        return u;
+        return NULL;
+}
+
+/* Charges one registration of `host` bytes of host memory (0 for GPU
+ * memory) to `uid`: the caps max_proxy_bytes_per_uid and max_proxy_bytes
+ * on the bytes, and one fd against max_fds_per_uid and the daemon's
+ * budget. `name` names the region in the refusal. */
+static int usage_charge(struct datapath *dp, uid_t uid, uint64_t host, const char *name, char *errmsg) {
+        const struct config *c = dp->config;
+        struct dp_usage *u = usage_find(dp, uid);
+        uint64_t held = u ? u->host : 0;
+        char why[ERRMSG_MAX];
+        int r;
+
+        if (held > c->max_proxy_bytes_per_uid || host > c->max_proxy_bytes_per_uid - held)
+                return errmsg_set(errmsg, -ERROR_KIND_LIMIT_EXCEEDED,
+                                  "%s: %" PRIu64
+                                  " bytes of host memory the daemon would map: uid %u holds %" PRIu64
+                                  " in proxy regions (released ones count for %d s after), "
+                                  "max_proxy_bytes_per_uid = %" PRIu64,
+                                  name, host, (unsigned)uid, held, DATAPATH_MR_LINGER_MS / 1000,
+                                  c->max_proxy_bytes_per_uid);
+        if (dp->host > c->max_proxy_bytes || host > c->max_proxy_bytes - dp->host)
+                return errmsg_set(
+                        errmsg, -ERROR_KIND_LIMIT_EXCEEDED,
+                        "%s: %" PRIu64 " bytes of host memory the daemon would map: all uids hold %" PRIu64
+                        " in proxy regions (released ones count for %d s after), max_proxy_bytes = %" PRIu64,
+                        name, host, dp->host, DATAPATH_MR_LINGER_MS / 1000, c->max_proxy_bytes);
+        if (!u) {
+                u = calloc(1, sizeof(*u));
+                if (!u)
+                        return errmsg_set(errmsg, -ENOMEM, "%s: out of memory", name);
+                u->uid = uid;
+                LIST_INSERT_HEAD(&dp->usage, u, entry);
+        }
+        if (dp->fds && (r = clientfds_charge(dp->fds, uid, 1, why)) < 0) {
+                if (!u->mrs) {
+                        LIST_REMOVE(u, entry);
+                        free(u);
+                }
+                return errmsg_set(errmsg, -ERROR_KIND_LIMIT_EXCEEDED,
+                                  "%s: its transport registration (released ones count for %d s after): %s",
+                                  name, DATAPATH_MR_LINGER_MS / 1000, why);
+        }
+        u->host += host;
+        u->mrs++;
+        dp->host += host;
+        return 0;
+}
+
+static void usage_return(struct datapath *dp, uid_t uid, uint64_t host) {
+        struct dp_usage *u = usage_find(dp, uid);
+
+        if (dp->fds)
+                clientfds_uncharge(dp->fds, uid, 1);
+        dp->host -= host;
+        if (!u)
+                return;
+        u->host -= host;
+        if (--u->mrs == 0) {
+                LIST_REMOVE(u, entry);
+                free(u);
+        }
+}
+
+/* Frees a registration and returns its charge. */
+static void mr_free(struct datapath *dp, struct tp_mr *mr, uid_t uid, uint64_t host) {
+        dp->tp.ops->mr_free(dp->tp.tp, mr);
+        usage_return(dp, uid, host);
+}
+
 /* Frees the retired registrations whose time is up; arms the timer for
  * the next one. */
 static void retired_free(struct datapath *dp, bool all) {
@@ -133,7 +231,7 @@ static void retired_free(struct datapath *dp, bool all) {
 
         while ((rt = TAILQ_FIRST(&dp->retired)) && (all || rt->until_ms <= now)) {
                 TAILQ_REMOVE(&dp->retired, rt, entry);
-                dp->tp.ops->mr_free(dp->tp.tp, rt->mr);
+                mr_free(dp, rt->mr, rt->uid, rt->host);
                 free(rt);
         }
         if (rt && dp->ev_retired) {
@@ -154,18 +252,22 @@ static void retired_cb(evutil_socket_t fd, short what, void *arg) {
  * a key its target no longer knows makes some transports (libfabric tcp)
  * close the connection every job between the two daemons shares. So the
  * registration stays, holding the memory (the client's fd is closed), for
- * DATAPATH_MR_LINGER_MS; what arrives meanwhile lands where nobody reads. */
-static void mr_retire(struct datapath *dp, struct tp_mr *mr) {
+ * DATAPATH_MR_LINGER_MS; what arrives meanwhile lands where nobody reads.
+ * It stays charged to its uid until then (dp_usage), so that releasing and
+ * registering again cannot map more than the caps allow. */
+static void mr_retire(struct datapath *dp, struct tp_mr *mr, uid_t uid, uint64_t host) {
         struct dp_retired *rt;
 
         if (!mr)
                 return;
         rt = dp->ev_retired ? calloc(1, sizeof(*rt)) : NULL;
         if (!rt) {
-                dp->tp.ops->mr_free(dp->tp.tp, mr);
+                mr_free(dp, mr, uid, host);
                 return;
         }
         rt->mr = mr;
+        rt->uid = uid;
+        rt->host = host;
         rt->until_ms = dp_now_ms() + DATAPATH_MR_LINGER_MS;
         TAILQ_INSERT_TAIL(&dp->retired, rt, entry);
         if (!evtimer_pending(dp->ev_retired, NULL))
@@ -173,11 +275,14 @@ static void mr_retire(struct datapath *dp, struct tp_mr *mr) {
 }
 
 static void rank_mr_drop(struct datapath *dp, struct dp_rank *dr, uint32_t role) {
+        if (!dr->mr[role])
+                return;
         if (role == REGION_ROLE_SEND)
-                dp->tp.ops->mr_free(dp->tp.tp, dr->mr[role]); /* no ring reads it any more */
+                mr_free(dp, dr->mr[role], dr->uid, dr->host[role]); /* no ring reads it any more */
         else
-                mr_retire(dp, dr->mr[role]);
+                mr_retire(dp, dr->mr[role], dr->uid, dr->host[role]);
         dr->mr[role] = NULL;
+        dr->host[role] = 0;
         dr->region_id[role] = 0;
 }
 
@@ -303,7 +408,7 @@ int datapath_region_register(struct datapath *dp, struct broker *b, struct job_m
         struct tp_rkey rkey;
         struct job_rkey jrkey;
         char name[96];
-        uint64_t id;
+        uint64_t id, host;
         int r;
 
         if (spec->role <= REGION_ROLE_NONE || spec->role >= REGION_ROLES)
@@ -330,6 +435,7 @@ int datapath_region_register(struct datapath *dp, struct broker *b, struct job_m
                 if (!dr)
                         return errmsg_set(errmsg, -ENOMEM, "%s: out of memory", name);
                 dr->member = m;
+                dr->uid = uid;
                 dr->job_id = m->job->id;
                 dr->rank = m->rank;
                 TAILQ_INIT(&dr->channels);
@@ -344,12 +450,27 @@ int datapath_region_register(struct datapath *dp, struct broker *b, struct job_m
          * (on a closer thread), and a second close by the caller could hit
          * a number the loop has given to another client's fd meanwhile. */
         *fd = -1;
-        r = client_refusal(dp->tp.ops->mr_new(dp->tp.tp, &mem, &mr, errmsg));
+        /* Host memory the transport maps (tp-mem) or pins (verbs, fabric's
+         * NIC providers, cuda): the daemon's own memory and address space,
+         * capped far below max_region_bytes_per_uid. GPU memory is the
+         * client's and is not counted; every registration holds an fd.
+         * mr_new runs on the loop: pinning (ibv_reg_mr, cuMemHostRegister)
+         * faults in every page, so the cap also bounds how long one
+         * request can hold the loop (a few GiB take about a second);
+         * registering on a worker thread would remove that stall. */
+        host = spec->kind == REGION_KIND_MEMFD ? spec->size : 0;
+        r = usage_charge(dp, dr->uid, host, name, errmsg);
+        if (r == 0) {
+                r = client_refusal(dp->tp.ops->mr_new(dp->tp.tp, &mem, &mr, errmsg));
+                if (r < 0)
+                        usage_return(dp, dr->uid, host);
+        }
         if (r < 0) {
                 broker_release(b, m, id, NULL);
                 goto fail;
         }
         dr->mr[spec->role] = mr;
+        dr->host[spec->role] = host;
         dr->region_id[spec->role] = id;
         dp->tp.ops->mr_rkey(mr, &rkey);
         log_info("datapath: %s registered (region %" PRIu64 ", %" PRIu64 " bytes)", name, id, spec->size);
@@ -596,7 +717,7 @@ static void proxy_event_cb(evutil_socket_t fd, short what, void *arg) {
 
 /* ------------------------------------------------------------ start, stop */
 
-int datapath_start(struct event_base *base, const struct config *c, struct mesh *mesh,
+int datapath_start(struct event_base *base, const struct config *c, struct clientfds *fds, struct mesh *mesh,
                    struct mesh_jobs *mesh_jobs, struct datapath **ret) {
         struct tp_config cfg = {
                 .backend = c->transport,
@@ -615,6 +736,9 @@ int datapath_start(struct event_base *base, const struct config *c, struct mesh 
         dp = calloc(1, sizeof(*dp));
         if (!dp)
                 return -ENOMEM;
+        dp->config = c;
+        dp->fds = fds;
+        LIST_INIT(&dp->usage);
         dp->mesh = mesh;
         dp->mesh_jobs = mesh_jobs;
         TAILQ_INIT(&dp->ranks);

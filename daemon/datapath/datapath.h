@@ -71,12 +71,14 @@ struct region_spec {
 
 /* Starts the data path when the mesh is on (mesh_listen set): opens the
  * configured transport (transport, fabric_provider, transport_device,
- * transport_address) and starts the proxy. When the transport does not
+ * transport_address) and starts the proxy. `c` (read at each registration
+ * for max_proxy_bytes_per_uid and max_proxy_bytes) and `fds` (each
+ * registration's fd is charged there; may be NULL) must outlive it. When the transport does not
  * open, moeepd runs without the internode data path: that is logged once
  * (a warning naming the transport and why) and every request that needs it
  * is answered with the same text. Returns 0 (*ret NULL when the mesh is
  * off) or -ENOMEM. */
-int datapath_start(struct event_base *base, const struct config *c, struct mesh *mesh,
+int datapath_start(struct event_base *base, const struct config *c, struct clientfds *fds, struct mesh *mesh,
                    struct mesh_jobs *mesh_jobs, struct datapath **ret);
 
 /* Stops the proxy, drops every registration and closes the transport.
@@ -103,7 +105,11 @@ bool datapath_transport_stats(const struct datapath *dp, struct tp_stats *ret);
  * alike (the broker then closes it, off the loop), so the caller closes it
  * only while it is still >= 0. Errors as broker_register (a bad role, kind,
  * seal or size: -ERROR_KIND_INVALID_ARGUMENT), plus -ENODEV without a data
- * path, -EOPNOTSUPP for a kind the transport cannot register. */
+ * path, -EOPNOTSUPP for a kind the transport cannot register, and
+ * -ERROR_KIND_LIMIT_EXCEEDED past max_proxy_bytes_per_uid or
+ * max_proxy_bytes (a memfd region's bytes) or max_fds_per_uid (one fd per
+ * registration): a registration stays charged to its uid until it is
+ * freed, DATAPATH_MR_LINGER_MS after a release for recv and counters. */
 int datapath_region_register(struct datapath *dp, struct broker *b, struct job_member *m, uid_t uid,
                              const struct region_spec *spec, int *fd, uint64_t *ret_id, char *errmsg);
 

@@ -41,7 +41,8 @@ static void check_valid(const struct config *c) {
                 abort();
         if (c->max_sessions < 1 || c->max_sessions_per_uid < 1 || c->max_jobs_per_uid < 1 ||
             c->max_mirrors_per_peer < 1 || c->max_mirrors_per_peer > 4096 || c->max_regions_per_session < 1 ||
-            c->max_regions_per_session > 64 || c->max_region_bytes_per_uid < 1 || c->max_fds_per_uid < 1)
+            c->max_regions_per_session > 64 || c->max_region_bytes_per_uid < 1 || c->max_fds_per_uid < 1 ||
+            c->max_proxy_bytes_per_uid < 1 || c->max_proxy_bytes < 1)
                 abort();
 }
 

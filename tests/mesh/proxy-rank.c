@@ -44,6 +44,19 @@
  *   fail (writes in flight to a lost rank land; the job's abort word is
  *   expected), and it ends 0.
  *
+ * Two modes without a ring, in a job of their own of one rank (no
+ * --id-file, --world or --rank), after dropping to --uid N where given:
+ * --mode retire: registers and releases --count K sparse memfd recv
+ *   regions of --size S bytes, each released at once (the daemon retires
+ *   its mapping for 10 s); the next must be refused with -EUSERS naming
+ *   max_proxy_bytes_per_uid (the retired ones still count) and it prints
+ *   "refused" (and creates --ready-file if given); after --duration MS (past the linger) one more must be
+ *   registered.
+ * --mode victim: one recv region of --size S bytes must be registered
+ *   (another uid's retired regions do not count against it), then a send
+ *   region of 2 S must be refused with -EUSERS naming max_proxy_bytes (the
+ *   daemon-wide cap).
+ *
  * Exit status: 0 when everything checked out, 1 on a mismatch (one line on
  * stderr naming the rank, the check and the value seen), 2 on bad usage.
  * Every wait is bounded by --timeout (default 30 s); SIGALRM at twice that
@@ -580,6 +593,99 @@ static int mode_release_write(struct ctx *x) {
         return 0;
 }
 
+/* ------------------------------------------------------------ caps */
+
+/* Registers a sparse sealed memfd of `size` bytes with `role`: 0 and its id,
+ * or the daemon's refusal (the client's error text in `c`). */
+static int region_try(struct moeep_client *c, uint64_t size, enum moeep_proxy_role role, uint64_t *ret_id) {
+        int fd = memfd_create("cap", MFD_CLOEXEC | MFD_ALLOW_SEALING), r;
+
+        if (fd < 0 || ftruncate(fd, (off_t)size) < 0 || fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK) < 0) {
+                r = -errno;
+                if (fd >= 0)
+                        close(fd);
+                fail("memfd of %" PRIu64 " bytes: %s", size, strerror(-r));
+                return r;
+        }
+        r = client_proxy_region_register(c, fd, size, role, 0, ret_id);
+        close(fd);
+        return r;
+}
+
+/* `r` must be -EUSERS with `want` in the client's error text. */
+static int expect_cap(struct moeep_client *c, int r, const char *what, const char *want) {
+        if (r != -EUSERS || !strstr(moeep_client_error(c), want))
+                return fail("%s: %d (%s), want -EUSERS naming %s", what, r, moeep_client_error(c), want);
+        printf("proxy-rank: %s refused: %s\n", what, moeep_client_error(c));
+        return 0;
+}
+
+static int mode_retire(struct moeep_client *c, uint32_t rounds, uint64_t size, const char *ready_file) {
+        uint64_t id;
+        int r, fd;
+
+        for (uint32_t i = 0; i < rounds; i++) {
+                r = region_try(c, size, MOEEP_PROXY_RECV, &id);
+                if (r == 0)
+                        r = moeep_region_release(c, id);
+                if (r < 0)
+                        return fail("round %" PRIu32 " of %" PRIu64 " bytes: %s (%s)", i, size, strerror(-r),
+                                    moeep_client_error(c));
+        }
+        r = expect_cap(c, region_try(c, size, MOEEP_PROXY_RECV, &id), "a region past the released ones",
+                       "max_proxy_bytes_per_uid = ");
+        if (r)
+                return r;
+        fd = ready_file ? open(ready_file, O_WRONLY | O_CREAT | O_CLOEXEC, 0644) : -1;
+        if (fd >= 0)
+                close(fd);
+        usleep(duration_ms * 1000u);
+        r = region_try(c, size, MOEEP_PROXY_RECV, &id);
+        if (r < 0)
+                return fail("after %" PRIu32 " ms the retired regions were still charged: %s (%s)",
+                            duration_ms, strerror(-r), moeep_client_error(c));
+        printf("proxy-rank: %" PRIu32 " regions of %" PRIu64 " bytes released; the next refused; one "
+               "registered %" PRIu32 " ms later\n",
+               rounds, size, duration_ms);
+        return 0;
+}
+
+static int mode_victim(struct moeep_client *c, uint64_t size) {
+        uint64_t id;
+        int r = region_try(c, size, MOEEP_PROXY_RECV, &id);
+
+        if (r < 0)
+                return fail("a recv region of %" PRIu64 " bytes while another uid is capped: %s (%s)", size,
+                            strerror(-r), moeep_client_error(c));
+        return expect_cap(c, region_try(c, 2 * size, MOEEP_PROXY_SEND, &id),
+                          "a send region past the daemon's cap", "max_proxy_bytes = ");
+}
+
+/* The caps modes: a job of one rank, as uid `uid` (-1: as we are). */
+static int run_caps(const char *sock, const char *mode, long uid, uint32_t count, uint64_t size,
+                    const char *ready_file) {
+        struct moeep_client *c;
+        struct moeep_unique_id id;
+        int r;
+
+        if (uid >= 0 && (setgid((gid_t)uid) < 0 || setuid((uid_t)uid) < 0))
+                return fail("dropping to uid %ld: %s", uid, strerror(errno));
+        r = moeep_connect(sock, &c);
+        if (r < 0)
+                return fail("connect %s: %s", sock, strerror(-r));
+        r = moeep_job_create(c, mode, 1, &id);
+        if (r == 0)
+                r = moeep_job_join(c, &id, 0, 1, NULL);
+        if (r < 0)
+                r = fail("job: %s (%s)", strerror(-r), moeep_client_error(c));
+        else if (strcmp(mode, "retire") == 0)
+                r = mode_retire(c, count, size, ready_file);
+        else
+                r = mode_victim(c, size);
+        moeep_client_free(c);
+        return r;
+}
+
 /* ------------------------------------------------------------ main */
 
 static int run(struct ctx *x, const char *id_file, bool create, const char *mode, const char *ready_file) {
@@ -643,23 +749,18 @@ static int run(struct ctx *x, const char *id_file, bool create, const char *mode
 
 int main(int argc, char **argv) {
         static const struct option opts[] = {
-                { "socket", required_argument, NULL, 's' },
-                { "id-file", required_argument, NULL, 'i' },
-                { "world", required_argument, NULL, 'w' },
-                { "rank", required_argument, NULL, 'r' },
-                { "create", no_argument, NULL, 'c' },
-                { "join", no_argument, NULL, 'j' },
-                { "mode", required_argument, NULL, 'm' },
-                { "count", required_argument, NULL, 'n' },
-                { "size", required_argument, NULL, 'z' },
-                { "ready-file", required_argument, NULL, 'f' },
-                { "timeout", required_argument, NULL, 't' },
-                { "duration", required_argument, NULL, 'd' },
-                { NULL, 0, NULL, 0 },
+                { "socket", required_argument, NULL, 's' },  { "id-file", required_argument, NULL, 'i' },
+                { "world", required_argument, NULL, 'w' },   { "rank", required_argument, NULL, 'r' },
+                { "create", no_argument, NULL, 'c' },        { "join", no_argument, NULL, 'j' },
+                { "mode", required_argument, NULL, 'm' },    { "count", required_argument, NULL, 'n' },
+                { "size", required_argument, NULL, 'z' },    { "ready-file", required_argument, NULL, 'f' },
+                { "timeout", required_argument, NULL, 't' }, { "duration", required_argument, NULL, 'd' },
+                { "uid", required_argument, NULL, 'u' },     { NULL, 0, NULL, 0 },
         };
         const char *sock = NULL, *id_file = NULL, *mode = "data", *ready_file = NULL;
         struct ctx x = { .world = 0, .count = 500, .size = 1024, .ring_fd = -1 };
         int create = -1, timeout = 30, o, r;
+        long uid = -1;
 
         x.send.fd = x.recv.fd = x.counters.fd = -1;
         while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
@@ -689,7 +790,7 @@ int main(int argc, char **argv) {
                         x.count = (uint32_t)atoi(optarg);
                         break;
                 case 'z':
-                        x.size = (uint32_t)atoi(optarg);
+                        x.size = (uint32_t)strtoul(optarg, NULL, 0);
                         break;
                 case 'f':
                         ready_file = optarg;
@@ -700,9 +801,21 @@ int main(int argc, char **argv) {
                 case 'd':
                         duration_ms = (uint32_t)atoi(optarg);
                         break;
+                case 'u':
+                        uid = atol(optarg);
+                        break;
                 default:
                         return 2;
                 }
+        }
+        if (sock && (strcmp(mode, "retire") == 0 || strcmp(mode, "victim") == 0)) {
+                if (x.count == 0 || x.size == 0) {
+                        fprintf(stderr, "usage: see the comment at the top of proxy-rank.c\n");
+                        return 2;
+                }
+                alarm((unsigned)timeout * 2);
+                setvbuf(stdout, NULL, _IOLBF, 0);
+                return run_caps(sock, mode, uid, x.count, x.size, ready_file);
         }
         if (!sock || !id_file || x.world < 2 || x.world > 32 || x.rank < 0 || x.rank >= x.world ||
             create < 0 || x.count == 0 || x.size < 64 || timeout <= 0 ||

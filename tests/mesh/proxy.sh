@@ -6,6 +6,11 @@
 #
 #   proxy.sh MOEEPD PROXY_RANK
 #
+# 0. caps: uid 65534 registers and releases memfd recv regions at A until
+#    max_proxy_bytes_per_uid (64M here) refuses the next, naming it: the
+#    released ones, still mapped for DATAPATH_MR_LINGER_MS, count; root
+#    registers one meanwhile, and past max_proxy_bytes (96M) is refused
+#    naming that; 11 s later uid 65534 registers again.
 # 1. data: every rank sends pseudo-random payloads with a counter each to
 #    both ranks at the other daemon; every byte and counter is checked; the
 #    descriptor rate and a one-descriptor round trip are printed
@@ -58,6 +63,9 @@ cluster_key_file = $tmp/key
 transport = fabric
 fabric_provider = tcp
 transport_address = 127.0.0.1
+socket_mode = 0666
+max_proxy_bytes_per_uid = 64M
+max_proxy_bytes = 96M
 CONF
         rm -f "$tmp/$name.sock"
         "$moeepd" --config "$tmp/$name.conf" --foreground >>"$tmp/$name.log" 2>&1 &
@@ -107,6 +115,21 @@ wait_until 10 "A's transport connection to B" log_has A "mesh: peer $b: transpor
 wait_until 10 "B's transport connection to A" log_has B "mesh: peer $a: transport connected"
 log_has A "datapath: transport fabric provider tcp open, proxy running" || fail "A: no data path line"
 echo "ok: both daemons opened fabric tcp and connected their transports over the mesh"
+
+# ------------------------------------------------------------ 0. caps
+phase="caps"
+chmod 0711 "$tmp" # uid 65534 reaches A's socket
+"$rank" --socket "$tmp/A.sock" --mode retire --uid 65534 --count 4 --size $((16 << 20)) \
+        --duration 11000 --timeout 40 >"$tmp/retire.out" 2>&1 &
+retire_pid=$!
+pids+=("$retire_pid")
+wait_until 20 "uid 65534 to reach its cap" grep -q refused "$tmp/retire.out"
+"$rank" --socket "$tmp/A.sock" --mode victim --size $((16 << 20)) >"$tmp/victim.out" 2>&1 ||
+        fail "root's regions: $(cat "$tmp/victim.out")"
+wait_until 30 "uid 65534 to register again" bash -c "! kill -0 $retire_pid 2>/dev/null"
+wait "$retire_pid" || fail "uid 65534: $(cat "$tmp/retire.out")"
+cat "$tmp/retire.out" "$tmp/victim.out"
+echo "ok: caps: released proxy regions count against max_proxy_bytes_per_uid until freed; another uid registers meanwhile; max_proxy_bytes holds"
 
 # ------------------------------------------------------------ 1. data
 phase="data"

@@ -60,6 +60,8 @@ static void test_defaults(void **state) {
         assert_int_equal(c.max_regions_per_session, 8);
         assert_int_equal(c.max_region_bytes_per_uid, 1ull << 40);
         assert_int_equal(c.max_mirrors_per_peer, 256);
+        assert_int_equal(c.max_proxy_bytes_per_uid, 16ull << 30);
+        assert_int_equal(c.max_proxy_bytes, 64ull << 30);
         assert_true(c.max_sessions > 0 && c.max_sessions_per_uid > 0 && c.max_jobs_per_uid > 0 &&
                     c.max_fds_per_uid > 0);
         config_done(&c);
@@ -84,7 +86,9 @@ static void test_good_file(void **state) {
                               "max_mirrors_per_peer = 7\n"
                               "max_regions_per_session = 4\n"
                               "max_region_bytes_per_uid = 2G\n"
-                              "max_fds_per_uid = 16\n",
+                              "max_fds_per_uid = 16\n"
+                              "max_proxy_bytes_per_uid = 512M\n"
+                              "max_proxy_bytes = 1G\n",
                               errmsg),
                          0);
         assert_string_equal(c.socket, "/run/moeep-test/moeepd.sock");
@@ -99,6 +103,8 @@ static void test_good_file(void **state) {
         assert_int_equal(c.max_regions_per_session, 4);
         assert_int_equal(c.max_region_bytes_per_uid, 2ull << 30);
         assert_int_equal(c.max_fds_per_uid, 16);
+        assert_int_equal(c.max_proxy_bytes_per_uid, 512ull << 20);
+        assert_int_equal(c.max_proxy_bytes, 1ull << 30);
         config_done(&c);
 }
 
@@ -124,6 +130,10 @@ static void test_bad_files(void **state) {
         expect_bad("log_level = loud\n", "log_level", "loud");
         expect_bad("max_region_bytes_per_uid = 5X\n", "max_region_bytes_per_uid", "5X");
         expect_bad("max_region_bytes_per_uid = 99999999999T\n", "max_region_bytes_per_uid", "99999999999T");
+        expect_bad("max_proxy_bytes_per_uid = 0\n", "max_proxy_bytes_per_uid", "'0'");
+        expect_bad("max_proxy_bytes_per_uid = 4Q\n", "max_proxy_bytes_per_uid", "4Q");
+        expect_bad("max_proxy_bytes = 0\n", "max_proxy_bytes", "'0'");
+        expect_bad("max_proxy_bytes = 99999999999T\n", "max_proxy_bytes", "99999999999T");
         expect_bad("admin_group = a:b\n", "admin_group", "a:b");
         expect_bad("no_such_key = 1\n", "no_such_key", NULL);
         expect_bad("[other]\nmax_sessions = 1\n", ":2: unknown section [other]", NULL);
@@ -248,17 +258,23 @@ static void test_set_and_reload(void **state) {
         assert_int_equal(config_set(&fresh, "max_mirrors_per_peer", "5", errmsg), 0);
         assert_int_equal(config_set(&fresh, "max_mirrors_per_peer", "4097", errmsg), -EINVAL);
         assert_int_equal(config_set(&fresh, "admin_group", "", errmsg), 0);
+        assert_int_equal(config_set(&fresh, "max_proxy_bytes_per_uid", "3G", errmsg), 0);
+        assert_int_equal(config_set(&fresh, "max_proxy_bytes", "5G", errmsg), 0);
         assert_int_equal(config_set(&fresh, "bogus", "1", errmsg), -ENOENT);
         assert_int_equal(config_apply_reloadable(&live, &fresh), 0);
         assert_string_equal(live.socket, MOEEP_DEFAULT_SOCKET); /* needs a restart */
         assert_int_equal(live.log_level, LOG_ERR);
         assert_int_equal(live.max_jobs_per_uid, 2);
         assert_int_equal(live.max_mirrors_per_peer, 5);
+        assert_int_equal(live.max_proxy_bytes_per_uid, 3ull << 30);
+        assert_int_equal(live.max_proxy_bytes, 5ull << 30);
         assert_string_equal(live.admin_group, "");
         assert_false(config_key_reloadable("socket"));
         assert_false(config_key_reloadable("socket_mode"));
         assert_true(config_key_reloadable("log_level"));
         assert_true(config_key_reloadable("max_fds_per_uid"));
+        assert_true(config_key_reloadable("max_proxy_bytes_per_uid"));
+        assert_true(config_key_reloadable("max_proxy_bytes"));
         config_done(&live);
         config_done(&fresh);
 }
