@@ -129,11 +129,13 @@ class _NormalMode:
         return rx, recv_idx, recv_w, one["counts"], one["handle"], event
 
     def _dispatch_call(self, call, x, x_scales, t0, t1, total, is_token_in_rank, topk_idx, topk_weights, per_expert,
-                       expert_alignment, num_worst_tokens, handle, K, copy=False, keep=False):
+                       expert_alignment, num_worst_tokens, handle, K, rows=None):
         """One moeep_dispatch of tokens t0..t1 (a round of a dispatch of
         `total` tokens, or all of it), on the call's stream, into a free
-        receive area; copy: owned outputs whatever the areas say; keep:
-        every output a view of the area, even the last free one (a round,
+        receive area. rows: None, the rows are views of the area when
+        another area stays free for the next dispatch, else owned copies;
+        "owned": owned copies whatever the areas say; "area": every output
+        (the top-k too) a view of the area, even the last free one (a round,
         whose rows leave the area before the dispatch returns)."""
         torch = _torch()
         ep, side, ptr, allocate_on_comm_stream, scale_cols = call
@@ -148,7 +150,7 @@ class _NormalMode:
         if is_token_in_rank is not None and handle is None:
             ir = is_token_in_rank if whole else is_token_in_rank[t0:t1]
         area, views = self._areas.pick(torch.cuda.is_current_stream_capturing())
-        views = keep or (views and not copy and not self.copy_outputs)
+        views = rows == "area" or (views and rows != "owned" and not self.copy_outputs)
         args = self._dispatch_args
         args.x = xs.data_ptr() if n else None
         args.x_type = _lib.DTYPE_BF16 if sc is None else _lib.DTYPE_FP8_E4M3
@@ -183,11 +185,11 @@ class _NormalMode:
         has_topk = handle is None and topk_idx is not None
         idx_dtype = topk_idx.dtype if topk_idx is not None else torch.int64
         # The top-k ids and weights (small, K words a row) never hold the
-        # area unless the rows are a round's (keep): a caller that keeps
+        # area unless the rows are a round's ("area"): a caller that keeps
         # them, as DeepEP's tests do under other names than recv_x, must not
         # hold it. libmoeep copies them out in one kernel, rows past the
         # real count of a num_worst_tokens dispatch as -1 and 0 (DeepEP's).
-        topk_views = has_topk and keep
+        topk_views = has_topk and rows == "area"
         arrays = [("recv_x", (n_recv, H), x.dtype),
                   ("recv_x_scales", (n_recv, H // _lib.SCALE_BLOCK), torch.float32) if x_scales is not None else None,
                   ("recv_topk_idx", (n_recv, K), idx_dtype) if topk_views else None,
@@ -261,7 +263,7 @@ class _NormalMode:
             t0, t1 = min(j * C, T), min((j + 1) * C, T)
             keep = j == rounds - 1 or self._areas.free() > 1
             parts.append(self._dispatch_call(call, x, x_scales, t0, t1, T, is_token_in_rank, topk_idx, topk_weights,
-                                             None, 1, 0, None, K, copy=not keep, keep=keep))
+                                             None, 1, 0, None, K, rows="area" if keep else "owned"))
         handles = [p["handle"] for p in parts]
         with self._on(side):
             round_index, n_recv = self._round_index([p["per_rank"] for p in parts])
@@ -314,7 +316,7 @@ class _NormalMode:
             # Each round resends its slice of the top-k (moeep_dispatch
             # checks that it matches the round's handle).
             part = self._dispatch_call(call, x, x_scales, t0, t1, handle.num_tokens, None, handle.topk_idx,
-                                       handle.topk_weights, None, 1, 0, h, handle.num_topk, keep=True)["outs"]
+                                       handle.topk_weights, None, 1, 0, h, handle.num_topk, rows="area")["outs"]
             if outs is None:
                 present = [i for i in (0, 1) if part[i] is not None]
                 with self._alloc_stream(allocate_on_comm_stream):
