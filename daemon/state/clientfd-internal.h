@@ -1,12 +1,14 @@
 /* What clientfd.c (accounting, the closer threads) and clientfd-check.c
  * (the kind checks: region_rules, clientfd_check) share. Not for any other
- * file: the rest of the daemon uses clientfd.h. */
+ * file of the daemon, which uses clientfd.h (tests/unit/test-clientfd.c
+ * reaches clientfd_fdinfo_size() here). */
 #ifndef MOEEPD_CLIENTFD_INTERNAL_H
 #define MOEEPD_CLIENTFD_INTERNAL_H
 
 #include <pthread.h>
 #include <signal.h>
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <sys/queue.h>
 #include <sys/types.h>
@@ -69,6 +71,16 @@
 #define NVIDIA_MAJOR 195
 #define NVIDIA_CTL_MINOR 255
 #define DMA_BUF_MAGIC 0x444d4142
+
+/* The size of a dma-buf from the `len` bytes of its fdinfo at `text`: the
+ * first line that starts with "size:", which must read "size:\t" and a
+ * decimal u64 and come before any line dma_buf_show_fdinfo() prints after
+ * it ("count:", "exp_name:", "name:"). A later "size:" is not the
+ * kernel's: the buffer's name (DMA_BUF_SET_NAME, the client's text,
+ * newlines allowed) is printed last. Returns 0 with *ret_size, or -EINVAL
+ * with *ret_why saying what is wrong (no size line, a malformed one, one
+ * cut short). */
+int clientfd_fdinfo_size(const char *text, size_t len, uint64_t *ret_size, const char **ret_why);
 
 /* A descriptor taken from a client's process with pidfd_getfd()
  * (clientfd.c, clientfd_take()). Made on the loop, run by a closer in its uid's queue

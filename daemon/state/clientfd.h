@@ -10,9 +10,11 @@
  *
  *   - clientfd_check() decides whether an fd is of the kind its record
  *     declares using only calls that never reach a client-controlled
- *     filesystem or driver (fcntl, statx with AT_STATX_DONT_SYNC, the
- *     kernel's own /proc/self/fdinfo text), in the order that proves each
- *     later call safe before it is made;
+ *     filesystem, driver or lock (fcntl, statx with AT_STATX_DONT_SYNC,
+ *     fstatfs of an anonymous inode, and /proc/self/fdinfo only of an fd
+ *     proved a dma-buf: the kernel writes another file's fdinfo under that
+ *     file's locks, an epoll fd's mutex among them), in the order that
+ *     proves each later call safe before it is made;
  *   - clientfd_close() hands an fd to closer threads. Each uid has its
  *     own queues, each served by at most one closer at a time, and a
  *     closer is started whenever work waits and none is idle, so a close
@@ -142,8 +144,9 @@ int clientfds_budget_check(const struct clientfds *cf, uint32_t n, char *errmsg)
  *            daemon's own memfds live; at least `size` bytes
  *   cumem-fd a character device with the NVIDIA control device's number
  *            (what cuMemExportToShareableHandle gives)
- *   dma-buf  an anonymous inode whose fdinfo has the dma-buf lines and
- *            whose filesystem is dma-buf's; at least `size` bytes
+ *   dma-buf  an anonymous inode whose filesystem is dma-buf's (fstatfs);
+ *            then, and only then, its fdinfo is read: at least `size`
+ *            bytes by its first "size:" line
  * and never an O_PATH fd. Returns 0, -ERROR_KIND_BAD_FDS for an fd of
  * another kind (errmsg names what it is), -ERROR_KIND_INVALID_ARGUMENT for
  * a size beyond the buffer or an unknown kind (error kinds: errors.h). */

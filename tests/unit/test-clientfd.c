@@ -11,10 +11,13 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/timerfd.h>
 #include <unistd.h>
 
 #include <cmocka.h>
@@ -22,12 +25,35 @@
 #include "config.h"
 #include "errors.h"
 #include "log.h"
+#include "state/clientfd-internal.h"
 #include "state/clientfd.h"
 #include "unit.h"
 
 #define MEMFD REGION_KIND_MEMFD
 #define CUMEM REGION_KIND_CUMEM_FD
 #define DMABUF REGION_KIND_DMABUF
+
+/* Every open() of this program goes through here, the daemon's objects
+ * linked into it included (open() is open64() with _FILE_OFFSET_BITS=64):
+ * it counts the opens of a /proc/self/fdinfo/ file, which the kernel
+ * writes under the locks of the file it describes (an epoll fd's mutex,
+ * which a client can hold as long as it likes). */
+static int fdinfo_opens;
+
+int open64(const char *path, int flags, ...) {
+        mode_t mode = 0;
+
+        if (flags & (O_CREAT | __O_TMPFILE)) {
+                va_list ap;
+
+                va_start(ap, flags);
+                mode = va_arg(ap, mode_t);
+                va_end(ap);
+        }
+        if (strncmp(path, "/proc/self/fdinfo/", 18) == 0)
+                fdinfo_opens++;
+        return (int)syscall(SYS_openat, AT_FDCWD, path, flags, mode);
+}
 
 struct fixture {
         struct config config;
@@ -77,7 +103,7 @@ static void expect_refused(struct fixture *f, int fd, enum region_kind kind, con
 
 static void test_kinds(void **state) {
         struct fixture *f = *state;
-        int p[2], sp[2], mem, sealed, small, dir, efd, zero, opath, shm;
+        int p[2], sp[2], mem, sealed, small, dir, efd, zero, opath, shm, ep, tfd;
         char msg[ERRMSG_MAX], shm_path[64];
 
         assert_int_equal(pipe2(p, O_CLOEXEC), 0);
@@ -97,7 +123,14 @@ static void test_kinds(void **state) {
                 unlink(shm_path);
                 assert_int_equal(ftruncate(shm, 4096), 0);
         }
-        assert_true(dir >= 0 && efd >= 0 && zero >= 0 && opath >= 0);
+        ep = epoll_create1(EPOLL_CLOEXEC);
+        tfd = timerfd_create(CLOCK_MONOTONIC, TFD_CLOEXEC);
+        assert_true(dir >= 0 && efd >= 0 && zero >= 0 && opath >= 0 && ep >= 0 && tfd >= 0);
+        /* The counter sees an open() compiled as the daemon's is. */
+        fdinfo_opens = 0;
+        close(open("/proc/self/fdinfo/0", O_RDONLY | O_CLOEXEC));
+        assert_int_equal(fdinfo_opens, 1);
+        fdinfo_opens = 0;
 
         /* memfds: any memfd of the size, sealed or not. */
         assert_int_equal(check(f, mem, MEMFD, 4096, msg), 0);
@@ -113,22 +146,110 @@ static void test_kinds(void **state) {
                 expect_refused(f, efd, kind, "anon_inode:[eventfd]");
                 expect_refused(f, zero, kind, "character device 1:5");
                 expect_refused(f, opath, kind, "O_PATH");
+                expect_refused(f, ep, kind, "anon_inode:[eventpoll]");
+                expect_refused(f, tfd, kind, "anon_inode:[timerfd]");
                 if (kind != MEMFD)
                         expect_refused(f, mem, kind, "a regular file ('/memfd:unit");
         }
+        /* An anonymous inode that is no dma-buf is told by its filesystem,
+         * never by its fdinfo: reading an epoll fd's would wait for its
+         * mutex, held by any thread of the client in epoll_ctl (one that
+         * waits on its own FUSE server's answer to POLL: for ever). */
+        expect_refused(f, ep, DMABUF, "of filesystem magic 0x9041934");
+        assert_int_equal(fdinfo_opens, 0);
         if (shm >= 0)
                 expect_refused(f, shm, MEMFD, "on a tmpfs or hugetlbfs mount");
         assert_int_equal(check(f, mem, (enum region_kind)77, 4096, msg), -ERROR_KIND_INVALID_ARGUMENT);
         assert_int_equal(check(f, -1, MEMFD, 4096, msg), -ERROR_KIND_BAD_FDS);
 
         {
-                const int all[] = { p[0], p[1], sp[0], sp[1], mem, small, sealed, dir, efd, zero, opath };
+                const int all[] = { p[0], p[1], sp[0], sp[1], mem, small, sealed,
+                                    dir,  efd,  zero,  opath, ep,  tfd };
 
                 for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++)
                         close(all[i]);
         }
         if (shm >= 0)
                 close(shm);
+}
+
+/* clientfd_fdinfo_size() on `text`: the size, or -1 when refused (the
+ * reason in *why). */
+static int64_t fdinfo_size(const char *text, const char **why) {
+        uint64_t size = 0;
+
+        *why = NULL;
+        if (clientfd_fdinfo_size(text, strlen(text), &size, why) < 0) {
+                assert_non_null(*why);
+                return -1;
+        }
+        return (int64_t)size;
+}
+
+/* The size of a dma-buf, from the fdinfo text the kernel writes
+ * (fs/proc/fd.c: pos, flags, mnt_id, ino, locks; then
+ * dma_buf_show_fdinfo(): size, count, exp_name, and name when set). */
+static void test_fdinfo_size(void **state) {
+        static const char head[] = "pos:\t0\nflags:\t02000002\nmnt_id:\t16\nino:\t1057\n";
+        char text[512];
+        const char *why;
+
+        (void)state;
+        snprintf(text, sizeof(text), "%ssize:\t2097152\ncount:\t1\nexp_name:\tnv_dmabuf\n", head);
+        assert_int_equal(fdinfo_size(text, &why), 2097152);
+        /* A name the client set (DMA_BUF_SET_NAME, newlines allowed) comes
+         * last: its "size:" is not the buffer's. */
+        snprintf(text, sizeof(text),
+                 "%ssize:\t4096\ncount:\t1\nexp_name:\tnv_dmabuf\nname:\tx\nsize:\t99999999999\n", head);
+        assert_int_equal(fdinfo_size(text, &why), 4096);
+        /* Locks come before the dma-buf's lines. */
+        snprintf(text, sizeof(text),
+                 "%slock:\t1: FLOCK  ADVISORY  WRITE 77 00:0f:1057 0 EOF\nsize:\t8192\ncount:\t2\n"
+                 "exp_name:\tudmabuf\n",
+                 head);
+        assert_int_equal(fdinfo_size(text, &why), 8192);
+        assert_int_equal(fdinfo_size("size:\t18446744073709551615\n", &why), (int64_t)UINT64_MAX);
+
+        /* Refused: no size line (a kernel before 5.3, an fd of another
+         * kind), ... */
+        assert_int_equal(fdinfo_size(head, &why), -1);
+        assert_non_null(strstr(why, "no size line"));
+        assert_int_equal(fdinfo_size("", &why), -1);
+        /* ... a size after the lines that follow the kernel's (so
+         * the client's), ... */
+        assert_int_equal(fdinfo_size("pos:\t0\ncount:\t1\nexp_name:\tx\nname:\ty\nsize:\t9999\n", &why), -1);
+        assert_non_null(strstr(why, "before the size line"));
+        assert_int_equal(fdinfo_size("pos:\t0\nname:\tx\nsize:\t9999\n", &why), -1);
+        /* ... and any size line not exactly "size:\t<decimal u64>". */
+        {
+                static const char *const bad[] = {
+                        "size:\n",
+                        "size:\t\n",
+                        "size: 4096\n",
+                        "size:\t 4096\n",
+                        "size:\t4096 \n",
+                        "size:\t-4096\n",
+                        "size:\t0x1000\n",
+                        "size:\t4096x\n",
+                        "size:\t18446744073709551616\n",
+                        "size:\t000000000000000000004096\n",
+                        "size:\t4096", /* cut short: the read ended inside it */
+                };
+
+                for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+                        if (fdinfo_size(bad[i], &why) != -1)
+                                fail_msg("'%s' was taken as a size", bad[i]);
+                        if (!strstr(why, "malformed") && !strstr(why, "no size line"))
+                                fail_msg("'%s': %s", bad[i], why);
+                }
+        }
+        /* A NUL does not end the text: the length does. */
+        {
+                static const char nul[] = "size:\t40\0"
+                                          "96\n";
+
+                assert_int_equal(clientfd_fdinfo_size(nul, sizeof(nul) - 1, &(uint64_t){ 0 }, &why), -EINVAL);
+        }
 }
 
 static void test_charges(void **state) {
@@ -275,6 +396,7 @@ static void test_takes(void **state) {
 int main(void) {
         const struct CMUnitTest tests[] = {
                 cmocka_unit_test_setup_teardown(test_kinds, setup, teardown),
+                cmocka_unit_test(test_fdinfo_size),
                 cmocka_unit_test_setup_teardown(test_charges, setup, teardown),
                 cmocka_unit_test_setup_teardown(test_closes, setup, teardown),
                 cmocka_unit_test_setup_teardown(test_takes, setup, teardown),
