@@ -24,10 +24,13 @@ static volatile int fuse_stop;        /* the thread closes the device: the conne
 static int fuse_stuck_flushes;
 static volatile pid_t fuse_hold_pid; /* FLUSH from its threads is answered fuse_hold_ms late */
 static volatile int fuse_hold_ms;
-/* FLUSH requests held back, answered at their deadline (CLOCK_MONOTONIC ms). */
+static volatile int fuse_poll_ms; /* POLL is answered this late (0: at once) */
+/* Requests held back (FLUSH, POLL), answered at their deadline
+ * (CLOCK_MONOTONIC ms). */
 static struct {
         uint64_t unique;
         long deadline;
+        int poll; /* a POLL: answered with no events ready */
 } fuse_held[64];
 static int fuse_nheld;
 
@@ -85,7 +88,10 @@ static void *fuse_main(void *arg) {
                 }
                 for (int i = 0; i < fuse_nheld; i++)
                         if (fuse_now_ms() >= fuse_held[i].deadline) {
-                                fuse_reply(fuse_held[i].unique, 0, NULL, 0);
+                                struct fuse_poll_out none = { 0 };
+
+                                fuse_reply(fuse_held[i].unique, 0, &none,
+                                           fuse_held[i].poll ? sizeof(none) : 0);
                                 fuse_held[i--] = fuse_held[--fuse_nheld];
                         }
                 if (poll(&pfd, 1, fuse_nheld ? 10 : 100) <= 0)
@@ -138,12 +144,24 @@ static void *fuse_main(void *arg) {
                         } else if (fuse_hold_pid && fuse_thread_of((pid_t)h->pid, fuse_hold_pid) &&
                                    fuse_nheld < (int)(sizeof(fuse_held) / sizeof(fuse_held[0]))) {
                                 fuse_held[fuse_nheld].unique = h->unique;
+                                fuse_held[fuse_nheld].poll = 0;
                                 fuse_held[fuse_nheld++].deadline = fuse_now_ms() + fuse_hold_ms;
                                 __atomic_add_fetch(&fuse_stuck_flushes, 1, __ATOMIC_SEQ_CST);
                         } else if (fuse_hold_pid) {
                                 fuse_reply(h->unique, 0, NULL, 0);
                         } else {
                                 __atomic_add_fetch(&fuse_stuck_flushes, 1, __ATOMIC_SEQ_CST);
+                        }
+                        break;
+                case FUSE_POLL:
+                        /* Held: answered later with no events (ENOSYS would
+                         * make the kernel never ask again). */
+                        if (fuse_poll_ms && fuse_nheld < (int)(sizeof(fuse_held) / sizeof(fuse_held[0]))) {
+                                fuse_held[fuse_nheld].unique = h->unique;
+                                fuse_held[fuse_nheld].poll = 1;
+                                fuse_held[fuse_nheld++].deadline = fuse_now_ms() + fuse_poll_ms;
+                        } else {
+                                fuse_reply(h->unique, -ENOSYS, NULL, 0);
                         }
                         break;
                 case FUSE_FORGET:
@@ -208,6 +226,10 @@ void fuse_stub_hold_flushes(pid_t holder, int ms) {
         fuse_hold_pid = holder;
 }
 
+void fuse_stub_hold_polls(int ms) {
+        fuse_poll_ms = ms;
+}
+
 int fuse_stub_device(void) {
         return fuse_fd;
 }
@@ -222,6 +244,13 @@ void fuse_stub_stop(void) {
         umount2(fuse_dir, MNT_DETACH);
         fuse_stop = 1;
         pthread_join(fuse_thread, NULL);
+        /* The thread ends without closing it when the unmount came first
+         * (ENODEV): closed here, so that the stub can start again. */
+        if (fuse_fd >= 0) {
+                close(fuse_fd);
+                fuse_fd = -1;
+        }
         fuse_hold_pid = 0;
+        fuse_poll_ms = 0;
         rmdir(fuse_dir);
 }

@@ -25,6 +25,12 @@ void fuse_stub_answer_flush_from(pid_t pid);
  * answering the daemon. */
 void fuse_stub_hold_flushes(pid_t holder, int ms);
 
+/* From now on POLL (what epoll_ctl ADD and poll() of a file of this
+ * filesystem send, with the epoll fd's mutex held in epoll_ctl's case) is
+ * answered `ms` after it came, no events ready; 0: at once, with ENOSYS
+ * (the default, after which the kernel sends no POLL again). */
+void fuse_stub_hold_polls(int ms);
+
 /* The /dev/fuse fd: a forked child closes it, so that only the server's
  * thread holds the device and fuse_stub_stop() can abort the connection. */
 int fuse_stub_device(void);

@@ -33,6 +33,14 @@
  *              late; no signal cuts it short, unlike a socket's SO_LINGER),
  *              the connecting process exits meanwhile; the take then finds
  *              it gone, and everyone else is served during the wait
+ *   epoll      an epoll fd whose mutex a thread of the client holds (it is
+ *              in epoll_ctl ADD of a file of the test's FUSE filesystem,
+ *              whose POLL is answered EPOLL_HOLD_MS late), registered as a
+ *              dma-buf, attached and then by number: both refused at once,
+ *              naming the kind and the epoll fd, while the thread still
+ *              waits (the kernel writes an epoll fd's fdinfo under that
+ *              mutex, so a daemon that read it would stall until the
+ *              POLL's answer); everyone else is served meanwhile
  *   noptrace   a second moeepd started without CAP_SYS_PTRACE (setpriv):
  *              the take is refused with ERROR_PERMISSION_DENIED naming the
  *              capability; the session serves on
@@ -42,7 +50,9 @@
  * usage: moeep-sec-pidfd MOEEPD MOEEPCTL [CASE]
  * Exit 0 when every case passed, 77 when not root, 1 otherwise. */
 #include <limits.h>
+#include <pthread.h>
 #include <sched.h>
+#include <sys/epoll.h>
 
 #include "fdattack-client.h"
 #include "moeep.h"
@@ -432,6 +442,130 @@ static void case_late(void) {
         check_baseline("late");
 }
 
+/* ------------------------------------------------------------ epoll */
+
+#define EPOLL_HOLD_MS 3000
+/* A refusal comes well within this; a daemon waiting for the epoll fd's
+ * mutex answers only once the POLL is (EPOLL_HOLD_MS). */
+#define EPOLL_ANSWER_MS 1000
+
+/* An epoll fd and a file whose POLL the test's FUSE server answers late. */
+struct epoll_hold {
+        int epfd, fd;
+        pthread_t thread;
+        volatile int returned; /* epoll_ctl came back: the mutex is free */
+};
+
+static void *epoll_holder(void *arg) {
+        struct epoll_hold *h = arg;
+        struct epoll_event ev = { .events = EPOLLIN };
+
+        /* Waits for the FUSE server's answer to POLL with ep->mtx held. */
+        epoll_ctl(h->epfd, EPOLL_CTL_ADD, h->fd, &ev);
+        __atomic_store_n(&h->returned, 1, __ATOMIC_SEQ_CST);
+        return NULL;
+}
+
+/* Opens the FUSE file, makes an epoll fd and starts the thread that adds
+ * one to the other. Returns 0 or -1. */
+static int epoll_hold_start(struct epoll_hold *h) {
+        char path[sizeof(fuse_dir) + 8];
+
+        snprintf(path, sizeof(path), "%s/f", fuse_dir);
+        h->epfd = epoll_create1(EPOLL_CLOEXEC);
+        h->fd = open(path, O_RDONLY | O_CLOEXEC);
+        CHECK(h->epfd >= 0 && h->fd >= 0, "epoll: epoll_create1, open %s: %s", path, strerror(errno));
+        if (h->epfd < 0 || h->fd < 0 || pthread_create(&h->thread, NULL, epoll_holder, h) != 0)
+                return -1;
+        return 0;
+}
+
+/* Checks one refusal of the epoll fd of `h` as a dma-buf: prompt, while
+ * its mutex is still held, with a message naming what it should. */
+static void epoll_refused(struct epoll_hold *h, const char *how, int code, const char *msg, long t0,
+                          const char *number) {
+        long took = now_ms() - t0;
+
+        CHECK(code == MOEEP__V1__ERROR_CODE__ERROR_BAD_FDS && strstr(msg, "dma-buf region") &&
+                      strstr(msg, "anon_inode:[eventpoll]") && (!number || strstr(msg, number)),
+              "epoll fd %s as a dma-buf: code %d '%s'", how, code, msg);
+        CHECK(took < EPOLL_ANSWER_MS && !__atomic_load_n(&h->returned, __ATOMIC_SEQ_CST),
+              "epoll fd %s as a dma-buf: answered after %ld ms, %s: the daemon waited for the epoll "
+              "fd's mutex",
+              how, took, h->returned ? "after epoll_ctl returned" : "epoll_ctl still waiting");
+}
+
+/* Starts h[i] and waits until its thread is held in epoll_ctl. */
+static int epoll_hold_wait(struct epoll_hold *h) {
+        if (epoll_hold_start(h) < 0)
+                return -1;
+        sleep_ms(300);
+        CHECK(!h->returned, "epoll: epoll_ctl ADD of the FUSE file did not wait for POLL: nothing was held");
+        return 0;
+}
+
+/* Two epoll fds, each held by a thread of its own from just before it is
+ * sent: one attached, the other named by number. */
+static int epoll_client(void *arg) {
+        const uint64_t pidfd_bit = MOEEP__V1__FEATURE__FEATURE_PIDFD;
+        struct epoll_hold h[2] = { { .epfd = -1, .fd = -1 }, { .epfd = -1, .fd = -1 } };
+        char msg[512], number[32];
+        struct take_request t;
+        struct conn *c = conn_open();
+        int code, started = 0;
+        long t0;
+
+        CHECK(c && enter_job_with(c, pidfd_bit) == 0, "epoll: could not enter a job");
+        if (c && epoll_hold_wait(&h[0]) == 0) {
+                started++;
+                t0 = now_ms();
+                code = region_register(c, MOEEP__V1__REGION_KIND__REGION_KIND_DMABUF, 4096, h[0].epfd, NULL,
+                                       msg, sizeof(msg));
+                epoll_refused(&h[0], "attached", code, msg, t0, NULL);
+        }
+        if (c && epoll_hold_wait(&h[1]) == 0) {
+                started++;
+                take_request_init(&t, h[1].epfd);
+                t.rr.kind = MOEEP__V1__REGION_KIND__REGION_KIND_DMABUF;
+                snprintf(number, sizeof(number), "fd %d ", h[1].epfd);
+                t0 = now_ms();
+                code = code_of(conn_call(c, &t.req, NULL, 0), msg, sizeof(msg));
+                epoll_refused(&h[1], "by number", code, msg, t0, number);
+        }
+        /* The session serves on. */
+        CHECK(c && region_release(c, 12345) == MOEEP__V1__ERROR_CODE__ERROR_INVALID_ARGUMENT,
+              "epoll: the session did not serve on");
+        for (int i = 0; i < 2; i++) {
+                if (i < started)
+                        pthread_join(h[i].thread, NULL); /* the POLL's answer ends the wait */
+                if (h[i].fd >= 0)
+                        close(h[i].fd);
+                if (h[i].epfd >= 0)
+                        close(h[i].epfd);
+        }
+        conn_close(c);
+        return 0;
+}
+
+static void case_epoll(void) {
+        int r;
+
+        snprintf(fuse_dir, sizeof(fuse_dir), "%s/fuse", tmpdir);
+        r = fuse_stub_start(fuse_dir);
+        if (r < 0) {
+                say("epoll: cannot mount a FUSE filesystem here (%s): case skipped (the unit test "
+                    "clientfd checks that no fdinfo but a dma-buf's is read)",
+                    strerror(-r));
+                return;
+        }
+        fuse_stub_hold_polls(EPOLL_HOLD_MS);
+        fuse_stub_hold_flushes(daemon_pid, 0); /* every FLUSH answered: the client's own closes */
+        failures += run_namespaced("epoll", epoll_client, NULL, 20000);
+        fuse_stub_stop();
+        check_served("epoll, after", 5);
+        check_baseline("epoll");
+}
+
 /* ------------------------------------------------------------ noptrace */
 
 static int noptrace_client(void *arg) {
@@ -546,9 +680,10 @@ static void case_noptrace(void) {
 
 int main(int argc, char **argv) {
         const char *only = argc > 3 ? argv[3] : NULL;
-        static const struct sec_case cases[] = { { "share", case_share }, { "hostile", case_hostile },
-                                                 { "frame", case_frame }, { "exited", case_exited },
-                                                 { "late", case_late },   { "noptrace", case_noptrace } };
+        static const struct sec_case cases[] = { { "share", case_share },      { "hostile", case_hostile },
+                                                 { "frame", case_frame },      { "exited", case_exited },
+                                                 { "late", case_late },        { "epoll", case_epoll },
+                                                 { "noptrace", case_noptrace } };
         int r = sec_begin("pidfd", "run clients as uid 65534 in PID namespaces", argc, argv);
 
         if (r != 0)
