@@ -256,6 +256,8 @@ static long closer_run(struct cf_job *job, timer_t timer, bool have_timer) {
         return now_ms() - t0;
 }
 
+static void closer_spawn_locked(struct clientfds *cf);
+
 /* A closer: takes one job of the lane first in line, runs it, and puts the
  * lane back in line when it has more. Ends when idle for CF_IDLE_EXIT_MS
  * with CF_WORKERS_KEEP others left, or when stopping. Never logs (logging
@@ -294,6 +296,11 @@ static void *closer_main(void *arg) {
                 TAILQ_REMOVE(&lane->queue, job, entry);
                 lane->busy = true;
                 lane->busy_since = now_ms();
+                /* This job may never return: work still waiting gets a
+                 * closer of its own. (job_push() counted this thread idle
+                 * when it queued that work, and started none.) */
+                if (!TAILQ_EMPTY(&cf->ready) && cf->nidle == 0)
+                        closer_spawn_locked(cf);
                 pthread_mutex_unlock(&cf->lock);
 
                 took = closer_run(job, timer, have_timer);
