@@ -180,10 +180,11 @@ const struct job_callbacks membership_job_callbacks = {
 /* ------------------------------------------------------------ regions */
 
 /* The one registration of a RegionRegister, whether its fd was attached
- * or taken: registers `*fd` (set to -1 once the broker took it) as `spec`
- * of `s`'s member, to the data path for a proxy role (which tells the mesh
- * itself, with the rkey), else to the broker and then the mesh, and counts
- * it. Returns 0 with *ret_id, or -errno with errmsg. */
+ * or taken, once the fd passed its kind check: registers `*fd` (set to -1
+ * once the broker took it) as `spec` of `s`'s member, to the data path
+ * for a proxy role (which tells the mesh itself, with the rkey), else to
+ * the broker and then the mesh, and counts it. Returns 0 with *ret_id, or
+ * -errno with errmsg. */
 static int register_region(struct membership *ms, struct session *s, const struct region_spec *spec, int *fd,
                            uint64_t *ret_id, char *errmsg) {
         int r;
@@ -217,30 +218,24 @@ static int registered(struct session *s, uint64_t rid, uint64_t id) {
         return session_respond(s, rid, &resp, NULL, 0);
 }
 
-int membership_register(struct membership *ms, struct session *s, uint64_t rid,
-                        const struct region_spec *spec, int *fd, char *errmsg) {
-        uint64_t id;
-        int r = register_region(ms, s, spec, fd, &id, errmsg);
-
-        return r < 0 ? r : registered(s, rid, id);
-}
-
-/* One take in flight: what the request asked, and whom to answer. */
-struct take {
+/* One RegionRegister whose fd is being checked, or taken and checked, off
+ * the loop in the uid's closer queue: what the request asked, and whom to
+ * answer. */
+struct pending_region {
         struct membership *ms;     /* not owning */
         struct session *s;         /* holds a reference until the reply */
         struct job_member *member; /* not owning; the member that asked */
         uint64_t rid;
-        int64_t number;
+        int64_t number; /* the fd number to take; -1: the fd was attached */
         struct region_spec spec;
 };
 
-/* The take finished (clientfd_take()'s callback, on the loop): the fd
- * goes the way an attached one does, and the reply or the Error names the
- * fd number. */
-static void take_done(void *ctx, int fd, int error, const char *errmsg) {
-        struct take *t = ctx;
-        struct session *s = t->s;
+/* The check (or take) finished (clientfd_take_fn, on the loop): a good fd
+ * is registered, and the reply or the Error (naming the fd number of a
+ * take) is queued. */
+static void region_checked(void *ctx, int fd, int error, const char *errmsg) {
+        struct pending_region *p = ctx;
+        struct session *s = p->s;
         char why[ERRMSG_MAX], msg[ERRMSG_MAX + 64];
         uint64_t id = 0;
         int r = error;
@@ -248,17 +243,18 @@ static void take_done(void *ctx, int fd, int error, const char *errmsg) {
         session_resume(s);
         /* Gone meanwhile (the session failed; it read nothing else, so it
          * cannot have left or joined another job): the fd goes back. */
-        if (s->state == SESSION_CLOSED || s->member != t->member) {
+        if (s->state == SESSION_CLOSED || s->member != p->member) {
                 clientfd_close(s->reg->clientfds, s->cred.uid, fd);
                 goto out;
         }
         if (fd >= 0) {
-                r = register_region(t->ms, s, &t->spec, &fd, &id, why);
+                r = register_region(p->ms, s, &p->spec, &fd, &id, why);
                 /* Taken by the broker, fd is -1 now; refused, it is still
-                 * ours, charged like an attached one, and closed. */
+                 * ours, charged to the uid, and closed. */
                 clientfd_close(s->reg->clientfds, s->cred.uid, fd);
-                if (r < 0) {
-                        snprintf(msg, sizeof(msg), "fd %" PRId64 " of pid %d: %s", t->number,
+                errmsg = why;
+                if (r < 0 && p->number >= 0) {
+                        snprintf(msg, sizeof(msg), "fd %" PRId64 " of pid %d: %s", p->number,
                                  (int)s->cred.pid, why);
                         errmsg = msg;
                 }
@@ -267,44 +263,70 @@ static void take_done(void *ctx, int fd, int error, const char *errmsg) {
         if (r == -ESRCH)
                 r = -ERROR_KIND_BAD_FDS;
         if (r < 0) {
-                log_debug("session %" PRIu64 ": RegionRegister (request %" PRIu64 ", fd number %" PRId64
-                          ") refused: %s",
-                          s->id, t->rid, t->number, errmsg);
-                session_send_error(s, t->rid, error_code(r), errmsg);
+                char what[48] = "";
+
+                if (p->number >= 0)
+                        snprintf(what, sizeof(what), ", fd number %" PRId64, p->number);
+                log_debug("session %" PRIu64 ": RegionRegister (request %" PRIu64 "%s) refused: %s", s->id,
+                          p->rid, what, errmsg);
+                session_send_error(s, p->rid, error_code(r), errmsg);
                 goto out;
         }
-        log_debug("session %" PRIu64 ": took fd %" PRId64 " of pid %d as region %" PRIu64, s->id, t->number,
-                  (int)s->cred.pid, id);
+        if (p->number >= 0)
+                log_debug("session %" PRIu64 ": took fd %" PRId64 " of pid %d as region %" PRIu64, s->id,
+                          p->number, (int)s->cred.pid, id);
         /* Registered: a reply that cannot be queued (the session is broken
          * and fails from the loop) is no refusal. */
-        registered(s, t->rid, id);
+        registered(s, p->rid, id);
 out:
         session_unref(s);
-        free(t);
+        free(p);
+}
+
+/* Starts the check of `*fd` (set to -1: the check's now), or the take of
+ * `number` when `fd` is NULL; the session reads nothing more until
+ * region_checked() answers. Returns 0, or -errno with errmsg when it could
+ * not start (the session reads on). */
+static int region_check_start(struct membership *ms, struct session *s, uint64_t rid,
+                              const struct region_spec *spec, int64_t number, int *fd, char *errmsg) {
+        struct pending_region *p = calloc(1, sizeof(*p));
+        int r;
+
+        if (!p)
+                return errmsg_set(errmsg, -ENOMEM, "RegionRegister: out of memory");
+        p->ms = ms;
+        p->s = s;
+        p->member = s->member;
+        p->rid = rid;
+        p->number = fd ? -1 : number;
+        p->spec = *spec;
+        session_ref(s);
+        session_pause(s);
+        if (fd) {
+                r = clientfd_check_async(s->reg->clientfds, s->cred.uid, *fd, spec->kind, spec->size,
+                                         region_checked, p, errmsg);
+                if (r == 0)
+                        *fd = -1;
+        } else {
+                r = clientfd_take(s->reg->clientfds, s->fd, &s->cred, number, spec->kind, spec->size,
+                                  region_checked, p, errmsg);
+        }
+        if (r < 0) {
+                session_resume(s);
+                session_unref(s);
+                free(p);
+        }
+        return r;
+}
+
+int membership_register(struct membership *ms, struct session *s, uint64_t rid,
+                        const struct region_spec *spec, int *fd, char *errmsg) {
+        return region_check_start(ms, s, rid, spec, -1, fd, errmsg);
 }
 
 int membership_register_take(struct membership *ms, struct session *s, uint64_t rid,
                              const struct region_spec *spec, int64_t number, char *errmsg) {
-        struct take *t = calloc(1, sizeof(*t));
-        int r;
-
-        if (!t)
-                return errmsg_set(errmsg, -ENOMEM, "RegionRegister: out of memory");
-        t->ms = ms;
-        t->s = s;
-        t->member = s->member;
-        t->rid = rid;
-        t->number = number;
-        t->spec = *spec;
-        session_ref(s);
-        session_pause(s);
-        r = clientfd_take(s->reg->clientfds, s->fd, &s->cred, number, take_done, t, errmsg);
-        if (r < 0) {
-                session_resume(s);
-                session_unref(s);
-                free(t);
-        }
-        return r;
+        return region_check_start(ms, s, rid, spec, number, NULL, errmsg);
 }
 
 int membership_release(struct membership *ms, struct session *s, uint64_t id, char *errmsg) {

@@ -115,19 +115,24 @@ int membership_join(struct membership *ms, struct session *s, uint64_t rid,
 int membership_barrier(struct membership *ms, struct session *s, uint64_t rid, char *errmsg);
 
 /* RegionRegister of `s` (request `rid`) with fd `*fd` attached (set to -1
- * once the broker took it): to the data path for a proxy role, else to the
- * broker, then the mesh; RegionRegistered is queued. Returns 0 or -errno
- * with errmsg. */
+ * once the check has it): its kind is checked off the loop, in the uid's
+ * closer queue (clientfd_check_async()), then it goes to the data path for
+ * a proxy role, else to the broker, then the mesh; the session reads
+ * nothing more until the reply (RegionRegistered, or Error) is queued.
+ * Returns 0 (nothing more for the caller to send), or -errno with errmsg
+ * when it could not start (the fd is still the caller's, the session reads
+ * on). */
 int membership_register(struct membership *ms, struct session *s, uint64_t rid,
                         const struct region_spec *spec, int *fd, char *errmsg);
 
 /* RegionRegister of `s` (request `rid`) naming descriptor `number` of its
  * own process instead (FEATURE_PIDFD, protocol 1.4): the daemon takes it
- * (clientfd_take(): SO_PEERPIDFD, pidfd_getfd, off the loop) and registers
- * it exactly like an attached one; the session reads nothing more until
- * the reply (RegionRegistered, or Error naming the fd number) is queued.
- * Returns 0 (nothing more for the caller to send), or -errno with errmsg
- * when it could not start (no fd taken, the session reads on). */
+ * and checks its kind (clientfd_take(): SO_PEERPIDFD, pidfd_getfd, off the
+ * loop) and registers it exactly like an attached one; the session reads
+ * nothing more until the reply (RegionRegistered, or Error naming the fd
+ * number) is queued. Returns 0 (nothing more for the caller to send), or
+ * -errno with errmsg when it could not start (no fd taken, the session
+ * reads on). */
 int membership_register_take(struct membership *ms, struct session *s, uint64_t rid,
                              const struct region_spec *spec, int64_t number, char *errmsg);
 

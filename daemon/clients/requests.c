@@ -185,7 +185,7 @@ static int handle_region_register(struct requests *rq, struct session *s, uint64
                                           rr->take->fd_number, s->id);
                 return membership_register_take(&rq->membership, s, rid, &spec, rr->take->fd_number, errmsg);
         }
-        /* The broker owns the fd once it took it (rec->fds[0] is -1 then). */
+        /* The check owns the fd once it started (rec->fds[0] is -1 then). */
         return membership_register(&rq->membership, s, rid, &spec, &rec->fds[0], errmsg);
 }
 

@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/queue.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -354,6 +355,7 @@ void datapath_member_gone(struct datapath *dp, struct job_member *m) {
 static int region_mem(const struct datapath *dp, const struct job_member *m, const struct region_spec *spec,
                       int fd, struct tp_mem *ret_mem, char *name, size_t name_size, char *errmsg) {
         const char *role = role_to_string(spec->role);
+        struct stat st = { 0 };
         int seals;
 
         snprintf(name, name_size, "job %" PRIu64 " rank %" PRIu32 " %s region", m->job->id, m->rank, role);
@@ -369,6 +371,13 @@ static int region_mem(const struct datapath *dp, const struct job_member *m, con
                                 "%s: the memfd must be sealed with F_SEAL_SHRINK (memfd_create with "
                                 "MFD_ALLOW_SEALING, then fcntl F_ADD_SEALS)%s",
                                 name, seals < 0 ? ": it is not a memfd that allows seals" : "");
+                /* Its size was checked off the loop before it was sealed
+                 * (clientfd_check_async()): once more now that it cannot
+                 * shrink. A memfd, so fstat is shmem's and never waits. */
+                if (fstat(fd, &st) < 0 || (uint64_t)st.st_size < spec->size)
+                        return errmsg_set(errmsg, -ERROR_KIND_INVALID_ARGUMENT,
+                                          "%s of %" PRIu64 " bytes: the memfd has only %jd bytes", name,
+                                          spec->size, (intmax_t)st.st_size);
                 ret_mem->kind = TP_MEM_MEMFD;
                 break;
         case REGION_KIND_DMABUF:
@@ -441,8 +450,6 @@ int datapath_region_register(struct datapath *dp, struct broker *b, struct job_m
                 TAILQ_INIT(&dr->channels);
                 TAILQ_INSERT_TAIL(&dp->ranks, dr, entry);
         }
-        /* The size is checked against the fd by the broker first, so the
-         * transport never maps past the end of the memfd. */
         r = broker_register(b, m, uid, spec->kind, spec->size, spec->tag, *fd, &id, errmsg);
         if (r < 0)
                 goto fail;

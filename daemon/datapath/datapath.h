@@ -96,9 +96,11 @@ const char *datapath_backend(const struct datapath *dp);
  * *ret filled where the backend counts (cuda), false otherwise. */
 bool datapath_transport_stats(const struct datapath *dp, struct tp_stats *ret);
 
-/* RegionRegister with a proxy role: checks the role (one region of each
- * per rank), the kind (a memfd sealed with F_SEAL_SHRINK; a dma-buf where
- * the transport takes one) and the size (counters: a multiple of 8),
+/* RegionRegister with a proxy role, of an fd that passed clientfd_check()
+ * (broker_register()): checks the role (one region of each per rank), the
+ * kind (a memfd sealed with F_SEAL_SHRINK, and still of the size now that
+ * it cannot shrink; a dma-buf where the transport takes one) and the size
+ * (counters: a multiple of 8),
  * registers the region with the broker and with the transport, and tells
  * the mesh (with the rkey for recv and counter regions). `*fd` is taken
  * (set to -1) once the broker took it, on success and on a later failure

@@ -50,7 +50,6 @@ int broker_register(struct broker *b, struct job_member *m, uid_t uid, enum regi
         const struct config *c = b->config;
         struct uid_usage *u;
         struct region *reg;
-        int r;
 
         if (m->job->state == JOB_ABORTED)
                 return errmsg_set(errmsg, -ERROR_KIND_PEER_LOST,
@@ -60,9 +59,6 @@ int broker_register(struct broker *b, struct job_member *m, uid_t uid, enum regi
                 return errmsg_set(errmsg, -ERROR_KIND_INVALID_ARGUMENT,
                                   "%s region with tag %" PRIu32 ": size 0", clientfd_kind_to_string(kind),
                                   tag);
-        r = clientfd_check(b->fds, fd, kind, size, errmsg);
-        if (r < 0)
-                return r;
         if (m->nregions >= c->max_regions_per_session)
                 return errmsg_set(errmsg, -ERROR_KIND_LIMIT_EXCEEDED,
                                   "rank %" PRIu32 " already has %" PRIu32

@@ -47,12 +47,13 @@ int broker_new(const struct config *config, struct clientfds *fds, struct broker
 void broker_free(struct broker *b);
 
 /* Registers `fd` as a region of member `m` (uid `uid`, to whom the
- * receiver charged `fd` already: clientfds_charge_held()). Takes `fd` only
- * on success; the region's release closes it through clientfd_close().
- * Errors, as error kinds (errors.h): INVALID_ARGUMENT unknown kind, size
- * 0, or a memfd/dma-buf smaller than `size`; BAD_FDS an fd not of the
- * declared kind (clientfd_check()); LIMIT_EXCEEDED a cap; PEER_LOST the
- * job is aborted; and -ENOMEM. */
+ * receiver charged `fd` already: clientfds_charge_held()). `fd` passed
+ * clientfd_check() for `kind` and `size` already, off the loop
+ * (clientfd_check_async(), clientfd_take()): the broker never looks at a
+ * client's fd itself. Takes `fd` only on success; the region's release
+ * closes it through clientfd_close(). Errors, as error kinds (errors.h):
+ * INVALID_ARGUMENT size 0; LIMIT_EXCEEDED a cap; PEER_LOST the job is
+ * aborted; and -ENOMEM. */
 int broker_register(struct broker *b, struct job_member *m, uid_t uid, enum region_kind kind, uint64_t size,
                     uint32_t tag, int fd, uint64_t *ret_id, char *errmsg);
 

@@ -82,25 +82,33 @@
  * cut short). */
 int clientfd_fdinfo_size(const char *text, size_t len, uint64_t *ret_size, const char **ret_why);
 
-/* A descriptor taken from a client's process with pidfd_getfd()
- * (clientfd.c, clientfd_take()). Made on the loop, run by a closer in its uid's queue
- * (the take can wait on a lock the client holds, see clientfd_take()),
- * handed back to the loop through clientfds.takes_done. */
+/* Work on a client's descriptor that may block, done by a closer in its
+ * uid's queue and handed back to the loop through clientfds.takes_done:
+ * a take (clientfd_take(): pidfd_getfd() can wait on a lock the client
+ * holds), the kind check of an attached fd (clientfd_check_async()), or a
+ * discard (clientfd_discard_record()). Made on the loop. */
 struct cf_take {
-        /* A discard (clientfd_discard_record()) rather than a take: `pidfd`
-         * is then a duplicate of the session socket, whose next record the
-         * closer reads and drops (its fds released, never taken), giving
-         * its header and length; `discarded` is called instead of `done`. */
-        bool discard;
-        struct moeep_record_header hdr; /* its header, when `len` covers it */
-        long len;                       /* the record's length; -errno when none was read */
+        enum cf_op {
+                CF_OP_TAKE,  /* pidfd_getfd of `number` from `pidfd`'s process, the
+                              * process checks, then the kind check of what came */
+                CF_OP_CHECK, /* the kind check of `fd` (owned), which the client attached */
+                /* `pidfd` is a duplicate of the session socket, whose next
+                 * record the closer reads and drops (its fds released, never
+                 * taken), giving its header and length; `discarded` is
+                 * called instead of `done`. */
+                CF_OP_DISCARD,
+        } op;
+        enum region_kind kind;          /* take, check: what the fd must be (clientfd_check()) */
+        uint64_t size;                  /* and at least how many bytes */
+        struct moeep_record_header hdr; /* a discard's record's header, when `len` covers it */
+        long len;                       /* its length; -errno when none was read */
         clientfd_discard_fn *discarded;
-        int pidfd;  /* owns until the closer closes it */
+        int pidfd;  /* owns until the closer closes it; -1 for a check */
         int number; /* the descriptor number in the client's process */
         pid_t pid;  /* SO_PEERCRED's, for messages */
         uid_t uid;  /* SO_PEERCRED's: the process must still have these ids */
         gid_t gid;
-        int fd;    /* the result: owns, charged to `uid`; -1 on error */
+        int fd;    /* the result (a check's fd, to begin with): owns, charged to `uid`; -1 on error */
         int error; /* 0 or -errno (-ERROR_KIND_* for a permission refusal) */
         char errmsg[ERRMSG_MAX];
         clientfd_take_fn *done; /* called on the loop, exactly once */
@@ -116,7 +124,7 @@ struct cf_job {
         enum cf_cost {
                 CF_CHARGED, /* an fd the uid sent (or a duplicate): charged until close() returns */
                 CF_SOCKET,  /* a session socket: charged until close() returns */
-                CF_TAKE,    /* a take (`take`), not a close; `fd` unused; charged by clientfd_take() */
+                CF_TAKE,    /* a take, check or discard (`take`), not a close; `fd` unused */
         } cost;
         struct cf_take *take; /* owns until the closer puts it on takes_done; CF_TAKE only */
         TAILQ_ENTRY(cf_job) entry;
@@ -124,10 +132,13 @@ struct cf_job {
 TAILQ_HEAD(cf_job_list, cf_job);
 
 /* One queue of a uid, served by at most one closer at a time. Each uid has
- * two: the fds it sent and its takes, whose close (or take) may never
- * return, and its session sockets, whose close the CF_INTERRUPT_MS timer
+ * three: the fds it sent and its takes, whose close (or take) may never
+ * return; its session sockets, whose close the CF_INTERRUPT_MS timer
  * always ends (what is in flight in them is released, never flushed), so
- * that a socket never waits behind a stuck fd. */
+ * that a socket never waits behind a stuck fd; and the kind checks of the
+ * fds it attaches, which never wait for anything the client controls
+ * (clientfd_check()), so that a registration never waits behind one of
+ * its uid's closes that never returns. */
 struct cf_lane {
         struct cf_uid *uid; /* not owning; the uid the lane belongs to */
         /* Under clientfds.lock: */
@@ -143,6 +154,7 @@ struct cf_lane {
 enum {
         CF_LANE_FDS,
         CF_LANE_SOCKETS,
+        CF_LANE_CHECKS,
         CF_LANES
 };
 

@@ -31,11 +31,11 @@
 #include "record.h"
 #include "state/clientfd-internal.h"
 
-/* Takes (at the end of this file): on a closer thread, does `t`
- * (pidfd_getfd and the checks of the process), filling t->fd or t->error
- * and t->errmsg, and closes t->pidfd, never logging; on the loop, calls
- * t->done and frees `t`. */
-static void clientfd_take_run(struct cf_take *t);
+/* Takes, checks and discards (at the end of this file): on a closer
+ * thread, does `t` (pidfd_getfd and the checks of the process, the kind
+ * check, ...), filling t->fd or t->error and t->errmsg, and closes
+ * t->pidfd, never logging; on the loop, calls t->done and frees `t`. */
+static void clientfd_take_run(const struct clientfds *cf, struct cf_take *t);
 static void clientfd_take_finish(struct clientfds *cf, struct cf_take *t);
 
 /* ------------------------------------------------------------ accounting */
@@ -242,13 +242,13 @@ static void closer_timer_arm(timer_t timer, bool on) {
 }
 
 /* Runs one job, under the interrupting timer. Returns how long it took. */
-static long closer_run(struct cf_job *job, timer_t timer, bool have_timer) {
+static long closer_run(const struct clientfds *cf, struct cf_job *job, timer_t timer, bool have_timer) {
         long t0 = now_ms();
 
         if (have_timer)
                 closer_timer_arm(timer, true);
         if (job->take)
-                clientfd_take_run(job->take); /* may wait on the client's execve() */
+                clientfd_take_run(cf, job->take); /* may wait on the client's execve() */
         else
                 close(job->fd); /* may block for as long as the sender arranged */
         if (have_timer)
@@ -303,7 +303,7 @@ static void *closer_main(void *arg) {
                         closer_spawn_locked(cf);
                 pthread_mutex_unlock(&cf->lock);
 
-                took = closer_run(job, timer, have_timer);
+                took = closer_run(cf, job, timer, have_timer);
 
                 pthread_mutex_lock(&cf->lock);
                 if (job->take)
@@ -445,8 +445,15 @@ static void close_queue(struct clientfds *cf, uid_t uid, int fd, enum cf_cost co
         job_push(cf, &u->lanes[cost == CF_SOCKET ? CF_LANE_SOCKETS : CF_LANE_FDS], job);
 }
 
-/* Queues `t` in its uid's closer queue (a discard: in its queue of
- * sockets). Returns 0 or -ENOMEM. */
+/* The lane of each kind of work on a descriptor (clientfd-internal.h). */
+static const int op_lane[] = {
+        [CF_OP_TAKE] = CF_LANE_FDS,
+        [CF_OP_CHECK] = CF_LANE_CHECKS,
+        [CF_OP_DISCARD] = CF_LANE_SOCKETS,
+};
+
+/* Queues `t` in its uid's closer queue of its kind. Returns 0 or
+ * -ENOMEM. */
 static int clientfd_queue_take(struct clientfds *cf, struct cf_take *t) {
         struct cf_uid *u = uid_get(cf, t->uid);
         struct cf_job *job = malloc(sizeof(*job));
@@ -458,7 +465,7 @@ static int clientfd_queue_take(struct clientfds *cf, struct cf_take *t) {
         job->fd = -1;
         job->cost = CF_TAKE;
         job->take = t;
-        job_push(cf, &u->lanes[t->discard ? CF_LANE_SOCKETS : CF_LANE_FDS], job);
+        job_push(cf, &u->lanes[op_lane[t->op]], job);
         return 0;
 }
 
@@ -666,8 +673,13 @@ void clientfds_free(struct clientfds *cf, int timeout_ms) {
 
                         while ((job = TAILQ_FIRST(&u->lanes[l].queue))) {
                                 TAILQ_REMOVE(&u->lanes[l].queue, job, entry);
-                                if (job->take) /* never run: its caller is gone with the loop */
-                                        close(job->take->pidfd); /* a pidfd, or a discard's socket */
+                                if (job->take) { /* never run: its caller is gone with the loop */
+                                        /* a pidfd, or a discard's socket; a check's fd */
+                                        if (job->take->pidfd >= 0)
+                                                close(job->take->pidfd);
+                                        if (job->take->fd >= 0)
+                                                close(job->take->fd);
+                                }
                                 free(job->take);
                                 free(job);
                         }
@@ -828,11 +840,9 @@ static void discard_run(struct cf_take *t) {
         t->pidfd = -1;
 }
 
-static void clientfd_take_run(struct cf_take *t) {
-        if (t->discard) {
-                discard_run(t);
-                return;
-        }
+/* A take, on a closer: pidfd_getfd(), the process's ids, then the kind. */
+static void take_run(const struct clientfds *cf, struct cf_take *t) {
+        char why[ERRMSG_MAX];
         int fd = (int)syscall(SYS_pidfd_getfd, t->pidfd, t->number, 0);
         int e = errno;
 
@@ -866,35 +876,60 @@ static void clientfd_take_run(struct cf_take *t) {
                                               (int)t->pid, strerror(e));
                         break;
                 }
-                close(t->pidfd);
-                t->pidfd = -1;
                 return;
         }
+        t->fd = fd; /* refused, clientfd_take_finish() closes it */
         t->error = take_check_ids(t);
-        /* On a closer thread, this close may block like any close of a
-         * client's file without stalling the loop; its charge goes back in
-         * clientfd_take_finish(). */
-        if (t->error < 0)
-                close(fd);
-        else
-                t->fd = fd;
-        close(t->pidfd);
-        t->pidfd = -1;
+        if (t->error == 0) {
+                t->error = clientfd_check(cf, fd, t->kind, t->size, why);
+                if (t->error < 0)
+                        errmsg_set(t->errmsg, t->error, "fd %d of pid %d: %s", t->number, (int)t->pid, why);
+        }
+}
+
+static void clientfd_take_run(const struct clientfds *cf, struct cf_take *t) {
+        switch (t->op) {
+        case CF_OP_TAKE:
+                take_run(cf, t);
+                close(t->pidfd);
+                t->pidfd = -1;
+                break;
+        case CF_OP_CHECK:
+                t->error = clientfd_check(cf, t->fd, t->kind, t->size, t->errmsg);
+                break;
+        case CF_OP_DISCARD:
+                discard_run(t);
+                break;
+        }
 }
 
 static void clientfd_take_finish(struct clientfds *cf, struct cf_take *t) {
-        if (t->discard) {
+        switch (t->op) {
+        case CF_OP_DISCARD:
                 clientfds_uncharge(cf, t->uid, 1); /* its duplicate of the socket is closed */
                 if (!cf->takes_dropped)
                         t->discarded(t->ctx, t->len >= (long)sizeof(t->hdr) ? &t->hdr : NULL, t->len,
                                      t->errmsg);
                 free(t);
                 return;
+        case CF_OP_TAKE:
+                clientfds_uncharge(cf, t->uid, 1); /* the pidfd is closed by now */
+                break;
+        case CF_OP_CHECK:
+                break;
         }
-        /* The pidfd is closed by now; the fd stays charged when taken. */
-        clientfds_uncharge(cf, t->uid, t->fd < 0 ? 2 : 1);
-        /* When the daemon exits, nobody waits for the reply; the exit
-         * closes the fd. */
+        /* A refused fd closes in the uid's queue, where a close that
+         * blocks stalls nobody else, and its charge goes when it did; a
+         * take that got none gives back the charge made for it. A kept fd
+         * stays charged. (When the daemon exits, nobody waits for the
+         * reply; the exit closes the fd.) */
+        if (t->error < 0) {
+                if (t->fd >= 0)
+                        clientfd_close(cf, t->uid, t->fd);
+                else
+                        clientfds_uncharge(cf, t->uid, 1);
+                t->fd = -1;
+        }
         if (!cf->takes_dropped)
                 t->done(t->ctx, t->fd, t->error, t->errmsg);
         free(t);
@@ -929,18 +964,19 @@ static int peer_pidfd(int sock, const struct ucred *cred, int64_t number, char *
 
 /* Runs `t` (at once without a loop), or queues it; on failure undoes it:
  * its pidfd (or duplicate of a socket nothing was read from) closes at
- * once, and the `charged` fds go back. */
+ * once, and the `charged` fds go back (a check's fd stays the caller's). */
 static int take_start(struct clientfds *cf, struct cf_take *t, uint32_t charged) {
         int r;
 
         if (!cf->base) {
-                clientfd_take_run(t);
+                clientfd_take_run(cf, t);
                 clientfd_take_finish(cf, t);
                 return 0;
         }
         r = clientfd_queue_take(cf, t);
         if (r < 0) {
-                close(t->pidfd);
+                if (t->pidfd >= 0)
+                        close(t->pidfd);
                 clientfds_uncharge(cf, t->uid, charged);
                 free(t);
         }
@@ -948,7 +984,7 @@ static int take_start(struct clientfds *cf, struct cf_take *t, uint32_t charged)
 }
 
 int clientfd_take(struct clientfds *cf, int sock, const struct ucred *cred, int64_t number,
-                  clientfd_take_fn *done, void *ctx, char *errmsg) {
+                  enum region_kind kind, uint64_t size, clientfd_take_fn *done, void *ctx, char *errmsg) {
         struct cf_take *t;
         int pidfd, r;
 
@@ -971,6 +1007,9 @@ int clientfd_take(struct clientfds *cf, int sock, const struct ucred *cred, int6
                 clientfds_uncharge(cf, cred->uid, 2);
                 return pidfd;
         }
+        t->op = CF_OP_TAKE;
+        t->kind = kind;
+        t->size = size;
         t->pidfd = pidfd;
         t->number = (int)number;
         t->pid = cred->pid;
@@ -985,6 +1024,27 @@ int clientfd_take(struct clientfds *cf, int sock, const struct ucred *cred, int6
         return 0;
 }
 
+int clientfd_check_async(struct clientfds *cf, uid_t uid, int fd, enum region_kind kind, uint64_t size,
+                         clientfd_take_fn *done, void *ctx, char *errmsg) {
+        struct cf_take *t = calloc(1, sizeof(*t));
+        int r;
+
+        if (!t)
+                return errmsg_set(errmsg, -ENOMEM, "%s region: out of memory", clientfd_kind_to_string(kind));
+        t->op = CF_OP_CHECK;
+        t->kind = kind;
+        t->size = size;
+        t->pidfd = -1;
+        t->uid = uid;
+        t->fd = fd;
+        t->done = done;
+        t->ctx = ctx;
+        r = take_start(cf, t, 0);
+        if (r < 0)
+                return errmsg_set(errmsg, r, "%s region: out of memory", clientfd_kind_to_string(kind));
+        return 0;
+}
+
 int clientfd_discard_record(struct clientfds *cf, uid_t uid, int sock, const char *errmsg,
                             clientfd_discard_fn *done, void *ctx) {
         struct cf_take *t = calloc(1, sizeof(*t));
@@ -992,7 +1052,7 @@ int clientfd_discard_record(struct clientfds *cf, uid_t uid, int sock, const cha
 
         if (!t)
                 return -ENOMEM;
-        t->discard = true;
+        t->op = CF_OP_DISCARD;
         t->uid = uid;
         t->fd = -1;
         t->discarded = done;

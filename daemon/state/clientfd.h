@@ -14,7 +14,10 @@
  *     fstatfs of an anonymous inode, and /proc/self/fdinfo only of an fd
  *     proved a dma-buf: the kernel writes another file's fdinfo under that
  *     file's locks, an epoll fd's mutex among them), in the order that
- *     proves each later call safe before it is made;
+ *     proves each later call safe before it is made; and even so it runs
+ *     off the loop, in the uid's closer queue (clientfd_check_async(),
+ *     clientfd_take()), so that a wait nobody foresaw stalls only the uid
+ *     that sent the descriptor;
  *   - clientfd_close() hands an fd to closer threads. Each uid has its
  *     own queues, each served by at most one closer at a time, and a
  *     closer is started whenever work waits and none is idle, so a close
@@ -139,7 +142,8 @@ void clientfd_close_session(struct clientfds *cf, uid_t uid, int fd, unsigned fl
 int clientfds_budget_check(const struct clientfds *cf, uint32_t n, char *errmsg);
 
 /* Checks that `fd` is what a region of `kind` declared to be `size` bytes
- * must be:
+ * must be (on a closer: through clientfd_check_async() or clientfd_take();
+ * the event loop never calls it on a client's fd):
  *   memfd    F_GET_SEALS works (shmem only) and the inode lives where the
  *            daemon's own memfds live; at least `size` bytes
  *   cumem-fd a character device with the NVIDIA control device's number
@@ -152,11 +156,23 @@ int clientfds_budget_check(const struct clientfds *cf, uint32_t n, char *errmsg)
  * a size beyond the buffer or an unknown kind (error kinds: errors.h). */
 int clientfd_check(const struct clientfds *cf, int fd, enum region_kind kind, uint64_t size, char *errmsg);
 
-/* What a finished take hands back, on the loop: `fd` >= 0 (owned by the
- * callee now, charged to the uid, not yet checked for kind: pass it to
- * clientfd_check() like an attached fd), or -1 with `error` (-errno, or
- * -ERROR_KIND_PERMISSION_DENIED) and `errmsg` naming the fd number and why. */
+/* What a finished take or check hands back, on the loop: `fd` >= 0 (owned
+ * by the callee now, charged to the uid, of the kind asked and at least
+ * the size: clientfd_check()), or -1 with `error` (-errno, or
+ * -ERROR_KIND_*) and `errmsg` saying why (a take's: naming the fd number);
+ * a refused fd was handed to clientfd_close(). */
 typedef void clientfd_take_fn(void *ctx, int fd, int error, const char *errmsg);
+
+/* Checks `fd`, which `uid` attached (charged to it: its receiver did), as
+ * a region of `kind` and `size` with clientfd_check() on a closer, in
+ * `uid`'s own queue of checks: behind nobody else's work, and behind none
+ * of its uid's closes and takes, which may never return.
+ * From this call on `fd` is the check's: `done` gets it back, or -1 once
+ * it was refused. `done` is called later on the loop, exactly once (with
+ * `base` NULL: before this returns). Returns 0, or -ENOMEM with errmsg
+ * (then `fd` is still the caller's and `done` is never called). */
+int clientfd_check_async(struct clientfds *cf, uid_t uid, int fd, enum region_kind kind, uint64_t size,
+                         clientfd_take_fn *done, void *ctx, char *errmsg);
 
 /* Takes descriptor `number` of the process that connected the session
  * socket `sock` (credentials `cred`, SO_PEERCRED) with pidfd_getfd(), for
@@ -164,8 +180,10 @@ typedef void clientfd_take_fn(void *ctx, int fd, int error, const char *errmsg);
  * so a recycled pid cannot stand in for it; after the take, its user and
  * group ids (real, effective, saved, filesystem) must still be cred's, so
  * that nothing is taken from a set-id program the client started on the
- * connection. The descriptor and the pidfd are charged to cred->uid before
- * it is taken (the pidfd's charge goes when it is closed).
+ * connection; what was taken must be a region of `kind` and `size`
+ * (clientfd_check(), there too). The descriptor and the pidfd are charged
+ * to cred->uid before it is taken (the pidfd's charge goes when it is
+ * closed).
  * pidfd_getfd() waits for an execve() in progress in the client (its
  * exec_update_lock), which a client can make last as long as it likes (a
  * close-on-exec FUSE file), so the take runs in the uid's own closer
@@ -175,12 +193,13 @@ typedef void clientfd_take_fn(void *ctx, int fd, int error, const char *errmsg);
  * -ERROR_KIND_INVALID_ARGUMENT for a number outside 0..INT_MAX, -EOPNOTSUPP where the kernel lacks SO_PEERPIDFD,
  * -ESRCH when the connecting process is gone, -EDQUOT/-EMFILE for the
  * caps. What `done` may get: -ERROR_KIND_BAD_FDS (nothing open at
- * `number`), -ESRCH
+ * `number`, or an fd not of `kind`), -ERROR_KIND_INVALID_ARGUMENT (smaller
+ * than `size`), -ESRCH
  * (the process exited), -ERROR_KIND_PERMISSION_DENIED (the daemon may not
  * ptrace the client: CAP_SYS_PTRACE missing, or the process's ids
  * changed). */
 int clientfd_take(struct clientfds *cf, int sock, const struct ucred *cred, int64_t number,
-                  clientfd_take_fn *done, void *ctx, char *errmsg);
+                  enum region_kind kind, uint64_t size, clientfd_take_fn *done, void *ctx, char *errmsg);
 
 /* What a discard hands back, on the loop: the record read and dropped, its
  * length `len` (0: a record of zero bytes, or the end; -errno: nothing

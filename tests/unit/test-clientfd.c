@@ -4,6 +4,7 @@
 #include <errno.h>
 #include <event2/event.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -53,6 +54,19 @@ int open64(const char *path, int flags, ...) {
         if (strncmp(path, "/proc/self/fdinfo/", 18) == 0)
                 fdinfo_opens++;
         return (int)syscall(SYS_openat, AT_FDCWD, path, flags, mode);
+}
+
+/* statx() likewise: how many calls came from the thread that runs the
+ * loop (main()), how many from others (closers). */
+static pthread_t loop_thread;
+static int statx_on_loop, statx_off_loop;
+
+int statx(int dirfd, const char *path, int flags, unsigned mask, struct statx *buf) {
+        if (pthread_equal(pthread_self(), loop_thread))
+                __atomic_add_fetch(&statx_on_loop, 1, __ATOMIC_SEQ_CST);
+        else
+                __atomic_add_fetch(&statx_off_loop, 1, __ATOMIC_SEQ_CST);
+        return (int)syscall(SYS_statx, dirfd, path, flags, mask, buf);
 }
 
 struct fixture {
@@ -160,6 +174,8 @@ static void test_kinds(void **state) {
         if (shm >= 0)
                 expect_refused(f, shm, MEMFD, "on a tmpfs or hugetlbfs mount");
         assert_int_equal(check(f, mem, (enum region_kind)77, 4096, msg), -ERROR_KIND_INVALID_ARGUMENT);
+        assert_non_null(strstr(msg, "region kind 77 is not known"));
+        assert_int_equal(check(f, mem, REGION_KIND_UNSPECIFIED, 4096, msg), -ERROR_KIND_INVALID_ARGUMENT);
         assert_int_equal(check(f, -1, MEMFD, 4096, msg), -ERROR_KIND_BAD_FDS);
 
         {
@@ -311,20 +327,85 @@ static void take_cb(void *ctx, int fd, int error, const char *errmsg) {
         snprintf(res->msg, sizeof(res->msg), "%s", errmsg);
 }
 
-/* Starts a take of `number` from the peer of `sock` as `cred` and pumps
- * the loop until it is handed back (at most 2 s). */
-static struct take_result take(struct fixture *f, int sock, const struct ucred *cred, int64_t number) {
+/* Pumps the loop until `res` was handed back (at most 2 s). */
+static void wait_result(struct fixture *f, struct take_result *res) {
+        for (int i = 0; i < 400 && res->calls == 0; i++) {
+                event_base_loop(f->base, EVLOOP_NONBLOCK);
+                if (res->calls == 0)
+                        usleep(5000);
+        }
+        assert_int_equal(res->calls, 1);
+}
+
+/* Starts a take of `number` (a memfd region of `size` bytes) from the peer
+ * of `sock` as `cred` and waits until it is handed back. */
+static struct take_result take_as(struct fixture *f, int sock, const struct ucred *cred, int64_t number,
+                                  enum region_kind kind, uint64_t size) {
         struct take_result res = { .fd = -1 };
         char msg[ERRMSG_MAX];
 
-        assert_int_equal(clientfd_take(f->cf, sock, cred, number, take_cb, &res, msg), 0);
-        for (int i = 0; i < 400 && res.calls == 0; i++) {
-                event_base_loop(f->base, EVLOOP_NONBLOCK);
-                if (res.calls == 0)
-                        usleep(5000);
-        }
-        assert_int_equal(res.calls, 1);
+        assert_int_equal(clientfd_take(f->cf, sock, cred, number, kind, size, take_cb, &res, msg), 0);
+        wait_result(f, &res);
         return res;
+}
+
+static struct take_result take(struct fixture *f, int sock, const struct ucred *cred, int64_t number) {
+        return take_as(f, sock, cred, number, MEMFD, 4096);
+}
+
+/* Checks an attached fd (charged to uid 1000 as a receiver would) with
+ * clientfd_check_async() and waits for the result. */
+static struct take_result check_async(struct fixture *f, int fd, enum region_kind kind, uint64_t size) {
+        struct take_result res = { .fd = -1 };
+        char msg[ERRMSG_MAX];
+
+        clientfds_charge_held(f->cf, 1000, 1);
+        assert_int_equal(clientfd_check_async(f->cf, 1000, fd, kind, size, take_cb, &res, msg), 0);
+        wait_result(f, &res);
+        return res;
+}
+
+/* Attached fds are checked on a closer, never on the loop's thread: an fd
+ * of the kind comes back, charged; any other is refused, named, and closed
+ * (its charge returned). */
+static void test_check_async(void **state) {
+        struct fixture *f = *state;
+        int mem = unit_memfd(4096, NULL), ep = epoll_create1(EPOLL_CLOEXEC), p[2];
+        struct take_result res;
+        struct stat st;
+
+        assert_true(mem >= 0 && ep >= 0 && pipe2(p, O_CLOEXEC) == 0);
+        statx_on_loop = statx_off_loop = 0;
+        fdinfo_opens = 0;
+        res = check_async(f, mem, MEMFD, 4096);
+        assert_int_equal(res.error, 0);
+        assert_int_equal(res.fd, mem);
+        assert_int_equal(clientfds_held(f->cf, 1000), 1);
+        assert_int_equal(statx_on_loop, 0);
+        assert_true(statx_off_loop > 0);
+        clientfd_close(f->cf, 1000, res.fd);
+        statx_on_loop = 0; /* that close looked at the memfd's size on the loop (close_is_cheap) */
+
+        res = check_async(f, ep, DMABUF, 4096);
+        assert_int_equal(res.error, -ERROR_KIND_BAD_FDS);
+        assert_int_equal(res.fd, -1);
+        assert_non_null(
+                strstr(res.msg, "dma-buf region: the fd is an anonymous inode ('anon_inode:[eventpoll]')"));
+        assert_int_equal(statx_on_loop, 0);
+        assert_int_equal(fdinfo_opens, 0);
+
+        res = check_async(f, p[0], MEMFD, 4096);
+        assert_int_equal(res.error, -ERROR_KIND_BAD_FDS);
+        assert_non_null(strstr(res.msg, "memfd region: the fd is a pipe or FIFO"));
+        assert_int_equal(statx_on_loop, 0);
+
+        /* Closed, their charges returned. */
+        assert_int_equal(clientfds_settle(f->cf, 2000), 0);
+        assert_int_equal(clientfds_held(f->cf, 1000), 0);
+        assert_int_equal(fstat(mem, &st), -1);
+        assert_int_equal(fstat(ep, &st), -1);
+        assert_int_equal(fstat(p[0], &st), -1);
+        close(p[1]);
 }
 
 /* Takes (clientfd_take()) from this very process: the peer of a
@@ -340,11 +421,12 @@ static void test_takes(void **state) {
 
         assert_int_equal(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sp), 0);
         /* Not a descriptor number: refused before anything, nothing charged. */
-        assert_int_equal(clientfd_take(f->cf, sp[0], &me, -1, take_cb, NULL, msg),
+        assert_int_equal(clientfd_take(f->cf, sp[0], &me, -1, MEMFD, 4096, take_cb, NULL, msg),
                          -ERROR_KIND_INVALID_ARGUMENT);
         assert_non_null(strstr(msg, "fd number -1 is outside 0..2147483647"));
-        assert_int_equal(clientfd_take(f->cf, sp[0], &me, (int64_t)INT32_MAX + 1, take_cb, NULL, msg),
-                         -ERROR_KIND_INVALID_ARGUMENT);
+        assert_int_equal(
+                clientfd_take(f->cf, sp[0], &me, (int64_t)INT32_MAX + 1, MEMFD, 4096, take_cb, NULL, msg),
+                -ERROR_KIND_INVALID_ARGUMENT);
         assert_int_equal(clientfds_held(f->cf, me.uid), 0);
 
         /* The memfd itself, charged while the daemon holds it, and of the
@@ -361,6 +443,32 @@ static void test_takes(void **state) {
         clientfd_close(f->cf, me.uid, res.fd);
         assert_int_equal(clientfds_settle(f->cf, 2000), 0);
         assert_int_equal(clientfds_held(f->cf, me.uid), 0);
+
+        /* Taken, but not of the kind asked, or smaller than asked: named
+         * by number and refused, and the fd's charge returned once the
+         * daemon's copy was closed. */
+        {
+                int p[2];
+
+                assert_int_equal(pipe2(p, O_CLOEXEC), 0);
+                res = take(f, sp[0], &me, p[0]);
+                assert_int_equal(res.error, -ERROR_KIND_BAD_FDS);
+                assert_int_equal(res.fd, -1);
+                snprintf(msg, sizeof(msg), "fd %d of pid %d: memfd region: the fd is a pipe", p[0],
+                         (int)me.pid);
+                if (!strstr(res.msg, msg))
+                        fail_msg("'%s' does not say '%s'", res.msg, msg);
+                res = take_as(f, sp[0], &me, mem, MEMFD, 8192);
+                assert_int_equal(res.error, -ERROR_KIND_INVALID_ARGUMENT);
+                assert_non_null(strstr(res.msg, "the fd has only 4096 bytes"));
+                res = take_as(f, sp[0], &me, mem, DMABUF, 4096);
+                assert_int_equal(res.error, -ERROR_KIND_BAD_FDS);
+                assert_non_null(strstr(res.msg, "dma-buf region"));
+                assert_int_equal(clientfds_settle(f->cf, 2000), 0);
+                assert_int_equal(clientfds_held(f->cf, me.uid), 0);
+                close(p[0]);
+                close(p[1]);
+        }
 
         /* Nothing open at the number: named, and the charge returned. */
         /* (A high number: a low free one would be the pidfd the take
@@ -386,7 +494,7 @@ static void test_takes(void **state) {
         /* The uid's cap counts the fd to come. */
         f->config.max_fds_per_uid = 1;
         clientfds_charge_held(f->cf, me.uid, 1);
-        assert_int_equal(clientfd_take(f->cf, sp[0], &me, mem, take_cb, NULL, msg), -EDQUOT);
+        assert_int_equal(clientfd_take(f->cf, sp[0], &me, mem, MEMFD, 4096, take_cb, NULL, msg), -EDQUOT);
         clientfds_uncharge(f->cf, me.uid, 1);
         close(sp[0]);
         close(sp[1]);
@@ -399,9 +507,11 @@ int main(void) {
                 cmocka_unit_test(test_fdinfo_size),
                 cmocka_unit_test_setup_teardown(test_charges, setup, teardown),
                 cmocka_unit_test_setup_teardown(test_closes, setup, teardown),
+                cmocka_unit_test_setup_teardown(test_check_async, setup, teardown),
                 cmocka_unit_test_setup_teardown(test_takes, setup, teardown),
         };
 
         log_set_level(LOG_ERR);
+        loop_thread = pthread_self();
         return cmocka_run_group_tests(tests, NULL, NULL);
 }
