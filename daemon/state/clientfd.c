@@ -13,7 +13,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
-#include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/queue.h>
 #include <sys/resource.h>
@@ -729,46 +728,25 @@ void clientfds_free(struct clientfds *cf, int timeout_ms) {
 #define SYS_pidfd_send_signal 424
 #endif
 
-/* PIDFD_GET_INFO (Linux 6.13), declared here for older headers: the
- * process's ids, read through the pidfd, so with no pid to race with. */
-struct take_pidfd_info {
-        uint64_t mask;
-        uint64_t cgroupid;
-        uint32_t pid, tgid, ppid;
-        uint32_t ruid, rgid, euid, egid, suid, sgid, fsuid, fsgid;
-        int32_t exit_code;
-        uint32_t coredump_mask;
-        uint32_t spare;
-};
-#define TAKE_PIDFD_INFO_CREDS (1ULL << 1)
-#define TAKE_PIDFD_GET_INFO _IOWR(0xFF, 11, struct take_pidfd_info)
-
-/* The ids a process has: real, effective, saved, filesystem. */
-struct take_ids {
+/* What the daemon knows of the process it takes from: its ids (real,
+ * effective, saved, filesystem), its capability sets, and who owns
+ * /proc/PID/status (the process's euid while it is dumpable; root, or its
+ * user namespace's root, once it is not: task_dump_owner(), which leaves
+ * the /proc/PID directory itself alone). */
+struct take_proc {
         uint32_t uid[4], gid[4];
+        uint64_t cap_prm, cap_eff;
+        uid_t owner;
 };
 
-/* Reads the ids of the process behind `pidfd` with PIDFD_GET_INFO.
- * Returns 0, -ENOTTY where the kernel lacks it, -ESRCH once it is gone. */
-static int ids_from_pidfd(int pidfd, struct take_ids *ret) {
-        struct take_pidfd_info info = { .mask = TAKE_PIDFD_INFO_CREDS };
-
-        if (ioctl(pidfd, TAKE_PIDFD_GET_INFO, &info) < 0)
-                return errno == EINVAL || errno == ENOTTY ? -ENOTTY : -errno;
-        if (!(info.mask & TAKE_PIDFD_INFO_CREDS))
-                return -ENOTTY;
-        *ret = (struct take_ids){ .uid = { info.ruid, info.euid, info.suid, info.fsuid },
-                                  .gid = { info.rgid, info.egid, info.sgid, info.fsgid } };
-        return 0;
-}
-
-/* Reads the ids from /proc/PID/status (kernels before 6.13). The pid comes
- * from the pidfd's fdinfo; the pidfd is asked afterwards whether its
- * process still lives: if so, the pid was not reused in between and the
- * lines read are its. Returns 0, -ESRCH, or -EIO. */
-static int ids_from_proc(int pidfd, struct take_ids *ret) {
+/* Reads /proc/PID (the pid from the pidfd's fdinfo) into *ret; the pidfd
+ * is asked afterwards whether its process still lives: if so, the pid was
+ * not reused in between and what was read is its. Returns 0, -ESRCH, or
+ * -EIO. */
+static int take_proc_read(int pidfd, struct take_proc *ret) {
         char path[64], line[256];
         int pid = -1, got = 0;
+        struct stat st;
         FILE *f;
 
         snprintf(path, sizeof(path), "/proc/self/fdinfo/%d", pidfd);
@@ -785,6 +763,11 @@ static int ids_from_proc(int pidfd, struct take_ids *ret) {
         f = fopen(path, "re");
         if (!f)
                 return -ESRCH;
+        if (fstat(fileno(f), &st) < 0) {
+                fclose(f);
+                return -EIO;
+        }
+        ret->owner = st.st_uid;
         while (fgets(line, sizeof(line), f))
                 if (sscanf(line, "Uid: %u %u %u %u", &ret->uid[0], &ret->uid[1], &ret->uid[2],
                            &ret->uid[3]) == 4)
@@ -792,37 +775,71 @@ static int ids_from_proc(int pidfd, struct take_ids *ret) {
                 else if (sscanf(line, "Gid: %u %u %u %u", &ret->gid[0], &ret->gid[1], &ret->gid[2],
                                 &ret->gid[3]) == 4)
                         got |= 2;
+                else if (sscanf(line, "CapPrm: %" SCNx64, &ret->cap_prm) == 1)
+                        got |= 4;
+                else if (sscanf(line, "CapEff: %" SCNx64, &ret->cap_eff) == 1)
+                        got |= 8;
         fclose(f);
         if (syscall(SYS_pidfd_send_signal, pidfd, 0, NULL, 0) < 0)
                 return -ESRCH;
-        return got == 3 ? 0 : -EIO;
+        return got == 15 ? 0 : -EIO;
 }
 
-/* Whether the process still has the ids it connected with: a client that
- * started a set-id program with the socket inherited must not have the
- * daemon take that program's fds. */
-static int take_check_ids(struct cf_take *t) {
-        struct take_ids ids;
-        int r = ids_from_pidfd(t->pidfd, &ids);
+/* Whether the daemon, which holds CAP_SYS_PTRACE, may take from the
+ * process: only what the connecting uid could take itself, without
+ * privilege, with pidfd_getfd() (ptrace access PTRACE_MODE_ATTACH_REALCREDS
+ * of an unprivileged tracer of that uid). The kernel asks three things of
+ * such a tracer, and so does this:
+ *   - the process's user and group ids, all four of each, are the
+ *     tracer's: those it connected with (SO_PEERCRED), so nothing is taken
+ *     from a set-id program the client started with the socket inherited;
+ *   - the process is dumpable: /proc/PID/status is that uid's. A set-id or
+ *     file-capability program is not (nor stops being, when it drops back
+ *     to the caller's ids), nor is one that said so (PR_SET_DUMPABLE 0);
+ *   - its permitted capabilities are a subset of the tracer's, which has
+ *     none: CapPrm and CapEff are empty (a file-capability program's are
+ *     not, whatever fs.suid_dumpable says).
+ * A root client (uid 0) is exempt from the last two: /proc/PID/status of
+ * a root process is root's either way, and any program root starts gets at most
+ * the capability bounding set, which root's exec restores anyway. A
+ * process holding capabilities in a user namespace of its own (a
+ * container's root, mapped to an unprivileged uid) is refused too: it
+ * attaches its fds instead. Checked before the take and again after it, so
+ * that an exec under way (pidfd_getfd waits for it) is seen at one end. */
+static int take_check_process(struct cf_take *t) {
+        struct take_proc p;
+        int r = take_proc_read(t->pidfd, &p);
 
-        if (r == -ENOTTY)
-                r = ids_from_proc(t->pidfd, &ids);
         if (r == -ESRCH)
                 return errmsg_set(t->errmsg, -ESRCH,
                                   "fd %d of pid %d: the process that connected this session has exited",
                                   t->number, (int)t->pid);
         if (r < 0)
-                return errmsg_set(t->errmsg, r, "fd %d of pid %d: reading the process's ids: %s", t->number,
-                                  (int)t->pid, strerror(-r));
+                return errmsg_set(t->errmsg, r, "fd %d of pid %d: reading /proc of the process: %s",
+                                  t->number, (int)t->pid, strerror(-r));
         for (int i = 0; i < 4; i++)
-                if (ids.uid[i] != t->uid || ids.gid[i] != t->gid)
+                if (p.uid[i] != t->uid || p.gid[i] != t->gid)
                         return errmsg_set(t->errmsg, -ERROR_KIND_PERMISSION_DENIED,
                                           "fd %d of pid %d: the process's user/group ids (uid %u %u %u %u, "
                                           "gid %u %u %u %u) are no longer the uid %u gid %u it connected "
                                           "with: nothing is taken from it",
-                                          t->number, (int)t->pid, ids.uid[0], ids.uid[1], ids.uid[2],
-                                          ids.uid[3], ids.gid[0], ids.gid[1], ids.gid[2], ids.gid[3],
-                                          (unsigned)t->uid, (unsigned)t->gid);
+                                          t->number, (int)t->pid, p.uid[0], p.uid[1], p.uid[2], p.uid[3],
+                                          p.gid[0], p.gid[1], p.gid[2], p.gid[3], (unsigned)t->uid,
+                                          (unsigned)t->gid);
+        if (t->uid == 0)
+                return 0;
+        if (p.owner != t->uid)
+                return errmsg_set(t->errmsg, -ERROR_KIND_PERMISSION_DENIED,
+                                  "fd %d of pid %d: the process is not dumpable (/proc/%d/status belongs "
+                                  "to uid %u, not %u: a set-id or file-capability program, or "
+                                  "PR_SET_DUMPABLE 0): nothing is taken from it",
+                                  t->number, (int)t->pid, (int)t->pid, (unsigned)p.owner, (unsigned)t->uid);
+        if (p.cap_prm || p.cap_eff)
+                return errmsg_set(t->errmsg, -ERROR_KIND_PERMISSION_DENIED,
+                                  "fd %d of pid %d: the process holds capabilities (CapPrm %016" PRIx64
+                                  ", CapEff %016" PRIx64 ") that uid %u has not without privilege: nothing "
+                                  "is taken from it (attach the fd instead)",
+                                  t->number, (int)t->pid, p.cap_prm, p.cap_eff, (unsigned)t->uid);
         return 0;
 }
 
@@ -840,12 +857,17 @@ static void discard_run(struct cf_take *t) {
         t->pidfd = -1;
 }
 
-/* A take, on a closer: pidfd_getfd(), the process's ids, then the kind. */
+/* A take, on a closer: the process, pidfd_getfd(), the process again, then
+ * the kind. */
 static void take_run(const struct clientfds *cf, struct cf_take *t) {
         char why[ERRMSG_MAX];
-        int fd = (int)syscall(SYS_pidfd_getfd, t->pidfd, t->number, 0);
-        int e = errno;
+        int fd, e;
 
+        t->error = take_check_process(t);
+        if (t->error < 0)
+                return;
+        fd = (int)syscall(SYS_pidfd_getfd, t->pidfd, t->number, 0);
+        e = errno;
         if (fd < 0) {
                 switch (e) {
                 case EPERM:
@@ -879,7 +901,7 @@ static void take_run(const struct clientfds *cf, struct cf_take *t) {
                 return;
         }
         t->fd = fd; /* refused, clientfd_take_finish() closes it */
-        t->error = take_check_ids(t);
+        t->error = take_check_process(t);
         if (t->error == 0) {
                 t->error = clientfd_check(cf, fd, t->kind, t->size, why);
                 if (t->error < 0)

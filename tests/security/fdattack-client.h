@@ -419,10 +419,12 @@ static bool log_has(const char *text) {
 /* ------------------------------------------------------------ attackers */
 
 /* In a child: no supplementary groups, `uid` as its uid and gid (which
- * leaves it no capabilities). Returns 0 or -1. */
+ * leaves it no capabilities), and dumpable again, as a process exec'd as
+ * that uid is (the kernel makes one that dropped root's ids not dumpable,
+ * and moeepd takes no fd from such a process). Returns 0 or -1. */
 static int drop_to_uid(uid_t uid) {
         if (setgroups(0, NULL) < 0 || setresgid((gid_t)uid, (gid_t)uid, (gid_t)uid) < 0 ||
-            setresuid(uid, uid, uid) < 0)
+            setresuid(uid, uid, uid) < 0 || prctl(PR_SET_DUMPABLE, 1) < 0)
                 return -1;
         return 0;
 }

@@ -41,6 +41,11 @@
  *              waits (the kernel writes an epoll fd's fdinfo under that
  *              mutex, so a daemon that read it would stall until the
  *              POLL's answer); everyone else is served meanwhile
+ *   nodump     the client makes itself not dumpable (PR_SET_DUMPABLE 0,
+ *              what a set-id or file-capability program it exec'd would
+ *              be): its take is refused with ERROR_PERMISSION_DENIED naming
+ *              the fd and why (nothing a ptracer of its uid could take);
+ *              dumpable again, the same take is served
  *   noptrace   a second moeepd started without CAP_SYS_PTRACE (setpriv):
  *              the take is refused with ERROR_PERMISSION_DENIED naming the
  *              capability; the session serves on
@@ -566,6 +571,34 @@ static void case_epoll(void) {
         check_baseline("epoll");
 }
 
+/* ------------------------------------------------------------ nodump */
+
+static int nodump_client(void *arg) {
+        const uint64_t pidfd_bit = MOEEP__V1__FEATURE__FEATURE_PIDFD;
+        struct conn *c = conn_open();
+        int fd = memfd_of(4096);
+        uint64_t id = 0;
+
+        CHECK(c && fd >= 0 && enter_job_with(c, pidfd_bit) == 0, "nodump: could not enter a job");
+        if (!c)
+                return 0;
+        CHECK(prctl(PR_SET_DUMPABLE, 0) == 0, "nodump: PR_SET_DUMPABLE 0: %s", strerror(errno));
+        expect_refused(c, fd, MOEEP__V1__ERROR_CODE__ERROR_PERMISSION_DENIED, "the process is not dumpable",
+                       true);
+        CHECK(prctl(PR_SET_DUMPABLE, 1) == 0, "nodump: PR_SET_DUMPABLE 1: %s", strerror(errno));
+        CHECK(take_register(c, fd, NULL, 0, &id, NULL, 0) == 0 && id > 0,
+              "nodump: the take was refused once the process was dumpable again");
+        conn_close(c);
+        close(fd);
+        return 0;
+}
+
+static void case_nodump(void) {
+        failures += run_namespaced("nodump", nodump_client, NULL, 20000);
+        check_served("nodump, after", 5);
+        check_baseline("nodump");
+}
+
 /* ------------------------------------------------------------ noptrace */
 
 static int noptrace_client(void *arg) {
@@ -680,10 +713,10 @@ static void case_noptrace(void) {
 
 int main(int argc, char **argv) {
         const char *only = argc > 3 ? argv[3] : NULL;
-        static const struct sec_case cases[] = { { "share", case_share },      { "hostile", case_hostile },
-                                                 { "frame", case_frame },      { "exited", case_exited },
-                                                 { "late", case_late },        { "epoll", case_epoll },
-                                                 { "noptrace", case_noptrace } };
+        static const struct sec_case cases[] = { { "share", case_share },   { "hostile", case_hostile },
+                                                 { "frame", case_frame },   { "exited", case_exited },
+                                                 { "late", case_late },     { "epoll", case_epoll },
+                                                 { "nodump", case_nodump }, { "noptrace", case_noptrace } };
         int r = sec_begin("pidfd", "run clients as uid 65534 in PID namespaces", argc, argv);
 
         if (r != 0)

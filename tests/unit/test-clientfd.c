@@ -4,6 +4,8 @@
 #include <errno.h>
 #include <event2/event.h>
 #include <fcntl.h>
+#include <grp.h>
+#include <linux/capability.h>
 #include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -15,10 +17,12 @@
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/timerfd.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cmocka.h>
@@ -501,6 +505,157 @@ static void test_takes(void **state) {
         close(mem);
 }
 
+/* ------------------------------------------------------------ a client of another uid */
+
+#define PEER_UID 65534
+
+/* A client process of uid PEER_UID that this test (root) starts: it made
+ * a session socket (a socketpair: SO_PEERPIDFD of either end names it) and
+ * a 4096-byte memfd, and changes itself on command. */
+struct peer {
+        pid_t pid;
+        int ctl;    /* commands: 'd' not dumpable, 'D' dumpable, 'c' no capabilities */
+        int sock;   /* the session socket */
+        int number; /* the memfd's number in the peer */
+};
+
+static void peer_main(int ctl, bool keep_caps) {
+        union {
+                char buf[CMSG_SPACE(sizeof(int))];
+                struct cmsghdr align;
+        } control = { 0 };
+        struct __user_cap_header_struct head = { .version = _LINUX_CAPABILITY_VERSION_3 };
+        struct __user_cap_data_struct none[2] = { 0 };
+        int sp[2], mem;
+        struct iovec iov = { .iov_base = &mem, .iov_len = sizeof(mem) };
+        struct msghdr mh = { .msg_iov = &iov,
+                             .msg_iovlen = 1,
+                             .msg_control = control.buf,
+                             .msg_controllen = sizeof(control.buf) };
+        struct cmsghdr *cm = CMSG_FIRSTHDR(&mh);
+        char cmd;
+
+        /* With PR_SET_KEEPCAPS the permitted set outlives the uid change
+         * (as a file-capability program's would); the change leaves the
+         * process not dumpable, which it undoes. */
+        if ((keep_caps && prctl(PR_SET_KEEPCAPS, 1) < 0) || setgroups(0, NULL) < 0 ||
+            setresgid(PEER_UID, PEER_UID, PEER_UID) < 0 || setresuid(PEER_UID, PEER_UID, PEER_UID) < 0 ||
+            prctl(PR_SET_DUMPABLE, 1) < 0)
+                _exit(1);
+        mem = unit_memfd(4096, "peer");
+        if (mem < 0 || socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sp) < 0)
+                _exit(1);
+        cm->cmsg_level = SOL_SOCKET;
+        cm->cmsg_type = SCM_RIGHTS;
+        cm->cmsg_len = CMSG_LEN(sizeof(int));
+        memcpy(CMSG_DATA(cm), &sp[0], sizeof(int));
+        if (sendmsg(ctl, &mh, 0) != sizeof(mem))
+                _exit(1);
+        while (read(ctl, &cmd, 1) == 1) {
+                if ((cmd == 'd' && prctl(PR_SET_DUMPABLE, 0) < 0) ||
+                    (cmd == 'D' && prctl(PR_SET_DUMPABLE, 1) < 0) ||
+                    (cmd == 'c' && syscall(SYS_capset, &head, none) < 0))
+                        cmd = '!';
+                if (write(ctl, &cmd, 1) != 1)
+                        break;
+        }
+        _exit(0);
+}
+
+static void peer_start(struct peer *p, bool keep_caps) {
+        union {
+                char buf[CMSG_SPACE(sizeof(int))];
+                struct cmsghdr align;
+        } control;
+        struct iovec iov = { .iov_base = &p->number, .iov_len = sizeof(p->number) };
+        struct msghdr mh = { .msg_iov = &iov,
+                             .msg_iovlen = 1,
+                             .msg_control = control.buf,
+                             .msg_controllen = sizeof(control.buf) };
+        int ctl[2];
+
+        assert_int_equal(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, ctl), 0);
+        p->pid = fork();
+        assert_true(p->pid >= 0);
+        if (p->pid == 0) {
+                close(ctl[0]);
+                peer_main(ctl[1], keep_caps);
+        }
+        close(ctl[1]);
+        p->ctl = ctl[0];
+        assert_int_equal(recvmsg(p->ctl, &mh, MSG_CMSG_CLOEXEC), sizeof(p->number));
+        assert_non_null(CMSG_FIRSTHDR(&mh));
+        memcpy(&p->sock, CMSG_DATA(CMSG_FIRSTHDR(&mh)), sizeof(int));
+}
+
+static void peer_say(struct peer *p, char cmd) {
+        char back = 0;
+
+        assert_int_equal(write(p->ctl, &cmd, 1), 1);
+        assert_int_equal(read(p->ctl, &back, 1), 1);
+        assert_int_equal(back, cmd);
+}
+
+static void peer_stop(struct peer *p) {
+        int st = 0;
+
+        close(p->ctl);
+        close(p->sock);
+        assert_int_equal(waitpid(p->pid, &st, 0), p->pid);
+        assert_true(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+}
+
+/* A take from `p` of its memfd: kept (and closed here) or refused
+ * with ERROR_PERMISSION_DENIED and a message naming the fd and `why`. */
+static void peer_take(struct fixture *f, struct peer *p, const char *why) {
+        struct ucred cred = { .pid = p->pid, .uid = PEER_UID, .gid = PEER_UID };
+        struct take_result res = take(f, p->sock, &cred, p->number);
+        char named[64];
+
+        if (!why) {
+                if (res.error != 0)
+                        fail_msg("take refused: %s", res.msg);
+                assert_true(res.fd >= 0);
+                clientfd_close(f->cf, PEER_UID, res.fd);
+                return;
+        }
+        assert_int_equal(res.error, -ERROR_KIND_PERMISSION_DENIED);
+        assert_int_equal(res.fd, -1);
+        snprintf(named, sizeof(named), "fd %d of pid %d: ", p->number, (int)p->pid);
+        if (!strstr(res.msg, named) || !strstr(res.msg, why))
+                fail_msg("'%s' does not say '%s' and '%s'", res.msg, named, why);
+}
+
+/* The daemon takes only what the client's uid could take itself without
+ * privilege: not from a process that is not dumpable, nor from one that
+ * holds capabilities (what a file-capability program is). */
+static void test_take_process(void **state) {
+        struct fixture *f = *state;
+        struct peer p;
+
+        if (getuid() != 0) {
+                print_message("test_take_process: needs root (a client process of uid %d); skipped\n",
+                              PEER_UID);
+                skip();
+        }
+        peer_start(&p, false);
+        peer_take(f, &p, NULL);
+        peer_say(&p, 'd');
+        peer_take(f, &p, "the process is not dumpable (/proc/");
+        peer_say(&p, 'D');
+        peer_take(f, &p, NULL);
+        peer_stop(&p);
+
+        peer_start(&p, true);
+        peer_take(f, &p, "the process holds capabilities (CapPrm ");
+        peer_say(&p, 'c');
+        peer_take(f, &p, NULL);
+        peer_stop(&p);
+
+        assert_int_equal(clientfds_settle(f->cf, 2000), 0);
+        assert_int_equal(clientfds_held(f->cf, PEER_UID), 0);
+}
+
 int main(void) {
         const struct CMUnitTest tests[] = {
                 cmocka_unit_test_setup_teardown(test_kinds, setup, teardown),
@@ -509,6 +664,7 @@ int main(void) {
                 cmocka_unit_test_setup_teardown(test_closes, setup, teardown),
                 cmocka_unit_test_setup_teardown(test_check_async, setup, teardown),
                 cmocka_unit_test_setup_teardown(test_takes, setup, teardown),
+                cmocka_unit_test_setup_teardown(test_take_process, setup, teardown),
         };
 
         log_set_level(LOG_ERR);
