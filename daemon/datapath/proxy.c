@@ -29,6 +29,13 @@
 #define PROXY_MAX_TP_PEERS 4096
 #define PROXY_MAX_ROUTES 4096
 #define PROXY_POLL_MAX 64
+/* Fair share: a ring holds at most max_inflight / max(2, rings) slots, and
+ * never fewer than this; rings are tenants' (a job's rank's channel). */
+#define PROXY_RING_MIN_SLOTS 16
+/* Payload bytes one ring may have in flight (one descriptor alone may
+ * exceed it): a flooding ring waits for its own writes, it does not fill
+ * the connection every job shares until writes time out. */
+#define PROXY_RING_INFLIGHT_BYTES (256ull << 20)
 
 /* Atomic access to the shared header words, which are plain uint64_t in the
  * documented layout (the GPU side cannot use C11 atomics). */
@@ -48,7 +55,8 @@ struct ring {
         struct tp_mr *src;          /* borrowed: the loop keeps it registered */
         struct proxy_route *routes; /* owns */
         uint32_t nroutes;
-        uint32_t inflight; /* slots busy for this ring */
+        uint32_t inflight;       /* slots busy for this ring */
+        uint64_t inflight_bytes; /* payload bytes of those slots */
         bool removing;
         bool reported; /* a RING_ERROR event was sent */
 };
@@ -69,6 +77,7 @@ struct slot {
         uint32_t route;
         uint32_t tp_peer;
         uint32_t signal_id; /* counter index of a signal still to post */
+        uint32_t length;    /* payload bytes, charged to ring->inflight_bytes */
         uint8_t pending;    /* writes posted and not completed */
         bool need_signal;   /* signal write refused with -EAGAIN; retried */
 };
@@ -117,6 +126,7 @@ struct proxy {
 
         /* The thread's alone. */
         TAILQ_HEAD(, ring) rings;
+        uint32_t nrings;
         struct slot *slots;   /* owns; max_inflight */
         uint32_t *free_slots; /* owns; stack of free slot indexes */
         uint32_t nfree;
@@ -586,6 +596,7 @@ static void slot_finish(struct proxy *p, uint32_t i, bool abandon) {
         struct slot *s = &p->slots[i];
 
         s->ring->inflight--;
+        s->ring->inflight_bytes -= s->length;
         ring_finish(s->ring, s->seq);
         s->ring = NULL;
         if (abandon && s->pending > 0)
@@ -654,6 +665,13 @@ static int post_signal(struct proxy *p, uint32_t i, const struct proxy_route *ro
                              (uint64_t)signal_id * 8, 8, (uint64_t)i * 2 + 1, 0, TP_WRITE_ORDERED);
 }
 
+/* The most slots one ring may hold now. */
+static uint32_t ring_share(const struct proxy *p) {
+        uint32_t share = p->params.max_inflight / (p->nrings > 2 ? p->nrings : 2);
+
+        return share > PROXY_RING_MIN_SLOTS ? share : PROXY_RING_MIN_SLOTS;
+}
+
 /* Starts descriptor `seq`. Returns 0 when it is consumed (posted, or failed
  * and finished) or -EAGAIN to try it again later. */
 static int desc_start(struct proxy *p, struct ring *ring, uint64_t seq, const struct proxy_desc *d) {
@@ -687,20 +705,28 @@ static int desc_start(struct proxy *p, struct ring *ring, uint64_t seq, const st
                 ring_finish(ring, seq);
                 return 0;
         }
-        if (p->nfree == 0)
+        /* Back-pressure on this ring alone: past its share of the slots,
+         * or of bytes in flight, it waits for its own writes. */
+        if (p->nfree == 0 || ring->inflight >= ring_share(p) ||
+            (ring->inflight && d->length > PROXY_RING_INFLIGHT_BYTES - ring->inflight_bytes))
                 return -EAGAIN;
         i = p->free_slots[--p->nfree];
         s = &p->slots[i];
-        *s = (struct slot){
-                .state = SLOT_BUSY, .ring = ring, .seq = seq, .route = d->peer, .tp_peer = route->tp_peer
-        };
+        *s = (struct slot){ .state = SLOT_BUSY,
+                            .ring = ring,
+                            .seq = seq,
+                            .route = d->peer,
+                            .tp_peer = route->tp_peer,
+                            .length = d->length };
         ring->inflight++;
+        ring->inflight_bytes += d->length;
         if (d->length) {
                 r = p->ops->write(p->tp, route->tp_peer, ring->src, d->src_offset, &route->data,
                                   d->dst_offset, d->length, (uint64_t)i * 2, 0, 0);
                 if (r == -EAGAIN) {
                         atomic_fetch_add_explicit(&p->stats.eagain, 1, memory_order_relaxed);
                         ring->inflight--;
+                        ring->inflight_bytes -= d->length;
                         slot_release(p, i);
                         return -EAGAIN;
                 }
@@ -771,6 +797,7 @@ static int ring_poll(struct proxy *p, struct ring *ring) {
                         uint64_t id = ring->id;
 
                         TAILQ_REMOVE(&p->rings, ring, entry);
+                        p->nrings--;
                         ring_drop(p, ring);
                         event_push(p, PROXY_EVENT_RING_REMOVED, id, UINT32_MAX, 0, "ring %" PRIu64 " removed",
                                    id);
@@ -840,8 +867,14 @@ static void complete(struct proxy *p, const struct tp_completion *c) {
                 slot_finish(p, (uint32_t)i, false);
 }
 
-/* Fails the peers of writes older than timeout_ms. A slot is stamped on the
- * first scan that sees it, so the bound is timeout_ms plus one scan period. */
+/* Fails the rings of writes older than timeout_ms. A slot is stamped on the
+ * first scan that sees it, so the bound is timeout_ms plus one scan period.
+ * Only the ring that posted the write fails (its job ends, naming its rank):
+ * a slow write is a tenant's doing as often as the connection's (a flood of
+ * large descriptors), and failing the transport peer would abort every job
+ * between the two daemons. A dead connection shows as a completion error or
+ * the mesh's loss of the peer (proxy_peer_fail()); the slot is abandoned,
+ * kept until its writes complete or the peer fails. */
 static void scan_timeouts(struct proxy *p, uint64_t now) {
         uint64_t limit = (uint64_t)p->params.timeout_ms * 1000000u;
 
@@ -852,8 +885,12 @@ static void scan_timeouts(struct proxy *p, uint64_t now) {
                         continue;
                 if (s->posted_ns == 0)
                         s->posted_ns = now;
-                else if (now - s->posted_ns > limit)
-                        peer_failed(p, s->tp_peer, -ETIMEDOUT, "write not completed in time");
+                else if (now - s->posted_ns > limit) {
+                        ring_bad_desc(p, s->ring, s->seq, s->route, -ETIMEDOUT,
+                                      "write not completed in time");
+                        s->need_signal = false;
+                        slot_finish(p, i, true);
+                }
         }
 }
 
@@ -871,6 +908,7 @@ static void run_commands(struct proxy *p) {
                 switch (c->type) {
                 case CMD_RING_ADD:
                         TAILQ_INSERT_TAIL(&p->rings, c->ring, entry);
+                        p->nrings++;
                         for (uint32_t r = 0; r < c->ring->nroutes; r++)
                                 if (c->ring->routes[r].tp_peer != PROXY_ROUTE_NONE &&
                                     p->peer_error[c->ring->routes[r].tp_peer]) {

@@ -15,9 +15,18 @@
  * The ring's layout and memory-ordering rules are in proto/ring.h, which
  * the kernels include too.
  *
- * Failure: a write that never completes (the transport gives neither success
- * nor error) keeps its slot after the proxy failed its peer on the timeout;
- * a transport that drops such writes silently leaks slots until proxy_free.
+ * Sharing: the slots (max_inflight) are shared by every ring, each ring
+ * holding at most its fair share (max_inflight / max(2, rings), at least
+ * 16) and 256 MiB of payload in flight (one larger descriptor alone may
+ * exceed that); past either it waits for its own writes (back-pressure on
+ * its ring: its head stops advancing), never taking other rings' room.
+ *
+ * Failure: a write not completed within timeout_ms fails the ring that
+ * posted it (-ETIMEDOUT, a RING_ERROR event), not its transport peer: only
+ * a completion error about the connection, or proxy_peer_fail(), fails the
+ * peer and every ring routing there. A write that never completes keeps its
+ * slot (abandoned) until the peer fails; a transport that drops such writes
+ * silently leaks slots until proxy_free.
  */
 #ifndef MOEEPD_PROXY_H
 #define MOEEPD_PROXY_H
@@ -50,7 +59,7 @@ struct proxy_route {
 struct proxy_params {
         uint32_t max_inflight; /* descriptors with writes in flight [1024] */
         uint32_t batch;        /* descriptors taken from one ring before the next [32] */
-        uint32_t timeout_ms;   /* a write not completed by then fails its peer with -ETIMEDOUT [5000] */
+        uint32_t timeout_ms;   /* a write not completed by then fails its ring with -ETIMEDOUT [5000] */
         uint32_t idle_spins;   /* idle loops before sleeping 20 us each; UINT32_MAX = always spin [20000] */
 };
 

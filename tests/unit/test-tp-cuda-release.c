@@ -210,8 +210,8 @@ static void test_mesh_lost_peer(void **state) {
         rank_close_fds(&rb);
 }
 
-/* The copies stall, each proxy fails its peer on the write timeout (the
- * job is aborted by that), and then every rank leaves, in datapath.c's
+/* The copies stall, each proxy fails the ring that posted them on the
+ * write timeout (the job is aborted by that), not its peer, and then every rank leaves, in datapath.c's
  * order: rings removed, receive and counter regions deregistered, the send
  * region once the proxy reports the ring removed. With both daemons still
  * up, nothing of any rank stays imported anywhere. */
@@ -232,13 +232,13 @@ static void test_timeout_all_leave(void **state) {
         assert_int_equal(drv_wait_done(&sb.ring, 2, drv_now_ns() + 2000000000ull), 0);
         assert_int_equal(imports(), 6 + 4); /* each side imported the other's two regions */
 
-        /* Copies that never finish: both proxies give up on their peer. */
+        /* Copies that never finish: both proxies give up on the ring. */
         fake_lag = 1000000000;
         side_push(&sa, 1);
         side_push(&sb, 1);
-        assert_true(event_wait(sa.px, PROXY_EVENT_PEER_FAILED, &ev, 3000));
+        assert_true(event_wait(sa.px, PROXY_EVENT_RING_ERROR, &ev, 3000));
         assert_int_equal(ev.error, -ETIMEDOUT);
-        assert_true(event_wait(sb.px, PROXY_EVENT_PEER_FAILED, &ev, 3000));
+        assert_true(event_wait(sb.px, PROXY_EVENT_RING_ERROR, &ev, 3000));
         assert_int_equal(ev.error, -ETIMEDOUT);
         for (int i = 0; i < fake_nevents; i++)
                 __atomic_store_n(&fake_events[i], 0, __ATOMIC_RELEASE);
