@@ -29,8 +29,8 @@
 #define PROXY_MAX_TP_PEERS 4096
 #define PROXY_MAX_ROUTES 4096
 #define PROXY_POLL_MAX 64
-/* Fair share: a ring holds at most max_inflight / max(2, rings) slots, and
- * never fewer than this; rings are tenants' (a job's rank's channel). */
+/* Fair share: a ring holds at most max_inflight / (rings with work) slots,
+ * and never fewer than this; rings are tenants' (a job's rank's channel). */
 #define PROXY_RING_MIN_SLOTS 16
 /* Payload bytes one ring may have in flight (one descriptor alone may
  * exceed it): a flooding ring waits for its own writes, it does not fill
@@ -57,6 +57,7 @@ struct ring {
         uint32_t nroutes;
         uint32_t inflight;       /* slots busy for this ring */
         uint64_t inflight_bytes; /* payload bytes of those slots */
+        bool waiting;            /* descriptors were left in it on the last poll */
         bool removing;
         bool reported; /* a RING_ERROR event was sent */
 };
@@ -80,6 +81,7 @@ struct slot {
         uint32_t length;    /* payload bytes, charged to ring->inflight_bytes */
         uint8_t pending;    /* writes posted and not completed */
         bool need_signal;   /* signal write refused with -EAGAIN; retried */
+        bool late;          /* past timeout_ms: its ring failed, the slot waits for the writes */
 };
 
 enum cmd_type {
@@ -126,7 +128,7 @@ struct proxy {
 
         /* The thread's alone. */
         TAILQ_HEAD(, ring) rings;
-        uint32_t nrings;
+        uint32_t nactive;     /* rings with slots busy or descriptors waiting, on the last pass */
         struct slot *slots;   /* owns; max_inflight */
         uint32_t *free_slots; /* owns; stack of free slot indexes */
         uint32_t nfree;
@@ -665,9 +667,10 @@ static int post_signal(struct proxy *p, uint32_t i, const struct proxy_route *ro
                              (uint64_t)signal_id * 8, 8, (uint64_t)i * 2 + 1, 0, TP_WRITE_ORDERED);
 }
 
-/* The most slots one ring may hold now. */
+/* The most slots one ring may hold now: an equal part among the rings that
+ * have work (all of them for a ring alone; idle rings take nothing). */
 static uint32_t ring_share(const struct proxy *p) {
-        uint32_t share = p->params.max_inflight / (p->nrings > 2 ? p->nrings : 2);
+        uint32_t share = p->params.max_inflight / (p->nactive > 1 ? p->nactive : 1);
 
         return share > PROXY_RING_MIN_SLOTS ? share : PROXY_RING_MIN_SLOTS;
 }
@@ -787,8 +790,9 @@ static int retry_signals(struct proxy *p) {
         return (int)(n - kept);
 }
 
-/* Takes up to `batch` descriptors from one ring (rules 1-3). */
-static int ring_poll(struct proxy *p, struct ring *ring) {
+/* Takes up to `batch` descriptors from one ring (rules 1-3); counts it in
+ * `active` when it has slots busy or descriptors left. */
+static int ring_poll(struct proxy *p, struct ring *ring, uint32_t *active) {
         uint64_t tail;
         uint32_t n = 0;
 
@@ -797,7 +801,6 @@ static int ring_poll(struct proxy *p, struct ring *ring) {
                         uint64_t id = ring->id;
 
                         TAILQ_REMOVE(&p->rings, ring, entry);
-                        p->nrings--;
                         ring_drop(p, ring);
                         event_push(p, PROXY_EVENT_RING_REMOVED, id, UINT32_MAX, 0, "ring %" PRIu64 " removed",
                                    id);
@@ -814,6 +817,9 @@ static int ring_poll(struct proxy *p, struct ring *ring) {
                 ring->head++;
                 n++;
         }
+        ring->waiting = ring->head != tail;
+        if (ring->inflight || ring->waiting)
+                (*active)++;
         if (n) {
                 STORE_REL(&ring->hdr->head, ring->head);
                 atomic_fetch_add_explicit(&p->stats.descriptors, n, memory_order_relaxed);
@@ -873,8 +879,10 @@ static void complete(struct proxy *p, const struct tp_completion *c) {
  * a slow write is a tenant's doing as often as the connection's (a flood of
  * large descriptors), and failing the transport peer would abort every job
  * between the two daemons. A dead connection shows as a completion error or
- * the mesh's loss of the peer (proxy_peer_fail()); the slot is abandoned,
- * kept until its writes complete or the peer fails. */
+ * the mesh's loss of the peer (proxy_peer_fail()). The slot stays busy, and
+ * counted in its ring, until its writes complete or the peer fails: the
+ * ring (and so its send region) is not removed while the transport may
+ * still read from it. */
 static void scan_timeouts(struct proxy *p, uint64_t now) {
         uint64_t limit = (uint64_t)p->params.timeout_ms * 1000000u;
 
@@ -885,11 +893,10 @@ static void scan_timeouts(struct proxy *p, uint64_t now) {
                         continue;
                 if (s->posted_ns == 0)
                         s->posted_ns = now;
-                else if (now - s->posted_ns > limit) {
+                else if (!s->late && now - s->posted_ns > limit) {
+                        s->late = true;
                         ring_bad_desc(p, s->ring, s->seq, s->route, -ETIMEDOUT,
                                       "write not completed in time");
-                        s->need_signal = false;
-                        slot_finish(p, i, true);
                 }
         }
 }
@@ -908,7 +915,6 @@ static void run_commands(struct proxy *p) {
                 switch (c->type) {
                 case CMD_RING_ADD:
                         TAILQ_INSERT_TAIL(&p->rings, c->ring, entry);
-                        p->nrings++;
                         for (uint32_t r = 0; r < c->ring->nroutes; r++)
                                 if (c->ring->routes[r].tp_peer != PROXY_ROUTE_NONE &&
                                     p->peer_error[c->ring->routes[r].tp_peer]) {
@@ -946,6 +952,7 @@ static void *proxy_main(void *arg) {
 
         while (!atomic_load_explicit(&p->stop, memory_order_relaxed)) {
                 struct ring *ring, *next;
+                uint32_t active = 0;
                 int work = 0, n;
 
                 if (atomic_load_explicit(&p->ncmds, memory_order_acquire))
@@ -953,7 +960,8 @@ static void *proxy_main(void *arg) {
                 if (p->nretry)
                         work += retry_signals(p);
                 TAILQ_FOREACH_SAFE (ring, &p->rings, entry, next)
-                        work += ring_poll(p, ring);
+                        work += ring_poll(p, ring, &active);
+                p->nactive = active;
                 n = p->ops->poll(p->tp, comps, PROXY_POLL_MAX);
                 for (int k = 0; k < n; k++)
                         complete(p, &comps[k]);

@@ -15,18 +15,23 @@
  * The ring's layout and memory-ordering rules are in proto/ring.h, which
  * the kernels include too.
  *
- * Sharing: the slots (max_inflight) are shared by every ring, each ring
- * holding at most its fair share (max_inflight / max(2, rings), at least
- * 16) and 256 MiB of payload in flight (one larger descriptor alone may
- * exceed that); past either it waits for its own writes (back-pressure on
- * its ring: its head stops advancing), never taking other rings' room.
+ * Sharing: the slots (max_inflight) are shared by every ring. A ring holds
+ * at most its fair share, max_inflight / (rings that have slots busy or
+ * descriptors waiting), at least 16: a ring alone may use every slot, and
+ * idle rings take no share. It also has at most 256 MiB of payload in
+ * flight (one larger descriptor alone may exceed that). Past either it
+ * waits for its own writes (back-pressure on its ring: its head stops
+ * advancing); a ring that held more than its share when others became
+ * busy takes no slot until it is below it, so the others get the slots
+ * its writes free.
  *
  * Failure: a write not completed within timeout_ms fails the ring that
  * posted it (-ETIMEDOUT, a RING_ERROR event), not its transport peer: only
  * a completion error about the connection, or proxy_peer_fail(), fails the
- * peer and every ring routing there. A write that never completes keeps its
- * slot (abandoned) until the peer fails; a transport that drops such writes
- * silently leaks slots until proxy_free.
+ * peer and every ring routing there. The late write keeps its slot, and
+ * its ring (whose removal waits for it), until it completes or the peer
+ * fails; a transport that drops such writes silently leaks them until
+ * proxy_free.
  */
 #ifndef MOEEPD_PROXY_H
 #define MOEEPD_PROXY_H
