@@ -5,7 +5,7 @@
  *
  *   moeep-proxy-rank --socket PATH --id-file FILE --world N --rank R
  *                    (--create|--join) --mode MODE [--count K] [--size S]
- *                    [--ready-file FILE] [--timeout SECONDS] [--duration MS]
+ *                    [--ready-file FILE] [--timeout SECONDS] [--duration MS] [--uid N]
  *
  * Every mode: create or join the job (the unique id goes through FILE, as
  * in mesh-rank.c), register the three proxy regions (sealed memfds), pass a
@@ -32,6 +32,14 @@
  *   the other daemon) keeps writing to it: its ring must fail with -EINVAL
  *   naming peer 0, and every rank then sees the job aborted with a PeerLost
  *   naming it, "released" in its reason.
+ * --mode flood: ranks 0 and world/2 (at different daemons) write
+ *   descriptors of their whole send region into each other's recv region
+ *   as fast as their ring (1024 descriptors) takes them, for --duration MS;
+ *   then every one must finish without a ring error or an abort. The proxy
+ *   must hold each back: at most FLOOD_MAX_BYTES of its payload taken and
+ *   not done at any time (it prints the most seen), its head behind its
+ *   tail. The other ranks wait at a barrier. With --uid N every rank drops
+ *   to uid N first (another tenant).
  * --mode stream: descriptors to the remote ranks without end; once 2000
  *   finished it creates FILE (--ready-file). It must end with the ring's
  *   error or the job's abort word (the test kills the other daemon) and
@@ -593,6 +601,61 @@ static int mode_release_write(struct ctx *x) {
         return 0;
 }
 
+/* What the proxy may have in flight of one ring's payload (256 MiB,
+ * daemon/datapath/proxy.h) plus one descriptor that alone exceeds it. */
+#define FLOOD_MAX_BYTES (256ull << 20)
+
+static int mode_flood(struct ctx *x, uint32_t ms) {
+        const uint64_t until_ns = drv_now_ns() + (uint64_t)ms * 1000000u;
+        const uint32_t len = (uint32_t)x->recv.size, half = (uint32_t)x->world / 2;
+        const uint32_t to = x->rank == 0 ? half : 0;
+        uint64_t n = 0, most = 0, waited = 0;
+        int r = 0;
+
+        if (x->rank == 0 || x->rank == (int)half) {
+                while (r == 0 && drv_now_ns() < until_ns) {
+                        uint64_t head = DRV_LOAD_ACQ(&x->ring.hdr->head);
+                        uint64_t done = DRV_LOAD_ACQ(&x->ring.hdr->done);
+
+                        most = head - done > most ? head - done : most;
+                        if (x->ring.tail - head >= x->ring.cap) {
+                                waited++; /* full: the proxy holds us back */
+                                usleep(200);
+                        } else {
+                                r = push(x, to, 0, 0, len, 0, ++n);
+                        }
+                        if (r == 0)
+                                r = health(x);
+                }
+                if (r == 0)
+                        r = drv_wait_done(&x->ring, x->ring.tail, deadline_ns);
+                if (r == 0)
+                        r = health(x);
+                if (r < 0)
+                        return fail("flood: %s after %" PRIu64 " descriptors of %" PRIu32
+                                    " bytes (ring error %d, abort word %u, lost rank %d)",
+                                    strerror(-r), n, len, x->ring.hdr->error, x->page->abort,
+                                    x->page->lost_rank);
+                if (most * len > FLOOD_MAX_BYTES + len || !waited)
+                        return fail("flood: up to %" PRIu64 " descriptors of %" PRIu32
+                                    " bytes in flight, the ring full %" PRIu64
+                                    " times: want at most %llu MiB in flight, the ring held back",
+                                    most, len, waited, FLOOD_MAX_BYTES >> 20);
+                printf("proxy-rank %d: flood: %" PRIu64 " descriptors of %" PRIu32 " bytes in %" PRIu32
+                       " ms, done; at most %" PRIu64 " in flight (%.0f MiB), the ring full %" PRIu64
+                       " times: held back, no error\n",
+                       x->rank, n, len, ms, most, most * (double)len / (1 << 20), waited);
+        }
+        r = moeep_job_barrier(x->c);
+        if (r == 0)
+                r = health(x);
+        if (r == 0)
+                r = moeep_job_leave(x->c);
+        if (r < 0)
+                return fail("after the flood: %s (%s)", strerror(-r), moeep_client_error(x->c));
+        return 0;
+}
+
 /* ------------------------------------------------------------ caps */
 
 /* Registers a sparse sealed memfd of `size` bytes with `role`: 0 and its id,
@@ -661,6 +724,13 @@ static int mode_victim(struct moeep_client *c, uint64_t size) {
                           "a send region past the daemon's cap", "max_proxy_bytes = ");
 }
 
+/* Drops to uid and gid `uid` (-1: stays). */
+static int drop_to(long uid) {
+        if (uid >= 0 && (setgid((gid_t)uid) < 0 || setuid((uid_t)uid) < 0))
+                return fail("dropping to uid %ld: %s", uid, strerror(errno));
+        return 0;
+}
+
 /* The caps modes: a job of one rank, as uid `uid` (-1: as we are). */
 static int run_caps(const char *sock, const char *mode, long uid, uint32_t count, uint64_t size,
                     const char *ready_file) {
@@ -668,8 +738,8 @@ static int run_caps(const char *sock, const char *mode, long uid, uint32_t count
         struct moeep_unique_id id;
         int r;
 
-        if (uid >= 0 && (setgid((gid_t)uid) < 0 || setuid((uid_t)uid) < 0))
-                return fail("dropping to uid %ld: %s", uid, strerror(errno));
+        if (drop_to(uid) < 0)
+                return 1;
         r = moeep_connect(sock, &c);
         if (r < 0)
                 return fail("connect %s: %s", sock, strerror(-r));
@@ -714,7 +784,8 @@ static int run(struct ctx *x, const char *id_file, bool create, const char *mode
         r = moeep_job_barrier(x->c);
         if (r < 0)
                 return fail("barrier after registering: %s (%s)", strerror(-r), moeep_client_error(x->c));
-        r = client_proxy_channel_open(x->c, 256, &x->ring_fd, &ring_id, &cap);
+        r = client_proxy_channel_open(x->c, strcmp(mode, "flood") == 0 ? 1024 : 256, &x->ring_fd, &ring_id,
+                                      &cap);
         if (r < 0)
                 return fail("channel open: %s (%s)", strerror(-r), moeep_client_error(x->c));
         x->ring_bytes = PROXY_RING_BYTES(cap);
@@ -740,6 +811,8 @@ static int run(struct ctx *x, const char *id_file, bool create, const char *mode
                 r = mode_stream_ok(x, ready_file, duration_ms);
         else if (strcmp(mode, "release-write") == 0)
                 r = mode_release_write(x);
+        else if (strcmp(mode, "flood") == 0)
+                r = mode_flood(x, duration_ms);
         else
                 r = mode_stream(x, ready_file);
         if (r == 0 && strcmp(mode, "data") == 0 && (r = moeep_job_leave(x->c)) < 0)
@@ -821,7 +894,7 @@ int main(int argc, char **argv) {
             create < 0 || x.count == 0 || x.size < 64 || timeout <= 0 ||
             (strcmp(mode, "data") && strcmp(mode, "bad-local") && strcmp(mode, "bad-range") &&
              strcmp(mode, "stream") && strcmp(mode, "elastic") && strcmp(mode, "stream-ok") &&
-             strcmp(mode, "release-write")) ||
+             strcmp(mode, "release-write") && strcmp(mode, "flood")) ||
             ((strcmp(mode, "stream") == 0 || strcmp(mode, "elastic") == 0) && !ready_file)) {
                 fprintf(stderr, "usage: see the comment at the top of proxy-rank.c\n");
                 return 2;
@@ -829,6 +902,8 @@ int main(int argc, char **argv) {
         deadline_ns = drv_now_ns() + (uint64_t)timeout * 1000000000u;
         alarm((unsigned)timeout * 2);
         setvbuf(stdout, NULL, _IOLBF, 0);
+        if (drop_to(uid) < 0)
+                return 1;
         r = moeep_connect(sock, &x.c);
         if (r < 0)
                 return fail("connect %s: %s", sock, strerror(-r));

@@ -27,9 +27,16 @@
 #    and rank 2 keeps writing to it while job V streams between the same
 #    daemons: X's writer's ring fails ("released"), X is aborted naming it,
 #    V streams on without an error and no transport connection fails.
-# 6. kill: the ranks stream; B is SIGKILLed; ranks 0 and 1 at A end with the
+# 6. flood (review finding 2): job F, uid 65534, one rank at each daemon,
+#    both writing 30 MiB descriptors to each other as fast as their rings
+#    take them for 4 s while job V streams between the same daemons: the
+#    proxies hold F's rings back (at most 256 MiB of each in flight, the
+#    ring's head behind its tail), F's writes all finish, V streams on without an error, and no transport
+#    connection fails (before, F took every slot and its writes queued past
+#    the 5 s write timeout, which failed the connection and aborted V).
+# 7. kill: the ranks stream; B is SIGKILLed; ranks 0 and 1 at A end with the
 #    ring's error or the job's abort word within 10 s (the delay is printed).
-# 7. A stops on SIGTERM with exit status 0.
+# 8. A stops on SIGTERM with exit status 0.
 #
 # Everything it starts is killed and its temp dir removed on any exit; every
 # wait is bounded.
@@ -75,20 +82,22 @@ CONF
 
 log_has() { grep -qF -- "$2" "$tmp/$1.log"; }
 
-# job MODE [ARGS...]: the four ranks of a fresh job, 0 and 1 at A, 2 and 3
-# at B, in the background; their pids in job_pids, their output in
-# $tmp/${out}N.out (out=rank unless set).
+# job MODE [ARGS...]: the ranks of a fresh job of $world (4 unless set),
+# the first half at A, the rest at B, in the background; their pids in
+# job_pids, their output in $tmp/${out}N.out (out=rank unless set). The
+# id file is in $tmp/ids, which any uid may write (--uid).
 job_no=0
+mkdir -m 0777 "$tmp/ids"
 job() {
-        local mode=$1 r sock how
+        local mode=$1 n=${world:-4} r sock how
         shift
         job_no=$((job_no + 1))
         job_pids=()
-        for r in 0 1 2 3; do
+        for ((r = 0; r < n; r++)); do
                 sock=$tmp/A.sock how=--join
-                ((r >= 2)) && sock=$tmp/B.sock
+                ((r >= n / 2)) && sock=$tmp/B.sock
                 ((r == 0)) && how=--create
-                "$rank" --socket "$sock" --id-file "$tmp/id.$job_no" --world 4 --rank "$r" $how \
+                "$rank" --socket "$sock" --id-file "$tmp/ids/id.$job_no" --world "$n" --rank "$r" $how \
                         --mode "$mode" "$@" >"$tmp/${out:-rank}$r.out" 2>&1 &
                 job_pids+=($!)
                 pids+=($!)
@@ -98,13 +107,15 @@ job() {
 # job_wait SECONDS: every rank of the job exits 0 within SECONDS.
 job_wait() {
         local limit=$1 r st
-        for r in 0 1 2 3; do
+        for r in "${!job_pids[@]}"; do
                 wait_until "$limit" "rank $r to exit" bash -c "! kill -0 ${job_pids[$r]} 2>/dev/null"
                 wait "${job_pids[$r]}"
                 st=$?
                 ((st == 0)) || fail "rank $r exited $st: $(cat "$tmp/${out:-rank}$r.out")"
         done
-        cat "$tmp"/"${out:-rank}"[0-3].out
+        for r in "${!job_pids[@]}"; do
+                cat "$tmp/${out:-rank}$r.out"
+        done
 }
 
 # ------------------------------------------------------------ set-up
@@ -181,7 +192,28 @@ out=v job_wait 30
 log_has B "the receiving rank released its region" || fail "B's log does not name the released region"
 echo "ok: release: job X's writer into a released region failed its own ring, X was aborted naming it; job V streamed on without an error, no transport connection failed"
 
-# ------------------------------------------------------------ 6. kill
+# ------------------------------------------------------------ 6. flood
+# One tenant floods the connection every job between the two daemons
+# shares (review finding 2). Job F (uid 65534, one rank at each daemon:
+# 60 MiB of regions each, under max_proxy_bytes_per_uid) has both ranks
+# write their whole 30 MiB send region per descriptor to each other as fast
+# as their rings take them, for 4 s, while job V (root) streams both ways.
+# The proxies hold F's rings back instead of letting its writes queue past the write timeout
+# (which failed the transport peer, aborting V too): F's writes all finish,
+# V streams on to its end without an error, no transport connection fails.
+phase="flood"
+failed_before=$(peer_failures)
+out=v job stream-ok --count 64 --size 4096 --duration 7000 --ready-file "$tmp/v2.ready" --timeout 60
+v_pids=("${job_pids[@]}")
+wait_until 20 "job V to stream" test -e "$tmp/v2.ready"
+world=2 out=f job flood --count 1 --size $((10 << 20)) --duration 4000 --timeout 60 --uid 65534
+out=f job_wait 60
+job_pids=("${v_pids[@]}")
+out=v job_wait 60
+(($(peer_failures) == failed_before)) || fail "a transport connection failed: $(grep "transport peer" "$tmp/A.log" "$tmp/B.log" | tail -n 3)"
+echo "ok: flood: job F's rings were held back and their writes all finished; job V streamed on without an error, no transport connection failed"
+
+# ------------------------------------------------------------ 7. kill
 phase="kill"
 job stream --count 64 --size 4096 --ready-file "$tmp/ready" --timeout 30
 wait_until 20 "rank 0 to stream" test -e "$tmp/ready"
@@ -202,7 +234,7 @@ kill -KILL "${job_pids[2]}" "${job_pids[3]}" 2>/dev/null
 kill -0 "${daemon_pid[A]}" || fail "A died"
 echo "ok: B killed mid-transfer: both ranks at A ended with an error, not a hang; A serves on"
 
-# ------------------------------------------------------------ 6. stop
+# ------------------------------------------------------------ 8. stop
 phase="stop"
 kill -TERM "${daemon_pid[A]}"
 wait_until 10 "A to exit" bash -c "! kill -0 ${daemon_pid[A]} 2>/dev/null"
