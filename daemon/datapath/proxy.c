@@ -711,7 +711,7 @@ static int desc_start(struct proxy *p, struct ring *ring, uint64_t seq, const st
         /* Back-pressure on this ring alone: past its share of the slots,
          * or of bytes in flight, it waits for its own writes. */
         if (p->nfree == 0 || ring->inflight >= ring_share(p) ||
-            (ring->inflight && d->length > PROXY_RING_INFLIGHT_BYTES - ring->inflight_bytes))
+            (ring->inflight && ring->inflight_bytes + d->length > PROXY_RING_INFLIGHT_BYTES))
                 return -EAGAIN;
         i = p->free_slots[--p->nfree];
         s = &p->slots[i];
