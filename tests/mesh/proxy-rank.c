@@ -34,12 +34,13 @@
  *   naming it, "released" in its reason.
  * --mode flood: ranks 0 and world/2 (at different daemons) write
  *   descriptors of their whole send region into each other's recv region
- *   as fast as their ring (1024 descriptors) takes them, for --duration MS;
- *   then every one must finish without a ring error or an abort. The proxy
- *   must hold each back: at most FLOOD_MAX_BYTES of its payload taken and
- *   not done at any time (it prints the most seen), its head behind its
- *   tail. The other ranks wait at a barrier. With --uid N every rank drops
- *   to uid N first (another tenant).
+ *   as fast as their ring (1024 descriptors) takes them, for --duration MS,
+ *   without a ring error or an abort and with some done; then they leave
+ *   with the rest queued (the daemon removes the ring once nothing of it is
+ *   in flight). The proxy must hold each back: at most FLOOD_MAX_BYTES of
+ *   its payload taken and not done at any time (it prints the most seen),
+ *   the ring full meanwhile. The other ranks wait at a barrier. With --uid
+ *   N every rank drops to uid N first (another tenant).
  * --mode stream: descriptors to the remote ranks without end; once 2000
  *   finished it creates FILE (--ready-file). It must end with the ring's
  *   error or the job's abort word (the test kills the other daemon) and
@@ -514,31 +515,40 @@ static int mode_elastic(struct ctx *x, const char *ready_file) {
         return 0;
 }
 
+/* `r`, else the wait for every descriptor pushed to be done, else health(). */
+static int drain(struct ctx *x, int r) {
+        if (r == 0)
+                r = drv_wait_done(&x->ring, x->ring.tail, deadline_ns);
+        return r == 0 ? health(x) : r;
+}
+
+/* After `what`: a barrier (nobody leaves while others still write: one
+ * leaving is no fault), then leaves, the ring and the job still healthy. */
+static int leave_healthy(struct ctx *x, const char *what) {
+        int r = moeep_job_barrier(x->c);
+
+        if (r == 0)
+                r = health(x);
+        if (r == 0)
+                r = moeep_job_leave(x->c);
+        if (r < 0)
+                return fail("after %s: %s (%s)", what, strerror(-r), moeep_client_error(x->c));
+        return 0;
+}
+
 /* Streams for `ms` milliseconds, another job's faults around it: must end
  * without a ring error or an abort, its last writes done. */
 static int mode_stream_ok(struct ctx *x, const char *ready_file, uint32_t ms) {
         uint64_t n;
-        int r = stream(x, ready_file, drv_now_ns() + (uint64_t)ms * 1000000u, &n);
+        int r = drain(x, stream(x, ready_file, drv_now_ns() + (uint64_t)ms * 1000000u, &n));
 
-        if (r == 0)
-                r = drv_wait_done(&x->ring, x->ring.tail, deadline_ns);
-        if (r == 0)
-                r = health(x);
         if (r < 0)
                 return fail("streaming for %" PRIu32 " ms: %s after %" PRIu64
                             " rounds (ring error %d, peer %" PRId32 ", abort word %u, lost rank %d)",
                             ms, strerror(-r), n, x->ring.hdr->error, (int32_t)x->ring.hdr->error_peer,
                             x->page->abort, x->page->lost_rank);
         printf("proxy-rank %d: streamed %" PRIu64 " rounds for %" PRIu32 " ms, no error\n", x->rank, n, ms);
-        /* Nobody leaves while others still stream: one leaving is no fault. */
-        r = moeep_job_barrier(x->c);
-        if (r == 0)
-                r = health(x);
-        if (r == 0)
-                r = moeep_job_leave(x->c);
-        if (r < 0)
-                return fail("after streaming: %s (%s)", strerror(-r), moeep_client_error(x->c));
-        return 0;
+        return leave_healthy(x, "streaming");
 }
 
 /* Rank 0 releases its recv region; rank world/2, at the other daemon,
@@ -609,15 +619,15 @@ static int mode_flood(struct ctx *x, uint32_t ms) {
         const uint64_t until_ns = drv_now_ns() + (uint64_t)ms * 1000000u;
         const uint32_t len = (uint32_t)x->recv.size, half = (uint32_t)x->world / 2;
         const uint32_t to = x->rank == 0 ? half : 0;
-        uint64_t n = 0, most = 0, waited = 0;
+        uint64_t n = 0, most = 0, waited = 0, ndone;
         int r = 0;
 
         if (x->rank == 0 || x->rank == (int)half) {
                 while (r == 0 && drv_now_ns() < until_ns) {
                         uint64_t head = DRV_LOAD_ACQ(&x->ring.hdr->head);
-                        uint64_t done = DRV_LOAD_ACQ(&x->ring.hdr->done);
+                        uint64_t fin = DRV_LOAD_ACQ(&x->ring.hdr->done);
 
-                        most = head - done > most ? head - done : most;
+                        most = head - fin > most ? head - fin : most;
                         if (x->ring.tail - head >= x->ring.cap) {
                                 waited++; /* full: the proxy holds us back */
                                 usleep(200);
@@ -627,33 +637,23 @@ static int mode_flood(struct ctx *x, uint32_t ms) {
                         if (r == 0)
                                 r = health(x);
                 }
-                if (r == 0)
-                        r = drv_wait_done(&x->ring, x->ring.tail, deadline_ns);
-                if (r == 0)
-                        r = health(x);
+                ndone = DRV_LOAD_ACQ(&x->ring.hdr->done);
                 if (r < 0)
-                        return fail("flood: %s after %" PRIu64 " descriptors of %" PRIu32
-                                    " bytes (ring error %d, abort word %u, lost rank %d)",
-                                    strerror(-r), n, len, x->ring.hdr->error, x->page->abort,
+                        return fail("flood: %s after %" PRIu64 " descriptors of %" PRIu32 " bytes, %" PRIu64
+                                    " done (ring error %d, abort word %u, lost rank %d)",
+                                    strerror(-r), n, len, ndone, x->ring.hdr->error, x->page->abort,
                                     x->page->lost_rank);
-                if (most * len > FLOOD_MAX_BYTES + len || !waited)
+                if (most * len > FLOOD_MAX_BYTES + len || !waited || !ndone)
                         return fail("flood: up to %" PRIu64 " descriptors of %" PRIu32
-                                    " bytes in flight, the ring full %" PRIu64
-                                    " times: want at most %llu MiB in flight, the ring held back",
-                                    most, len, waited, FLOOD_MAX_BYTES >> 20);
+                                    " bytes in flight, the ring full %" PRIu64 " times, %" PRIu64
+                                    " done: want at most %llu MiB in flight, the ring held back, some done",
+                                    most, len, waited, ndone, FLOOD_MAX_BYTES >> 20);
                 printf("proxy-rank %d: flood: %" PRIu64 " descriptors of %" PRIu32 " bytes in %" PRIu32
-                       " ms, done; at most %" PRIu64 " in flight (%.0f MiB), the ring full %" PRIu64
-                       " times: held back, no error\n",
-                       x->rank, n, len, ms, most, most * (double)len / (1 << 20), waited);
+                       " ms, %" PRIu64 " done; at most %" PRIu64
+                       " in flight (%.0f MiB), the ring full %" PRIu64 " times: held back, no error\n",
+                       x->rank, n, len, ms, ndone, most, most * (double)len / (1 << 20), waited);
         }
-        r = moeep_job_barrier(x->c);
-        if (r == 0)
-                r = health(x);
-        if (r == 0)
-                r = moeep_job_leave(x->c);
-        if (r < 0)
-                return fail("after the flood: %s (%s)", strerror(-r), moeep_client_error(x->c));
-        return 0;
+        return leave_healthy(x, "the flood");
 }
 
 /* ------------------------------------------------------------ caps */
