@@ -63,9 +63,6 @@
 #define PROXY_RING_VERSION 1
 #define PROXY_RING_HDR_BYTES 256
 #define PROXY_RING_MAX_CAPACITY (1u << 20)
-/* The most payload one descriptor may carry (256 MiB); the proxy fails the
- * ring of a longer one (-EINVAL). */
-#define PROXY_DESC_MAX_LENGTH (1u << 28)
 #define PROXY_RING_BYTES(cap) (PROXY_RING_HDR_BYTES + (uint64_t)(cap) * sizeof(struct proxy_desc))
 
 /* The shared header; see the layout above. */

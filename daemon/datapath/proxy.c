@@ -32,11 +32,10 @@
 /* Fair share: a ring holds at most max_inflight / (rings with work) slots,
  * and never fewer than this; rings are tenants' (a job's rank's channel). */
 #define PROXY_RING_MIN_SLOTS 16
-/* Payload bytes one ring may have in flight: a flooding ring waits for its
- * own writes, it does not fill the connection every job shares until
- * writes time out. One descriptor of the most allowed always fits. */
+/* Payload bytes one ring may have in flight (one descriptor alone may
+ * exceed it): a flooding ring waits for its own writes, it does not fill
+ * the connection every job shares until writes time out. */
 #define PROXY_RING_INFLIGHT_BYTES (256ull << 20)
-_Static_assert(PROXY_DESC_MAX_LENGTH <= PROXY_RING_INFLIGHT_BYTES, "a ring can always take one descriptor");
 
 /* Atomic access to the shared header words, which are plain uint64_t in the
  * documented layout (the GPU side cannot use C11 atomics). */
@@ -691,12 +690,6 @@ static int desc_start(struct proxy *p, struct ring *ring, uint64_t seq, const st
                 ring_finish(ring, seq);
                 return 0;
         }
-        if (d->length > PROXY_DESC_MAX_LENGTH) {
-                ring_bad_desc(p, ring, seq, d->peer, -EINVAL,
-                              "length over the 256 MiB one descriptor may carry");
-                ring_finish(ring, seq);
-                return 0;
-        }
         route = &ring->routes[d->peer];
         if (route->tp_peer == PROXY_ROUTE_GONE) {
                 ring_bad_desc(p, ring, seq, d->peer, -EINVAL,
@@ -718,7 +711,7 @@ static int desc_start(struct proxy *p, struct ring *ring, uint64_t seq, const st
         /* Back-pressure on this ring alone: past its share of the slots,
          * or of bytes in flight, it waits for its own writes. */
         if (p->nfree == 0 || ring->inflight >= ring_share(p) ||
-            ring->inflight_bytes + d->length > PROXY_RING_INFLIGHT_BYTES)
+            (ring->inflight && ring->inflight_bytes + d->length > PROXY_RING_INFLIGHT_BYTES))
                 return -EAGAIN;
         i = p->free_slots[--p->nfree];
         s = &p->slots[i];

@@ -19,8 +19,7 @@
  * at most its fair share, max_inflight / (rings that have slots busy or
  * descriptors waiting), at least 16: a ring alone may use every slot, and
  * idle rings take no share. It also has at most 256 MiB of payload in
- * flight, and one descriptor carries at most PROXY_DESC_MAX_LENGTH (256
- * MiB, proto/ring.h; a longer one fails its ring, -EINVAL). Past either it
+ * flight (one larger descriptor alone may exceed that). Past either it
  * waits for its own writes (back-pressure on its ring: its head stops
  * advancing); a ring that held more than its share when others became
  * busy takes no slot until it is below it, so the others get the slots
