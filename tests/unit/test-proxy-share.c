@@ -198,6 +198,12 @@ static uint64_t head_settled(struct fixture *f, int r) {
         return h;
 }
 
+/* Ring `r`'s head reaches `want` and stays there. */
+static void head_is(struct fixture *f, int r, uint64_t want) {
+        assert_int_equal(head_wait(f, r, want), want);
+        assert_int_equal(head_settled(f, r), want);
+}
+
 static bool event_wait(struct proxy *px, enum proxy_event_type type, struct proxy_event *ev, uint64_t ns) {
         uint64_t end = drv_now_ns() + ns;
 
@@ -220,8 +226,7 @@ static void test_alone_takes_all(void **state) {
 
         (void)state;
         push(f, 0, 2 * SLOTS, 8);
-        assert_int_equal(head_wait(f, 0, SLOTS), SLOTS);
-        assert_int_equal(head_settled(f, 0), SLOTS);
+        head_is(f, 0, SLOTS);
         release(&f->tp, 0, 2 * SLOTS);
         assert_int_equal(head_wait(f, 0, 2 * SLOTS), 2 * SLOTS);
         fixture_free(f);
@@ -256,17 +261,13 @@ static void test_bytes(void **state) {
 
         (void)state;
         push(f, 0, 10, 64u << 20);
-        assert_int_equal(head_wait(f, 0, 4), 4);
-        assert_int_equal(head_settled(f, 0), 4);
+        head_is(f, 0, 4);
         release(&f->tp, 0, 1);
-        assert_int_equal(head_wait(f, 0, 5), 5);
-        assert_int_equal(head_settled(f, 0), 5);
+        head_is(f, 0, 5);
         push(f, 1, 3, 300u << 20);
-        assert_int_equal(head_wait(f, 1, 1), 1);
-        assert_int_equal(head_settled(f, 1), 1);
+        head_is(f, 1, 1);
         release(&f->tp, 1, 1);
-        assert_int_equal(head_wait(f, 1, 2), 2);
-        assert_int_equal(head_settled(f, 1), 2);
+        head_is(f, 1, 2);
         release(&f->tp, 1, 1);
         assert_int_equal(head_wait(f, 1, 3), 3);
         fixture_free(f);
