@@ -723,7 +723,17 @@ int main(int argc, char **argv) {
                 return r;
         moeepd_path = argv[1];
         atexit(cleanup2);
-        daemon_pid = daemon_start(argv[1], NULL, sock_path, conf_path, log_path);
+        /* With the capabilities moeepd.service leaves it (its
+         * CapabilityBoundingSet), where setpriv is there to drop the rest:
+         * run with all of root's, a check that needed another one (probing
+         * the client with a signal needs CAP_KILL) passed here and failed
+         * every take in the shipped set-up. */
+        static const char *const unit_caps[] = { "setpriv", "--inh-caps=-all",
+                                                 "--bounding-set=-all,+ipc_lock,+sys_resource,+sys_ptrace",
+                                                 "--", NULL };
+        daemon_pid =
+                daemon_start(argv[1], system("command -v setpriv >/dev/null 2>&1") == 0 ? unit_caps : NULL,
+                             sock_path, conf_path, log_path);
         if (daemon_pid < 0) {
                 say("FAIL: moeepd did not start");
                 return 1;
