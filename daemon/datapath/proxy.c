@@ -70,6 +70,10 @@ enum slot_state {
 
 /* One descriptor in flight: up to two writes (data, then signal). The
  * cookie of a write is slot index * 2 + (0 data, 1 signal). */
+/* A write this many timeouts late fails its transport peer (one timeout
+ * fails only its ring). */
+#define PROXY_DEAD_TIMEOUTS 10
+
 struct slot {
         enum slot_state state;
         struct ring *ring; /* borrowed; NULL once abandoned */
@@ -897,7 +901,13 @@ static void scan_timeouts(struct proxy *p, uint64_t now) {
                         s->late = true;
                         ring_bad_desc(p, s->ring, s->seq, s->route, -ETIMEDOUT,
                                       "write not completed in time");
-                }
+                } else if (s->late && now - s->posted_ns > PROXY_DEAD_TIMEOUTS * limit)
+                        /* Not one tenant's backlog any more (the fair
+                         * share bounds that): the connection is taken for
+                         * dead, or every ring to it would go late in turn
+                         * and hold the slots of every tenant. */
+                        peer_failed(p, s->tp_peer, -ETIMEDOUT,
+                                    "a write not completed in 10 times the timeout");
         }
 }
 

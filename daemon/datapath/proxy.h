@@ -26,12 +26,11 @@
  * its writes free.
  *
  * Failure: a write not completed within timeout_ms fails the ring that
- * posted it (-ETIMEDOUT, a RING_ERROR event), not its transport peer: only
- * a completion error about the connection, or proxy_peer_fail(), fails the
- * peer and every ring routing there. The late write keeps its slot, and
- * its ring (whose removal waits for it), until it completes or the peer
- * fails; a transport that drops such writes silently leaks them until
- * proxy_free.
+ * posted it (-ETIMEDOUT, a RING_ERROR event), not its transport peer: a
+ * completion error about the connection, proxy_peer_fail(), or a write
+ * still not completed after 10 timeouts fails the peer and every ring
+ * routing there. The late write keeps its slot, and its ring (whose
+ * removal waits for it), until it completes or the peer fails.
  */
 #ifndef MOEEPD_PROXY_H
 #define MOEEPD_PROXY_H

@@ -277,7 +277,8 @@ static void test_bytes(void **state) {
  * the peer: another ring to the same peer goes on. The ring's removal
  * waits until the late write completes. */
 static void test_timeout_fails_ring(void **state) {
-        struct fixture *f = fixture_new(100);
+        struct fixture *f =
+                fixture_new(200); /* its write held well under 10 timeouts (test_dead_connection) */
         struct proxy_event ev;
 
         (void)state;
@@ -303,12 +304,39 @@ static void test_timeout_fails_ring(void **state) {
         fixture_free(f);
 }
 
+/* A write still not completed after 10 timeouts fails its transport peer:
+ * the connection is taken for dead (else every ring to it would go late
+ * in turn and hold every tenant's slots). */
+static void test_dead_connection(void **state) {
+        struct fixture *f = fixture_new(20);
+        struct proxy_event ev;
+        uint64_t end = drv_now_ns() + WAIT_NS;
+        bool ring_error = false, peer_failed = false;
+
+        (void)state;
+        push(f, 0, 1, 8);
+        while (!peer_failed && drv_now_ns() < end) {
+                while (proxy_event_next(f->px, &ev)) {
+                        ring_error |= ev.type == PROXY_EVENT_RING_ERROR;
+                        if (ev.type == PROXY_EVENT_PEER_FAILED) {
+                                assert_true(ring_error); /* the ring first, at one timeout */
+                                assert_int_equal(ev.error, -ETIMEDOUT);
+                                assert_non_null(strstr(ev.msg, "10 times the timeout"));
+                                peer_failed = true;
+                        }
+                }
+                usleep(1000);
+        }
+        assert_true(peer_failed);
+        release(&f->tp, 0, 1);
+        fixture_free(f);
+}
+
 int main(void) {
         const struct CMUnitTest tests[] = {
-                cmocka_unit_test(test_alone_takes_all),
-                cmocka_unit_test(test_share_after_wake),
-                cmocka_unit_test(test_bytes),
-                cmocka_unit_test(test_timeout_fails_ring),
+                cmocka_unit_test(test_alone_takes_all), cmocka_unit_test(test_share_after_wake),
+                cmocka_unit_test(test_bytes),           cmocka_unit_test(test_timeout_fails_ring),
+                cmocka_unit_test(test_dead_connection),
         };
 
         return cmocka_run_group_tests(tests, NULL, NULL);
