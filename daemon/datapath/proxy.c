@@ -971,6 +971,14 @@ static void *proxy_main(void *arg) {
                         work += retry_signals(p);
                 TAILQ_FOREACH_SAFE (ring, &p->rings, entry, next)
                         work += ring_poll(p, ring, &active);
+                /* The next pass starts at the next ring: with more rings
+                 * busy than slots / 16 (the least share) the shares add up
+                 * to more than the slots, and a fixed order gave the first
+                 * rings every slot that came free. */
+                if ((ring = TAILQ_FIRST(&p->rings)) && TAILQ_NEXT(ring, entry)) {
+                        TAILQ_REMOVE(&p->rings, ring, entry);
+                        TAILQ_INSERT_TAIL(&p->rings, ring, entry);
+                }
                 p->nactive = active;
                 n = p->ops->poll(p->tp, comps, PROXY_POLL_MAX);
                 for (int k = 0; k < n; k++)

@@ -25,6 +25,7 @@
 #define SLOTS 1024u
 #define RING_CAP 4096u
 #define WAIT_NS 2000000000ull
+#define RINGS 3
 
 /* ------------------------------------------------------------ the transport */
 
@@ -42,7 +43,7 @@ struct tp {
                 bool go;
         } held[4 * SLOTS];
         uint32_t nheld;
-        uint64_t writes[2]; /* posted, per ring */
+        uint64_t writes[RINGS]; /* posted, per ring */
 };
 
 static int held_mr_new(struct tp *tp, const struct tp_mem *mem, struct tp_mr **ret, char *errmsg) {
@@ -124,13 +125,15 @@ struct fixture {
         struct tp tp;
         struct transport t;
         struct proxy *px;
-        struct tp_mr src[2];
-        struct drv_ring ring[2];
-        int fd[2];
+        struct tp_mr src[RINGS];
+        struct drv_ring ring[RINGS];
+        int fd[RINGS];
+        int nrings;
 };
 
-static struct fixture *fixture_new(uint32_t timeout_ms) {
-        struct proxy_params params = { .max_inflight = SLOTS, .timeout_ms = timeout_ms, .idle_spins = 100 };
+/* A proxy of `slots` slots with `nrings` rings to one peer. */
+static struct fixture *fixture_make(uint32_t timeout_ms, uint32_t slots, int nrings) {
+        struct proxy_params params = { .max_inflight = slots, .timeout_ms = timeout_ms, .idle_spins = 100 };
         struct proxy_route route = { .tp_peer = 0 };
         struct fixture *f = calloc(1, sizeof(*f));
         char err[ERRMSG_MAX];
@@ -138,7 +141,8 @@ static struct fixture *fixture_new(uint32_t timeout_ms) {
         pthread_mutex_init(&f->tp.lock, NULL);
         f->t = (struct transport){ .ops = &held_ops, .tp = &f->tp };
         assert_int_equal(proxy_new(&f->t, &params, "test", &f->px, err), 0);
-        for (int r = 0; r < 2; r++) {
+        f->nrings = nrings;
+        for (int r = 0; r < nrings; r++) {
                 void *map;
 
                 f->src[r].ring = r;
@@ -152,9 +156,13 @@ static struct fixture *fixture_new(uint32_t timeout_ms) {
         return f;
 }
 
+static struct fixture *fixture_new(uint32_t timeout_ms) {
+        return fixture_make(timeout_ms, SLOTS, 2);
+}
+
 static void fixture_free(struct fixture *f) {
         proxy_free(f->px);
-        for (int r = 0; r < 2; r++) {
+        for (int r = 0; r < f->nrings; r++) {
                 munmap(f->ring[r].hdr, PROXY_RING_BYTES(RING_CAP));
                 close(f->fd[r]);
         }
@@ -332,11 +340,40 @@ static void test_dead_connection(void **state) {
         fixture_free(f);
 }
 
+/* More rings busy than slots / 16 (32 slots, 3 rings: each share is at
+ * least 16, so two busy rings' shares take every slot): the rings take
+ * turns at the slots that come free, and the third is not starved. */
+static void test_no_starving(void **state) {
+        struct fixture *f = fixture_make(0, 32, 3);
+        uint64_t pushed[2] = { 64, 64 };
+
+        (void)state;
+        push(f, 0, 64, 8);
+        push(f, 1, 64, 8);
+        head_settled(f, 0);
+        push(f, 2, 10, 8);
+        for (int k = 0; k < 300 && head(f, 2) < 10; k++) {
+                for (int r = 0; r < 2; r++) { /* rings 0 and 1 stay busy */
+                        release(&f->tp, r, 4);
+                        if (pushed[r] - head(f, r) < 32) {
+                                push(f, r, 32, 8);
+                                pushed[r] += 32;
+                        }
+                }
+                usleep(1000);
+        }
+        assert_int_equal(head(f, 2), 10);
+        release(&f->tp, 0, 100000);
+        release(&f->tp, 1, 100000);
+        release(&f->tp, 2, 100000);
+        fixture_free(f);
+}
+
 int main(void) {
         const struct CMUnitTest tests[] = {
                 cmocka_unit_test(test_alone_takes_all), cmocka_unit_test(test_share_after_wake),
                 cmocka_unit_test(test_bytes),           cmocka_unit_test(test_timeout_fails_ring),
-                cmocka_unit_test(test_dead_connection),
+                cmocka_unit_test(test_dead_connection), cmocka_unit_test(test_no_starving),
         };
 
         return cmocka_run_group_tests(tests, NULL, NULL);
