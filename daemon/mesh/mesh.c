@@ -464,7 +464,8 @@ static void peer_timer_cb(evutil_socket_t fd, short what, void *arg) {
                 ping.seq = ++p->ping_seq;
                 ping.sent_ns = now;
                 mesh_peer_send(p, &msg);
-                timer_arm(p, MESH_PING_MS);
+                if (!p->stuck_bytes) /* else peer_stuck() armed it to fail the peer now */
+                        timer_arm(p, MESH_PING_MS);
                 return;
         }
         case MESH_PEER_DOWN:
