@@ -604,13 +604,25 @@ int moeep_ep_recv_buffers(const struct moeep_ep *ep, struct moeep_dispatch_resul
         return moeep_ep_recv_area(ep, 0, ret, &bytes);
 }
 
+/* Receive area `area` of our own buffer (its offsets: ctx.layout). */
+static char *area_base(const struct moeep_ep *ep, int area) {
+        return ep->ctx.peers[ep->ctx.rank] + (size_t)area * ep->ctx.layout.area_bytes;
+}
+
+/* 0, or -EINVAL naming a receive area outside the endpoint's. */
+static int check_area(struct moeep_ep *ep, int area) {
+        if (area < 0 || area >= ep->ctx.layout.areas)
+                return ep_fail(ep, -EINVAL, "recv_area %d is outside 0..%d", area, ep->ctx.layout.areas - 1);
+        return 0;
+}
+
 int moeep_ep_recv_area(const struct moeep_ep *ep, int area, struct moeep_dispatch_result *ret,
                        size_t *ret_bytes) {
         char *own;
 
         if (!ep || !ret || !ret_bytes || area < 0 || area >= ep->ctx.layout.areas)
                 return -EINVAL;
-        own = ep->ctx.peers[ep->ctx.rank] + (size_t)area * ep->ctx.layout.area_bytes;
+        own = area_base(ep, area);
         *ret_bytes = ep->ctx.layout.recv_src + (size_t)ep->ctx.ranks * ep->ctx.max_tokens * sizeof(int32_t) -
                      ep->ctx.layout.recv_x;
         *ret = (struct moeep_dispatch_result){
@@ -669,10 +681,7 @@ static int dispatch_check(struct moeep_ep *ep, const struct moeep_dispatch_args 
                 return ep_fail(ep, -EINVAL,
                                "x_scales strides %lld, %lld: both 0 (row-major) or both positive",
                                (long long)a->x_scales_token_stride, (long long)a->x_scales_block_stride);
-        if (a->recv_area < 0 || a->recv_area >= ep->ctx.layout.areas)
-                return ep_fail(ep, -EINVAL, "recv_area %d is outside 0..%d", a->recv_area,
-                               ep->ctx.layout.areas - 1);
-        return 0;
+        return check_area(ep, a->recv_area);
 }
 
 int moeep_dispatch(struct moeep_ep *ep, const struct moeep_dispatch_args *a,
@@ -771,7 +780,7 @@ int moeep_dispatch(struct moeep_ep *ep, const struct moeep_dispatch_args *a,
                        sizeof(int) * (size_t)(ep->ctx.num_experts / ep->ctx.ranks));
         }
 
-        own = ep->ctx.peers[ep->ctx.rank] + (size_t)a->recv_area * ep->ctx.layout.area_bytes;
+        own = area_base(ep, a->recv_area);
         *ret = (struct moeep_dispatch_result){
                 .recv_x = own + ep->ctx.layout.recv_x,
                 .recv_x_scales = a->x_type == MOEEP_DTYPE_FP8_E4M3
@@ -816,15 +825,14 @@ int moeep_dispatch_copy_topk(struct moeep_ep *ep, const struct moeep_ep_handle *
                 return r;
         if (handle->num_topk < 1)
                 return ep_fail(ep, -EINVAL, "copy_topk: the handle's dispatch sent no top-k");
-        if (recv_area < 0 || recv_area >= ep->ctx.layout.areas)
-                return ep_fail(ep, -EINVAL, "copy_topk: receive area %d is outside 0..%d", recv_area,
-                               ep->ctx.layout.areas - 1);
+        if ((r = check_area(ep, recv_area)) < 0)
+                return r;
         if (rows < 0 || rows > most || (handle->num_recv >= 0 && rows != handle->num_recv))
                 return ep_fail(ep, -EINVAL, "copy_topk: %d rows, the dispatch received %d (at most %d)", rows,
                                handle->num_recv, most);
         if (rows > 0 && (!topk_idx_out || !topk_weights_out))
                 return ep_fail(ep, -EINVAL, "copy_topk: an output is NULL");
-        area = ep->ctx.peers[ep->ctx.rank] + (size_t)recv_area * ep->ctx.layout.area_bytes;
+        area = area_base(ep, recv_area);
         return launch_result(ep, "copy_topk",
                              moeep_launch_copy_topk(&ep->ctx, area + ep->ctx.layout.recv_topk_idx,
                                                     idx_type == MOEEP_INDEX_INT64,
