@@ -4,6 +4,7 @@
 #include <cuda_bf16.h>
 
 #include "common/launch.cuh"
+#include "ll/coop.cuh"
 #include "ll/ll.cuh"
 #include "ll/shrink.cuh"
 
@@ -418,19 +419,28 @@ extern "C" int moeep_launch_ll_combine(const struct moeep_ctx *ctx, const struct
          * (y is the caller's until the call ends; a hook's receive comes
          * later and gets them sent like every other rank's). */
         const int local = a->phases == both && !(ctx->debug & MOEEP_DEBUG_COPY_SELF);
-        /* One launch of moeep_ll::combine doing phases p: cooperative when
-         * it does both (its blocks wait for each other through the combine
-         * flag). */
+        /* One launch of moeep_ll::combine doing phases p; with both, its
+         * blocks wait in the receive for every other rank's blocks, and
+         * the launch is cooperative or plain as ll_coop_choose says. */
+        const struct ll_coop_choice coop =
+                a->phases == both ? ll_coop_choose(ctx, stream) : ll_coop_choice{ -1, 0, true };
+        cudaError_t both_e = cudaSuccess;
         auto launch = [&](int p) {
                 return with_index_type(a->idx_is_int64, [&](auto idx) {
                         using Idx = decltype(idx);
-                        return launch_kernel(moeep_ll::combine<Idx>, (unsigned)ctx->ll_num_sms, LL_THREADS, 0, stream,
-                                             p == both, !(ctx->debug & MOEEP_DEBUG_NO_PDL), *ctx, (const int4 *)a->y,
-                                             a->set, a->slots, p, local, (const Idx *)a->topk_idx, a->weights,
-                                             a->num_tokens, a->num_topk, (int4 *)a->out);
+                        const cudaError_t e =
+                                launch_kernel(moeep_ll::combine<Idx>, (unsigned)ctx->ll_num_sms, LL_THREADS, 0, stream,
+                                              p == both && coop.cooperative, !(ctx->debug & MOEEP_DEBUG_NO_PDL), *ctx,
+                                              (const int4 *)a->y, a->set, a->slots, p, local, (const Idx *)a->topk_idx,
+                                              a->weights, a->num_tokens, a->num_topk, (int4 *)a->out);
+                        if (p == both)
+                                both_e = e;
+                        return e;
                 });
         };
         const cudaError_t e = launch_phases(launch, a->phases, MOEEP_LL_SEND, MOEEP_LL_RECV);
+        if (a->phases == both)
+                ll_coop_done(coop, both_e);
         if (e != cudaSuccess)
                 return (int)e;
         MOEEP_CUDA_LAUNCH_CHECK();

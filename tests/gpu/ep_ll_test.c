@@ -31,6 +31,12 @@ struct tcase {
         int fixed_tokens; /* > 0: every rank sends exactly this many */
         bool empty_rank;  /* rank 1 sends nothing */
         bool graph;       /* captured once (hook + zero-copy combine), replayed with new data */
+        /* On a stream of its own: every other case runs on the process's
+         * one stream, where after the first cooperative launch of both
+         * phases the launches go plain (kernels/ll/coop.cuh); a second
+         * stream makes them cooperative from then on, so this case comes
+         * last. */
+        bool own_stream;
 };
 
 #define CASE(n, h, e, k, t, ...) \
@@ -46,6 +52,7 @@ static const struct tcase cases[] = {
         /* Rank 0's 640 tokens are more pairs than the dispatch counts in
          * shared memory (LL_SCAN_PAIRS): its send claims slots instead. */
         CASE("fp8-h1024-top8-e64-claimed-slots", 1024, 64, 8, 640, .fp8 = true),
+        CASE("fp8-h7168-top8-e288-second-stream", 7168, 288, 8, 128, .fp8 = true, .own_stream = true),
 };
 #define NCASES (int)(sizeof(cases) / sizeof(cases[0]))
 
@@ -333,7 +340,13 @@ static int run_case(struct moeep_client *c, int me, int R, int ci, uint64_t seed
                 free(stats_want);
                 return -1;
         }
-        CK(cudaStreamCreate(&st));
+        static cudaStream_t one; /* the cases' one stream (own_stream: not) */
+        if (!one && !tc->own_stream)
+                CK(cudaStreamCreate(&one));
+        if (tc->own_stream)
+                CK(cudaStreamCreate(&st));
+        else
+                st = one;
         CK(cudaMalloc(&d.x, (size_t)tc->max_tokens * H * 2 + 16));
         CK(cudaMalloc(&d.idx, (size_t)tc->max_tokens * K * 8 + 16));
         CK(cudaMalloc((void **)&d.w, (size_t)tc->max_tokens * K * 4 + 16));
@@ -456,7 +469,7 @@ out:
         cudaFree(d.y);
         cudaFree(d.out);
         cudaFree(d.stats);
-        if (st)
+        if (st && st != one)
                 cudaStreamDestroy(st);
         free(ys);
         free(counts);
