@@ -140,7 +140,8 @@ TAILQ_HEAD(cf_job_list, cf_job);
  * (clientfd_check()), so that a registration never waits behind one of
  * its uid's closes that never returns. */
 struct cf_lane {
-        struct cf_uid *uid; /* not owning; the uid the lane belongs to */
+        struct cf_uid *uid;   /* not owning; the uid the lane belongs to */
+        struct cf_pool *pool; /* not owning; the threads that serve it */
         /* Under clientfds.lock: */
         struct cf_job_list queue; /* owns; waiting for a closer */
         uint32_t done;            /* closes finished that the loop has not counted */
@@ -168,6 +169,18 @@ struct cf_uid {
         LIST_ENTRY(cf_uid) entry;
 };
 
+/* Threads that serve lanes: one line of lanes with work and no thread,
+ * taken in turn (a lane goes to the back after each job), and the threads
+ * themselves, started on demand up to `max`. */
+struct cf_pool {
+        struct clientfds *cf; /* not owning */
+        unsigned max;         /* threads at most: CF_WORKERS_MAX (tests lower it) */
+        /* Under clientfds.lock: */
+        TAILQ_HEAD(, cf_lane) ready; /* lanes with queued jobs and no thread */
+        pthread_cond_t wake;         /* its threads wait here for work */
+        unsigned nworkers, nidle;    /* its threads (detached), of them waiting for work */
+};
+
 struct clientfds {
         const struct config *config; /* not owning */
         struct event_base *base;     /* not owning; NULL = close at once */
@@ -180,14 +193,12 @@ struct clientfds {
         dev_t memfd_dev;             /* st_dev of a memfd of ours; 0 = unknown */
         bool memfd_dev_known;
         pthread_mutex_t lock;
-        pthread_cond_t wake;            /* closers wait here for work */
         pthread_cond_t settled;         /* the loop waits here in clientfds_settle() */
         pthread_cond_t exited;          /* clientfds_free() waits here for the closers to end */
         LIST_HEAD(, cf_uid) uids;       /* owns; entries added and removed by the loop, under lock */
-        TAILQ_HEAD(, cf_lane) ready;    /* lanes with queued jobs and no closer */
+        struct cf_pool closers;         /* every lane's threads */
         struct cf_take_list takes_done; /* owns; takes the loop has yet to hand back */
         uint32_t pending;               /* jobs queued or running */
-        unsigned nworkers, nidle;       /* closer threads (detached), of them waiting for work */
         bool stopping;
         bool takes_dropped; /* loop only: clientfds_free() began; finished takes are dropped */
 };

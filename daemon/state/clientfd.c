@@ -66,6 +66,7 @@ static struct cf_uid *uid_get(struct clientfds *cf, uid_t uid) {
         u->uid = uid;
         for (int l = 0; l < CF_LANES; l++) {
                 u->lanes[l].uid = u;
+                u->lanes[l].pool = &cf->closers;
                 TAILQ_INIT(&u->lanes[l].queue);
         }
         pthread_mutex_lock(&cf->lock);
@@ -255,14 +256,15 @@ static long closer_run(const struct clientfds *cf, struct cf_job *job, timer_t t
         return now_ms() - t0;
 }
 
-static void closer_spawn_locked(struct clientfds *cf);
+static void closer_spawn_locked(struct cf_pool *pool);
 
-/* A closer: takes one job of the lane first in line, runs it, and puts the
- * lane back in line when it has more. Ends when idle for CF_IDLE_EXIT_MS
- * with CF_WORKERS_KEEP others left, or when stopping. Never logs (logging
- * is the loop's). */
+/* A thread of `arg` (a pool): takes one job of the lane first in its
+ * line, runs it, and puts the lane back in line when it has more. Ends
+ * when idle for CF_IDLE_EXIT_MS with CF_WORKERS_KEEP others of its pool
+ * left, or when stopping. Never logs (logging is the loop's). */
 static void *closer_main(void *arg) {
-        struct clientfds *cf = arg;
+        struct cf_pool *pool = arg;
+        struct clientfds *cf = pool->cf;
         bool have_timer;
         timer_t timer;
         uint64_t one = 1;
@@ -270,7 +272,7 @@ static void *closer_main(void *arg) {
         have_timer = closer_timer_new(&timer);
         pthread_mutex_lock(&cf->lock);
         for (;;) {
-                struct cf_lane *lane = TAILQ_FIRST(&cf->ready);
+                struct cf_lane *lane = TAILQ_FIRST(&pool->ready);
                 struct cf_job *job;
                 long took;
 
@@ -282,14 +284,14 @@ static void *closer_main(void *arg) {
                                 break;
                         clock_gettime(CLOCK_REALTIME, &until);
                         until.tv_sec += CF_IDLE_EXIT_MS / 1000;
-                        cf->nidle++;
-                        r = pthread_cond_timedwait(&cf->wake, &cf->lock, &until);
-                        cf->nidle--;
-                        if (r == ETIMEDOUT && TAILQ_EMPTY(&cf->ready) && cf->nworkers > CF_WORKERS_KEEP)
+                        pool->nidle++;
+                        r = pthread_cond_timedwait(&pool->wake, &cf->lock, &until);
+                        pool->nidle--;
+                        if (r == ETIMEDOUT && TAILQ_EMPTY(&pool->ready) && pool->nworkers > CF_WORKERS_KEEP)
                                 break;
                         continue;
                 }
-                TAILQ_REMOVE(&cf->ready, lane, ready_entry);
+                TAILQ_REMOVE(&pool->ready, lane, ready_entry);
                 lane->ready = false;
                 job = TAILQ_FIRST(&lane->queue);
                 TAILQ_REMOVE(&lane->queue, job, entry);
@@ -298,8 +300,8 @@ static void *closer_main(void *arg) {
                 /* This job may never return: work still waiting gets a
                  * closer of its own. (job_push() counted this thread idle
                  * when it queued that work, and started none.) */
-                if (!TAILQ_EMPTY(&cf->ready) && cf->nidle == 0)
-                        closer_spawn_locked(cf);
+                if (!TAILQ_EMPTY(&pool->ready) && pool->nidle == 0)
+                        closer_spawn_locked(pool);
                 pthread_mutex_unlock(&cf->lock);
 
                 took = closer_run(cf, job, timer, have_timer);
@@ -315,13 +317,13 @@ static void *closer_main(void *arg) {
                         lane->slow_ms = (uint32_t)took;
                 cf->pending--;
                 if (!TAILQ_EMPTY(&lane->queue)) {
-                        TAILQ_INSERT_TAIL(&cf->ready, lane, ready_entry);
+                        TAILQ_INSERT_TAIL(&pool->ready, lane, ready_entry);
                         lane->ready = true;
                 }
                 pthread_cond_broadcast(&cf->settled);
                 (void)!write(cf->efd, &one, sizeof(one));
         }
-        cf->nworkers--;
+        pool->nworkers--;
         pthread_cond_broadcast(&cf->exited);
         pthread_mutex_unlock(&cf->lock);
         if (have_timer)
@@ -329,13 +331,13 @@ static void *closer_main(void *arg) {
         return NULL;
 }
 
-/* Starts one more closer. Call with the lock held. */
-static void closer_spawn_locked(struct clientfds *cf) {
+/* Starts one more thread of `pool`. Call with the lock held. */
+static void closer_spawn_locked(struct cf_pool *pool) {
         sigset_t all, old;
         pthread_attr_t attr;
         pthread_t thread;
 
-        if (cf->nworkers >= CF_WORKERS_MAX || pthread_attr_init(&attr) != 0)
+        if (pool->nworkers >= pool->max || pthread_attr_init(&attr) != 0)
                 return;
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
         pthread_attr_setstacksize(&attr, CF_STACK_BYTES);
@@ -343,8 +345,8 @@ static void closer_spawn_locked(struct clientfds *cf) {
          * closer unblocks CF_SIGNAL alone. */
         sigfillset(&all);
         pthread_sigmask(SIG_BLOCK, &all, &old);
-        if (pthread_create(&thread, &attr, closer_main, cf) == 0)
-                cf->nworkers++;
+        if (pthread_create(&thread, &attr, closer_main, pool) == 0)
+                pool->nworkers++;
         pthread_sigmask(SIG_SETMASK, &old, NULL);
         pthread_attr_destroy(&attr);
 }
@@ -410,16 +412,18 @@ static void clientfds_done_cb(evutil_socket_t fd, short what, void *arg) {
  * idle: a lane whose close never returns holds its closer, and the others
  * get one of their own. */
 static void job_push(struct clientfds *cf, struct cf_lane *lane, struct cf_job *job) {
+        struct cf_pool *pool = lane->pool;
+
         pthread_mutex_lock(&cf->lock);
         TAILQ_INSERT_TAIL(&lane->queue, job, entry);
         cf->pending++;
         if (!lane->busy && !lane->ready) {
-                TAILQ_INSERT_TAIL(&cf->ready, lane, ready_entry);
+                TAILQ_INSERT_TAIL(&pool->ready, lane, ready_entry);
                 lane->ready = true;
         }
-        if (cf->nidle == 0 && lane->ready)
-                closer_spawn_locked(cf);
-        pthread_cond_signal(&cf->wake);
+        if (pool->nidle == 0 && lane->ready)
+                closer_spawn_locked(pool);
+        pthread_cond_signal(&pool->wake);
         pthread_mutex_unlock(&cf->lock);
 }
 
@@ -585,10 +589,11 @@ int clientfds_new(struct event_base *base, const struct config *config, struct c
         cf->base = base;
         cf->efd = -1;
         LIST_INIT(&cf->uids);
-        TAILQ_INIT(&cf->ready);
+        cf->closers = (struct cf_pool){ .cf = cf, .max = CF_WORKERS_MAX };
+        TAILQ_INIT(&cf->closers.ready);
         TAILQ_INIT(&cf->takes_done);
         pthread_mutex_init(&cf->lock, NULL);
-        pthread_cond_init(&cf->wake, NULL);
+        pthread_cond_init(&cf->closers.wake, NULL);
         pthread_cond_init(&cf->settled, NULL);
         pthread_cond_init(&cf->exited, NULL);
         /* The closers' timers interrupt waits with CF_SIGNAL: a handler
@@ -655,10 +660,10 @@ void clientfds_free(struct clientfds *cf, int timeout_ms) {
         until.tv_sec += 1;
         pthread_mutex_lock(&cf->lock);
         cf->stopping = true;
-        pthread_cond_broadcast(&cf->wake);
-        while (cf->nworkers > 0 && pthread_cond_timedwait(&cf->exited, &cf->lock, &until) == 0)
+        pthread_cond_broadcast(&cf->closers.wake);
+        while (cf->closers.nworkers > 0 && pthread_cond_timedwait(&cf->exited, &cf->lock, &until) == 0)
                 ;
-        if (cf->nworkers > 0) {
+        if (cf->closers.nworkers > 0) {
                 /* A closer is still in close(): it would touch `cf` when it
                  * returns, so nothing is freed. */
                 pthread_mutex_unlock(&cf->lock);
@@ -699,7 +704,7 @@ void clientfds_free(struct clientfds *cf, int timeout_ms) {
                 close(cf->efd);
         pthread_cond_destroy(&cf->exited);
         pthread_cond_destroy(&cf->settled);
-        pthread_cond_destroy(&cf->wake);
+        pthread_cond_destroy(&cf->closers.wake);
         pthread_mutex_destroy(&cf->lock);
         free(cf);
 }
