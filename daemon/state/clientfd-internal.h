@@ -17,24 +17,44 @@
 #include "record.h"
 #include "state/clientfd.h"
 
-/* Closer threads: one is started whenever work waits and none is idle, so
- * that a uid whose close never returns (a FUSE server that does not answer
- * FLUSH) holds one thread and nobody else waits for it, whatever their
- * number or uid; idle ones beyond CF_WORKERS_KEEP end after
- * CF_IDLE_EXIT_MS. Past CF_WORKERS_MAX (every one of them stuck in a
- * close of a uid of its own) work waits for one to come back: at the
- * daemon's fd budget each stuck uid holds at least one charged fd, so
- * below an RLIMIT_NOFILE of about 4,600 that cannot happen. */
+/* Threads, in two pools; each starts a thread whenever work waits and
+ * none of its threads is idle, and idle ones beyond CF_WORKERS_KEEP end
+ * after CF_IDLE_EXIT_MS:
+ *   - closers serve every uid's fds and sockets lanes: closes and takes,
+ *     which a client can make wait for as long as it likes (a FUSE server
+ *     that does not answer FLUSH, an execve() it keeps in progress). A uid
+ *     whose close never returns holds one closer and nobody else waits
+ *     for it, whatever their number or uid. Past CF_CLOSERS_MAX (every one
+ *     of them stuck in a close of a uid of its own) closes wait for one to
+ *     come back: at the daemon's fd budget each stuck uid holds at least
+ *     one charged fd, so below an RLIMIT_NOFILE of about 4,600 that cannot
+ *     happen.
+ *   - checkers serve every uid's checks lane: the kind checks of attached
+ *     fds (clientfd_check()) and the runs (clientfd_run(): a transport
+ *     registering a region's memory), none of which waits for anything a
+ *     client controls. A pool of their own, so that closes that never
+ *     return cannot hold up a registration, nor a burst of registrations
+ *     the closes. Past CF_CHECKERS_MAX uids with work at once, a uid's work
+ *     waits for the first checker to finish a job (a check takes
+ *     microseconds, a run as long as its pinning: a few GiB, a second);
+ *     lanes take turns, one job at a time. A uid has at most
+ *     CF_CHECKS_QUEUED_MAX checks and runs waiting; more are refused. */
 #define CF_WORKERS_KEEP 2
-#define CF_WORKERS_MAX 4096
 #define CF_IDLE_EXIT_MS 1000
-/* A closer needs little stack: close(), pidfd_getfd(), a few stats. */
+#define CF_CLOSERS_MAX 4096
+#define CF_CHECKERS_MAX 256
+#define CF_CHECKS_QUEUED_MAX 256
+/* A closer needs little stack: close(), pidfd_getfd(), a few stats. A
+ * checker runs a transport's registration (libibverbs, a libfabric
+ * provider, the CUDA driver), whose needs the daemon does not know: it
+ * gets the default stack. */
 #define CF_STACK_BYTES (256u << 10)
-/* Each close or take runs under a timer that signals its thread after this
- * long (CF_SIGNAL, a handler that does nothing): a wait the kernel lets a
- * signal end (a socket lingering with SO_LINGER, also one in flight in a
- * socket being closed) ends there, and the close returns. What no signal
- * ends (FUSE's FLUSH) keeps its thread. */
+/* Each close, take, check or discard runs under a timer that signals its
+ * thread after this long (CF_SIGNAL, a handler that does nothing): a wait
+ * the kernel lets a signal end (a socket lingering with SO_LINGER, also
+ * one in flight in a socket being closed) ends there, and the close
+ * returns. What no signal ends (FUSE's FLUSH) keeps its thread. A run gets
+ * no timer: a registration interrupted would fail. */
 #define CF_INTERRUPT_MS 20
 #define CF_SIGNAL (SIGRTMIN + 5)
 /* A memfd with at most this many bytes of pages closes on the loop: it
@@ -82,11 +102,12 @@
  * cut short). */
 int clientfd_fdinfo_size(const char *text, size_t len, uint64_t *ret_size, const char **ret_why);
 
-/* Work on a client's descriptor that may block, done by a closer in its
- * uid's queue and handed back to the loop through clientfds.takes_done:
- * a take (clientfd_take(): pidfd_getfd() can wait on a lock the client
- * holds), the kind check of an attached fd (clientfd_check_async()), or a
- * discard (clientfd_discard_record()). Made on the loop. */
+/* Work on a client's descriptor that may block or take long, done by a
+ * thread in its uid's queue and handed back to the loop through
+ * clientfds.takes_done: a take (clientfd_take(): pidfd_getfd() can wait on
+ * a lock the client holds), the kind check of an attached fd
+ * (clientfd_check_async()), a discard (clientfd_discard_record()), or a
+ * run (clientfd_run()). Made on the loop. */
 struct cf_take {
         enum cf_op {
                 CF_OP_TAKE,  /* pidfd_getfd of `number` from `pidfd`'s process, the
@@ -97,18 +118,21 @@ struct cf_take {
                  * taken), giving its header and length; `discarded` is
                  * called instead of `done`. */
                 CF_OP_DISCARD,
+                CF_OP_RUN, /* `run` on a checker, then `ran` on the loop instead of `done` */
         } op;
         enum region_kind kind;          /* take, check: what the fd must be (clientfd_check()) */
         uint64_t size;                  /* and at least how many bytes */
         struct moeep_record_header hdr; /* a discard's record's header, when `len` covers it */
         long len;                       /* its length; -errno when none was read */
         clientfd_discard_fn *discarded;
-        int pidfd;  /* owns until the closer closes it; -1 for a check */
+        clientfd_run_fn *run, *ran;
+        int pidfd;  /* owns until the closer closes it; -1 for a check or run */
         int number; /* the descriptor number in the client's process */
         pid_t pid;  /* SO_PEERCRED's, for messages */
         uid_t uid;  /* SO_PEERCRED's: the process must still have these ids */
         gid_t gid;
-        int fd;    /* the result (a check's fd, to begin with): owns, charged to `uid`; -1 on error */
+        int fd;    /* the result (a check's fd, to begin with): owns, charged to `uid`; -1 on error
+                    * and for a run */
         int error; /* 0 or -errno (-ERROR_KIND_* for a permission refusal) */
         char errmsg[ERRMSG_MAX];
         clientfd_take_fn *done; /* called on the loop, exactly once */
@@ -124,26 +148,28 @@ struct cf_job {
         enum cf_cost {
                 CF_CHARGED, /* an fd the uid sent (or a duplicate): charged until close() returns */
                 CF_SOCKET,  /* a session socket: charged until close() returns */
-                CF_TAKE,    /* a take, check or discard (`take`), not a close; `fd` unused */
+                CF_TAKE,    /* a take, check, discard or run (`take`), not a close; `fd` unused */
         } cost;
         struct cf_take *take; /* owns until the closer puts it on takes_done; CF_TAKE only */
         TAILQ_ENTRY(cf_job) entry;
 };
 TAILQ_HEAD(cf_job_list, cf_job);
 
-/* One queue of a uid, served by at most one closer at a time. Each uid has
+/* One queue of a uid, served by at most one thread at a time. Each uid has
  * three: the fds it sent and its takes, whose close (or take) may never
  * return; its session sockets, whose close the CF_INTERRUPT_MS timer
  * always ends (what is in flight in them is released, never flushed), so
- * that a socket never waits behind a stuck fd; and the kind checks of the
- * fds it attaches, which never wait for anything the client controls
- * (clientfd_check()), so that a registration never waits behind one of
- * its uid's closes that never returns. */
+ * that a socket never waits behind a stuck fd (closers serve both); and
+ * the kind checks of the fds it attaches and its runs, which never wait
+ * for anything the client controls (clientfd_check(), clientfd_run()), so
+ * that a registration never waits behind one of its uid's closes that
+ * never returns, nor behind anybody's (checkers serve it). */
 struct cf_lane {
         struct cf_uid *uid;   /* not owning; the uid the lane belongs to */
         struct cf_pool *pool; /* not owning; the threads that serve it */
         /* Under clientfds.lock: */
-        struct cf_job_list queue; /* owns; waiting for a closer */
+        struct cf_job_list queue; /* owns; waiting for a thread */
+        uint32_t queued;          /* jobs in `queue` */
         uint32_t done;            /* closes finished that the loop has not counted */
         uint32_t slow_ms;         /* the longest of them, when over CF_INTERRUPT_MS */
         bool busy;                /* a closer runs a job of it */
@@ -174,7 +200,9 @@ struct cf_uid {
  * themselves, started on demand up to `max`. */
 struct cf_pool {
         struct clientfds *cf; /* not owning */
-        unsigned max;         /* threads at most: CF_WORKERS_MAX (tests lower it) */
+        unsigned max;         /* threads at most: CF_CLOSERS_MAX, CF_CHECKERS_MAX (tests lower them) */
+        uint32_t queued_max;  /* jobs a lane may have waiting; 0: no cap (closes are never refused) */
+        size_t stack;         /* bytes of a thread's stack; 0: the default */
         /* Under clientfds.lock: */
         TAILQ_HEAD(, cf_lane) ready; /* lanes with queued jobs and no thread */
         pthread_cond_t wake;         /* its threads wait here for work */
@@ -194,9 +222,10 @@ struct clientfds {
         bool memfd_dev_known;
         pthread_mutex_t lock;
         pthread_cond_t settled;         /* the loop waits here in clientfds_settle() */
-        pthread_cond_t exited;          /* clientfds_free() waits here for the closers to end */
+        pthread_cond_t exited;          /* clientfds_free() waits here for the threads to end */
         LIST_HEAD(, cf_uid) uids;       /* owns; entries added and removed by the loop, under lock */
-        struct cf_pool closers;         /* every lane's threads */
+        struct cf_pool closers;         /* the fds and sockets lanes' threads */
+        struct cf_pool checkers;        /* the checks lanes' threads */
         struct cf_take_list takes_done; /* owns; takes the loop has yet to hand back */
         uint32_t pending;               /* jobs queued or running */
         bool stopping;

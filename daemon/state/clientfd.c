@@ -66,7 +66,7 @@ static struct cf_uid *uid_get(struct clientfds *cf, uid_t uid) {
         u->uid = uid;
         for (int l = 0; l < CF_LANES; l++) {
                 u->lanes[l].uid = u;
-                u->lanes[l].pool = &cf->closers;
+                u->lanes[l].pool = l == CF_LANE_CHECKS ? &cf->checkers : &cf->closers;
                 TAILQ_INIT(&u->lanes[l].queue);
         }
         pthread_mutex_lock(&cf->lock);
@@ -241,10 +241,12 @@ static void closer_timer_arm(timer_t timer, bool on) {
         timer_settime(timer, 0, &it, NULL);
 }
 
-/* Runs one job, under the interrupting timer. Returns how long it took. */
+/* Runs one job, under the interrupting timer unless it is a run. Returns
+ * how long it took. */
 static long closer_run(const struct clientfds *cf, struct cf_job *job, timer_t timer, bool have_timer) {
         long t0 = now_ms();
 
+        have_timer = have_timer && !(job->take && job->take->op == CF_OP_RUN);
         if (have_timer)
                 closer_timer_arm(timer, true);
         if (job->take)
@@ -295,6 +297,7 @@ static void *closer_main(void *arg) {
                 lane->ready = false;
                 job = TAILQ_FIRST(&lane->queue);
                 TAILQ_REMOVE(&lane->queue, job, entry);
+                lane->queued--;
                 lane->busy = true;
                 lane->busy_since = now_ms();
                 /* This job may never return: work still waiting gets a
@@ -307,6 +310,9 @@ static void *closer_main(void *arg) {
                 took = closer_run(cf, job, timer, have_timer);
 
                 pthread_mutex_lock(&cf->lock);
+                /* A run takes the time its work takes: no slow close. */
+                if (job->take && job->take->op == CF_OP_RUN)
+                        took = 0;
                 if (job->take)
                         TAILQ_INSERT_TAIL(&cf->takes_done, job->take, entry);
                 else
@@ -340,7 +346,8 @@ static void closer_spawn_locked(struct cf_pool *pool) {
         if (pool->nworkers >= pool->max || pthread_attr_init(&attr) != 0)
                 return;
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        pthread_attr_setstacksize(&attr, CF_STACK_BYTES);
+        if (pool->stack)
+                pthread_attr_setstacksize(&attr, pool->stack);
         /* Signals are the loop's business (libevent's handlers); each
          * closer unblocks CF_SIGNAL alone. */
         sigfillset(&all);
@@ -408,14 +415,20 @@ static void clientfds_done_cb(evutil_socket_t fd, short what, void *arg) {
         clientfds_collect(arg);
 }
 
-/* Appends `job` to `lane` and wakes a closer, starting one when none is
- * idle: a lane whose close never returns holds its closer, and the others
- * get one of their own. */
-static void job_push(struct clientfds *cf, struct cf_lane *lane, struct cf_job *job) {
+/* Appends `job` to `lane` and wakes a thread of its pool, starting one
+ * when none is idle: a lane whose close never returns holds its closer,
+ * and the others get one of their own. Returns 0, or -EUSERS when the lane
+ * has its pool's queued_max jobs waiting (nothing is queued then). */
+static int job_push(struct clientfds *cf, struct cf_lane *lane, struct cf_job *job) {
         struct cf_pool *pool = lane->pool;
 
         pthread_mutex_lock(&cf->lock);
+        if (pool->queued_max && lane->queued >= pool->queued_max) {
+                pthread_mutex_unlock(&cf->lock);
+                return -EUSERS;
+        }
         TAILQ_INSERT_TAIL(&lane->queue, job, entry);
+        lane->queued++;
         cf->pending++;
         if (!lane->busy && !lane->ready) {
                 TAILQ_INSERT_TAIL(&pool->ready, lane, ready_entry);
@@ -425,6 +438,7 @@ static void job_push(struct clientfds *cf, struct cf_lane *lane, struct cf_job *
                 closer_spawn_locked(pool);
         pthread_cond_signal(&pool->wake);
         pthread_mutex_unlock(&cf->lock);
+        return 0;
 }
 
 /* Queues the close of `fd`, charged to `uid` (the caller charged it). */
@@ -445,7 +459,8 @@ static void close_queue(struct clientfds *cf, uid_t uid, int fd, enum cf_cost co
         job->cost = cost;
         job->take = NULL;
         u->closing++;
-        job_push(cf, &u->lanes[cost == CF_SOCKET ? CF_LANE_SOCKETS : CF_LANE_FDS], job);
+        /* Closers take every close: their lanes have no cap. */
+        (void)job_push(cf, &u->lanes[cost == CF_SOCKET ? CF_LANE_SOCKETS : CF_LANE_FDS], job);
 }
 
 /* The lane of each kind of work on a descriptor (clientfd-internal.h). */
@@ -453,22 +468,32 @@ static const int op_lane[] = {
         [CF_OP_TAKE] = CF_LANE_FDS,
         [CF_OP_CHECK] = CF_LANE_CHECKS,
         [CF_OP_DISCARD] = CF_LANE_SOCKETS,
+        [CF_OP_RUN] = CF_LANE_CHECKS,
 };
 
-/* Queues `t` in its uid's closer queue of its kind. Returns 0 or
- * -ENOMEM. */
-static int clientfd_queue_take(struct clientfds *cf, struct cf_take *t) {
+/* Queues `t` in its uid's queue of its kind. Returns 0, or with errmsg
+ * -ENOMEM or -ERROR_KIND_LIMIT_EXCEEDED (the queue is full). */
+static int clientfd_queue_take(struct clientfds *cf, struct cf_take *t, char *errmsg) {
         struct cf_uid *u = uid_get(cf, t->uid);
         struct cf_job *job = malloc(sizeof(*job));
+        struct cf_lane *lane;
 
         if (!u || !job) {
                 free(job);
-                return -ENOMEM;
+                return errmsg_set(errmsg, -ENOMEM, "uid %u: out of memory queueing work on a descriptor",
+                                  (unsigned)t->uid);
         }
         job->fd = -1;
         job->cost = CF_TAKE;
         job->take = t;
-        job_push(cf, &u->lanes[op_lane[t->op]], job);
+        lane = &u->lanes[op_lane[t->op]];
+        if (job_push(cf, lane, job) < 0) {
+                free(job);
+                return errmsg_set(errmsg, -ERROR_KIND_LIMIT_EXCEEDED,
+                                  "uid %u has %" PRIu32 " region checks and registrations waiting in its "
+                                  "queue (at most %" PRIu32 "): try again once some are answered",
+                                  (unsigned)t->uid, lane->pool->queued_max, lane->pool->queued_max);
+        }
         return 0;
 }
 
@@ -589,11 +614,15 @@ int clientfds_new(struct event_base *base, const struct config *config, struct c
         cf->base = base;
         cf->efd = -1;
         LIST_INIT(&cf->uids);
-        cf->closers = (struct cf_pool){ .cf = cf, .max = CF_WORKERS_MAX };
+        cf->closers = (struct cf_pool){ .cf = cf, .max = CF_CLOSERS_MAX, .stack = CF_STACK_BYTES };
+        cf->checkers =
+                (struct cf_pool){ .cf = cf, .max = CF_CHECKERS_MAX, .queued_max = CF_CHECKS_QUEUED_MAX };
         TAILQ_INIT(&cf->closers.ready);
+        TAILQ_INIT(&cf->checkers.ready);
         TAILQ_INIT(&cf->takes_done);
         pthread_mutex_init(&cf->lock, NULL);
         pthread_cond_init(&cf->closers.wake, NULL);
+        pthread_cond_init(&cf->checkers.wake, NULL);
         pthread_cond_init(&cf->settled, NULL);
         pthread_cond_init(&cf->exited, NULL);
         /* The closers' timers interrupt waits with CF_SIGNAL: a handler
@@ -661,11 +690,14 @@ void clientfds_free(struct clientfds *cf, int timeout_ms) {
         pthread_mutex_lock(&cf->lock);
         cf->stopping = true;
         pthread_cond_broadcast(&cf->closers.wake);
-        while (cf->closers.nworkers > 0 && pthread_cond_timedwait(&cf->exited, &cf->lock, &until) == 0)
+        pthread_cond_broadcast(&cf->checkers.wake);
+        while (cf->closers.nworkers + cf->checkers.nworkers > 0 &&
+               pthread_cond_timedwait(&cf->exited, &cf->lock, &until) == 0)
                 ;
-        if (cf->closers.nworkers > 0) {
-                /* A closer is still in close(): it would touch `cf` when it
-                 * returns, so nothing is freed. */
+        if (cf->closers.nworkers + cf->checkers.nworkers > 0) {
+                /* A closer is still in close() (or a checker in its job):
+                 * it would touch `cf` when it returns, so nothing is
+                 * freed. */
                 pthread_mutex_unlock(&cf->lock);
                 return;
         }
@@ -704,6 +736,7 @@ void clientfds_free(struct clientfds *cf, int timeout_ms) {
                 close(cf->efd);
         pthread_cond_destroy(&cf->exited);
         pthread_cond_destroy(&cf->settled);
+        pthread_cond_destroy(&cf->checkers.wake);
         pthread_cond_destroy(&cf->closers.wake);
         pthread_mutex_destroy(&cf->lock);
         free(cf);
@@ -930,6 +963,9 @@ static void clientfd_take_run(const struct clientfds *cf, struct cf_take *t) {
         case CF_OP_DISCARD:
                 discard_run(t);
                 break;
+        case CF_OP_RUN:
+                t->run(t->ctx);
+                break;
         }
 }
 
@@ -940,6 +976,11 @@ static void clientfd_take_finish(struct clientfds *cf, struct cf_take *t) {
                 if (!cf->takes_dropped)
                         t->discarded(t->ctx, t->len >= (long)sizeof(t->hdr) ? &t->hdr : NULL, t->len,
                                      t->errmsg);
+                free(t);
+                return;
+        case CF_OP_RUN:
+                if (!cf->takes_dropped)
+                        t->ran(t->ctx);
                 free(t);
                 return;
         case CF_OP_TAKE:
@@ -992,10 +1033,11 @@ static int peer_pidfd(int sock, const struct ucred *cred, int64_t number, char *
         return pidfd;
 }
 
-/* Runs `t` (at once without a loop), or queues it; on failure undoes it:
- * its pidfd (or duplicate of a socket nothing was read from) closes at
- * once, and the `charged` fds go back (a check's fd stays the caller's). */
-static int take_start(struct clientfds *cf, struct cf_take *t, uint32_t charged) {
+/* Runs `t` (at once without a loop), or queues it; on failure (errmsg
+ * says why) undoes it: its pidfd (or duplicate of a socket nothing was
+ * read from) closes at once, and the `charged` fds go back (a check's fd
+ * stays the caller's). */
+static int take_start(struct clientfds *cf, struct cf_take *t, uint32_t charged, char *errmsg) {
         int r;
 
         if (!cf->base) {
@@ -1003,7 +1045,7 @@ static int take_start(struct clientfds *cf, struct cf_take *t, uint32_t charged)
                 clientfd_take_finish(cf, t);
                 return 0;
         }
-        r = clientfd_queue_take(cf, t);
+        r = clientfd_queue_take(cf, t, errmsg);
         if (r < 0) {
                 if (t->pidfd >= 0)
                         close(t->pidfd);
@@ -1048,15 +1090,13 @@ int clientfd_take(struct clientfds *cf, int sock, const struct ucred *cred, int6
         t->fd = -1;
         t->done = done;
         t->ctx = ctx;
-        r = take_start(cf, t, 2);
-        if (r < 0)
-                return errmsg_set(errmsg, r, "fd %" PRId64 ": out of memory", number);
-        return 0;
+        return take_start(cf, t, 2, errmsg);
 }
 
 int clientfd_check_async(struct clientfds *cf, uid_t uid, int fd, enum region_kind kind, uint64_t size,
                          clientfd_take_fn *done, void *ctx, char *errmsg) {
         struct cf_take *t = calloc(1, sizeof(*t));
+        char why[ERRMSG_MAX];
         int r;
 
         if (!t)
@@ -1069,10 +1109,26 @@ int clientfd_check_async(struct clientfds *cf, uid_t uid, int fd, enum region_ki
         t->fd = fd;
         t->done = done;
         t->ctx = ctx;
-        r = take_start(cf, t, 0);
+        r = take_start(cf, t, 0, why);
         if (r < 0)
-                return errmsg_set(errmsg, r, "%s region: out of memory", clientfd_kind_to_string(kind));
+                return errmsg_set(errmsg, r, "%s region: %s", clientfd_kind_to_string(kind), why);
         return 0;
+}
+
+int clientfd_run(struct clientfds *cf, uid_t uid, clientfd_run_fn *run, clientfd_run_fn *done, void *ctx,
+                 char *errmsg) {
+        struct cf_take *t = calloc(1, sizeof(*t));
+
+        if (!t)
+                return errmsg_set(errmsg, -ENOMEM, "uid %u: out of memory", (unsigned)uid);
+        t->op = CF_OP_RUN;
+        t->pidfd = -1;
+        t->uid = uid;
+        t->fd = -1;
+        t->run = run;
+        t->ran = done;
+        t->ctx = ctx;
+        return take_start(cf, t, 0, errmsg);
 }
 
 int clientfd_discard_record(struct clientfds *cf, uid_t uid, int sock, const char *errmsg,
@@ -1095,5 +1151,5 @@ int clientfd_discard_record(struct clientfds *cf, uid_t uid, int sock, const cha
                 return r;
         }
         clientfds_charge_held(cf, uid, 1);
-        return take_start(cf, t, 1);
+        return take_start(cf, t, 1, NULL);
 }

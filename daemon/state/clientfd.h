@@ -15,9 +15,15 @@
  *     proved a dma-buf: the kernel writes another file's fdinfo under that
  *     file's locks, an epoll fd's mutex among them), in the order that
  *     proves each later call safe before it is made; and even so it runs
- *     off the loop, in the uid's closer queue (clientfd_check_async(),
- *     clientfd_take()), so that a wait nobody foresaw stalls only the uid
+ *     off the loop, in the uid's queue of checks on a checker thread
+ *     (clientfd_check_async()) or after a take on a closer
+ *     (clientfd_take()), so that a wait nobody foresaw stalls only the uid
  *     that sent the descriptor;
+ *   - what a registration does with a checked fd that takes long (a
+ *     transport pinning its memory) runs in the same queue of checks
+ *     (clientfd_run()): checkers are a pool of their own, so that neither
+ *     closes that never return nor another uid's registrations hold it
+ *     up, and each uid has a bounded number of checks and runs waiting;
  *   - clientfd_close() hands an fd to closer threads. Each uid has its
  *     own queues, each served by at most one closer at a time, and a
  *     closer is started whenever work waits and none is idle, so a close
@@ -164,15 +170,33 @@ int clientfd_check(const struct clientfds *cf, int fd, enum region_kind kind, ui
 typedef void clientfd_take_fn(void *ctx, int fd, int error, const char *errmsg);
 
 /* Checks `fd`, which `uid` attached (charged to it: its receiver did), as
- * a region of `kind` and `size` with clientfd_check() on a closer, in
+ * a region of `kind` and `size` with clientfd_check() on a checker, in
  * `uid`'s own queue of checks: behind nobody else's work, and behind none
  * of its uid's closes and takes, which may never return.
  * From this call on `fd` is the check's: `done` gets it back, or -1 once
  * it was refused. `done` is called later on the loop, exactly once (with
- * `base` NULL: before this returns). Returns 0, or -ENOMEM with errmsg
- * (then `fd` is still the caller's and `done` is never called). */
+ * `base` NULL: before this returns). Returns 0, or with errmsg
+ * -ERROR_KIND_LIMIT_EXCEEDED (`uid` has CF_CHECKS_QUEUED_MAX checks and
+ * runs waiting: clientfd-internal.h) or -ENOMEM (then `fd` is still the
+ * caller's and `done` is never called). */
 int clientfd_check_async(struct clientfds *cf, uid_t uid, int fd, enum region_kind kind, uint64_t size,
                          clientfd_take_fn *done, void *ctx, char *errmsg);
+
+/* Work on the loop's behalf, with its context (clientfd_run()). */
+typedef void clientfd_run_fn(void *ctx);
+
+/* Does what a request of `uid` asked that takes long but waits for
+ * nothing the client controls (datapath.c: a transport pinning or mapping
+ * a region's memory): `run(ctx)` on a checker, in `uid`'s queue of checks
+ * (clientfd_check_async()), so that it delays only that uid's checks and
+ * runs; then `done(ctx)` on the loop, exactly once (with `base` NULL: both
+ * before this returns), unless clientfds_free() began first (the daemon
+ * exits: neither is called then). `run` may not log, nor touch what the
+ * loop owns. Returns 0, or with errmsg -ERROR_KIND_LIMIT_EXCEEDED (`uid`
+ * has CF_CHECKS_QUEUED_MAX checks and runs waiting) or -ENOMEM; then
+ * neither is called. */
+int clientfd_run(struct clientfds *cf, uid_t uid, clientfd_run_fn *run, clientfd_run_fn *done, void *ctx,
+                 char *errmsg);
 
 /* Takes descriptor `number` of the process that connected the session
  * socket `sock` (credentials `cred`, SO_PEERCRED) with pidfd_getfd(), for

@@ -23,6 +23,7 @@
 #include <sys/syscall.h>
 #include <sys/timerfd.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <cmocka.h>
@@ -73,6 +74,77 @@ int statx(int dirfd, const char *path, int flags, unsigned mask, struct statx *b
         return (int)syscall(SYS_statx, dirfd, path, flags, mask, buf);
 }
 
+/* close() likewise: a number at STUCK_FD or above is no descriptor but
+ * stands for one whose close never returns (a FUSE file whose server does
+ * not answer FLUSH): the closer that closes it waits until the test lets
+ * it go (stuck_release()), at most STUCK_MAX_MS, and no signal ends the
+ * wait (as FUSE's does not). */
+#define STUCK_FD 1000000
+#define STUCK_MAX_MS 5000
+static pthread_mutex_t stuck_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t stuck_cond = PTHREAD_COND_INITIALIZER;
+static bool stuck_released;
+static int stuck_now; /* threads in such a close now */
+
+int close(int fd) {
+        struct timespec until;
+
+        if (fd < STUCK_FD)
+                return (int)syscall(SYS_close, fd);
+        clock_gettime(CLOCK_REALTIME, &until);
+        until.tv_sec += STUCK_MAX_MS / 1000;
+        pthread_mutex_lock(&stuck_lock);
+        stuck_now++;
+        pthread_cond_broadcast(&stuck_cond);
+        while (!stuck_released && pthread_cond_timedwait(&stuck_cond, &stuck_lock, &until) == 0)
+                ;
+        stuck_now--;
+        pthread_cond_broadcast(&stuck_cond);
+        pthread_mutex_unlock(&stuck_lock);
+        return 0;
+}
+
+/* Waits up to 2 s until `n` threads are in a stuck close; returns how
+ * many are. */
+static int stuck_wait(int n) {
+        struct timespec until;
+        int now;
+
+        clock_gettime(CLOCK_REALTIME, &until);
+        until.tv_sec += 2;
+        pthread_mutex_lock(&stuck_lock);
+        while (stuck_now < n && pthread_cond_timedwait(&stuck_cond, &stuck_lock, &until) == 0)
+                ;
+        now = stuck_now;
+        pthread_mutex_unlock(&stuck_lock);
+        return now;
+}
+
+/* Lets every stuck close return, and the ones to come too until
+ * stuck_hold(). */
+static void stuck_release(void) {
+        pthread_mutex_lock(&stuck_lock);
+        stuck_released = true;
+        pthread_cond_broadcast(&stuck_cond);
+        pthread_mutex_unlock(&stuck_lock);
+}
+
+static void stuck_hold(void) {
+        pthread_mutex_lock(&stuck_lock);
+        stuck_released = false;
+        pthread_mutex_unlock(&stuck_lock);
+}
+
+/* Whether the tests' runs wait (test_runs()). */
+static bool gate_closed;
+
+static void gate(bool closed) {
+        pthread_mutex_lock(&stuck_lock);
+        gate_closed = closed;
+        pthread_cond_broadcast(&stuck_cond);
+        pthread_mutex_unlock(&stuck_lock);
+}
+
 struct fixture {
         struct config config;
         struct event_base *base;
@@ -96,6 +168,8 @@ static int setup(void **state) {
 static int teardown(void **state) {
         struct fixture *f = *state;
 
+        stuck_release(); /* a test that failed left its stuck closes, */
+        gate(false);     /* or its runs held */
         assert_int_equal(clientfds_settle(f->cf, 2000), 0);
         clientfds_free(f->cf, 1000);
         event_base_free(f->base);
@@ -412,6 +486,170 @@ static void test_check_async(void **state) {
         close(p[1]);
 }
 
+/* Closes that never return hold closers, never the kind checks of
+ * attached fds: with the closers' cap lowered to 3 (CF_CLOSERS_MAX, 4096,
+ * in the daemon) and 3 uids each with a close stuck, every closer is
+ * taken, and another uid's RegionRegister check is still answered, at
+ * once. */
+static void test_checks_beside_stuck_closes(void **state) {
+        struct fixture *f = *state;
+        static struct take_result res; /* a check left queued outlives the test when it fails */
+        int mem = unit_memfd(4096, NULL);
+
+        f->cf->closers.max = 3;
+        stuck_hold();
+        for (uid_t uid = 2000; uid < 2003; uid++) {
+                clientfds_charge_held(f->cf, uid, 1);
+                clientfd_close(f->cf, uid, STUCK_FD + (int)uid);
+        }
+        assert_int_equal(stuck_wait(3), 3);
+
+        res = (struct take_result){ .fd = -1 };
+        clientfds_charge_held(f->cf, 1000, 1);
+        assert_int_equal(clientfd_check_async(f->cf, 1000, mem, MEMFD, 4096, take_cb, &res, res.msg), 0);
+        wait_result(f, &res);
+        assert_int_equal(res.error, 0);
+        assert_int_equal(res.fd, mem);
+        /* The closes are still stuck: they hold their charges. */
+        assert_int_equal(stuck_wait(3), 3);
+        assert_int_equal(clientfds_held(f->cf, 2000), 1);
+        clientfd_close(f->cf, 1000, res.fd);
+
+        stuck_release();
+        assert_int_equal(clientfds_settle(f->cf, 2000), 0);
+        for (uid_t uid = 2000; uid < 2003; uid++)
+                assert_int_equal(clientfds_held(f->cf, uid), 0);
+}
+
+/* A run (clientfd_run()) of the tests: `run` waits while the gate is
+ * closed (at most STUCK_MAX_MS), noting whether it ran on the loop's
+ * thread; `done` counts on which thread it was called. */
+struct run {
+        bool ran, on_loop;
+        int done, done_on_loop;
+};
+static void run_fn(void *ctx) {
+        struct run *r = ctx;
+        struct timespec until;
+
+        clock_gettime(CLOCK_REALTIME, &until);
+        until.tv_sec += STUCK_MAX_MS / 1000;
+        pthread_mutex_lock(&stuck_lock);
+        r->on_loop = pthread_equal(pthread_self(), loop_thread);
+        r->ran = true;
+        stuck_now++;
+        pthread_cond_broadcast(&stuck_cond);
+        while (gate_closed && pthread_cond_timedwait(&stuck_cond, &stuck_lock, &until) == 0)
+                ;
+        stuck_now--;
+        pthread_mutex_unlock(&stuck_lock);
+}
+
+static void run_done(void *ctx) {
+        struct run *r = ctx;
+
+        r->done++;
+        r->done_on_loop += pthread_equal(pthread_self(), loop_thread);
+}
+
+/* Pumps the loop until `*n` reaches `want` (at most 2 s). */
+static void wait_count(struct fixture *f, const int *n, int want) {
+        for (int i = 0; i < 400 && *n < want; i++) {
+                event_base_loop(f->base, EVLOOP_NONBLOCK);
+                if (*n < want)
+                        usleep(5000);
+        }
+        assert_int_equal(*n, want);
+}
+
+/* Runs happen on a checker and end on the loop; checkers are a pool of
+ * their own, so that work that holds every one of them (lowered to 2
+ * here) holds up no close: another uid's close returns, its charge with
+ * it. */
+static void test_runs(void **state) {
+        struct fixture *f = *state;
+        static struct run held[2], one;
+        char msg[ERRMSG_MAX], c;
+        int p[2];
+
+        assert_int_equal(clientfd_run(f->cf, 1000, run_fn, run_done, &one, msg), 0);
+        wait_count(f, &one.done, 1);
+        assert_true(one.ran && !one.on_loop);
+        assert_int_equal(one.done_on_loop, 1);
+
+        f->cf->checkers.max = 2;
+        gate(true);
+        for (int i = 0; i < 2; i++) {
+                held[i] = (struct run){ 0 };
+                assert_int_equal(clientfd_run(f->cf, 3000 + i, run_fn, run_done, &held[i], msg), 0);
+        }
+        assert_int_equal(stuck_wait(2), 2);
+        assert_int_equal(pipe2(p, O_CLOEXEC), 0);
+        clientfds_charge_held(f->cf, 1000, 1);
+        clientfd_close(f->cf, 1000, p[1]);
+        for (int i = 0; i < 400 && clientfds_held(f->cf, 1000) > 0; i++) {
+                event_base_loop(f->base, EVLOOP_NONBLOCK);
+                usleep(5000);
+        }
+        assert_int_equal(clientfds_held(f->cf, 1000), 0);
+        assert_int_equal(read(p[0], &c, 1), 0); /* closed for real */
+        close(p[0]);
+        assert_int_equal(held[0].done + held[1].done, 0);
+        gate(false);
+        wait_count(f, &held[0].done, 1);
+        wait_count(f, &held[1].done, 1);
+}
+
+/* A uid's queue of checks and runs is bounded (CF_CHECKS_QUEUED_MAX,
+ * lowered to 2 here): past it, a check or a run is refused with
+ * ERROR_LIMIT_EXCEEDED naming the uid and the cap, the fd still the
+ * caller's; another uid is served meanwhile, and what was queued is done. */
+static void test_checks_queue_full(void **state) {
+        struct fixture *f = *state;
+        static struct run runs[4];
+        static struct take_result res, other;
+        int mem = unit_memfd(4096, NULL), mem2 = unit_memfd(4096, NULL);
+        char msg[ERRMSG_MAX];
+
+        f->cf->checkers.queued_max = 2;
+        gate(true);
+        memset(runs, 0, sizeof(runs));
+        assert_int_equal(clientfd_run(f->cf, 1000, run_fn, run_done, &runs[0], msg), 0);
+        assert_int_equal(stuck_wait(1), 1); /* running: no longer waiting */
+        assert_int_equal(clientfd_run(f->cf, 1000, run_fn, run_done, &runs[1], msg), 0);
+        assert_int_equal(clientfd_run(f->cf, 1000, run_fn, run_done, &runs[2], msg), 0);
+        msg[0] = '\0';
+        assert_int_equal(clientfd_run(f->cf, 1000, run_fn, run_done, &runs[3], msg),
+                         -ERROR_KIND_LIMIT_EXCEEDED);
+        assert_non_null(strstr(msg, "uid 1000 has 2 region checks and registrations waiting in its queue "
+                                    "(at most 2)"));
+        clientfds_charge_held(f->cf, 1000, 1);
+        res = (struct take_result){ .fd = -1 };
+        assert_int_equal(clientfd_check_async(f->cf, 1000, mem, MEMFD, 4096, take_cb, &res, msg),
+                         -ERROR_KIND_LIMIT_EXCEEDED);
+        assert_non_null(strstr(msg, "memfd region: uid 1000 has 2 region checks"));
+        assert_int_equal(fcntl(mem, F_GETFD) & FD_CLOEXEC, FD_CLOEXEC); /* still ours */
+
+        /* Another uid's check is answered meanwhile. */
+        other = (struct take_result){ .fd = -1 };
+        clientfds_charge_held(f->cf, 1001, 1);
+        assert_int_equal(clientfd_check_async(f->cf, 1001, mem2, MEMFD, 4096, take_cb, &other, msg), 0);
+        wait_result(f, &other);
+        assert_int_equal(other.error, 0);
+        clientfd_close(f->cf, 1001, other.fd);
+
+        gate(false);
+        for (int i = 0; i < 3; i++)
+                wait_count(f, &runs[i].done, 1);
+        assert_int_equal(runs[3].done, 0);
+        assert_false(runs[3].ran);
+        /* Room again: the check is taken. */
+        assert_int_equal(clientfd_check_async(f->cf, 1000, mem, MEMFD, 4096, take_cb, &res, msg), 0);
+        wait_result(f, &res);
+        assert_int_equal(res.error, 0);
+        clientfd_close(f->cf, 1000, res.fd);
+}
+
 /* Takes (clientfd_take()) from this very process: the peer of a
  * socketpair is the process that made it. */
 static void test_takes(void **state) {
@@ -663,6 +901,9 @@ int main(void) {
                 cmocka_unit_test_setup_teardown(test_charges, setup, teardown),
                 cmocka_unit_test_setup_teardown(test_closes, setup, teardown),
                 cmocka_unit_test_setup_teardown(test_check_async, setup, teardown),
+                cmocka_unit_test_setup_teardown(test_checks_beside_stuck_closes, setup, teardown),
+                cmocka_unit_test_setup_teardown(test_runs, setup, teardown),
+                cmocka_unit_test_setup_teardown(test_checks_queue_full, setup, teardown),
                 cmocka_unit_test_setup_teardown(test_takes, setup, teardown),
                 cmocka_unit_test_setup_teardown(test_take_process, setup, teardown),
         };
