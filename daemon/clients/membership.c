@@ -179,33 +179,6 @@ const struct job_callbacks membership_job_callbacks = {
 
 /* ------------------------------------------------------------ regions */
 
-/* The one registration of a RegionRegister, whether its fd was attached
- * or taken, once the fd passed its kind check: registers `*fd` (set to -1
- * once the broker took it) as `spec` of `s`'s member, to the data path
- * for a proxy role (which tells the mesh itself, with the rkey), else to
- * the broker and then the mesh, and counts it. Returns 0 with *ret_id, or
- * -errno with errmsg. */
-static int register_region(struct membership *ms, struct session *s, const struct region_spec *spec, int *fd,
-                           uint64_t *ret_id, char *errmsg) {
-        int r;
-
-        if (spec->role != REGION_ROLE_NONE) {
-                r = datapath_region_register(ms->datapath, ms->broker, s->member, s->cred.uid, spec, fd,
-                                             ret_id, errmsg);
-        } else {
-                r = broker_register(ms->broker, s->member, s->cred.uid, spec->kind, spec->size, spec->tag,
-                                    *fd, ret_id, errmsg);
-                if (r == 0) {
-                        *fd = -1; /* the broker owns it now */
-                        mesh_jobs_region_changed(ms->mesh_jobs, s->member, *ret_id, spec->tag,
-                                                 (uint32_t)spec->kind, spec->size, false, 0, NULL);
-                }
-        }
-        if (r == 0)
-                ms->metrics->regions_registered++;
-        return r;
-}
-
 /* Queues RegionRegistered (request `rid`) for region `id`. Returns 0 or
  * -errno from session_respond(). */
 static int registered(struct session *s, uint64_t rid, uint64_t id) {
@@ -219,8 +192,9 @@ static int registered(struct session *s, uint64_t rid, uint64_t id) {
 }
 
 /* One RegionRegister whose fd is being checked, or taken and checked, off
- * the loop in the uid's closer queue: what the request asked, and whom to
- * answer. */
+ * the loop in the uid's queue, then registered (for a proxy role, also
+ * off the loop: datapath_region_register()): what the request asked, and
+ * whom to answer. The session reads nothing more until it is answered. */
 struct pending_region {
         struct membership *ms;     /* not owning */
         struct session *s;         /* holds a reference until the reply */
@@ -230,34 +204,23 @@ struct pending_region {
         struct region_spec spec;
 };
 
-/* The check (or take) finished (clientfd_take_fn, on the loop): a good fd
- * is registered, and the reply or the Error (naming the fd number of a
- * take) is queued. */
-static void region_checked(void *ctx, int fd, int error, const char *errmsg) {
-        struct pending_region *p = ctx;
+/* Answers the RegionRegister of `p` and frees it: RegionRegistered for
+ * region `id`, or the Error of `r` (< 0) with `errmsg`, which names the fd
+ * number of a take when the registration (`registering`) refused it; the
+ * session reads on. Nobody is answered once the session failed or left
+ * its job meanwhile. */
+static void region_answer(struct pending_region *p, int r, uint64_t id, const char *errmsg,
+                          bool registering) {
         struct session *s = p->s;
-        char why[ERRMSG_MAX], msg[ERRMSG_MAX + 64];
-        uint64_t id = 0;
-        int r = error;
+        char msg[ERRMSG_MAX + 64];
 
         session_resume(s);
-        /* Gone meanwhile (the session failed; it read nothing else, so it
-         * cannot have left or joined another job): the fd goes back. */
-        if (s->state == SESSION_CLOSED || s->member != p->member) {
-                clientfd_close(s->reg->clientfds, s->cred.uid, fd);
+        if (s->state == SESSION_CLOSED || s->member != p->member)
                 goto out;
-        }
-        if (fd >= 0) {
-                r = register_region(p->ms, s, &p->spec, &fd, &id, why);
-                /* Taken by the broker, fd is -1 now; refused, it is still
-                 * ours, charged to the uid, and closed. */
-                clientfd_close(s->reg->clientfds, s->cred.uid, fd);
-                errmsg = why;
-                if (r < 0 && p->number >= 0) {
-                        snprintf(msg, sizeof(msg), "fd %" PRId64 " of pid %d: %s", p->number,
-                                 (int)s->cred.pid, why);
-                        errmsg = msg;
-                }
+        if (r < 0 && registering && p->number >= 0) {
+                snprintf(msg, sizeof(msg), "fd %" PRId64 " of pid %d: %s", p->number, (int)s->cred.pid,
+                         errmsg);
+                errmsg = msg;
         }
         /* A process gone is a descriptor that cannot be had, to the client. */
         if (r == -ESRCH)
@@ -272,6 +235,7 @@ static void region_checked(void *ctx, int fd, int error, const char *errmsg) {
                 session_send_error(s, p->rid, error_code(r), errmsg);
                 goto out;
         }
+        p->ms->metrics->regions_registered++;
         if (p->number >= 0)
                 log_debug("session %" PRIu64 ": took fd %" PRId64 " of pid %d as region %" PRIu64, s->id,
                           p->number, (int)s->cred.pid, id);
@@ -281,6 +245,54 @@ static void region_checked(void *ctx, int fd, int error, const char *errmsg) {
 out:
         session_unref(s);
         free(p);
+}
+
+/* A proxy region's registration ended (datapath_registered_fn, on the
+ * loop). */
+static void region_registered(void *ctx, int error, uint64_t id, const char *errmsg) {
+        region_answer(ctx, error, id, errmsg, true);
+}
+
+/* The check (or take) finished (clientfd_take_fn, on the loop): a good fd
+ * is registered: at once with the broker and the mesh, or through the data
+ * path for a proxy role, which answers later (region_registered()). */
+static void region_checked(void *ctx, int fd, int error, const char *errmsg) {
+        struct pending_region *p = ctx;
+        struct membership *ms = p->ms;
+        struct session *s = p->s;
+        char why[ERRMSG_MAX] = "";
+        uint64_t id = 0;
+        int r;
+
+        /* Gone meanwhile (the session failed; it read nothing else, so it
+         * cannot have left or joined another job): the fd goes back. */
+        if (s->state == SESSION_CLOSED || s->member != p->member) {
+                clientfd_close(s->reg->clientfds, s->cred.uid, fd);
+                region_answer(p, -ECANCELED, 0, "", false);
+                return;
+        }
+        if (fd < 0) {
+                region_answer(p, error, 0, errmsg, false);
+                return;
+        }
+        if (p->spec.role != REGION_ROLE_NONE) {
+                r = datapath_region_register(ms->datapath, ms->broker, s->member, s->cred.uid, &p->spec, &fd,
+                                             region_registered, p, why);
+                /* Taken by the broker, fd is -1 now; refused, it is still
+                 * ours, charged to the uid, and closed. */
+                clientfd_close(s->reg->clientfds, s->cred.uid, fd);
+                if (r == 0)
+                        return;
+        } else {
+                r = broker_register(ms->broker, s->member, s->cred.uid, p->spec.kind, p->spec.size,
+                                    p->spec.tag, fd, &id, why);
+                if (r == 0)
+                        mesh_jobs_region_changed(ms->mesh_jobs, s->member, id, p->spec.tag,
+                                                 (uint32_t)p->spec.kind, p->spec.size, false, 0, NULL);
+                else
+                        clientfd_close(s->reg->clientfds, s->cred.uid, fd);
+        }
+        region_answer(p, r, id, why, true);
 }
 
 /* Starts the check of `*fd` (set to -1: the check's now), or the take of

@@ -21,6 +21,7 @@
 #include "errors.h"
 #include "log.h"
 #include "state/broker.h"
+#include "state/clientfd.h"
 
 /* One open channel: a ring the proxy reads. */
 struct dp_channel {
@@ -42,6 +43,9 @@ struct dp_rank {
         uint64_t host[REGION_ROLES];      /* bytes of mr charged as host memory (dp_usage) */
         struct dp_channel_list channels;  /* owns */
         uint32_t nchannels;
+        /* Not owning: the registrations under way (region_id is theirs
+         * already, mr not yet). */
+        struct dp_pending *pending[REGION_ROLES];
         TAILQ_ENTRY(dp_rank) entry;
 };
 
@@ -72,9 +76,32 @@ struct dp_usage {
         LIST_ENTRY(dp_usage) entry;
 };
 
+/* A proxy region's registration while its transport part (mr_new) runs
+ * off the loop, in its uid's queue (clientfd_run()): made on the loop
+ * (datapath_region_register()), run on a checker (pending_run()), ended on
+ * the loop (pending_done()). Owned by clientfd until it is handed back. */
+struct dp_pending {
+        struct datapath *dp;       /* not owning */
+        struct broker *broker;     /* not owning */
+        struct job_member *member; /* not owning; NULL once the member went (datapath_member_gone()) */
+        uid_t uid;                 /* charged: dp_usage (`host` bytes, one fd) */
+        struct region_spec spec;
+        uint64_t id;       /* the broker's region, hidden until done */
+        uint64_t host;     /* bytes charged as host memory */
+        struct tp_mem mem; /* mem.fd: a duplicate of the region's fd, owned until the run closes it */
+        char name[96];     /* mem.name */
+        /* Written by the run, read on the loop once it is handed back: */
+        struct tp_mr *mr; /* owns until the rank does */
+        int error;
+        char errmsg[ERRMSG_MAX];
+        datapath_registered_fn *done;
+        void *ctx;
+};
+
 struct datapath {
         const struct config *config;    /* not owning; the caps are read at each registration */
-        struct clientfds *fds;          /* not owning; charges a registration's fd to its uid */
+        struct clientfds *fds;          /* not owning; charges a registration's fd, runs its mr_new */
+        uint32_t npending;              /* registrations whose run may be in the transport */
         LIST_HEAD(, dp_usage) usage;    /* owns; entries exist while a uid holds registrations */
         uint64_t host;                  /* host bytes of every registration (max_proxy_bytes) */
         struct mesh *mesh;              /* not owning; the peer daemons */
@@ -188,7 +215,7 @@ static int usage_charge(struct datapath *dp, uid_t uid, uint64_t host, const cha
                 u->uid = uid;
                 LIST_INSERT_HEAD(&dp->usage, u, entry);
         }
-        if (dp->fds && (r = clientfds_charge(dp->fds, uid, 1, why)) < 0) {
+        if ((r = clientfds_charge(dp->fds, uid, 1, why)) < 0) {
                 if (!u->mrs) {
                         LIST_REMOVE(u, entry);
                         free(u);
@@ -206,8 +233,7 @@ static int usage_charge(struct datapath *dp, uid_t uid, uint64_t host, const cha
 static void usage_return(struct datapath *dp, uid_t uid, uint64_t host) {
         struct dp_usage *u = usage_find(dp, uid);
 
-        if (dp->fds)
-                clientfds_uncharge(dp->fds, uid, 1);
+        clientfds_uncharge(dp->fds, uid, 1);
         dp->host -= host;
         if (!u)
                 return;
@@ -341,6 +367,14 @@ void datapath_member_gone(struct datapath *dp, struct job_member *m) {
 
         if (!dr)
                 return;
+        /* A registration under way is undone when its run returns
+         * (pending_done()): the broker drops its hidden region now. */
+        for (uint32_t role = 0; role < REGION_ROLES; role++)
+                if (dr->pending[role]) {
+                        dr->pending[role]->member = NULL;
+                        dr->pending[role] = NULL;
+                        dr->region_id[role] = 0;
+                }
         channels_remove(dp, dr);
         rank_mr_drop(dp, dr, REGION_ROLE_RECV);
         rank_mr_drop(dp, dr, REGION_ROLE_COUNTERS);
@@ -408,16 +442,85 @@ static int client_refusal(int r) {
         return r == -EINVAL ? -ERROR_KIND_INVALID_ARGUMENT : r;
 }
 
+/* A rank made for a registration alone goes again when it failed. */
+static void rank_drop_unused(struct datapath *dp, struct dp_rank *dr) {
+        if (dr->member && !dr->nchannels && !rank_has_regions(dr)) {
+                TAILQ_REMOVE(&dp->ranks, dr, entry);
+                free(dr);
+        }
+}
+
+/* On a checker (clientfd_run()): the transport's registration, which
+ * maps or pins the memory (transport.h: mr_new may run on any thread);
+ * then the duplicate of the fd closes (the mapping or pin, or cuda's own
+ * duplicate, holds the file now). Never logs. */
+static void pending_run(void *arg) {
+        struct dp_pending *p = arg;
+        const struct datapath *dp = p->dp;
+
+        p->error = dp->tp.ops->mr_new(dp->tp.tp, &p->mem, &p->mr, p->errmsg);
+        close(p->mem.fd);
+        p->mem.fd = -1;
+}
+
+/* Back on the loop: the registration becomes the rank's, is shown to its
+ * peers and told to the mesh; or, refused by the transport or no longer
+ * wanted (its member went), it is undone: the registration freed, the
+ * charge returned, the broker's region released (a member that went took
+ * it already). Then `done`. */
+static void pending_done(void *arg) {
+        struct dp_pending *p = arg;
+        struct datapath *dp = p->dp;
+        struct job_member *m = p->member;
+        enum region_role role = p->spec.role;
+        struct dp_rank *dr = m ? rank_find(dp, m) : NULL;
+        struct job_rkey jrkey;
+        struct tp_rkey rkey;
+        char why[ERRMSG_MAX];
+        int r = client_refusal(p->error);
+
+        dp->npending--;
+        if (!dr || r < 0) {
+                if (p->mr) /* never told to anyone: no writer can be on its way */
+                        mr_free(dp, p->mr, p->uid, p->host);
+                else
+                        usage_return(dp, p->uid, p->host);
+        }
+        if (!dr) {
+                snprintf(why, sizeof(why), "%s: its rank left the job while it was being registered",
+                         p->name);
+                p->done(p->ctx, -ECANCELED, 0, why);
+                free(p);
+                return;
+        }
+        dr->pending[role] = NULL;
+        if (r < 0) {
+                dr->region_id[role] = 0;
+                broker_release(p->broker, m, p->id, NULL);
+                rank_drop_unused(dp, dr);
+                p->done(p->ctx, r, 0, p->errmsg);
+                free(p);
+                return;
+        }
+        dr->mr[role] = p->mr;
+        dr->host[role] = p->host;
+        broker_hide(m, p->id, false);
+        dp->tp.ops->mr_rkey(p->mr, &rkey);
+        log_info("datapath: %s registered (region %" PRIu64 ", %" PRIu64 " bytes)", p->name, p->id,
+                 p->spec.size);
+        jrkey = (struct job_rkey){ .base = rkey.base, .key = rkey.key, .length = rkey.length };
+        mesh_jobs_region_changed(dp->mesh_jobs, m, p->id, p->spec.tag, (uint32_t)p->spec.kind, p->spec.size,
+                                 false, (uint32_t)role, role == REGION_ROLE_SEND ? NULL : &jrkey);
+        p->done(p->ctx, 0, p->id, NULL);
+        free(p);
+}
+
 int datapath_region_register(struct datapath *dp, struct broker *b, struct job_member *m, uid_t uid,
-                             const struct region_spec *spec, int *fd, uint64_t *ret_id, char *errmsg) {
+                             const struct region_spec *spec, int *fd, datapath_registered_fn *done, void *ctx,
+                             char *errmsg) {
+        struct dp_pending *p;
         const char *why;
         struct dp_rank *dr;
-        struct tp_mem mem;
-        struct tp_mr *mr;
-        struct tp_rkey rkey;
-        struct job_rkey jrkey;
-        char name[96];
-        uint64_t id, host;
         int r;
 
         if (spec->role <= REGION_ROLE_NONE || spec->role >= REGION_ROLES)
@@ -436,13 +539,25 @@ int datapath_region_register(struct datapath *dp, struct broker *b, struct job_m
                 return errmsg_set(errmsg, -ERROR_KIND_PEER_LOST,
                                   "job %" PRIu64 " is aborted: rank %" PRId32 " was lost", m->job->id,
                                   m->job->lost_rank);
-        r = region_mem(dp, m, spec, *fd, &mem, name, sizeof(name), errmsg);
-        if (r < 0)
+        p = calloc(1, sizeof(*p));
+        if (!p)
+                return errmsg_set(errmsg, -ENOMEM, "%s region of rank %" PRIu32 ": out of memory",
+                                  role_to_string(spec->role), m->rank);
+        *p = (struct dp_pending){
+                .dp = dp, .broker = b, .member = m, .uid = uid, .spec = *spec, .done = done, .ctx = ctx
+        };
+        r = region_mem(dp, m, spec, *fd, &p->mem, p->name, sizeof(p->name), errmsg);
+        if (r < 0) {
+                free(p);
                 return r;
+        }
         if (!dr) {
                 dr = calloc(1, sizeof(*dr));
-                if (!dr)
-                        return errmsg_set(errmsg, -ENOMEM, "%s: out of memory", name);
+                if (!dr) {
+                        r = errmsg_set(errmsg, -ENOMEM, "%s: out of memory", p->name);
+                        free(p);
+                        return r;
+                }
                 dr->member = m;
                 dr->uid = uid;
                 dr->job_id = m->job->id;
@@ -450,49 +565,51 @@ int datapath_region_register(struct datapath *dp, struct broker *b, struct job_m
                 TAILQ_INIT(&dr->channels);
                 TAILQ_INSERT_TAIL(&dp->ranks, dr, entry);
         }
-        r = broker_register(b, m, uid, spec->kind, spec->size, spec->tag, *fd, &id, errmsg);
+        r = broker_register(b, m, uid, spec->kind, spec->size, spec->tag, *fd, &p->id, errmsg);
         if (r < 0)
                 goto fail;
         /* The broker owns the fd now: releasing the region below closes it
          * (on a closer thread), and a second close by the caller could hit
          * a number the loop has given to another client's fd meanwhile. */
         *fd = -1;
+        broker_hide(m, p->id, true);
         /* Host memory the transport maps (tp-mem) or pins (verbs, fabric's
          * NIC providers, cuda): the daemon's own memory and address space,
          * capped far below max_region_bytes_per_uid. GPU memory is the
-         * client's and is not counted; every registration holds an fd.
-         * mr_new runs on the loop: pinning (ibv_reg_mr, cuMemHostRegister)
-         * faults in every page, so the cap also bounds how long one
-         * request can hold the loop (a few GiB take about a second);
-         * registering on a worker thread would remove that stall. */
-        host = spec->kind == REGION_KIND_MEMFD ? spec->size : 0;
-        r = usage_charge(dp, dr->uid, host, name, errmsg);
-        if (r == 0) {
-                r = client_refusal(dp->tp.ops->mr_new(dp->tp.tp, &mem, &mr, errmsg));
-                if (r < 0)
-                        usage_return(dp, dr->uid, host);
+         * client's and is not counted; every registration holds an fd (the
+         * run's duplicate of it, until the registration holds the file). */
+        p->host = spec->kind == REGION_KIND_MEMFD ? spec->size : 0;
+        r = usage_charge(dp, dr->uid, p->host, p->name, errmsg);
+        if (r < 0)
+                goto fail_broker;
+        /* The run's own reference: the broker's fd closes when the member
+         * goes, whenever that is. dup() never waits. */
+        p->mem.fd = fcntl(p->mem.fd, F_DUPFD_CLOEXEC, 3);
+        if (p->mem.fd < 0) {
+                r = errmsg_set(errmsg, -errno, "%s: duplicating its fd: %s", p->name, strerror(errno));
+                goto fail_charge;
         }
-        if (r < 0) {
-                broker_release(b, m, id, NULL);
-                goto fail;
-        }
-        dr->mr[spec->role] = mr;
-        dr->host[spec->role] = host;
-        dr->region_id[spec->role] = id;
-        dp->tp.ops->mr_rkey(mr, &rkey);
-        log_info("datapath: %s registered (region %" PRIu64 ", %" PRIu64 " bytes)", name, id, spec->size);
-        jrkey = (struct job_rkey){ .base = rkey.base, .key = rkey.key, .length = rkey.length };
-        mesh_jobs_region_changed(dp->mesh_jobs, m, id, spec->tag, (uint32_t)spec->kind, spec->size, false,
-                                 (uint32_t)spec->role, spec->role == REGION_ROLE_SEND ? NULL : &jrkey);
-        *ret_id = id;
-        return 0;
-
+        /* mr_new runs off the loop, in the uid's own queue: pinning faults
+         * in every page (a few GiB take about a second), which would hold
+         * the loop, and every tenant with it; there it delays only the
+         * uid's own checks and registrations. */
+        dr->region_id[spec->role] = p->id;
+        dr->pending[spec->role] = p;
+        dp->npending++;
+        r = clientfd_run(dp->fds, uid, pending_run, pending_done, p, errmsg);
+        if (r == 0)
+                return 0;
+        dp->npending--;
+        dr->pending[spec->role] = NULL;
+        dr->region_id[spec->role] = 0;
+        close(p->mem.fd); /* not the file's last reference: the broker holds it */
+fail_charge:
+        usage_return(dp, dr->uid, p->host);
+fail_broker:
+        broker_release(b, m, p->id, NULL);
 fail:
-        /* A rank made for this call alone goes again. */
-        if (dr->member && !dr->nchannels && !rank_has_regions(dr)) {
-                TAILQ_REMOVE(&dp->ranks, dr, entry);
-                free(dr);
-        }
+        rank_drop_unused(dp, dr);
+        free(p);
         return r;
 }
 
@@ -504,6 +621,9 @@ int datapath_region_release(struct datapath *dp, struct job_member *m, uint64_t 
         for (uint32_t role = 1; role < REGION_ROLES; role++) {
                 if (dr->region_id[role] != id)
                         continue;
+                if (dr->pending[role]) /* its session waits for the registration: not sent */
+                        return errmsg_set(errmsg, -ERROR_KIND_INVALID_ARGUMENT,
+                                          "region %" PRIu64 " is still being registered", id);
                 if (role == REGION_ROLE_SEND && dr->nchannels)
                         return errmsg_set(errmsg, -ERROR_KIND_INVALID_ARGUMENT,
                                           "region %" PRIu64 " is rank %" PRIu32
@@ -815,6 +935,17 @@ void datapath_free(struct datapath *dp) {
                 return;
         if (dp->mesh)
                 mesh_subscribe(dp->mesh, MESH_OWNER_TRANSPORT, NULL);
+        /* Registrations under way are in the transport, or about to be:
+         * they end first (their members went with the sessions, so each
+         * undoes itself, pending_done()). */
+        for (uint64_t until = dp_now_ms() + DATAPATH_FREE_WAIT_MS; dp->npending && dp_now_ms() < until;)
+                clientfds_settle(dp->fds, 100);
+        if (dp->npending) {
+                log_warn("datapath: %" PRIu32 " registrations still in the transport after %d s: it is left "
+                         "open to the exit",
+                         dp->npending, DATAPATH_FREE_WAIT_MS / 1000);
+                return;
+        }
         if (dp->ev_proxy)
                 event_free(dp->ev_proxy);
         /* The thread first: it drops the rings that still read send

@@ -73,7 +73,8 @@ struct region_spec {
  * configured transport (transport, fabric_provider, transport_device,
  * transport_address) and starts the proxy. `c` (read at each registration
  * for max_proxy_bytes_per_uid and max_proxy_bytes) and `fds` (each
- * registration's fd is charged there; may be NULL) must outlive it. When the transport does not
+ * registration's fd is charged there, and its transport part runs in its
+ * uid's queue: clientfd_run()) must outlive it. When the transport does not
  * open, moeepd runs without the internode data path: that is logged once
  * (a warning naming the transport and why) and every request that needs it
  * is answered with the same text. Returns 0 (*ret NULL when the mesh is
@@ -81,8 +82,11 @@ struct region_spec {
 int datapath_start(struct event_base *base, const struct config *c, struct clientfds *fds, struct mesh *mesh,
                    struct mesh_jobs *mesh_jobs, struct datapath **ret);
 
-/* Stops the proxy, drops every registration and closes the transport.
- * Accepts NULL. */
+/* Waits for the registrations under way (their members went with the
+ * sessions: each undoes itself), stops the proxy, drops every registration
+ * and closes the transport; one still in the transport after
+ * DATAPATH_FREE_WAIT_MS leaves everything to the process's exit. Call
+ * before clientfds_free(). Accepts NULL. */
 void datapath_free(struct datapath *dp);
 
 /* Whether the transport is open and the proxy runs; when not, `why` (may
@@ -96,24 +100,40 @@ const char *datapath_backend(const struct datapath *dp);
  * *ret filled where the backend counts (cuda), false otherwise. */
 bool datapath_transport_stats(const struct datapath *dp, struct tp_stats *ret);
 
+/* What a proxy region's registration hands back (datapath_region_register()),
+ * on the loop, exactly once: 0 and the region's id, or an error (-errno or
+ * an error kind) with errmsg saying why: what the transport refused the
+ * memory with (its -EINVAL as -ERROR_KIND_INVALID_ARGUMENT), or -ECANCELED
+ * when the rank left its job (or was lost, or the daemon stops) before the
+ * registration was done (nothing of it is kept then). */
+typedef void datapath_registered_fn(void *ctx, int error, uint64_t id, const char *errmsg);
+
 /* RegionRegister with a proxy role, of an fd that passed clientfd_check()
- * (broker_register()): checks the role (one region of each per rank), the
- * kind (a memfd sealed with F_SEAL_SHRINK, and still of the size now that
- * it cannot shrink; a dma-buf where the transport takes one) and the size
- * (counters: a multiple of 8),
- * registers the region with the broker and with the transport, and tells
- * the mesh (with the rkey for recv and counter regions). `*fd` is taken
- * (set to -1) once the broker took it, on success and on a later failure
- * alike (the broker then closes it, off the loop), so the caller closes it
- * only while it is still >= 0. Errors as broker_register (a bad role, kind,
- * seal or size: -ERROR_KIND_INVALID_ARGUMENT), plus -ENODEV without a data
- * path, -EOPNOTSUPP for a kind the transport cannot register, and
+ * (broker_register()). On the loop, at once: checks the role (one region
+ * of each per rank), the kind (a memfd sealed with F_SEAL_SHRINK, and
+ * still of the size now that it cannot shrink; a dma-buf where the
+ * transport takes one) and the size (counters: a multiple of 8), registers
+ * the region with the broker, hidden from the peers (broker_hide()), and
+ * charges it. Then the transport's registration (mr_new: it maps the
+ * memory, or pins it, faulting in every page: a few GiB take about a
+ * second) runs off the loop, in `uid`'s own queue of checks
+ * (clientfd_run()), where it delays nobody else; back on the loop the
+ * region is the rank's, shown to its peers, the mesh is told (with the
+ * rkey for recv and counter regions), and `done` is called.
+ * `*fd` is taken (set to -1) once the broker took it, on success and on a
+ * later failure alike (the broker then closes it, off the loop), so the
+ * caller closes it only while it is still >= 0. Returns 0 once the
+ * registration is under way (`done` comes later), or an error (`done` is
+ * never called then): as broker_register (a bad role, kind, seal or size:
+ * -ERROR_KIND_INVALID_ARGUMENT), plus -ENODEV without a data path, and
  * -ERROR_KIND_LIMIT_EXCEEDED past max_proxy_bytes_per_uid or
  * max_proxy_bytes (a memfd region's bytes) or max_fds_per_uid (one fd per
- * registration): a registration stays charged to its uid until it is
- * freed, DATAPATH_MR_LINGER_MS after a release for recv and counters. */
+ * registration), or when `uid`'s queue of checks is full: a registration
+ * stays charged to its uid until it is freed, DATAPATH_MR_LINGER_MS after
+ * a release for recv and counters. */
 int datapath_region_register(struct datapath *dp, struct broker *b, struct job_member *m, uid_t uid,
-                             const struct region_spec *spec, int *fd, uint64_t *ret_id, char *errmsg);
+                             const struct region_spec *spec, int *fd, datapath_registered_fn *done, void *ctx,
+                             char *errmsg);
 
 /* Before broker_release(): drops the transport registration when `id` is one
  * of `m`'s proxy regions. -ERROR_KIND_INVALID_ARGUMENT for a send region
@@ -129,6 +149,9 @@ int datapath_region_release(struct datapath *dp, struct job_member *m, uint64_t 
  * yet, or has not registered its recv and counters regions. */
 int datapath_channel_open(struct datapath *dp, struct job_member *m, uint32_t capacity, int *ret_fd,
                           uint64_t *ret_ring_id, uint32_t *ret_capacity, char *errmsg);
+
+/* How long datapath_free() waits for registrations under way. */
+#define DATAPATH_FREE_WAIT_MS 10000
 
 /* How long a receive or counter registration outlives its release (or
  * its rank): writes to it that were on their way land, rather than meet a

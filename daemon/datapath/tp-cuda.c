@@ -313,6 +313,10 @@ static void tpc_mapping_release(struct tp *tp, struct tpc_mapping *m) {
         *m = (struct tpc_mapping){ 0 };
 }
 
+/* Runs on clientfd's checker threads (transport.h): each CUDA call comes
+ * after ctx_set_current() of the daemon's context on the calling thread
+ * (tpc_mapping_import() and the host case below), and the list of regions
+ * is taken under tp->lock. */
 static int cuda_mr_new(struct tp *tp, const struct tp_mem *mem, struct tp_mr **ret, char *errmsg) {
         const char *name = mem->name ? mem->name : "region";
         struct tp_mr *mr;

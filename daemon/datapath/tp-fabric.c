@@ -56,7 +56,8 @@ struct tp {
         size_t name_len;
         bool virt_addr, prov_key, local_mr, waw;
         uint64_t complete; /* FI_DELIVERY_COMPLETE where completions are local (tcp), else 0 */
-        uint64_t next_key; /* next requested_key when !prov_key */
+        uint64_t
+                next_key; /* next requested_key when !prov_key; taken atomically (mr_new runs on any thread) */
         uint32_t npeers;
         fi_addr_t *peers; /* owns; FI_ADDR_NOTAVAIL until connected */
 };
@@ -201,9 +202,13 @@ static void fabric_close(struct tp *tp) {
         free(tp);
 }
 
+/* Runs on the checker threads of several uids at once (transport.h): the
+ * domain is FI_THREAD_SAFE, and control calls such as fi_mr_reg are thread
+ * safe in every threading model; our own state is the key counter. */
 static int fabric_mr_new(struct tp *tp, const struct tp_mem *mem, struct tp_mr **ret, char *errmsg) {
         const char *name = mem->name ? mem->name : "region";
         uint64_t access = FI_WRITE | FI_REMOTE_WRITE;
+        uint64_t key = __atomic_fetch_add(&tp->next_key, 1, __ATOMIC_RELAXED);
         struct tp_mr *mr;
         int r;
 
@@ -231,7 +236,7 @@ static int fabric_mr_new(struct tp *tp, const struct tp_mem *mem, struct tp_mr *
                         struct fi_mr_attr attr = { .dmabuf = &dmabuf,
                                                    .iov_count = 1,
                                                    .access = access,
-                                                   .requested_key = tp->next_key,
+                                                   .requested_key = key,
                                                    .iface = FI_HMEM_CUDA };
 
                         r = fi_mr_regattr(tp->domain, &attr, FI_MR_DMABUF, &mr->mr);
@@ -249,7 +254,7 @@ static int fabric_mr_new(struct tp *tp, const struct tp_mem *mem, struct tp_mr *
 #endif
         }
         if (!mr->mr) {
-                r = fi_mr_reg(tp->domain, mr->addr, mem->length, access, 0, tp->next_key, 0, &mr->mr, NULL);
+                r = fi_mr_reg(tp->domain, mr->addr, mem->length, access, 0, key, 0, &mr->mr, NULL);
                 if (r) {
                         r = errmsg_set(errmsg, r,
                                        "transport fabric '%s': %s (%s, %" PRIu64 " bytes): fi_mr_reg: %s",
@@ -258,7 +263,6 @@ static int fabric_mr_new(struct tp *tp, const struct tp_mem *mem, struct tp_mr *
                         goto err_map;
                 }
         }
-        tp->next_key++;
         mr->desc = fi_mr_desc(mr->mr);
         mr->key = fi_mr_key(mr->mr);
         mr->base = tp->virt_addr ? (uint64_t)(uintptr_t)mr->addr : 0;

@@ -5,11 +5,17 @@
  * one host) and tp-loop.c (same-process memcpy that completes at once; used
  * to measure the proxy alone and to test it without a network).
  *
- * Threads: open, close, memory registration and the peer calls may run on
- * the event loop thread while one proxy thread calls write and poll; a
- * backend makes that safe (libfabric FI_THREAD_SAFE, verbs is thread safe,
- * tp-loop has no shared state). write and poll themselves are called by one
- * thread at a time.
+ * Threads: open, close, mr_free, mr_rkey and the peer calls run on the
+ * event loop thread while one proxy thread calls write and poll; mr_new
+ * runs on clientfd's checker threads (datapath.c: pinning takes long),
+ * several at once for several uids, while the loop and the proxy make
+ * their calls. A backend makes that safe: libfabric's domain is
+ * FI_THREAD_SAFE (and fi_mr_reg a control call, thread safe in any model;
+ * tp-fabric takes its keys atomically), libibverbs is thread safe (tp-verbs
+ * keeps no state of its own in mr_new), tp-cuda makes its context current
+ * on the calling thread and locks its list of regions, tp-loop locks its
+ * registry; tp_mem_map() is a plain mmap(). write and poll themselves are
+ * called by one thread at a time.
  *
  * Errors: 0 or -errno; the calls that take an `errmsg` (ERRMSG_MAX bytes, may
  * be NULL) fill it with a message naming the object (device, provider,
@@ -116,7 +122,8 @@ struct tp_ops {
         /* Registers memory for local reads (source of writes) and remote
          * writes (target). On success *ret lives until mr_free or close.
          * -EOPNOTSUPP when the backend cannot register that kind (e.g.
-         * TP_MEM_DMABUF on tcp). */
+         * TP_MEM_DMABUF on tcp). Called on any thread, never logs (see
+         * Threads above). */
         int (*mr_new)(struct tp *tp, const struct tp_mem *mem, struct tp_mr **ret, char *errmsg);
 
         /* Deregisters; the caller has no write in flight that uses it.

@@ -144,6 +144,14 @@ int broker_release(struct broker *b, struct job_member *m, uint64_t id, char *er
                           m->job->id, m->rank, id);
 }
 
+void broker_hide(struct job_member *m, uint64_t id, bool hidden) {
+        struct region *reg;
+
+        TAILQ_FOREACH (reg, &m->regions, entry)
+                if (reg->id == id)
+                        reg->hidden = hidden;
+}
+
 void broker_drop_member(struct broker *b, struct job_member *m) {
         struct region *reg;
 
@@ -175,7 +183,7 @@ int broker_fetch(const struct job_member *m, int32_t rank, int64_t tag, size_t m
                         if (!peer || (rank == -1 && peer == m) || (rank >= 0 && (uint32_t)rank != r))
                                 continue;
                         TAILQ_FOREACH (reg, &peer->regions, entry) {
-                                if (tag >= 0 && reg->tag != (uint32_t)tag)
+                                if (reg->hidden || (tag >= 0 && reg->tag != (uint32_t)tag))
                                         continue;
                                 if (out)
                                         out[n] = reg;

@@ -3,6 +3,7 @@
 #ifndef MOEEPD_BROKER_H
 #define MOEEPD_BROKER_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <sys/queue.h>
@@ -21,7 +22,8 @@ struct region {
         uint32_t tag;
         enum region_kind kind;
         uint64_t size;
-        int fd; /* owns */
+        int fd;      /* owns */
+        bool hidden; /* handed to no peer (broker_fetch()): its registration is under way */
         TAILQ_ENTRY(region) entry;
 };
 
@@ -63,12 +65,19 @@ int broker_register(struct broker *b, struct job_member *m, uid_t uid, enum regi
  * reveals nothing about them. */
 int broker_release(struct broker *b, struct job_member *m, uint64_t id, char *errmsg);
 
+/* Hides region `id` of member `m` from its peers (broker_fetch()) or shows
+ * it again: a proxy region is registered here first, charged and capped
+ * like every other, and shown once its transport registration, which runs
+ * off the loop, is done (datapath.c). Does nothing when `m` owns no such
+ * region. */
+void broker_hide(struct job_member *m, uint64_t id, bool hidden);
+
 /* Closes every region of `m`. */
 void broker_drop_member(struct broker *b, struct job_member *m);
 
 /* Collects the regions member `m` may receive: of rank `rank` (any rank of
  * the job, its own included) or, for -1, of every other rank; with tag `tag`
- * or, for -1, any tag. Order: rank ascending, then registration order.
+ * or, for -1, any tag; none that is hidden (broker_hide()). Order: rank ascending, then registration order.
  * Returns 0 with a malloc'ed array of at most `max` borrowed pointers
  * (NULL when none), -ERROR_KIND_RANK_OUT_OF_RANGE for a rank outside the
  * job, -ERROR_KIND_INVALID_ARGUMENT for a bad tag,

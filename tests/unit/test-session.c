@@ -5,6 +5,7 @@
 #include <errno.h>
 #include <event2/event.h>
 #include <fcntl.h>
+#include <grp.h>
 #include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -13,10 +14,13 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/un.h>
+#include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <cmocka.h>
@@ -24,6 +28,8 @@
 #include "../tmpdir.h"
 #include "clients/session.h"
 #include "daemon.h"
+#include "datapath/datapath.h"
+#include "moeep_job.h" /* MOEEP_UNIQUE_ID_BYTES */
 #include "record.h"
 #include "state/broker.h"
 #include "state/clientfd.h"
@@ -43,6 +49,52 @@ int statx(int dirfd, const char *path, int flags, unsigned mask, struct statx *b
         if (r == 0 && region_ino && buf->stx_ino == region_ino && pthread_equal(pthread_self(), loop_thread))
                 statx_region_on_loop++;
         return r;
+}
+
+/* And every mmap() (mmap64() with _FILE_OFFSET_BITS=64): a shared
+ * mapping of HELD_BYTES (the size of the tests' held regions only) is a
+ * transport's registration of a proxy region (tp-fabric maps the memfd):
+ * counted by thread, and, made off the loop, held while `map_gate` is
+ * closed (at most 5 s), as a registration that pins gigabytes takes its
+ * time. One of FAIL_BYTES fails with ENOMEM. */
+#define HELD_BYTES (3u << 20)
+#define FAIL_BYTES (5u << 20)
+static pthread_mutex_t map_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t map_cond = PTHREAD_COND_INITIALIZER;
+static bool map_gate_closed;
+static int maps_on_loop, maps_off_loop, maps_held;
+
+void *mmap64(void *addr, size_t len, int prot, int flags, int fd, off_t off) {
+        if (fd >= 0 && (flags & MAP_SHARED) && len == FAIL_BYTES) {
+                errno = ENOMEM;
+                return MAP_FAILED;
+        }
+        if (fd >= 0 && (flags & MAP_SHARED) && len == HELD_BYTES) {
+                struct timespec until;
+
+                clock_gettime(CLOCK_REALTIME, &until);
+                until.tv_sec += 5;
+                pthread_mutex_lock(&map_lock);
+                if (pthread_equal(pthread_self(), loop_thread)) {
+                        maps_on_loop++;
+                } else {
+                        maps_off_loop++;
+                        maps_held++;
+                        pthread_cond_broadcast(&map_cond);
+                        while (map_gate_closed && pthread_cond_timedwait(&map_cond, &map_lock, &until) == 0)
+                                ;
+                        maps_held--;
+                }
+                pthread_mutex_unlock(&map_lock);
+        }
+        return (void *)syscall(SYS_mmap, addr, len, prot, flags, fd, off);
+}
+
+static void map_gate(bool closed) {
+        pthread_mutex_lock(&map_lock);
+        map_gate_closed = closed;
+        pthread_cond_broadcast(&map_cond);
+        pthread_mutex_unlock(&map_lock);
 }
 
 struct fixture {
@@ -78,9 +130,53 @@ static int setup(void **state) {
         return 0;
 }
 
+/* Starts the daemon of `f` with its data path on (a mesh listener on
+ * loopback, no peers) over libfabric's tcp on loopback, its client socket
+ * open to every uid. Returns 0 or -1. */
+static int proxy_daemon_start(struct fixture *f) {
+        struct daemon_options o = { .log_level = "err", .socket = f->path };
+        char conf[128];
+        FILE *c;
+        int r;
+
+        snprintf(conf, sizeof(conf), "%s/moeepd.conf", f->dir);
+        c = fopen(conf, "we");
+        if (!c)
+                return -1;
+        fprintf(c, "[moeepd]\nsocket_mode = 0666\nmesh_listen = 127.0.0.1:0\ntransport = fabric\n"
+                   "fabric_provider = tcp\ntransport_address = 127.0.0.1\n");
+        fclose(c);
+        o.config_path = conf;
+        r = daemon_init(&f->d, &o) < 0 || !datapath_up(f->d.datapath, NULL) ? -1 : 0;
+        unlink(conf);
+        return r;
+}
+
+static int setup_proxy(void **state) {
+        struct fixture *f = calloc(1, sizeof(*f));
+
+        if (!f)
+                return -1;
+        test_tmp_path(f->dir, sizeof(f->dir), "moeep-unit-session.XXXXXX");
+        if (!mkdtemp(f->dir) || chmod(f->dir, 0755) < 0)
+                return -1;
+        snprintf(f->path, sizeof(f->path), "%s/moeepd.sock", f->dir);
+        if (proxy_daemon_start(f) < 0) {
+                daemon_done(&f->d);
+                rmdir(f->dir);
+                return -1;
+        }
+        f->fds_before = unit_count_fds();
+        map_gate(false);
+        maps_on_loop = maps_off_loop = 0;
+        *state = f;
+        return 0;
+}
+
 static int teardown(void **state) {
         struct fixture *f = *state;
 
+        map_gate(false); /* a test that failed left a registration held */
         pump(f);
         /* Client fds are closed by closer threads (clientfd.h). */
         assert_int_equal(clientfds_settle(f->d.clientfds, 2000), 0);
@@ -171,7 +267,8 @@ static void job_formed(struct fixture *f, int creator, const int *fds, uint32_t 
         Moeep__V1__JobCreate jc = MOEEP__V1__JOB_CREATE__INIT;
         Moeep__V1__JobJoin jj = MOEEP__V1__JOB_JOIN__INIT;
         Moeep__V1__Response *resp;
-        uint8_t uid[JOB_UNIQUE_ID_BYTES];
+        uint8_t uid[MOEEP_UNIQUE_ID_BYTES]; /* with the mesh on, the daemon's address too */
+        size_t uid_len;
 
         jc.name = "session test";
         jc.world_size = world_size;
@@ -180,12 +277,13 @@ static void job_formed(struct fixture *f, int creator, const int *fds, uint32_t 
         request(f, creator, &req, 10, NULL, 0);
         assert_int_equal(next(f, creator, NULL, NULL), MOEEP__V1__RESPONSE__BODY_JOB_CREATED);
         resp = moeep_record_decode_response(&f->rec);
-        assert_int_equal(resp->job_created->unique_id.len, sizeof(uid));
-        memcpy(uid, resp->job_created->unique_id.data, sizeof(uid));
+        uid_len = resp->job_created->unique_id.len;
+        assert_true(uid_len >= JOB_UNIQUE_ID_BYTES && uid_len <= sizeof(uid));
+        memcpy(uid, resp->job_created->unique_id.data, uid_len);
         moeep__v1__response__free_unpacked(resp, NULL);
 
         jj.unique_id.data = uid;
-        jj.unique_id.len = sizeof(uid);
+        jj.unique_id.len = uid_len;
         jj.world_size = world_size;
         req.body_case = MOEEP__V1__REQUEST__BODY_JOB_JOIN;
         req.job_join = &jj;
@@ -427,6 +525,302 @@ static void test_errors_counted_by_code(void **state) {
         close(fd);
 }
 
+/* ------------------------------------------------------------ proxy regions */
+
+#define OTHER_UID 65534
+
+/* A session of uid OTHER_UID: a child process of that uid connects, hands
+ * the socket over and exits (SO_PEERCRED stays the connecting process's). */
+static int client_as(struct fixture *f, uid_t uid) {
+        union {
+                char buf[CMSG_SPACE(sizeof(int))];
+                struct cmsghdr align;
+        } control = { 0 };
+        struct iovec iov = { .iov_base = &(char){ 0 }, .iov_len = 1 };
+        struct msghdr mh = { .msg_iov = &iov,
+                             .msg_iovlen = 1,
+                             .msg_control = control.buf,
+                             .msg_controllen = sizeof(control.buf) };
+        int sp[2], fd = -1, st = 0;
+        pid_t pid;
+
+        assert_int_equal(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sp), 0);
+        pid = fork();
+        assert_true(pid >= 0);
+        if (pid == 0) {
+                struct sockaddr_un sa = { .sun_family = AF_UNIX };
+                struct cmsghdr *cm = CMSG_FIRSTHDR(&mh);
+
+                snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", f->path);
+                fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+                if (setgroups(0, NULL) < 0 || setresgid(uid, uid, uid) < 0 || setresuid(uid, uid, uid) < 0 ||
+                    fd < 0 || connect(fd, (struct sockaddr *)&sa, sizeof(sa)) < 0)
+                        _exit(1);
+                cm->cmsg_level = SOL_SOCKET;
+                cm->cmsg_type = SCM_RIGHTS;
+                cm->cmsg_len = CMSG_LEN(sizeof(int));
+                memcpy(CMSG_DATA(cm), &fd, sizeof(int));
+                _exit(sendmsg(sp[1], &mh, 0) == 1 ? 0 : 1);
+        }
+        close(sp[1]);
+        assert_int_equal(recvmsg(sp[0], &mh, MSG_CMSG_CLOEXEC), 1);
+        assert_non_null(CMSG_FIRSTHDR(&mh));
+        memcpy(&fd, CMSG_DATA(CMSG_FIRSTHDR(&mh)), sizeof(int));
+        close(sp[0]);
+        assert_int_equal(waitpid(pid, &st, 0), pid);
+        assert_true(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+        pump(f);
+        return fd;
+}
+
+/* A memfd of `size` bytes sealed against shrinking, as proxy regions must
+ * be. */
+static int sealed_memfd(size_t size) {
+        int fd = memfd_create("proxy region", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+
+        assert_true(fd >= 0 && ftruncate(fd, (off_t)size) == 0 && fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK) == 0);
+        return fd;
+}
+
+/* RegionRegister of `region` (closed here) as the proxy region of `role`. */
+static void register_proxy(struct fixture *f, int fd, uint64_t rid, Moeep__V1__ProxyRole role, size_t size,
+                           int region) {
+        Moeep__V1__Request req = MOEEP__V1__REQUEST__INIT;
+        Moeep__V1__RegionRegister rr = MOEEP__V1__REGION_REGISTER__INIT;
+
+        rr.kind = MOEEP__V1__REGION_KIND__REGION_KIND_MEMFD;
+        rr.size = size;
+        rr.proxy = role;
+        req.body_case = MOEEP__V1__REQUEST__BODY_REGION_REGISTER;
+        req.region_register = &rr;
+        request(f, fd, &req, rid, &region, 1);
+        close(region);
+}
+
+/* A request without arguments of `body` (StatusGet, RegionsFetch of every
+ * other rank, ChannelOpen of the default capacity): the type answered at
+ * once, or 0. */
+static uint16_t ask(struct fixture *f, int fd, Moeep__V1__Request__BodyCase body) {
+        Moeep__V1__Request req = MOEEP__V1__REQUEST__INIT;
+        Moeep__V1__StatusGet sg = MOEEP__V1__STATUS_GET__INIT;
+        Moeep__V1__RegionsFetch rf = MOEEP__V1__REGIONS_FETCH__INIT;
+        Moeep__V1__ChannelOpen co = MOEEP__V1__CHANNEL_OPEN__INIT;
+
+        rf.rank = -1;
+        rf.tag = -1;
+        req.body_case = body;
+        req.status_get = &sg; /* the oneof's members share their place */
+        if (body == MOEEP__V1__REQUEST__BODY_REGIONS_FETCH)
+                req.regions_fetch = &rf;
+        else if (body == MOEEP__V1__REQUEST__BODY_CHANNEL_OPEN)
+                req.channel_open = &co;
+        request(f, fd, &req, 90, NULL, 0);
+        return next(f, fd, NULL, NULL);
+}
+
+/* Pumps the loop until a registration is held in its transport's mmap
+ * (at most 2 s); returns how many are. */
+static int wait_held(struct fixture *f) {
+        int held = 0;
+
+        for (int i = 0; i < 400 && !held; i++) {
+                pump(f);
+                pthread_mutex_lock(&map_lock);
+                held = maps_held;
+                pthread_mutex_unlock(&map_lock);
+                if (!held)
+                        usleep(5000);
+        }
+        return held;
+}
+
+/* The session whose request is in progress (paused), or NULL. */
+static struct session *paused_session(struct fixture *f) {
+        struct session *s;
+
+        TAILQ_FOREACH (s, &f->d.sessions->list, entry)
+                if (s->paused)
+                        return s;
+        return NULL;
+}
+
+/* Whether a shared mapping of HELD_BYTES is still in this process (the
+ * loop transport's of a region). */
+static bool held_mapped(void) {
+        char line[512];
+        bool found = false;
+        FILE *m = fopen("/proc/self/maps", "re");
+
+        assert_non_null(m);
+        while (!found && fgets(line, sizeof(line), m)) {
+                unsigned long lo, hi;
+
+                found = sscanf(line, "%lx-%lx", &lo, &hi) == 2 && hi - lo == HELD_BYTES &&
+                        strstr(line, "proxy region");
+        }
+        fclose(m);
+        return found;
+}
+
+/* A proxy region's transport registration (mr_new: pinning, mapping) runs
+ * off the loop, in its uid's own queue: while one is held there, the loop
+ * answers another uid at once and registers that uid's region, and the
+ * held region is handed to no peer until it is registered; then it is
+ * answered, and its channel opens. */
+static void test_proxy_register_off_loop(void **state) {
+        struct fixture *f = *state;
+        const uint64_t proxy = MOEEP__V1__FEATURE__FEATURE_PROXY;
+        int a = client(f), c = client(f), b = client_as(f, OTHER_UID);
+        const int ranks[] = { a, c };
+        uint64_t rid = 0;
+
+        hello_features(f, a, proxy);
+        hello_features(f, c, proxy);
+        job_formed(f, a, ranks, 2);
+        hello_features(f, b, proxy);
+        job_formed(f, b, &b, 1);
+
+        map_gate(true);
+        register_proxy(f, a, 50, MOEEP__V1__PROXY_ROLE__PROXY_ROLE_SEND, HELD_BYTES,
+                       sealed_memfd(HELD_BYTES));
+        assert_int_equal(wait_held(f), 1);
+        assert_int_equal(maps_on_loop, 0);
+        assert_int_equal(next(f, a, NULL, NULL), 0);
+
+        /* The other uid: answered at once, its own region registered. */
+        assert_int_equal(ask(f, b, MOEEP__V1__REQUEST__BODY_STATUS_GET), MOEEP__V1__RESPONSE__BODY_STATUS);
+        register_proxy(f, b, 51, MOEEP__V1__PROXY_ROLE__PROXY_ROLE_COUNTERS, 4096, sealed_memfd(4096));
+        assert_int_equal(next_late(f, b, &rid, NULL), MOEEP__V1__RESPONSE__BODY_REGION_REGISTERED);
+        assert_int_equal(rid, 51);
+        /* a's peer sees no region of a's yet. */
+        assert_int_equal(ask(f, c, MOEEP__V1__REQUEST__BODY_REGIONS_FETCH),
+                         MOEEP__V1__RESPONSE__BODY_REGIONS);
+        assert_int_equal(f->rec.nfds, 0);
+        assert_int_equal(next(f, a, NULL, NULL), 0);
+
+        map_gate(false);
+        assert_int_equal(next_late(f, a, &rid, NULL), MOEEP__V1__RESPONSE__BODY_REGION_REGISTERED);
+        assert_int_equal(rid, 50);
+        assert_int_equal(maps_on_loop, 0);
+        assert_int_equal(maps_off_loop, 1);
+        assert_int_equal(ask(f, c, MOEEP__V1__REQUEST__BODY_REGIONS_FETCH),
+                         MOEEP__V1__RESPONSE__BODY_REGIONS);
+        assert_int_equal(f->rec.nfds, 1);
+        assert_int_equal(ask(f, a, MOEEP__V1__REQUEST__BODY_CHANNEL_OPEN),
+                         MOEEP__V1__RESPONSE__BODY_CHANNEL_OPENED);
+        moeep_record_release(&f->rec);
+        close(a);
+        close(b);
+        close(c);
+        pump(f);
+        assert_int_equal(f->d.broker->nregions, 0);
+}
+
+/* A session that fails while its registration is held: the registration
+ * is undone when it returns (its mapping gone, its fd closed, its charge
+ * returned: the same uid registers as much again, at a cap of exactly one
+ * region's bytes), and nothing is answered. */
+static void test_proxy_register_session_gone(void **state) {
+        struct fixture *f = *state;
+        const uint64_t proxy = MOEEP__V1__FEATURE__FEATURE_PROXY;
+        int a = client(f), a2 = client(f);
+        struct session *s;
+        uint64_t rid = 0;
+
+        f->d.config.max_proxy_bytes_per_uid = HELD_BYTES;
+        hello_features(f, a, proxy);
+        job_formed(f, a, &a, 1);
+        map_gate(true);
+        register_proxy(f, a, 60, MOEEP__V1__PROXY_ROLE__PROXY_ROLE_RECV, HELD_BYTES,
+                       sealed_memfd(HELD_BYTES));
+        assert_int_equal(wait_held(f), 1);
+        s = paused_session(f);
+        assert_non_null(s);
+        session_fail(s, 0, 0, "unit test: the session fails while its region is registered");
+        pump(f);
+        assert_int_equal(f->d.broker->nregions, 0);
+        map_gate(false);
+        for (int i = 0; i < 400 && held_mapped(); i++) {
+                clientfds_settle(f->d.clientfds, 10);
+                pump(f);
+        }
+        assert_false(held_mapped());
+        assert_true(closed_by_daemon(f, a));
+        assert_int_equal(next(f, a, NULL, NULL), 0);
+        close(a);
+
+        hello_features(f, a2, proxy);
+        job_formed(f, a2, &a2, 1);
+        register_proxy(f, a2, 61, MOEEP__V1__PROXY_ROLE__PROXY_ROLE_RECV, HELD_BYTES,
+                       sealed_memfd(HELD_BYTES));
+        assert_int_equal(next_late(f, a2, &rid, NULL), MOEEP__V1__RESPONSE__BODY_REGION_REGISTERED);
+        assert_int_equal(rid, 61);
+        close(a2);
+        pump(f);
+}
+
+static void *open_gate_later(void *arg) {
+        usleep(300 * 1000);
+        map_gate(false);
+        return NULL;
+}
+
+/* The daemon stops while a registration is held: its stop waits for it
+ * (the transport stays open until then) and undoes it, and nothing is left
+ * (the mapping gone, every fd closed: the restarted daemon holds as many
+ * as before). */
+static void test_proxy_register_daemon_exit(void **state) {
+        struct fixture *f = *state;
+        int a = client(f);
+        pthread_t opener;
+
+        hello_features(f, a, MOEEP__V1__FEATURE__FEATURE_PROXY);
+        job_formed(f, a, &a, 1);
+        map_gate(true);
+        register_proxy(f, a, 80, MOEEP__V1__PROXY_ROLE__PROXY_ROLE_COUNTERS, HELD_BYTES,
+                       sealed_memfd(HELD_BYTES));
+        assert_int_equal(wait_held(f), 1);
+        assert_int_equal(pthread_create(&opener, NULL, open_gate_later, NULL), 0);
+        daemon_done(&f->d);
+        pthread_join(opener, NULL);
+        assert_false(held_mapped());
+        close(a);
+        assert_int_equal(proxy_daemon_start(f), 0);
+}
+
+/* A registration the transport refuses off the loop: an Error naming the
+ * region and why, and nothing kept (the role free again, the charge
+ * returned: registering as much again works at a cap of exactly that). */
+static void test_proxy_register_refused(void **state) {
+        struct fixture *f = *state;
+        const uint64_t proxy = MOEEP__V1__FEATURE__FEATURE_PROXY;
+        int a = client(f), code = 0;
+        Moeep__V1__Response *resp;
+        uint64_t rid = 0;
+
+        f->d.config.max_proxy_bytes_per_uid = FAIL_BYTES;
+        hello_features(f, a, proxy);
+        job_formed(f, a, &a, 1);
+        register_proxy(f, a, 70, MOEEP__V1__PROXY_ROLE__PROXY_ROLE_SEND, FAIL_BYTES,
+                       sealed_memfd(FAIL_BYTES));
+        assert_int_equal(next_late(f, a, &rid, &code), MOEEP__V1__RESPONSE__BODY_ERROR);
+        assert_int_equal(rid, 70);
+        resp = moeep_record_decode_response(&f->rec);
+        assert_non_null(resp);
+        if (!strstr(resp->error->message, "rank 0 send region") || !strstr(resp->error->message, "mmap"))
+                fail_msg("the Error does not name the region and mmap: '%s'", resp->error->message);
+        moeep__v1__response__free_unpacked(resp, NULL);
+        assert_int_equal(f->d.broker->nregions, 0);
+
+        register_proxy(f, a, 71, MOEEP__V1__PROXY_ROLE__PROXY_ROLE_SEND, HELD_BYTES,
+                       sealed_memfd(HELD_BYTES));
+        assert_int_equal(next_late(f, a, &rid, NULL), MOEEP__V1__RESPONSE__BODY_REGION_REGISTERED);
+        assert_int_equal(rid, 71);
+        assert_int_equal(f->d.broker->nregions, 1);
+        close(a);
+        pump(f);
+}
+
 int main(void) {
 #define T(f) cmocka_unit_test_setup_teardown(f, setup, teardown)
         const struct CMUnitTest tests[] = {
@@ -437,6 +831,10 @@ int main(void) {
                 T(test_shutdown_event),
                 T(test_errors_counted_by_code),
                 T(test_take_reply_lost_is_no_refusal),
+                cmocka_unit_test_setup_teardown(test_proxy_register_off_loop, setup_proxy, teardown),
+                cmocka_unit_test_setup_teardown(test_proxy_register_session_gone, setup_proxy, teardown),
+                cmocka_unit_test_setup_teardown(test_proxy_register_refused, setup_proxy, teardown),
+                cmocka_unit_test_setup_teardown(test_proxy_register_daemon_exit, setup_proxy, teardown),
         };
 
         loop_thread = pthread_self();
