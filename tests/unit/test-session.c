@@ -618,6 +618,22 @@ static uint16_t ask(struct fixture *f, int fd, Moeep__V1__Request__BodyCase body
         return next(f, fd, NULL, NULL);
 }
 
+/* Hello with FEATURE_PROXY on `fd`, and a job of one rank: `fd`'s. */
+static void proxy_rank(struct fixture *f, int fd) {
+        hello_features(f, fd, MOEEP__V1__FEATURE__FEATURE_PROXY);
+        job_formed(f, fd, &fd, 1);
+}
+
+static int wait_held(struct fixture *f);
+
+/* RegionRegister on `fd` of a proxy region of `role` and HELD_BYTES, whose
+ * transport registration is then held (map_gate()). */
+static void register_held(struct fixture *f, int fd, uint64_t rid, Moeep__V1__ProxyRole role) {
+        map_gate(true);
+        register_proxy(f, fd, rid, role, HELD_BYTES, sealed_memfd(HELD_BYTES));
+        assert_int_equal(wait_held(f), 1);
+}
+
 /* Pumps the loop until a registration is held in its transport's mmap
  * (at most 2 s); returns how many are. */
 static int wait_held(struct fixture *f) {
@@ -677,13 +693,9 @@ static void test_proxy_register_off_loop(void **state) {
         hello_features(f, a, proxy);
         hello_features(f, c, proxy);
         job_formed(f, a, ranks, 2);
-        hello_features(f, b, proxy);
-        job_formed(f, b, &b, 1);
+        proxy_rank(f, b);
 
-        map_gate(true);
-        register_proxy(f, a, 50, MOEEP__V1__PROXY_ROLE__PROXY_ROLE_SEND, HELD_BYTES,
-                       sealed_memfd(HELD_BYTES));
-        assert_int_equal(wait_held(f), 1);
+        register_held(f, a, 50, MOEEP__V1__PROXY_ROLE__PROXY_ROLE_SEND);
         assert_int_equal(maps_on_loop, 0);
         assert_int_equal(next(f, a, NULL, NULL), 0);
 
@@ -722,18 +734,13 @@ static void test_proxy_register_off_loop(void **state) {
  * region's bytes), and nothing is answered. */
 static void test_proxy_register_session_gone(void **state) {
         struct fixture *f = *state;
-        const uint64_t proxy = MOEEP__V1__FEATURE__FEATURE_PROXY;
         int a = client(f), a2 = client(f);
         struct session *s;
         uint64_t rid = 0;
 
         f->d.config.max_proxy_bytes_per_uid = HELD_BYTES;
-        hello_features(f, a, proxy);
-        job_formed(f, a, &a, 1);
-        map_gate(true);
-        register_proxy(f, a, 60, MOEEP__V1__PROXY_ROLE__PROXY_ROLE_RECV, HELD_BYTES,
-                       sealed_memfd(HELD_BYTES));
-        assert_int_equal(wait_held(f), 1);
+        proxy_rank(f, a);
+        register_held(f, a, 60, MOEEP__V1__PROXY_ROLE__PROXY_ROLE_RECV);
         s = paused_session(f);
         assert_non_null(s);
         session_fail(s, 0, 0, "unit test: the session fails while its region is registered");
@@ -749,8 +756,7 @@ static void test_proxy_register_session_gone(void **state) {
         assert_int_equal(next(f, a, NULL, NULL), 0);
         close(a);
 
-        hello_features(f, a2, proxy);
-        job_formed(f, a2, &a2, 1);
+        proxy_rank(f, a2);
         register_proxy(f, a2, 61, MOEEP__V1__PROXY_ROLE__PROXY_ROLE_RECV, HELD_BYTES,
                        sealed_memfd(HELD_BYTES));
         assert_int_equal(next_late(f, a2, &rid, NULL), MOEEP__V1__RESPONSE__BODY_REGION_REGISTERED);
@@ -774,12 +780,8 @@ static void test_proxy_register_daemon_exit(void **state) {
         int a = client(f);
         pthread_t opener;
 
-        hello_features(f, a, MOEEP__V1__FEATURE__FEATURE_PROXY);
-        job_formed(f, a, &a, 1);
-        map_gate(true);
-        register_proxy(f, a, 80, MOEEP__V1__PROXY_ROLE__PROXY_ROLE_COUNTERS, HELD_BYTES,
-                       sealed_memfd(HELD_BYTES));
-        assert_int_equal(wait_held(f), 1);
+        proxy_rank(f, a);
+        register_held(f, a, 80, MOEEP__V1__PROXY_ROLE__PROXY_ROLE_COUNTERS);
         assert_int_equal(pthread_create(&opener, NULL, open_gate_later, NULL), 0);
         daemon_done(&f->d);
         pthread_join(opener, NULL);
@@ -793,14 +795,12 @@ static void test_proxy_register_daemon_exit(void **state) {
  * returned: registering as much again works at a cap of exactly that). */
 static void test_proxy_register_refused(void **state) {
         struct fixture *f = *state;
-        const uint64_t proxy = MOEEP__V1__FEATURE__FEATURE_PROXY;
         int a = client(f), code = 0;
         Moeep__V1__Response *resp;
         uint64_t rid = 0;
 
         f->d.config.max_proxy_bytes_per_uid = FAIL_BYTES;
-        hello_features(f, a, proxy);
-        job_formed(f, a, &a, 1);
+        proxy_rank(f, a);
         register_proxy(f, a, 70, MOEEP__V1__PROXY_ROLE__PROXY_ROLE_SEND, FAIL_BYTES,
                        sealed_memfd(FAIL_BYTES));
         assert_int_equal(next_late(f, a, &rid, &code), MOEEP__V1__RESPONSE__BODY_ERROR);
