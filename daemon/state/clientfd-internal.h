@@ -172,9 +172,9 @@ struct cf_lane {
         uint32_t queued;          /* jobs in `queue` */
         uint32_t done;            /* closes finished that the loop has not counted */
         uint32_t slow_ms;         /* the longest of them, when over CF_INTERRUPT_MS */
-        bool busy;                /* a closer runs a job of it */
+        bool busy;                /* a thread runs a job of it */
         long busy_since;          /* since when (CLOCK_MONOTONIC ms) */
-        bool ready;               /* in clientfds.ready */
+        bool ready;               /* in its pool's line (cf_pool.ready) */
         TAILQ_ENTRY(cf_lane) ready_entry;
 };
 

@@ -191,10 +191,10 @@ typedef void clientfd_run_fn(void *ctx);
  * (clientfd_check_async()), so that it delays only that uid's checks and
  * runs; then `done(ctx)` on the loop, exactly once (with `base` NULL: both
  * before this returns), unless clientfds_free() began first (the daemon
- * exits: neither is called then). `run` may not log, nor touch what the
- * loop owns. Returns 0, or with errmsg -ERROR_KIND_LIMIT_EXCEEDED (`uid`
- * has CF_CHECKS_QUEUED_MAX checks and runs waiting) or -ENOMEM; then
- * neither is called. */
+ * exits: `done` is not called then, nor `run` if it had not begun). `run`
+ * may not log, nor touch what the loop owns. Returns 0, or with errmsg
+ * -ERROR_KIND_LIMIT_EXCEEDED (`uid` has CF_CHECKS_QUEUED_MAX checks and
+ * runs waiting) or -ENOMEM; then neither is called. */
 int clientfd_run(struct clientfds *cf, uid_t uid, clientfd_run_fn *run, clientfd_run_fn *done, void *ctx,
                  char *errmsg);
 
