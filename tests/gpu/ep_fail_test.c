@@ -227,12 +227,44 @@ static size_t gpu_free_bytes(void) {
 
 #define MEM_SLACK (4u << 20)
 
-/* Polls (2 s) until free GPU memory is back to free_before (less a slack);
- * -1 with the message naming `when` otherwise. */
+/* How long a daemon keeps a receive or counters registration that its rank
+ * let go (DATAPATH_MR_LINGER_MS, daemon/datapath/datapath.h), so that
+ * writes other daemons had in flight to it land: with the cuda transport
+ * the registration is an import of the rank's GPU memory, which comes back
+ * only then. */
+#define LINGER_MS 10000
+
+/* Whether the daemons run the cuda transport with the proxy regions in GPU
+ * memory (tests/gpu/cuda-transport.sh). */
+static bool px_in_gpu(void) {
+        const char *px = getenv("MOEEP_PX_MEMORY"), *tp = getenv("MOEEP_HARNESS_TRANSPORT");
+
+        return tp && !strcmp(tp, "cuda") && !(px && !strcmp(px, "host"));
+}
+
+/* How long the checks wait for what a case held to come back: with the
+ * proxy regions in GPU memory, past the daemons' linger. */
+static int settle_ms(void) {
+        return px_in_gpu() ? LINGER_MS + 2000 : 2000;
+}
+
+/* Whether every GPU of R ranks has its free memory of `before` back (less
+ * a slack), after[] filled; true where it cannot be read. */
+static bool gpus_back(const size_t *before, size_t *after, int R) {
+        if (harness_gpu_free(after, R) < 0)
+                return true;
+        for (int g = 0; g < R; g++)
+                if (after[g] + MEM_SLACK < before[g])
+                        return false;
+        return true;
+}
+
+/* Polls (settle_ms()) until free GPU memory is back to free_before (less a
+ * slack); -1 with the message naming `when` otherwise. */
 static int memory_back(size_t free_before, const char *when, char *msg, size_t len) {
         size_t free_after = 0;
 
-        for (int i = 0; i < 200; i++) {
+        for (int i = 0; i < settle_ms() / 10; i++) {
                 free_after = gpu_free_bytes();
                 if (free_after + MEM_SLACK >= free_before)
                         return 0;
@@ -255,19 +287,18 @@ static int memory_back(size_t free_before, const char *when, char *msg, size_t l
  * whose daemon is gone forgets the job). */
 static int after_destroy(struct moeep_client *c, struct shared *sh, int survivors, size_t free_before,
                          char *msg, size_t len) {
-        const char *px = getenv("MOEEP_PX_MEMORY"), *tp = getenv("MOEEP_HARNESS_TRANSPORT");
-        const bool px_in_gpu = tp && !strcmp(tp, "cuda") && !(px && !strcmp(px, "host"));
+        const int wait_ms = 10000 + settle_ms(); /* the others may wait for the linger first */
         void *p = NULL;
         int r = 0;
 
         __atomic_add_fetch(&sh->destroyed, 1, __ATOMIC_ACQ_REL);
         if (!wait_shared(&sh->destroyed, survivors, 10000))
                 return snprintf(msg, len, "the other survivors did not free their endpoints"), -1;
-        if (!px_in_gpu)
+        if (!px_in_gpu())
                 r = memory_back(free_before, "after the endpoint", msg, len);
         moeep_job_leave(c);
         __atomic_add_fetch(&sh->left, 1, __ATOMIC_ACQ_REL);
-        if (!wait_shared(&sh->left, survivors, 10000) && r == 0) {
+        if (!wait_shared(&sh->left, survivors, wait_ms) && r == 0) {
                 snprintf(msg, len, "the other survivors did not leave the job");
                 r = -1;
         }
@@ -276,7 +307,7 @@ static int after_destroy(struct moeep_client *c, struct shared *sh, int survivor
         /* Ranks sharing a GPU see each other's memory: nobody goes on (to
          * allocate again) until every survivor has looked. */
         __atomic_add_fetch(&sh->checked, 1, __ATOMIC_ACQ_REL);
-        if (!wait_shared(&sh->checked, survivors, 10000) && r == 0) {
+        if (!wait_shared(&sh->checked, survivors, wait_ms) && r == 0) {
                 snprintf(msg, len, "the other survivors did not check their GPU memory");
                 r = -1;
         }
@@ -575,9 +606,15 @@ static int run_case(struct harness *h, int R, int ci, uint64_t seed) {
         /* Fewer than before is no leak: the baseline may count a descriptor
          * the daemon's closer threads were still closing (a session of the
          * case before). */
+        /* With the proxy regions in GPU memory, the daemons' descriptors of
+         * them and the memory go after their linger (settle_ms()). */
         const bool check_fds = !daemon_case && ci != HEALTHY;
-        for (int i = 0; i < 100 && check_fds; i++) {
-                if ((fds1 = daemon_fds(h)) <= fds0)
+        bool back = false;
+        for (int i = 0; i < settle_ms() / 10; i++) {
+                if (check_fds)
+                        fds1 = daemon_fds(h);
+                back = gpus_back(gpu0, gpu1, R);
+                if ((!check_fds || fds1 <= fds0) && back)
                         break;
                 sleep_ms(10);
         }
@@ -586,7 +623,7 @@ static int run_case(struct harness *h, int R, int ci, uint64_t seed) {
                 printf("  moeepd holds %d descriptors, %d before the case\n", fds1, fds0);
         }
         /* Every GPU has its memory back once the job's processes are gone. */
-        if (harness_gpu_free(gpu1, R) == 0)
+        if (!back)
                 for (int g = 0; g < R; g++)
                         if (gpu1[g] + MEM_SLACK < gpu0[g]) {
                                 bad = 1;
