@@ -10,6 +10,8 @@
 
 #include <cuda_runtime.h>
 
+#include "common/coop.cuh"
+
 /* Launchers call this before a launch: cudaGetLastError() also returns
  * errors of earlier runtime calls, which are not ours to report. */
 #define MOEEP_CUDA_LAUNCH_BEGIN() (void)cudaGetLastError()

@@ -4,7 +4,6 @@
 #include <cuda_bf16.h>
 
 #include "common/launch.cuh"
-#include "ll/coop.cuh"
 #include "ll/ll.cuh"
 #include "ll/shrink.cuh"
 
@@ -421,9 +420,10 @@ extern "C" int moeep_launch_ll_combine(const struct moeep_ctx *ctx, const struct
         const int local = a->phases == both && !(ctx->debug & MOEEP_DEBUG_COPY_SELF);
         /* One launch of moeep_ll::combine doing phases p; with both, its
          * blocks wait in the receive for every other rank's blocks, and
-         * the launch is cooperative or plain as ll_coop_choose says. */
-        const struct ll_coop_choice coop =
-                a->phases == both ? ll_coop_choose(ctx, stream) : ll_coop_choice{ -1, 0, true };
+         * the launch is cooperative or plain as coop_choose says. */
+        const struct coop_choice coop = a->phases == both ? coop_choose(ctx, stream) : coop_choice{ -1, 0, true };
+        if (a->phases != both)
+                coop_note(stream); /* a hook's phase waits for the other ranks too */
         cudaError_t both_e = cudaSuccess;
         auto launch = [&](int p) {
                 return with_index_type(a->idx_is_int64, [&](auto idx) {
@@ -440,7 +440,7 @@ extern "C" int moeep_launch_ll_combine(const struct moeep_ctx *ctx, const struct
         };
         const cudaError_t e = launch_phases(launch, a->phases, MOEEP_LL_SEND, MOEEP_LL_RECV);
         if (a->phases == both)
-                ll_coop_done(coop, both_e);
+                coop_done(coop, both_e);
         if (e != cudaSuccess)
                 return (int)e;
         MOEEP_CUDA_LAUNCH_CHECK();

@@ -5,7 +5,6 @@
 #include <cuda_fp8.h>
 
 #include "common/launch.cuh"
-#include "ll/coop.cuh"
 #include "ll/ll.cuh"
 #include "ll/shrink.cuh"
 
@@ -710,14 +709,16 @@ extern "C" int moeep_launch_ll_dispatch(const struct moeep_ctx *ctx, const struc
          * receive alone is one block's work, or every block's where tokens
          * may come once per rank (moeep_ll_dedup): then every block of a
          * launch with both phases waits for the other ranks, and the launch
-         * is cooperative or plain as ll_coop_choose says. */
+         * is cooperative or plain as coop_choose says. */
         const bool dedup = moeep_ll_dedup(ctx);
         const bool scan = !ctx->px.remote && (long)a->num_tokens * a->num_topk <= LL_SCAN_PAIRS;
         const int path = !scan                                                ? LL_PATH_CLAIM
                          : moeep_ll_by_token(ctx, a->num_tokens, a->num_topk) ? LL_PATH_TOKENS
                                                                               : LL_PATH_PAIRS;
         const bool waits = dedup && a->phases == both; /* its blocks wait for the other ranks' */
-        const struct ll_coop_choice coop = waits ? ll_coop_choose(ctx, stream) : ll_coop_choice{ -1, 0, true };
+        const struct coop_choice coop = waits ? coop_choose(ctx, stream) : coop_choice{ -1, 0, true };
+        if (!waits)
+                coop_note(stream); /* its phases wait for the other ranks too */
         cudaError_t both_e = cudaSuccess;
         auto launch = [&](int p) {
                 return with_index_type(a->idx_is_int64, [&](auto idx) {
@@ -738,7 +739,7 @@ extern "C" int moeep_launch_ll_dispatch(const struct moeep_ctx *ctx, const struc
         };
         const cudaError_t e = launch_phases(launch, a->phases, MOEEP_LL_SEND, MOEEP_LL_RECV);
         if (waits)
-                ll_coop_done(coop, both_e);
+                coop_done(coop, both_e);
         if (e != cudaSuccess)
                 return (int)e;
         MOEEP_CUDA_LAUNCH_CHECK();

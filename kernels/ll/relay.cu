@@ -177,6 +177,7 @@ __global__ void __launch_bounds__(LL_THREADS, 1) ll_rows_relay(struct moeep_ctx 
 extern "C" int moeep_launch_ll_dispatch_relay(const struct moeep_ctx *ctx, int set, int slots, int *stats,
                                               cudaStream_t stream) {
         MOEEP_CUDA_LAUNCH_BEGIN();
+        coop_note(stream);
         ll_pairs_relay<<<ctx->ll_num_sms, LL_THREADS, 0, stream>>>(*ctx, set, slots, stats);
         MOEEP_CUDA_LAUNCH_CHECK();
         return 0;
@@ -184,6 +185,7 @@ extern "C" int moeep_launch_ll_dispatch_relay(const struct moeep_ctx *ctx, int s
 
 extern "C" int moeep_launch_ll_combine_relay(const struct moeep_ctx *ctx, int set, cudaStream_t stream) {
         MOEEP_CUDA_LAUNCH_BEGIN();
+        coop_note(stream);
         ll_rows_relay<<<ctx->ll_num_sms, LL_THREADS, 0, stream>>>(*ctx, set);
         MOEEP_CUDA_LAUNCH_CHECK();
         return 0;

@@ -64,6 +64,7 @@ __global__ void ll_mask_op(struct moeep_ctx ctx, int op, int rank, int value, in
 
 extern "C" int moeep_launch_ll_clean(const struct moeep_ctx *ctx, cudaStream_t stream) {
         MOEEP_CUDA_LAUNCH_BEGIN();
+        coop_note(stream);
         ll_clean_barrier<<<1, LL_THREADS, 0, stream>>>(*ctx);
         MOEEP_CUDA_LAUNCH_CHECK();
         return 0;

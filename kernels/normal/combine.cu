@@ -521,6 +521,7 @@ extern "C" int moeep_launch_combine(const struct moeep_ctx *ctx, const void *x, 
                                              COMBINE_CONSUMER_GROUPS * COMBINE_CONSUMER_GROUPS;
 
         MOEEP_CUDA_LAUNCH_BEGIN();
+        coop_note(stream); /* it waits for the other ranks' rows */
         /* Every block both sends, with its first COMBINE_SEND_WARPS warps,
          * and reduces: with few send warps the remote stores hold up the
          * reduce's loads on the same SM little, and they still carry the

@@ -201,6 +201,7 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1)
 extern "C" int moeep_launch_dispatch(const struct moeep_ctx *ctx, const struct moeep_dispatch_launch *a,
                                      const struct moeep_route *route, cudaStream_t stream) {
         MOEEP_CUDA_LAUNCH_BEGIN();
+        coop_note(stream); /* it waits for the other ranks' rows */
         /* A programmatic dependent of notify or the barrier (launched just
          * before on the same stream): its blocks wait on the SMs for notify's
          * end instead of being launched after it. */

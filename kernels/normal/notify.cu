@@ -379,6 +379,7 @@ __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
 static int notify_launch(const struct moeep_ctx *ctx, const struct moeep_notify_launch *a,
                          const struct moeep_route *route, struct moeep_notify_host *host_out, cudaStream_t stream) {
         MOEEP_CUDA_LAUNCH_BEGIN();
+        coop_note(stream); /* it waits for the other ranks */
         struct moeep_route none = {};
         const struct moeep_route &r = route ? *route : none;
 

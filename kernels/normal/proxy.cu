@@ -212,6 +212,7 @@ extern "C" int moeep_launch_px_dispatch_stage(const struct moeep_ctx *ctx, const
 extern "C" int moeep_launch_px_dispatch_relay(const struct moeep_ctx *ctx, const struct moeep_route *route,
                                               cudaStream_t stream) {
         MOEEP_CUDA_LAUNCH_BEGIN();
+        coop_note(stream);
         px_dispatch_relay<<<px_blocks(ctx), PX_THREADS, 0, stream>>>(*ctx, *route);
         MOEEP_CUDA_LAUNCH_CHECK();
         return 0;
@@ -228,6 +229,7 @@ extern "C" int moeep_launch_px_combine_stage(const struct moeep_ctx *ctx, const 
 
 extern "C" int moeep_launch_px_combine_relay(const struct moeep_ctx *ctx, cudaStream_t stream) {
         MOEEP_CUDA_LAUNCH_BEGIN();
+        coop_note(stream);
         px_combine_relay<<<px_blocks(ctx), PX_THREADS, 0, stream>>>(*ctx);
         MOEEP_CUDA_LAUNCH_CHECK();
         return 0;

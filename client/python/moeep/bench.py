@@ -354,11 +354,14 @@ def _rank(local, a, port, sock, queue):
     cache = torch.empty(int(256e6 // 4), dtype=torch.int32, device=device)
     out = {}
     modes = a.modes.split(",")
-    if "normal" in modes:
-        out.update(_normal(torch, deep_ep, a, local, a.ranks, group, device, cache))
-    dist.barrier()
+    # Low latency first: the normal part captures a graph, after which
+    # moeep's low-latency launches of both phases stay cooperative
+    # (kernels/common/coop.cuh), as in an engine that captured one.
     if "ll" in modes:
         out.update(_ll(torch, deep_ep, a, local, a.ranks, group, device, cache))
+    dist.barrier()
+    if "normal" in modes:
+        out.update(_normal(torch, deep_ep, a, local, a.ranks, group, device, cache))
     dist.barrier()
     queue.put((local, out))
     dist.destroy_process_group()
