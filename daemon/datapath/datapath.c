@@ -117,8 +117,9 @@ struct datapath {
 };
 
 /* Its side of the mesh (at the end of this file). */
-static int transport_peer(const struct datapath *dp, const char *address, uint32_t *ret_tp_peer);
-static void transport_failed(struct datapath *dp, uint32_t tp_peer, const char *why);
+static int transport_peer(const struct datapath *dp, const char *address, uint32_t *ret_tp_peer,
+                          uint32_t *ret_gen);
+static void transport_failed(struct datapath *dp, uint32_t tp_peer, uint32_t gen, const char *why);
 static void mesh_transport_subscribe(struct datapath *dp);
 
 static const char *role_to_string(uint32_t role) {
@@ -663,7 +664,7 @@ static int route_fill(struct datapath *dp, const struct job_member *m, const str
         if (!nodes[r].address[0])
                 return errmsg_set(errmsg, -ERROR_KIND_NOT_READY,
                                   "rank %" PRIu32 " of job %" PRIu64 " has not joined yet", r, job->id);
-        e = transport_peer(dp, nodes[r].address, &ret->tp_peer);
+        e = transport_peer(dp, nodes[r].address, &ret->tp_peer, &ret->tp_gen);
         if (e < 0)
                 return errmsg_set(
                         errmsg, -ERROR_KIND_NOT_READY,
@@ -757,30 +758,35 @@ int datapath_channel_open(struct datapath *dp, struct job_member *m, uint32_t ca
 
 /* ------------------------------------------------------------ peers */
 
-/* The local half of a connection to one more daemon and its address blob
- * (TP_ADDR_MAX bytes at most); the peer's blob; the peer's loss (-errno).
+/* The local half of a connection to one more daemon (`address`) and its
+ * address blob (TP_ADDR_MAX bytes at most); the peer's blob; letting go of
+ * it (-errno: why), which fails it unless the proxy did already. The proxy
+ * hands the index out and takes it back (proxy.h, "Transport peers").
  * Set-up calls return -errno with errmsg. */
-static int datapath_peer_new(struct datapath *dp, uint32_t *ret_tp_peer, uint8_t ret_blob[TP_ADDR_MAX],
-                             size_t *ret_len, char *errmsg) {
+static int datapath_peer_new(struct datapath *dp, const char *address, uint32_t *ret_tp_peer,
+                             uint32_t *ret_gen, uint8_t ret_blob[TP_ADDR_MAX], size_t *ret_len,
+                             char *errmsg) {
         const char *why;
 
         if (!datapath_up(dp, &why))
                 return errmsg_set(errmsg, -ENODEV, "%s", why);
-        return dp->tp.ops->peer_new(dp->tp.tp, ret_tp_peer, ret_blob, ret_len, errmsg);
+        return proxy_peer_new(dp->proxy, address, ret_tp_peer, ret_gen, ret_blob, ret_len, errmsg);
 }
 
-static int datapath_peer_connect(struct datapath *dp, uint32_t tp_peer, const void *blob, size_t len,
-                                 char *errmsg) {
+static int datapath_peer_connect(struct datapath *dp, uint32_t tp_peer, uint32_t gen, const void *blob,
+                                 size_t len, char *errmsg) {
         const char *why;
 
         if (!datapath_up(dp, &why))
                 return errmsg_set(errmsg, -ENODEV, "%s", why);
-        return dp->tp.ops->peer_connect(dp->tp.tp, tp_peer, blob, len, errmsg);
+        return proxy_peer_connect(dp->proxy, tp_peer, gen, blob, len, errmsg);
 }
 
-static void datapath_peer_fail(struct datapath *dp, uint32_t tp_peer, int error) {
-        if (datapath_up(dp, NULL) && proxy_peer_fail(dp->proxy, tp_peer, error) < 0)
-                log_warn("datapath: transport peer %" PRIu32 " could not be failed (out of memory)", tp_peer);
+static void datapath_peer_fail(struct datapath *dp, uint32_t tp_peer, uint32_t gen, int error) {
+        if (datapath_up(dp, NULL) && proxy_peer_fail(dp->proxy, tp_peer, gen, error) < 0)
+                /* Our own invariant (one let-go per hand-out), not a peer's doing. */
+                log_err("datapath: transport peer %" PRIu32 " generation %" PRIu32 " let go twice", tp_peer,
+                        gen);
 }
 
 /* ------------------------------------------------------------ events */
@@ -829,7 +835,16 @@ static void proxy_event(struct datapath *dp, const struct proxy_event *ev) {
                 return;
         case PROXY_EVENT_PEER_FAILED:
                 log_warn("datapath: %s", ev->msg);
-                transport_failed(dp, ev->tp_peer, ev->msg);
+                transport_failed(dp, ev->tp_peer, ev->tp_gen, ev->msg);
+                return;
+        case PROXY_EVENT_ROUTE_DEAD:
+                /* The job learns of the lost daemon from the mesh (its
+                 * abort, or an elastic job's mask): the writer is not to
+                 * blame, so no abort naming it here. */
+                log_notice("datapath: %s", ev->msg);
+                return;
+        case PROXY_EVENT_PEER_FREED:
+                log_info("datapath: %s", ev->msg);
                 return;
         }
 }
@@ -975,7 +990,10 @@ void datapath_free(struct datapath *dp) {
 /* A connection to a daemon came up: makes our half of a transport
  * connection to it and sends its address. Peers older than 1.3 would
  * refuse the message, and a daemon without a data path has nothing to
- * offer. */
+ * offer. When that daemon holds every transport peer it may (failed ones
+ * still draining their writes, after it connected and failed in a row) or
+ * all are held, the connection is failed: it is redialled, and gets its
+ * transport peer once they drained, instead of staying up without one. */
 static void transport_offer(void *arg, struct mesh_peer *p) {
         struct datapath *dp = arg;
         Moeep__V1__PeerTransport pt = MOEEP__V1__PEER_TRANSPORT__INIT;
@@ -983,10 +1001,16 @@ static void transport_offer(void *arg, struct mesh_peer *p) {
         char errmsg[ERRMSG_MAX] = "";
         uint8_t blob[TP_ADDR_MAX];
         size_t len = 0;
+        int r;
 
         if (p->minor < 3 || !datapath_up(dp, NULL))
                 return;
-        if (datapath_peer_new(dp, &p->tp_peer, blob, &len, errmsg) < 0) {
+        r = datapath_peer_new(dp, p->address, &p->tp_peer, &p->tp_gen, blob, &len, errmsg);
+        if (r == -EUSERS || r == -ENOSPC) {
+                mesh_peer_fail(p, false, "no transport connection for it: %s", errmsg);
+                return;
+        }
+        if (r < 0) {
                 log_warn("mesh: peer %s: no transport connection: %s", p->address, errmsg);
                 return;
         }
@@ -1013,31 +1037,33 @@ static void transport_message(void *arg, struct mesh_peer *p, const Moeep__V1__P
                 return;
         }
         if (pt->address.len == 0 || pt->address.len > TP_ADDR_MAX ||
-            datapath_peer_connect(dp, p->tp_peer, pt->address.data, pt->address.len, errmsg) < 0) {
+            datapath_peer_connect(dp, p->tp_peer, p->tp_gen, pt->address.data, pt->address.len, errmsg) < 0) {
                 log_warn("mesh: peer %s: transport address of %zu bytes refused: %s", p->address,
                          pt->address.len, errmsg[0] ? errmsg : "bad length");
                 return;
         }
         p->tp_connected = true;
-        log_info("mesh: peer %s: transport connected (transport peer %" PRIu32 ")", p->address, p->tp_peer);
+        log_info("mesh: peer %s: transport connected (transport peer %" PRIu32 ", generation %" PRIu32 ")",
+                 p->address, p->tp_peer, p->tp_gen);
 }
 
-/* The connection went down: its transport peer is failed in the proxy
- * (rings routing to it get an error) and forgotten. */
+/* The connection went down (or was dropped as a duplicate): its transport
+ * peer is let go, which fails it in the proxy (rings routing to it get an
+ * error) unless the proxy failed it already, and is forgotten here; the
+ * proxy frees its index once its writes drained. */
 static void transport_peer_down(void *arg, struct mesh_peer *p, bool was_up, bool transport_was_connected,
                                 const char *lost, const char *why) {
-        if (!was_up)
-                return;
         if (p->tp_peer != MESH_NO_TP_PEER)
-                datapath_peer_fail(arg, p->tp_peer, -ECONNRESET);
+                datapath_peer_fail(arg, p->tp_peer, p->tp_gen, -ECONNRESET);
         p->tp_peer = MESH_NO_TP_PEER;
         p->tp_connected = false;
 }
 
-/* The transport peer that reaches daemon `address`: 0 and *ret_tp_peer,
- * -ENOTCONN when no connection to it is up, -ENODEV when it is up but no
- * transport connection was made over it. */
-static int transport_peer(const struct datapath *dp, const char *address, uint32_t *ret_tp_peer) {
+/* The transport peer that reaches daemon `address`: 0 and *ret_tp_peer with
+ * its generation, -ENOTCONN when no connection to it is up, -ENODEV when
+ * it is up but no transport connection was made over it. */
+static int transport_peer(const struct datapath *dp, const char *address, uint32_t *ret_tp_peer,
+                          uint32_t *ret_gen) {
         struct mesh_peer *p = dp->mesh ? mesh_peer_find(dp->mesh, address) : NULL;
 
         if (!p)
@@ -1045,20 +1071,21 @@ static int transport_peer(const struct datapath *dp, const char *address, uint32
         if (!p->tp_connected)
                 return -ENODEV;
         *ret_tp_peer = p->tp_peer;
+        *ret_gen = p->tp_gen;
         return 0;
 }
 
-/* The proxy failed transport peer `tp_peer` (`why` says how): the mesh
- * connection is failed (its subscribers abort every job with ranks at that
- * daemon, naming one), so that a fresh transport connection is made when
- * it comes back. */
-static void transport_failed(struct datapath *dp, uint32_t tp_peer, const char *why) {
+/* The proxy failed transport peer (`tp_peer`, `gen`) (`why` says how): the
+ * mesh connection that holds it is failed (its subscribers abort every job
+ * with ranks at that daemon, naming one, and it lets the transport peer
+ * go), so that a fresh transport connection is made when it comes back. */
+static void transport_failed(struct datapath *dp, uint32_t tp_peer, uint32_t gen, const char *why) {
         struct mesh_peer *p;
 
         if (!dp->mesh)
                 return;
         TAILQ_FOREACH (p, &dp->mesh->peers, entry)
-                if (p->state == MESH_PEER_UP && p->tp_peer == tp_peer) {
+                if (p->state == MESH_PEER_UP && p->tp_peer == tp_peer && p->tp_gen == gen) {
                         mesh_peer_fail(p, false, "its transport connection failed: %s", why);
                         return;
                 }

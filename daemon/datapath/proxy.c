@@ -4,6 +4,7 @@
  * what it reports through the event queue (event_fd). The loop thread's
  * side first (ring creation, proxy_new/proxy_free, the queues), then the
  * thread: ring polling, descriptor execution, completions and timeouts. */
+#include <assert.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
@@ -26,8 +27,10 @@
         for ((var) = TAILQ_FIRST(head); (var) && ((tvar) = TAILQ_NEXT(var, field), 1); (var) = (tvar))
 #endif
 
-#define PROXY_MAX_TP_PEERS 4096
 #define PROXY_MAX_ROUTES 4096
+/* Slots at most: a write's cookie holds slot * 2 + 1 in 32 bits and the
+ * slot's generation in the other 32. */
+#define PROXY_MAX_INFLIGHT (1u << 20)
 #define PROXY_POLL_MAX 64
 /* Fair share: a ring holds at most max_inflight / (rings with work) slots,
  * and never fewer than this; rings are tenants' (a job's rank's channel). */
@@ -42,6 +45,12 @@
 #define LOAD_ACQ(p) __atomic_load_n((p), __ATOMIC_ACQUIRE)
 #define STORE_REL(p, v) __atomic_store_n((p), (v), __ATOMIC_RELEASE)
 
+/* What the thread knows of one route of a ring beyond its proxy_route. */
+struct route_state {
+        int error; /* -errno once its transport peer failed (the route is dead), else 0 */
+        bool told; /* a ROUTE_DEAD event about it was sent */
+};
+
 struct ring {
         TAILQ_ENTRY(ring) entry;
         uint64_t id;
@@ -54,6 +63,7 @@ struct ring {
         uint8_t *finished;          /* owns; finished[s & mask] for s in [done, head] */
         struct tp_mr *src;          /* borrowed: the loop keeps it registered */
         struct proxy_route *routes; /* owns */
+        struct route_state *rstate; /* owns; one per route */
         uint32_t nroutes;
         uint32_t inflight;       /* slots busy for this ring */
         uint64_t inflight_bytes; /* payload bytes of those slots */
@@ -69,18 +79,22 @@ enum slot_state {
 };
 
 /* One descriptor in flight: up to two writes (data, then signal). The
- * cookie of a write is slot index * 2 + (0 data, 1 signal). */
+ * cookie of a write is the slot's generation << 32 | slot index * 2 + (0
+ * data, 1 signal): the generation grows each time the slot is taken, so a
+ * completion that comes after its slot was given up on (a cancelled write
+ * of a failed peer) names an old generation and is ignored. */
 /* A write this many timeouts late fails its transport peer (one timeout
  * fails only its ring). */
 #define PROXY_DEAD_TIMEOUTS 10
 
 struct slot {
         enum slot_state state;
+        uint32_t gen;      /* grows each time the slot is taken (cookies) */
         struct ring *ring; /* borrowed; NULL once abandoned */
         uint64_t seq;
         uint64_t posted_ns;
         uint32_t route;
-        uint32_t tp_peer;
+        uint32_t tp_peer;   /* counted in peers[tp_peer].inflight until the slot is free */
         uint32_t signal_id; /* counter index of a signal still to post */
         uint32_t length;    /* payload bytes, charged to ring->inflight_bytes */
         uint8_t pending;    /* writes posted and not completed */
@@ -91,7 +105,8 @@ struct slot {
 enum cmd_type {
         CMD_RING_ADD,
         CMD_RING_REMOVE,
-        CMD_PEER_FAIL,
+        CMD_PEER_ADD,   /* transport peer (`tp_peer`, `gen`) named `name` was handed out */
+        CMD_PEER_FAIL,  /* its owner lets go of (`tp_peer`, `gen`), failing it with `error` */
         CMD_ROUTE_DROP, /* ring `ring_id`'s route `tp_peer` leads nowhere from now on */
 };
 
@@ -101,7 +116,38 @@ struct cmd {
         struct ring *ring; /* owns until the thread takes it (CMD_RING_ADD) */
         uint64_t ring_id;
         uint32_t tp_peer;
+        uint32_t gen;
         int error;
+        char name[PROXY_PEER_NAME_MAX];
+};
+
+/* A transport peer index as the proxy thread sees it. */
+enum peer_state {
+        PEER_FREE,     /* no connection: routes to it are refused */
+        PEER_LIVE,     /* handed out: writes go */
+        PEER_DRAINING, /* failed: waits for its writes in flight (timeout_ms, then cancels them) */
+        PEER_DRAINED,  /* failed, nothing in flight: waits for its owner to let go */
+};
+
+struct peer {
+        enum peer_state state;
+        uint32_t gen;       /* of the last hand-out; routes to another are refused */
+        int error;          /* -errno once failed, kept until the index is handed out again */
+        bool released;      /* its owner let go (CMD_PEER_FAIL) */
+        uint32_t inflight;  /* slots, busy or abandoned, holding writes to it */
+        uint32_t cancelled; /* writes given up on when it drained */
+        uint64_t failed_ns;
+        char name[PROXY_PEER_NAME_MAX];
+};
+
+/* A transport peer index as the loop thread sees it. */
+struct peer_owner {
+        bool held;           /* handed out (proxy_peer_new) and not freed yet (PEER_FREED) */
+        bool released;       /* proxy_peer_fail() was called for `gen` */
+        bool failed;         /* the thread reported it failed (PEER_FAILED) */
+        uint32_t gen;        /* of the last hand-out; the first is 1 */
+        struct cmd *release; /* owns; the CMD_PEER_FAIL that proxy_peer_fail() queues */
+        char name[PROXY_PEER_NAME_MAX];
 };
 
 struct evt {
@@ -130,6 +176,9 @@ struct proxy {
         TAILQ_HEAD(, ring_id) ids; /* ring ids added and not yet removed */
         int event_fd;              /* owns */
 
+        /* The loop thread's alone. */
+        struct peer_owner *owners; /* owns; TP_MAX_PEERS */
+
         /* The thread's alone. */
         TAILQ_HEAD(, ring) rings;
         uint32_t nactive;     /* rings with slots busy or descriptors waiting, on the last pass */
@@ -140,11 +189,13 @@ struct proxy {
         uint32_t nretry;
         uint64_t *staging;        /* owns; signal values, one per slot */
         struct tp_mr *staging_mr; /* owns */
-        int *peer_error;          /* owns; per transport peer, 0 or -errno */
+        struct peer *peers;       /* owns; TP_MAX_PEERS */
+        uint32_t ndraining;       /* peers DRAINING or DRAINED */
+        bool drain_due;           /* a draining peer's last write ended: peers_drain() */
         uint64_t last_scan_ns;
 
         struct {
-                atomic_uint_fast64_t descriptors, writes, completions, eagain;
+                atomic_uint_fast64_t descriptors, writes, completions, eagain, stale, cancelled;
         } stats;
 };
 
@@ -158,6 +209,10 @@ const char *proxy_event_type_to_string(enum proxy_event_type t) {
                 return "peer-failed";
         case PROXY_EVENT_RING_ERROR:
                 return "ring-error";
+        case PROXY_EVENT_ROUTE_DEAD:
+                return "route-dead";
+        case PROXY_EVENT_PEER_FREED:
+                return "peer-freed";
         }
         return "unknown";
 }
@@ -227,16 +282,20 @@ static void ring_drop(struct proxy *p, struct ring *ring) {
         munmap(ring->hdr, ring->map_len);
         free(ring->finished);
         free(ring->routes);
+        free(ring->rstate);
         free(ring);
 }
 
 /* Frees what proxy_new allocated besides the thread, the staging
  * registration and the queues; then `p` itself. */
 static void proxy_arrays_free(struct proxy *p) {
+        for (uint32_t i = 0; p->owners && i < TP_MAX_PEERS; i++)
+                free(p->owners[i].release);
+        free(p->owners);
         free(p->slots);
         free(p->free_slots);
         free(p->retry);
-        free(p->peer_error);
+        free(p->peers);
         free(p->staging);
         if (p->event_fd >= 0)
                 close(p->event_fd);
@@ -261,6 +320,11 @@ int proxy_new(const struct transport *t, const struct proxy_params *params, cons
         p->params = params ? *params : (struct proxy_params){ 0 };
         if (!p->params.max_inflight)
                 p->params.max_inflight = 1024;
+        if (p->params.max_inflight > PROXY_MAX_INFLIGHT) {
+                free(p);
+                return errmsg_set(errmsg, -EINVAL, "proxy %s: max_inflight %u: at most %u", name,
+                                  params->max_inflight, PROXY_MAX_INFLIGHT);
+        }
         if (!p->params.batch)
                 p->params.batch = 32;
         if (!p->params.timeout_ms)
@@ -280,10 +344,11 @@ int proxy_new(const struct transport *t, const struct proxy_params *params, cons
         p->slots = calloc(p->params.max_inflight, sizeof(*p->slots));
         p->free_slots = calloc(p->params.max_inflight, sizeof(*p->free_slots));
         p->retry = calloc(p->params.max_inflight, sizeof(*p->retry));
-        p->peer_error = calloc(PROXY_MAX_TP_PEERS, sizeof(*p->peer_error));
+        p->peers = calloc(TP_MAX_PEERS, sizeof(*p->peers));
+        p->owners = calloc(TP_MAX_PEERS, sizeof(*p->owners));
         if (posix_memalign((void **)&p->staging, 4096, (size_t)p->params.max_inflight * 8) != 0)
                 p->staging = NULL;
-        if (!p->slots || !p->free_slots || !p->retry || !p->peer_error || !p->staging) {
+        if (!p->slots || !p->free_slots || !p->retry || !p->peers || !p->owners || !p->staging) {
                 r = errmsg_set(errmsg, -ENOMEM, "proxy %s: out of memory for %u slots", name,
                                p->params.max_inflight);
                 goto err_arrays;
@@ -339,6 +404,11 @@ void proxy_free(struct proxy *p) {
                 TAILQ_REMOVE(&p->ids, rid, entry);
                 free(rid);
         }
+        /* The transport peers it handed out go back too (the thread is
+         * gone: nothing writes to them). */
+        for (uint32_t i = 0; i < TP_MAX_PEERS; i++)
+                if (p->owners[i].held && p->ops->peer_free)
+                        p->ops->peer_free(p->tp, i);
         p->ops->mr_free(p->tp, p->staging_mr);
         proxy_arrays_free(p);
 }
@@ -363,7 +433,7 @@ int proxy_ring_add(struct proxy *p, uint64_t ring_id, int ring_fd, struct tp_mr 
                 return errmsg_set(errmsg, -EINVAL, "proxy: ring %" PRIu64 ": bad arguments (%u routes)",
                                   ring_id, nroutes);
         for (uint32_t i = 0; i < nroutes; i++)
-                if (routes[i].tp_peer >= PROXY_MAX_TP_PEERS && routes[i].tp_peer != PROXY_ROUTE_NONE)
+                if (routes[i].tp_peer >= TP_MAX_PEERS && routes[i].tp_peer != PROXY_ROUTE_NONE)
                         return errmsg_set(errmsg, -EINVAL,
                                           "proxy %s: ring %" PRIu64 ": route %u: transport peer %u "
                                           "out of range",
@@ -412,7 +482,8 @@ int proxy_ring_add(struct proxy *p, uint64_t ring_id, int ring_fd, struct tp_mr 
         ring->nroutes = nroutes;
         ring->finished = calloc(cap, 1);
         ring->routes = calloc(nroutes ? nroutes : 1, sizeof(*routes));
-        if (!ring->finished || !ring->routes) {
+        ring->rstate = calloc(nroutes ? nroutes : 1, sizeof(*ring->rstate));
+        if (!ring->finished || !ring->routes || !ring->rstate) {
                 r = errmsg_set(errmsg, -ENOMEM, "proxy %s: ring %" PRIu64 ": out of memory", p->name,
                                ring_id);
                 goto err_arrays;
@@ -437,6 +508,7 @@ int proxy_ring_add(struct proxy *p, uint64_t ring_id, int ring_fd, struct tp_mr 
 err_arrays:
         free(ring->finished);
         free(ring->routes);
+        free(ring->rstate);
 err_map:
         munmap(ring->hdr, ring->map_len);
 err_alloc:
@@ -478,19 +550,125 @@ int proxy_route_drop(struct proxy *p, uint64_t ring_id, uint32_t route) {
         return ring_cmd(p, CMD_ROUTE_DROP, ring_id, route);
 }
 
-int proxy_peer_fail(struct proxy *p, uint32_t tp_peer, int error) {
+/* The transport peers held under `name` (all of them when NULL), and of
+ * those how many are connected and how many drain. */
+static uint32_t owners_count(const struct proxy *p, const char *name, uint32_t *ret_connected,
+                             uint32_t *ret_draining) {
+        uint32_t held = 0, connected = 0;
+
+        for (uint32_t i = 0; i < TP_MAX_PEERS; i++) {
+                const struct peer_owner *o = &p->owners[i];
+
+                if (!o->held || (name && strcmp(o->name, name) != 0))
+                        continue;
+                held++;
+                connected += !o->released && !o->failed;
+        }
+        *ret_connected = connected;
+        *ret_draining = held - connected;
+        return held;
+}
+
+int proxy_peer_new(struct proxy *p, const char *name, uint32_t *ret_peer, uint32_t *ret_gen, void *ret_blob,
+                   size_t *ret_len, char *errmsg) {
+        char n[PROXY_PEER_NAME_MAX];
+        struct cmd *add, *release;
+        struct peer_owner *o = NULL;
+        uint32_t connected, draining;
+        int r;
+
+        if (!p || !name || !p->ops->peer_new)
+                return errmsg_set(errmsg, -EINVAL, "proxy: transport peer: bad arguments");
+        snprintf(n, sizeof(n), "%s", name);
+        if (owners_count(p, n, &connected, &draining) >= PROXY_PEERS_PER_NAME)
+                return errmsg_set(errmsg, -EUSERS,
+                                  "proxy %s: no transport peer for %s: it holds %u already (%u connected, %u "
+                                  "failed whose writes still drain); at most %d per daemon",
+                                  p->name, n, connected + draining, connected, draining,
+                                  PROXY_PEERS_PER_NAME);
+        for (uint32_t i = 0; i < TP_MAX_PEERS && !o; i++)
+                if (!p->owners[i].held)
+                        o = &p->owners[i];
+        if (!o) {
+                owners_count(p, NULL, &connected, &draining);
+                return errmsg_set(errmsg, -ENOSPC,
+                                  "proxy %s: no transport peer for %s: all %d are held (%u connected, %u "
+                                  "failed whose writes still drain)",
+                                  p->name, n, TP_MAX_PEERS, connected, draining);
+        }
+        add = calloc(1, sizeof(*add));
+        release = calloc(1, sizeof(*release));
+        if (!add || !release) {
+                free(add);
+                free(release);
+                return errmsg_set(errmsg, -ENOMEM, "proxy %s: transport peer for %s: out of memory", p->name,
+                                  n);
+        }
+        r = p->ops->peer_new(p->tp, (uint32_t)(o - p->owners), ret_blob, ret_len, errmsg);
+        if (r < 0) {
+                free(add);
+                free(release);
+                return r;
+        }
+        if (++o->gen == 0) /* generation 0 is never handed out: a zeroed route names none */
+                o->gen = 1;
+        o->held = true;
+        o->released = o->failed = false;
+        o->release = release;
+        memcpy(o->name, n, sizeof(n));
+        add->type = CMD_PEER_ADD;
+        add->tp_peer = (uint32_t)(o - p->owners);
+        add->gen = o->gen;
+        memcpy(add->name, n, sizeof(n));
+        cmd_push(p, add);
+        *ret_peer = add->tp_peer;
+        *ret_gen = o->gen;
+        return 0;
+}
+
+/* The owner's record of (`tp_peer`, `gen`) while it may still use it, or
+ * NULL. */
+static struct peer_owner *owner_get(struct proxy *p, uint32_t tp_peer, uint32_t gen) {
+        struct peer_owner *o = tp_peer < TP_MAX_PEERS ? &p->owners[tp_peer] : NULL;
+
+        return o && o->held && o->gen == gen && !o->released ? o : NULL;
+}
+
+int proxy_peer_connect(struct proxy *p, uint32_t tp_peer, uint32_t gen, const void *blob, size_t len,
+                       char *errmsg) {
+        if (!p)
+                return errmsg_set(errmsg, -EINVAL, "proxy: transport peer: bad arguments");
+        if (!owner_get(p, tp_peer, gen))
+                return errmsg_set(errmsg, -ESTALE,
+                                  "proxy %s: transport peer %u generation %u: not held (let go already)",
+                                  p->name, tp_peer, gen);
+        return p->ops->peer_connect(p->tp, tp_peer, blob, len, errmsg);
+}
+
+int proxy_peer_fail(struct proxy *p, uint32_t tp_peer, uint32_t gen, int error) {
+        struct peer_owner *o;
         struct cmd *c;
 
-        if (!p || tp_peer >= PROXY_MAX_TP_PEERS || error >= 0)
+        if (!p || tp_peer >= TP_MAX_PEERS || error >= 0)
                 return -EINVAL;
-        c = calloc(1, sizeof(*c));
-        if (!c)
-                return -ENOMEM;
+        o = owner_get(p, tp_peer, gen);
+        if (!o)
+                return -ESTALE;
+        o->released = true;
+        c = o->release;
+        o->release = NULL;
         c->type = CMD_PEER_FAIL;
         c->tp_peer = tp_peer;
+        c->gen = gen;
         c->error = error;
         cmd_push(p, c);
         return 0;
+}
+
+void proxy_peers_count(const struct proxy *p, uint32_t *ret_connected, uint32_t *ret_draining) {
+        *ret_connected = *ret_draining = 0;
+        if (p)
+                owners_count(p, NULL, ret_connected, ret_draining);
 }
 
 int proxy_event_fd(const struct proxy *p) {
@@ -513,6 +691,13 @@ bool proxy_event_next(struct proxy *p, struct proxy_event *ret) {
                 return false;
         *ret = e->ev;
         free(e);
+        /* The owners' record follows what the thread did with a peer. */
+        if (ret->tp_peer < TP_MAX_PEERS && p->owners[ret->tp_peer].gen == ret->tp_gen) {
+                if (ret->type == PROXY_EVENT_PEER_FAILED)
+                        p->owners[ret->tp_peer].failed = true;
+                else if (ret->type == PROXY_EVENT_PEER_FREED)
+                        p->owners[ret->tp_peer].held = false;
+        }
         return true;
 }
 
@@ -521,6 +706,8 @@ void proxy_stats_get(const struct proxy *p, struct proxy_stats *ret) {
         ret->writes = atomic_load_explicit(&p->stats.writes, memory_order_relaxed);
         ret->completions = atomic_load_explicit(&p->stats.completions, memory_order_relaxed);
         ret->eagain = atomic_load_explicit(&p->stats.eagain, memory_order_relaxed);
+        ret->stale = atomic_load_explicit(&p->stats.stale, memory_order_relaxed);
+        ret->cancelled = atomic_load_explicit(&p->stats.cancelled, memory_order_relaxed);
 }
 
 /* ------------------------------------------------------------ the thread */
@@ -539,10 +726,11 @@ static uint64_t now_ns(void) {
 /* Queues an event for the daemon's loop. `fmt` says what happened; the
  * message gets the proxy's name in front of it. */
 static void event_push(struct proxy *p, enum proxy_event_type type, uint64_t ring_id, uint32_t tp_peer,
-                       int error, const char *fmt, ...) __attribute__((format(printf, 6, 7)));
+                       uint32_t tp_gen, int error, const char *fmt, ...)
+        __attribute__((format(printf, 7, 8)));
 
 static void event_push(struct proxy *p, enum proxy_event_type type, uint64_t ring_id, uint32_t tp_peer,
-                       int error, const char *fmt, ...) {
+                       uint32_t tp_gen, int error, const char *fmt, ...) {
         struct evt *e = calloc(1, sizeof(*e));
         uint64_t one = 1;
         va_list ap;
@@ -553,6 +741,7 @@ static void event_push(struct proxy *p, enum proxy_event_type type, uint64_t rin
         e->ev.type = type;
         e->ev.ring_id = ring_id;
         e->ev.tp_peer = tp_peer;
+        e->ev.tp_gen = tp_gen;
         e->ev.error = error;
         /* The proxy's name, then what happened: a reader that names the
          * proxy otherwise takes only the latter (ev.what). */
@@ -592,8 +781,18 @@ static void ring_finish(struct ring *ring, uint64_t seq) {
 }
 
 static void slot_release(struct proxy *p, uint32_t i) {
-        p->slots[i].state = SLOT_FREE;
+        struct slot *s = &p->slots[i];
+        struct peer *pp = &p->peers[s->tp_peer];
+
+        s->state = SLOT_FREE;
         p->free_slots[p->nfree++] = i;
+        if (--pp->inflight == 0 && pp->state == PEER_DRAINING)
+                p->drain_due = true;
+}
+
+/* The cookie of slot i's data (k 0) or signal (k 1) write. */
+static uint64_t slot_cookie(const struct proxy *p, uint32_t i, uint32_t k) {
+        return (uint64_t)p->slots[i].gen << 32 | (i * 2 + k);
 }
 
 /* The slot's descriptor is over (success or not); the slot itself is freed
@@ -611,33 +810,100 @@ static void slot_finish(struct proxy *p, uint32_t i, bool abandon) {
                 slot_release(p, i);
 }
 
+/* Transport peer `tp_peer` failed (proxy.h, "Transport peers", steps 1
+ * and 2): its routes are marked dead, its descriptors in flight end, the
+ * transport stops what is on its way, and its writes drain from here. */
 static void peer_failed(struct proxy *p, uint32_t tp_peer, int error, const char *why) {
+        struct peer *pp = tp_peer < TP_MAX_PEERS ? &p->peers[tp_peer] : NULL;
         struct ring *ring;
 
-        if (tp_peer >= PROXY_MAX_TP_PEERS || p->peer_error[tp_peer])
+        if (!pp || pp->state != PEER_LIVE)
                 return;
-        p->peer_error[tp_peer] = error;
+        pp->state = PEER_DRAINING;
+        pp->error = error;
+        pp->failed_ns = now_ns();
+        p->ndraining++;
+        /* First the routes: nothing is posted to this generation again. */
         TAILQ_FOREACH (ring, &p->rings, entry)
                 for (uint32_t r = 0; r < ring->nroutes; r++)
-                        if (ring->routes[r].tp_peer == tp_peer) {
+                        if (ring->routes[r].tp_peer == tp_peer && ring->routes[r].tp_gen == pp->gen &&
+                            !ring->rstate[r].error) {
+                                ring->rstate[r].error = error;
                                 ring_set_error(ring, ring->head, r, error);
-                                break;
                         }
         /* Nothing more will arrive from or for this peer: end its
-         * descriptors now so that done advances and removals finish. */
+         * descriptors now so that done advances and removals finish. Their
+         * slots wait for the writes (abandoned) while the peer drains. */
         for (uint32_t i = 0; i < p->params.max_inflight; i++)
                 if (p->slots[i].state == SLOT_BUSY && p->slots[i].tp_peer == tp_peer) {
                         ring_set_error(p->slots[i].ring, p->slots[i].seq, p->slots[i].route, error);
                         p->slots[i].need_signal = false;
                         slot_finish(p, i, true);
                 }
-        /* The peer is never written to again (peer_error stays): what the
-         * transport holds for it (cuda: imports of the other daemon's GPU
-         * memory) goes now, not when the transport closes at shutdown. */
+        /* The transport ends what is on its way (verbs flushes the QP)
+         * and drops what need not wait for peer_free (cuda: imports of
+         * the other daemon's GPU memory). */
         if (p->ops->peer_fail)
                 p->ops->peer_fail(p->tp, tp_peer);
-        event_push(p, PROXY_EVENT_PEER_FAILED, 0, tp_peer, error, "transport peer %u failed: %s (%s)",
-                   tp_peer, strerror(-error), why);
+        event_push(p, PROXY_EVENT_PEER_FAILED, 0, tp_peer, pp->gen, error,
+                   "transport peer %u (%s, generation %u) failed: %s (%s)", tp_peer, pp->name, pp->gen,
+                   strerror(-error), why);
+        p->drain_due = true;
+}
+
+/* Step 2's end: the writes of draining peer `tp_peer` still in flight after
+ * timeout_ms are given up on; their slots go back (a completion that
+ * comes later names the old slot generation and is ignored). */
+static void peer_cancel(struct proxy *p, uint32_t tp_peer) {
+        struct peer *pp = &p->peers[tp_peer];
+        uint32_t n = 0;
+
+        for (uint32_t i = 0; i < p->params.max_inflight && pp->inflight; i++)
+                if (p->slots[i].state == SLOT_ABANDONED && p->slots[i].tp_peer == tp_peer) {
+                        slot_release(p, i);
+                        n++;
+                }
+        pp->cancelled += n;
+        atomic_fetch_add_explicit(&p->stats.cancelled, n, memory_order_relaxed);
+}
+
+/* Step 3: transport peer `tp_peer`, drained and let go by its owner, is
+ * freed; its index may be handed out again. Its generation and error stay
+ * for what names them later (an old route). */
+static void peer_free(struct proxy *p, uint32_t tp_peer) {
+        struct peer *pp = &p->peers[tp_peer];
+
+        if (p->ops->peer_free)
+                p->ops->peer_free(p->tp, tp_peer);
+        pp->state = PEER_FREE;
+        p->ndraining--;
+        if (pp->cancelled)
+                event_push(p, PROXY_EVENT_PEER_FREED, 0, tp_peer, pp->gen, 0,
+                           "transport peer %u (%s, generation %u) freed: %u writes to it never completed "
+                           "and were given up on",
+                           tp_peer, pp->name, pp->gen, pp->cancelled);
+        else
+                event_push(p, PROXY_EVENT_PEER_FREED, 0, tp_peer, pp->gen, 0,
+                           "transport peer %u (%s, generation %u) freed", tp_peer, pp->name, pp->gen);
+}
+
+/* Moves the failed peers on: drained once nothing of theirs is in
+ * flight (their in-flight writes cancelled timeout_ms after the failure),
+ * then freed once their owner let go too. */
+static void peers_drain(struct proxy *p, uint64_t now) {
+        uint64_t limit = (uint64_t)p->params.timeout_ms * 1000000u;
+
+        p->drain_due = false;
+        for (uint32_t i = 0; i < TP_MAX_PEERS && p->ndraining; i++) {
+                struct peer *pp = &p->peers[i];
+
+                if (pp->state == PEER_DRAINING && pp->inflight && now - pp->failed_ns > limit)
+                        peer_cancel(p, i);
+                if (pp->state == PEER_DRAINING && !pp->inflight)
+                        pp->state = PEER_DRAINED;
+                if (pp->state == PEER_DRAINED && pp->released)
+                        peer_free(p, i);
+        }
 }
 
 static void ring_bad_desc(struct proxy *p, struct ring *ring, uint64_t seq, uint32_t route, int error,
@@ -645,7 +911,7 @@ static void ring_bad_desc(struct proxy *p, struct ring *ring, uint64_t seq, uint
         ring_set_error(ring, seq, route, error);
         if (!ring->reported) {
                 ring->reported = true;
-                event_push(p, PROXY_EVENT_RING_ERROR, ring->id, UINT32_MAX, error,
+                event_push(p, PROXY_EVENT_RING_ERROR, ring->id, UINT32_MAX, 0, error,
                            "ring %" PRIu64 " descriptor %" PRIu64 " (peer %u): %s", ring->id, seq, route,
                            what);
         }
@@ -668,7 +934,34 @@ static void post_failed(struct proxy *p, uint32_t i, int r) {
 
 static int post_signal(struct proxy *p, uint32_t i, const struct proxy_route *route, uint32_t signal_id) {
         return p->ops->write(p->tp, route->tp_peer, p->staging_mr, (uint64_t)i * 8, &route->counters,
-                             (uint64_t)signal_id * 8, 8, (uint64_t)i * 2 + 1, 0, TP_WRITE_ORDERED);
+                             (uint64_t)signal_id * 8, 8, slot_cookie(p, i, 1), 0, TP_WRITE_ORDERED);
+}
+
+/* Descriptor `seq` of `ring` names route `r`, whose transport peer failed
+ * (or an older generation of its index): it fails the ring at once, and
+ * the first on each route is told, naming ring, route and peer. Not a
+ * RING_ERROR: the writer did nothing wrong, the other daemon went (and
+ * the mesh's loss of it ends the job, or an elastic job goes on). */
+static void route_dead(struct proxy *p, struct ring *ring, uint64_t seq, uint32_t r) {
+        const struct proxy_route *route = &ring->routes[r];
+        struct route_state *rs = &ring->rstate[r];
+        const struct peer *pp = &p->peers[route->tp_peer];
+
+        ring_set_error(ring, seq, r, rs->error);
+        if (rs->told)
+                return;
+        rs->told = true;
+        if (pp->gen == route->tp_gen)
+                event_push(p, PROXY_EVENT_ROUTE_DEAD, ring->id, route->tp_peer, route->tp_gen, rs->error,
+                           "ring %" PRIu64 " route %u: transport peer %u (%s, generation %u) failed (%s): "
+                           "descriptor %" PRIu64 " and every later one on this route refused",
+                           ring->id, r, route->tp_peer, pp->name, route->tp_gen, strerror(-rs->error), seq);
+        else
+                event_push(p, PROXY_EVENT_ROUTE_DEAD, ring->id, route->tp_peer, route->tp_gen, rs->error,
+                           "ring %" PRIu64 " route %u: transport peer %u generation %u is gone (the index "
+                           "serves generation %u now): descriptor %" PRIu64
+                           " and every later one on this route refused",
+                           ring->id, r, route->tp_peer, route->tp_gen, pp->gen, seq);
 }
 
 /* The most slots one ring may hold now: an equal part among the rings that
@@ -707,8 +1000,13 @@ static int desc_start(struct proxy *p, struct ring *ring, uint64_t seq, const st
                 ring_finish(ring, seq);
                 return 0;
         }
-        if (p->peer_error[route->tp_peer]) {
-                ring_set_error(ring, seq, d->peer, p->peer_error[route->tp_peer]);
+        /* A route to a failed peer was marked dead when it failed (or when
+         * the ring came); the generation check refuses anything older
+         * whatever happened since. */
+        if (!ring->rstate[d->peer].error && p->peers[route->tp_peer].gen != route->tp_gen)
+                ring->rstate[d->peer].error = -ENOTCONN;
+        if (ring->rstate[d->peer].error) {
+                route_dead(p, ring, seq, d->peer);
                 ring_finish(ring, seq);
                 return 0;
         }
@@ -720,16 +1018,18 @@ static int desc_start(struct proxy *p, struct ring *ring, uint64_t seq, const st
         i = p->free_slots[--p->nfree];
         s = &p->slots[i];
         *s = (struct slot){ .state = SLOT_BUSY,
+                            .gen = s->gen + 1,
                             .ring = ring,
                             .seq = seq,
                             .route = d->peer,
                             .tp_peer = route->tp_peer,
                             .length = d->length };
+        p->peers[route->tp_peer].inflight++;
         ring->inflight++;
         ring->inflight_bytes += d->length;
         if (d->length) {
                 r = p->ops->write(p->tp, route->tp_peer, ring->src, d->src_offset, &route->data,
-                                  d->dst_offset, d->length, (uint64_t)i * 2, 0, 0);
+                                  d->dst_offset, d->length, slot_cookie(p, i, 0), 0, 0);
                 if (r == -EAGAIN) {
                         atomic_fetch_add_explicit(&p->stats.eagain, 1, memory_order_relaxed);
                         ring->inflight--;
@@ -806,8 +1106,8 @@ static int ring_poll(struct proxy *p, struct ring *ring, uint32_t *active) {
 
                         TAILQ_REMOVE(&p->rings, ring, entry);
                         ring_drop(p, ring);
-                        event_push(p, PROXY_EVENT_RING_REMOVED, id, UINT32_MAX, 0, "ring %" PRIu64 " removed",
-                                   id);
+                        event_push(p, PROXY_EVENT_RING_REMOVED, id, UINT32_MAX, 0, 0,
+                                   "ring %" PRIu64 " removed", id);
                         return 1;
                 }
                 return 0;
@@ -840,20 +1140,24 @@ static bool completion_error_is_write_s(int status) {
 }
 
 static void complete(struct proxy *p, const struct tp_completion *c) {
-        uint64_t i = c->cookie / 2;
+        uint32_t i = (uint32_t)c->cookie / 2;
         struct slot *s;
 
         if (c->remote || i >= p->params.max_inflight)
                 return;
         s = &p->slots[i];
         atomic_fetch_add_explicit(&p->stats.completions, 1, memory_order_relaxed);
-        if (s->state == SLOT_ABANDONED) {
-                if (--s->pending == 0)
-                        slot_release(p, (uint32_t)i);
+        /* A write given up on (its peer failed and drained without it):
+         * its slot went back, and may serve another peer's write now. */
+        if (s->state == SLOT_FREE || s->gen != (uint32_t)(c->cookie >> 32)) {
+                atomic_fetch_add_explicit(&p->stats.stale, 1, memory_order_relaxed);
                 return;
         }
-        if (s->state != SLOT_BUSY)
+        if (s->state == SLOT_ABANDONED) {
+                if (--s->pending == 0)
+                        slot_release(p, i);
                 return;
+        }
         s->pending--;
         if (c->status < 0) {
                 /* An error about this write alone (a key or a range the
@@ -867,14 +1171,14 @@ static void complete(struct proxy *p, const struct tp_completion *c) {
                         ring_bad_desc(p, s->ring, s->seq, s->route, c->status,
                                       "a write completed with an error");
                         s->need_signal = false;
-                        slot_finish(p, (uint32_t)i, true);
+                        slot_finish(p, i, true);
                         return;
                 }
                 peer_failed(p, s->tp_peer, c->status, "write completed with an error");
                 return; /* peer_failed ended the slot */
         }
         if (s->pending == 0 && !s->need_signal)
-                slot_finish(p, (uint32_t)i, false);
+                slot_finish(p, i, false);
 }
 
 /* Fails the rings of writes older than timeout_ms. A slot is stamped on the
@@ -911,10 +1215,29 @@ static void scan_timeouts(struct proxy *p, uint64_t now) {
         }
 }
 
+/* A ring comes: its routes to a peer that is not live in the generation
+ * they name are dead from the start (the peer failed between the route's
+ * making and now), and its error word says so. */
+static void ring_routes_check(struct proxy *p, struct ring *ring) {
+        for (uint32_t r = 0; r < ring->nroutes; r++) {
+                const struct proxy_route *route = &ring->routes[r];
+                const struct peer *pp;
+
+                if (route->tp_peer >= TP_MAX_PEERS) /* PROXY_ROUTE_NONE */
+                        continue;
+                pp = &p->peers[route->tp_peer];
+                if (pp->state == PEER_LIVE && pp->gen == route->tp_gen)
+                        continue;
+                ring->rstate[r].error = pp->gen == route->tp_gen && pp->error ? pp->error : -ENOTCONN;
+                ring_set_error(ring, ring->head, r, ring->rstate[r].error);
+        }
+}
+
 static void run_commands(struct proxy *p) {
         TAILQ_HEAD(, cmd) todo = TAILQ_HEAD_INITIALIZER(todo);
         struct cmd *c;
         struct ring *ring;
+        struct peer *pp;
 
         pthread_mutex_lock(&p->lock);
         TAILQ_CONCAT(&todo, &p->cmds, entry);
@@ -925,21 +1248,26 @@ static void run_commands(struct proxy *p) {
                 switch (c->type) {
                 case CMD_RING_ADD:
                         TAILQ_INSERT_TAIL(&p->rings, c->ring, entry);
-                        for (uint32_t r = 0; r < c->ring->nroutes; r++)
-                                if (c->ring->routes[r].tp_peer != PROXY_ROUTE_NONE &&
-                                    p->peer_error[c->ring->routes[r].tp_peer]) {
-                                        ring_set_error(c->ring, c->ring->head, r,
-                                                       p->peer_error[c->ring->routes[r].tp_peer]);
-                                        break;
-                                }
+                        ring_routes_check(p, c->ring);
                         break;
                 case CMD_RING_REMOVE:
                         TAILQ_FOREACH (ring, &p->rings, entry)
                                 if (ring->id == c->ring_id)
                                         ring->removing = true;
                         break;
+                case CMD_PEER_ADD:
+                        pp = &p->peers[c->tp_peer];
+                        assert(pp->state == PEER_FREE && pp->inflight == 0);
+                        *pp = (struct peer){ .state = PEER_LIVE, .gen = c->gen };
+                        memcpy(pp->name, c->name, sizeof(pp->name));
+                        break;
                 case CMD_PEER_FAIL:
+                        pp = &p->peers[c->tp_peer];
+                        if (pp->gen != c->gen || pp->released)
+                                break;
+                        pp->released = true;
                         peer_failed(p, c->tp_peer, c->error, "reported by the daemon");
+                        p->drain_due = true;
                         break;
                 case CMD_ROUTE_DROP:
                         TAILQ_FOREACH (ring, &p->rings, entry)
@@ -985,12 +1313,16 @@ static void *proxy_main(void *arg) {
                         complete(p, &comps[k]);
                 if (n > 0)
                         work += n;
+                if (p->drain_due)
+                        peers_drain(p, now_ns());
                 if ((++iter & 1023) == 0) {
                         uint64_t now = now_ns();
 
                         if (now - p->last_scan_ns > 1000000u) {
                                 p->last_scan_ns = now;
                                 scan_timeouts(p, now);
+                                if (p->ndraining)
+                                        peers_drain(p, now);
                         }
                 }
                 if (work) {

@@ -4,11 +4,14 @@
  * over a libcuda stand-in (tpc_open()). Not for any other file.
  *
  * Threads, as transport.h allows: the event loop calls open, close, mr_new,
- * mr_free, peer_new and peer_connect; the proxy thread calls write and poll;
- * the backend's own server thread (tpc_server_start()) answers the other
- * daemons. `lock` guards what more than one of them touches: the region
- * list, the tokens and the server's connections (every send on them). The
- * proxy thread alone owns the operation queue and each peer's imports. */
+ * mr_free, peer_new and peer_connect; the proxy thread calls write, poll,
+ * peer_fail and peer_free; the backend's own server thread
+ * (tpc_server_start()) answers the other daemons. `lock` guards what more
+ * than one of them touches: the region list, the tokens, the server's
+ * connections (every send on them), and a peer's fd and blob once another
+ * index's peer_connect may look at them (peer_free closes and clears them
+ * under it). The proxy thread alone owns the operation queue and each
+ * peer's imports. */
 #ifndef MOEEPD_TP_CUDA_INTERNAL_H
 #define MOEEPD_TP_CUDA_INTERNAL_H
 
@@ -23,7 +26,7 @@
 #include "datapath/transport.h"
 #include "log.h"
 
-#define TPC_MAX_PEERS 256
+#define TPC_MAX_PEERS TP_MAX_PEERS
 #define TPC_MAX_CONNS 64
 /* Imports one peer's daemon may have us hold at once (its ranks' receive
  * and counter regions). */
@@ -67,6 +70,7 @@ struct tpc_remote {
 };
 
 enum tpc_peer_state {
+        TPC_PEER_FREE,      /* the index is not in use (never, or peer_free gave it back) */
         TPC_PEER_NEW,       /* peer_new made its token; no connection of ours yet */
         TPC_PEER_CONNECTED, /* our connection to its socket is up (HELLO sent) */
         TPC_PEER_DEAD,      /* the connection failed: writes to it fail */
@@ -117,9 +121,8 @@ struct tp {
 
         pthread_mutex_t lock;
         TAILQ_HEAD(, tp_mr) mrs;
-        uint32_t npeers;
         struct tpc_peer *peers;             /* owns; TPC_MAX_PEERS */
-        uint8_t (*tokens)[TPC_TOKEN_BYTES]; /* owns; per peer */
+        uint8_t (*tokens)[TPC_TOKEN_BYTES]; /* owns; per peer, all zero while the index is free */
         bool *token_used;                   /* owns; per peer */
         struct tpc_conn conns[TPC_MAX_CONNS];
         uint32_t nconns;

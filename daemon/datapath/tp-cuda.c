@@ -53,7 +53,7 @@ static void tpc_mapping_release(struct tp *tp, struct tpc_mapping *m);
 static int tpc_server_start(struct tp *tp, char *errmsg);
 static void tpc_server_stop(struct tp *tp);
 static void tpc_revoke_broadcast(struct tp *tp, uint64_t key);
-static int tpc_peer_new(struct tp *tp, uint32_t *ret_peer, void *ret_blob, size_t *ret_len, char *errmsg);
+static int tpc_peer_new(struct tp *tp, uint32_t peer, void *ret_blob, size_t *ret_len, char *errmsg);
 static int tpc_peer_connect(struct tp *tp, uint32_t peer, const void *blob, size_t len, char *errmsg);
 /* Proxy thread: the import of `key` at `peer`, fetched on first use; NULL
  * with *ret_error -EACCES (the peer has no such region) or another -errno
@@ -63,6 +63,8 @@ static struct tpc_remote *tpc_remote_get(struct tp *tp, uint32_t peer, uint64_t 
  * daemon, or a write to it failed): its imports go now and its connection
  * is shut down, so that the peer's server drops it too. */
 static void tpc_peer_fail(struct tp *tp, uint32_t peer);
+/* Proxy thread: tp_ops.peer_free; the index may be handed out again. */
+static void tpc_peer_free(struct tp *tp, uint32_t peer);
 /* Proxy thread: reads what peers sent unasked (REVOKE, a late WELCOME, EOF). */
 static void tpc_peers_drain(struct tp *tp);
 static void tpc_peers_free(struct tp *tp);
@@ -537,6 +539,7 @@ const struct tp_ops tp_cuda_ops = {
         .poll = cuda_poll,
         .stats = cuda_stats,
         .peer_fail = tpc_peer_fail,
+        .peer_free = tpc_peer_free,
 };
 
 /* ------------------------------------------------------------ the peer socket */
@@ -693,7 +696,7 @@ static bool conn_serve(struct tp *tp, uint32_t i) {
                 }
                 pthread_mutex_lock(&tp->lock);
                 found = tpc_token_find((const uint8_t(*)[TPC_TOKEN_BYTES])tp->tokens, tp->token_used,
-                                       tp->npeers, m.token);
+                                       TPC_MAX_PEERS, m.token);
                 if (found >= 0) {
                         tp->token_used[found] = true;
                         c->peer = found;
@@ -845,27 +848,23 @@ static void tpc_revoke_broadcast(struct tp *tp, uint64_t key) {
         pthread_mutex_unlock(&tp->lock);
 }
 
-static int tpc_peer_new(struct tp *tp, uint32_t *ret_peer, void *ret_blob, size_t *ret_len, char *errmsg) {
+static int tpc_peer_new(struct tp *tp, uint32_t peer, void *ret_blob, size_t *ret_len, char *errmsg) {
         struct tpc_blob b = tp->self;
-        uint32_t i;
 
         _Static_assert(TPC_BLOB_BYTES <= TP_ADDR_MAX, "the blob fits the mesh's address field");
+        if (peer >= TPC_MAX_PEERS || atomic_load(&tp->peers[peer].state) != TPC_PEER_FREE)
+                return errmsg_set(errmsg, -EINVAL, "%s: peer %u: not a free index", tp->who, peer);
         pthread_mutex_lock(&tp->lock);
-        i = tp->npeers;
-        if (i >= TPC_MAX_PEERS) {
-                pthread_mutex_unlock(&tp->lock);
-                return errmsg_set(errmsg, -ENOSPC, "%s: more than %d peers", tp->who, TPC_MAX_PEERS);
-        }
-        if (getrandom(tp->tokens[i], TPC_TOKEN_BYTES, 0) != TPC_TOKEN_BYTES) {
+        if (getrandom(tp->tokens[peer], TPC_TOKEN_BYTES, 0) != TPC_TOKEN_BYTES) {
+                memset(tp->tokens[peer], 0, TPC_TOKEN_BYTES);
                 pthread_mutex_unlock(&tp->lock);
                 return errmsg_set(errmsg, -EIO, "%s: getrandom for a peer token failed", tp->who);
         }
-        memcpy(b.token, tp->tokens[i], TPC_TOKEN_BYTES);
-        tp->token_used[i] = false;
-        tp->npeers++;
+        memcpy(b.token, tp->tokens[peer], TPC_TOKEN_BYTES);
+        tp->token_used[peer] = false;
+        atomic_store(&tp->peers[peer].state, TPC_PEER_NEW);
         pthread_mutex_unlock(&tp->lock);
         *ret_len = tpc_blob_encode(&b, ret_blob);
-        *ret_peer = i;
         return 0;
 }
 
@@ -882,10 +881,7 @@ static int tpc_peer_connect(struct tp *tp, uint32_t peer, const void *blob, size
         struct tpc_blob b;
         int fd, r;
 
-        pthread_mutex_lock(&tp->lock);
-        r = peer < tp->npeers ? 0 : -EINVAL;
-        pthread_mutex_unlock(&tp->lock);
-        if (r < 0)
+        if (peer >= TPC_MAX_PEERS || atomic_load(&tp->peers[peer].state) == TPC_PEER_FREE)
                 return errmsg_set(errmsg, -EINVAL, "%s: peer %u: unknown", tp->who, peer);
         p = &tp->peers[peer];
         if (atomic_load(&p->state) != TPC_PEER_NEW)
@@ -921,12 +917,15 @@ static int tpc_peer_connect(struct tp *tp, uint32_t peer, const void *blob, size
         /* A new mesh connection to the same daemon supersedes the old
          * transport peer (the proxy failed it already): shutting its
          * socket down frees the slot at the server, and the proxy thread,
-         * reading EOF, drops what it imported through it. */
-        for (uint32_t i = 0; i < tp->npeers; i++)
+         * reading EOF, drops what it imported through it. Under the lock:
+         * the proxy thread closes a freed peer's fd under it. */
+        pthread_mutex_lock(&tp->lock);
+        for (uint32_t i = 0; i < TPC_MAX_PEERS; i++)
                 if (i != peer &&
                     atomic_load_explicit(&tp->peers[i].state, memory_order_acquire) == TPC_PEER_CONNECTED &&
                     tp->peers[i].blob.pid == b.pid && strcmp(tp->peers[i].blob.name, b.name) == 0)
                         shutdown(tp->peers[i].fd, SHUT_RDWR);
+        pthread_mutex_unlock(&tp->lock);
         memcpy(hello.token, b.token, TPC_TOKEN_BYTES);
         r = msg_send(fd, &hello, -1);
         if (r < 0) {
@@ -957,9 +956,9 @@ fail:
 
 /* Drops every message still queued on a dead peer's connection, closing
  * the fds they carry: a REGION that came after its fetch timed out holds a
- * reference to that rank's GPU memory for as long as it sits there, and the
- * socket itself stays open until close (the loop thread may still name its
- * fd in tpc_peer_connect, so the number is not given back before). */
+ * reference to that rank's GPU memory for as long as it sits there. The
+ * socket itself stays open until peer_free (the loop thread may still name
+ * its fd in tpc_peer_connect; peer_free closes it under the lock). */
 static void peer_queue_drop(int fd) {
         char cbuf[CMSG_SPACE(4 * sizeof(int))];
         uint8_t buf[TPC_MSG_BYTES + 1];
@@ -1078,6 +1077,37 @@ static void tpc_peer_fail(struct tp *tp, uint32_t peer) {
                 peer_dead(tp, peer, "failed by the proxy");
 }
 
+static void tpc_peer_free(struct tp *tp, uint32_t peer) {
+        struct tpc_peer *p;
+
+        if (peer >= TPC_MAX_PEERS || atomic_load(&tp->peers[peer].state) == TPC_PEER_FREE)
+                return;
+        p = &tp->peers[peer];
+        if (atomic_load(&p->state) == TPC_PEER_CONNECTED)
+                peer_dead(tp, peer, "freed");
+        pthread_mutex_lock(&tp->lock);
+        if (p->fd >= 0)
+                close(p->fd);
+        p->fd = -1;
+        free(p->remotes);
+        p->remotes = NULL;
+        p->nremotes = 0;
+        p->welcomed = false;
+        memset(&p->blob, 0, sizeof(p->blob));
+        /* Its token is presented no more, and the other daemon's
+         * connection that presented it goes: nothing it fetched through
+         * this peer outlives it, nor can it fetch under the next. */
+        memset(tp->tokens[peer], 0, TPC_TOKEN_BYTES);
+        tp->token_used[peer] = false;
+        for (uint32_t i = 0; i < tp->nconns; i++)
+                if (tp->conns[i].peer == (int)peer && !tp->conns[i].shut) {
+                        shutdown(tp->conns[i].fd, SHUT_RDWR);
+                        tp->conns[i].shut = true;
+                }
+        atomic_store(&p->state, TPC_PEER_FREE);
+        pthread_mutex_unlock(&tp->lock);
+}
+
 static void tpc_peers_drain(struct tp *tp) {
         struct epoll_event ev[16];
         int n = epoll_wait(tp->epoll_fd, ev, 16, 0);
@@ -1160,7 +1190,7 @@ static struct tpc_remote *tpc_remote_get(struct tp *tp, uint32_t peer, uint64_t 
 }
 
 static void tpc_peers_free(struct tp *tp) {
-        for (uint32_t i = 0; tp->peers && i < tp->npeers; i++) {
+        for (uint32_t i = 0; tp->peers && i < TPC_MAX_PEERS; i++) {
                 struct tpc_peer *p = &tp->peers[i];
 
                 for (uint32_t k = 0; k < p->nremotes; k++)

@@ -30,7 +30,6 @@
 #include "datapath/transport.h"
 #include "log.h"
 
-#define FABRIC_MAX_PEERS 4096
 #define FABRIC_VERSION FI_VERSION(1, 14)
 
 struct tp_mr {
@@ -58,8 +57,8 @@ struct tp {
         uint64_t complete; /* FI_DELIVERY_COMPLETE where completions are local (tcp), else 0 */
         uint64_t
                 next_key; /* next requested_key when !prov_key; taken atomically (mr_new runs on any thread) */
-        uint32_t npeers;
-        fi_addr_t *peers; /* owns; FI_ADDR_NOTAVAIL until connected */
+        bool *used;       /* owns; TP_MAX_PEERS: in use (peer_new .. peer_free) */
+        fi_addr_t *peers; /* owns; TP_MAX_PEERS: its AV entry, FI_ADDR_NOTAVAIL until connected */
 };
 
 static int fabric_open(const struct tp_config *cfg, struct tp **ret, char *errmsg) {
@@ -71,10 +70,13 @@ static int fabric_open(const struct tp_config *cfg, struct tp **ret, char *errms
         int r;
 
         tp = calloc(1, sizeof(*tp));
-        if (!tp || !(tp->peers = calloc(FABRIC_MAX_PEERS, sizeof(*tp->peers)))) {
+        if (!tp || !(tp->peers = calloc(TP_MAX_PEERS, sizeof(*tp->peers))) ||
+            !(tp->used = calloc(TP_MAX_PEERS, sizeof(*tp->used)))) {
                 r = errmsg_set(errmsg, -ENOMEM, "transport fabric: out of memory");
                 goto err_tp;
         }
+        for (uint32_t i = 0; i < TP_MAX_PEERS; i++)
+                tp->peers[i] = FI_ADDR_NOTAVAIL;
         snprintf(tp->prov, sizeof(tp->prov), "%s", prov);
         snprintf(tp->who, sizeof(tp->who), "transport fabric '%s'", tp->prov);
         hints = fi_allocinfo();
@@ -183,8 +185,10 @@ err_info:
 err_hints:
         fi_freeinfo(hints);
 err_tp:
-        if (tp)
+        if (tp) {
                 free(tp->peers);
+                free(tp->used);
+        }
         free(tp);
         return r;
 }
@@ -199,6 +203,7 @@ static void fabric_close(struct tp *tp) {
         fi_close(&tp->fabric->fid);
         fi_freeinfo(tp->info);
         free(tp->peers);
+        free(tp->used);
         free(tp);
 }
 
@@ -295,14 +300,14 @@ static void *fabric_mr_addr(const struct tp_mr *mr) {
         return mr->addr;
 }
 
-static int fabric_peer_new(struct tp *tp, uint32_t *ret_peer, void *ret_blob, size_t *ret_len, char *errmsg) {
-        if (tp->npeers >= FABRIC_MAX_PEERS)
-                return errmsg_set(errmsg, -ENOSPC, "transport fabric '%s': more than %d peers", tp->prov,
-                                  FABRIC_MAX_PEERS);
-        tp->peers[tp->npeers] = FI_ADDR_NOTAVAIL;
+static int fabric_peer_new(struct tp *tp, uint32_t peer, void *ret_blob, size_t *ret_len, char *errmsg) {
+        if (peer >= TP_MAX_PEERS || tp->used[peer])
+                return errmsg_set(errmsg, -EINVAL, "transport fabric '%s': peer %u: not a free index",
+                                  tp->prov, peer);
+        tp->used[peer] = true;
+        tp->peers[peer] = FI_ADDR_NOTAVAIL;
         memcpy(ret_blob, tp->name, tp->name_len);
         *ret_len = tp->name_len;
-        *ret_peer = tp->npeers++;
         return 0;
 }
 
@@ -310,10 +315,13 @@ static int fabric_peer_connect(struct tp *tp, uint32_t peer, const void *blob, s
         fi_addr_t addr;
         int r;
 
-        if (peer >= tp->npeers || len == 0 || len > TP_ADDR_MAX)
+        if (peer >= TP_MAX_PEERS || !tp->used[peer] || len == 0 || len > TP_ADDR_MAX)
                 return errmsg_set(errmsg, -EINVAL,
                                   "transport fabric '%s': peer %u: bad address blob (%zu bytes)", tp->prov,
                                   peer, len);
+        if (tp->peers[peer] != FI_ADDR_NOTAVAIL)
+                return errmsg_set(errmsg, -EALREADY, "transport fabric '%s': peer %u: already connected",
+                                  tp->prov, peer);
         r = fi_av_insert(tp->av, blob, 1, &addr, 0, NULL);
         if (r != 1)
                 return errmsg_set(errmsg, r < 0 ? r : -EINVAL,
@@ -321,6 +329,23 @@ static int fabric_peer_connect(struct tp *tp, uint32_t peer, const void *blob, s
                                   r < 0 ? fi_strerror(-r) : "address rejected");
         tp->peers[peer] = addr;
         return 0;
+}
+
+/* The AV entry goes (each insert is removed once: the provider counts
+ * inserts of one address), and with it what the provider keeps for that
+ * address when nothing else names it (ofi_rxm: the connection). */
+static void fabric_peer_free(struct tp *tp, uint32_t peer) {
+        if (peer >= TP_MAX_PEERS || !tp->used[peer])
+                return;
+        if (tp->peers[peer] != FI_ADDR_NOTAVAIL) {
+                int r = fi_av_remove(tp->av, &tp->peers[peer], 1, 0);
+
+                if (r)
+                        log_warn("transport fabric '%s': peer %u: fi_av_remove: %s", tp->prov, peer,
+                                 fi_strerror(-r));
+        }
+        tp->peers[peer] = FI_ADDR_NOTAVAIL;
+        tp->used[peer] = false;
 }
 
 static int fabric_write(struct tp *tp, uint32_t peer, struct tp_mr *src, uint64_t src_off,
@@ -332,7 +357,7 @@ static int fabric_write(struct tp *tp, uint32_t peer, struct tp_mr *src, uint64_
         uint64_t fl = FI_COMPLETION | tp->complete;
         ssize_t r;
 
-        if (peer >= tp->npeers || tp->peers[peer] == FI_ADDR_NOTAVAIL)
+        if (peer >= TP_MAX_PEERS || !tp->used[peer] || tp->peers[peer] == FI_ADDR_NOTAVAIL)
                 return -ENOTCONN;
         if (!tp_range_ok(src->length, src_off, dst->length, dst_off, len))
                 return -EINVAL;
@@ -404,6 +429,7 @@ const struct tp_ops tp_fabric_ops = {
         .mr_addr = fabric_mr_addr,
         .peer_new = fabric_peer_new,
         .peer_connect = fabric_peer_connect,
+        .peer_free = fabric_peer_free,
         .write = fabric_write,
         .poll = fabric_poll,
 };

@@ -10,13 +10,12 @@
  * unmapping a region while write (proxy thread) copies into it. */
 #include <pthread.h>
 #include <errno.h>
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "datapath/transport.h"
 #include "log.h"
-
-#define LOOP_MAX_PEERS 1024
 
 struct tp_mr {
         uint64_t key; /* unique per transport: what the rkey names */
@@ -26,8 +25,8 @@ struct tp_mr {
 };
 
 struct tp {
-        uint32_t npeers;
-        uint32_t depth; /* capacity of cq (power of two) */
+        bool peers[TP_MAX_PEERS]; /* in use (peer_new .. peer_free) */
+        uint32_t depth;           /* capacity of cq (power of two) */
         uint64_t cq_head, cq_tail;
         struct tp_completion *cq; /* owns; completions not yet polled */
         pthread_mutex_t lock;     /* guards mrs, nmrs against write */
@@ -125,19 +124,24 @@ static void *loop_mr_addr(const struct tp_mr *mr) {
         return mr->addr;
 }
 
-static int loop_peer_new(struct tp *tp, uint32_t *ret_peer, void *ret_blob, size_t *ret_len, char *errmsg) {
-        if (tp->npeers >= LOOP_MAX_PEERS)
-                return errmsg_set(errmsg, -ENOSPC, "transport loop: more than %d peers", LOOP_MAX_PEERS);
+static int loop_peer_new(struct tp *tp, uint32_t peer, void *ret_blob, size_t *ret_len, char *errmsg) {
+        if (peer >= TP_MAX_PEERS || tp->peers[peer])
+                return errmsg_set(errmsg, -EINVAL, "transport loop: peer %u: not a free index", peer);
+        tp->peers[peer] = true;
         memcpy(ret_blob, "loop", 4);
         *ret_len = 4;
-        *ret_peer = tp->npeers++;
         return 0;
 }
 
 static int loop_peer_connect(struct tp *tp, uint32_t peer, const void *blob, size_t len, char *errmsg) {
-        if (peer >= tp->npeers || len != 4 || memcmp(blob, "loop", 4) != 0)
+        if (peer >= TP_MAX_PEERS || !tp->peers[peer] || len != 4 || memcmp(blob, "loop", 4) != 0)
                 return errmsg_set(errmsg, -EINVAL, "transport loop: peer %u: bad address blob", peer);
         return 0;
+}
+
+static void loop_peer_free(struct tp *tp, uint32_t peer) {
+        if (peer < TP_MAX_PEERS)
+                tp->peers[peer] = false;
 }
 
 static int loop_write(struct tp *tp, uint32_t peer, struct tp_mr *src, uint64_t src_off,
@@ -147,7 +151,7 @@ static int loop_write(struct tp *tp, uint32_t peer, struct tp_mr *src, uint64_t 
 
         (void)imm;
         (void)flags;
-        if (peer >= tp->npeers)
+        if (peer >= TP_MAX_PEERS || !tp->peers[peer])
                 return -ENOTCONN;
         if (!tp_range_ok(src->length, src_off, dst->length, dst_off, len))
                 return -EINVAL;
@@ -191,6 +195,7 @@ const struct tp_ops tp_loop_ops = {
         .mr_addr = loop_mr_addr,
         .peer_new = loop_peer_new,
         .peer_connect = loop_peer_connect,
+        .peer_free = loop_peer_free,
         .write = loop_write,
         .poll = loop_poll,
 };

@@ -19,8 +19,6 @@
 #include "datapath/transport.h"
 #include "log.h"
 
-#define VERBS_MAX_PEERS 4096
-
 /* The address blob: what rc_pingpong exchanges. */
 struct verbs_blob {
         uint32_t magic; /* VERBS_BLOB_MAGIC */
@@ -52,9 +50,8 @@ struct tp {
         uint32_t gid_index;
         union ibv_gid gid;
         uint32_t depth;
-        uint32_t npeers;
-        struct ibv_qp **qps; /* owns each */
-        bool *connected;     /* owns */
+        struct ibv_qp **qps; /* owns each; TP_MAX_PEERS, NULL while the index is free */
+        bool *connected;     /* owns; TP_MAX_PEERS */
         uint32_t *psn;       /* owns; our send PSN per peer, sent in our blob */
 };
 
@@ -65,9 +62,9 @@ static int verbs_open(const struct tp_config *cfg, struct tp **ret, char *errmsg
         int n, r;
 
         tp = calloc(1, sizeof(*tp));
-        if (!tp || !(tp->qps = calloc(VERBS_MAX_PEERS, sizeof(*tp->qps))) ||
-            !(tp->connected = calloc(VERBS_MAX_PEERS, sizeof(*tp->connected))) ||
-            !(tp->psn = calloc(VERBS_MAX_PEERS, sizeof(*tp->psn)))) {
+        if (!tp || !(tp->qps = calloc(TP_MAX_PEERS, sizeof(*tp->qps))) ||
+            !(tp->connected = calloc(TP_MAX_PEERS, sizeof(*tp->connected))) ||
+            !(tp->psn = calloc(TP_MAX_PEERS, sizeof(*tp->psn)))) {
                 r = errmsg_set(errmsg, -ENOMEM, "transport verbs: out of memory");
                 goto err_tp;
         }
@@ -136,7 +133,7 @@ err_tp:
 static void verbs_close(struct tp *tp) {
         if (!tp)
                 return;
-        for (uint32_t i = 0; i < tp->npeers; i++)
+        for (uint32_t i = 0; i < TP_MAX_PEERS; i++)
                 if (tp->qps[i])
                         ibv_destroy_qp(tp->qps[i]);
         ibv_destroy_cq(tp->cq);
@@ -228,15 +225,15 @@ static void *verbs_mr_addr(const struct tp_mr *mr) {
         return mr->addr;
 }
 
-static int verbs_peer_new(struct tp *tp, uint32_t *ret_peer, void *ret_blob, size_t *ret_len, char *errmsg) {
+static int verbs_peer_new(struct tp *tp, uint32_t peer, void *ret_blob, size_t *ret_len, char *errmsg) {
         struct ibv_qp_init_attr init = { 0 };
         struct ibv_qp_attr attr = { 0 };
         struct verbs_blob blob = { 0 };
         struct ibv_qp *qp;
 
-        if (tp->npeers >= VERBS_MAX_PEERS)
-                return errmsg_set(errmsg, -ENOSPC, "transport verbs %s: more than %d peers", tp->dev,
-                                  VERBS_MAX_PEERS);
+        if (peer >= TP_MAX_PEERS || tp->qps[peer])
+                return errmsg_set(errmsg, -EINVAL, "transport verbs %s: peer %u: not a free index", tp->dev,
+                                  peer);
         init.send_cq = tp->cq;
         init.recv_cq = tp->cq;
         init.cap.max_send_wr = tp->depth;
@@ -248,7 +245,7 @@ static int verbs_peer_new(struct tp *tp, uint32_t *ret_peer, void *ret_blob, siz
         qp = ibv_create_qp(tp->pd, &init);
         if (!qp)
                 return errmsg_set(errmsg, -errno, "transport verbs %s: peer %u: ibv_create_qp: %s", tp->dev,
-                                  tp->npeers, strerror(errno));
+                                  peer, strerror(errno));
         attr.qp_state = IBV_QPS_INIT;
         attr.pkey_index = 0;
         attr.port_num = tp->port;
@@ -257,8 +254,8 @@ static int verbs_peer_new(struct tp *tp, uint32_t *ret_peer, void *ret_blob, siz
                 int r = -errno;
 
                 ibv_destroy_qp(qp);
-                return errmsg_set(errmsg, r, "transport verbs %s: peer %u: QP to INIT: %s", tp->dev,
-                                  tp->npeers, strerror(-r));
+                return errmsg_set(errmsg, r, "transport verbs %s: peer %u: QP to INIT: %s", tp->dev, peer,
+                                  strerror(-r));
         }
         blob.magic = VERBS_BLOB_MAGIC;
         blob.qpn = qp->qp_num;
@@ -266,11 +263,11 @@ static int verbs_peer_new(struct tp *tp, uint32_t *ret_peer, void *ret_blob, siz
         blob.lid = tp->port_attr.lid;
         blob.mtu = (uint8_t)tp->port_attr.active_mtu;
         memcpy(blob.gid, tp->gid.raw, 16);
-        tp->qps[tp->npeers] = qp;
-        tp->psn[tp->npeers] = blob.psn;
+        tp->qps[peer] = qp;
+        tp->psn[peer] = blob.psn;
+        tp->connected[peer] = false;
         memcpy(ret_blob, &blob, sizeof(blob));
         *ret_len = sizeof(blob);
-        *ret_peer = tp->npeers++;
         return 0;
 }
 
@@ -279,10 +276,13 @@ static int verbs_peer_connect(struct tp *tp, uint32_t peer, const void *blobp, s
         struct verbs_blob blob;
         int r;
 
-        if (peer >= tp->npeers || len != sizeof(blob))
+        if (peer >= TP_MAX_PEERS || !tp->qps[peer] || len != sizeof(blob))
                 return errmsg_set(errmsg, -EINVAL,
                                   "transport verbs %s: peer %u: bad address blob (%zu bytes)", tp->dev, peer,
                                   len);
+        if (tp->connected[peer])
+                return errmsg_set(errmsg, -EALREADY, "transport verbs %s: peer %u: already connected",
+                                  tp->dev, peer);
         memcpy(&blob, blobp, sizeof(blob));
         if (blob.magic != VERBS_BLOB_MAGIC)
                 return errmsg_set(errmsg, -EINVAL, "transport verbs %s: peer %u: address blob has bad magic",
@@ -324,6 +324,28 @@ static int verbs_peer_connect(struct tp *tp, uint32_t peer, const void *blobp, s
         return 0;
 }
 
+/* The QP goes to the error state: the writes posted on it complete at
+ * once, flushed (IBV_WC_WR_FLUSH_ERR), so the proxy's drain ends without
+ * waiting out its timeout, and the NIC reads nothing more for it. */
+static void verbs_peer_fail(struct tp *tp, uint32_t peer) {
+        struct ibv_qp_attr attr = { .qp_state = IBV_QPS_ERR };
+
+        if (peer < TP_MAX_PEERS && tp->qps[peer])
+                ibv_modify_qp(tp->qps[peer], &attr, IBV_QP_STATE);
+}
+
+/* The QP goes, and with it what the NIC holds for it. Completions of its
+ * writes already in the shared CQ stay there; the proxy ignores them. */
+static void verbs_peer_free(struct tp *tp, uint32_t peer) {
+        if (peer >= TP_MAX_PEERS || !tp->qps[peer])
+                return;
+        if (ibv_destroy_qp(tp->qps[peer]))
+                log_warn("transport verbs %s: peer %u: ibv_destroy_qp failed: %s", tp->dev, peer,
+                         strerror(errno));
+        tp->qps[peer] = NULL;
+        tp->connected[peer] = false;
+}
+
 static int verbs_write(struct tp *tp, uint32_t peer, struct tp_mr *src, uint64_t src_off,
                        const struct tp_rkey *dst, uint64_t dst_off, uint64_t len, uint64_t cookie,
                        uint64_t imm, unsigned flags) {
@@ -331,7 +353,7 @@ static int verbs_write(struct tp *tp, uint32_t peer, struct tp_mr *src, uint64_t
         struct ibv_send_wr wr = { 0 }, *bad;
         int r;
 
-        if (peer >= tp->npeers || !tp->connected[peer])
+        if (peer >= TP_MAX_PEERS || !tp->connected[peer])
                 return -ENOTCONN;
         if (!tp_range_ok(src->length, src_off, dst->length, dst_off, len) || len > UINT32_MAX)
                 return -EINVAL;
@@ -384,4 +406,6 @@ const struct tp_ops tp_verbs_ops = {
         .peer_connect = verbs_peer_connect,
         .write = verbs_write,
         .poll = verbs_poll,
+        .peer_fail = verbs_peer_fail,
+        .peer_free = verbs_peer_free,
 };

@@ -5,17 +5,20 @@
  * one host) and tp-loop.c (same-process memcpy that completes at once; used
  * to measure the proxy alone and to test it without a network).
  *
- * Threads: open, close, mr_free, mr_rkey and the peer calls run on the
- * event loop thread while one proxy thread calls write and poll; mr_new
- * runs on clientfd's checker threads (datapath.c: pinning takes long),
- * several at once for several uids, while the loop and the proxy make
- * their calls. A backend makes that safe: libfabric's domain is
- * FI_THREAD_SAFE (and fi_mr_reg a control call, thread safe in any model;
- * tp-fabric takes its keys atomically), libibverbs is thread safe (tp-verbs
- * keeps no state of its own in mr_new), tp-cuda makes its context current
- * on the calling thread and locks its list of regions, tp-loop locks its
- * registry; tp_mem_map() is a plain mmap(). write and poll themselves are
- * called by one thread at a time.
+ * Threads: open, close, mr_free, mr_rkey, peer_new and peer_connect run on
+ * the event loop thread while one proxy thread calls write, poll, peer_fail
+ * and peer_free; mr_new runs on clientfd's checker threads (datapath.c:
+ * pinning takes long), several at once for several uids, while the loop
+ * and the proxy make their calls. A backend makes that safe: libfabric's
+ * domain is FI_THREAD_SAFE (and fi_mr_reg a control call, thread safe in
+ * any model; tp-fabric takes its keys atomically), libibverbs is thread
+ * safe (tp-verbs keeps no state of its own in mr_new), tp-cuda makes its
+ * context current on the calling thread and locks its list of regions,
+ * tp-loop locks its registry; tp_mem_map() is a plain mmap(). The proxy
+ * keeps the loop and its thread off the same peer index at once: an index
+ * is the loop's from peer_new until it lets go of the connection, then the
+ * proxy thread's until peer_free returned (proxy.h, "Transport peers").
+ * write and poll themselves are called by one thread at a time.
  *
  * Errors: 0 or -errno; the calls that take an `errmsg` (ERRMSG_MAX bytes, may
  * be NULL) fill it with a message naming the object (device, provider,
@@ -31,6 +34,12 @@ struct tp_mr; /* one registered memory region; backend-defined */
 
 /* Largest address blob a backend exchanges out of band (tp_ops.peer_new). */
 #define TP_ADDR_MAX 256
+
+/* Peer indexes a backend serves at once: 0 .. TP_MAX_PEERS - 1. The proxy
+ * hands them out and takes them back (proxy.h, "Transport peers"): a
+ * failed peer's index is reused once its resources are freed, so this
+ * bounds the connections alive at once, not the connections ever made. */
+#define TP_MAX_PEERS 512
 
 /* What to open. Strings are borrowed for the duration of open. */
 struct tp_config {
@@ -137,16 +146,20 @@ struct tp_ops {
          * (TP_MEM_HOST, TP_MEM_MEMFD), NULL for device memory. */
         void *(*mr_addr)(const struct tp_mr *mr);
 
-        /* Creates the local half of a connection to one more peer and writes
-         * its address blob (at most TP_ADDR_MAX bytes) for the peer to
-         * receive out of band. *ret_peer is the small index every other call
-         * names the peer by. fabric: the endpoint name (the same for every
-         * peer); verbs: an RC QP's (lid, qpn, psn, gid). */
-        int (*peer_new)(struct tp *tp, uint32_t *ret_peer, void *ret_blob, size_t *ret_len, char *errmsg);
+        /* Creates the local half of a connection to one more peer under
+         * index `peer` (< TP_MAX_PEERS; free: never used, or given back by
+         * peer_free), by which every other call names it, and writes its
+         * address blob (at most TP_ADDR_MAX bytes) for the peer to receive
+         * out of band. fabric: the endpoint name (the same for every peer);
+         * verbs: an RC QP's (lid, qpn, psn, gid); cuda: our socket's name
+         * and a fresh token. On failure it holds nothing for `peer`. The
+         * proxy calls it (proxy_peer_new()), on the loop thread. */
+        int (*peer_new)(struct tp *tp, uint32_t peer, void *ret_blob, size_t *ret_len, char *errmsg);
 
         /* Completes the connection with the peer's blob (from its peer_new).
          * fabric: inserts the address into the AV; verbs: moves the QP
-         * through INIT, RTR to RTS. After it, write may target the peer. */
+         * through INIT, RTR to RTS. After it, write may target the peer.
+         * -EALREADY when it is connected already. */
         int (*peer_connect)(struct tp *tp, uint32_t peer, const void *blob, size_t len, char *errmsg);
 
         /* Posts one RDMA write of `len` bytes from `src` at `src_off` to the
@@ -169,14 +182,25 @@ struct tp_ops {
          * so far, by where they were; read from any thread (relaxed). */
         void (*stats)(const struct tp *tp, struct tp_stats *ret);
 
-        /* Optional (NULL where the backend holds nothing per peer): the
-         * proxy gave up on `peer` for good (its daemon died or reconnected,
-         * a write failed or timed out) and will not write to it again, so
-         * the backend drops what it holds for it now rather than at close:
-         * cuda, its imports of that daemon's ranks' GPU memory. Called by the
-         * thread that calls write and poll; writes to the peer fail from
-         * then on. */
+        /* Optional (NULL where the backend has nothing to stop): the proxy
+         * gave up on `peer` for good (its daemon died or reconnected, a
+         * write failed or timed out) and will not write to it again, so the
+         * backend ends what is on its way to it and drops what it need not
+         * keep until peer_free: verbs moves the QP to the error state
+         * (its writes complete at once, flushed), cuda drops its imports of
+         * that daemon's ranks' GPU memory. Called by the thread that calls
+         * write and poll; writes to the peer fail from then on. */
         void (*peer_fail)(struct tp *tp, uint32_t peer);
+
+        /* Frees everything held for `peer` (verbs: its QP; fabric: its AV
+         * entry; cuda: its connection, its token and what the other daemon
+         * connected with it), so that peer_new may hand out the index
+         * again. Called by the thread that calls write and poll, after
+         * peer_fail, once the proxy has no write to `peer` it still waits
+         * for: a completion of a write it gave up on may still come from
+         * poll later (with the old cookie; the proxy ignores it) and must
+         * not touch what was freed. Accepts a peer never connected. */
+        void (*peer_free)(struct tp *tp, uint32_t peer);
 };
 
 extern const struct tp_ops tp_fabric_ops;

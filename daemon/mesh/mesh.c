@@ -264,17 +264,24 @@ void mesh_peer_fail(struct mesh_peer *p, bool flush, const char *fmt, ...) {
  * redial (which it skips while the other connection is up). */
 static void peer_drop(struct mesh_peer *p) {
         struct mesh *mesh = p->mesh;
+        const struct mesh_subscriber *tp = &mesh->subscribers[MESH_OWNER_TRANSPORT];
+        bool was_up = p->state == MESH_PEER_UP;
 
-        /* No job spans the daemon (mesh_peer_up() checked): nothing routes to
-         * its transport peer, which is forgotten without a word. */
-        p->tp_peer = MESH_NO_TP_PEER;
-        p->tp_connected = false;
-        if (!p->outbound && p->state != MESH_PEER_UP)
+        if (!p->outbound && !was_up)
                 mesh->unauthenticated--;
         p->state = MESH_PEER_DOWN;
         /* Flushed: a PeerWelcome queued on it lets the dialler reach the
          * same decision instead of seeing a refusal. */
         peer_close(p, true);
+        /* No job spans the daemon (mesh_peer_up() checked): nothing routes
+         * to its transport peer, which the transport alone is told of, so
+         * that it lets it go (a daemon that keeps connecting twice must not
+         * leave a transport peer behind each time). */
+        if (tp->peer_down && p->tp_peer != MESH_NO_TP_PEER)
+                tp->peer_down(tp->arg, p, was_up, p->tp_connected, "",
+                              "a second connection to the same daemon was kept");
+        p->tp_peer = MESH_NO_TP_PEER;
+        p->tp_connected = false;
         peer_closed(p);
 }
 
@@ -411,8 +418,10 @@ static void mesh_peer_up(struct mesh_peer *p) {
         p->rtt_us = 0;
         log_notice("mesh: peer %s up (%s, %s)", p->address, p->remote, p->outbound ? "dialled" : "accepted");
         timer_arm(p, MESH_PING_MS);
-        /* Forwarded joins that wait for it, then its transport peer. */
-        for (int o = MESH_OWNER_PEERS + 1; o < MESH_OWNERS; o++)
+        /* Forwarded joins that wait for it, then its transport peer; one
+         * may fail it (the transport, when it has no transport peer left
+         * for it), and those after it are not told it came up. */
+        for (int o = MESH_OWNER_PEERS + 1; o < MESH_OWNERS && p->state == MESH_PEER_UP; o++)
                 if (mesh->subscribers[o].peer_up)
                         mesh->subscribers[o].peer_up(mesh->subscribers[o].arg, p);
 }

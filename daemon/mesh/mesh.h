@@ -124,6 +124,7 @@ struct mesh_peer {
          * each time this connection comes up: our half's index, and whether
          * its PeerTransport arrived and connected it. */
         uint32_t tp_peer; /* MESH_NO_TP_PEER while none */
+        uint32_t tp_gen;  /* its generation (the proxy's), meaningful with tp_peer */
         bool tp_connected;
         /* Its output would have passed MESH_OUT_MAX with this many bytes
          * queued (it stopped reading): the connection is failed from the
@@ -155,15 +156,17 @@ struct mesh_subscriber {
         /* A message of the subscriber's owner from `p`, which is UP; the
          * mesh frees `msg` after. */
         void (*message)(void *arg, struct mesh_peer *p, const Moeep__V1__PeerMessage *msg);
-        /* `p` came up. Told in the order of enum mesh_owner. */
+        /* `p` came up. Told in the order of enum mesh_owner; one may fail
+         * it (mesh_peer_fail()), and the owners after it are not told. */
         void (*peer_up)(void *arg, struct mesh_peer *p);
         /* `p` failed (mesh_peer_fail(), already DOWN). `was_up`: it was UP,
          * `lost` says so ("daemon X lost: why"), and `transport_was_connected`
          * whether its transport peer was connected. `why` is the failure as
          * logged. Told the transport first (rings writing to that daemon
          * end before its jobs are aborted, so that no producer waits on it
-         * meanwhile), then in the order of enum mesh_owner. Not called for
-         * a duplicate connection dropped without a word. */
+         * meanwhile), then in the order of enum mesh_owner. For a
+         * duplicate connection dropped without a word, only the transport
+         * is told (`lost` empty), so that it lets its transport peer go. */
         void (*peer_down)(void *arg, struct mesh_peer *p, bool was_up, bool transport_was_connected,
                           const char *lost, const char *why);
         /* Jobs with ranks at both this daemon and `p`. */

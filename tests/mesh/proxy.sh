@@ -180,7 +180,7 @@ echo "ok: rank 3 killed mid-transfer: writes to it for 300 ms more landed, no ri
 # ("released") and X is aborted naming it; V streams on to its end without
 # an error, and neither daemon fails its transport connection.
 phase="release"
-peer_failures() { grep -c "transport peer [0-9]* failed" "$tmp/A.log" "$tmp/B.log" | awk -F: '{ n += $2 } END { print n }'; }
+peer_failures() { grep -c "transport peer [0-9]* ([^)]*) failed" "$tmp/A.log" "$tmp/B.log" | awk -F: '{ n += $2 } END { print n }'; }
 failed_before=$(peer_failures)
 out=v job stream-ok --count 64 --size 4096 --duration 5000 --ready-file "$tmp/v.ready" --timeout 30
 v_pids=("${job_pids[@]}")

@@ -60,7 +60,7 @@ struct bench {
         uint64_t *ctr;
         struct tp_mr *src_mr, *dst_mr, *ctr_mr;
         struct tp_rkey dst_rkey, ctr_rkey;
-        uint32_t peer;
+        uint32_t peer, gen; /* the transport peer to ourselves of the proxy running, or of raw_latency */
 };
 
 static void die(const char *what, const char *err) {
@@ -87,9 +87,7 @@ static void *alloc(size_t len) {
 }
 
 static void bench_open(struct bench *b) {
-        uint8_t blob[TP_ADDR_MAX];
         char err[ERRMSG_MAX];
-        size_t len;
 
         if (transport_open(&opt.cfg, &b->t, err) < 0)
                 die("transport", err);
@@ -101,9 +99,6 @@ static void bench_open(struct bench *b) {
         b->ctr_mr = reg(b, b->ctr, 4096, "bench counters");
         b->t.ops->mr_rkey(b->dst_mr, &b->dst_rkey);
         b->t.ops->mr_rkey(b->ctr_mr, &b->ctr_rkey);
-        if (b->t.ops->peer_new(b->t.tp, &b->peer, blob, &len, err) < 0 ||
-            b->t.ops->peer_connect(b->t.tp, b->peer, blob, len, err) < 0)
-                die("connect to self", err);
 }
 
 static void bench_close(struct bench *b) {
@@ -130,7 +125,16 @@ static void report_lat(const char *what, uint64_t *ns, uint32_t n) {
 static double raw_latency(struct bench *b, uint64_t *ns) {
         struct tp_completion c[64];
         uint64_t *value = (uint64_t *)(b->src + REGION - 8);
+        uint8_t blob[TP_ADDR_MAX];
+        char err[ERRMSG_MAX];
+        size_t len;
 
+        /* No proxy runs now: index 0 is ours to take straight from the
+         * transport, and to give back after. */
+        b->peer = 0;
+        if (b->t.ops->peer_new(b->t.tp, b->peer, blob, &len, err) < 0 ||
+            b->t.ops->peer_connect(b->t.tp, b->peer, blob, len, err) < 0)
+                die("connect to self", err);
         for (uint32_t i = 0; i < opt.iters; i++) {
                 uint64_t t0 = drv_now_ns();
                 int inflight = 0;
@@ -154,17 +158,28 @@ static double raw_latency(struct bench *b, uint64_t *ns) {
                         ns[i] = drv_now_ns() - t0;
         }
         report_lat("transport write + counter:", ns, opt.iters);
+        b->t.ops->peer_free(b->t.tp, b->peer);
         return (double)ns[opt.iters / 2];
 }
 
 static struct proxy *start_proxy(struct bench *b, int *ret_fd, struct drv_ring *ring, uint64_t id) {
         struct proxy_params params = { .idle_spins = UINT32_MAX, .batch = 64, .max_inflight = 1024 };
-        struct proxy_route route = { .tp_peer = b->peer, .data = b->dst_rkey, .counters = b->ctr_rkey };
+        struct proxy_route route = { .data = b->dst_rkey, .counters = b->ctr_rkey };
+        uint8_t blob[TP_ADDR_MAX];
         char err[ERRMSG_MAX];
         struct proxy *p;
+        size_t len;
         void *map;
 
-        if (proxy_new(&b->t, &params, "bench", &p, err) < 0 || proxy_ring_create(4096, ret_fd, err) < 0 ||
+        /* The transport peer to ourselves, through the proxy (which gives
+         * it back in proxy_free). */
+        if (proxy_new(&b->t, &params, "bench", &p, err) < 0 ||
+            proxy_peer_new(p, "self", &b->peer, &b->gen, blob, &len, err) < 0 ||
+            proxy_peer_connect(p, b->peer, b->gen, blob, len, err) < 0)
+                die("proxy", err);
+        route.tp_peer = b->peer;
+        route.tp_gen = b->gen;
+        if (proxy_ring_create(4096, ret_fd, err) < 0 ||
             proxy_ring_add(p, id, *ret_fd, b->src_mr, &route, 1, err) < 0)
                 die("proxy", err);
         map = mmap(NULL, PROXY_RING_BYTES(4096), PROT_READ | PROT_WRITE, MAP_SHARED, *ret_fd, 0);

@@ -113,7 +113,7 @@ int main(void) {
         struct tp_stats st;
         uint8_t blob_a[TP_ADDR_MAX], blob_b[TP_ADDR_MAX];
         char err[ERRMSG_MAX];
-        uint32_t pa, pb;
+        uint32_t pa = 0, pb = 0; /* each transport's first peer index (no proxy here) */
         size_t la, lb;
         const char *why;
         int fd[3], host_src = memfd_of(SIZE), host_dst = memfd_of(SIZE), r;
@@ -138,8 +138,8 @@ int main(void) {
                         FAIL("cuMem allocation %d: %s", i, cumem_strerror(cu, cr));
         }
         dmabuf_check(cu, &gpu[0], &a);
-        if (a.ops->peer_new(a.tp, &pa, blob_a, &la, err) < 0 ||
-            b.ops->peer_new(b.tp, &pb, blob_b, &lb, err) < 0 ||
+        if (a.ops->peer_new(a.tp, pa, blob_a, &la, err) < 0 ||
+            b.ops->peer_new(b.tp, pb, blob_b, &lb, err) < 0 ||
             a.ops->peer_connect(a.tp, pa, blob_b, lb, err) < 0 ||
             b.ops->peer_connect(b.tp, pb, blob_a, la, err) < 0)
                 FAIL("peers: %s", err);

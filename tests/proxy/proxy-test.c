@@ -72,7 +72,7 @@ struct side {
         uint8_t *send, *recv;
         uint64_t *ctr;
         size_t recv_len;
-        uint32_t tp_peer;
+        uint32_t tp_peer, tp_gen;
         struct proxy *proxy;
         int ring_fd;
         struct drv_ring ring;
@@ -133,7 +133,9 @@ static void side_setup(struct side *s, const struct tp_config *cfg, int sock, ui
         s->ctr = map;
         s->ctr_mr = reg(s, fd, NCOUNTERS * 8, "test counters");
 
-        if (s->t.ops->peer_new(s->t.tp, &s->tp_peer, mine.blob, &len, err) < 0)
+        if (proxy_new(&s->t, &params, "test", &s->proxy, err) < 0)
+                FAIL("%s", err);
+        if (proxy_peer_new(s->proxy, "the other side", &s->tp_peer, &s->tp_gen, mine.blob, &len, err) < 0)
                 FAIL("%s", err);
         mine.blob_len = (uint32_t)len;
         s->t.ops->mr_rkey(s->recv_mr, &mine.recv);
@@ -142,13 +144,13 @@ static void side_setup(struct side *s, const struct tp_config *cfg, int sock, ui
                 xfer(sock, &mine, &theirs);
         else
                 theirs = mine; /* loop: send to ourselves */
-        if (s->t.ops->peer_connect(s->t.tp, s->tp_peer, theirs.blob, theirs.blob_len, err) < 0)
-                FAIL("%s", err);
-        if (proxy_new(&s->t, &params, "test", &s->proxy, err) < 0)
+        if (proxy_peer_connect(s->proxy, s->tp_peer, s->tp_gen, theirs.blob, theirs.blob_len, err) < 0)
                 FAIL("%s", err);
         if (proxy_ring_create(256, &s->ring_fd, err) < 0)
                 FAIL("%s", err);
-        route = (struct proxy_route){ .tp_peer = s->tp_peer, .data = theirs.recv, .counters = theirs.ctr };
+        route = (struct proxy_route){
+                .tp_peer = s->tp_peer, .tp_gen = s->tp_gen, .data = theirs.recv, .counters = theirs.ctr
+        };
         if (proxy_ring_add(s->proxy, 1, s->ring_fd, s->send_mr, &route, 1, err) < 0)
                 FAIL("%s", err);
         map = mmap(NULL, PROXY_RING_BYTES(256), PROT_READ | PROT_WRITE, MAP_SHARED, s->ring_fd, 0);
@@ -432,7 +434,7 @@ static int kill_side(int sock, uint64_t count, pid_t other) {
                         FAIL("producer: no error 30 s after the peer was killed");
                 if (!told && poll(&pfd, 1, 0) == 1 && drv_now_ns() > t_kill + 3 * SEC) {
                         /* Give the transport 3 s to notice on its own first. */
-                        proxy_peer_fail(s.proxy, s.tp_peer, -ECONNRESET);
+                        proxy_peer_fail(s.proxy, s.tp_peer, s.tp_gen, -ECONNRESET);
                         told = true;
                 }
         }

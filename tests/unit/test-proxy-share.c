@@ -100,10 +100,30 @@ static int held_poll(struct tp *tp, struct tp_completion *out, int max) {
         return n;
 }
 
+static int held_peer_new(struct tp *tp, uint32_t peer, void *ret_blob, size_t *ret_len, char *errmsg) {
+        (void)tp;
+        (void)peer;
+        (void)errmsg;
+        memcpy(ret_blob, "held", 4);
+        *ret_len = 4;
+        return 0;
+}
+
+static int held_peer_connect(struct tp *tp, uint32_t peer, const void *blob, size_t len, char *errmsg) {
+        (void)tp;
+        (void)peer;
+        (void)blob;
+        (void)len;
+        (void)errmsg;
+        return 0;
+}
+
 static const struct tp_ops held_ops = {
         .name = "held",
         .mr_new = held_mr_new,
         .mr_free = held_mr_free,
+        .peer_new = held_peer_new,
+        .peer_connect = held_peer_connect,
         .write = held_write,
         .poll = held_poll,
 };
@@ -134,13 +154,16 @@ struct fixture {
 /* A proxy of `slots` slots with `nrings` rings to one peer. */
 static struct fixture *fixture_make(uint32_t timeout_ms, uint32_t slots, int nrings) {
         struct proxy_params params = { .max_inflight = slots, .timeout_ms = timeout_ms, .idle_spins = 100 };
-        struct proxy_route route = { .tp_peer = 0 };
+        struct proxy_route route = { 0 };
         struct fixture *f = calloc(1, sizeof(*f));
         char err[ERRMSG_MAX];
+        uint8_t blob[TP_ADDR_MAX];
+        size_t len;
 
         pthread_mutex_init(&f->tp.lock, NULL);
         f->t = (struct transport){ .ops = &held_ops, .tp = &f->tp };
         assert_int_equal(proxy_new(&f->t, &params, "test", &f->px, err), 0);
+        assert_int_equal(proxy_peer_new(f->px, "peer", &route.tp_peer, &route.tp_gen, blob, &len, err), 0);
         f->nrings = nrings;
         for (int r = 0; r < nrings; r++) {
                 void *map;

@@ -122,8 +122,9 @@ static bool event_wait(struct proxy *px, enum proxy_event_type type, struct prox
         return false;
 }
 
-/* One proxy over `tp` whose ring reads `from`'s send region and writes into
- * `to`'s receive region and counters at transport peer `peer`. */
+/* One proxy over `tp` (side_open) whose ring reads `from`'s send region
+ * and writes into `to`'s receive region and counters at transport peer
+ * (`peer`, `gen`) (side_ring). */
 struct side {
         struct transport t;
         struct proxy *px;
@@ -132,16 +133,22 @@ struct side {
         struct drv_ring ring;
 };
 
-static void side_open(struct side *s, struct tp *tp, uint32_t peer, const struct rank *from,
-                      const struct rank *to, uint32_t timeout_ms) {
+static void side_open(struct side *s, struct tp *tp, uint32_t timeout_ms) {
         struct proxy_params params = { .max_inflight = 16, .idle_spins = 100, .timeout_ms = timeout_ms };
-        struct proxy_route routes[2] = { { .tp_peer = PROXY_ROUTE_NONE }, { .tp_peer = peer } };
+        char errmsg[ERRMSG_MAX];
+
+        s->t = (struct transport){ .ops = &tp_cuda_ops, .tp = tp };
+        assert_int_equal(proxy_new(&s->t, &params, "test", &s->px, errmsg), 0);
+}
+
+static void side_ring(struct side *s, uint32_t peer, uint32_t gen, const struct rank *from,
+                      const struct rank *to) {
+        struct proxy_route routes[2] = { { .tp_peer = PROXY_ROUTE_NONE },
+                                         { .tp_peer = peer, .tp_gen = gen } };
         char errmsg[ERRMSG_MAX];
 
         routes[1].data = to->rk_recv;
         routes[1].counters = to->rk_counters;
-        s->t = (struct transport){ .ops = &tp_cuda_ops, .tp = tp };
-        assert_int_equal(proxy_new(&s->t, &params, "test", &s->px, errmsg), 0);
         assert_int_equal(proxy_ring_create(64, &s->ring_fd, errmsg), 0);
         s->map = mmap(NULL, PROXY_RING_BYTES(64), PROT_READ | PROT_WRITE, MAP_SHARED, s->ring_fd, 0);
         assert_true(s->map != MAP_FAILED);
@@ -181,23 +188,34 @@ static void test_mesh_lost_peer(void **state) {
         struct proxy_event ev;
         struct pair p;
 
-        pair_open(&p);
+        pair_transports(&p);
         rank_register(p.a, &ra);
         rank_register(p.b, &rb);
         assert_int_equal(imports(), 6);
-        side_open(&sa, p.a, p.a_peer, &ra, &rb, 0);
+        side_open(&sa, p.a, 0);
+        pair_connect(&p, sa.px, NULL);
+        side_ring(&sa, p.a_peer, p.a_gen, &ra, &rb);
         side_push(&sa, 4);
         assert_int_equal(drv_wait_done(&sa.ring, 4, drv_now_ns() + 2000000000ull), 0);
         assert_int_equal(imports(), 8); /* A holds B's receive region and counters */
         assert_int_equal(conns(p.b), 1);
 
-        assert_int_equal(proxy_peer_fail(sa.px, p.a_peer, -ECONNRESET), 0);
+        assert_int_equal(proxy_peer_fail(sa.px, p.a_peer, p.a_gen, -ECONNRESET), 0);
+        assert_int_equal(proxy_peer_fail(sa.px, p.a_peer, p.a_gen, -ECONNRESET), -ESTALE); /* once */
         assert_true(event_wait(sa.px, PROXY_EVENT_PEER_FAILED, &ev, 1000));
         assert_int_equal(ev.tp_peer, p.a_peer);
+        assert_int_equal(ev.tp_gen, p.a_gen);
         if (!settles(NULL, 6, p.b, 0, 500))
                 fail_msg("after the peer failed: %d imports (want 6: A's import of B's two regions gone), "
                          "B serves %u connections (want 0)",
                          imports(), conns(p.b));
+        /* Nothing was in flight: the peer is freed at once, its connection
+         * closed and its token forgotten, and the index is A's to hand
+         * out again. */
+        assert_true(event_wait(sa.px, PROXY_EVENT_PEER_FREED, &ev, 1000));
+        assert_int_equal(ev.tp_peer, p.a_peer);
+        assert_int_equal(p.a->peers[p.a_peer].fd, -1);
+        assert_int_equal(atomic_load(&p.a->peers[p.a_peer].state), TPC_PEER_FREE);
         /* The ring's next descriptor to the failed peer fails at once. */
         side_push(&sa, 1);
         assert_int_equal(drv_wait_done(&sa.ring, 5, drv_now_ns() + 2000000000ull), -ECONNRESET);
@@ -221,11 +239,14 @@ static void test_timeout_all_leave(void **state) {
         struct proxy_event ev;
         struct pair p;
 
-        pair_open(&p);
+        pair_transports(&p);
         rank_register(p.a, &ra);
         rank_register(p.b, &rb);
-        side_open(&sa, p.a, p.a_peer, &ra, &rb, 100);
-        side_open(&sb, p.b, p.b_peer, &rb, &ra, 100);
+        side_open(&sa, p.a, 100);
+        side_open(&sb, p.b, 100);
+        pair_connect(&p, sa.px, sb.px);
+        side_ring(&sa, p.a_peer, p.a_gen, &ra, &rb);
+        side_ring(&sb, p.b_peer, p.b_gen, &rb, &ra);
         side_push(&sa, 2);
         side_push(&sb, 2);
         assert_int_equal(drv_wait_done(&sa.ring, 2, drv_now_ns() + 2000000000ull), 0);

@@ -261,14 +261,16 @@ static void test_peer_socket_hostile(void **state) {
         const char *why;
         char errmsg[ERRMSG_MAX];
         struct tp *tp, *other;
-        uint32_t peer;
+        uint32_t peer = 0;
         int32_t status;
         size_t len;
         int fd, memfd;
 
         assert_int_equal(tpc_open(&cfg, &fake_api, &tp, errmsg), 0);
         assert_int_equal(tpc_open(&cfg, &fake_api, &other, errmsg), 0);
-        assert_int_equal(tp_cuda_ops.peer_new(tp, &peer, blob, &len, errmsg), 0);
+        assert_int_equal(tp_cuda_ops.peer_new(tp, peer, blob, &len, errmsg), 0);
+        /* An index in use is not handed out twice. */
+        assert_int_equal(tp_cuda_ops.peer_new(tp, peer, blob, &len, errmsg), -EINVAL);
         assert_int_equal(tpc_blob_decode(blob, len, &b, &why), 0);
 
         /* A wrong token: refused, then closed. */
@@ -296,7 +298,7 @@ static void test_peer_socket_hostile(void **state) {
 
         /* The right token works once: the daemon it was meant for uses
          * it, and an attacker who learns it afterwards is refused. */
-        assert_int_equal(tp_cuda_ops.peer_new(other, &peer, blob, &len, errmsg), 0);
+        assert_int_equal(tp_cuda_ops.peer_new(other, peer, blob, &len, errmsg), 0);
         {
                 uint8_t blob_tp[TP_ADDR_MAX];
 
@@ -327,10 +329,10 @@ static void test_peer_socket_hostile(void **state) {
         {
                 struct tpc_blob bad = b;
                 uint8_t buf[TP_ADDR_MAX];
-                uint32_t p2;
+                uint32_t p2 = 1;
                 uint8_t junk[TP_ADDR_MAX];
 
-                assert_int_equal(tp_cuda_ops.peer_new(other, &p2, junk, &len, errmsg), 0);
+                assert_int_equal(tp_cuda_ops.peer_new(other, p2, junk, &len, errmsg), 0);
                 bad.pid = b.pid + 1; /* the listener is not that pid */
                 len = tpc_blob_encode(&bad, buf);
                 assert_int_equal(tp_cuda_ops.peer_connect(other, p2, buf, len, errmsg), -EPERM);

@@ -216,7 +216,10 @@ static void test_proxy_over_cuda(void **state) {
         int ring_fd;
         void *ring_map;
 
-        pair_open(&p);
+        pair_transports(&p);
+        t = (struct transport){ .ops = &tp_cuda_ops, .tp = p.a };
+        assert_int_equal(proxy_new(&t, &params, "test", &px, errmsg), 0);
+        pair_connect(&p, px, NULL);
         fake_lag = 2;
         src = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd_send, 0);
         dst = mmap(NULL, size, PROT_READ, MAP_SHARED, fd_recv, 0);
@@ -230,12 +233,10 @@ static void test_proxy_over_cuda(void **state) {
         };
         assert_int_equal(tp_cuda_ops.mr_new(p.b, &m, &counters, errmsg), 0);
         routes[0] = (struct proxy_route){ .tp_peer = PROXY_ROUTE_NONE };
-        routes[1] = (struct proxy_route){ .tp_peer = p.a_peer };
+        routes[1] = (struct proxy_route){ .tp_peer = p.a_peer, .tp_gen = p.a_gen };
         tp_cuda_ops.mr_rkey(recv, &routes[1].data);
         tp_cuda_ops.mr_rkey(counters, &routes[1].counters);
 
-        t = (struct transport){ .ops = &tp_cuda_ops, .tp = p.a };
-        assert_int_equal(proxy_new(&t, &params, "test", &px, errmsg), 0);
         assert_int_equal(proxy_ring_create(64, &ring_fd, errmsg), 0);
         ring_map = mmap(NULL, PROXY_RING_BYTES(64), PROT_READ | PROT_WRITE, MAP_SHARED, ring_fd, 0);
         assert_true(ring_map != MAP_FAILED);
@@ -296,7 +297,7 @@ static void test_peer_superseded(void **state) {
         struct tp_rkey rk;
         uint8_t blob_a[TP_ADDR_MAX], blob_b[TP_ADDR_MAX];
         char errmsg[ERRMSG_MAX];
-        uint32_t a2, b2, conns = 0;
+        uint32_t a2 = 1, b2 = 1, conns = 0;
         size_t la, lb;
         struct pair p;
         int fd_src = cumem_fake(size), fd_dst = cumem_fake(size), r = 0;
@@ -312,8 +313,8 @@ static void test_peer_superseded(void **state) {
         assert_int_equal(c[0].status, 0);
         assert_int_equal(fake_imports, 3);
 
-        assert_int_equal(tp_cuda_ops.peer_new(p.a, &a2, blob_a, &la, errmsg), 0);
-        assert_int_equal(tp_cuda_ops.peer_new(p.b, &b2, blob_b, &lb, errmsg), 0);
+        assert_int_equal(tp_cuda_ops.peer_new(p.a, a2, blob_a, &la, errmsg), 0);
+        assert_int_equal(tp_cuda_ops.peer_new(p.b, b2, blob_b, &lb, errmsg), 0);
         assert_int_equal(tp_cuda_ops.peer_connect(p.a, a2, blob_b, lb, errmsg), 0);
         assert_int_equal(tp_cuda_ops.peer_connect(p.b, b2, blob_a, la, errmsg), 0);
         for (int i = 0; i < 20000 && (fake_imports != 2 || conns != 1); i++) {

@@ -172,16 +172,52 @@ int poll_n(struct tp *tp, struct tp_completion *out, int want) {
         return got;
 }
 
-void pair_open(struct pair *p) {
+void pair_transports(struct pair *p) {
         struct tp_config cfg = { .backend = "cuda", .queue_depth = 8 };
-        uint8_t blob_a[TP_ADDR_MAX], blob_b[TP_ADDR_MAX];
-        size_t la, lb;
         char errmsg[ERRMSG_MAX];
 
+        *p = (struct pair){ 0 };
         assert_int_equal(tpc_open(&cfg, &fake_api, &p->a, errmsg), 0);
         assert_int_equal(tpc_open(&cfg, &fake_api, &p->b, errmsg), 0);
-        assert_int_equal(tp_cuda_ops.peer_new(p->a, &p->a_peer, blob_a, &la, errmsg), 0);
-        assert_int_equal(tp_cuda_ops.peer_new(p->b, &p->b_peer, blob_b, &lb, errmsg), 0);
-        assert_int_equal(tp_cuda_ops.peer_connect(p->a, p->a_peer, blob_b, lb, errmsg), 0);
-        assert_int_equal(tp_cuda_ops.peer_connect(p->b, p->b_peer, blob_a, la, errmsg), 0);
+}
+
+/* One side's half: through its proxy when there is one, as datapath.c
+ * makes it, else straight through the backend under index 0. */
+static void half_new(struct tp *tp, struct proxy *px, uint32_t *ret_peer, uint32_t *ret_gen, uint8_t *blob,
+                     size_t *ret_len) {
+        char errmsg[ERRMSG_MAX];
+
+        if (px) {
+                assert_int_equal(proxy_peer_new(px, "the other", ret_peer, ret_gen, blob, ret_len, errmsg),
+                                 0);
+                return;
+        }
+        *ret_peer = 0;
+        *ret_gen = 0;
+        assert_int_equal(tp_cuda_ops.peer_new(tp, 0, blob, ret_len, errmsg), 0);
+}
+
+static void half_connect(struct tp *tp, struct proxy *px, uint32_t peer, uint32_t gen, const uint8_t *blob,
+                         size_t len) {
+        char errmsg[ERRMSG_MAX];
+
+        if (px)
+                assert_int_equal(proxy_peer_connect(px, peer, gen, blob, len, errmsg), 0);
+        else
+                assert_int_equal(tp_cuda_ops.peer_connect(tp, peer, blob, len, errmsg), 0);
+}
+
+void pair_connect(struct pair *p, struct proxy *pxa, struct proxy *pxb) {
+        uint8_t blob_a[TP_ADDR_MAX], blob_b[TP_ADDR_MAX];
+        size_t la, lb;
+
+        half_new(p->a, pxa, &p->a_peer, &p->a_gen, blob_a, &la);
+        half_new(p->b, pxb, &p->b_peer, &p->b_gen, blob_b, &lb);
+        half_connect(p->a, pxa, p->a_peer, p->a_gen, blob_b, lb);
+        half_connect(p->b, pxb, p->b_peer, p->b_gen, blob_a, la);
+}
+
+void pair_open(struct pair *p) {
+        pair_transports(p);
+        pair_connect(p, NULL, NULL);
 }

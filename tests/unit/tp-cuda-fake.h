@@ -10,6 +10,7 @@
 
 #include <stddef.h>
 
+#include "datapath/proxy.h"
 #include "datapath/tp-cuda-internal.h"
 
 extern const struct tpc_api fake_api;
@@ -29,8 +30,18 @@ int poll_n(struct tp *tp, struct tp_completion *out, int want);
 struct pair {
         struct tp *a, *b;
         uint32_t a_peer, b_peer; /* a's name for b, b's name for a */
+        uint32_t a_gen, b_gen;   /* their generations (proxy.h), 0 when made without a proxy */
 };
 
+/* The two transports, no peer yet. */
+void pair_transports(struct pair *p);
+
+/* Each side's transport peer, connected to the other: through proxy pxa
+ * (pxb) over p->a (p->b) when not NULL, as datapath.c makes them, else
+ * straight through the backend under index 0. */
+void pair_connect(struct pair *p, struct proxy *pxa, struct proxy *pxb);
+
+/* Both: the transports and their peers made without a proxy. */
 void pair_open(struct pair *p);
 
 #endif
