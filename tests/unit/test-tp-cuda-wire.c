@@ -2,8 +2,10 @@
  * the blob and the messages (hostile inputs), the token table, the peer
  * socket attacked through raw connections (wrong, replayed and missing
  * tokens, FETCH before HELLO, garbage, silence), peer_connect refusing blobs
- * that would make it dial elsewhere or trust another process, and the open
- * of the real backend where libcuda is missing. */
+ * that would make it dial elsewhere or trust another process, a freed
+ * peer (its token refused, the connection that presented it dropped, its
+ * own closed, the index serving a fresh peer), and the open of the real
+ * backend where libcuda is missing. */
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
@@ -374,6 +376,91 @@ static void test_peer_socket_hostile(void **state) {
         close(memfd);
 }
 
+/* Waits (bounded) until `tp`'s server serves `n` connections, polling
+ * `poller` meanwhile as its proxy thread would (NULL: none). */
+static bool conns_settle(struct tp *tp, uint32_t n, struct tp *poller) {
+        struct tp_completion c[4];
+        uint32_t have = UINT32_MAX;
+
+        for (int i = 0; i < 2000 && have != n; i++) {
+                for (int k = 0; poller && k < 256; k++)
+                        tp_cuda_ops.poll(poller, c, 4);
+                pthread_mutex_lock(&tp->lock);
+                have = tp->nconns;
+                pthread_mutex_unlock(&tp->lock);
+                nanosleep(&(struct timespec){ .tv_nsec = 1000000 }, NULL);
+        }
+        return have == n;
+}
+
+/* A transport peer freed (tp_ops.peer_free, once the proxy let it go):
+ * B frees its peer of A: its token is refused from then on, and A's
+ * connection that presented it is dropped, so that A's side dies too (it
+ * fetches nothing more under it); A frees its peer: its socket is closed.
+ * Then index 0 serves a fresh peer at both, with a fresh token, and a
+ * write goes through. */
+static void test_peer_freed(void **state) {
+        const size_t size = TPC_MAP_ALIGN;
+        struct tpc_msg hello = { .magic = TPC_MSG_MAGIC, .type = TPC_MSG_HELLO };
+        uint8_t blob_a[TP_ADDR_MAX], blob_b[TP_ADDR_MAX];
+        struct tp_completion c[4];
+        struct tp_mr *src, *dst;
+        struct tp_rkey rk;
+        char errmsg[ERRMSG_MAX];
+        struct pair p;
+        int32_t status;
+        size_t la, lb;
+        int fd, old_fd, fd_src = cumem_fake(size), fd_dst = cumem_fake(size);
+
+        pair_open(&p);
+        struct tp_mem m = { .kind = TP_MEM_CUMEM, .fd = fd_src, .length = size, .name = "src" };
+        assert_int_equal(tp_cuda_ops.mr_new(p.a, &m, &src, errmsg), 0);
+        m = (struct tp_mem){ .kind = TP_MEM_CUMEM, .fd = fd_dst, .length = size, .name = "dst" };
+        assert_int_equal(tp_cuda_ops.mr_new(p.b, &m, &dst, errmsg), 0);
+        tp_cuda_ops.mr_rkey(dst, &rk);
+        assert_int_equal(tp_cuda_ops.write(p.a, p.a_peer, src, 0, &rk, 0, 64, 1, 0, 0), 0);
+        assert_int_equal(poll_n(p.a, c, 1), 1);
+        assert_int_equal(c[0].status, 0);
+        assert_true(conns_settle(p.b, 1, NULL));
+        pthread_mutex_lock(&p.b->lock);
+        memcpy(hello.token, p.b->tokens[p.b_peer], sizeof(hello.token));
+        pthread_mutex_unlock(&p.b->lock);
+
+        tp_cuda_ops.peer_free(p.b, p.b_peer);
+        assert_int_equal(atomic_load(&p.b->peers[p.b_peer].state), TPC_PEER_FREE);
+        assert_true(conns_settle(p.b, 0, p.a));
+        assert_int_equal(atomic_load(&p.a->peers[p.a_peer].state), TPC_PEER_DEAD);
+        fd = attacker_connect(p.b);
+        assert_int_equal(send(fd, &hello, sizeof(hello), 0), sizeof(hello));
+        assert_int_equal(attacker_read(fd, &status), TPC_MSG_WELCOME);
+        assert_int_equal(status, -EACCES);
+        close(fd);
+
+        old_fd = p.a->peers[p.a_peer].fd;
+        assert_true(fcntl(old_fd, F_GETFD) >= 0);
+        tp_cuda_ops.peer_free(p.a, p.a_peer);
+        assert_int_equal(p.a->peers[p.a_peer].fd, -1);
+        assert_true(fcntl(old_fd, F_GETFD) < 0 && errno == EBADF);
+        assert_int_equal(tp_cuda_ops.write(p.a, p.a_peer, src, 0, &rk, 0, 64, 2, 0, 0), -ENOTCONN);
+
+        assert_int_equal(tp_cuda_ops.peer_new(p.a, 0, blob_a, &la, errmsg), 0);
+        assert_int_equal(tp_cuda_ops.peer_new(p.b, 0, blob_b, &lb, errmsg), 0);
+        pthread_mutex_lock(&p.b->lock);
+        assert_memory_not_equal(hello.token, p.b->tokens[0], sizeof(hello.token));
+        pthread_mutex_unlock(&p.b->lock);
+        assert_int_equal(tp_cuda_ops.peer_connect(p.a, 0, blob_b, lb, errmsg), 0);
+        assert_int_equal(tp_cuda_ops.peer_connect(p.b, 0, blob_a, la, errmsg), 0);
+        assert_int_equal(tp_cuda_ops.write(p.a, 0, src, 0, &rk, 0, 64, 3, 0, 0), 0);
+        assert_int_equal(poll_n(p.a, c, 1), 1);
+        assert_int_equal(c[0].status, 0);
+        assert_int_equal(c[0].cookie, 3);
+
+        tp_cuda_ops.close(p.a);
+        tp_cuda_ops.close(p.b);
+        close(fd_src);
+        close(fd_dst);
+}
+
 /* ------------------------------------------------ without libcuda */
 
 static void test_open_without_libcuda(void **state) {
@@ -401,9 +488,10 @@ static void test_open_without_libcuda(void **state) {
 
 int main(void) {
         const struct CMUnitTest tests[] = {
-                cmocka_unit_test(test_blob_roundtrip),      cmocka_unit_test(test_blob_hostile),
-                cmocka_unit_test(test_msg_hostile),         cmocka_unit_test(test_token_find),
-                cmocka_unit_test(test_peer_socket_hostile), cmocka_unit_test(test_open_without_libcuda),
+                cmocka_unit_test(test_blob_roundtrip),       cmocka_unit_test(test_blob_hostile),
+                cmocka_unit_test(test_msg_hostile),          cmocka_unit_test(test_token_find),
+                cmocka_unit_test(test_peer_socket_hostile),  cmocka_unit_test(test_peer_freed),
+                cmocka_unit_test(test_open_without_libcuda),
         };
 
         return cmocka_run_group_tests(tests, NULL, NULL);
