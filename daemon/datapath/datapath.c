@@ -991,9 +991,10 @@ void datapath_free(struct datapath *dp) {
  * connection to it and sends its address. Peers older than 1.3 would
  * refuse the message, and a daemon without a data path has nothing to
  * offer. When that daemon holds every transport peer it may (failed ones
- * still draining their writes, after it connected and failed in a row) or
- * all are held, the connection is failed: it is redialled, and gets its
- * transport peer once they drained, instead of staying up without one. */
+ * not freed yet, after it connected and failed in a row: their writes
+ * still drain) or all are held, the connection is failed: it is
+ * redialled, and gets its transport peer once they are freed, instead of
+ * staying up without one. */
 static void transport_offer(void *arg, struct mesh_peer *p) {
         struct datapath *dp = arg;
         Moeep__V1__PeerTransport pt = MOEEP__V1__PEER_TRANSPORT__INIT;
@@ -1007,7 +1008,9 @@ static void transport_offer(void *arg, struct mesh_peer *p) {
                 return;
         r = datapath_peer_new(dp, p->address, &p->tp_peer, &p->tp_gen, blob, &len, errmsg);
         if (r == -EUSERS || r == -ENOSPC) {
-                mesh_peer_fail(p, false, "no transport connection for it: %s", errmsg);
+                /* Flushed: the PeerWelcome queued on it tells the dialler
+                 * the handshake was fine, and the close what happened. */
+                mesh_peer_fail(p, true, "no transport connection for it: %s", errmsg);
                 return;
         }
         if (r < 0) {

@@ -583,7 +583,7 @@ int proxy_peer_new(struct proxy *p, const char *name, uint32_t *ret_peer, uint32
         if (owners_count(p, n, &connected, &draining) >= PROXY_PEERS_PER_NAME)
                 return errmsg_set(errmsg, -EUSERS,
                                   "proxy %s: no transport peer for %s: it holds %u already (%u connected, %u "
-                                  "failed whose writes still drain); at most %d per daemon",
+                                  "failed and not freed yet); at most %d per daemon",
                                   p->name, n, connected + draining, connected, draining,
                                   PROXY_PEERS_PER_NAME);
         for (uint32_t i = 0; i < TP_MAX_PEERS && !o; i++)
@@ -593,7 +593,7 @@ int proxy_peer_new(struct proxy *p, const char *name, uint32_t *ret_peer, uint32
                 owners_count(p, NULL, &connected, &draining);
                 return errmsg_set(errmsg, -ENOSPC,
                                   "proxy %s: no transport peer for %s: all %d are held (%u connected, %u "
-                                  "failed whose writes still drain)",
+                                  "failed and not freed yet)",
                                   p->name, n, TP_MAX_PEERS, connected, draining);
         }
         add = calloc(1, sizeof(*add));
