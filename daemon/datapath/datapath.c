@@ -930,6 +930,10 @@ bool datapath_transport_stats(const struct datapath *dp, struct tp_stats *ret) {
         return true;
 }
 
+void datapath_transport_peers(const struct datapath *dp, uint32_t *ret_connected, uint32_t *ret_draining) {
+        proxy_peers_count(dp ? dp->proxy : NULL, ret_connected, ret_draining);
+}
+
 /* At shutdown, where the bytes went: how an operator (and the GPU tests)
  * see that the GPUDirect path kept payload out of host memory. */
 static void datapath_stats_log(const struct datapath *dp) {

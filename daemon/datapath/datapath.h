@@ -100,6 +100,11 @@ const char *datapath_backend(const struct datapath *dp);
  * *ret filled where the backend counts (cuda), false otherwise. */
 bool datapath_transport_stats(const struct datapath *dp, struct tp_stats *ret);
 
+/* The transport peers held now (proxy.h, "Transport peers"): connected,
+ * and failed ones whose writes still drain or whose mesh connection has
+ * not let go yet. Both 0 without a data path. */
+void datapath_transport_peers(const struct datapath *dp, uint32_t *ret_connected, uint32_t *ret_draining);
+
 /* What a proxy region's registration hands back (datapath_region_register()),
  * on the loop, exactly once: 0 and the region's id, or an error (-errno or
  * an error kind) with errmsg saying why: what the transport refused the

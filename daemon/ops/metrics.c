@@ -201,11 +201,20 @@ static void snapshot_mesh(struct snapshot *s, const struct metrics *m) {
                m->mesh ? (double)m->mesh->refused : 0);
 }
 
-/* Bytes the transport wrote, by where they travelled (transport.h, struct
- * tp_stats); only backends that count (cuda) have the family. */
+/* The transport peers held (connected, draining), and the bytes the
+ * transport wrote by where they travelled (transport.h, struct tp_stats;
+ * only backends that count, cuda, have that family). */
 static void snapshot_transport(struct snapshot *s, const struct metrics *m) {
+        uint32_t connected, draining;
         struct tp_stats st;
 
+        datapath_transport_peers(m->datapath, &connected, &draining);
+        family_add(s, "moeepd_transport_peers", GAUGE,
+                   "Transport peers held: connected (one per mesh connection with a data path), draining "
+                   "(failed; their writes still drain or their connection has not let go). Their indexes are "
+                   "reused once freed.");
+        sample_add(s, connected, "state", "connected", NULL, NULL);
+        sample_add(s, draining, "state", "draining", NULL, NULL);
         if (!datapath_transport_stats(m->datapath, &st))
                 return;
         family_add(s, "moeepd_transport_bytes_total", COUNTER,
