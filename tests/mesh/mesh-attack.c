@@ -67,6 +67,14 @@
  *       for up to SECONDS. A must end the connection (its answers pile up
  *       unread), and the rank's barrier must end with -ENOTCONN, the abort
  *       word set and PeerLost of rank 0.
+ *   flap KEYFILE PORT_A ID_A ID_B COUNT
+ *       With the key, connects to A as ID_B and fails, COUNT times: each
+ *       time it takes A's PeerTransport, answers with A's own address (one
+ *       A's transport takes), waits for the PeerPong of a PeerPing sent
+ *       after it (so A connected its transport peer) and closes. A
+ *       connection A ends before its PeerTransport (no transport peer for
+ *       ID_B while its last ones drain) is retried 10 ms later, COUNT such
+ *       at most.
  *
  * Every loop is bounded in count and time. */
 /* The wire side of moeep-mesh-attack (mesh-attack.c): sockets with bounded
@@ -746,6 +754,72 @@ static int cmd_peer(const char *keyfile, uint16_t port_a, const char *id_a, cons
         return 0;
 }
 
+/* ------------------------------------------------------------ flap */
+
+/* One round of `flap` on a connection that is up: 0, or -1 when A ended
+ * it (or said nothing of its transport) first. */
+static int flap_once(int fd, struct auth_session *s, uint64_t seq) {
+        Moeep__V1__PeerMessage *m = NULL, out = MOEEP__V1__PEER_MESSAGE__INIT;
+        Moeep__V1__PeerTransport pt = MOEEP__V1__PEER_TRANSPORT__INIT;
+        Moeep__V1__PeerPing ping;
+        static struct frame f;
+        int r;
+
+        for (int i = 0; i < 16; i++) {
+                if (sealed_recv(fd, s, 2000, &m) < 0)
+                        return -1;
+                if (m->body_case == MOEEP__V1__PEER_MESSAGE__BODY_TRANSPORT)
+                        break;
+                moeep__v1__peer_message__free_unpacked(m, NULL);
+                m = NULL;
+        }
+        if (!m)
+                return -1;
+        pt.backend = m->transport->backend;
+        pt.address = m->transport->address;
+        out.body_case = MOEEP__V1__PEER_MESSAGE__BODY_TRANSPORT;
+        out.transport = &pt;
+        frame_seal(&f, s, &out);
+        r = frame_send(fd, &f);
+        moeep__v1__peer_message__free_unpacked(m, NULL);
+        ping_msg(&out, &ping, seq);
+        frame_seal(&f, s, &out);
+        if (r < 0 || frame_send(fd, &f) < 0)
+                return -1;
+        return expect_pong(fd, s, seq);
+}
+
+static int cmd_flap(const char *keyfile, uint16_t port_a, const char *id_a, const char *id_b, int count) {
+        uint8_t key[AUTH_KEY_BYTES];
+        char errmsg[ERRMSG_MAX];
+        uint64_t t0 = now_ms();
+        int done = 0, ended = 0;
+
+        if (auth_key_load(keyfile, key, errmsg) < 0)
+                die("%s", errmsg);
+        while (done < count) {
+                struct auth_session s;
+                int fd = handshake(port_a, key, id_b, id_a, &s, NULL, NULL), r;
+
+                r = flap_once(fd, &s, (uint64_t)done + 1);
+                close(fd);
+                auth_session_wipe(&s);
+                if (r == 0) {
+                        done++;
+                } else if (++ended > count) {
+                        die("flap: %d connections ended before A's PeerTransport", ended);
+                } else {
+                        sleep_ms(10);
+                }
+        }
+        sodium_memzero(key, sizeof(key));
+        printf("flap: %d connections as %s took a transport peer and failed (%d more ended before one and "
+               "were "
+               "retried) in %.1f s\n",
+               count, id_b, ended, (double)(now_ms() - t0) / 1000.0);
+        return 0;
+}
+
 /* ------------------------------------------------------------ forge */
 
 /* A unique id of job `job_id` with a random secret, naming `home`. */
@@ -1290,6 +1364,8 @@ static int run(int argc, char **argv) {
         if (strcmp(cmd, "mirrors") == 0 && argc == 9)
                 return cmd_mirrors(argv[1], (uint16_t)atoi(argv[2]), argv[3], argv[4], argv[5], atoi(argv[6]),
                                    atoi(argv[7]), argv[8]);
+        if (strcmp(cmd, "flap") == 0 && argc == 6)
+                return cmd_flap(argv[1], (uint16_t)atoi(argv[2]), argv[3], argv[4], atoi(argv[5]));
         if (strcmp(cmd, "unread") == 0 && argc == 7)
                 return cmd_unread(argv[1], (uint16_t)atoi(argv[2]), argv[3], argv[4], argv[5], atoi(argv[6]));
         fprintf(stderr, "mesh-attack: bad command or arguments (see the top of mesh-attack.c)\n");

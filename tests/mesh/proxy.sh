@@ -4,8 +4,16 @@
 # them, and a job of four ranks (moeep-proxy-rank), 0 and 1 at A, 2 and 3
 # at B, each a separate process writing its descriptor ring from the CPU.
 #
-#   proxy.sh MOEEPD PROXY_RANK
+#   proxy.sh MOEEPD MOEEPCTL PROXY_RANK MESH_ATTACK
 #
+# F. flap (before B starts): a cluster-key holder connects to A as B 1000
+#    times (mesh-attack's `flap`), each time taking a transport peer
+#    (PeerTransport both ways) and failing. A frees each and reuses its
+#    index: every round's transport peer has an index below 4 (before,
+#    round N took index N for good, and the 4097th got none), moeepctl
+#    metrics shows none held after, and A's fds are as after the first
+#    round and its resident memory within 8 MiB of it. Then the real B
+#    starts and every phase below runs over its fresh transport peer.
 # 0. caps: uid 65534 registers and releases memfd recv regions at A until
 #    max_proxy_bytes_per_uid (64M here) refuses the next, naming it: the
 #    released ones, still mapped for DATAPATH_MR_LINGER_MS, count; root
@@ -43,11 +51,11 @@
 # wait is bounded.
 set -uo pipefail
 
-if [[ $# -ne 2 ]]; then
-        echo "usage: $0 MOEEPD PROXY_RANK" >&2
+if [[ $# -ne 4 ]]; then
+        echo "usage: $0 MOEEPD MOEEPCTL PROXY_RANK MESH_ATTACK" >&2
         exit 2
 fi
-moeepd=$(realpath "$1") rank=$(realpath "$2")
+moeepd=$(realpath "$1") moeepctl=$(realpath "$2") rank=$(realpath "$3") attack=$(realpath "$4")
 
 test_name=proxy
 # shellcheck source=lib.sh
@@ -119,11 +127,62 @@ job_wait() {
         done
 }
 
+# ------------------------------------------------------------ F. flap
+phase="flap"
+start A "$port_a" "$b"
+# peers_held: A's transport peers held now (connected + draining), from
+# moeepctl metrics.
+peers_held() {
+        "$moeepctl" --socket "$tmp/A.sock" --json metrics | python3 -c '
+import json, sys
+d = {f["name"]: f for f in json.load(sys.stdin)}
+print(int(sum(s["value"] for s in d["moeepd_transport_peers"]["samples"])))'
+}
+none_held() { [[ $(peers_held) == 0 ]]; }
+# transport_rounds: lines of A's log where a connection as B connected its
+# transport, and the highest index they name.
+transport_rounds() { grep -c "mesh: peer $b: transport connected" "$tmp/A.log"; }
+highest_index() {
+        grep -oE "mesh: peer $b: transport connected \(transport peer [0-9]+" "$tmp/A.log" | grep -oE "[0-9]+$" |
+                sort -n | tail -n 1
+}
+# a_fds: A's open fds once the count held still for 200 ms (the session of
+# the last moeepctl may be closing).
+a_fds() {
+        local n m i
+        n=$(find "/proc/${daemon_pid[A]}/fd" -mindepth 1 | wc -l)
+        for ((i = 0; i < 50; i++)); do
+                sleep 0.2
+                m=$(find "/proc/${daemon_pid[A]}/fd" -mindepth 1 | wc -l)
+                ((m == n)) && break
+                n=$m
+        done
+        echo "$n"
+}
+"$attack" flap "$tmp/key" "$port_a" "$a" "$b" 1 >"$tmp/flap1.out" 2>&1 || fail "flap: $(cat "$tmp/flap1.out")"
+wait_until 10 "A to free the first round's transport peer" none_held
+fds_first=$(a_fds)
+rss_first=$(awk '/^VmRSS:/ { print $2 }' "/proc/${daemon_pid[A]}/status")
+"$attack" flap "$tmp/key" "$port_a" "$a" "$b" 1000 >"$tmp/flap.out" 2>&1 || fail "flap: $(cat "$tmp/flap.out")"
+cat "$tmp/flap.out"
+wait_until 10 "A to free every transport peer of the rounds" none_held
+fds_last=$(a_fds)
+rss_last=$(awk '/^VmRSS:/ { print $2 }' "/proc/${daemon_pid[A]}/status")
+rounds=$(transport_rounds) highest=$(highest_index)
+echo "flap: $rounds rounds connected a transport peer, highest index $highest; A's fds $fds_first -> $fds_last, resident $rss_first -> $rss_last KiB"
+((rounds >= 1001)) || fail "only $rounds rounds connected a transport peer at A"
+((highest < 4)) || fail "a round's transport peer had index $highest: failed ones were not reused"
+((fds_last <= fds_first)) || fail "A holds $((fds_last - fds_first)) more fds after 1000 rounds"
+((rss_last - rss_first < 8192)) || fail "A's resident memory grew by $((rss_last - rss_first)) KiB over 1000 rounds"
+log_has A "freed" || fail "A's log does not tell a transport peer freed"
+echo "ok: flap: 1000 connect-and-fail rounds reused A's transport peer indexes; no fd, no transport peer and no memory kept"
+
 # ------------------------------------------------------------ set-up
 phase="set-up"
-start A "$port_a" "$b"
+rounds=$(transport_rounds)
+b_connected() { (($(transport_rounds) > rounds)); }
 start B "$port_b" "$a"
-wait_until 10 "A's transport connection to B" log_has A "mesh: peer $b: transport connected"
+wait_until 10 "A's transport connection to B" b_connected
 wait_until 10 "B's transport connection to A" log_has B "mesh: peer $a: transport connected"
 log_has A "datapath: transport fabric provider tcp open, proxy running" || fail "A: no data path line"
 echo "ok: both daemons opened fabric tcp and connected their transports over the mesh"
