@@ -12,6 +12,13 @@
  *   moeep-proxy-test released the receiver deregisters its receive region;
  *                             the writer's next write into it fails its ring and
  *                             the peer (docs/protocol.md), never "done"
+ *   moeep-proxy-test stall    the receiver is stopped (SIGSTOP) with 199 writes to it
+ *                             on their way: the writer fails its transport peer,
+ *                             which is freed once timeout_ms gave the writes up;
+ *                             index 0 then serves a new peer (to the writer itself)
+ *                             that moves every byte and counter while the receiver,
+ *                             resumed, completes the old writes late; the old
+ *                             ring's next descriptor is refused
  *   moeep-proxy-test verbs    opens the verbs backend; skips (77) without a device
  *
  * Exit 0 pass, 1 fail, 77 skip. */
@@ -539,6 +546,118 @@ static int released_side(int sock, uint64_t count, pid_t other) {
         return 0;
 }
 
+/* The next event of `type` within 5 s (others are printed), or false. */
+static bool event_wait(struct proxy *px, enum proxy_event_type type, struct proxy_event *ev) {
+        struct pollfd efd = { .fd = proxy_event_fd(px), .events = POLLIN };
+
+        for (uint64_t t0 = drv_now_ns(); drv_now_ns() - t0 < 5 * SEC;) {
+                poll(&efd, 1, 100);
+                while (proxy_event_next(px, ev)) {
+                        printf("stall: event: %s\n", ev->msg);
+                        if (ev->type == type)
+                                return true;
+                }
+        }
+        return false;
+}
+
+/* Forced draining on a real transport: the receiver (other == 0) only
+ * waits; the writer stops it, leaves 199 writes on their way (libfabric
+ * tcp completes a write once the target acknowledged it), fails the peer
+ * and waits until timeout_ms gave them up and the peer was freed
+ * (fi_av_remove with the writes still queued in the provider). Index 0
+ * then serves a new transport peer, to the writer's own endpoint, whose
+ * ring moves 100 descriptors (every byte and counter checked) while the
+ * receiver, resumed, acknowledges the old writes: their completions come
+ * late, name given-up slots and are ignored. The old ring's next
+ * descriptor is refused, naming the old generation. */
+static int stall_side(int sock, uint64_t count, pid_t other) {
+        struct proxy_desc d = { .length = 64, .flags = PROXY_DESC_SIGNAL, .signal_value = 1 };
+        struct proxy_route route;
+        struct proxy_event ev;
+        struct proxy_stats st;
+        struct drv_ring old;
+        struct side s = { 0 };
+        uint8_t blob[TP_ADDR_MAX];
+        char err[ERRMSG_MAX];
+        uint32_t peer, gen;
+        size_t len;
+        void *map;
+        int fd, r;
+
+        (void)count;
+        side_setup(&s, &fabric_cfg, sock, 100, 500);
+        if (!other) {
+                pause();
+                return 0;
+        }
+        /* One write first: the provider connects on the first. */
+        if (drv_push(&s.ring, &d, drv_now_ns() + 5 * SEC) < 0 ||
+            drv_wait_done(&s.ring, 1, drv_now_ns() + 5 * SEC))
+                FAIL("stall: the first write did not complete");
+        kill(other, SIGSTOP);
+        for (uint64_t i = 1; i < 200; i++) {
+                d = (struct proxy_desc){ .dst_offset = (i % 100) * SLOT,
+                                         .length = SLOT,
+                                         .flags = PROXY_DESC_SIGNAL,
+                                         .signal_value = i + 1 };
+                if ((r = drv_push(&s.ring, &d, drv_now_ns() + 5 * SEC)) < 0)
+                        FAIL("stall: push %" PRIu64 ": %s", i, strerror(-r));
+        }
+        for (uint64_t t0 = drv_now_ns(); DRV_LOAD_ACQ(&s.ring.hdr->head) < 200;)
+                if (drv_now_ns() - t0 > 5 * SEC)
+                        FAIL("stall: the proxy took %" PRIu64 " of 200 descriptors", s.ring.hdr->head);
+        if (DRV_LOAD_ACQ(&s.ring.hdr->done) == 200)
+                FAIL("stall: every write completed with the receiver stopped");
+        if (proxy_peer_fail(s.proxy, s.tp_peer, s.tp_gen, -ECONNRESET) < 0)
+                FAIL("stall: proxy_peer_fail");
+        if (!event_wait(s.proxy, PROXY_EVENT_PEER_FREED, &ev) || !strstr(ev.msg, "never completed"))
+                FAIL("stall: the peer was not freed with its writes given up on");
+
+        /* Index 0 again, the next generation, to our own endpoint. */
+        if (proxy_peer_new(s.proxy, "self", &peer, &gen, blob, &len, err) < 0 ||
+            proxy_peer_connect(s.proxy, peer, gen, blob, len, err) < 0)
+                FAIL("stall: %s", err);
+        if (peer != s.tp_peer || gen == s.tp_gen)
+                FAIL("stall: the new peer is %u generation %u, the old %u generation %u", peer, gen,
+                     s.tp_peer, s.tp_gen);
+        route = (struct proxy_route){ .tp_peer = peer, .tp_gen = gen };
+        s.t.ops->mr_rkey(s.recv_mr, &route.data);
+        s.t.ops->mr_rkey(s.ctr_mr, &route.counters);
+        if (proxy_ring_create(256, &fd, err) < 0 ||
+            proxy_ring_add(s.proxy, 2, fd, s.send_mr, &route, 1, err) < 0)
+                FAIL("stall: %s", err);
+        map = mmap(NULL, PROXY_RING_BYTES(256), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (map == MAP_FAILED)
+                FAIL("stall: mmap: %s", strerror(errno));
+        old = s.ring;
+        drv_ring_init(&s.ring, map);
+        kill(other, SIGCONT);
+        if ((r = produce(&s, 100, drv_now_ns() + 30 * SEC)) < 0)
+                FAIL("stall: the new peer's ring: %s", strerror(-r));
+        consume(&s, 100);
+        proxy_stats_get(s.proxy, &st);
+        printf("stall: the new peer moved 100 descriptors, every byte and counter; %" PRIu64
+               " writes given up on, %" PRIu64 " late completions ignored\n",
+               st.cancelled, st.stale);
+        if (st.cancelled == 0)
+                FAIL("stall: no write was given up on");
+
+        /* The old ring writes on: refused, naming the old generation. */
+        d = (struct proxy_desc){ .length = 64, .flags = PROXY_DESC_SIGNAL, .signal_value = 1 };
+        if (drv_push(&old, &d, drv_now_ns() + 5 * SEC) < 0)
+                FAIL("stall: push on the old ring");
+        if (!event_wait(s.proxy, PROXY_EVENT_ROUTE_DEAD, &ev) || ev.ring_id != 1 ||
+            !strstr(ev.msg, "is gone"))
+                FAIL("stall: the old ring's descriptor was not refused as a route to a gone generation");
+        kill(other, SIGKILL);
+        munmap(map, PROXY_RING_BYTES(256));
+        close(fd);
+        s.ring = old;
+        side_teardown(&s);
+        return 0;
+}
+
 static int test_verbs(void) {
         struct tp_config cfg = { .backend = "verbs" };
         struct transport t;
@@ -574,8 +693,12 @@ int main(int argc, char **argv) {
                 probe_fabric();
                 return run_two(released_side, 0);
         }
+        if (strcmp(what, "stall") == 0) {
+                probe_fabric();
+                return run_two(stall_side, 0);
+        }
         if (strcmp(what, "verbs") == 0)
                 return test_verbs();
-        fprintf(stderr, "usage: %s loop|fabric|kill|released|verbs\n", argv[0]);
+        fprintf(stderr, "usage: %s loop|fabric|kill|released|stall|verbs\n", argv[0]);
         return 2;
 }
