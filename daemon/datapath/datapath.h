@@ -10,9 +10,13 @@
  *  - It subscribes to the mesh for each connection's transport peer: when
  *    a peer daemon's connection comes up it makes the local half of a
  *    transport connection, sends its address in PeerTransport and connects
- *    with the peer's; when the connection goes down it fails the transport
- *    peer so rings routing to it get an error; when a remote rank goes
- *    (mesh_rank_gone()) the routes to it lead nowhere.
+ *    with the peer's; when the connection goes down (or is dropped as a
+ *    duplicate) it lets the transport peer go, which fails it so that
+ *    rings routing to it get an error, and the proxy frees it once its
+ *    writes drained (proxy.h, "Transport peers"); when a remote rank goes
+ *    (mesh_rank_gone()) the routes to it lead nowhere. A daemon that holds
+ *    PROXY_PEERS_PER_NAME transport peers already (failed ones not freed
+ *    yet) has its connection failed as it comes up, and redials.
  *  - membership.c registers regions with a proxy role
  *    (datapath_region_register), releases them and tells it when a member
  *    goes; requests.c opens channels (datapath_channel_open).
