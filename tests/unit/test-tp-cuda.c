@@ -303,14 +303,7 @@ static void test_peer_superseded(void **state) {
         int fd_src = cumem_fake(size), fd_dst = cumem_fake(size), r = 0;
 
         pair_open(&p);
-        struct tp_mem m = { .kind = TP_MEM_CUMEM, .fd = fd_src, .length = size, .name = "src" };
-        assert_int_equal(tp_cuda_ops.mr_new(p.a, &m, &src, errmsg), 0);
-        m = (struct tp_mem){ .kind = TP_MEM_CUMEM, .fd = fd_dst, .length = size, .name = "dst" };
-        assert_int_equal(tp_cuda_ops.mr_new(p.b, &m, &dst, errmsg), 0);
-        tp_cuda_ops.mr_rkey(dst, &rk);
-        assert_int_equal(tp_cuda_ops.write(p.a, p.a_peer, src, 0, &rk, 0, 64, 1, 0, 0), 0);
-        assert_int_equal(poll_n(p.a, c, 1), 1);
-        assert_int_equal(c[0].status, 0);
+        pair_first_write(&p, fd_src, fd_dst, size, &src, &dst, &rk);
         assert_int_equal(fake_imports, 3);
 
         assert_int_equal(tp_cuda_ops.peer_new(p.a, a2, blob_a, &la, errmsg), 0);

@@ -221,3 +221,18 @@ void pair_open(struct pair *p) {
         pair_transports(p);
         pair_connect(p, NULL, NULL);
 }
+
+void pair_first_write(struct pair *p, int fd_src, int fd_dst, size_t size, struct tp_mr **ret_src,
+                      struct tp_mr **ret_dst, struct tp_rkey *ret_rk) {
+        struct tp_mem m = { .kind = TP_MEM_CUMEM, .fd = fd_src, .length = size, .name = "src" };
+        struct tp_completion c;
+        char errmsg[ERRMSG_MAX];
+
+        assert_int_equal(tp_cuda_ops.mr_new(p->a, &m, ret_src, errmsg), 0);
+        m = (struct tp_mem){ .kind = TP_MEM_CUMEM, .fd = fd_dst, .length = size, .name = "dst" };
+        assert_int_equal(tp_cuda_ops.mr_new(p->b, &m, ret_dst, errmsg), 0);
+        tp_cuda_ops.mr_rkey(*ret_dst, ret_rk);
+        assert_int_equal(tp_cuda_ops.write(p->a, p->a_peer, *ret_src, 0, ret_rk, 0, 64, 1, 0, 0), 0);
+        assert_int_equal(poll_n(p->a, &c, 1), 1);
+        assert_int_equal(c.status, 0);
+}

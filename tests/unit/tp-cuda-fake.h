@@ -44,4 +44,10 @@ void pair_connect(struct pair *p, struct proxy *pxa, struct proxy *pxb);
 /* Both: the transports and their peers made without a proxy. */
 void pair_open(struct pair *p);
 
+/* Registers `fd_src` (a cumem_fake of `size` bytes) at a and `fd_dst` at
+ * b, and writes 64 bytes from one to the other through a's peer (cookie
+ * 1), which completes: a holds its import of the destination then. */
+void pair_first_write(struct pair *p, int fd_src, int fd_dst, size_t size, struct tp_mr **ret_src,
+                      struct tp_mr **ret_dst, struct tp_rkey *ret_rk);
+
 #endif
