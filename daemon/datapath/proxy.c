@@ -1190,22 +1190,25 @@ static void complete(struct proxy *p, const struct tp_completion *c) {
  * the mesh's loss of the peer (proxy_peer_fail()). The slot stays busy, and
  * counted in its ring, until its writes complete or the peer fails: the
  * ring (and so its send region) is not removed while the transport may
- * still read from it. */
+ * still read from it. A slot abandoned with a write still out (its other
+ * write failed alone) counts the same towards the 10 timeouts: else a write
+ * that never completes would hold its slot for as long as its peer lives. */
 static void scan_timeouts(struct proxy *p, uint64_t now) {
         uint64_t limit = (uint64_t)p->params.timeout_ms * 1000000u;
 
         for (uint32_t i = 0; i < p->params.max_inflight; i++) {
                 struct slot *s = &p->slots[i];
 
-                if (s->state != SLOT_BUSY)
+                if (s->state == SLOT_FREE)
                         continue;
                 if (s->posted_ns == 0)
                         s->posted_ns = now;
-                else if (!s->late && now - s->posted_ns > limit) {
+                else if (s->state == SLOT_BUSY && !s->late && now - s->posted_ns > limit) {
                         s->late = true;
                         ring_bad_desc(p, s->ring, s->seq, s->route, -ETIMEDOUT,
                                       "write not completed in time");
-                } else if (s->late && now - s->posted_ns > PROXY_DEAD_TIMEOUTS * limit)
+                } else if ((s->late || s->state == SLOT_ABANDONED) &&
+                           now - s->posted_ns > PROXY_DEAD_TIMEOUTS * limit)
                         /* Not one tenant's backlog any more (the fair
                          * share bounds that): the connection is taken for
                          * dead, or every ring to it would go late in turn
