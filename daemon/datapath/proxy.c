@@ -620,9 +620,9 @@ int proxy_peer_new(struct proxy *p, const char *name, uint32_t *ret_peer, uint32
         add->tp_peer = (uint32_t)(o - p->owners);
         add->gen = o->gen;
         memcpy(add->name, n, sizeof(n));
-        cmd_push(p, add);
         *ret_peer = add->tp_peer;
         *ret_gen = o->gen;
+        cmd_push(p, add); /* the thread's from here on: not to be read again */
         return 0;
 }
 
