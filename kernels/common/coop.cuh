@@ -31,18 +31,11 @@
 
 #include <cuda_runtime.h>
 
+#include "common/coop-rule.h"
 #include "kernels.h"
 
 /* Devices of one process the choice is kept for; above, always cooperative. */
 #define COOP_DEVICES 64
-
-struct coop_device {
-        bool known;                /* mps was read */
-        bool mps;                  /* contexts on the device are shared through MPS */
-        bool mixed;                /* a second stream or a capture was seen: cooperative from now on */
-        bool validated;            /* a cooperative launch of both phases succeeded on `stream` */
-        unsigned long long stream; /* the one stream of the launches that wait for other ranks (its id), or 0 */
-};
 
 struct coop_state {
         std::mutex lock;
@@ -86,12 +79,7 @@ static inline struct coop_device *coop_seen(struct coop_state &s, cudaStream_t s
                 d->mps = mps != 0;
                 d->known = true;
         }
-        if (capture != cudaStreamCaptureStatusNone)
-                d->mixed = true;
-        else if (!d->stream)
-                d->stream = *ret_id;
-        else if (d->stream != *ret_id)
-                d->mixed = true;
+        coop_rule_seen(d, capture != cudaStreamCaptureStatusNone, *ret_id);
         *ret_device = device;
         return d;
 }
@@ -115,10 +103,10 @@ static inline struct coop_choice coop_choose(const struct moeep_ctx *ctx, cudaSt
         int device;
         struct coop_device *d = coop_seen(s, stream, &device, &c.stream);
 
-        if (!d || d->mps || d->mixed || (ctx->debug & MOEEP_DEBUG_LL_COOP))
+        if (!d)
                 return c;
         c.device = device;
-        c.cooperative = !d->validated;
+        c.cooperative = coop_rule_cooperative(d, ctx->debug & MOEEP_DEBUG_LL_COOP);
         return c;
 }
 
@@ -129,7 +117,5 @@ static inline void coop_done(const struct coop_choice &c, cudaError_t e) {
                 return;
         struct coop_state &s = coop_state_of();
         std::lock_guard<std::mutex> hold(s.lock);
-        struct coop_device *d = &s.dev[c.device];
-        if (!d->mixed && d->stream == c.stream)
-                d->validated = true;
+        coop_rule_done(&s.dev[c.device], c.stream, true);
 }
