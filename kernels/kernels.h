@@ -54,7 +54,7 @@ enum moeep_kernel_debug {
         MOEEP_DEBUG_DISPATCH_NO_SELF = 256,
         MOEEP_DEBUG_DISPATCH_NO_PEERS = 512,
         /* Low-latency launches of both phases stay cooperative, not plain
-         * on the stream that ran a cooperative one (ll/coop.cuh): to time
+         * on the stream that ran a cooperative one (common/coop.cuh): to time
          * the difference (results stay right). */
         MOEEP_DEBUG_LL_COOP = 1024,
 };

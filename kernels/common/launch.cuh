@@ -64,20 +64,34 @@ static cudaError_t launch_kernel(void (*kernel)(Params...), unsigned blocks, uns
         return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 
-/* Runs one call of a low-latency operation: launch(phases), where
- * launch(p) launches the kernel for phases p (`send`, `recv`, or both
- * bits), cooperatively when it does both. Where the runtime refuses that
- * cooperative launch (too few SMs free for the grid, or no cooperative
- * launches here), one launch per phase, send then receive: the same
- * results, one launch more. Returns the launches' error. */
-template <typename F> static cudaError_t launch_phases(F &&launch, int phases, int send, int recv) {
-        cudaError_t e = launch(phases);
+/* Runs one call of a low-latency operation: launch(phases, cooperative),
+ * where launch(p, c) launches the kernel for phases p (`send`, `recv`, or
+ * both bits), cooperatively when c. With both phases and `waits` (every
+ * block of the launch then waits for every other rank's blocks) the
+ * launch is cooperative or plain as coop_choose says (common/coop.cuh);
+ * otherwise plain, its stream noted (its phases wait for the other ranks
+ * too). Where the runtime refuses a cooperative launch (too few SMs free
+ * for the grid, or no cooperative launches here), one launch per phase,
+ * send then receive: the same results, one launch more. Returns the
+ * launches' error. */
+template <typename F>
+static cudaError_t launch_phases(const struct moeep_ctx *ctx, cudaStream_t stream, F &&launch, int phases, int send,
+                                 int recv, bool waits) {
+        const bool whole = waits && phases == (send | recv);
+        struct coop_choice coop = { -1, 0, false };
 
+        if (whole)
+                coop = coop_choose(ctx, stream);
+        else
+                coop_note(stream);
+        cudaError_t e = launch(phases, coop.cooperative);
+        if (whole)
+                coop_done(coop, e);
         if ((e == cudaErrorCooperativeLaunchTooLarge || e == cudaErrorNotSupported) && phases == (send | recv)) {
                 (void)cudaGetLastError();
-                e = launch(send);
+                e = launch(send, false);
                 if (e == cudaSuccess)
-                        e = launch(recv);
+                        e = launch(recv, false);
         }
         return e;
 }

@@ -419,28 +419,18 @@ extern "C" int moeep_launch_ll_combine(const struct moeep_ctx *ctx, const struct
          * later and gets them sent like every other rank's). */
         const int local = a->phases == both && !(ctx->debug & MOEEP_DEBUG_COPY_SELF);
         /* One launch of moeep_ll::combine doing phases p; with both, its
-         * blocks wait in the receive for every other rank's blocks, and
-         * the launch is cooperative or plain as coop_choose says. */
-        const struct coop_choice coop = a->phases == both ? coop_choose(ctx, stream) : coop_choice{ -1, 0, true };
-        if (a->phases != both)
-                coop_note(stream); /* a hook's phase waits for the other ranks too */
-        cudaError_t both_e = cudaSuccess;
-        auto launch = [&](int p) {
+         * blocks wait in the receive for every other rank's blocks
+         * (launch_phases: cooperative or plain). */
+        auto launch = [&](int p, bool cooperative) {
                 return with_index_type(a->idx_is_int64, [&](auto idx) {
                         using Idx = decltype(idx);
-                        const cudaError_t e =
-                                launch_kernel(moeep_ll::combine<Idx>, (unsigned)ctx->ll_num_sms, LL_THREADS, 0, stream,
-                                              p == both && coop.cooperative, !(ctx->debug & MOEEP_DEBUG_NO_PDL), *ctx,
-                                              (const int4 *)a->y, a->set, a->slots, p, local, (const Idx *)a->topk_idx,
-                                              a->weights, a->num_tokens, a->num_topk, (int4 *)a->out);
-                        if (p == both)
-                                both_e = e;
-                        return e;
+                        return launch_kernel(moeep_ll::combine<Idx>, (unsigned)ctx->ll_num_sms, LL_THREADS, 0, stream,
+                                             cooperative, !(ctx->debug & MOEEP_DEBUG_NO_PDL), *ctx, (const int4 *)a->y,
+                                             a->set, a->slots, p, local, (const Idx *)a->topk_idx, a->weights,
+                                             a->num_tokens, a->num_topk, (int4 *)a->out);
                 });
         };
-        const cudaError_t e = launch_phases(launch, a->phases, MOEEP_LL_SEND, MOEEP_LL_RECV);
-        if (a->phases == both)
-                coop_done(coop, both_e);
+        const cudaError_t e = launch_phases(ctx, stream, launch, a->phases, MOEEP_LL_SEND, MOEEP_LL_RECV, true);
         if (e != cudaSuccess)
                 return (int)e;
         MOEEP_CUDA_LAUNCH_CHECK();

@@ -694,8 +694,6 @@ __global__ void __launch_bounds__(LL_THREADS, 1)
 
 extern "C" int moeep_launch_ll_dispatch(const struct moeep_ctx *ctx, const struct moeep_ll_dispatch_launch *a,
                                         cudaStream_t stream) {
-        const int both = MOEEP_LL_SEND | MOEEP_LL_RECV;
-
         MOEEP_CUDA_LAUNCH_BEGIN();
         /* Positions are counted in shared memory with every rank mapped
          * (ranks behind the proxy claim staging slots per pair) and up to
@@ -709,37 +707,26 @@ extern "C" int moeep_launch_ll_dispatch(const struct moeep_ctx *ctx, const struc
          * receive alone is one block's work, or every block's where tokens
          * may come once per rank (moeep_ll_dedup): then every block of a
          * launch with both phases waits for the other ranks, and the launch
-         * is cooperative or plain as coop_choose says. */
+         * is cooperative or plain (launch_phases). */
         const bool dedup = moeep_ll_dedup(ctx);
         const bool scan = !ctx->px.remote && (long)a->num_tokens * a->num_topk <= LL_SCAN_PAIRS;
         const int path = !scan                                                ? LL_PATH_CLAIM
                          : moeep_ll_by_token(ctx, a->num_tokens, a->num_topk) ? LL_PATH_TOKENS
                                                                               : LL_PATH_PAIRS;
-        const bool waits = dedup && a->phases == both; /* its blocks wait for the other ranks' */
-        const struct coop_choice coop = waits ? coop_choose(ctx, stream) : coop_choice{ -1, 0, true };
-        if (!waits)
-                coop_note(stream); /* its phases wait for the other ranks too */
-        cudaError_t both_e = cudaSuccess;
-        auto launch = [&](int p) {
+        auto launch = [&](int p, bool cooperative) {
                 return with_index_type(a->idx_is_int64, [&](auto idx) {
                         using Idx = decltype(idx);
                         auto *kernel = path == LL_PATH_TOKENS  ? moeep_ll::dispatch<Idx, LL_PATH_TOKENS>
                                        : path == LL_PATH_PAIRS ? moeep_ll::dispatch<Idx, LL_PATH_PAIRS>
                                                                : moeep_ll::dispatch<Idx, LL_PATH_CLAIM>;
                         const unsigned blocks = (p & MOEEP_LL_SEND) || dedup ? (unsigned)ctx->ll_num_sms : 1u;
-                        const cudaError_t e = launch_kernel(
-                                kernel, blocks, LL_THREADS, 0, stream, dedup && p == both && coop.cooperative,
-                                !(ctx->debug & MOEEP_DEBUG_NO_PDL), *ctx, (const int4 *)a->x, a->num_tokens,
-                                (const Idx *)a->topk_idx, a->num_topk, a->set, a->slots, a->use_fp8, a->round_scale, p,
-                                a->stats);
-                        if (p == both)
-                                both_e = e;
-                        return e;
+                        return launch_kernel(kernel, blocks, LL_THREADS, 0, stream, cooperative,
+                                             !(ctx->debug & MOEEP_DEBUG_NO_PDL), *ctx, (const int4 *)a->x,
+                                             a->num_tokens, (const Idx *)a->topk_idx, a->num_topk, a->set, a->slots,
+                                             a->use_fp8, a->round_scale, p, a->stats);
                 });
         };
-        const cudaError_t e = launch_phases(launch, a->phases, MOEEP_LL_SEND, MOEEP_LL_RECV);
-        if (waits)
-                coop_done(coop, both_e);
+        const cudaError_t e = launch_phases(ctx, stream, launch, a->phases, MOEEP_LL_SEND, MOEEP_LL_RECV, dedup);
         if (e != cudaSuccess)
                 return (int)e;
         MOEEP_CUDA_LAUNCH_CHECK();
